@@ -1,0 +1,145 @@
+"""Symmetric regions: slots for all-gather, staging for reduce-scatter.
+
+A region is symmetric memory (same size on every node-local rank, mapped by
+every peer once, at creation) followed by int32 flag words. Flags implement a
+grant/arrive protocol per *channel*: channel 0 serves all-gather into the
+region, channels 1.. serve reduce-scatter staging buffers inside it.
+
+[Note: grant/arrive]
+For the ``u``-th use of a channel (``u`` counts from 1 and advances the same
+way on every rank, because ranks issue the same collectives in order):
+
+* the owner of the memory *grants* use ``u`` by writing ``u`` into each
+  writer's FREE word, ordered after everything the owner's stream did with the
+  memory before (its readers of the previous contents);
+* a writer waits for FREE >= ``u`` in its own memory, writes the data, then
+  writes ``u`` into the owner's ARRIVED word for that writer;
+* the owner waits for ARRIVED >= ``u`` from every writer before reading.
+
+All waits are on local memory, all signals are remote writes issued on the
+same lane as the data they follow: zero SMs on the cuda backend.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from ._errors import TideInvalid
+from ._layout import align_up
+
+FREE, ARRIVED = 0, 1
+AG_CHANNEL = 0
+#: Channel of reduce-scatter staging buffer ``b`` is ``RS_CHANNEL0 + b``.
+RS_CHANNEL0 = 1
+NUM_CHANNELS = RS_CHANNEL0 + 4
+
+_ids = itertools.count(1)
+
+
+class Region:
+    """Symmetric memory of ``nbytes`` plus flag words. Collective over the node.
+
+    Use :class:`SlotArena` to make slots; a slot can also hold a
+    reduce-scatter's staging (Slot-Reuse).
+    """
+
+    def __init__(self, group: Any, nbytes: int) -> None:
+        self.group = group
+        self.id = next(_ids)
+        self.nbytes = align_up(nbytes)
+        L = group.local_size
+        self._flag_words = NUM_CHANNELS * 2 * L
+        self.buffer = group.backend.alloc_symmetric(self.nbytes + self._flag_words * 4)
+        flags = self.buffer.view(self.nbytes, (self._flag_words,), "int32")
+        flags[...] = 0
+        group.backend.synchronize()
+        group.node_comm.Barrier()  # no peer signals before our flags are zero
+        self.uses = [0] * NUM_CHANNELS
+
+    def ptr(self, local_rank: int) -> int:
+        return self.buffer.ptr(local_rank)
+
+    def flag(self, at: int, channel: int, kind: int, peer: int) -> int:
+        """Address of the flag word in ``at``'s memory about ``peer``."""
+        L = self.group.local_size
+        return self.buffer.ptr(at) + self.nbytes + ((channel * 2 + kind) * L + peer) * 4
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        return self.buffer.view(offset, shape, dtype)
+
+    def contains(self, ptr: int, nbytes: int) -> bool:
+        base = self.ptr(self.group.local_rank)
+        return nbytes > 0 and ptr < base + self.nbytes and base < ptr + nbytes
+
+    def free(self) -> None:
+        self.buffer.free()
+
+    def __repr__(self) -> str:
+        return f"Region(id={self.id}, nbytes={self.nbytes})"
+
+
+class SlotArena:
+    """``num_slots`` symmetric slots of ``slot_nbytes`` each. Collective.
+
+    A unit's all-gathered parameters are views into the slot it was gathered
+    into; reuse a slot only once its parameters are dead. Map once, at start-up:
+    creating an arena imports peer memory, which costs milliseconds to seconds.
+
+    Args:
+        group: the group; the default group if None.
+        slot_nbytes: bytes per slot, at least the biggest unit's
+            ``unit_nbytes(...)``.
+        num_slots: slots (2 = prefetch one unit ahead).
+    """
+
+    def __init__(self, slot_nbytes: int, num_slots: int = 2, group: Any = None) -> None:
+        from ._group import default_group
+
+        group = group or default_group()
+        if num_slots < 1 or slot_nbytes < 0:
+            raise TideInvalid(f"expected num_slots >= 1 and slot_nbytes >= 0, got "
+                              f"{num_slots} and {slot_nbytes}")
+        self.group = group
+        self.slots = [Region(group, slot_nbytes) for _ in range(num_slots)]
+        for s in self.slots:
+            group._resources[("slot", s.id)] = s
+
+    def __getitem__(self, i: int) -> Region:
+        return self.slots[i]
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+def default_region(group: Any, kind: str, nbytes: int, ring: int = 1) -> Region:
+    """The group's own region(s) of ``kind``, grown (collectively) when too small.
+
+    Callers pass ``nbytes`` that every rank agrees on (validated), so growth
+    happens on every rank together. Outgrown regions stay alive: arrays the
+    user still holds may point into them.
+    """
+    key = ("default", kind)
+    state = group._resources.get(key)
+    if state is None or state.nbytes < nbytes:
+        if state is not None:
+            group._resources[("retired", kind, state.nbytes)] = state
+        state = _Ring(group, nbytes, ring)
+        group._resources[key] = state
+    return state.next()
+
+
+class _Ring:
+    def __init__(self, group: Any, nbytes: int, count: int) -> None:
+        self.nbytes = nbytes
+        self.regions = [Region(group, nbytes) for _ in range(count)]
+        self._next = 0
+
+    def next(self) -> Region:
+        r = self.regions[self._next]
+        self._next = (self._next + 1) % len(self.regions)
+        return r
+
+    def free(self) -> None:
+        for r in self.regions:
+            r.free()

@@ -1,0 +1,86 @@
+"""Run-time settings: keyword arguments of ``tidearray.init`` over ``TIDE_*`` variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ._errors import TideInvalid
+
+
+@dataclass(frozen=True)
+class Config:
+    """Settings of one group. Unknown keys are rejected, like mpi4py's ``rc``."""
+
+    backend: str = "auto"
+    """``"auto"`` (cuda where a GPU and CuPy are usable, else host), ``"cuda"`` or
+    ``"host"``. Env: ``TIDE_BACKEND``."""
+
+    local_size: Optional[int] = None
+    """Ranks per node; None means what ``COMM_TYPE_SHARED`` finds. Set it to make
+    one host look like several nodes, e.g. 1 to force the inter-node path.
+    Env: ``TIDE_LOCAL_SIZE``."""
+
+    chunk_nbytes: int = 32 << 20
+    """Reduce-scatter chunk: one remote source's staged bytes per chunk (32 MiB).
+    Env: ``TIDE_CHUNK_BYTES``."""
+
+    depth: int = 2
+    """Reduce-scatter staging buffers in flight (2). Env: ``TIDE_DEPTH``."""
+
+    timeout: float = 300.0
+    """Seconds the host backend waits for a peer before raising (300).
+    Env: ``TIDE_TIMEOUT``."""
+
+    multicast: bool = False
+    """Opt in to NVSwitch multicast for all-gather (False). Refused while
+    ``NCCL_NVLS_ENABLE=0`` or without device support. Env: ``TIDE_MULTICAST``."""
+
+    batch_copies: Optional[bool] = None
+    """Use batched copies (``cudaMemcpyBatchAsync``); None means where available.
+    Env: ``TIDE_BATCH_COPIES``."""
+
+    _ENV = {
+        "TIDE_BACKEND": ("backend", str),
+        "TIDE_LOCAL_SIZE": ("local_size", int),
+        "TIDE_CHUNK_BYTES": ("chunk_nbytes", int),
+        "TIDE_DEPTH": ("depth", int),
+        "TIDE_TIMEOUT": ("timeout", float),
+        "TIDE_MULTICAST": ("multicast", lambda s: s.lower() in ("1", "true", "yes", "on")),
+        "TIDE_BATCH_COPIES": ("batch_copies",
+                              lambda s: s.lower() in ("1", "true", "yes", "on")),
+    }
+
+    @classmethod
+    def make(cls, env: Optional[dict] = None, **kwargs: Any) -> "Config":
+        """Defaults, then ``TIDE_*`` from ``env`` (os.environ), then ``kwargs``."""
+        env = os.environ if env is None else env
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TideInvalid(f"expected settings among {sorted(names)}, got {unknown}")
+        values: dict[str, Any] = {}
+        for var, (name, parse) in cls._ENV.items():
+            if env.get(var, "") != "":
+                try:
+                    values[name] = parse(env[var])
+                except ValueError:
+                    raise TideInvalid(f"{var}: expected {name} as a number, got {env[var]!r}")
+        values.update({k: v for k, v in kwargs.items() if v is not None})
+        cfg = cls(**values)
+        cfg.check()
+        return cfg
+
+    def check(self) -> None:
+        if self.backend not in ("auto", "cuda", "host"):
+            raise TideInvalid(f"backend: expected 'auto', 'cuda' or 'host', got {self.backend!r}")
+        if self.local_size is not None and self.local_size < 1:
+            raise TideInvalid(f"local_size: expected >= 1, got {self.local_size}")
+        if self.chunk_nbytes < 4096:
+            raise TideInvalid(f"chunk_nbytes: expected >= 4096, got {self.chunk_nbytes}")
+        if not 1 <= self.depth <= 4:
+            raise TideInvalid(f"depth: expected 1..4, got {self.depth}")
+        if self.timeout <= 0:
+            raise TideInvalid(f"timeout: expected > 0 seconds, got {self.timeout}")

@@ -1,0 +1,156 @@
+"""The process group: an mpi4py bootstrap, the node split and the backend.
+
+``init()`` is collective over its communicator. It duplicates the
+communicator (so tidearray's traffic never matches the user's), splits it into
+node-local ranks (``COMM_TYPE_SHARED``, or ``local_size`` to emulate several
+nodes on one host) and inter-node ranks, then starts the backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from ._config import Config
+from ._errors import TideInvalid
+from ._layout import Topology
+
+_default: Optional["Group"] = None
+
+
+class Group:
+    """Ranks that run collectives together. Made by :func:`init`.
+
+    Attributes:
+        comm: private duplicate of the bootstrap communicator.
+        node_comm: node-local ranks, in rank order.
+        inter_comm: one rank per node with the same local rank, in node order.
+        topology: world size, rank and local size.
+        backend: the engine (``"cuda"`` or ``"host"``).
+        config: the settings in force.
+    """
+
+    def __init__(self, comm: Any, topology: Topology, node_comm: Any, inter_comm: Any,
+                 config: Config) -> None:
+        self.comm = comm
+        self.topology = topology
+        self.node_comm = node_comm
+        self.inter_comm = inter_comm
+        self.config = config
+        self.backend: Any = None
+        self.closed = False
+        self._resources: dict = {}
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def size(self) -> int:
+        return self.topology.world
+
+    @property
+    def local_rank(self) -> int:
+        return self.topology.local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self.topology.local_size
+
+    def __repr__(self) -> str:
+        t = self.topology
+        return (f"Group(rank={t.rank}, size={t.world}, nodes={t.num_nodes}, "
+                f"local_size={t.local_size}, backend={getattr(self.backend, 'name', None)!r})")
+
+    def close(self) -> None:
+        """Free symmetric memory and communicators (collective)."""
+        global _default
+        if self.closed:
+            return
+        self.closed = True
+        for res in self._resources.values():
+            res.free()
+        self._resources.clear()
+        if self.backend is not None:
+            self.backend.close()
+        for c in (self.inter_comm, self.node_comm, self.comm):
+            c.Free()
+        if _default is self:
+            _default = None
+
+    def __enter__(self) -> "Group":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _split(comm: Any, local_size: Optional[int]) -> tuple[Any, int]:
+    from mpi4py import MPI
+
+    if local_size is not None:
+        if comm.size % local_size:
+            raise TideInvalid(f"local_size: expected a divisor of the world size "
+                              f"{comm.size}, got {local_size}")
+        return comm.Split(comm.rank // local_size, comm.rank), local_size
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    sizes = comm.allgather((node.size, node.rank))
+    L = sizes[0][0]
+    ok = all(s == L and r == i % L for i, (s, r) in enumerate(sizes))
+    if not ok:
+        node.Free()
+        raise TideInvalid(
+            "expected every node to hold the same number of ranks, numbered "
+            f"contiguously (mpirun --map-by slot); got (node size, local rank) per rank "
+            f"{sizes}")
+    return node, L
+
+
+def init(comm: Any = None, *, backend: Optional[str] = None,
+         local_size: Optional[int] = None, **settings: Any) -> Group:
+    """Start a group over ``comm`` (``MPI.COMM_WORLD`` by default). Collective.
+
+    Args:
+        comm: an mpi4py intracommunicator; it is duplicated, never used directly.
+        backend: ``"auto"``, ``"cuda"`` or ``"host"``; overrides ``TIDE_BACKEND``.
+        local_size: ranks per node; overrides ``TIDE_LOCAL_SIZE`` and the
+            ``COMM_TYPE_SHARED`` split, e.g. 1 to run the inter-node path on one host.
+        **settings: further :class:`Config` fields (``chunk_nbytes``, ``depth``, ...).
+
+    Returns:
+        The group, which also becomes the default for collectives.
+
+    Raises:
+        TideInvalid: an unknown setting, or a topology tidearray cannot use.
+    """
+    global _default
+    from mpi4py import MPI
+
+    from .backends import make_backend
+
+    config = Config.make(backend=backend, local_size=local_size, **settings)
+    dup = (comm if comm is not None else MPI.COMM_WORLD).Dup()
+    node, L = _split(dup, config.local_size)
+    inter = dup.Split(dup.rank % L, dup.rank)
+    group = Group(dup, Topology(dup.size, dup.rank, L), node, inter, config)
+    group.backend = make_backend(config.backend, group)
+    group.backend.setup()
+    _default = group
+    return group
+
+
+def default_group() -> Group:
+    """The group of the last :func:`init`, started with defaults if there is none."""
+    if _default is None or _default.closed:
+        return init()
+    return _default
+
+
+def allreduce_max(comm: Any, values: list[int]) -> list[int]:
+    from mpi4py import MPI
+
+    buf = np.asarray(values, dtype=np.int64)
+    out = np.empty_like(buf)
+    comm.Allreduce(buf, out, op=MPI.MAX)
+    return out.tolist()

@@ -1,0 +1,322 @@
+"""Pure planning: shard specs, byte ranges, slot layout, RS chunking, schedules.
+
+Nothing here touches a device. Plans are frozen dataclasses of sizes and
+offsets, shared by every backend, so what the CPU tests check is exactly the
+addressing the GPU executes.
+
+Sharding follows FSDP2 (``torch.chunk`` on dim 0): with ``c = ceil(d0 / W)``,
+rank ``r`` owns rows ``[r*c, min((r+1)*c, d0))``, possibly empty, and its shard
+is padded to ``c`` rows. A rank's rows are one contiguous byte range of the
+full parameter, so padding is never transferred.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ._errors import TideInvalid
+
+#: Byte alignment of every parameter inside a slot or a staging block.
+ALIGN = 256
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter of ``shape`` is split over ``world`` ranks."""
+
+    shape: tuple[int, ...]
+    itemsize: int
+    world: int
+
+    @property
+    def d0(self) -> int:
+        return self.shape[0]
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def row_nbytes(self) -> int:
+        return self.row_numel * self.itemsize
+
+    @property
+    def rows_per_shard(self) -> int:
+        """``c = ceil(d0 / W)``: the padded shard's row count."""
+        return -(-self.d0 // self.world)
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return (self.rows_per_shard, *self.shape[1:])
+
+    @property
+    def shard_numel(self) -> int:
+        return self.rows_per_shard * self.row_numel
+
+    @property
+    def numel(self) -> int:
+        return self.d0 * self.row_numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def rows(self, rank: int) -> tuple[int, int]:
+        """Rows ``[start, stop)`` of the full parameter that ``rank`` owns."""
+        c = self.rows_per_shard
+        start = min(rank * c, self.d0)
+        return start, min(start + c, self.d0)
+
+    def valid_rows(self, rank: int) -> int:
+        start, stop = self.rows(rank)
+        return stop - start
+
+    def byte_range(self, rank: int) -> tuple[int, int]:
+        """``(offset, nbytes)`` of ``rank``'s rows inside the full parameter."""
+        start, stop = self.rows(rank)
+        return start * self.row_nbytes, (stop - start) * self.row_nbytes
+
+
+def shard_spec(shape: Sequence[int], itemsize: int, world: int, index: int = 0) -> ShardSpec:
+    shape = tuple(int(d) for d in shape)
+    if len(shape) == 0:
+        raise TideInvalid(f"parameter {index}: expected at least 1 dimension, got a 0-d shape")
+    if any(d < 0 for d in shape):
+        raise TideInvalid(f"parameter {index}: expected non-negative dims, got {shape}")
+    return ShardSpec(shape, itemsize, world)
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """One FSDP unit's parameters and where each lives inside a slot."""
+
+    specs: tuple[ShardSpec, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+
+def plan_unit(
+    shapes: Sequence[Sequence[int]], itemsize: int, world: int, align: int = ALIGN
+) -> UnitLayout:
+    """Place a unit's full parameters back to back in a slot, each aligned."""
+    specs = tuple(shard_spec(s, itemsize, world, i) for i, s in enumerate(shapes))
+    offsets, cursor = [], 0
+    for spec in specs:
+        offsets.append(cursor)
+        cursor = align_up(cursor + spec.nbytes, align)
+    return UnitLayout(specs, tuple(offsets), cursor)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Ranks as ``nodes x local_size``; global rank = node * local_size + local_rank."""
+
+    world: int
+    rank: int
+    local_size: int
+
+    def __post_init__(self) -> None:
+        if self.local_size < 1 or self.world % self.local_size:
+            raise TideInvalid(
+                f"expected a local size that divides the world size {self.world}, "
+                f"got {self.local_size}"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world // self.local_size
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.local_size
+
+    def global_rank(self, node: int, local_rank: int) -> int:
+        return node * self.local_size + local_rank
+
+    def column(self, local_rank: int) -> tuple[int, ...]:
+        """Global ranks that share ``local_rank``, one per node, in node order."""
+        return tuple(self.global_rank(m, local_rank) for m in range(self.num_nodes))
+
+
+# -- all-gather ---------------------------------------------------------------
+
+Copy = tuple[int, int, int]  # (dst, src, nbytes): addresses or offsets
+
+
+def coalesce(copies: Sequence[Copy]) -> list[Copy]:
+    """Merge copies that continue each other in both source and destination."""
+    out: list[Copy] = []
+    for dst, src, n in copies:
+        if n == 0:
+            continue
+        if out and out[-1][0] + out[-1][2] == dst and out[-1][1] + out[-1][2] == src:
+            pdst, psrc, pn = out[-1]
+            out[-1] = (pdst, psrc, pn + n)
+        else:
+            out.append((dst, src, n))
+    return out
+
+
+@dataclass(frozen=True)
+class AgPiece:
+    """Rank ``rank``'s contribution to parameter ``param``, at ``offset`` in the slot."""
+
+    param: int
+    rank: int
+    offset: int
+    nbytes: int
+
+
+def ag_pieces(unit: UnitLayout, ranks: Sequence[int]) -> tuple[AgPiece, ...]:
+    """Non-empty slot pieces owned by ``ranks``, in (param, rank) order."""
+    pieces = []
+    for i, (spec, base) in enumerate(zip(unit.specs, unit.offsets)):
+        for r in ranks:
+            off, n = spec.byte_range(r)
+            if n:
+                pieces.append(AgPiece(i, r, base + off, n))
+    return tuple(pieces)
+
+
+@dataclass(frozen=True)
+class ExchangeStep:
+    """One inter-node step: send what ``send_nodes`` own, receive ``recv_nodes``'."""
+
+    send_peer: int
+    send_nodes: tuple[int, ...]
+    recv_peer: int
+    recv_nodes: tuple[int, ...]
+
+
+def internode_ag_steps(num_nodes: int, node: int) -> tuple[ExchangeStep, ...]:
+    """Recursive doubling when ``num_nodes`` is a power of two, pairwise otherwise.
+
+    In recursive doubling step k a node holds the aligned block of ``2**k``
+    nodes around it, which is one contiguous range of every parameter when the
+    local size is 1. Pairwise steps send only the node's own shards.
+    """
+    steps = []
+    if num_nodes & (num_nodes - 1) == 0:
+        k = 1
+        while k < num_nodes:
+            base = node & ~(k - 1)
+            partner = node ^ k
+            pbase = partner & ~(k - 1)
+            steps.append(ExchangeStep(partner, tuple(range(base, base + k)),
+                                      partner, tuple(range(pbase, pbase + k))))
+            k *= 2
+    else:
+        for k in range(1, num_nodes):
+            src = (node - k) % num_nodes
+            steps.append(ExchangeStep((node + k) % num_nodes, (node,), src, (src,)))
+    return tuple(steps)
+
+
+# -- reduce-scatter -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RsPiece:
+    """Shard rows ``[row_start, row_stop)`` of ``param`` inside one chunk.
+
+    In a staging buffer, the piece for target node ``m`` from source slot ``j``
+    sits at ``j * source_nbytes + m * block_nbytes + offset``.
+    """
+
+    param: int
+    row_start: int
+    row_stop: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class RsChunk:
+    pieces: tuple[RsPiece, ...]
+    block_nbytes: int
+
+
+@dataclass(frozen=True)
+class RsPlan:
+    """Chunks of a unit's reduce-scatter and the buffers it needs.
+
+    Attributes:
+        chunks: chunks in issue order; chunk k uses staging buffer ``k % depth``.
+        depth: staging buffers in flight (the two-phase pipeline depth).
+        source_nbytes: one remote source's share of a staging buffer.
+        buffer_nbytes: one staging buffer, for ``local_size - 1`` sources.
+        out_offsets: fp32 element offset of each parameter's shard in a
+            rank's block of the partial buffer (used across nodes).
+        block_numel: fp32 elements of one rank's block of partial sums.
+    """
+
+    chunks: tuple[RsChunk, ...]
+    depth: int
+    source_nbytes: int
+    buffer_nbytes: int
+    out_offsets: tuple[int, ...]
+    block_numel: int
+
+    @property
+    def staging_nbytes(self) -> int:
+        return self.depth * self.buffer_nbytes
+
+    def buffer_of(self, chunk: int) -> int:
+        return chunk % self.depth
+
+
+def _chunk_pieces(unit: UnitLayout, budget: int) -> list[list[tuple[int, int, int]]]:
+    """Split shard rows greedily into chunks of at most ``budget`` bytes (one row minimum)."""
+    chunks: list[list[tuple[int, int, int]]] = [[]]
+    used = 0
+    for i, spec in enumerate(unit.specs):
+        a, c, rb = 0, spec.rows_per_shard, spec.row_nbytes
+        while a < c:
+            if used and used + rb > budget:
+                chunks.append([])
+                used = 0
+            take = c - a if rb == 0 else max(1, min(c - a, (budget - used) // rb))
+            chunks[-1].append((i, a, a + take))
+            used += align_up(take * rb)
+            a += take
+    return [ch for ch in chunks if ch]
+
+
+def plan_reduce_scatter(
+    unit: UnitLayout, topo: Topology, chunk_nbytes: int = 32 << 20, depth: int = 2
+) -> RsPlan:
+    """Plan a reduce-scatter of ``unit`` (itemsize = the gradient dtype's).
+
+    ``chunk_nbytes`` bounds one remote source's bytes per chunk, summed over
+    target nodes, so staging stays ``depth * (local_size-1) * chunk_nbytes``
+    whatever the world size.
+    """
+    if depth < 1:
+        raise TideInvalid(f"expected a pipeline depth >= 1, got {depth}")
+    nodes = topo.num_nodes
+    chunks = []
+    for raw in _chunk_pieces(unit, max(1, chunk_nbytes // nodes)):
+        pieces, cursor = [], 0
+        for i, a, b in raw:
+            pieces.append(RsPiece(i, a, b, cursor))
+            cursor = align_up(cursor + (b - a) * unit.specs[i].row_nbytes)
+        chunks.append(RsChunk(tuple(pieces), cursor))
+    source = max((ch.block_nbytes * nodes for ch in chunks), default=0)
+    out_offsets, cursor = [], 0
+    for spec in unit.specs:
+        out_offsets.append(cursor)
+        cursor += align_up(spec.shard_numel * 4) // 4
+    return RsPlan(tuple(chunks), depth, source, source * (topo.local_size - 1),
+                  tuple(out_offsets), cursor)

@@ -1,0 +1,232 @@
+"""TIDE-RS: per-parameter gradients (bf16/fp16/fp32) in, fp32 shards out.
+
+Gradients are read where they are. For each chunk of the plan, every rank
+pushes, by copy engine, each node-local peer's slice of each gradient into
+that peer's staging buffer; the peer then runs one short accumulate over its
+sources in local-rank order (its own slice read in place), with the scale
+fused in. Chunk ``k`` uses staging buffer ``k % depth``, so pushes of chunk
+``k+1`` overlap the accumulate of chunk ``k`` (the two-phase pipeline).
+
+Across nodes, the accumulate writes node partial sums for every node's rank of
+this column, and an fp32 reduce-scatter over the inter-node ranks finishes the
+sum; the outputs are then views into its receive buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence
+
+from . import _dtypes, _validate
+from ._all_gather import _unit
+from ._arena import ARRIVED, FREE, RS_CHANNEL0, Region, default_region
+from .backends._base import AccumPiece
+from ._errors import TideInvalid
+from ._group import Group, default_group
+from ._layout import RsPlan, Topology, UnitLayout, plan_reduce_scatter
+from ._validate import overlaps
+from ._work import Work
+
+OPS = ("sum", "avg")
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(unit: UnitLayout, topo: Topology, chunk_nbytes: int, depth: int) -> RsPlan:
+    return plan_reduce_scatter(unit, topo, chunk_nbytes, depth)
+
+
+def _check(group: Group, grads: list, outs: Optional[list], op: str,
+           staging: Optional[Region]) -> tuple[UnitLayout, RsPlan]:
+    errors = []
+    if op not in OPS:
+        errors.append(f"expected op in {OPS}, got {op!r}")
+    dtype = grads[0].dtype if grads else _dtypes.bfloat16
+    for i, g in enumerate(grads):
+        if not _dtypes.is_supported(g.dtype):
+            errors.append(f"parameter {i}: expected dtype in {sorted(_dtypes.SUPPORTED)}, "
+                          f"got {g.dtype}")
+        elif g.dtype != dtype:
+            errors.append(f"parameter {i}: expected the unit's dtype {dtype}, got {g.dtype}")
+        if not g.contiguous:
+            errors.append(f"parameter {i}: expected a C-contiguous gradient, got a "
+                          f"non-contiguous view of shape {g.shape}")
+    shapes = tuple(g.shape for g in grads)
+    try:
+        unit = _unit(shapes, dtype.itemsize, group.size)
+    except TideInvalid as e:
+        errors.append(str(e))
+        unit = None
+    plan = None
+    if unit is not None:
+        cfg = group.config
+        plan = _plan(unit, group.topology, cfg.chunk_nbytes, cfg.depth)
+        if outs is not None:
+            errors += _check_outs(unit, grads, outs)
+        if staging is not None:
+            if staging.nbytes < plan.staging_nbytes:
+                errors.append(f"expected a staging region of at least {plan.staging_nbytes} "
+                              f"bytes, got {staging.nbytes}")
+            errors += [f"parameter {i}: expected a gradient outside the staging region, got "
+                       "one that aliases it" for i, g in enumerate(grads)
+                       if staging.contains(g.ptr, g.nbytes)]
+    signature = (("shapes", shapes), ("dtype", str(dtype)), ("op", op),
+                 ("out", outs is not None), ("staging", None if staging is None else staging.id))
+    _validate.check(group, "reduce_scatter", signature, errors)
+    return unit, plan
+
+
+def _check_outs(unit: UnitLayout, grads: list, outs: list) -> list[str]:
+    if len(outs) != len(grads):
+        return [f"expected one output per gradient ({len(grads)}), got {len(outs)}"]
+    errors = []
+    for i, (o, spec) in enumerate(zip(outs, unit.specs)):
+        if o.dtype != _dtypes.float32 or o.shape != spec.shard_shape or not o.contiguous:
+            errors.append(f"parameter {i}: expected a contiguous float32 output of shape "
+                          f"{spec.shard_shape}, got {o.dtype} {o.shape}"
+                          + ("" if o.contiguous else " (non-contiguous)"))
+    hits = overlaps([(o.ptr, o.nbytes, i) for i, o in enumerate(outs)],
+                    [(g.ptr, g.nbytes, j) for j, g in enumerate(grads)])
+    errors += [f"parameter {i}: expected an output that does not alias an input, got one "
+               f"overlapping gradient {j}" for i, j in sorted(hits)]
+    return errors
+
+
+def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Sequence[Any]] = None,
+                   group: Optional[Group] = None, staging: Optional[Region] = None,
+                   stream: Any = None, async_op: bool = False) -> Any:
+    """Reduce per-parameter gradients over the group into this rank's fp32 shards.
+
+    Args:
+        grads: full-shape gradients, one dtype (bf16, fp16 or fp32), contiguous,
+            the same shapes on every rank. Read in place; never packed.
+        op: ``"avg"`` (sum / world size, the scale fused in) or ``"sum"``.
+        out: optional float32 arrays of each shard's padded shape
+            ``(ceil(d0/W), *rest)``; new arrays if None.
+        group: the group (default: the last ``init``).
+        staging: a slot to stage in (Slot-Reuse); by default the group's own
+            staging, ``depth * (local_size-1) * chunk_nbytes`` bytes.
+        stream: the stream to order against (cuda backend; current if None).
+        async_op: return a :class:`Work` instead of the result.
+
+    Returns:
+        fp32 shards, padding rows zero. Sources are summed in a fixed order, so
+        results are bitwise reproducible for the same inputs and topology.
+
+    Raises:
+        TideInvalid: on every rank, before any transfer, if any rank's input is bad.
+    """
+    group = group or default_group()
+    be = group.backend
+    grads = [be.resolve(g) for g in grads]
+    outs = None if out is None else [be.resolve(o) for o in out]
+    unit, plan = _check(group, grads, outs, op, staging)
+    if staging is None:
+        staging = default_region(group, "staging", plan.staging_nbytes)
+    topo = group.topology
+    nodes = topo.num_nodes
+    if outs is not None and nodes == 1:
+        results, out_ptrs = [o.array for o in outs], [o.ptr for o in outs]
+    else:
+        final = be.empty((plan.block_numel,), _dtypes.float32)
+        final_ptr = be.resolve(final).ptr
+        results = [final[o:o + s.shard_numel].reshape(s.shard_shape)
+                   for o, s in zip(plan.out_offsets, unit.specs)]
+        out_ptrs = [final_ptr + o * 4 for o in plan.out_offsets]
+    partial = be.empty((nodes * plan.block_numel,), _dtypes.float32) if nodes > 1 else None
+    scale = 1.0 / group.size if op == "avg" else 1.0
+    ex = be.executor(stream)
+    grad_ptrs = [g.ptr for g in grads]
+    dst = out_ptrs if nodes == 1 else _partial_ptrs(be, partial, plan, topo)
+    _issue_local(group, ex, unit, plan, grad_ptrs, dst, staging, grads[0].dtype if grads else
+                 _dtypes.bfloat16, scale)
+    lane = ex.COMPUTE
+    if nodes > 1:
+        lane = ex.NET
+        ex.depend(lane, ex.COMPUTE)
+        ex.reduce_scatter_f32(lane, be.resolve(partial).ptr, final_ptr, plan.block_numel)
+        if outs is not None:
+            ex.copy(lane, [(o.ptr, p, o.nbytes) for o, p in zip(outs, out_ptrs)])
+            results, out_ptrs = [o.array for o in outs], [o.ptr for o in outs]
+    for spec, ptr in zip(unit.specs, out_ptrs):  # padding rows: nobody contributes
+        v = spec.valid_rows(topo.rank)
+        ex.zero(lane, ptr + v * spec.row_numel * 4, (spec.rows_per_shard - v) * spec.row_numel * 4)
+    work = Work(ex.finish(), results)
+    return work if async_op else work.wait(stream)
+
+
+def _partial_ptrs(be: Any, partial: Any, plan: RsPlan, topo: Topology) -> list[list[int]]:
+    """``[node][param]`` addresses of node partial sums, rank-major for the inter-node RS."""
+    base = be.resolve(partial).ptr
+    return [[base + (m * plan.block_numel + o) * 4 for o in plan.out_offsets]
+            for m in range(topo.num_nodes)]
+
+
+def _issue_local(group: Group, ex: Any, unit: UnitLayout, plan: RsPlan, grad_ptrs: list[int],
+                 dst: list, staging: Region, dtype: Any, scale: float) -> None:
+    """The node-local phase: CE pushes into peers' staging, accumulate from ours."""
+    topo = group.topology
+    me, L = topo.local_rank, topo.local_size
+    peers = [(me + k) % L for k in range(1, L)]
+    n_chunks = len(plan.chunks)
+    for b in range(min(plan.depth, n_chunks)):  # grant this call's first use of each buffer
+        for p in peers:
+            ex.signal(ex.COMPUTE, staging.flag(p, RS_CHANNEL0 + b, FREE, me),
+                      staging.uses[RS_CHANNEL0 + b] + 1)
+    itemsize = _dtypes.normalize(dtype).itemsize
+    for k, chunk in enumerate(plan.chunks):
+        b = plan.buffer_of(k)
+        ch = RS_CHANNEL0 + b
+        use = staging.uses[ch] = staging.uses[ch] + 1
+        boff = b * plan.buffer_nbytes
+        for p in peers:
+            j = (me - p) % L - 1  # our source slot in p's staging
+            ex.wait(p, staging.flag(me, ch, FREE, p), use)
+            base = staging.ptr(p) + boff + j * plan.source_nbytes
+            ex.copy(p, _push_copies(unit, chunk, topo, p, grad_ptrs, base))
+            ex.signal(p, staging.flag(p, ch, ARRIVED, me), use)
+        for q in peers:
+            ex.wait(ex.COMPUTE, staging.flag(me, ch, ARRIVED, q), use)
+        src_base = {q: staging.ptr(me) + boff + ((q - me) % L - 1) * plan.source_nbytes
+                    for q in peers}
+        ex.accumulate(ex.COMPUTE, _accum_pieces(unit, chunk, topo, grad_ptrs, dst, src_base,
+                                                itemsize), dtype, scale)
+        if k + plan.depth < n_chunks:
+            for p in peers:
+                ex.signal(ex.COMPUTE, staging.flag(p, ch, FREE, me), use + 1)
+
+
+def _slice(spec: Any, target: int, a: int, b: int) -> tuple[int, int]:
+    """Rows ``[a, b)`` of ``target``'s shard clipped to real rows: (first full row, count)."""
+    start, stop = spec.rows(target)
+    n = max(0, min(b, stop - start) - a)
+    return start + a, n
+
+
+def _push_copies(unit: UnitLayout, chunk: Any, topo: Topology, p: int, grad_ptrs: list[int],
+                 base: int) -> list:
+    copies = []
+    for m in range(topo.num_nodes):
+        target = topo.global_rank(m, p)
+        for pc in chunk.pieces:
+            spec = unit.specs[pc.param]
+            row, n = _slice(spec, target, pc.row_start, pc.row_stop)
+            copies.append((base + m * chunk.block_nbytes + pc.offset,
+                           grad_ptrs[pc.param] + row * spec.row_nbytes, n * spec.row_nbytes))
+    return copies
+
+
+def _accum_pieces(unit: UnitLayout, chunk: Any, topo: Topology, grad_ptrs: list[int], dst: list,
+                  src_base: dict, itemsize: int) -> list[AccumPiece]:
+    me, L = topo.local_rank, topo.local_size
+    pieces = []
+    for m in range(topo.num_nodes):
+        target = topo.global_rank(m, me)
+        outs = dst if topo.num_nodes == 1 else dst[m]
+        for pc in chunk.pieces:
+            spec = unit.specs[pc.param]
+            row, n = _slice(spec, target, pc.row_start, pc.row_stop)
+            srcs = tuple(grad_ptrs[pc.param] + row * spec.row_nbytes if q == me else
+                         src_base[q] + m * chunk.block_nbytes + pc.offset for q in range(L))
+            pieces.append(AccumPiece(outs[pc.param] + pc.row_start * spec.row_numel * 4,
+                                     srcs, n * spec.row_numel))
+    return pieces

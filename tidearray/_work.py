@@ -1,0 +1,27 @@
+"""Handles of asynchronous collectives."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Work(Generic[T]):
+    """An issued collective. ``wait()`` orders a stream after it and returns its result.
+
+    On the cuda backend, ``wait`` does not block the host: it makes ``stream``
+    (the current stream if None) wait for the collective on the device. On the
+    host backend the work is already complete when the handle is returned.
+    """
+
+    def __init__(self, completion: Any, result: T) -> None:
+        self._completion = completion
+        self._result = result
+
+    def wait(self, stream: Any = None) -> T:
+        self._completion.wait(stream)
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._completion.query()

@@ -1,0 +1,61 @@
+"""Backends: the primitives collectives are written against.
+
+``host`` (NumPy + mpi4py) always imports. ``cuda`` imports CuPy, cuda-bindings
+and nccl4py only when it is chosen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._errors import TideInvalid
+from ._base import AccumPiece, Backend, Completion, Executor, Resolved, SymmetricBuffer
+
+__all__ = ["AccumPiece", "Backend", "Completion", "Executor", "Resolved", "SymmetricBuffer",
+           "cuda_usable", "make_backend"]
+
+
+def cuda_usable() -> tuple[bool, str]:
+    """Whether the cuda backend can run here, and why not."""
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a broken CUDA install
+        return False, f"cupy not importable ({e.__class__.__name__}: {e})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return False, f"no usable CUDA device ({e})"
+    if n == 0:
+        return False, "no CUDA device"
+    return True, f"{n} CUDA device(s)"
+
+
+def make_backend(name: str, group: Any) -> Backend:
+    """Pick and construct the backend (no side effects until ``setup``).
+
+    Every rank must agree, so the choice is made collectively: ``auto`` picks
+    cuda only if every rank can use it.
+    """
+    if name == "auto":
+        ok, _ = cuda_usable()
+        name = "cuda" if group.comm.allreduce(int(ok), op=_mpi_min()) else "host"
+    if name == "host":
+        from .host import HostBackend
+
+        return HostBackend(group)
+    if name == "cuda":
+        ok, why = cuda_usable()
+        oks = group.comm.allgather((ok, why))
+        bad = [(r, w) for r, (o, w) in enumerate(oks) if not o]
+        if bad:
+            raise TideInvalid(f"backend 'cuda': expected a usable GPU on every rank, got {bad}")
+        from .cuda import CudaBackend
+
+        return CudaBackend(group)
+    raise TideInvalid(f"expected backend 'auto', 'cuda' or 'host', got {name!r}")
+
+
+def _mpi_min() -> Any:
+    from mpi4py import MPI
+
+    return MPI.MIN

@@ -1,0 +1,193 @@
+"""The backend interface: the few primitives every collective is written against.
+
+A backend supplies memory (plain and symmetric), array resolution, and an
+``Executor`` that issues one collective's primitives onto *lanes*. A lane is an
+in-order queue: a CUDA stream on the cuda backend, program order on the host
+backend. Lanes ``0..L-1`` push to node-local peer ``0..L-1``; ``COMPUTE`` runs
+accumulation; ``NET`` runs inter-node traffic.
+
+Public methods here are checked; backends implement the ``_`` hooks.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .._layout import Copy, coalesce
+
+
+@dataclass(frozen=True)
+class AccumPiece:
+    """``out[:numel] = scale * sum(src[:numel] for src in srcs)`` in fp32, srcs in order."""
+
+    out: int
+    srcs: tuple[int, ...]
+    numel: int
+
+
+class SymmetricBuffer(abc.ABC):
+    """``nbytes`` on every node-local rank, mapped once by every node-local peer."""
+
+    nbytes: int
+
+    @abc.abstractmethod
+    def ptr(self, local_rank: int) -> int:
+        """Address of ``local_rank``'s copy, valid in this process."""
+
+    @abc.abstractmethod
+    def view(self, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        """An array over this rank's copy, at byte ``offset``."""
+
+    @abc.abstractmethod
+    def free(self) -> None:
+        """Unmap peers and release local memory (collective over the node)."""
+
+
+class Completion(abc.ABC):
+    """The end of one collective's device work."""
+
+    @abc.abstractmethod
+    def wait(self, stream: Any = None) -> None:
+        """Order ``stream`` (the current one if None) after the collective."""
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """True once the device work has finished."""
+
+
+class Executor(abc.ABC):
+    """Issues one collective's primitives; built by :meth:`Backend.executor`."""
+
+    def __init__(self, local_size: int) -> None:
+        self.COMPUTE = local_size
+        self.NET = local_size + 1
+        self.num_lanes = local_size + 2
+
+    def copy(self, lane: int, copies: Sequence[Copy]) -> None:
+        """Copy-engine batch: ``(dst, src, nbytes)`` address triples, any peer."""
+        copies = coalesce(copies)
+        if copies:
+            self._copy(lane, copies)
+
+    def signal(self, lane: int, addr: int, value: int) -> None:
+        """Write ``value`` to a (usually peer-mapped) int32 flag after ``lane``'s prior work."""
+        self._signal(lane, addr, value)
+
+    def wait(self, lane: int, addr: int, value: int) -> None:
+        """Hold ``lane`` until the local int32 flag at ``addr`` is >= ``value``."""
+        self._wait(lane, addr, value)
+
+    def accumulate(self, lane: int, pieces: Sequence[AccumPiece], src_dtype: Any,
+                   scale: float) -> None:
+        """fp32 ``out = scale * sum(srcs)`` per piece, sources summed in the given order."""
+        pieces = [p for p in pieces if p.numel]
+        if pieces:
+            self._accumulate(lane, pieces, src_dtype, scale)
+
+    def zero(self, lane: int, addr: int, nbytes: int) -> None:
+        if nbytes:
+            self._zero(lane, addr, nbytes)
+
+    def exchange(self, lane: int, sends: Sequence[tuple[int, int, int]],
+                 recvs: Sequence[tuple[int, int, int]]) -> None:
+        """Grouped inter-node ``(peer, addr, nbytes)`` sends and receives."""
+        sends = [s for s in sends if s[2]]
+        recvs = [r for r in recvs if r[2]]
+        if sends or recvs:
+            self._exchange(lane, sends, recvs)
+
+    def reduce_scatter_f32(self, lane: int, send: int, recv: int, count: int) -> None:
+        """Inter-node fp32 sum reduce-scatter; ``count`` elements received per node."""
+        if count:
+            self._reduce_scatter_f32(lane, send, recv, count)
+
+    def depend(self, lane: int, on: int) -> None:
+        """Order ``lane``'s later work after ``on``'s work issued so far."""
+        if lane != on:
+            self._depend(lane, on)
+
+    @abc.abstractmethod
+    def finish(self) -> Completion:
+        """Join every lane; the returned completion orders the caller's stream."""
+
+    @abc.abstractmethod
+    def _copy(self, lane: int, copies: list[Copy]) -> None: ...
+
+    @abc.abstractmethod
+    def _signal(self, lane: int, addr: int, value: int) -> None: ...
+
+    @abc.abstractmethod
+    def _wait(self, lane: int, addr: int, value: int) -> None: ...
+
+    @abc.abstractmethod
+    def _accumulate(self, lane: int, pieces: list[AccumPiece], src_dtype: Any,
+                    scale: float) -> None: ...
+
+    @abc.abstractmethod
+    def _zero(self, lane: int, addr: int, nbytes: int) -> None: ...
+
+    @abc.abstractmethod
+    def _exchange(self, lane: int, sends: list, recvs: list) -> None: ...
+
+    @abc.abstractmethod
+    def _reduce_scatter_f32(self, lane: int, send: int, recv: int, count: int) -> None: ...
+
+    @abc.abstractmethod
+    def _depend(self, lane: int, on: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """An input array resolved once, at the edge: the array, its address and size."""
+
+    array: Any
+    ptr: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: Any
+    contiguous: bool
+
+
+class Backend(abc.ABC):
+    """Device memory, array resolution and executors for one group.
+
+    Constructors do nothing but store arguments; :meth:`setup` (called by
+    ``tidearray.init``) selects devices and creates communicators.
+    """
+
+    name: str = "?"
+    #: The array module (numpy or cupy).
+    xp: Any = None
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def setup(self) -> None:
+        """Collective start-up over the group (device choice, communicators)."""
+
+    def close(self) -> None:
+        """Release communicators; idempotent."""
+
+    @abc.abstractmethod
+    def resolve(self, obj: Any) -> Resolved:
+        """Zero-copy view of ``obj`` (this backend's array or a DLPack producer).
+
+        Raises:
+            TideInvalid: ``obj`` is not an array this backend can address.
+        """
+
+    @abc.abstractmethod
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any: ...
+
+    @abc.abstractmethod
+    def alloc_symmetric(self, nbytes: int) -> SymmetricBuffer:
+        """Allocate and map symmetric memory (collective over the node)."""
+
+    @abc.abstractmethod
+    def executor(self, stream: Any = None) -> Executor:
+        """Start one collective, its lanes ordered after ``stream``."""
+
+    def synchronize(self) -> None:
+        """Wait for all device work of this process."""

@@ -1,0 +1,192 @@
+"""The host backend: the same plans, executed by CPU processes under MPI.
+
+It is a real engine, not a mock, and what CI runs:
+
+* symmetric memory is an MPI shared-memory window (``Win.Allocate_shared``)
+  over the node communicator; peers' parts are mapped once, at allocation;
+* the "copy engine" is ``memmove`` between addresses;
+* the "CTA" is NumPy: fp32 accumulation in a fixed source order;
+* flags are int32 words in shared windows, written after a memory fence and
+  polled, with a timeout instead of a hang;
+* between nodes, MPI point-to-point and ``Reduce_scatter_block``.
+
+Lanes execute in program order, so every primitive is complete when it returns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Any
+
+import numpy as np
+
+from .._dtypes import float32, normalize
+from .._errors import TideBackendError, TideInvalid
+from ._base import AccumPiece, Backend, Completion, Executor, Resolved, SymmetricBuffer
+
+
+def _bytes_at(addr: int, nbytes: int) -> np.ndarray:
+    """A uint8 array over ``nbytes`` at ``addr`` (memory owned elsewhere)."""
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
+    return np.frombuffer((ctypes.c_char * nbytes).from_address(addr), np.uint8)
+
+
+def _array_at(addr: int, numel: int, dtype: Any) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    return _bytes_at(addr, numel * dtype.itemsize).view(dtype)
+
+
+class HostSymmetricBuffer(SymmetricBuffer):
+    def __init__(self, node_comm: Any, nbytes: int) -> None:
+        from mpi4py import MPI
+
+        self.nbytes = nbytes
+        # Every rank's part is a multiple of 4 KiB, so parts stay page- and flag-aligned.
+        self._win = MPI.Win.Allocate_shared(max(-(-nbytes // 4096) * 4096, 4096), 1,
+                                            comm=node_comm)
+        self._parts = [np.frombuffer(self._win.Shared_query(p)[0], np.uint8)
+                       for p in range(node_comm.size)]
+        self._local = self._parts[node_comm.rank]
+        self._ptrs = [part.ctypes.data for part in self._parts]
+
+    def ptr(self, local_rank: int) -> int:
+        return self._ptrs[local_rank]
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        dtype = normalize(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        return self._local[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
+
+    def fence(self) -> None:
+        self._win.Sync()
+
+    def free(self) -> None:
+        if self._win is not None:
+            self._parts = self._local = None
+            self._win.Free()
+            self._win = None
+
+
+class _Done(Completion):
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class HostExecutor(Executor):
+    def __init__(self, backend: "HostBackend") -> None:
+        super().__init__(backend.group.local_size)
+        self.backend = backend
+
+    def _copy(self, lane: int, copies: list) -> None:
+        for dst, src, n in copies:
+            ctypes.memmove(dst, src, n)
+
+    def _signal(self, lane: int, addr: int, value: int) -> None:
+        self.backend.fence()  # data before flag
+        ctypes.c_int32.from_address(addr).value = value
+
+    def _wait(self, lane: int, addr: int, value: int) -> None:
+        flag = ctypes.c_int32.from_address(addr)
+        deadline, pause = time.monotonic() + self.backend.group.config.timeout, 0.0
+        while flag.value < value:
+            if time.monotonic() > deadline:
+                raise TideBackendError(
+                    f"rank {self.backend.group.rank}: timed out after "
+                    f"{self.backend.group.config.timeout:g} s waiting for a peer's signal "
+                    f"(flag {flag.value}, expected >= {value}); did every rank call the "
+                    "same collectives in the same order?")
+            time.sleep(pause)
+            pause = min(pause * 2 or 1e-6, 1e-3)
+        self.backend.fence()  # flag before data
+
+    def _accumulate(self, lane: int, pieces: list, src_dtype: Any, scale: float) -> None:
+        scale32 = np.float32(scale)
+        for p in pieces:
+            out = _array_at(p.out, p.numel, float32)
+            srcs = [_array_at(s, p.numel, src_dtype) for s in p.srcs]
+            out[...] = srcs[0]
+            for s in srcs[1:]:
+                np.add(out, s.astype(float32), out=out)
+            if scale32 != 1:
+                np.multiply(out, scale32, out=out)
+
+    def _zero(self, lane: int, addr: int, nbytes: int) -> None:
+        ctypes.memset(addr, 0, nbytes)
+
+    def _exchange(self, lane: int, sends: list, recvs: list) -> None:
+        from mpi4py import MPI
+
+        comm = self.backend.group.inter_comm
+        reqs = [comm.Irecv(_bytes_at(a, n), source=peer, tag=7) for peer, a, n in recvs]
+        reqs += [comm.Isend(_bytes_at(a, n), dest=peer, tag=7) for peer, a, n in sends]
+        MPI.Request.Waitall(reqs)
+
+    def _reduce_scatter_f32(self, lane: int, send: int, recv: int, count: int) -> None:
+        from mpi4py import MPI
+
+        comm = self.backend.group.inter_comm
+        comm.Reduce_scatter_block(_array_at(send, count * comm.size, float32),
+                                  _array_at(recv, count, float32), op=MPI.SUM)
+
+    def _depend(self, lane: int, on: int) -> None:
+        pass  # program order already
+
+    def finish(self) -> Completion:
+        return _Done()
+
+
+class HostBackend(Backend):
+    """NumPy arrays, MPI shared windows, memmove and NumPy accumulation."""
+
+    name = "host"
+    xp = np
+
+    def __init__(self, group: Any) -> None:
+        super().__init__(group)
+        self._fence_win: Any = None
+
+    def setup(self) -> None:
+        from mpi4py import MPI
+
+        # A window of our own, only for MPI_Win_sync as a memory fence.
+        self._fence_win = MPI.Win.Allocate_shared(8, 1, comm=self.group.node_comm)
+        self._fence_win.Lock_all()  # Win_sync is only legal inside an access epoch
+
+    def close(self) -> None:
+        if self._fence_win is not None:
+            self._fence_win.Unlock_all()
+            self._fence_win.Free()
+            self._fence_win = None
+
+    def fence(self) -> None:
+        self._fence_win.Sync()
+
+    def resolve(self, obj: Any) -> Resolved:
+        if isinstance(obj, np.ndarray):
+            arr = obj
+        elif hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
+            arr = np.asarray(obj)
+        elif hasattr(obj, "__dlpack__"):
+            try:
+                arr = np.from_dlpack(obj)
+            except Exception as e:
+                raise TideInvalid(f"expected a CPU array NumPy can import by DLPack, "
+                                  f"got {type(obj).__name__} ({e})") from None
+        else:
+            raise TideInvalid(f"expected an array, got {type(obj).__name__}")
+        return Resolved(arr, arr.ctypes.data, arr.nbytes, tuple(arr.shape), arr.dtype,
+                        bool(arr.flags.c_contiguous))
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        return np.empty(shape, normalize(dtype))
+
+    def alloc_symmetric(self, nbytes: int) -> HostSymmetricBuffer:
+        return HostSymmetricBuffer(self.group.node_comm, nbytes)
+
+    def executor(self, stream: Any = None) -> HostExecutor:
+        return HostExecutor(self)
