@@ -54,7 +54,7 @@ class Config:
     }
 
     @classmethod
-    def make(cls, env: Optional[dict] = None, **kwargs: Any) -> "Config":
+    def make(cls, env: Optional[dict] = None, **kwargs: Any) -> Config:
         """Defaults, then ``TIDE_*`` from ``env`` (os.environ), then ``kwargs``."""
         env = os.environ if env is None else env
         names = {f.name for f in dataclasses.fields(cls)}
@@ -67,7 +67,7 @@ class Config:
                 try:
                     values[name] = parse(env[var])
                 except ValueError:
-                    raise TideInvalid(f"{var}: expected {name} as a number, got {env[var]!r}")
+                    raise TideInvalid(f"{var}: expected {name} as a number, got {env[var]!r}") from None
         values.update({k: v for k, v in kwargs.items() if v is not None})
         cfg = cls(**values)
         cfg.check()

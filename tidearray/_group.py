@@ -16,7 +16,7 @@ from ._config import Config
 from ._errors import TideInvalid
 from ._layout import Topology
 
-_default: Optional["Group"] = None
+_default: Optional[Group] = None
 
 
 class Group:
@@ -79,7 +79,7 @@ class Group:
         if _default is self:
             _default = None
 
-    def __enter__(self) -> "Group":
+    def __enter__(self) -> Group:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -20,12 +20,12 @@ from typing import Any, Optional, Sequence
 from . import _dtypes, _validate
 from ._all_gather import _unit
 from ._arena import ARRIVED, FREE, RS_CHANNEL0, Region, default_region
-from .backends._base import AccumPiece
 from ._errors import TideInvalid
 from ._group import Group, default_group
 from ._layout import RsPlan, Topology, UnitLayout, plan_reduce_scatter
 from ._validate import overlaps
 from ._work import Work
+from .backends._base import AccumPiece
 
 OPS = ("sum", "avg")
 

@@ -71,7 +71,7 @@ def overlaps(a: Sequence[tuple[int, int, int]], b: Sequence[tuple[int, int, int]
     for start, end, side, idx in events:
         for s in (0, 1):
             open_[s] = [(e, k) for e, k in open_[s] if e > start]
-        for e, k in open_[1 - side]:
+        for _, k in open_[1 - side]:
             found.append((idx, k) if side == 0 else (k, idx))
         open_[side].append((end, idx))
     return found

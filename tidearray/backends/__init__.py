@@ -19,11 +19,11 @@ def cuda_usable() -> tuple[bool, str]:
     """Whether the cuda backend can run here, and why not."""
     try:
         import cupy
-    except Exception as e:  # ImportError, or a broken CUDA install
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken CUDA install
         return False, f"cupy not importable ({e.__class__.__name__}: {e})"
     try:
         n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any CUDA runtime failure means "not usable"
         return False, f"no usable CUDA device ({e})"
     if n == 0:
         return False, "no CUDA device"

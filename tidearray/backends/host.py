@@ -23,7 +23,7 @@ import numpy as np
 
 from .._dtypes import float32, normalize
 from .._errors import TideBackendError, TideInvalid
-from ._base import AccumPiece, Backend, Completion, Executor, Resolved, SymmetricBuffer
+from ._base import Backend, Completion, Executor, Resolved, SymmetricBuffer
 
 
 def _bytes_at(addr: int, nbytes: int) -> np.ndarray:
@@ -78,7 +78,7 @@ class _Done(Completion):
 
 
 class HostExecutor(Executor):
-    def __init__(self, backend: "HostBackend") -> None:
+    def __init__(self, backend: HostBackend) -> None:
         super().__init__(backend.group.local_size)
         self.backend = backend
 
@@ -174,7 +174,7 @@ class HostBackend(Backend):
         elif hasattr(obj, "__dlpack__"):
             try:
                 arr = np.from_dlpack(obj)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - NumPy raises several types here
                 raise TideInvalid(f"expected a CPU array NumPy can import by DLPack, "
                                   f"got {type(obj).__name__} ({e})") from None
         else:
