@@ -67,7 +67,8 @@ class Config:
                 try:
                     values[name] = parse(env[var])
                 except ValueError:
-                    raise TideInvalid(f"{var}: expected {name} as a number, got {env[var]!r}") from None
+                    raise TideInvalid(
+                        f"{var}: expected {name} as a number, got {env[var]!r}") from None
         values.update({k: v for k, v in kwargs.items() if v is not None})
         cfg = cls(**values)
         cfg.check()
