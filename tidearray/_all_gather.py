@@ -21,6 +21,11 @@ from ._layout import UnitLayout, ag_pieces, internode_ag_steps, plan_unit
 from ._work import Work
 
 
+@functools.lru_cache(maxsize=1024)
+def _pieces(unit: UnitLayout, ranks: tuple[int, ...]) -> tuple:
+    return ag_pieces(unit, ranks)
+
+
 @functools.lru_cache(maxsize=512)
 def _unit(shapes: tuple, itemsize: int, world: int) -> UnitLayout:
     return plan_unit(shapes, itemsize, world)
@@ -126,13 +131,13 @@ def _issue(group: Group, ex: Any, unit: UnitLayout, shard_ptrs: list[int], slot:
         return shard_ptrs[piece.param] if piece.rank == topo.rank else base + piece.offset
 
     for step in internode_ag_steps(topo.num_nodes, topo.node):
-        col_s = [topo.global_rank(m, me) for m in step.send_nodes]
-        col_r = [topo.global_rank(m, me) for m in step.recv_nodes]
+        col_s = tuple(topo.global_rank(m, me) for m in step.send_nodes)
+        col_r = tuple(topo.global_rank(m, me) for m in step.recv_nodes)
         ex.exchange(ex.NET,
-                    [(step.send_peer, src(pc), pc.nbytes) for pc in ag_pieces(unit, col_s)],
+                    [(step.send_peer, src(pc), pc.nbytes) for pc in _pieces(unit, col_s)],
                     [(step.recv_peer, base + pc.offset, pc.nbytes)
-                     for pc in ag_pieces(unit, col_r)])
-    column = ag_pieces(unit, topo.column(me))
+                     for pc in _pieces(unit, col_r)])
+    column = _pieces(unit, topo.column(me))
     own = [pc for pc in column if pc.rank == topo.rank]
     for p in [me] + peers:
         if topo.num_nodes > 1:
