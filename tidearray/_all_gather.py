@@ -113,7 +113,7 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
         slot = default_region(group, "slot", unit.nbytes, ring=2)
     ex = be.executor(stream)
     _issue(group, ex, unit, [s.ptr for s in shards], slot)
-    outs = [slot.view(off, spec.shape, dtype) for spec, off in zip(unit.specs, unit.offsets)]
+    outs = slot.views(unit, dtype)
     work = Work(ex.finish(), outs)
     return work if async_op else work.wait(stream)
 

@@ -56,6 +56,7 @@ class Region:
         group.backend.synchronize()
         group.node_comm.Barrier()  # no peer signals before our flags are zero
         self.uses = [0] * NUM_CHANNELS
+        self._views: dict = {}
 
     def ptr(self, local_rank: int) -> int:
         return self.buffer.ptr(local_rank)
@@ -67,6 +68,20 @@ class Region:
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
         return self.buffer.view(offset, shape, dtype)
+
+    def views(self, unit: Any, dtype: Any) -> list:
+        """Arrays over ``unit``'s parameters in this region, made once and reused.
+
+        Building hundreds of device-array views costs milliseconds per call;
+        the views of a (unit, dtype) never change, so they are cached.
+        """
+        key = (unit, str(dtype))
+        views = self._views.get(key)
+        if views is None:
+            views = [self.view(off, spec.shape, dtype)
+                     for spec, off in zip(unit.specs, unit.offsets)]
+            self._views[key] = views
+        return list(views)
 
     def contains(self, ptr: int, nbytes: int) -> bool:
         base = self.ptr(self.group.local_rank)

@@ -12,6 +12,7 @@ full parameter, so padding is never transferred.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -38,32 +39,32 @@ class ShardSpec:
     def d0(self) -> int:
         return self.shape[0]
 
-    @property
+    @functools.cached_property
     def row_numel(self) -> int:
         return math.prod(self.shape[1:])
 
-    @property
+    @functools.cached_property
     def row_nbytes(self) -> int:
         return self.row_numel * self.itemsize
 
-    @property
+    @functools.cached_property
     def rows_per_shard(self) -> int:
         """``c = ceil(d0 / W)``: the padded shard's row count."""
         return -(-self.d0 // self.world)
 
-    @property
+    @functools.cached_property
     def shard_shape(self) -> tuple[int, ...]:
         return (self.rows_per_shard, *self.shape[1:])
 
-    @property
+    @functools.cached_property
     def shard_numel(self) -> int:
         return self.rows_per_shard * self.row_numel
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return self.d0 * self.row_numel
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.numel * self.itemsize
 
