@@ -119,9 +119,10 @@ def main() -> None:
             continue
         res = {k: comm.allreduce(v, op=MPI.LAND) for k, v in round_trip(g, fw, dtype).items()}
         failed |= not (res["gathered"] and res["reduced"])
+        # A framework may still copy on import (JAX on CPU does for some buffers).
+        seen = "zero-copy" if res["zero_copy"] else "copied on import by the framework"
         lines.append(f"  {fw.name}: all_gather bitwise equal {res['gathered']}, "
-                     f"outputs zero-copy in the framework {res['zero_copy']}, "
-                     f"reduce_scatter(avg) correct {res['reduced']}")
+                     f"reduce_scatter(avg) correct {res['reduced']}; outputs {seen}")
     if g.rank == 0:
         print("\n".join(lines))
         print("FAILED" if failed else "OK")
