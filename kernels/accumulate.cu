@@ -1,0 +1,154 @@
+// Multi-source accumulate for TIDE-RS: bf16 / fp16 / fp32 in, fp32 out.
+//
+// One launch covers a whole chunk of a reduce-scatter: many pieces (one per
+// parameter slice), each with the same number of sources. The host builds a
+// table of int64 words (tidearray/backends/_cuda_accum.py, build_table):
+//
+//   pieces[3 * n_pieces] : out pointer, numel, vector flag (1 = every pointer
+//                          of the piece is 16-byte aligned)
+//   srcs[n_src * n_pieces]: source pointers, piece-major, in summation order
+//   tiles[2 * n_tiles]    : (piece, first element), tiles of `tile` elements
+//
+// Blocks walk the tiles grid-stride, so the grid stays small (about two
+// waves) and short-lived. For each element: acc = s0; acc += s1; ...;
+// out = acc * scale, in fp32 with round-to-nearest and no contraction, which
+// is bitwise what the host backend computes. The multiply is skipped when
+// do_scale is 0 (scale == 1).
+//
+// No headers: bf16 -> fp32 is a shift, fp16 -> fp32 is one cvt instruction,
+// so NVRTC needs no include path.
+
+typedef long long i64;
+typedef unsigned short u16;
+
+__device__ __forceinline__ float load_one(const u16* p, int is_bf16) {
+    u16 h = *p;
+    if (is_bf16) {
+        return __uint_as_float(((unsigned int)h) << 16);
+    }
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float half_bits_to_float(unsigned int h16, int is_bf16) {
+    if (is_bf16) {
+        return __uint_as_float(h16 << 16);
+    }
+    float f;
+    unsigned short h = (unsigned short)h16;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Eight 16-bit values (one 16-byte load) as fp32.
+__device__ __forceinline__ void load8(const u16* p, int is_bf16, float v[8]) {
+    uint4 q = *reinterpret_cast<const uint4*>(p);
+    unsigned int w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        v[2 * k] = half_bits_to_float(w[k] & 0xffffu, is_bf16);
+        v[2 * k + 1] = half_bits_to_float(w[k] >> 16, is_bf16);
+    }
+}
+
+__device__ __forceinline__ float finish(float acc, float scale, int do_scale) {
+    return do_scale ? __fmul_rn(acc, scale) : acc;
+}
+
+// 16-bit sources: 8 elements per vector step.
+__device__ void tile_16(const i64* srcs, int n_src, float* out, i64 a, i64 b, int vec,
+                        int is_bf16, float scale, int do_scale) {
+    i64 vend = vec ? a + ((b - a) / 8) * 8 : a;
+    for (i64 i = a + 8 * (i64)threadIdx.x; i < vend; i += 8 * (i64)blockDim.x) {
+        float acc[8];
+        load8(reinterpret_cast<const u16*>(srcs[0]) + i, is_bf16, acc);
+        for (int s = 1; s < n_src; ++s) {
+            float v[8];
+            load8(reinterpret_cast<const u16*>(srcs[s]) + i, is_bf16, v);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+        }
+        float4 lo = make_float4(finish(acc[0], scale, do_scale), finish(acc[1], scale, do_scale),
+                                finish(acc[2], scale, do_scale), finish(acc[3], scale, do_scale));
+        float4 hi = make_float4(finish(acc[4], scale, do_scale), finish(acc[5], scale, do_scale),
+                                finish(acc[6], scale, do_scale), finish(acc[7], scale, do_scale));
+        reinterpret_cast<float4*>(out + i)[0] = lo;
+        reinterpret_cast<float4*>(out + i)[1] = hi;
+    }
+    for (i64 i = vend + threadIdx.x; i < b; i += blockDim.x) {
+        float acc = load_one(reinterpret_cast<const u16*>(srcs[0]) + i, is_bf16);
+        for (int s = 1; s < n_src; ++s) {
+            acc = __fadd_rn(acc, load_one(reinterpret_cast<const u16*>(srcs[s]) + i, is_bf16));
+        }
+        out[i] = finish(acc, scale, do_scale);
+    }
+}
+
+// fp32 sources: 4 elements per vector step.
+__device__ void tile_32(const i64* srcs, int n_src, float* out, i64 a, i64 b, int vec,
+                        float scale, int do_scale) {
+    i64 vend = vec ? a + ((b - a) / 4) * 4 : a;
+    for (i64 i = a + 4 * (i64)threadIdx.x; i < vend; i += 4 * (i64)blockDim.x) {
+        float4 acc = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(srcs[0]) + i);
+        for (int s = 1; s < n_src; ++s) {
+            float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(srcs[s]) + i);
+            acc.x = __fadd_rn(acc.x, v.x);
+            acc.y = __fadd_rn(acc.y, v.y);
+            acc.z = __fadd_rn(acc.z, v.z);
+            acc.w = __fadd_rn(acc.w, v.w);
+        }
+        acc.x = finish(acc.x, scale, do_scale);
+        acc.y = finish(acc.y, scale, do_scale);
+        acc.z = finish(acc.z, scale, do_scale);
+        acc.w = finish(acc.w, scale, do_scale);
+        *reinterpret_cast<float4*>(out + i) = acc;
+    }
+    for (i64 i = vend + threadIdx.x; i < b; i += blockDim.x) {
+        float acc = reinterpret_cast<const float*>(srcs[0])[i];
+        for (int s = 1; s < n_src; ++s) {
+            acc = __fadd_rn(acc, reinterpret_cast<const float*>(srcs[s])[i]);
+        }
+        out[i] = finish(acc, scale, do_scale);
+    }
+}
+
+// kind: 0 = bf16, 1 = fp16, 2 = fp32 sources.
+__device__ void accumulate(const i64* table, int n_pieces, int n_src, i64 n_tiles, i64 tile,
+                           float scale, int do_scale, int kind) {
+    const i64* pieces = table;
+    const i64* srcs = table + 3 * (i64)n_pieces;
+    const i64* tiles = srcs + (i64)n_src * n_pieces;
+    for (i64 t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+        i64 p = tiles[2 * t];
+        i64 a = tiles[2 * t + 1];
+        float* out = reinterpret_cast<float*>(pieces[3 * p]);
+        i64 numel = pieces[3 * p + 1];
+        int vec = (int)pieces[3 * p + 2];
+        i64 b = a + tile < numel ? a + tile : numel;
+        const i64* ps = srcs + p * n_src;
+        if (kind == 2) {
+            tile_32(ps, n_src, out, a, b, vec, scale, do_scale);
+        } else {
+            tile_16(ps, n_src, out, a, b, vec, kind == 0, scale, do_scale);
+        }
+    }
+}
+
+extern "C" __global__ void tide_accumulate_bf16(const i64* table, int n_pieces, int n_src,
+                                                i64 n_tiles, i64 tile, float scale,
+                                                int do_scale) {
+    accumulate(table, n_pieces, n_src, n_tiles, tile, scale, do_scale, 0);
+}
+
+extern "C" __global__ void tide_accumulate_fp16(const i64* table, int n_pieces, int n_src,
+                                                i64 n_tiles, i64 tile, float scale,
+                                                int do_scale) {
+    accumulate(table, n_pieces, n_src, n_tiles, tile, scale, do_scale, 1);
+}
+
+extern "C" __global__ void tide_accumulate_fp32(const i64* table, int n_pieces, int n_src,
+                                                i64 n_tiles, i64 tile, float scale,
+                                                int do_scale) {
+    accumulate(table, n_pieces, n_src, n_tiles, tile, scale, do_scale, 2);
+}

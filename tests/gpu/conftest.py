@@ -1,0 +1,49 @@
+"""GPU fixtures: a cuda group, made once per session, skipped cleanly without a GPU.
+
+The skip is collective: under MPI every rank must agree, or a rank that skips
+would leave the others waiting in ``init``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def _all_ranks_have_gpu() -> tuple[bool, str]:
+    from tidearray.backends import cuda_usable
+
+    ok, why = cuda_usable()
+    try:
+        from mpi4py import MPI
+
+        oks = MPI.COMM_WORLD.allgather((ok, why))
+    except ImportError:
+        oks = [(ok, why)]
+    bad = [w for o, w in oks if not o]
+    return (not bad), (bad[0] if bad else why)
+
+
+@pytest.fixture(scope="session")
+def cuda_group(request: pytest.FixtureRequest):
+    """A group on the cuda backend: the session's own ``group`` when TIDE_BACKEND=cuda."""
+    pytest.importorskip("cupy")
+    ok, why = _all_ranks_have_gpu()
+    if not ok:
+        pytest.skip(f"no usable GPU: {why}")
+    if os.environ.get("TIDE_BACKEND") == "cuda":
+        yield request.getfixturevalue("group")
+        return
+    import tidearray
+
+    g = tidearray.init(backend="cuda")
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="session")
+def cp(cuda_group):
+    import cupy
+
+    return cupy

@@ -1,0 +1,182 @@
+"""A first GPU measurement of one FSDP unit: TIDE-AG bandwidth, TIDE-RS vs pack + NCCL RS.
+
+Run from the repo root on a GPU machine (one process per GPU)::
+
+    mpirun -n 2 python tests/gpu/quick_bench.py [--unit llama3.1-8b] [--iters 30] [--json F]
+
+What is timed, on a non-blocking stream, with CUDA events, after 5 untimed
+warm-ups; each iteration starts after a device sync and an MPI barrier, and
+its time is the maximum over ranks; the median over iterations is reported:
+
+* ``tide_ag``: ``all_gather`` of the unit's bf16 shards into a slot (two slots
+  in turn). Receive bandwidth = bytes this rank receives from its peers
+  (the unit's bytes minus its own rows) / time;
+* ``tide_rs``: ``reduce_scatter`` of per-parameter bf16 gradients into fp32
+  shards (``avg``), read in place;
+* ``pack_nccl_rs``: FSDP2's path: pack the bf16 gradients into one flat fp32
+  buffer, rank-major and padded (one fused kernel launch, as ``_chunk_cat``:
+  the accumulate kernel with one source), then NCCL fp32 reduce-scatter (AVG);
+  also ``pack`` and ``nccl_rs`` alone;
+* ``nccl_ag``: NCCL bf16 all-gather of flat buffers, no copy-in/out (reference).
+
+``pipelined`` figures time ``--iters`` back-to-back calls between two events
+(host issue overlapped with device work), divided by the count.
+
+Only rank 0 prints; ``--json`` writes the records there too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import tidearray  # noqa: E402
+from tests.gpu._units import BF16, UNITS, bf16_normal, padded_shard, shard_rows  # noqa: E402
+from tidearray.backends._base import AccumPiece  # noqa: E402
+from tidearray.backends._cuda_nccl import NcclLink  # noqa: E402
+
+
+def timed(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], iters: int) -> dict:
+    """Median per-iteration time (max over ranks) and the pipelined average, in seconds."""
+    for i in range(5):
+        fn(i)
+    cp.cuda.runtime.deviceSynchronize()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    samples = []
+    for i in range(iters):
+        cp.cuda.runtime.deviceSynchronize()
+        comm.Barrier()
+        start.record(stream)
+        fn(i)
+        end.record(stream)
+        end.synchronize()
+        samples.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+    samples = np.max(np.array(comm.allgather(samples)), axis=0)
+    cp.cuda.runtime.deviceSynchronize()
+    comm.Barrier()
+    start.record(stream)
+    for i in range(iters):
+        fn(i)
+    end.record(stream)
+    end.synchronize()
+    pipe = comm.allreduce(cp.cuda.get_elapsed_time(start, end) / 1e3 / iters, op=MPI.MAX)
+    return {"median_s": float(np.median(samples)), "min_s": float(samples.min()),
+            "p90_s": float(np.percentile(samples, 90)), "pipelined_s": pipe, "iters": iters}
+
+
+def pack_pieces(shapes: list, grads: list, flat: Any, W: int) -> tuple[list, int]:
+    """``_chunk_cat`` as accumulate pieces: rank-major fp32 blocks, each param padded."""
+    numel_shard = [-(-s[0] // W) * math.prod(s[1:]) for s in shapes]
+    block = sum(numel_shard)
+    pieces, off = [], 0
+    for s, g, n in zip(shapes, grads, numel_shard):
+        row = math.prod(s[1:])
+        for r in range(W):
+            a, b = shard_rows(s[0], W, r)
+            if b > a:
+                pieces.append(AccumPiece(flat.data.ptr + 4 * (r * block + off),
+                                         (g.data.ptr + 2 * a * row,), (b - a) * row))
+        off += n
+    return pieces, block
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    import cupy as cp
+
+    g = tidearray.init(backend="cuda")
+    comm, W, r = g.comm, g.size, g.rank
+    be = g.backend
+    shapes = UNITS[args.unit]()
+    unit_bytes = sum(math.prod(s) for s in shapes) * 2
+    own = sum(2 * (b - a) * math.prod(s[1:]) for s in shapes
+              for a, b in [shard_rows(s[0], W, r)])
+    recv = comm.allreduce(unit_bytes - own, op=MPI.MIN)
+    stream = cp.cuda.Stream(non_blocking=True)
+    records = []
+
+    def record(name: str, res: dict, **extra: Any) -> None:
+        records.append({"bench": name, "unit": args.unit, "world": W, **res, **extra})
+
+    with stream:
+        full = [bf16_normal(cp, 10 + i, s) for i, s in enumerate(shapes)]
+        shards = [padded_shard(cp, f, W, r) for f in full]
+        del full
+        arena = tidearray.SlotArena(tidearray.unit_nbytes(shapes, BF16, group=g), 2, group=g)
+        res = timed(comm, cp, stream, lambda i: tidearray.all_gather(
+            shards, shapes, group=g, slot=arena[i % 2], stream=stream), args.iters)
+        record("tide_ag", res, recv_bytes=recv, recv_GBps=recv / res["median_s"] / 1e9,
+               recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9)
+
+        grads = [bf16_normal(cp, 1000 * r + i, s) for i, s in enumerate(shapes)]
+        outs = [cp.empty(tidearray.shard_shape(s, W), cp.float32) for s in shapes]
+        res = timed(comm, cp, stream, lambda i: tidearray.reduce_scatter(
+            grads, op="avg", out=outs, group=g, stream=stream), args.iters)
+        record("tide_rs", res)
+
+        link = NcclLink()
+        link.setup(comm)
+        block = sum(-(-s[0] // W) * math.prod(s[1:]) for s in shapes)
+        flat = cp.zeros(W * block, cp.float32)  # padding rows stay zero: pack never writes them
+        shard32 = cp.empty(block, cp.float32)
+        pieces, _ = pack_pieces(shapes, grads, flat, W)
+
+        def pack(i: int) -> None:
+            be.accumulator.launch(stream, pieces, BF16, 1.0)
+
+        def nccl_rs(i: int) -> None:
+            link._nb.reduce_scatter(flat.data.ptr, shard32.data.ptr, block,
+                                    int(link._nccl.FLOAT32), int(link._nccl.AVG), link._raw,
+                                    stream.ptr)
+
+        record("pack", timed(comm, cp, stream, pack, args.iters))
+        record("nccl_rs", timed(comm, cp, stream, nccl_rs, args.iters))
+        record("pack_nccl_rs", timed(comm, cp, stream, lambda i: (pack(i), nccl_rs(i)),
+                                     args.iters))
+        flat = shard32 = None  # freed before the AG reference
+        flat16 = cp.empty(W * block, cp.uint16)
+        mine = flat16[r * block:(r + 1) * block]
+
+        def nccl_ag(i: int) -> None:
+            link._nb.all_gather(mine.data.ptr, flat16.data.ptr, block,
+                                int(link._nccl.BFLOAT16), link._raw, stream.ptr)
+
+        record("nccl_ag", timed(comm, cp, stream, nccl_ag, args.iters))
+        link.close()
+    by = {x["bench"]: x for x in records}
+    by["tide_rs"]["speedup_vs_pack_nccl_rs"] = (by["pack_nccl_rs"]["median_s"]
+                                                / by["tide_rs"]["median_s"])
+    by["tide_rs"]["speedup_vs_pack_nccl_rs_pipelined"] = (by["pack_nccl_rs"]["pipelined_s"]
+                                                          / by["tide_rs"]["pipelined_s"])
+    g.close()
+    return records
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--unit", default="llama3.1-8b", choices=sorted(UNITS))
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--json", default=None, help="write the records here (rank 0)")
+    args = p.parse_args()
+    records = run(args)
+    if MPI.COMM_WORLD.rank:
+        return
+    for x in records:
+        extra = {k: v for k, v in x.items() if k.endswith(("GBps", "pipelined", "pack_nccl_rs"))}
+        print(f"{x['bench']:<14} median {x['median_s'] * 1e6:9.1f} us  pipelined "
+              f"{x['pipelined_s'] * 1e6:9.1f} us  " + "  ".join(
+                  f"{k}={v:.2f}" for k, v in extra.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU entry point: run on the GPU machine from the repo root.
+#
+#   bash tests/gpu/run.sh            # info, suites with 2 ranks and 1 rank, quick bench
+#   TIDE_GPU_BENCH=0 bash tests/gpu/run.sh   # skip the benchmark
+#
+# Installs the carried wheels (.whl/: nccl4py, pytest-mpi) into /tmp/site, then
+# runs the generic suite (tests/) and the GPU tests (tests/gpu) on the cuda
+# backend under mpirun -n 2 and -n 1, the GPU tests once more with
+# TIDE_LOCAL_SIZE=1 (two emulated nodes: the NCCL path), and the quick bench.
+# Logs go to $OUT (or ./gpu-logs). Every multi-rank command runs under timeout.
+set -u -o pipefail
+OUT=${OUT:-$PWD/gpu-logs}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+MPI=(timeout 300 mpirun --allow-run-as-root --oversubscribe -x PYTHONPATH -x PYTHONUNBUFFERED
+     -x XLA_PYTHON_CLIENT_PREALLOCATE -x TIDE_BACKEND=cuda)
+PYTEST=(python3 -m pytest --with-mpi -q -p no:cacheprovider -x)
+status=0
+
+step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember failures
+    local name=$1; shift
+    echo "== $name: $*"
+    "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+step info timeout 120 mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x TIDE_BACKEND=cuda \
+    python3 -m tidearray.info
+step np2 "${MPI[@]}" -n 2 "${PYTEST[@]}" tests
+step np1 "${MPI[@]}" -n 1 "${PYTEST[@]}" tests
+step np2_nodes "${MPI[@]}" -x TIDE_LOCAL_SIZE=1 -n 2 "${PYTEST[@]}" tests/gpu
+if [ "${TIDE_GPU_BENCH:-1}" != 0 ]; then
+    step bench "${MPI[@]}" -n 2 python3 tests/gpu/quick_bench.py --iters 30 \
+        --json "$OUT/quick_bench.json"
+fi
+exit $status

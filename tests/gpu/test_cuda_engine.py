@@ -1,0 +1,132 @@
+"""The cuda backend's pieces, each on its own: accumulate kernel, copier, flags, capabilities.
+
+Also the claim that TIDE-AG launches no kernels, checked with CUPTI through
+``torch.profiler`` (skipped without PyTorch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import tidearray
+from tidearray.backends._base import AccumPiece
+
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
+
+
+def _host_accumulate(srcs: list, scale: float) -> np.ndarray:
+    """What the host backend computes: out = s0; out += s1 ...; out *= scale (fp32)."""
+    out = srcs[0].astype(np.float32)
+    for s in srcs[1:]:
+        np.add(out, s.astype(np.float32), out=out)
+    if np.float32(scale) != 1:
+        np.multiply(out, np.float32(scale), out=out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("n_src", [1, 2, 3, 5])
+@pytest.mark.parametrize("scale", [1.0, 0.25, 1 / 3])
+def test_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, scale):
+    dt = tidearray._dtypes.normalize(dtype)
+    rng = np.random.default_rng(n_src * 7 + len(dtype))
+    # Pieces of awkward sizes at awkward (element-aligned) offsets: vector and scalar paths.
+    sizes = [1, 7, 8, 15, 8192, 8193, 40_000, 3]
+    offs = [0, 3, 16, 1, 64, 5, 128, 9]
+    host_srcs = [[rng.standard_normal(n + o).astype(np.float32).astype(dt) for n, o in
+                  zip(sizes, offs)] for _ in range(n_src)]
+    dev_srcs = [[cp.asarray(a.view(f"u{dt.itemsize}")).view(dt) for a in per] for per in host_srcs]
+    outs = [cp.full(n + o, np.nan, cp.float32) for n, o in zip(sizes, offs)]
+    pieces = [AccumPiece(outs[k].data.ptr + 4 * offs[k],
+                         tuple(dev_srcs[s][k].data.ptr + dt.itemsize * offs[k]
+                               for s in range(n_src)), sizes[k]) for k in range(len(sizes))]
+    be = cuda_group.backend
+    cp.cuda.runtime.deviceSynchronize()
+    be.accumulator.launch(be.streams[-2], pieces, dt, scale)
+    be.streams[-2].synchronize()
+    for k, o in enumerate(offs):
+        want = _host_accumulate([host_srcs[s][k][o:] for s in range(n_src)], scale)
+        got = cp.asnumpy(outs[k])
+        assert np.isnan(got[:o]).all(), "wrote before the piece"
+        assert (got[o:].view(np.uint32) == want.view(np.uint32)).all(), f"piece {k} differs"
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_copier_many_small_segments(cuda_group, cp, batched):
+    from tidearray.backends._cuda_copy import Copier
+
+    be = cuda_group.backend
+    c = Copier(None if batched else False)
+    on, why = c.probe(be.streams[0].ptr)
+    if batched and not on:
+        pytest.skip(f"batched copies unavailable: {why}")
+    src = cp.arange(1 << 20, dtype=cp.uint8)
+    dst = cp.zeros_like(src)
+    cp.cuda.runtime.deviceSynchronize()
+    copies = [(dst.data.ptr + k * 4096 + 1, src.data.ptr + k * 4096 + 1, 4000)
+              for k in range(200)]
+    c.copy(be.streams[0].ptr, copies)
+    be.streams[0].synchronize()
+    want = cp.zeros_like(src)
+    for k in range(200):
+        want[k * 4096 + 1: k * 4096 + 4001] = src[k * 4096 + 1: k * 4096 + 4001]
+    assert bool((dst == want).all())
+
+
+def test_capabilities_reported(cuda_group):
+    caps = cuda_group.backend.capabilities
+    for name in ("batched copies", "stream memory operations", "IPC route", "multicast",
+                 "NCCL put/signal", "nccl"):
+        ok, why = caps[name]
+        assert isinstance(ok, bool) and why, name
+    assert not caps["multicast"][0] or os.environ.get("NCCL_NVLS_ENABLE") != "0"
+
+
+def test_multicast_refused_when_nvls_disabled(cuda_group):
+    from tidearray.backends.cuda import multicast_capability
+
+    ok, why = multicast_capability(cuda_group.backend.device)
+    if os.environ.get("NCCL_NVLS_ENABLE") == "0":
+        assert not ok and "NCCL_NVLS_ENABLE" in why
+    else:
+        assert isinstance(ok, bool) and why
+
+
+def test_info_capability_lines(cuda_group):
+    from tidearray.info import capability_lines
+
+    lines = capability_lines(cuda_group.backend)
+    assert any(line.startswith("stream memory operations") for line in lines)
+
+
+def test_all_gather_launches_no_kernels(cuda_group, cp, tmp_path):
+    """CUPTI (through torch.profiler) sees memcpys and no kernels during TIDE-AG."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+
+    g = cuda_group
+    torch.cuda.set_device(g.backend.device)
+    torch.cuda.init()
+    shapes = [(4096, 512), (512,), (1000, 64), (3, 3)]
+    shards = [cp.ones(tidearray.shard_shape(s, g.size), cp.float16) for s in shapes]
+    tidearray.all_gather(shards, shapes, group=g)  # warm-up: slots exist, flags zeroed
+    cp.cuda.runtime.deviceSynchronize()
+    g.comm.Barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            tidearray.all_gather(shards, shapes, group=g)
+        cp.cuda.runtime.deviceSynchronize()
+    path = tmp_path / f"ag_trace_{g.rank}.json"
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text()).get("traceEvents", [])
+    cats = [e.get("cat", "") for e in events]
+    kernels = [e.get("name") for e in events if e.get("cat") == "kernel"]
+    memcpys = sum(1 for c in cats if c == "gpu_memcpy")
+    bad = [] if not kernels and memcpys else [f"{len(kernels)} kernels {kernels[:5]}, "
+                                              f"{memcpys} memcpys"]
+    everything = g.comm.allgather(bad)
+    assert not any(everything), everything

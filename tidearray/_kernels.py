@@ -1,0 +1,58 @@
+"""Loads the CUDA C++ sources in ``kernels/`` and compiles them once, with CuPy.
+
+The sources ship as the package ``tidearray.kernels`` (setup.py maps the
+top-level ``kernels/`` directory onto it). In a source checkout that is not
+installed, they are read from ``kernels/`` next to the ``tidearray`` package.
+Compiled modules are cached per (file, device), so each process compiles a
+file once (CuPy also caches the binary on disk across processes).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from ._errors import TideBackendError
+
+
+def source(name: str) -> str:
+    """The text of ``kernels/<name>``.
+
+    Raises:
+        TideBackendError: the file is neither package data nor in the checkout.
+    """
+    try:
+        from importlib import resources
+
+        path = resources.files("tidearray.kernels").joinpath(name)
+        if path.is_file():
+            return path.read_text()
+    except (ImportError, ModuleNotFoundError, OSError, TypeError):
+        pass  # not installed as a package: try the checkout below
+    local = Path(__file__).resolve().parent.parent / "kernels" / name
+    if local.is_file():
+        return local.read_text()
+    raise TideBackendError(f"kernel source {name!r}: expected it in the package "
+                           f"tidearray.kernels or at {local}, found neither")
+
+
+@functools.cache
+def module(name: str, device: int) -> Any:
+    """``cupy.RawModule`` of ``kernels/<name>``, compiled for ``device`` (cached).
+
+    ``device`` only keys the cache: CuPy compiles for the current device.
+    """
+    import cupy
+
+    try:
+        mod = cupy.RawModule(code=source(name), options=("--std=c++14",))
+        mod.compile()
+    except Exception as e:  # CompileException, CUDADriverError: wrap with the file name
+        raise TideBackendError(f"compiling kernels/{name} failed: {e}") from e
+    return mod
+
+
+def function(name: str, kernel: str, device: int) -> Any:
+    """The ``cupy.RawKernel`` called ``kernel`` in ``kernels/<name>``."""
+    return module(name, device).get_function(kernel)

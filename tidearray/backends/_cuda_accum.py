@@ -1,0 +1,131 @@
+"""The reduce-scatter's accumulate: one kernel launch per chunk, tables built on the host.
+
+:func:`build_table` is pure NumPy (tested on CPU); :class:`Accumulator` uploads
+a table and launches ``kernels/accumulate.cu`` on a lane stream.
+
+[Note: table lifetime]
+A launch reads its table from device memory that an async H2D copy filled
+from pinned host memory, both on the lane stream. Neither buffer may be
+reused until the kernel has run, so tables live in a small ring of slots,
+each guarded by an event recorded after its kernel. Taking a slot waits (on
+the host) for its event; with ``RING`` slots that wait is only ever on work
+issued ``RING`` accumulates ago, whose inputs are all issued already, so it
+cannot deadlock against a peer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from .._dtypes import normalize
+from ._base import AccumPiece
+
+#: Elements per tile: one block's unit of work (a multiple of every vector width).
+TILE = 8192
+#: Threads per block.
+BLOCK = 256
+#: Table slots in flight (see [Note: table lifetime]).
+RING = 16
+#: Kernel name per source dtype.
+KERNELS = {"bfloat16": "tide_accumulate_bf16", "float16": "tide_accumulate_fp16",
+           "float32": "tide_accumulate_fp32"}
+
+
+def build_table(pieces: Sequence[AccumPiece], tile: int = TILE) -> tuple[np.ndarray, int]:
+    """The int64 table ``accumulate.cu`` walks, and its tile count.
+
+    Layout: ``[out, numel, vec] * n_pieces``, then ``n_src`` source pointers
+    per piece, then ``(piece, start)`` per tile. ``vec`` is 1 where the output
+    and every source are 16-byte aligned (vector loads and stores allowed).
+
+    Args:
+        pieces: non-empty pieces, all with the same number of sources.
+        tile: elements per tile.
+    """
+    n_src = len(pieces[0].srcs)
+    assert all(len(p.srcs) == n_src for p in pieces), "pieces differ in source count"
+    outs = np.fromiter((p.out for p in pieces), np.int64, len(pieces))
+    numels = np.fromiter((p.numel for p in pieces), np.int64, len(pieces))
+    srcs = np.array([p.srcs for p in pieces], np.int64).reshape(len(pieces), n_src)
+    vec = ((outs % 16 == 0) & np.all(srcs % 16 == 0, axis=1)).astype(np.int64)
+    per = -(-numels // tile)
+    n_tiles = int(per.sum())
+    first = np.repeat(np.cumsum(per) - per, per)
+    tiles = np.empty((n_tiles, 2), np.int64)
+    tiles[:, 0] = np.repeat(np.arange(len(pieces), dtype=np.int64), per)
+    tiles[:, 1] = (np.arange(n_tiles, dtype=np.int64) - first) * tile
+    table = np.concatenate([np.stack([outs, numels, vec], axis=1).ravel(), srcs.ravel(),
+                            tiles.ravel()])
+    return table, n_tiles
+
+
+class _Slot:
+    """Pinned host and device memory for one table, and the event after its kernel."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self.host: Any = None
+        self.host_view: Any = None
+        self.dev: Any = None
+        self.event: Any = None
+
+    def take(self, nbytes: int) -> None:
+        import cupy
+
+        if self.event is not None:
+            self.event.synchronize()  # its previous kernel has read the table
+        if nbytes > self.nbytes:
+            size = max(nbytes, 2 * self.nbytes, 1 << 16)
+            self.host = cupy.cuda.alloc_pinned_memory(size)
+            self.host_view = np.frombuffer(self.host, np.uint8, size)
+            self.dev = cupy.empty(size, np.uint8)
+            self.nbytes = size
+
+
+class Accumulator:
+    """Launches the accumulate kernel; owns the ring of table slots.
+
+    Args:
+        device: the CUDA device id.
+        sm_count: multiprocessors, to size the grid (at most two waves).
+    """
+
+    def __init__(self, device: int, sm_count: int) -> None:
+        self.device = device
+        self.max_grid = max(1, 2 * sm_count)
+        self._ring = [_Slot() for _ in range(RING)]
+        self._next = 0
+        self._kernels: dict = {}
+
+    def launch(self, stream: Any, pieces: Sequence[AccumPiece], src_dtype: Any,
+               scale: float) -> None:
+        """fp32 ``out = scale * sum(srcs)`` per piece, one launch on ``stream`` (a cupy Stream)."""
+        import cupy
+
+        kernel = self._kernel(normalize(src_dtype).name)
+        table, n_tiles = build_table(pieces)
+        slot = self._ring[self._next]
+        self._next = (self._next + 1) % len(self._ring)
+        slot.take(table.nbytes)
+        slot.host_view[:table.nbytes] = table.view(np.uint8)
+        cupy.cuda.runtime.memcpyAsync(slot.dev.data.ptr, slot.host.ptr, table.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        grid = min(n_tiles, self.max_grid)
+        with stream:
+            kernel((grid,), (BLOCK,), (slot.dev, np.int32(len(pieces)),
+                                       np.int32(len(pieces[0].srcs)), np.int64(n_tiles),
+                                       np.int64(TILE), np.float32(scale),
+                                       np.int32(np.float32(scale) != 1)))
+        if slot.event is None:
+            slot.event = cupy.cuda.Event(block=False, disable_timing=True)
+        slot.event.record(stream)
+
+    def _kernel(self, dtype_name: str) -> Any:
+        if dtype_name not in self._kernels:
+            from .. import _kernels
+
+            self._kernels[dtype_name] = _kernels.function("accumulate.cu", KERNELS[dtype_name],
+                                                          self.device)
+        return self._kernels[dtype_name]

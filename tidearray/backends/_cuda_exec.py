@@ -1,0 +1,149 @@
+"""The cuda executor: lanes are CUDA streams, forked from and joined to the user's stream.
+
+[Note: streams]
+The backend creates its lane streams once, at setup, all non-blocking (they
+never synchronise with the legacy default stream):
+
+* lane ``p`` (``0..L-1``) pushes to node-local peer ``p``: one stream per peer,
+  so pushes to different peers run on different copy engines at once, and a
+  lane blocked on one peer's grant never holds up another peer;
+* ``COMPUTE`` runs grants, arrival waits and the accumulate kernel;
+* ``NET`` runs NCCL (inter-node exchanges and the fp32 reduce-scatter).
+
+An executor records one event on the user's stream when it is created. Each
+lane waits on that event before its first operation of the collective (lazily,
+so unused lanes cost nothing): everything the user issued before the call is
+ordered before the collective. ``finish`` records an event on every lane used;
+the completion makes a stream wait on those events (no host synchronisation).
+
+Lanes are shared by successive collectives and run in issue order, which every
+rank shares, so the flag protocol of ``_arena`` cannot deadlock.
+
+[Note: buffer lifetimes]
+Buffers the collective allocates (``Backend.empty``: the reduce-scatter's
+partial sums and results) are held by the backend, with the events of the
+collective that follows their allocation, until those events have fired: so
+CuPy's pool cannot recycle them while a lane still writes them, even when the
+caller drops them at once or waits on a stream other than the one they were
+allocated on. Accumulate tables live in their own ring (``_cuda_accum``).
+The caller's inputs must stay alive until the work is waited on, as with any
+asynchronous CUDA call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._errors import TideInvalid
+from ._base import Completion, Executor
+
+
+def stream_ptr(stream: Any) -> int:
+    """The ``cudaStream_t`` of ``stream`` as an int.
+
+    Args:
+        stream: None (CuPy's current stream), a CuPy stream, an int handle, or
+            any object with ``__cuda_stream__`` returning ``(version, handle)``.
+
+    Raises:
+        TideInvalid: anything else.
+    """
+    import cupy
+
+    if stream is None:
+        return cupy.cuda.get_current_stream().ptr
+    if isinstance(stream, bool):
+        raise TideInvalid("stream: expected a stream, got a bool")
+    if isinstance(stream, int):
+        return stream
+    if isinstance(stream, cupy.cuda.Stream) or isinstance(stream, cupy.cuda.ExternalStream):
+        return stream.ptr
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
+        return int(stream.cuda_stream)
+    raise TideInvalid(f"stream: expected None, a CuPy stream, an int handle or an object with "
+                      f"__cuda_stream__, got {type(stream).__name__}")
+
+
+def _event() -> Any:
+    import cupy
+
+    return cupy.cuda.Event(block=False, disable_timing=True)
+
+
+class CudaCompletion(Completion):
+    """Events on the lanes a collective used."""
+
+    def __init__(self, events: list) -> None:
+        self._events = events
+
+    def wait(self, stream: Any = None) -> None:
+        import cupy
+
+        ptr = stream_ptr(stream)
+        for ev in self._events:
+            cupy.cuda.runtime.streamWaitEvent(ptr, ev.ptr, 0)
+
+    def query(self) -> bool:
+        return all(ev.done for ev in self._events)
+
+
+class CudaExecutor(Executor):
+    """Issues one collective's primitives onto the backend's lane streams."""
+
+    def __init__(self, backend: Any, stream: Any) -> None:
+        super().__init__(backend.group.local_size)
+        import cupy
+
+        self.be = backend
+        self._fork = _event()
+        self._fork.record(cupy.cuda.ExternalStream(stream_ptr(stream)))
+        self._started: set[int] = set()
+
+    def _lane(self, lane: int) -> Any:
+        """Lane ``lane``'s stream, made to wait for the fork on first use."""
+        s = self.be.streams[lane]
+        if lane not in self._started:
+            s.wait_event(self._fork)
+            self._started.add(lane)
+        return s
+
+    def _copy(self, lane: int, copies: list) -> None:
+        self.be.copier.copy(self._lane(lane).ptr, copies)
+
+    def _signal(self, lane: int, addr: int, value: int) -> None:
+        self.be.flags.signal(self._lane(lane), addr, value)
+
+    def _wait(self, lane: int, addr: int, value: int) -> None:
+        self.be.flags.wait(self._lane(lane), addr, value)
+
+    def _accumulate(self, lane: int, pieces: list, src_dtype: Any, scale: float) -> None:
+        self.be.accumulator.launch(self._lane(lane), pieces, src_dtype, scale)
+
+    def _zero(self, lane: int, addr: int, nbytes: int) -> None:
+        import cupy
+
+        cupy.cuda.runtime.memsetAsync(addr, 0, nbytes, self._lane(lane).ptr)
+
+    def _exchange(self, lane: int, sends: list, recvs: list) -> None:
+        self.be.nccl.exchange(self._lane(lane).ptr, sends, recvs)
+
+    def _reduce_scatter_f32(self, lane: int, send: int, recv: int, count: int) -> None:
+        self.be.nccl.reduce_scatter_f32(self._lane(lane).ptr, send, recv, count)
+
+    def _depend(self, lane: int, on: int) -> None:
+        ev = _event()
+        ev.record(self._lane(on))
+        self._lane(lane).wait_event(ev)
+
+    def finish(self) -> CudaCompletion:
+        events = []
+        for lane in sorted(self._started):
+            ev = _event()
+            ev.record(self.be.streams[lane])
+            events.append(ev)
+        if not events:  # nothing issued: completion is the fork itself
+            events.append(self._fork)
+        self.be.retire(events)
+        return CudaCompletion(events)

@@ -1,0 +1,86 @@
+"""Zero-SM flags: ``cuStreamWriteValue32`` to signal, ``cuStreamWaitValue32`` to wait.
+
+A signal is a stream memory operation: the 32-bit write happens once the
+stream's earlier work is done, with a memory barrier (the default flag), so a
+peer that sees the flag also sees the data the same stream copied before it.
+A wait holds the stream until the local word is >= the value
+(``CU_STREAM_WAIT_VALUE_GEQ``, a cyclic comparison). Neither uses an SM and
+neither involves the host.
+
+Where the driver refuses stream memory operations, one-thread kernels from
+``kernels/flags.cu`` stand in; ``FlagOps.probe`` decides and says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._errors import TideBackendError
+
+
+class FlagOps:
+    """Signal and wait on int32 flag words, on a given stream."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.memops = False
+        self.reason = "not probed yet"
+        self._cu: Any = None
+
+    def probe(self, stream: Any) -> tuple[bool, str]:
+        """Try a write and a wait on a scratch word; fall back to kernels on failure."""
+        import cupy
+
+        word = cupy.zeros(1, cupy.int32)
+        cupy.cuda.get_current_stream().synchronize()
+        try:
+            from cuda.bindings import driver as cu
+
+            self._cu = cu
+            self.memops = True
+            self.signal(stream, word.data.ptr, 7)
+            self.wait(stream, word.data.ptr, 7)
+            stream.synchronize()
+            if int(word.get()[0]) != 7:
+                raise RuntimeError("the trial write did not land")
+            self.reason = "cuStreamWriteValue32 / cuStreamWaitValue32 (GEQ): zero SMs"
+        except Exception as e:  # noqa: BLE001 - old driver, memops disabled: spin kernels instead
+            self.memops = False
+            self.reason = (f"off ({type(e).__name__}: {e}); one-thread flag kernels "
+                           "(kernels/flags.cu) instead")
+        return self.memops, self.reason
+
+    def signal(self, stream: Any, addr: int, value: int) -> None:
+        """After ``stream``'s earlier work, write ``value`` to the int32 at ``addr``."""
+        if self.memops:
+            cu = self._cu
+            flag = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+            self._check(cu.cuStreamWriteValue32(stream.ptr, addr, value & 0xFFFFFFFF, flag),
+                        "cuStreamWriteValue32")
+        else:
+            self._kernel("tide_signal", stream, addr, value)
+
+    def wait(self, stream: Any, addr: int, value: int) -> None:
+        """Hold ``stream`` until the int32 at ``addr`` is >= ``value`` (cyclically)."""
+        if self.memops:
+            cu = self._cu
+            flag = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+            self._check(cu.cuStreamWaitValue32(stream.ptr, addr, value & 0xFFFFFFFF, flag),
+                        "cuStreamWaitValue32")
+        else:
+            self._kernel("tide_wait", stream, addr, value)
+
+    def _kernel(self, name: str, stream: Any, addr: int, value: int) -> None:
+        from .. import _kernels
+
+        k = _kernels.function("flags.cu", name, self.device)
+        with stream:
+            k((1,), (1,), (np.uint64(addr), np.int32(np.uint32(value & 0xFFFFFFFF).view(
+                np.int32))))
+
+    def _check(self, res: Any, what: str) -> None:
+        err = res[0] if isinstance(res, tuple) else res
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            raise TideBackendError(f"{what} failed: {err}")

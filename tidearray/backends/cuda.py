@@ -1,0 +1,220 @@
+"""The cuda backend: CuPy arrays, IPC symmetric memory, copy engines, stream flags, NCCL.
+
+How each primitive runs (all asynchronous, on the lane streams of
+``_cuda_exec``, [Note: streams]):
+
+* symmetric memory: legacy CUDA IPC, mapped once per allocation
+  (``_cuda_memory``, which says why not VMM);
+* ``copy``: one ``cudaMemcpyBatchAsync`` per call, copy engines only
+  (``_cuda_copy``);
+* ``signal`` / ``wait``: ``cuStreamWriteValue32`` / ``cuStreamWaitValue32``,
+  zero SMs (``_cuda_flags``);
+* ``accumulate``: one short kernel per call (``kernels/accumulate.cu``,
+  ``_cuda_accum``);
+* ``exchange`` / ``reduce_scatter_f32``: NCCL through nccl4py (``_cuda_nccl``).
+
+So TIDE-AG uses no SM at all, and TIDE-RS only the accumulate's CTAs.
+Multicast (NVSwitch) is never used; :func:`multicast_capability` reports
+whether it could be, and the backend refuses ``multicast=True`` where not.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .._dtypes import normalize
+from .._errors import TideBackendError, TideInvalid
+from ._base import Backend, Resolved
+from ._cuda_accum import Accumulator
+from ._cuda_copy import Copier
+from ._cuda_exec import CudaExecutor
+from ._cuda_flags import FlagOps
+from ._cuda_memory import IpcSymmetricBuffer
+from ._cuda_nccl import NcclLink, put_signal_capability
+
+_DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types addressable as device memory
+_DL_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 13: "cuda_managed", 10: "rocm"}
+
+
+def multicast_capability(device: int = 0) -> tuple[bool, str]:
+    """Whether NVSwitch multicast may be used on ``device``, and why (not).
+
+    Never creates a multicast object: it reads the environment and one device
+    attribute. ``NCCL_NVLS_ENABLE=0`` is an operator's statement that multicast
+    must stay off on this machine; it is honoured, never overridden.
+    """
+    if os.environ.get("NCCL_NVLS_ENABLE", "").strip() == "0":
+        return False, "NCCL_NVLS_ENABLE=0 is set: multicast is switched off on this machine"
+    try:
+        from cuda.bindings import driver as cu
+
+        cu.cuInit(0)
+        attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
+        err, value = cu.cuDeviceGetAttribute(attr, device)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            return False, f"cuDeviceGetAttribute(MULTICAST_SUPPORTED) failed: {err}"
+    except Exception as e:  # noqa: BLE001 - no cuda-bindings, or an old one without the attribute
+        return False, f"cannot query CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED ({e})"
+    if not value:
+        return False, "the device lacks CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED"
+    return True, ("supported by the device; tidearray's multicast transport is not "
+                  "implemented, copy-engine pushes are used")
+
+
+def physical_local_rank(comm: Any) -> int:
+    """This process's rank among the ranks on its host (ignores emulated topologies)."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    try:
+        return node.rank
+    finally:
+        node.Free()
+
+
+class CudaBackend(Backend):
+    """CuPy arrays on one GPU per rank; see the module docstring."""
+
+    name = "cuda"
+
+    def __init__(self, group: Any) -> None:
+        super().__init__(group)
+        self.device = -1
+        self.streams: list = []
+        self.copier: Any = None
+        self.flags: Any = None
+        self.accumulator: Any = None
+        self.nccl: Any = None
+        self.capabilities: dict[str, tuple[bool, str]] = {}
+        self._allocs: list = []
+        self._inflight: list = []
+
+    # -- start-up -------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Pick the device, make the lane streams, probe features, start NCCL. Collective."""
+        import cupy
+
+        self.xp = cupy
+        local = physical_local_rank(self.group.comm)  # collective: before anything can fail
+        err = None
+        try:
+            self._setup_device(local)
+        except Exception as e:  # noqa: BLE001 - fail together: every rank learns of any rank's failure
+            err = f"{type(e).__name__}: {e}"
+        errs = self.group.comm.allgather(err)
+        if any(errs):
+            raise TideBackendError("cuda backend setup failed: " + "; ".join(
+                f"rank {r}: {e}" for r, e in enumerate(errs) if e))
+        if self.group.topology.num_nodes > 1:
+            self.nccl = NcclLink()
+            self.nccl.setup(self.group.inter_comm)
+        self.capabilities["nccl"] = ((True, "inter-node communicator over nccl4py")
+                                     if self.nccl else (False, "single node: not needed"))
+
+    def _setup_device(self, local_rank: int) -> None:
+        import cupy
+
+        # The host's rank, not the emulated topology's: TIDE_LOCAL_SIZE=1 must not
+        # put every rank of a host on device 0.
+        self.device = local_rank % cupy.cuda.runtime.getDeviceCount()
+        cupy.cuda.Device(self.device).use()
+        try:  # cuda-bindings' runtime keeps its own notion of the current device
+            from cuda.bindings import runtime as cudart
+
+            cudart.cudaSetDevice(self.device)
+        except ImportError:
+            pass
+        # One non-blocking stream per lane: peers 0..L-1, COMPUTE, NET ([Note: streams]).
+        self.streams = [cupy.cuda.Stream(non_blocking=True)
+                        for _ in range(self.group.local_size + 2)]
+        self.copier = Copier(self.group.config.batch_copies)
+        self.flags = FlagOps(self.device)
+        sms = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
+        self.accumulator = Accumulator(self.device, sms)
+        probe_stream = self.streams[-1]
+        self.capabilities = {
+            "batched copies": self.copier.probe(probe_stream.ptr),
+            "stream memory operations": self.flags.probe(probe_stream),
+            "IPC route": (True, "legacy CUDA IPC (cudaIpcGetMemHandle / cudaIpcOpenMemHandle), "
+                                "handles over the node communicator"),
+            "multicast": multicast_capability(self.device),
+            "NCCL put/signal": put_signal_capability(),
+        }
+        if self.group.config.multicast and not self.capabilities["multicast"][0]:
+            raise TideInvalid("multicast: expected a machine that allows NVSwitch multicast, "
+                              f"got: {self.capabilities['multicast'][1]}")
+
+    def close(self) -> None:
+        if self.nccl is not None:
+            self.synchronize()
+            self.nccl.close()
+            self.nccl = None
+        self._allocs, self._inflight = [], []
+
+    # -- arrays and memory ----------------------------------------------------
+
+    def resolve(self, obj: Any) -> Resolved:
+        """A CuPy view of ``obj`` on this rank's device: CuPy as is, else DLPack or CAI."""
+        import cupy
+
+        arr = obj if isinstance(obj, cupy.ndarray) else self._import(obj)
+        dev = arr.data.device_id if arr.size else self.device
+        if dev != self.device:
+            raise TideInvalid(f"expected an array on cuda:{self.device} (this rank's device), "
+                              f"got one on cuda:{dev}")
+        return Resolved(arr, arr.data.ptr, arr.nbytes, tuple(arr.shape), normalize(arr.dtype),
+                        bool(arr.flags.c_contiguous))
+
+    def _import(self, obj: Any) -> Any:
+        import cupy
+
+        where = type(obj).__name__
+        if hasattr(obj, "__dlpack_device__"):
+            kind, dev = obj.__dlpack_device__()
+            kind = int(kind)
+            if kind not in (_DL_CUDA, _DL_CUDA_MANAGED) or int(dev) != self.device:
+                raise TideInvalid(
+                    f"expected an array on cuda:{self.device} (this rank's device), got "
+                    f"{where} on {_DL_NAMES.get(kind, kind)}:{int(dev)}")
+        if hasattr(obj, "__dlpack__"):
+            try:
+                return cupy.from_dlpack(obj)
+            except Exception as e:  # noqa: BLE001 - BufferError, TypeError, unsupported dtype
+                if not hasattr(obj, "__cuda_array_interface__"):
+                    raise TideInvalid(f"expected a device array CuPy can import by DLPack, "
+                                      f"got {where} ({e})") from None
+        if hasattr(obj, "__cuda_array_interface__"):
+            return cupy.asarray(obj)
+        raise TideInvalid(f"expected a CuPy array or a device array with __dlpack__ or "
+                          f"__cuda_array_interface__ on cuda:{self.device}, got {where}")
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        import cupy
+
+        arr = cupy.empty(shape, normalize(dtype))
+        self._allocs.append(arr)  # kept until the next collective's work is done
+        return arr
+
+    def alloc_symmetric(self, nbytes: int) -> IpcSymmetricBuffer:
+        return IpcSymmetricBuffer(self.group.node_comm, nbytes, self.device)
+
+    def executor(self, stream: Any = None) -> CudaExecutor:
+        return CudaExecutor(self, stream)
+
+    def retire(self, events: list) -> None:
+        """Hold buffers allocated since the last collective until ``events`` fire.
+
+        See [Note: buffer lifetimes] in ``_cuda_exec``.
+        """
+        self._inflight = [(evs, bufs) for evs, bufs in self._inflight
+                          if not all(ev.done for ev in evs)]
+        if self._allocs:
+            self._inflight.append((events, self._allocs))
+            self._allocs = []
+
+    def synchronize(self) -> None:
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()
