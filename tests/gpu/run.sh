@@ -17,7 +17,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-MPI=(timeout 300 mpirun --allow-run-as-root --oversubscribe -x PYTHONPATH -x PYTHONUNBUFFERED
+T=${TIDE_GPU_TIMEOUT:-300}
+MPI=(timeout "$T" mpirun --allow-run-as-root --oversubscribe -x PYTHONPATH -x PYTHONUNBUFFERED
      -x XLA_PYTHON_CLIENT_PREALLOCATE -x TIDE_BACKEND=cuda)
 PYTEST=(python3 -m pytest --with-mpi -q -p no:cacheprovider -x)
 status=0
@@ -31,7 +32,7 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember failures
     [ "$rc" -eq 0 ] || status=1
 }
 
-step info timeout 120 mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x TIDE_BACKEND=cuda \
+step info timeout "$T" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x TIDE_BACKEND=cuda \
     python3 -m tidearray.info
 step np2 "${MPI[@]}" -n 2 "${PYTEST[@]}" tests
 step np1 "${MPI[@]}" -n 1 "${PYTEST[@]}" tests
