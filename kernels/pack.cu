@@ -1,0 +1,126 @@
+// Fused multi-tensor copies for the `stock`, `symm` and `nccl-bf16` baselines.
+//
+// FSDP2 does its layout conversion with one fused kernel per unit
+// (all_gather_copy_in / _foreach_copy_, split_with_sizes_copy, _chunk_cat); a
+// Python loop of per-parameter copies would be launch-bound and make the
+// baselines look slower than they are. These kernels do the same work from a
+// segment table that is built and uploaded once per unit:
+//
+//   copy-in   shard p                    -> flat[rank][off_p]
+//   copy-out  flat[r][off_p] (valid rows) -> param p rows of rank r
+//   chunk-cat grad p rows of rank r        -> flat32[r][off_p], padding rows zero
+//
+// A segment is (dst, src, valid, total, tile0): copy `valid` units from src,
+// write zeros for units [valid, total), where a unit is a byte (pack_bytes) or
+// a bf16 element (pack_bf16_f32). Segments are cut into fixed tiles; `tile0`
+// is the segment's first tile in the table-wide tile index, increasing, so a
+// CTA finds its segment by binary search. Segments with total == 0 are left
+// out of the table. Copies use 16-byte vectors when the segment is aligned.
+
+typedef unsigned long long u64;
+typedef long long i64;
+
+struct Seg {
+    u64 dst;
+    u64 src;
+    i64 valid;
+    i64 total;
+    i64 tile0;
+};
+
+#define BYTES_TILE 65536
+#define CVT_TILE 16384
+
+__device__ __forceinline__ i64 imin(i64 a, i64 b) { return a < b ? a : b; }
+__device__ __forceinline__ i64 imax(i64 a, i64 b) { return a > b ? a : b; }
+
+__device__ __forceinline__ int find_seg(const Seg* segs, int nseg, i64 tile) {
+    int lo = 0, hi = nseg - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (segs[mid].tile0 <= tile) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+// Copies bytes [begin, vend) with 16-byte vectors, four in flight per thread.
+__device__ __forceinline__ void copy_vec16(char* __restrict__ dst, const char* __restrict__ src,
+                                           i64 begin, i64 vend) {
+    const i64 step = (i64)blockDim.x * 16;
+    i64 i = begin + (i64)threadIdx.x * 16;
+    for (; i + 3 * step < vend; i += 4 * step) {
+        uint4 a = *(const uint4*)(src + i);
+        uint4 b = *(const uint4*)(src + i + step);
+        uint4 c = *(const uint4*)(src + i + 2 * step);
+        uint4 d = *(const uint4*)(src + i + 3 * step);
+        *(uint4*)(dst + i) = a;
+        *(uint4*)(dst + i + step) = b;
+        *(uint4*)(dst + i + 2 * step) = c;
+        *(uint4*)(dst + i + 3 * step) = d;
+    }
+    for (; i < vend; i += step) *(uint4*)(dst + i) = *(const uint4*)(src + i);
+}
+
+extern "C" __global__ void pack_bytes(const Seg* __restrict__ segs, int nseg, i64 ntiles) {
+    __shared__ int s_seg;
+    for (i64 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+        if (threadIdx.x == 0) s_seg = find_seg(segs, nseg, tile);
+        __syncthreads();
+        const Seg sg = segs[s_seg];
+        __syncthreads();
+        char* dst = (char*)sg.dst;
+        const char* src = (const char*)sg.src;
+        const i64 begin = (tile - sg.tile0) * BYTES_TILE;
+        const i64 end = imin(begin + BYTES_TILE, sg.total);
+        const i64 vend = imin(end, sg.valid);
+        i64 scalar_from = begin;
+        if (((sg.dst | sg.src) & 15) == 0 && vend > begin) {
+            scalar_from = begin + ((vend - begin) & ~15LL);
+            copy_vec16(dst, src, begin, scalar_from);
+        }
+        for (i64 i = scalar_from + threadIdx.x; i < vend; i += blockDim.x) dst[i] = src[i];
+        for (i64 i = imax(begin, sg.valid) + threadIdx.x; i < end; i += blockDim.x) dst[i] = 0;
+    }
+}
+
+__device__ __forceinline__ float bf16_to_f32(unsigned short x) {
+    return __uint_as_float(((unsigned int)x) << 16);
+}
+
+__device__ __forceinline__ float4 lo4(uint4 v) {
+    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                       __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+}
+
+__device__ __forceinline__ float4 hi4(uint4 v) {
+    return make_float4(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u),
+                       __uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
+}
+
+// bf16 -> fp32 with zero padding (FSDP2's _chunk_cat into an fp32 reduce-scatter input).
+extern "C" __global__ void pack_bf16_f32(const Seg* __restrict__ segs, int nseg, i64 ntiles) {
+    __shared__ int s_seg;
+    for (i64 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+        if (threadIdx.x == 0) s_seg = find_seg(segs, nseg, tile);
+        __syncthreads();
+        const Seg sg = segs[s_seg];
+        __syncthreads();
+        float* dst = (float*)sg.dst;
+        const unsigned short* src = (const unsigned short*)sg.src;
+        const i64 begin = (tile - sg.tile0) * CVT_TILE;
+        const i64 end = imin(begin + CVT_TILE, sg.total);
+        const i64 vend = imin(end, sg.valid);
+        i64 scalar_from = begin;
+        if ((sg.src & 15) == 0 && (sg.dst & 15) == 0 && vend > begin) {
+            scalar_from = begin + ((vend - begin) & ~7LL);
+            for (i64 i = begin + (i64)threadIdx.x * 8; i < scalar_from; i += (i64)blockDim.x * 8) {
+                uint4 v = *(const uint4*)(src + i);
+                *(float4*)(dst + i) = lo4(v);
+                *(float4*)(dst + i + 4) = hi4(v);
+            }
+        }
+        for (i64 i = scalar_from + threadIdx.x; i < vend; i += blockDim.x)
+            dst[i] = bf16_to_f32(src[i]);
+        for (i64 i = imax(begin, sg.valid) + threadIdx.x; i < end; i += blockDim.x) dst[i] = 0.f;
+    }
+}

@@ -1,0 +1,163 @@
+"""The device the benchmark runs on: arrays, streams, timers, memory readings.
+
+Two kinds, chosen by the tidearray group's backend:
+
+* :class:`HostDevice` (NumPy): wall-clock timers; no streams, SMs or device memory.
+* :class:`CudaDevice` (CuPy): one timing stream per process, CUDA-event timers,
+  ``cudaMemGetInfo`` readings, the SM count, and a bf16 GEMM for interference runs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+
+class WallTimer:
+    """``start``/``stop`` on the host clock; ``seconds()`` after ``stop``."""
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        self._t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self._t1 - self._t0
+
+
+class EventTimer:
+    """CUDA events recorded on ``stream``; ``seconds()`` waits for the end event."""
+
+    def __init__(self, stream: Any) -> None:
+        import cupy
+
+        self.stream = stream
+        self._e0, self._e1 = cupy.cuda.Event(), cupy.cuda.Event()
+
+    def start(self) -> None:
+        self._e0.record(self.stream)
+
+    def stop(self) -> None:
+        self._e1.record(self.stream)
+
+    def seconds(self) -> float:
+        import cupy
+
+        self._e1.synchronize()
+        return cupy.cuda.get_elapsed_time(self._e0, self._e1) * 1e-3
+
+
+class HostDevice:
+    """CPU processes under MPI (the host backend)."""
+
+    name = "host"
+    xp = np
+    num_sms: Optional[int] = None
+    stream: Any = None
+
+    def describe(self) -> dict:
+        import platform
+
+        return {"device": platform.processor() or platform.machine(), "backend": "host"}
+
+    def sync(self) -> None:
+        pass
+
+    def timer(self) -> WallTimer:
+        return WallTimer()
+
+    def mem_used(self) -> Optional[int]:
+        return None
+
+    def release_pools(self) -> None:
+        import gc
+
+        gc.collect()
+
+    def pool_bytes(self) -> Optional[int]:
+        return None
+
+
+class CudaDevice:
+    """One GPU per process (the cuda backend), timed on a private stream."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.xp = cupy
+        self.dev = cupy.cuda.Device()
+        self.num_sms = int(self.dev.attributes["MultiProcessorCount"])
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.side_stream = cupy.cuda.Stream(non_blocking=True)
+
+    def describe(self) -> dict:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        props = rt.getDeviceProperties(self.dev.id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        return {"device": name, "backend": "cuda", "sms": self.num_sms,
+                "driver": rt.driverGetVersion(), "runtime": rt.runtimeGetVersion(),
+                "cupy": cupy.__version__, "mem_total": rt.memGetInfo()[1]}
+
+    def sync(self) -> None:
+        self.dev.synchronize()
+
+    def timer(self, stream: Any = None) -> EventTimer:
+        return EventTimer(stream or self.stream)
+
+    def mem_used(self) -> int:
+        """Device bytes in use by anyone (``total - free`` of ``cudaMemGetInfo``)."""
+        import cupy
+
+        self.sync()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        return total - free
+
+    def release_pools(self) -> None:
+        import gc
+
+        import cupy
+
+        gc.collect()
+        self.sync()
+        cupy.get_default_memory_pool().free_all_blocks()
+
+    def pool_bytes(self) -> int:
+        import cupy
+
+        return int(cupy.get_default_memory_pool().total_bytes())
+
+    def gemm(self, m: int, n: int, k: int) -> Callable[[], None]:
+        """A bf16 ``(m, k) @ (k, n)`` product on the side stream (cuBLAS via CuPy)."""
+        import cupy
+
+        from .._dtypes import bfloat16
+
+        with self.side_stream:
+            a = (cupy.random.standard_normal((m, k), dtype=cupy.float32) * 0.01).astype(bfloat16)
+            b = (cupy.random.standard_normal((k, n), dtype=cupy.float32) * 0.01).astype(bfloat16)
+            c = cupy.empty((m, n), bfloat16)
+        stream = self.side_stream
+
+        def run() -> None:
+            with stream:
+                cupy.matmul(a, b, out=c)
+
+        def run_alloc() -> None:  # where CuPy's matmul takes no bf16 out=
+            with stream:
+                cupy.matmul(a, b)
+        try:
+            run()
+        except (TypeError, ValueError, NotImplementedError):
+            return run_alloc
+        return run
+
+
+def make_device(backend_name: str) -> Any:
+    return CudaDevice() if backend_name == "cuda" else HostDevice()

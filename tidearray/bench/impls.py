@@ -1,0 +1,223 @@
+"""The implementation registry, and the implementations that need no NCCL.
+
+Every implementation answers ``setup(data) -> Prepared``: buffers and tables are
+made once per unit (outside timing), and the returned closures each issue one
+collective on the timing stream. ``phases`` are the pieces of a collective, run
+alone for breakdowns and SM time.
+
+Registered here: ``tide`` (both backends) and the host-backend ``stock``
+(NumPy copy-in/out around flat MPI collectives). The NCCL baselines are in
+``impls_nccl.py``, the PyTorch cross-checks in ``impls_torch.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from .._dtypes import bfloat16, float32
+from . import pack
+from .data import UnitData, as_f32_shards
+
+#: Names in report order.
+ORDER = ("tide", "stock", "symm", "nccl-bf16", "stock-torch", "fsdp2")
+_REGISTRY: dict[str, list[type]] = {}
+
+
+class Skip(Exception):
+    """Raised by ``setup``/``open`` when an implementation cannot run here (recorded, not fatal)."""
+
+
+@dataclass
+class Phase:
+    """One piece of a collective, runnable alone.
+
+    ``kind`` says how it uses SMs: ``kernel`` (``ctas`` CTAs), ``nccl`` (one CTA
+    per NCCL channel), ``nccl-ce`` / ``ce`` (copy engines, no CTA), ``host``.
+    """
+
+    fn: Callable[[], Any]
+    kind: str
+    ctas: Optional[int] = None
+    note: str = ""
+    #: False for reference measurements that are not part of the collective.
+    part: bool = True
+
+
+@dataclass
+class Prepared:
+    """One implementation set up for one unit."""
+
+    ag: Optional[Callable[[], Any]] = None
+    rs: Optional[Callable[[], Any]] = None
+    ag_out: Optional[Callable[[], list]] = None
+    rs_out: Optional[Callable[[], list]] = None
+    phases: dict[str, Phase] = field(default_factory=dict)
+    accounted_nbytes: int = 0
+    release: Callable[[], None] = lambda: None
+    #: Untimed work before each timed iteration of an op (e.g. FSDP2's unshard before RS).
+    pre: dict[str, Callable[[], None]] = field(default_factory=dict)
+
+
+class Impl:
+    """Base class: a named way to all-gather and reduce-scatter a unit."""
+
+    name = "?"
+    backends: tuple[str, ...] = ("host", "cuda")
+    description = ""
+    #: Collectives it times as a whole (phase-only cross-checks have none).
+    ops: tuple[str, ...] = ("ag", "rs")
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def unavailable(self) -> Optional[str]:
+        """Why this implementation cannot run here (same answer on every rank), or None."""
+        return None
+
+    def open(self) -> None:
+        """Collective start-up (communicators); called once per suite."""
+
+    def close(self) -> None:
+        """Release what ``open`` made (collective)."""
+
+    def setup(self, data: UnitData) -> Prepared:
+        raise NotImplementedError
+
+
+def register(cls: type) -> type:
+    _REGISTRY.setdefault(cls.name, []).append(cls)
+    return cls
+
+
+def names() -> list[str]:
+    _load_all()
+    return [n for n in ORDER if n in _REGISTRY] + sorted(set(_REGISTRY) - set(ORDER))
+
+
+def make(ctx: Any, name: str) -> tuple[Optional[Impl], str]:
+    """The implementation ``name`` for this backend, or (None, why not)."""
+    _load_all()
+    for cls in _REGISTRY.get(name, []):
+        if ctx.dev.name in cls.backends:
+            impl = cls(ctx)
+            why = impl.unavailable()
+            return (None, why) if why else (impl, "")
+    if name not in _REGISTRY:
+        return None, f"unknown implementation {name!r} (known: {', '.join(names())})"
+    return None, f"no implementation for the {ctx.dev.name} backend"
+
+
+def _load_all() -> None:
+    from . import impls_nccl, impls_torch  # noqa: F401  (they register themselves)
+
+
+@register
+class Tide(Impl):
+    """tidearray.all_gather / reduce_scatter into a pre-created slot and staging region."""
+
+    name = "tide"
+    description = "TIDE-AG / TIDE-RS (tidearray), slot and staging made once"
+
+    def unavailable(self) -> Optional[str]:
+        be = self.ctx.group.backend.name
+        if be != self.ctx.dev.name:
+            return self.ctx.group_note or f"tidearray runs on {be}, not {self.ctx.dev.name}"
+        return None
+
+    def setup(self, data: UnitData) -> Prepared:
+        import tidearray as ta
+
+        from .._layout import plan_reduce_scatter, plan_unit
+
+        ctx, g = self.ctx, self.ctx.group
+        shapes, xp, stream = data.unit.shapes, ctx.dev.xp, ctx.dev.stream
+        cfg = g.config
+        rs_plan = plan_reduce_scatter(plan_unit(shapes, 2, g.size), g.topology,
+                                      cfg.chunk_nbytes, cfg.depth)
+        slot = ta.Region(g, ta.unit_nbytes(shapes, bfloat16, group=g))
+        staging = ta.Region(g, rs_plan.staging_nbytes)  # the default staging size
+        outs = [xp.empty(s.shard_shape, float32) for s in data.specs]
+        last: dict[str, Any] = {}
+
+        def ag() -> None:
+            last["ag"] = ta.all_gather(data.shards, shapes, group=g, slot=slot, stream=stream)
+
+        def rs() -> None:
+            ta.reduce_scatter(data.grads, op="avg", out=outs, group=g, staging=staging,
+                              stream=stream)
+
+        def release() -> None:
+            last.clear()
+            slot.free()
+            staging.free()
+
+        phases = {}
+        if ctx.dev.name == "cuda":
+            from .tide_phases import accumulate_phase, peer_copy_phase
+
+            phases["ag.peer_copy"] = peer_copy_phase(ctx, data, slot)
+            acc = accumulate_phase(ctx, data, rs_plan, staging, outs)
+            if acc is not None:
+                phases["rs.accumulate"] = acc
+        return Prepared(ag, rs, lambda: last["ag"], lambda: outs, phases,
+                        slot.nbytes + staging.nbytes + sum(o.nbytes for o in outs), release)
+
+
+@register
+class HostStock(Impl):
+    """FSDP2's path on CPUs: NumPy copy-in, flat MPI Allgather, copy-out; pack to fp32 and
+    MPI Reduce_scatter_block (sum, then scaled)."""
+
+    name = "stock"
+    backends = ("host",)
+    description = "copy-in + flat MPI Allgather + copy-out; fp32 pack + MPI Reduce_scatter"
+
+    def open(self) -> None:
+        self.comm = self.ctx.comm.Dup()
+
+    def close(self) -> None:
+        self.comm.Free()
+
+    def setup(self, data: UnitData) -> Prepared:
+        from mpi4py import MPI
+
+        comm, W, me = self.comm, data.world, data.rank
+        lay = pack.flat_layout(data.unit.shapes, W)
+        flat = np.empty(lay.total_numel, bfloat16)
+        params = [np.empty(s.shape, bfloat16) for s in data.specs]
+        fp = flat.ctypes.data
+        copy_in = pack.HostCopy(pack.copy_in_segs(lay, [a.ctypes.data for a in data.shards], fp,
+                                                  me, 2), "bytes")
+        copy_out = pack.HostCopy(pack.copy_out_segs(lay, fp, [a.ctypes.data for a in params], 2),
+                                 "bytes")
+        rs_in = np.empty(lay.total_numel, float32)
+        rs_out = np.empty(lay.block_numel, float32)
+        chunk_cat = pack.HostCopy(pack.chunk_cat_segs(lay, [g.ctypes.data for g in data.grads],
+                                                      rs_in.ctypes.data, 2, 4), "bf16_f32")
+        inv_w = np.float32(1.0 / W)
+
+        def gather() -> None:
+            comm.Allgather(MPI.IN_PLACE, [flat.view(np.uint8), MPI.BYTE])
+
+        def reduce() -> None:
+            comm.Reduce_scatter_block(rs_in, rs_out, op=MPI.SUM)
+            np.multiply(rs_out, inv_w, out=rs_out)
+
+        def ag() -> None:
+            copy_in()
+            gather()
+            copy_out()
+
+        def rs() -> None:
+            chunk_cat()
+            reduce()
+
+        phases = {"ag.copy_in": Phase(copy_in, "host"), "ag.collective": Phase(gather, "host"),
+                  "ag.copy_out": Phase(copy_out, "host"), "rs.pack": Phase(chunk_cat, "host"),
+                  "rs.collective": Phase(reduce, "host")}
+        outs = as_f32_shards(np, rs_out, lay.offsets, data.specs)
+        nbytes = flat.nbytes + sum(p.nbytes for p in params) + rs_in.nbytes + rs_out.nbytes
+        return Prepared(ag, rs, lambda: params, lambda: outs, phases, nbytes)

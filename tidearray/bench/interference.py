@@ -1,0 +1,146 @@
+"""The ``interference`` suite: how much a collective slows a GEMM running beside it.
+
+A bf16 GEMM runs on a side stream while an implementation's collective loops on
+the timing stream (every rank does the same). Each GEMM and each group of
+collectives is bracketed by CUDA events; a GEMM counts as "under the
+collective" when at least 95% of it overlaps the union of the collectives'
+intervals. Slowdown = median GEMM time under the collective / median GEMM time
+alone - 1. GEMMs: the single-wave 1024x2048x16384 and 8192^3 (M x N x K).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+from .data import UnitData
+from .harness import Suite, guarded, prepare, release
+from .timing import measure
+
+GEMMS = {"gemm-1024x2048x16384": (1024, 2048, 16384), "gemm-8192^3": (8192, 8192, 8192)}
+OVERLAP = 0.95
+
+
+def run(ctx: Any, unit: Any) -> None:
+    if ctx.dev.name != "cuda":
+        ctx.sink.skip("interference", "*", unit.name, "needs a GPU (cuda device)")
+        ctx.log("== interference: skipped (needs a GPU)")
+        return
+    a = ctx.args
+    ctx.log(f"== interference: {unit.label}, GEMMs {', '.join(GEMMS)}")
+    gemms = {}
+    for name, (m, n, k) in GEMMS.items():
+        ok, fn = guarded(ctx, "interference", "gemm", unit.name, name,
+                         lambda m=m, n=n, k=k: ctx.dev.gemm(m, n, k))
+        if not ok:
+            continue
+        ok, st = guarded(ctx, "interference", "none", unit.name, name,
+                         lambda fn=fn: measure(ctx, fn, iters=a.iters, warmup=a.warmup,
+                                         stream=ctx.dev.side_stream))
+        if ok:
+            gemms[name] = (fn, st.median)
+            ctx.sink.add("interference", "none", unit.name, f"{name}:alone", st.median, "s")
+            ctx.log(f"  {name} alone: {st.median * 1e6:.1f} us")
+    data = UnitData(unit, ctx.dev.xp, ctx.rank, ctx.size)
+    with Suite(ctx, "interference") as suite:
+        for impl in suite.impls:
+            prep = prepare(ctx, "interference", impl, data)
+            if prep is None:
+                continue
+            try:
+                for op in ("ag", "rs"):
+                    coll = getattr(prep, op)
+                    if coll is None or prep.pre.get(op):
+                        continue
+                    ok, st = guarded(ctx, "interference", impl.name, unit.name, f"{op} alone",
+                                     lambda c=coll: measure(ctx, c, iters=5, warmup=2))
+                    if not ok:
+                        continue
+                    for gname, (gemm, alone) in gemms.items():
+                        _one(ctx, impl.name, op, unit, coll, st.median, gname, gemm, alone)
+            finally:
+                release(ctx, "interference", impl, data, prep)
+    del data
+    ctx.dev.release_pools()
+
+
+def _one(ctx: Any, impl: str, op: str, unit: Any, coll: Any, coll_t: float, gname: str,
+         gemm: Any, alone: float) -> None:
+    ok, res = guarded(ctx, "interference", impl, unit.name, f"{op} + {gname}",
+                      lambda: gemm_under(ctx, coll, coll_t, gemm, alone))
+    if not ok:
+        return
+    under, n_under, n_total = res
+    counts = ctx.comm.allgather(n_under)
+    metric = f"{op}:{gname}"
+    if under is None or min(counts) < 3:
+        ctx.sink.add("interference", impl, unit.name, metric, None, status="error",
+                     reason=f"too few GEMMs overlapped the collective ({counts} of {n_total})")
+        return
+    under = float(np.max(ctx.comm.allgather(under)))
+    slow = under / alone - 1.0
+    ctx.sink.add("interference", impl, unit.name, metric, slow, "fraction", alone_s=alone,
+                 under_s=under, gemms_overlapped=min(counts), gemms=n_total,
+                 collective_alone_s=coll_t)
+    ctx.log(f"  {impl:<12} {op} + {gname}: {alone * 1e6:.1f} -> {under * 1e6:.1f} us "
+            f"({slow * 100:+.1f}%)")
+
+
+def gemm_under(ctx: Any, coll: Any, coll_t: float, gemm: Any, gemm_t: float,
+               rounds: int = 24) -> tuple[Optional[float], int, int]:
+    """Median GEMM time while ``coll`` loops; (median, GEMMs counted, GEMMs run)."""
+    import cupy
+
+    dev = ctx.dev
+    cs, gs = dev.stream, dev.side_stream
+    n_coll = max(1, math.ceil(gemm_t / coll_t))
+    n_gemm = max(1, int(n_coll * coll_t / gemm_t))
+    ev = cupy.cuda.Event
+    origin = ev()
+    marks_c, marks_g = [], []
+    dev.sync()
+    ctx.comm.Barrier()
+    origin.record(cs)
+    coll()  # a head start, so the GEMMs begin under a collective
+    for _ in range(rounds):
+        a, b = ev(), ev()
+        a.record(cs)
+        for _ in range(n_coll):
+            coll()
+        b.record(cs)
+        marks_c.append((a, b))
+        for _ in range(n_gemm):
+            c, d = ev(), ev()
+            c.record(gs)
+            gemm()
+            d.record(gs)
+            marks_g.append((c, d))
+    dev.sync()
+
+    def t(e: Any) -> float:
+        return cupy.cuda.get_elapsed_time(origin, e) * 1e-3
+
+    busy = _union([(t(a), t(b)) for a, b in marks_c])
+    durations = []
+    for c, d in marks_g:
+        s, e = t(c), t(d)
+        if e > s and _covered(s, e, busy) >= OVERLAP * (e - s):
+            durations.append(e - s)
+    med = float(np.median(durations)) if durations else None
+    return med, len(durations), len(marks_g)
+
+
+def _union(iv: list) -> list:
+    out: list = []
+    for s, e in sorted(iv):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _covered(s: float, e: float, busy: list) -> float:
+    return sum(max(0.0, min(e, b) - max(s, a)) for a, b in busy)

@@ -1,0 +1,204 @@
+"""``report``: markdown tables, PNG plots and the targets table, rebuilt from JSON records.
+
+``python -m tidearray.bench report --json run.jsonl [--json more.jsonl] --docs DIR``
+writes ``DIR/README.md`` and ``DIR/*.png``. The terminal summary of a run uses
+the same tables (:func:`summary`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import plots, targets
+from .impls import ORDER
+from .records import load
+from .tables import Results, grid, markdown, mib, num, phase_table, us
+
+DEFINITIONS = """\
+* **time**: median over the timed iterations of the per-iteration maximum over
+  ranks; each iteration starts after a barrier, with the GPU idle, and is timed with
+  CUDA events on the issuing stream (wall clock on the host backend).
+* **bandwidth**: per rank, `(W-1)/W` of the unit's bf16 bytes divided by the time
+  (the same numerator for every implementation, so ratios of bandwidths are ratios
+  of times; a baseline's fp32 traffic is part of its cost).
+* **speedup**: `stock` time / implementation time, same run, same unit.
+* **phase**: one piece of a collective, timed alone (copy-in, NCCL call, copy-out,
+  pack, TIDE's accumulate; `peer_copy` is a reference, not a piece: one plain
+  `cudaMemcpyAsync` of TIDE-AG's bytes to the peer).
+* **SM time**: sum over a collective's pieces of time x CTAs / SMs (CTAs capped at
+  the SM count). Our kernels: their grid. NCCL: one CTA per channel, the channel
+  count read from NCCL's INIT log. Copy engines: zero.
+* **GEMM slowdown**: median time of the GEMMs that overlapped the looping
+  collective (>= 95% of their duration) over the GEMM's median time alone, minus 1.
+* **memory**: largest rise of used device memory (`cudaMemGetInfo`) over the
+  baseline taken after the inputs were made and pools emptied, with fresh NCCL
+  communicators; includes NCCL's buffers, symmetric memory and the CuPy pool.
+  `accounted` sums the buffers the path allocates itself.
+* **RS error**: max |out - ref| / max |ref| against an fp64 reference of the
+  average (normwise); elementwise relative error in the JSON.
+"""
+
+
+def build(json_paths: list[str], docs: str) -> str:
+    """Write ``docs/README.md`` and plots from the records; returns the README path."""
+    res = Results(load(json_paths))
+    os.makedirs(docs, exist_ok=True)
+    pngs = [p for p in (f(res, docs) for f in plots.ALL) if p]
+    text = render(res, pngs)
+    path = os.path.join(docs, "README.md")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def render(res: Results, pngs: list[str]) -> str:
+    out = ["# tidearray benchmarks\n", _provenance(res)]
+    rows = targets.evaluate(res)
+    out += ["## Targets (issue 4)\n", markdown(targets.table(rows))]
+    misses = [r for r in rows if r.met is False]
+    if misses:
+        out.append("### Why the missed targets were missed (measured in the same run)\n")
+        out += [f"* **{r.target}, {r.workload}**: {r.why}\n" for r in misses]
+    out.append(_units_section(res))
+    out.append(_detail_section(res))
+    out.append(_interference_section(res))
+    out.append(_memory_section(res))
+    out.append(_sweep_section(res))
+    out += [f"![{p}]({p})\n" for p in pngs]
+    out += ["## Definitions\n", DEFINITIONS, _problems(res)]
+    return "\n".join(out)
+
+
+def _provenance(res: Results) -> str:
+    runs = res.runs()
+    if not runs:
+        return "_No run metadata._\n"
+    lines = ["Made by:\n", "```"]
+    seen = set()
+    for r in runs:
+        ex = r.get("extra") or {}
+        cmd = f"mpirun -n {ex.get('world')} {ex.get('argv')}"
+        if cmd not in seen:
+            seen.add(cmd)
+            lines.append(cmd)
+    lines.append("```\n")
+    ex = runs[-1].get("extra") or {}
+    keys = ("device", "sms", "backend", "group", "nccl", "mpi", "cupy", "driver", "runtime",
+            "host", "tidearray", "group_note")
+    lines += [f"* {k}: `{ex[k]}`" for k in keys if ex.get(k) not in (None, "")]
+    lines.append(f"* runs: {', '.join(sorted({r['run'] for r in runs}))}\n")
+    return "\n".join(lines)
+
+
+def _units_section(res: Results) -> str:
+    out = ["## Model units (one FSDP unit per collective)\n"]
+    for suite, name in (("ag", "All-gather"), ("rs", "Reduce-scatter (bf16 grads -> fp32)")):
+        ws = res.workloads(suite, "unit")
+        if not ws:
+            continue
+        out += [f"### {name}: median time (us)\n", markdown(grid(res, suite, "time", ws, us)),
+                f"### {name}: speedup vs stock\n",
+                markdown(grid(res, suite, "speedup_vs_stock", ws, lambda v: num(v) + "x")),
+                f"### {name}: per-rank bandwidth (GB/s)\n",
+                markdown(grid(res, suite, "bandwidth", ws, lambda v: num(v, "{:.0f}")))]
+        if suite == "rs":
+            out += ["### Reduce-scatter error vs fp64 (normwise max relative)\n",
+                    markdown(grid(res, "rs", "rs_error", ws, lambda v: num(v, "{:.1e}")))]
+        else:
+            out += ["### All-gather output bitwise equal to the reference (1 = yes)\n",
+                    markdown(grid(res, "ag", "correct", ws, lambda v: num(v, "{:.0f}")))]
+    return "\n".join(out)
+
+
+def _detail_section(res: Results) -> str:
+    out = ["## Breakdowns and SM time\n"]
+    for suite in ("ag", "rs"):
+        ws = res.workloads(suite, "unit")
+        if ws:
+            out += [f"### {suite.upper()} phases, each timed alone\n",
+                    markdown(phase_table(res, suite, ws)),
+                    f"### {suite.upper()} SM time (us)\n",
+                    markdown(grid(res, suite, "sm_time", ws, us))]
+    return "\n".join(out)
+
+
+def _interference_section(res: Results) -> str:
+    metrics = sorted({k[3] for k in res.by_key if k[0] == "interference" and ":" in k[3]
+                      and not k[3].endswith(":alone")})
+    if not metrics:
+        return ""
+    unit = next(iter(res.workloads("interference")), "")
+    head = ["impl"] + metrics
+    rows = []
+    for impl in res.impls("interference"):
+        cells = [impl]
+        for m in metrics:
+            r = res.get("interference", impl, unit, m)
+            v = None if r is None else r.get("value")
+            cells.append("-" if v is None else f"{v * 100:+.1f}%")
+        rows.append(cells)
+    alone = [f"{k[3].split(':')[0]} alone {us(r['value'])} us" for k, r in res.by_key.items()
+             if k[0] == "interference" and k[3].endswith(":alone")]
+    return "\n".join([f"## GEMM slowdown while the collective loops ({unit})\n",
+                      "; ".join(alone) + "\n", markdown((head, rows))])
+
+
+def _memory_section(res: Results) -> str:
+    ws = res.workloads("memory")
+    if not ws:
+        return ""
+    out = ["## Device memory beyond the inputs (MiB per rank)\n"]
+    for metric in ("peak", "accounted"):
+        t = grid(res, "memory", metric, ws, mib)
+        if any(c not in ("", "-") for row in t[1] for c in row[1:]):
+            out += [f"### {metric}\n", markdown(t)]
+    return "\n".join(out)
+
+
+def _sweep_section(res: Results) -> str:
+    out = []
+    for kind, title in (("size", "Size sweep (8 equal parameters)"),
+                        ("count", "Parameter-count sweep (256 MiB)")):
+        for suite in ("ag", "rs"):
+            ws = res.workloads(suite, kind)
+            if ws:
+                out += [f"## {title}: {suite.upper()} per-rank bandwidth (GB/s)\n",
+                        markdown(grid(res, suite, "bandwidth", ws, lambda v: num(v, "{:.0f}")))]
+    return "\n".join(out)
+
+
+def _problems(res: Results) -> str:
+    probs = res.problems()
+    if not probs:
+        return ""
+    rows = [[r["suite"], r["impl"], r["workload"], r["status"], r.get("reason", "")]
+            for r in probs]
+    return "## Skipped and failed\n\n" + markdown((["suite", "impl", "workload", "status",
+                                                    "reason"], rows))
+
+
+def summary(ctx: Any) -> str:
+    """The end-of-run terminal table, from this run's records."""
+    res = Results(ctx.sink.records)
+    out = []
+    for suite in ("ag", "rs"):
+        ws = res.workloads(suite)
+        if ws:
+            out += [f"{suite.upper()} median time (us)", markdown(grid(res, suite, "time", ws, us)),
+                    f"{suite.upper()} speedup vs stock",
+                    markdown(grid(res, suite, "speedup_vs_stock", ws, lambda v: num(v) + "x"))]
+    if any(k[0] == "interference" for k in res.by_key):
+        out.append(_interference_section(res))
+    if res.workloads("memory"):
+        out.append(_memory_section(res))
+    rows = targets.evaluate(res)
+    if any(r.met is not None for r in rows):
+        out += ["Targets", markdown(targets.table([r for r in rows if r.met is not None]))]
+    probs = res.problems()
+    if probs:
+        out.append(f"{len(probs)} skipped/failed entries (see the JSON records)")
+    return "\n".join(out)
+
+
+__all__ = ["build", "render", "summary", "ORDER"]

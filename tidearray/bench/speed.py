@@ -1,0 +1,166 @@
+"""The ``ag`` and ``rs`` suites: time, bandwidth, ratio to ``stock``, correctness,
+breakdowns and SM time.
+
+For every workload, the inputs are made once and every implementation is set
+up, timed (median over the iterations; see ``timing``), checked (AG: bitwise
+against the reference parameters; RS: error against an fp64 reference), and
+released. For the model units, each phase of each implementation is also
+timed alone (``phase:<name>``) and turned into SM time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from . import nccl
+from .data import UnitData, recv_nbytes
+from .harness import Suite, guarded, prepare, release
+from .timing import measure
+
+OPS = ("ag", "rs")
+
+
+def run(ctx: Any, op: str, workloads: list) -> None:
+    """Run suite ``op`` (``"ag"`` or ``"rs"``) over ``workloads``."""
+    assert op in OPS
+    ctx.log(f"== {op}: {len(workloads)} workloads, {ctx.args.iters} timed iterations each")
+    with Suite(ctx, op) as suite:
+        for unit in workloads:
+            ok, data = guarded(ctx, op, "*", unit.name, "inputs",
+                               lambda u=unit: UnitData(u, ctx.dev.xp, ctx.rank, ctx.size))
+            if not ok:
+                continue
+            ctx.log(f"{op} {unit.label}: {unit.nparams} params, {unit.nbytes / 2**20:.1f} MiB")
+            times = {}
+            for impl in suite.impls:
+                t = _run_one(ctx, op, impl, data, detail=unit.kind == "unit")
+                if t is not None:
+                    times[impl.name] = t
+            _ratios(ctx, op, unit, times)
+            del data
+            ctx.dev.release_pools()
+
+
+def _run_one(ctx: Any, op: str, impl: Any, data: UnitData, detail: bool) -> Optional[float]:
+    unit = data.unit
+    if op not in impl.ops and not (detail and impl.ops == ()):
+        ctx.sink.skip(op, impl.name, unit.name, f"{impl.name} has no {op}")
+        return None
+    prep = prepare(ctx, op, impl, data)
+    if prep is None:
+        return None
+    try:
+        fn = getattr(prep, op)
+        if fn is not None:
+            t = _time(ctx, op, impl, data, fn, prep)
+            if t is None:
+                return None
+            _check(ctx, op, impl, data, prep)
+        if detail:
+            _phases(ctx, op, impl, data, prep)
+        return None if fn is None else t
+    finally:
+        release(ctx, op, impl, data, prep)
+
+
+def _time(ctx: Any, op: str, impl: Any, data: UnitData, fn: Any, prep: Any) -> Optional[float]:
+    a, unit = ctx.args, data.unit
+    ok, stats = guarded(ctx, op, impl.name, unit.name, "timing",
+                        lambda: measure(ctx, fn, iters=a.iters, warmup=a.warmup,
+                                        pre=prep.pre.get(op)))
+    if not ok:
+        return None
+    t = stats.median
+    bw = recv_nbytes(unit, ctx.size) / t / 1e9
+    common = {"kind": unit.kind, "x": unit.x, "nparams": unit.nparams, "nbytes": unit.nbytes}
+    ctx.sink.add(op, impl.name, unit.name, "time", t, "s", **stats.summary(), **common)
+    ctx.sink.add(op, impl.name, unit.name, "bandwidth", bw, "GB/s", **common)
+    ctx.log(f"  {impl.name:<12} {t * 1e6:10.1f} us  {bw:8.1f} GB/s per rank")
+    return t
+
+
+def _check(ctx: Any, op: str, impl: Any, data: UnitData, prep: Any) -> None:
+    get = prep.ag_out if op == "ag" else prep.rs_out
+    if get is None:
+        return
+
+    def check() -> Any:
+        ctx.dev.sync()
+        return data.check_ag(get()) if op == "ag" else data.rs_error(get())
+
+    ok, res = guarded(ctx, op, impl.name, data.unit.name, "check", check)
+    if not ok:
+        return
+    res = ctx.comm.allgather(res)
+    if op == "ag":
+        good = all(r[0] for r in res)
+        why = "; ".join(f"rank {i}: {r[1]}" for i, r in enumerate(res) if not r[0])
+        ctx.sink.add(op, impl.name, data.unit.name, "correct", int(good), "bool",
+                     status="ok" if good else "error", reason=why)
+        if not good:
+            ctx.log(f"  {impl.name:<12} WRONG RESULT: {why}")
+        return
+    worst = {k: max(r[k] for r in res) for k in res[0]}
+    ctx.sink.add(op, impl.name, data.unit.name, "rs_error", worst["norm_rel"], "rel", **worst)
+    ctx.log(f"  {impl.name:<12} error vs fp64: {worst['norm_rel']:.2e} (normwise), "
+            f"{worst['elem_rel']:.2e} (elementwise)")
+
+
+def _phases(ctx: Any, op: str, impl: Any, data: UnitData, prep: Any) -> None:
+    a, unit = ctx.args, data.unit
+    timed = {}
+    for name, ph in prep.phases.items():
+        if not name.startswith(op + "."):
+            continue
+        ok, stats = guarded(ctx, op, impl.name, unit.name, f"phase {name}",
+                            lambda f=ph.fn: measure(ctx, f, iters=a.iters, warmup=a.warmup))
+        if not ok:
+            continue
+        timed[name] = (ph, stats.median)
+        ctx.sink.add(op, impl.name, unit.name, "phase:" + name.split(".", 1)[1], stats.median,
+                     "s", kind=ph.kind, ctas=ph.ctas, note=ph.note, part=ph.part)
+    if getattr(prep, op) is not None and ctx.dev.num_sms:
+        value, extra = sm_time(ctx, impl, op, timed)
+        ctx.sink.add(op, impl.name, unit.name, "sm_time", value, "s", **extra)
+
+
+def sm_time(ctx: Any, impl: Any, op: str, timed: dict) -> tuple[Optional[float], dict]:
+    """SM time = sum over the collective's phases of time x CTAs / SMs (CTAs capped at SMs).
+
+    Kernels: their grid. NCCL: one CTA per collective channel. Copy engines: 0.
+    """
+    sms = ctx.dev.num_sms
+    ch, ch_src = nccl.coll_channels(ctx.nccl_log)
+    total, parts, notes = 0.0, [], []
+    for name, (ph, t) in timed.items():
+        if not ph.part:
+            continue
+        if ph.kind == "kernel":
+            frac = min(ph.ctas, sms) / sms if ph.ctas else 1.0
+            if not ph.ctas:
+                notes.append(f"{name}: grid unknown, all SMs assumed (upper bound)")
+        elif ph.kind == "nccl":
+            if ch is None:
+                return None, {"reason": f"NCCL channel count {ch_src}"}
+            frac = min(ch, sms) / sms
+        elif ph.kind in ("ce", "nccl-ce"):
+            frac = 0.0
+            if ph.kind == "nccl-ce":
+                notes.append(f"{name}: NCCL_CTA_POLICY_ZERO all-gather counted as 0 CTAs "
+                             "(copy engines; see the interference runs)")
+        else:
+            return None, {"reason": f"{name}: no SM model for kind {ph.kind}"}
+        total += t * frac
+        parts.append({"phase": name, "time_s": t, "sm_fraction": frac})
+    if impl.name == "tide" and op == "ag":
+        notes.append("TIDE-AG launches no kernels (copy engines only)")
+    return total, {"parts": parts, "sms": sms, "nccl_channels": ch, "channels_from": ch_src,
+                   "notes": notes}
+
+
+def _ratios(ctx: Any, op: str, unit: Any, times: dict) -> None:
+    base = times.get("stock")
+    if base is None:
+        return
+    for name, t in times.items():
+        ctx.sink.add(op, name, unit.name, "speedup_vs_stock", base / t, "x")

@@ -1,0 +1,82 @@
+"""Timing: untimed warm-up, a barrier before every timed iteration, medians.
+
+Each iteration is timed on every rank (CUDA events on the timing stream, or
+the wall clock on the host); a collective's time for that iteration is the
+maximum over ranks, and the reported time is the median over iterations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+#: The brief asks for medians over at least this many iterations.
+MIN_ITERS = 20
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Per-iteration times (seconds, max over ranks) and their summary."""
+
+    samples: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return float(np.median(self.samples))
+
+    @property
+    def p10(self) -> float:
+        return float(np.percentile(self.samples, 10))
+
+    @property
+    def p90(self) -> float:
+        return float(np.percentile(self.samples, 90))
+
+    def summary(self) -> dict:
+        return {"median_s": self.median, "p10_s": self.p10, "p90_s": self.p90,
+                "min_s": min(self.samples), "iters": len(self.samples)}
+
+
+def measure(ctx: Any, fn: Callable[[], Any], *, iters: int = MIN_ITERS, warmup: int = 3,
+            stream: Any = None, pre: Optional[Callable[[], Any]] = None) -> Stats:
+    """Time ``fn`` (which issues work on ``stream``, the timing stream by default).
+
+    ``pre`` runs untimed before every iteration. Collective: every rank must
+    call it with the same ``iters`` and ``warmup``.
+    """
+    dev = ctx.dev
+    for _ in range(warmup):
+        if pre is not None:
+            pre()
+        fn()
+    dev.sync()
+    times = np.empty(iters)
+    for i in range(iters):
+        if pre is not None:
+            pre()
+            dev.sync()
+        ctx.comm.Barrier()
+        t = dev.timer(stream) if stream is not None else dev.timer()
+        t.start()
+        fn()
+        t.stop()
+        times[i] = t.seconds()
+    return Stats(tuple(allreduce_max(ctx.comm, times).tolist()))
+
+
+def allreduce_max(comm: Any, values: Sequence[float]) -> np.ndarray:
+    from mpi4py import MPI
+
+    buf = np.asarray(values, dtype=np.float64)
+    out = np.empty_like(buf)
+    comm.Allreduce(buf, out, op=MPI.MAX)
+    return out
+
+
+def agree(comm: Any, ok: bool) -> bool:
+    """True on every rank only if ``ok`` on every rank (so no rank enters a collective alone)."""
+    from mpi4py import MPI
+
+    return bool(comm.allreduce(int(bool(ok)), op=MPI.MIN))
