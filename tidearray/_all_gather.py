@@ -138,6 +138,17 @@ def _issue(group: Group, ex: Any, unit: UnitLayout, shard_ptrs: list[int], slot:
                     [(step.recv_peer, base + pc.offset, pc.nbytes)
                      for pc in _pieces(unit, col_r)])
     column = _pieces(unit, topo.column(me))
+    if slot.buffer.multicast:
+        _multicast_push(ex, slot, column, src, me, peers, use, topo.num_nodes > 1)
+    else:
+        _unicast_push(ex, slot, column, src, me, peers, use, topo)
+    for q in peers:
+        ex.wait(ex.COMPUTE, slot.flag(me, AG_CHANNEL, ARRIVED, q), use)
+
+
+def _unicast_push(ex: Any, slot: Region, column: tuple, src: Any, me: int, peers: list,
+                  use: int, topo: Any) -> None:
+    """One copy-engine batch per peer, on that peer's lane."""
     own = [pc for pc in column if pc.rank == topo.rank]
     for p in [me] + peers:
         if topo.num_nodes > 1:
@@ -149,5 +160,15 @@ def _issue(group: Group, ex: Any, unit: UnitLayout, shard_ptrs: list[int], slot:
         ex.wait(p, slot.flag(me, AG_CHANNEL, FREE, p), use)
         ex.copy(p, [(dst + pc.offset, src(pc), pc.nbytes) for pc in column])
         ex.signal(p, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
-    for q in peers:
-        ex.wait(ex.COMPUTE, slot.flag(me, AG_CHANNEL, ARRIVED, q), use)
+
+
+def _multicast_push(ex: Any, slot: Region, column: tuple, src: Any, me: int, peers: list,
+                    use: int, after_net: bool) -> None:
+    """Each piece written once, to the multicast address: every peer's slot gets it."""
+    if after_net:
+        ex.depend(me, ex.NET)
+    for p in peers:  # every peer must have granted before the single write
+        ex.wait(me, slot.flag(me, AG_CHANNEL, FREE, p), use)
+    ex.multicast_copy(me, slot.buffer, [(pc.offset, src(pc), pc.nbytes) for pc in column])
+    for p in peers:
+        ex.signal(me, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)

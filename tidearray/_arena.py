@@ -44,13 +44,14 @@ class Region:
     reduce-scatter's staging (Slot-Reuse).
     """
 
-    def __init__(self, group: Any, nbytes: int) -> None:
+    def __init__(self, group: Any, nbytes: int, multicast: bool = False) -> None:
         self.group = group
         self.id = next(_ids)
         self.nbytes = align_up(nbytes)
         L = group.local_size
         self._flag_words = NUM_CHANNELS * 2 * L
-        self.buffer = group.backend.alloc_symmetric(self.nbytes + self._flag_words * 4)
+        alloc = group.backend.alloc_multicast if multicast else group.backend.alloc_symmetric
+        self.buffer = alloc(self.nbytes + self._flag_words * 4)
         flags = self.buffer.view(self.nbytes, (self._flag_words,), "int32")
         flags[...] = 0
         group.backend.synchronize()
@@ -106,9 +107,13 @@ class SlotArena:
         slot_nbytes: bytes per slot, at least the biggest unit's
             ``unit_nbytes(...)``.
         num_slots: slots (2 = prefetch one unit ahead).
+        multicast: bind the slots to NVSwitch multicast, so all-gather writes
+            each shard once (default: the group's ``multicast`` setting). Refused
+            (TideInvalid) where the machine does not allow it.
     """
 
-    def __init__(self, slot_nbytes: int, num_slots: int = 2, group: Any = None) -> None:
+    def __init__(self, slot_nbytes: int, num_slots: int = 2, group: Any = None,
+                 multicast: Any = None) -> None:
         from ._group import default_group
 
         group = group or default_group()
@@ -116,7 +121,9 @@ class SlotArena:
             raise TideInvalid(f"expected num_slots >= 1 and slot_nbytes >= 0, got "
                               f"{num_slots} and {slot_nbytes}")
         self.group = group
-        self.slots = [Region(group, slot_nbytes) for _ in range(num_slots)]
+        if multicast is None:
+            multicast = group.config.multicast
+        self.slots = [Region(group, slot_nbytes, bool(multicast)) for _ in range(num_slots)]
         for s in self.slots:
             group._resources[("slot", s.id)] = s
 
@@ -139,15 +146,15 @@ def default_region(group: Any, kind: str, nbytes: int, ring: int = 1) -> Region:
     if state is None or state.nbytes < nbytes:
         if state is not None:
             group._resources[("retired", kind, state.nbytes)] = state
-        state = _Ring(group, nbytes, ring)
+        state = _Ring(group, nbytes, ring, kind == "slot" and group.config.multicast)
         group._resources[key] = state
     return state.next()
 
 
 class _Ring:
-    def __init__(self, group: Any, nbytes: int, count: int) -> None:
+    def __init__(self, group: Any, nbytes: int, count: int, multicast: bool) -> None:
         self.nbytes = nbytes
-        self.regions = [Region(group, nbytes) for _ in range(count)]
+        self.regions = [Region(group, nbytes, multicast) for _ in range(count)]
         self._next = 0
 
     def next(self) -> Region:

@@ -15,6 +15,7 @@ import abc
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from .._errors import TideBackendError, TideInvalid
 from .._layout import Copy, coalesce
 
 
@@ -31,6 +32,8 @@ class SymmetricBuffer(abc.ABC):
     """``nbytes`` on every node-local rank, mapped once by every node-local peer."""
 
     nbytes: int
+    #: True when one write to :meth:`Executor.multicast_copy` reaches every peer's copy.
+    multicast: bool = False
 
     @abc.abstractmethod
     def ptr(self, local_rank: int) -> int:
@@ -70,6 +73,23 @@ class Executor(abc.ABC):
         copies = coalesce(copies)
         if copies:
             self._copy(lane, copies)
+
+    def multicast_copy(self, lane: int, buffer: SymmetricBuffer,
+                       copies: Sequence[tuple[int, int, int]]) -> None:
+        """Write ``(offset, src, nbytes)`` once into every node-local copy of ``buffer``.
+
+        ``buffer`` must have been allocated with ``multicast=True`` (NVSwitch
+        multicast on cuda, emulated by the host backend).
+        """
+        if not buffer.multicast:
+            raise TideBackendError("multicast_copy: expected a buffer allocated with "
+                                   "multicast=True, got a unicast one")
+        copies = coalesce(copies)
+        if copies:
+            self._multicast_copy(lane, buffer, copies)
+
+    def _multicast_copy(self, lane: int, buffer: SymmetricBuffer, copies: list) -> None:
+        raise TideBackendError(f"{type(self).__name__}: multicast is not available")
 
     def signal(self, lane: int, addr: int, value: int) -> None:
         """Write ``value`` to a (usually peer-mapped) int32 flag after ``lane``'s prior work."""
@@ -184,6 +204,24 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def alloc_symmetric(self, nbytes: int) -> SymmetricBuffer:
         """Allocate and map symmetric memory (collective over the node)."""
+
+    def alloc_multicast(self, nbytes: int) -> SymmetricBuffer:
+        """Symmetric memory also bound to a multicast address (collective over the node).
+
+        Raises:
+            TideInvalid: multicast is not allowed or not supported here.
+        """
+        ok, why = self.multicast_capability()
+        if not ok:
+            raise TideInvalid(f"multicast: expected a machine that allows it, got: {why}")
+        return self._alloc_multicast(nbytes)
+
+    def multicast_capability(self) -> tuple[bool, str]:
+        """Whether :meth:`alloc_multicast` can work here, and why (not)."""
+        return False, f"the {self.name} backend has no multicast transport"
+
+    def _alloc_multicast(self, nbytes: int) -> SymmetricBuffer:
+        raise NotImplementedError
 
     @abc.abstractmethod
     def executor(self, stream: Any = None) -> Executor:

@@ -39,10 +39,11 @@ def _array_at(addr: int, numel: int, dtype: Any) -> np.ndarray:
 
 
 class HostSymmetricBuffer(SymmetricBuffer):
-    def __init__(self, node_comm: Any, nbytes: int) -> None:
+    def __init__(self, node_comm: Any, nbytes: int, multicast: bool = False) -> None:
         from mpi4py import MPI
 
         self.nbytes = nbytes
+        self.multicast = multicast
         # Every rank's part is a multiple of 4 KiB, so parts stay page- and flag-aligned.
         self._win = MPI.Win.Allocate_shared(max(-(-nbytes // 4096) * 4096, 4096), 1,
                                             comm=node_comm)
@@ -85,6 +86,15 @@ class HostExecutor(Executor):
     def _copy(self, lane: int, copies: list) -> None:
         for dst, src, n in copies:
             ctypes.memmove(dst, src, n)
+
+    def _multicast_copy(self, lane: int, buffer: Any, copies: list) -> None:
+        # Emulates one NVSwitch multicast write: the same bytes at the same
+        # offset in every peer's copy; the source may be our own copy.
+        for p in range(self.backend.group.local_size):
+            base = buffer.ptr(p)
+            for off, src, n in copies:
+                if base + off != src:
+                    ctypes.memmove(base + off, src, n)
 
     def _signal(self, lane: int, addr: int, value: int) -> None:
         self.backend.fence()  # data before flag
@@ -187,6 +197,12 @@ class HostBackend(Backend):
 
     def alloc_symmetric(self, nbytes: int) -> HostSymmetricBuffer:
         return HostSymmetricBuffer(self.group.node_comm, nbytes)
+
+    def multicast_capability(self) -> tuple[bool, str]:
+        return True, "emulated: a multicast write is one memmove into each node-local peer"
+
+    def _alloc_multicast(self, nbytes: int) -> HostSymmetricBuffer:
+        return HostSymmetricBuffer(self.group.node_comm, nbytes, multicast=True)
 
     def executor(self, stream: Any = None) -> HostExecutor:
         return HostExecutor(self)
