@@ -20,7 +20,11 @@ its time is the maximum over ranks; the median over iterations is reported:
 * ``nccl_ag``: NCCL bf16 all-gather of flat buffers, no copy-in/out (reference).
 
 ``pipelined`` figures time ``--iters`` back-to-back calls between two events
-(host issue overlapped with device work), divided by the count.
+(host issue overlapped with device work), divided by the count; ``host_s`` is
+the median time the call takes on the host. Calibration: ``ce_push`` is one
+``cudaMemcpyAsync`` of the bytes TIDE-AG receives, pushed into the peer's
+slot by every rank at once (the copy-engine line rate); ``--profile F``
+writes a cProfile of rank 0's host side of AG and RS to F.
 
 Only rank 0 prints; ``--json`` writes the records there too.
 """
@@ -28,9 +32,13 @@ Only rank 0 prints; ``--json`` writes the records there too.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import math
+import pstats
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,12 +59,14 @@ def timed(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], iters: int)
         fn(i)
     cp.cuda.runtime.deviceSynchronize()
     start, end = cp.cuda.Event(), cp.cuda.Event()
-    samples = []
+    samples, host = [], []
     for i in range(iters):
         cp.cuda.runtime.deviceSynchronize()
         comm.Barrier()
         start.record(stream)
+        t0 = time.perf_counter()
         fn(i)
+        host.append(time.perf_counter() - t0)
         end.record(stream)
         end.synchronize()
         samples.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
@@ -70,7 +80,68 @@ def timed(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], iters: int)
     end.synchronize()
     pipe = comm.allreduce(cp.cuda.get_elapsed_time(start, end) / 1e3 / iters, op=MPI.MAX)
     return {"median_s": float(np.median(samples)), "min_s": float(samples.min()),
-            "p90_s": float(np.percentile(samples, 90)), "pipelined_s": pipe, "iters": iters}
+            "p90_s": float(np.percentile(samples, 90)), "pipelined_s": pipe,
+            "host_s": float(np.median(host)), "iters": iters}
+
+
+def profile_host(comm: Any, fn: Callable[[int], Any], iters: int, path: str) -> None:
+    """cProfile rank 0's host side of ``iters`` calls (every rank runs them)."""
+    prof = cProfile.Profile() if comm.rank == 0 else None
+    comm.Barrier()
+    if prof:
+        prof.enable()
+    for i in range(iters):
+        fn(i)
+    if prof:
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        with open(path, "a") as f:
+            f.write(buf.getvalue())
+
+
+def calibrate(comm: Any, cp: Any, stream: Any, g: Any, src: Any, peer_slot: int, n: int,
+              record: Callable, iters: int) -> None:
+    """Copy-engine and flag calibrations on 2 GPUs (see the module docstring)."""
+    local = cp.empty(n, cp.uint8)
+    side = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+
+    def both(i: int) -> None:  # push to the peer and a local copy, on two streams at once
+        fork = cp.cuda.Event(disable_timing=True)
+        fork.record(stream)
+        for k, s in enumerate(side):
+            s.wait_event(fork)
+            dst = peer_slot if k == 0 else local.data.ptr
+            cp.cuda.runtime.memcpyAsync(dst, src.data.ptr, n, 4, s.ptr)
+            join = cp.cuda.Event(disable_timing=True)
+            join.record(s)
+            stream.wait_event(join)
+
+    def local_copy(i: int) -> None:
+        cp.cuda.runtime.memcpyAsync(local.data.ptr, src.data.ptr, n, 4, stream.ptr)
+
+    res = timed(comm, cp, stream, local_copy, iters)
+    record("ce_local", res, GBps=n / res["median_s"] / 1e9)
+    res = timed(comm, cp, stream, both, iters)
+    record("ce_push_and_local", res, recv_GBps=n / res["median_s"] / 1e9)
+    region = tidearray.Region(g, 256)
+    me, peer, trips, count = g.local_rank, 1 - g.local_rank, 20, [0]
+    mine, theirs = region.flag(me, 0, 0, peer), region.flag(peer, 0, 0, me)
+    flags = g.backend.flags
+
+    def pingpong(i: int) -> None:
+        for _ in range(trips):
+            count[0] += 1
+            if me == 0:
+                flags.signal(stream, theirs, count[0])
+                flags.wait(stream, mine, count[0])
+            else:
+                flags.wait(stream, mine, count[0])
+                flags.signal(stream, theirs, count[0])
+
+    res = timed(comm, cp, stream, pingpong, iters)
+    record("flag_round_trip", {k: (v / trips if k.endswith("_s") else v)
+                               for k, v in res.items()})
 
 
 def pack_pieces(shapes: list, grads: list, flat: Any, W: int) -> tuple[list, int]:
@@ -111,16 +182,34 @@ def run(args: argparse.Namespace) -> list[dict]:
         shards = [padded_shard(cp, f, W, r) for f in full]
         del full
         arena = tidearray.SlotArena(tidearray.unit_nbytes(shapes, BF16, group=g), 2, group=g)
-        res = timed(comm, cp, stream, lambda i: tidearray.all_gather(
-            shards, shapes, group=g, slot=arena[i % 2], stream=stream), args.iters)
+        def ag(i: int) -> None:
+            tidearray.all_gather(shards, shapes, group=g, slot=arena[i % 2], stream=stream)
+
+        res = timed(comm, cp, stream, ag, args.iters)
         record("tide_ag", res, recv_bytes=recv, recv_GBps=recv / res["median_s"] / 1e9,
                recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9)
+        if W == 2:
+            src = cp.empty(recv, cp.uint8)
+            peer_slot = arena[0].ptr(1 - g.local_rank) if g.local_size == 2 else None
+
+            def ce_push(i: int) -> None:
+                cp.cuda.runtime.memcpyAsync(peer_slot, src.data.ptr, recv, 4, stream.ptr)
+
+            if peer_slot is not None:
+                res = timed(comm, cp, stream, ce_push, args.iters)
+                record("ce_push", res, recv_GBps=recv / res["median_s"] / 1e9)
+                calibrate(comm, cp, stream, g, src, peer_slot, recv, record, args.iters)
+            src = None
 
         grads = [bf16_normal(cp, 1000 * r + i, s) for i, s in enumerate(shapes)]
         outs = [cp.empty(tidearray.shard_shape(s, W), cp.float32) for s in shapes]
-        res = timed(comm, cp, stream, lambda i: tidearray.reduce_scatter(
-            grads, op="avg", out=outs, group=g, stream=stream), args.iters)
-        record("tide_rs", res)
+        def rs(i: int) -> None:
+            tidearray.reduce_scatter(grads, op="avg", out=outs, group=g, stream=stream)
+
+        record("tide_rs", timed(comm, cp, stream, rs, args.iters))
+        if args.profile:
+            profile_host(comm, ag, 10, args.profile)
+            profile_host(comm, rs, 10, args.profile)
 
         link = NcclLink()
         link.setup(comm)
@@ -165,14 +254,15 @@ def main() -> None:
     p.add_argument("--unit", default="llama3.1-8b", choices=sorted(UNITS))
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", default=None, help="write the records here (rank 0)")
+    p.add_argument("--profile", default=None, help="write a host cProfile here (rank 0)")
     args = p.parse_args()
     records = run(args)
     if MPI.COMM_WORLD.rank:
         return
     for x in records:
         extra = {k: v for k, v in x.items() if k.endswith(("GBps", "pipelined", "pack_nccl_rs"))}
-        print(f"{x['bench']:<14} median {x['median_s'] * 1e6:9.1f} us  pipelined "
-              f"{x['pipelined_s'] * 1e6:9.1f} us  " + "  ".join(
+        print(f"{x['bench']:<14} median {x['median_s'] * 1e6:8.1f} us  pipelined "
+              f"{x['pipelined_s'] * 1e6:8.1f} us  host {x['host_s'] * 1e6:7.1f} us  " + "  ".join(
                   f"{k}={v:.2f}" for k, v in extra.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))

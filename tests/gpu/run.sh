@@ -20,7 +20,7 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 T=${TIDE_GPU_TIMEOUT:-300}
 MPI=(timeout "$T" mpirun --allow-run-as-root --oversubscribe -x PYTHONPATH -x PYTHONUNBUFFERED
      -x XLA_PYTHON_CLIENT_PREALLOCATE -x TIDE_BACKEND=cuda)
-PYTEST=(python3 -m pytest --with-mpi -q -p no:cacheprovider -x)
+PYTEST=(python3 -m pytest --with-mpi -q -p no:cacheprovider -o faulthandler_timeout=60 -rf)
 status=0
 
 step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember failures
@@ -39,6 +39,6 @@ step np1 "${MPI[@]}" -n 1 "${PYTEST[@]}" tests
 step np2_nodes "${MPI[@]}" -x TIDE_LOCAL_SIZE=1 -n 2 "${PYTEST[@]}" tests/gpu
 if [ "${TIDE_GPU_BENCH:-1}" != 0 ]; then
     step bench "${MPI[@]}" -n 2 python3 tests/gpu/quick_bench.py --iters 30 \
-        --json "$OUT/quick_bench.json"
+        --json "$OUT/quick_bench.json" --profile "$OUT/host_profile.txt"
 fi
 exit $status

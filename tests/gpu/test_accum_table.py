@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tidearray.backends._base import AccumPiece
-from tidearray.backends._cuda_accum import build_table
+from tidearray.backends._cuda_accum import TILE, build_table, choose_tile
 
 piece = st.tuples(st.integers(1, 3 * 64), st.integers(0, 40), st.integers(0, 40))
 
@@ -39,3 +39,10 @@ def test_table_covers_each_element_once(specs, n_src, tile):
         assert tuple(srcs[k]) == p.srcs
         aligned = p.out % 16 == 0 and all(s % 16 == 0 for s in p.srcs)
         assert heads[k, 2] == int(aligned)
+
+
+@given(st.integers(1, 1 << 34), st.integers(1, 1024))
+def test_tile_size_bounds_the_table(total, grid):
+    tile = choose_tile(total, grid)
+    assert tile % TILE == 0 and tile >= TILE
+    assert -(-total // tile) <= max(4 * grid, -(-total // TILE))

@@ -109,6 +109,8 @@ def test_all_gather_launches_no_kernels(cuda_group, cp, tmp_path):
     from torch.profiler import ProfilerActivity, profile
 
     g = cuda_group
+    if g.topology.num_nodes > 1:
+        pytest.skip("across nodes TIDE-AG exchanges through NCCL (its kernels drive the NIC)")
     torch.cuda.set_device(g.backend.device)
     torch.cuda.init()
     shapes = [(4096, 512), (512,), (1000, 64), (3, 3)]

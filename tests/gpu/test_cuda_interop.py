@@ -139,6 +139,7 @@ def test_jax_dlpack_inputs(cuda_group, cp):
     jax = pytest.importorskip("jax")
     g = cuda_group
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    cp.cuda.Device(g.backend.device).use()  # JAX's start-up leaves another device current
     if len(gpus) <= g.backend.device:
         pytest.skip("JAX does not see this rank's GPU")
     full = _full(cp, g, 777)

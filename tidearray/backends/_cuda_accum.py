@@ -22,15 +22,25 @@ import numpy as np
 from .._dtypes import normalize
 from ._base import AccumPiece
 
-#: Elements per tile: one block's unit of work (a multiple of every vector width).
+#: Smallest tile, in elements: one block's unit of work (a multiple of every vector width).
 TILE = 8192
+#: Tiles per launch to aim for, per block of the grid: enough to balance load,
+#: few enough that the host builds the table in microseconds.
+TILES_PER_BLOCK = 4
 #: Threads per block.
-BLOCK = 256
+BLOCK = 512
 #: Table slots in flight (see [Note: table lifetime]).
 RING = 16
 #: Kernel name per source dtype.
 KERNELS = {"bfloat16": "tide_accumulate_bf16", "float16": "tide_accumulate_fp16",
            "float32": "tide_accumulate_fp32"}
+
+
+def choose_tile(total: int, max_grid: int) -> int:
+    """Tile size for ``total`` elements: at least :data:`TILE`, about
+    ``TILES_PER_BLOCK * max_grid`` tiles in all (plus one partial tile per piece)."""
+    per = -(-total // (TILES_PER_BLOCK * max_grid))
+    return max(TILE, -(-per // TILE) * TILE)
 
 
 def build_table(pieces: Sequence[AccumPiece], tile: int = TILE) -> tuple[np.ndarray, int]:
@@ -105,7 +115,8 @@ class Accumulator:
         import cupy
 
         kernel = self._kernel(normalize(src_dtype).name)
-        table, n_tiles = build_table(pieces)
+        tile = choose_tile(sum(p.numel for p in pieces), self.max_grid)
+        table, n_tiles = build_table(pieces, tile)
         slot = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
         slot.take(table.nbytes)
@@ -116,7 +127,7 @@ class Accumulator:
         with stream:
             kernel((grid,), (BLOCK,), (slot.dev, np.int32(len(pieces)),
                                        np.int32(len(pieces[0].srcs)), np.int64(n_tiles),
-                                       np.int64(TILE), np.float32(scale),
+                                       np.int64(tile), np.float32(scale),
                                        np.int32(np.float32(scale) != 1)))
         if slot.event is None:
             slot.event = cupy.cuda.Event(block=False, disable_timing=True)

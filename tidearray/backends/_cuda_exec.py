@@ -32,9 +32,10 @@ asynchronous CUDA call.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from .._errors import TideInvalid
+from .._layout import Copy
 from ._base import Completion, Executor
 
 
@@ -97,9 +98,25 @@ class CudaExecutor(Executor):
         import cupy
 
         self.be = backend
+        rt = cupy.cuda.runtime
+        self._prev_device = rt.getDevice()
+        if self._prev_device != backend.device:  # another library moved the current device
+            rt.setDevice(backend.device)
         self._fork = _event()
-        self._fork.record(cupy.cuda.ExternalStream(stream_ptr(stream)))
+        rt.eventRecord(self._fork.ptr, stream_ptr(stream))
         self._started: set[int] = set()
+
+    def copy(self, lane: int, copies: Sequence[Copy]) -> None:
+        """Copy-engine batch, without the base class's coalescing.
+
+        Coalescing merges copies that continue each other in address space, but
+        two arrays can be adjacent without being one allocation, and a CUDA
+        copy must not span allocations (``cudaMemcpyBatchAsync`` rejects it
+        with ``cudaErrorInvalidValue``). A batch costs the same for any count.
+        """
+        copies = [c for c in copies if c[2]]
+        if copies:
+            self._copy(lane, copies)
 
     def _lane(self, lane: int) -> Any:
         """Lane ``lane``'s stream, made to wait for the fork on first use."""
@@ -146,4 +163,8 @@ class CudaExecutor(Executor):
         if not events:  # nothing issued: completion is the fork itself
             events.append(self._fork)
         self.be.retire(events)
+        if self._prev_device != self.be.device:
+            import cupy
+
+            cupy.cuda.runtime.setDevice(self._prev_device)
         return CudaCompletion(events)

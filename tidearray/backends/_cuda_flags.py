@@ -28,6 +28,8 @@ class FlagOps:
         self.memops = False
         self.reason = "not probed yet"
         self._cu: Any = None
+        self._write_flag = self._wait_flag = 0
+        self._ok: Any = None
 
     def probe(self, stream: Any) -> tuple[bool, str]:
         """Try a write and a wait on a scratch word; fall back to kernels on failure."""
@@ -39,6 +41,9 @@ class FlagOps:
             from cuda.bindings import driver as cu
 
             self._cu = cu
+            self._write_flag = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+            self._wait_flag = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+            self._ok = cu.CUresult.CUDA_SUCCESS
             self.memops = True
             self.signal(stream, word.data.ptr, 7)
             self.wait(stream, word.data.ptr, 7)
@@ -55,20 +60,16 @@ class FlagOps:
     def signal(self, stream: Any, addr: int, value: int) -> None:
         """After ``stream``'s earlier work, write ``value`` to the int32 at ``addr``."""
         if self.memops:
-            cu = self._cu
-            flag = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
-            self._check(cu.cuStreamWriteValue32(stream.ptr, addr, value & 0xFFFFFFFF, flag),
-                        "cuStreamWriteValue32")
+            self._check(self._cu.cuStreamWriteValue32(stream.ptr, addr, value & 0xFFFFFFFF,
+                                                      self._write_flag), "cuStreamWriteValue32")
         else:
             self._kernel("tide_signal", stream, addr, value)
 
     def wait(self, stream: Any, addr: int, value: int) -> None:
         """Hold ``stream`` until the int32 at ``addr`` is >= ``value`` (cyclically)."""
         if self.memops:
-            cu = self._cu
-            flag = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
-            self._check(cu.cuStreamWaitValue32(stream.ptr, addr, value & 0xFFFFFFFF, flag),
-                        "cuStreamWaitValue32")
+            self._check(self._cu.cuStreamWaitValue32(stream.ptr, addr, value & 0xFFFFFFFF,
+                                                     self._wait_flag), "cuStreamWaitValue32")
         else:
             self._kernel("tide_wait", stream, addr, value)
 
@@ -82,5 +83,5 @@ class FlagOps:
 
     def _check(self, res: Any, what: str) -> None:
         err = res[0] if isinstance(res, tuple) else res
-        if err != self._cu.CUresult.CUDA_SUCCESS:
+        if err != self._ok:
             raise TideBackendError(f"{what} failed: {err}")

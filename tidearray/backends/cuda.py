@@ -193,12 +193,16 @@ class CudaBackend(Backend):
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
         import cupy
 
-        arr = cupy.empty(shape, normalize(dtype))
+        with cupy.cuda.Device(self.device):
+            arr = cupy.empty(shape, normalize(dtype))
         self._allocs.append(arr)  # kept until the next collective's work is done
         return arr
 
     def alloc_symmetric(self, nbytes: int) -> IpcSymmetricBuffer:
-        return IpcSymmetricBuffer(self.group.node_comm, nbytes, self.device)
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            return IpcSymmetricBuffer(self.group.node_comm, nbytes, self.device)
 
     def executor(self, stream: Any = None) -> CudaExecutor:
         return CudaExecutor(self, stream)
