@@ -37,7 +37,7 @@ def select_workloads(args: Any) -> list:
     kinds = set(args.workloads.split(","))
     out = []
     if "units" in kinds:
-        out += W.units(16 if args.quick else 1)
+        out += _units(args)
     if "sizes" in kinds:
         out += W.size_sweep([1, 2, 4, 8] if args.quick else [2 ** k for k in range(12)])
     if "counts" in kinds:
@@ -47,7 +47,11 @@ def select_workloads(args: Any) -> list:
 
 
 def _units(args: Any) -> list:
-    return W.units(16 if args.quick else 1)
+    units = W.units(16 if args.quick else 1)
+    if args.units:
+        want = args.units.split(",")
+        units = [u for u in units if u.name in want]
+    return units
 
 
 @command("ag")
@@ -68,7 +72,7 @@ def cmd_rs(ctx: Any) -> None:
 def cmd_interference(ctx: Any) -> None:
     from . import interference
 
-    unit = next(u for u in _units(ctx.args) if u.name == ctx.args.unit)
+    unit = next(u for u in W.units(16 if ctx.args.quick else 1) if u.name == ctx.args.unit)
     interference.run(ctx, unit)
 
 
@@ -107,6 +111,7 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--impls", default="", help="comma list (default: all registered)")
         s.add_argument("--workloads", default="units,sizes,counts",
                        help="any of units,sizes,counts (ag, rs)")
+        s.add_argument("--units", default="", help="comma list of unit names (default: all four)")
         s.add_argument("--unit", default="llama3.1-8b", help="unit of the interference suite")
         s.add_argument("--device", default="auto", choices=("auto", "cuda", "host"))
         s.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures")

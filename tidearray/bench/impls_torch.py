@@ -180,7 +180,9 @@ class Fsdp2(_TorchImpl):
         fully_shard(module, mp_policy=policy, reshard_after_forward=True)
         grads = [self._tensor(g) for g in data.grads]
         stream = self._stream()
-        group = module._get_fsdp_state()._fsdp_param_group
+        state = module._get_fsdp_state()
+        state._lazy_init()  # what the root's first forward does: streams, comm state
+        group = state._fsdp_param_group
 
         def ag() -> None:
             with torch.cuda.stream(stream):

@@ -4,8 +4,10 @@ A bf16 GEMM runs on a side stream while an implementation's collective loops on
 the timing stream (every rank does the same). Each GEMM and each group of
 collectives is bracketed by CUDA events; a GEMM counts as "under the
 collective" when at least 95% of it overlaps the union of the collectives'
-intervals. Slowdown = median GEMM time under the collective / median GEMM time
-alone - 1. GEMMs: the single-wave 1024x2048x16384 and 8192^3 (M x N x K).
+intervals. "Alone" is the same loop without the collective (back-to-back GEMMs,
+so launch gaps are excluded from both). Slowdown = median GEMM time under the
+collective / median GEMM time alone - 1. GEMMs (M x N x K): the single-wave
+1024x2048x16384 and 8192^3.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ def run(ctx: Any, unit: Any) -> None:
         ctx.sink.skip("interference", "*", unit.name, "needs a GPU (cuda device)")
         ctx.log("== interference: skipped (needs a GPU)")
         return
-    a = ctx.args
     ctx.log(f"== interference: {unit.label}, GEMMs {', '.join(GEMMS)}")
     gemms = {}
     for name, (m, n, k) in GEMMS.items():
@@ -36,13 +37,14 @@ def run(ctx: Any, unit: Any) -> None:
                          lambda m=m, n=n, k=k: ctx.dev.gemm(m, n, k))
         if not ok:
             continue
-        ok, st = guarded(ctx, "interference", "none", unit.name, name,
-                         lambda fn=fn: measure(ctx, fn, iters=a.iters, warmup=a.warmup,
-                                         stream=ctx.dev.side_stream))
-        if ok:
-            gemms[name] = (fn, st.median)
-            ctx.sink.add("interference", "none", unit.name, f"{name}:alone", st.median, "s")
-            ctx.log(f"  {name} alone: {st.median * 1e6:.1f} us")
+        ok, res = guarded(ctx, "interference", "none", unit.name, name,
+                          lambda fn=fn: gemm_loop(ctx, None, 0.0, fn, 1.0))
+        if ok and res[0] is not None:
+            alone = float(np.max(ctx.comm.allgather(res[0])))
+            gemms[name] = (fn, alone)
+            ctx.sink.add("interference", "none", unit.name, f"{name}:alone", alone, "s",
+                         gemms=res[2])
+            ctx.log(f"  {name} alone: {alone * 1e6:.1f} us (back to back)")
     data = UnitData(unit, ctx.dev.xp, ctx.rank, ctx.size)
     with Suite(ctx, "interference") as suite:
         for impl in suite.impls:
@@ -69,7 +71,7 @@ def run(ctx: Any, unit: Any) -> None:
 def _one(ctx: Any, impl: str, op: str, unit: Any, coll: Any, coll_t: float, gname: str,
          gemm: Any, alone: float) -> None:
     ok, res = guarded(ctx, "interference", impl, unit.name, f"{op} + {gname}",
-                      lambda: gemm_under(ctx, coll, coll_t, gemm, alone))
+                      lambda: gemm_loop(ctx, coll, coll_t, gemm, alone))
     if not ok:
         return
     under, n_under, n_total = res
@@ -88,22 +90,26 @@ def _one(ctx: Any, impl: str, op: str, unit: Any, coll: Any, coll_t: float, gnam
             f"({slow * 100:+.1f}%)")
 
 
-def gemm_under(ctx: Any, coll: Any, coll_t: float, gemm: Any, gemm_t: float,
-               rounds: int = 24) -> tuple[Optional[float], int, int]:
-    """Median GEMM time while ``coll`` loops; (median, GEMMs counted, GEMMs run)."""
+def gemm_loop(ctx: Any, coll: Any, coll_t: float, gemm: Any, gemm_t: float,
+              rounds: int = 24) -> tuple[Optional[float], int, int]:
+    """Median GEMM time while ``coll`` loops (or alone if ``coll`` is None).
+
+    Returns (median, GEMMs counted, GEMMs run).
+    """
     import cupy
 
     dev = ctx.dev
     cs, gs = dev.stream, dev.side_stream
-    n_coll = max(1, math.ceil(gemm_t / coll_t))
-    n_gemm = max(1, int(n_coll * coll_t / gemm_t))
+    n_coll = max(1, math.ceil(gemm_t / coll_t)) if coll else 0
+    n_gemm = max(1, int(n_coll * coll_t / gemm_t)) if coll else 4
     ev = cupy.cuda.Event
     origin = ev()
     marks_c, marks_g = [], []
     dev.sync()
     ctx.comm.Barrier()
     origin.record(cs)
-    coll()  # a head start, so the GEMMs begin under a collective
+    if coll:
+        coll()  # a head start, so the GEMMs begin under a collective
     for _ in range(rounds):
         a, b = ev(), ev()
         a.record(cs)
@@ -124,9 +130,12 @@ def gemm_under(ctx: Any, coll: Any, coll_t: float, gemm: Any, gemm_t: float,
 
     busy = _union([(t(a), t(b)) for a, b in marks_c])
     durations = []
-    for c, d in marks_g:
+    for k, (c, d) in enumerate(marks_g):
         s, e = t(c), t(d)
-        if e > s and _covered(s, e, busy) >= OVERLAP * (e - s):
+        if coll is None:
+            if k >= 2:  # the first two warm up
+                durations.append(e - s)
+        elif e > s and _covered(s, e, busy) >= OVERLAP * (e - s):
             durations.append(e - s)
     med = float(np.median(durations)) if durations else None
     return med, len(durations), len(marks_g)

@@ -22,7 +22,7 @@ from .._layout import ShardSpec, shard_spec
 
 #: Tile sizes; must match BYTES_TILE / CVT_TILE in kernels/pack.cu.
 BYTES_TILE = 65536
-CVT_TILE = 16384
+CVT_TILE = 32768
 THREADS = 512
 CTAS_PER_SM = 4
 #: Shard offsets inside a rank's block are aligned to 16 bytes (vector copies).

@@ -150,9 +150,8 @@ def _memory_section(res: Results) -> str:
         return ""
     out = ["## Device memory beyond the inputs (MiB per rank)\n"]
     for metric in ("peak", "accounted"):
-        t = grid(res, "memory", metric, ws, mib)
-        if any(c not in ("", "-") for row in t[1] for c in row[1:]):
-            out += [f"### {metric}\n", markdown(t)]
+        if any(k[0] == "memory" and k[3] == metric for k in res.by_key):
+            out += [f"### {metric}\n", markdown(grid(res, "memory", metric, ws, mib))]
     return "\n".join(out)
 
 

@@ -52,12 +52,19 @@ def _time(res: Results, suite: str, impl: str, w: str) -> Optional[float]:
     return res.value(suite, impl, w, "time")
 
 
+def _host(res: Results, suite: str, impl: str, w: str) -> str:
+    """The host time to issue one collective (launch-bound when close to the time)."""
+    r = res.get(suite, impl, w, "time")
+    return us(((r or {}).get("extra") or {}).get("host_median_s"))
+
+
 def ag_rows(res: Results, base: str, goal: float, units: tuple = LLAMA) -> list[Row]:
     rows = []
     for w in units:
         t, b = _time(res, "ag", "tide", w), _time(res, "ag", base, w)
         pc = res.value("ag", "tide", w, "phase:peer_copy")
-        why = (f"tide AG {us(t)} us; one plain CE copy of the same bytes {us(pc)} us "
+        why = (f"tide AG {us(t)} us (host issue {_host(res, 'ag', 'tide', w)} us); one plain "
+               f"CE copy of the same bytes {us(pc)} us "
                f"({_pct(pc, t)} of tide's time); {base} AG {us(b)} us = "
                f"{_phases(res, 'ag', base, w)}")
         rows.append(_at_least(f"TIDE-AG vs {base}", w, _ratio(b, t), goal, why))
@@ -73,7 +80,8 @@ def rs_rows(res: Results) -> list[Row]:
     rows = []
     for w in UNITS:
         t, b = _time(res, "rs", "tide", w), _time(res, "rs", "stock", w)
-        why = (f"tide RS {us(t)} us (its CE traffic alone = tide AG of the unit, "
+        why = (f"tide RS {us(t)} us (host issue {_host(res, 'rs', 'tide', w)} us; its CE "
+               f"traffic alone = tide AG of the unit, "
                f"{us(_time(res, 'ag', 'tide', w))} us; {_phases(res, 'rs', 'tide', w)}); "
                f"stock RS {us(b)} us = {_phases(res, 'rs', 'stock', w)}")
         rows.append(_at_least("TIDE-RS (bf16 -> fp32) vs stock", w, _ratio(b, t), 2.0, why))

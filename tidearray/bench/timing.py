@@ -7,6 +7,7 @@ maximum over ranks, and the reported time is the median over iterations.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -21,6 +22,8 @@ class Stats:
     """Per-iteration times (seconds, max over ranks) and their summary."""
 
     samples: tuple[float, ...]
+    #: Host time to issue each iteration (the call's return), max over ranks.
+    host: tuple[float, ...] = ()
 
     @property
     def median(self) -> float:
@@ -35,8 +38,11 @@ class Stats:
         return float(np.percentile(self.samples, 90))
 
     def summary(self) -> dict:
-        return {"median_s": self.median, "p10_s": self.p10, "p90_s": self.p90,
-                "min_s": min(self.samples), "iters": len(self.samples)}
+        out = {"median_s": self.median, "p10_s": self.p10, "p90_s": self.p90,
+               "min_s": min(self.samples), "iters": len(self.samples)}
+        if self.host:
+            out["host_median_s"] = float(np.median(self.host))
+        return out
 
 
 def measure(ctx: Any, fn: Callable[[], Any], *, iters: int = MIN_ITERS, warmup: int = 3,
@@ -52,7 +58,7 @@ def measure(ctx: Any, fn: Callable[[], Any], *, iters: int = MIN_ITERS, warmup: 
             pre()
         fn()
     dev.sync()
-    times = np.empty(iters)
+    times, host = np.empty(iters), np.empty(iters)
     for i in range(iters):
         if pre is not None:
             pre()
@@ -60,10 +66,13 @@ def measure(ctx: Any, fn: Callable[[], Any], *, iters: int = MIN_ITERS, warmup: 
         ctx.comm.Barrier()
         t = dev.timer(stream) if stream is not None else dev.timer()
         t.start()
+        h0 = time.perf_counter()
         fn()
+        host[i] = time.perf_counter() - h0
         t.stop()
         times[i] = t.seconds()
-    return Stats(tuple(allreduce_max(ctx.comm, times).tolist()))
+    return Stats(tuple(allreduce_max(ctx.comm, times).tolist()),
+                 tuple(allreduce_max(ctx.comm, host).tolist()))
 
 
 def allreduce_max(comm: Any, values: Sequence[float]) -> np.ndarray:
