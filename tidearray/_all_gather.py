@@ -105,8 +105,14 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
     """
     group = group or default_group()
     be = group.backend
-    shards = [be.resolve(s) for s in shards]
-    shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+    shards, errors = _validate.resolve_all(be, shards, "shard")
+    if errors:
+        _validate.check(group, "all_gather", (("inputs", "unresolvable"),), errors)
+    try:
+        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+    except TypeError:
+        _validate.check(group, "all_gather", (("shapes", repr(shapes)),),
+                        [f"expected shapes as a list of int tuples, got {shapes!r}"])
     unit = _check(group, shards, shapes, slot)
     dtype = shards[0].dtype if shards else _dtypes.bfloat16
     if slot is None:
@@ -155,6 +161,9 @@ def _unicast_push(ex: Any, slot: Region, column: tuple, src: Any, me: int, peers
             ex.depend(p, ex.NET)
         dst = slot.ptr(p)
         if p == me:
+            # After COMPUTE's earlier work: a reduce-scatter may still be reading
+            # staging that lives in this slot (Slot-Reuse).
+            ex.depend(p, ex.COMPUTE)
             ex.copy(p, [(dst + pc.offset, src(pc), pc.nbytes) for pc in own])
             continue
         ex.wait(p, slot.flag(me, AG_CHANNEL, FREE, p), use)
@@ -165,6 +174,7 @@ def _unicast_push(ex: Any, slot: Region, column: tuple, src: Any, me: int, peers
 def _multicast_push(ex: Any, slot: Region, column: tuple, src: Any, me: int, peers: list,
                     use: int, after_net: bool) -> None:
     """Each piece written once, to the multicast address: every peer's slot gets it."""
+    ex.depend(me, ex.COMPUTE)  # see _unicast_push
     if after_net:
         ex.depend(me, ex.NET)
     for p in peers:  # every peer must have granted before the single write

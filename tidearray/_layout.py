@@ -272,7 +272,7 @@ class RsPlan:
 
     @property
     def staging_nbytes(self) -> int:
-        return self.depth * self.buffer_nbytes
+        return min(self.depth, len(self.chunks)) * self.buffer_nbytes
 
     def buffer_of(self, chunk: int) -> int:
         return chunk % self.depth

@@ -117,8 +117,13 @@ def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Seque
     """
     group = group or default_group()
     be = group.backend
-    grads = [be.resolve(g) for g in grads]
-    outs = None if out is None else [be.resolve(o) for o in out]
+    grads, errors = _validate.resolve_all(be, grads, "gradient")
+    outs = None
+    if out is not None:
+        outs, out_errors = _validate.resolve_all(be, out, "output")
+        errors += out_errors
+    if errors:
+        _validate.check(group, "reduce_scatter", (("inputs", "unresolvable"),), errors)
     unit, plan = _check(group, grads, outs, op, staging)
     if staging is None:
         staging = default_region(group, "staging", plan.staging_nbytes)

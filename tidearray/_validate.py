@@ -47,10 +47,34 @@ def check(group: Any, what: str, signature: tuple, errors: Sequence[str]) -> Non
     everything = group.comm.allgather((signature, list(errors)))
     if all(sig == everything[0][0] and not errs for sig, errs in everything):
         return  # digests can differ only if interpreters hash differently
-    lines = [f"rank {r}: {e}" for r, (_, errs) in enumerate(everything) for e in errs]
-    if any(sig != everything[0][0] for sig, _ in everything):
+    ranks_of: dict[str, list[int]] = {}
+    for r, (_, errs) in enumerate(everything):
+        for e in errs:
+            ranks_of.setdefault(e, []).append(r)
+    lines = [f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {e}"
+             for e, rs in ranks_of.items()]
+    if not lines:  # a mismatch is often a consequence of a local error: name that first
         lines.insert(0, _mismatch([sig for sig, _ in everything]))
     raise TideInvalid(f"{what}: " + "; ".join(lines))
+
+
+def resolve_all(backend: Any, objs: Any, what: str) -> tuple[list, list[str]]:
+    """Resolve every array, collecting errors instead of raising them here.
+
+    Raising on one rank would leave the others waiting in :func:`check`, so
+    failures become entries of the error list that ``check`` shares.
+    """
+    from ._errors import TideInvalid
+
+    if objs is None or isinstance(objs, (str, bytes)) or not hasattr(objs, "__len__"):
+        return [], [f"expected a list of {what}s, got {type(objs).__name__}"]
+    resolved, errors = [], []
+    for i, obj in enumerate(objs):
+        try:
+            resolved.append(backend.resolve(obj))
+        except TideInvalid as e:
+            errors.append(f"{what} {i}: {e}")
+    return resolved, errors
 
 
 def _mismatch(sigs: list[tuple]) -> str:

@@ -44,11 +44,17 @@ class HostSymmetricBuffer(SymmetricBuffer):
 
         self.nbytes = nbytes
         self.multicast = multicast
-        # Every rank's part is a multiple of 4 KiB, so parts stay page- and flag-aligned.
-        self._win = MPI.Win.Allocate_shared(max(-(-nbytes // 4096) * 4096, 4096), 1,
-                                            comm=node_comm)
-        self._parts = [np.frombuffer(self._win.Shared_query(p)[0], np.uint8)
-                       for p in range(node_comm.size)]
+        # MPI may start a part only 16-byte aligned; over-allocate and start each
+        # part at the next 4 KiB boundary, so slot offsets are truly aligned (and
+        # DLPack consumers such as JAX import without copying). Mappings are
+        # page-aligned, so every process computes the same offset for a part.
+        size = -(-nbytes // 4096) * 4096 + 4096
+        self._win = MPI.Win.Allocate_shared(size, 1, comm=node_comm)
+        self._parts = []
+        for p in range(node_comm.size):
+            raw = np.frombuffer(self._win.Shared_query(p)[0], np.uint8)
+            skip = -raw.ctypes.data % 4096
+            self._parts.append(raw[skip:skip + size - 4096])
         self._local = self._parts[node_comm.rank]
         self._ptrs = [part.ctypes.data for part in self._parts]
 
