@@ -100,6 +100,7 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--json", action="append", required=True,
                            help="JSON Lines record file (repeatable)")
             s.add_argument("--docs", default="docs/benchmarks", help="output directory")
+            s.add_argument("--note", default="", help="a paragraph under the title")
             continue
         s.add_argument("--out", default="bench-out",
                        help="directory for bench.jsonl, bench.log and (all) report/")
@@ -123,7 +124,7 @@ def main(argv: Any = None) -> int:
     if args.command == "report":
         from .report import build
 
-        print(build(args.json, args.docs))
+        print(build(args.json, args.docs, args.note))
         return 0
     if args.iters < MIN_ITERS:
         print(f"note: --iters {args.iters} < {MIN_ITERS}: medians over fewer iterations "

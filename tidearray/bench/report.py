@@ -8,7 +8,7 @@ the same tables (:func:`summary`).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 from . import plots, targets
 from .impls import ORDER
@@ -40,20 +40,26 @@ DEFINITIONS = """\
 """
 
 
-def build(json_paths: list[str], docs: str) -> str:
-    """Write ``docs/README.md`` and plots from the records; returns the README path."""
+def build(json_paths: list[str], docs: str, note: str = "") -> str:
+    """Write ``docs/README.md`` and plots from the records; returns the README path.
+
+    Args:
+        json_paths: JSON Lines record files (later records of a key win).
+        docs: output directory.
+        note: a paragraph put under the title (e.g. what the run was for).
+    """
     res = Results(load(json_paths))
     os.makedirs(docs, exist_ok=True)
     pngs = [p for p in (f(res, docs) for f in plots.ALL) if p]
-    text = render(res, pngs)
+    text = render(res, pngs, note)
     path = os.path.join(docs, "README.md")
     with open(path, "w") as f:
         f.write(text)
     return path
 
 
-def render(res: Results, pngs: list[str]) -> str:
-    out = ["# tidearray benchmarks\n", _provenance(res)]
+def render(res: Results, pngs: list[str], note: str = "") -> str:
+    out = ["# tidearray benchmarks\n"] + ([note + "\n"] if note else []) + [_provenance(res)]
     rows = targets.evaluate(res)
     out += ["## Targets (issue 4)\n", markdown(targets.table(rows))]
     misses = [r for r in rows if r.met is False]
@@ -98,6 +104,8 @@ def _units_section(res: Results) -> str:
         if not ws:
             continue
         out += [f"### {name}: median time (us)\n", markdown(grid(res, suite, "time", ws, us)),
+                f"### {name}: time per call issued back to back (us)\n",
+                markdown(grid(res, suite, "time", ws, us, value=_pipelined)),
                 f"### {name}: speedup vs stock\n",
                 markdown(grid(res, suite, "speedup_vs_stock", ws, lambda v: num(v) + "x")),
                 f"### {name}: per-rank bandwidth (GB/s)\n",
@@ -109,6 +117,10 @@ def _units_section(res: Results) -> str:
             out += ["### All-gather output bitwise equal to the reference (1 = yes)\n",
                     markdown(grid(res, "ag", "correct", ws, lambda v: num(v, "{:.0f}")))]
     return "\n".join(out)
+
+
+def _pipelined(rec: dict) -> Optional[float]:
+    return (rec.get("extra") or {}).get("pipelined_s")
 
 
 def _detail_section(res: Results) -> str:

@@ -70,8 +70,10 @@ def mib(v: Optional[float]) -> str:
 
 def grid(res: Results, suite: str, metric: str, workloads: Iterable[str],
          fmt: Callable[[Any], str], impls: Optional[list[str]] = None,
-         label: Callable[[str], str] = str) -> Table:
-    """Rows = workloads, columns = implementations, cells = one metric."""
+         label: Callable[[str], str] = str,
+         value: Callable[[dict], Any] = lambda r: r.get("value")) -> Table:
+    """Rows = workloads, columns = implementations, cells = one metric (``value`` of
+    its record)."""
     impls = impls or res.impls(suite)
     rows = []
     for w in workloads:
@@ -82,7 +84,7 @@ def grid(res: Results, suite: str, metric: str, workloads: Iterable[str],
                 st = res.get(suite, i, w, "status") or res.get(suite, i, "*", "status")
                 cells.append(st["status"] if st else "")
             else:
-                cells.append(fmt(r.get("value")))
+                cells.append(fmt(value(r)))
         rows.append([label(w)] + cells)
     return ["workload"] + impls, rows
 

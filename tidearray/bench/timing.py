@@ -24,6 +24,8 @@ class Stats:
     samples: tuple[float, ...]
     #: Host time to issue each iteration (the call's return), max over ranks.
     host: tuple[float, ...] = ()
+    #: Mean time per call of ``iters`` calls issued back to back (host issue overlapped).
+    pipelined: Optional[float] = None
 
     @property
     def median(self) -> float:
@@ -42,6 +44,8 @@ class Stats:
                "min_s": min(self.samples), "iters": len(self.samples)}
         if self.host:
             out["host_median_s"] = float(np.median(self.host))
+        if self.pipelined is not None:
+            out["pipelined_s"] = self.pipelined
         return out
 
 
@@ -49,8 +53,10 @@ def measure(ctx: Any, fn: Callable[[], Any], *, iters: int = MIN_ITERS, warmup: 
             stream: Any = None, pre: Optional[Callable[[], Any]] = None) -> Stats:
     """Time ``fn`` (which issues work on ``stream``, the timing stream by default).
 
-    ``pre`` runs untimed before every iteration. Collective: every rank must
-    call it with the same ``iters`` and ``warmup``.
+    ``pre`` runs untimed before every iteration. Without ``pre``, the same
+    number of calls is then issued back to back between two events
+    (``Stats.pipelined``). Collective: every rank must call it with the same
+    ``iters`` and ``warmup``.
     """
     dev = ctx.dev
     for _ in range(warmup):
@@ -71,8 +77,17 @@ def measure(ctx: Any, fn: Callable[[], Any], *, iters: int = MIN_ITERS, warmup: 
         host[i] = time.perf_counter() - h0
         t.stop()
         times[i] = t.seconds()
+    piped = None
+    if pre is None:
+        ctx.comm.Barrier()
+        t = dev.timer(stream) if stream is not None else dev.timer()
+        t.start()
+        for _ in range(iters):
+            fn()
+        t.stop()
+        piped = float(allreduce_max(ctx.comm, [t.seconds() / iters])[0])
     return Stats(tuple(allreduce_max(ctx.comm, times).tolist()),
-                 tuple(allreduce_max(ctx.comm, host).tolist()))
+                 tuple(allreduce_max(ctx.comm, host).tolist()), piped)
 
 
 def allreduce_max(comm: Any, values: Sequence[float]) -> np.ndarray:
