@@ -1,0 +1,134 @@
+"""Helpers shared by the tests: data generation, array conversion, collective asserts.
+
+Everything here is independent of tidearray's own planning, so the references
+the tests compare against cannot inherit a bug from the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import ml_dtypes
+import numpy as np
+from hypothesis import strategies as st
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FP16 = np.dtype(np.float16)
+FP32 = np.dtype(np.float32)
+DTYPES = (BF16, FP16, FP32)
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """``a``'s raw bits as unsigned integers of the same itemsize (bitwise compares)."""
+    return a.view(_UINT[a.dtype.itemsize])
+
+
+def torch_chunk_rows(d0: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` that ``torch.chunk(x, world)`` gives ``rank``, written from scratch.
+
+    ``torch.chunk`` cuts chunks of ``c = ceil(d0 / world)`` rows; the last
+    non-empty chunk may be short, and ranks past it get nothing.
+    """
+    c = math.ceil(d0 / world) if d0 else 0
+    bounds = list(range(0, d0, c)) + [d0] if c else [0]
+    chunks = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+    return chunks[rank] if rank < len(chunks) else (d0, d0)
+
+
+def to_numpy(a: Any) -> np.ndarray:
+    """A host copy of a NumPy or CuPy array (bf16 included, moved as raw bits)."""
+    if isinstance(a, np.ndarray):
+        return a
+    import cupy
+
+    return cupy.asnumpy(a.view(_UINT[a.dtype.itemsize])).view(a.dtype)
+
+
+def to_xp(xp: Any, a: np.ndarray) -> Any:
+    """``a`` as a fresh array of the backend's module (NumPy or CuPy)."""
+    if xp is np:
+        return np.array(a, copy=True)
+    return xp.asarray(bits(np.ascontiguousarray(a))).view(a.dtype)
+
+
+def random_bits(rng: np.random.Generator, shape: Sequence[int], dtype: np.dtype,
+                avoid: Optional[int] = None) -> np.ndarray:
+    """Uniformly random bit patterns (NaN payloads and all) except the pattern ``avoid``.
+
+    Bitwise tests poison outputs with ``avoid``; keeping it out of the data
+    means any element the collective failed to write shows up.
+    """
+    u = _UINT[dtype.itemsize]
+    raw = rng.integers(0, np.iinfo(u).max, size=tuple(shape), dtype=u, endpoint=True)
+    if avoid is not None:
+        raw[raw == avoid] = 0
+    return raw.view(dtype)
+
+
+def random_values(rng: np.random.Generator, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    """Standard-normal values rounded to ``dtype`` (gradients)."""
+    return rng.standard_normal(tuple(shape), dtype=np.float32).astype(dtype)
+
+
+def padded_shard(full: np.ndarray, world: int, rank: int) -> np.ndarray:
+    """``rank``'s torch.chunk rows of ``full``, zero-padded to ``ceil(d0/world)`` rows."""
+    d0 = full.shape[0]
+    c = math.ceil(d0 / world) if d0 else 0
+    start, stop = torch_chunk_rows(d0, world, rank)
+    out = np.zeros((c, *full.shape[1:]), full.dtype)
+    out[: stop - start] = full[start:stop]
+    return out
+
+
+def agree(comm: Any, failures: Sequence[str], what: str = "") -> None:
+    """Collective assert: raise the same AssertionError on every rank if any rank failed.
+
+    Failing on every rank alike keeps ranks in lockstep: no rank waits in a
+    collective that a failed peer has abandoned, and Hypothesis sees the same
+    outcome on every rank.
+    """
+    everything = comm.allgather(list(failures))
+    lines = [f"rank {r}: {f}" for r, fs in enumerate(everything) for f in fs]
+    if lines:
+        raise AssertionError((what + ": " if what else "") + "\n".join(lines[:20]))
+
+
+def compare_bits(got: Any, want: np.ndarray, label: str) -> list[str]:
+    """Failures (empty if none) of a bitwise comparison of ``got`` against ``want``."""
+    got = to_numpy(got)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return [f"{label}: expected {want.dtype}{want.shape}, got {got.dtype}{got.shape}"]
+    bad = np.flatnonzero(bits(got) != bits(want))
+    if bad.size:
+        return [f"{label}: {bad.size} of {want.size} elements differ, first at flat index "
+                f"{bad[0]} (got bits {bits(got).flat[bad[0]]:#x}, "
+                f"expected {bits(want).flat[bad[0]]:#x})"]
+    return []
+
+
+# -- Hypothesis strategies ------------------------------------------------------
+
+
+def dim0(world: int, max_rows: int) -> st.SearchStrategy[int]:
+    """d0 values biased to the edge cases: 0, 1, < world, multiples of world, ragged."""
+    return st.one_of(
+        st.integers(0, max(world - 1, 0)),
+        st.integers(0, max_rows // max(world, 1)).map(lambda k: k * world),
+        st.integers(0, max_rows),
+    )
+
+
+def shapes(world: int, max_count: int = 12, max_rows: Optional[int] = None,
+           max_inner: int = 5, min_count: int = 0) -> st.SearchStrategy[list]:
+    """Parameter shape lists: 1-D to 3-D, d0 around ``world``, inner dims 1..max_inner."""
+    max_rows = max_rows if max_rows is not None else 4 * world + 5
+    shape = st.tuples(dim0(world, max_rows),
+                      st.lists(st.integers(1, max_inner), max_size=2)).map(
+        lambda t: (t[0], *t[1]))
+    return st.lists(shape, min_size=min_count, max_size=max_count)
+
+
+seeds = st.integers(0, 2**32 - 1)
+dtypes = st.sampled_from(DTYPES)

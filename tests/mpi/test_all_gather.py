@@ -1,0 +1,108 @@
+"""TIDE-AG, multi-rank: bitwise equal to the reference, into poisoned slots, at any world size.
+
+Run with ``mpiexec -n N python -m pytest --with-mpi tests/mpi``. Every rank
+generates the same full parameters from a shared seed, shards its own copy,
+gathers, and compares bits; failures are collective (``agree``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+import tidearray
+
+from .._util import BF16, DTYPES, FP16, FP32, agree, dtypes, seeds, shapes
+from ._cases import check_gathered, run_all_gather
+
+WORLD = MPI.COMM_WORLD.Get_size()
+SLOT_BYTES = 256 << 10
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def arena(group):
+    """Two symmetric slots, made once (mapping is the expensive part)."""
+    return tidearray.SlotArena(SLOT_BYTES, num_slots=2, group=group)
+
+
+def _fits(group, unit, dtype) -> list[str]:
+    n = tidearray.unit_nbytes(unit, dtype, group=group)
+    return [] if n <= SLOT_BYTES else [f"test bug: unit needs {n} bytes > slot {SLOT_BYTES}"]
+
+
+@given(shapes(WORLD), dtypes, seeds, st.integers(0, 1), st.booleans())
+@example([], BF16, 1, 0, False)
+@example([(1,)], FP32, 2, 1, False)
+@example([(WORLD - 1 or 1, 3), (WORLD + 1,), (2 * WORLD, 2, 2)], FP16, 3, 0, True)
+def test_all_gather_is_bitwise_exact(group, arena, unit, dtype, seed, which, async_op):
+    """Random units (0..12 parameters, 1-D to 3-D, d0 < W, ragged, empty) in bf16, fp16 and
+    fp32, random bit patterns, into a slot poisoned with all-ones bytes: every output
+    bit equals the reference, no byte outside the parameters is written, the outputs are
+    views into the slot, and the shards are not modified."""
+    failures = _fits(group, unit, dtype)
+    if not failures:
+        failures, _ = run_all_gather(group, unit, dtype, seed, slot=arena[which],
+                                     async_op=async_op)
+    agree(group.comm, failures, f"unit {unit} {dtype}")
+
+
+@given(shapes(WORLD, min_count=1), shapes(WORLD, min_count=1), dtypes, seeds)
+def test_second_gather_leaves_the_first_intact(group, arena, unit_a, unit_b, dtype, seed):
+    """Slot 0 keeps unit A while unit B goes into slot 1; then slot 0 is reused for C."""
+    failures = _fits(group, unit_a, dtype) + _fits(group, unit_b, dtype)
+    if not failures:
+        failures, outs_a = run_all_gather(group, unit_a, dtype, seed, slot=arena[0])
+        f_b, outs_b = run_all_gather(group, unit_b, FP32, seed + 1, slot=arena[1])
+        failures += f_b + check_gathered(outs_a, unit_a, dtype, seed, "A after B")
+        f_c, _ = run_all_gather(group, unit_b, dtype, seed + 2, slot=arena[0])
+        failures += f_c + check_gathered(outs_b, unit_b, FP32, seed + 1, "B after C")
+    agree(group.comm, failures)
+
+
+def test_default_slots_keep_the_previous_unit(group):
+    """Without ``slot=``, the group's own two slots alternate: a unit's parameters stay
+    valid while the next unit is gathered, also when the slots must grow."""
+    small = [(2 * WORLD + 1, 3), (1,)]
+    big = [(64 * WORLD + 3, 33), (WORLD,)]
+    failures, outs_small = run_all_gather(group, small, BF16, 11)
+    f2, outs_big = run_all_gather(group, big, BF16, 12)
+    failures += f2 + check_gathered(outs_small, small, BF16, 11, "small after big")
+    f3, _ = run_all_gather(group, small, BF16, 13)
+    failures += f3 + check_gathered(outs_big, big, BF16, 12, "big after small")
+    agree(group.comm, failures)
+
+
+def moe_layer(hidden: int = 64, heads: int = 4, kv_heads: int = 2, head: int = 16,
+              experts: int = 32, ffn: int = 24) -> list[tuple]:
+    """A Qwen3-30B-A3B-like MoE layer, scaled down: many small parameters."""
+    attn = [(heads * head, hidden), (kv_heads * head, hidden), (kv_heads * head, hidden),
+            (hidden, heads * head), (head,), (head,)]
+    expert = [(ffn, hidden), (ffn, hidden), (hidden, ffn)] * experts
+    return attn + [(experts, hidden)] + expert + [(hidden,), (hidden,)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_many_parameter_unit(group, dtype):
+    """~100 parameters of realistic shapes into the default slots."""
+    failures, outs = run_all_gather(group, moe_layer(), np.dtype(dtype), 21)
+    agree(group.comm, failures)
+
+
+def test_zero_sized_parameters(group, arena):
+    """Empty parameters (d0 = 0 or an inner dim 0) next to non-empty ones."""
+    unit = [(0,), (3 * WORLD, 0), (WORLD + 1, 2), (0, 4), (1,)]
+    failures, outs = run_all_gather(group, unit, BF16, 5, slot=arena[0])
+    failures += [f"parameter {i}: shape {o.shape}, expected {s}"
+                 for i, (o, s) in enumerate(zip(outs, unit)) if o.shape != s]
+    agree(group.comm, failures)
+
+
+def test_async_handle(group, arena):
+    """``async_op=True`` returns a Work whose ``wait()`` gives the gathered parameters."""
+    unit = [(3 * WORLD + 2, 5), (7,)]
+    failures, outs = run_all_gather(group, unit, BF16, 9, slot=arena[1], async_op=True)
+    agree(group.comm, failures)

@@ -1,0 +1,69 @@
+"""Config: defaults, TIDE_* variables, keyword overrides, rejected keys and values."""
+
+from __future__ import annotations
+
+import pytest
+
+import tidearray
+from tidearray import Config
+
+
+def test_defaults_without_environment():
+    cfg = Config.make(env={})
+    assert (cfg.backend, cfg.local_size, cfg.chunk_nbytes, cfg.depth) == ("auto", None,
+                                                                          32 << 20, 2)
+    assert cfg.timeout > 0 and cfg.multicast is False
+
+
+def test_environment_then_keywords():
+    env = {"TIDE_BACKEND": "host", "TIDE_LOCAL_SIZE": "1", "TIDE_CHUNK_BYTES": "8192",
+           "TIDE_DEPTH": "3", "TIDE_TIMEOUT": "2.5", "TIDE_MULTICAST": "yes"}
+    cfg = Config.make(env=env)
+    assert (cfg.backend, cfg.local_size, cfg.chunk_nbytes, cfg.depth, cfg.timeout,
+            cfg.multicast) == ("host", 1, 8192, 3, 2.5, True)
+    cfg = Config.make(env=env, local_size=2, depth=1)
+    assert (cfg.local_size, cfg.depth, cfg.chunk_nbytes) == (2, 1, 8192)
+    # None means "not given": the environment still applies.
+    assert Config.make(env=env, local_size=None).local_size == 1
+    # An empty variable is the same as an unset one.
+    assert Config.make(env={"TIDE_DEPTH": ""}).depth == 2
+
+
+def test_rejects_unknown_keys():
+    with pytest.raises(tidearray.TideInvalid, match="chunk_bytes"):
+        Config.make(env={}, chunk_bytes=4096)
+    with pytest.raises(TypeError):
+        Config(bogus=1)  # the dataclass itself has no such field either
+
+
+@pytest.mark.parametrize("key,value,word", [
+    ("backend", "gpu", "backend"),
+    ("local_size", 0, "local_size"),
+    ("chunk_nbytes", 4095, "chunk_nbytes"),
+    ("depth", 0, "depth"),
+    ("depth", 5, "depth"),
+    ("timeout", 0, "timeout"),
+    ("timeout", -1.0, "timeout"),
+])
+def test_rejects_bad_values(key, value, word):
+    with pytest.raises(tidearray.TideInvalid, match=word) as info:
+        Config.make(env={}, **{key: value})
+    assert repr(value) in str(info.value) or str(value) in str(info.value)
+
+
+@pytest.mark.parametrize("var,value", [("TIDE_LOCAL_SIZE", "two"), ("TIDE_CHUNK_BYTES", "1.5x"),
+                                       ("TIDE_DEPTH", "0"), ("TIDE_BACKEND", "tpu")])
+def test_rejects_bad_environment(var, value):
+    with pytest.raises(tidearray.TideInvalid):
+        Config.make(env={var: value})
+
+
+def test_config_is_frozen():
+    cfg = Config.make(env={})
+    with pytest.raises(AttributeError):
+        cfg.depth = 3
+
+
+def test_init_rejects_unknown_settings_before_touching_mpi():
+    with pytest.raises(tidearray.TideInvalid, match="chunk_size"):
+        tidearray.init(chunk_size=4096)

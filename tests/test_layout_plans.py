@@ -1,0 +1,137 @@
+"""Pure layout: topology, inter-node all-gather steps, reduce-scatter chunking (one process)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import tidearray
+from tidearray._layout import (
+    ALIGN,
+    Topology,
+    ag_pieces,
+    align_up,
+    internode_ag_steps,
+    plan_reduce_scatter,
+    plan_unit,
+)
+
+shape_st = st.tuples(st.integers(0, 300), st.lists(st.integers(0, 70), max_size=2)).map(
+    lambda t: (t[0], *t[1]))
+
+
+@st.composite
+def topologies(draw, max_nodes=9, max_local=5):
+    nodes, local = draw(st.integers(1, max_nodes)), draw(st.integers(1, max_local))
+    return Topology(nodes * local, draw(st.integers(0, nodes * local - 1)), local)
+
+
+@given(st.integers(1, 6), st.integers(1, 6))
+def test_topology_numbering(nodes, local):
+    world = nodes * local
+    seen = set()
+    for rank in range(world):
+        t = Topology(world, rank, local)
+        assert t.num_nodes == nodes
+        assert t.global_rank(t.node, t.local_rank) == rank
+        assert t.column(t.local_rank)[t.node] == rank
+        assert all(Topology(world, q, local).local_rank == t.local_rank
+                   for q in t.column(t.local_rank))
+        seen.add((t.node, t.local_rank))
+    assert len(seen) == world
+
+
+@pytest.mark.parametrize("world,local", [(4, 3), (6, 4), (3, 0), (5, -1)])
+def test_topology_rejects_a_local_size_that_does_not_divide(world, local):
+    with pytest.raises(tidearray.TideInvalid, match="local size"):
+        Topology(world, 0, local)
+
+
+@given(st.integers(1, 40))
+@example(1)
+@example(3)
+@example(8)
+def test_internode_steps_deliver_everything_once(num_nodes):
+    """Simulate every node's steps: each sends only what it holds, sends match receives
+    pairwise, nothing arrives twice, and at the end every node holds every node's data."""
+    plans = [internode_ag_steps(num_nodes, n) for n in range(num_nodes)]
+    assert len({len(p) for p in plans}) == 1
+    holds = [{n} for n in range(num_nodes)]
+    for s in range(len(plans[0])):
+        steps = [p[s] for p in plans]
+        for n, st_ in enumerate(steps):
+            assert set(st_.send_nodes) <= holds[n], (s, n)
+            partner = steps[st_.send_peer]
+            assert partner.recv_peer == n and partner.recv_nodes == st_.send_nodes, (s, n)
+        for n, st_ in enumerate(steps):
+            assert not holds[n] & set(st_.recv_nodes), f"step {s}: node {n} got data twice"
+            holds[n] |= set(st_.recv_nodes)
+    assert all(h == set(range(num_nodes)) for h in holds)
+    power_of_two = num_nodes & (num_nodes - 1) == 0
+    assert len(plans[0]) == (num_nodes.bit_length() - 1 if power_of_two else num_nodes - 1)
+
+
+@given(st.sampled_from([2, 4, 8, 16]), st.lists(shape_st, max_size=6))
+def test_recursive_doubling_sends_one_range_per_parameter(num_nodes, shapes):
+    """With one rank per node, each step's data is one contiguous range of each parameter."""
+    unit = plan_unit(shapes, 2, num_nodes)
+    for n in range(num_nodes):
+        for k, step in enumerate(internode_ag_steps(num_nodes, n)):
+            block = step.recv_nodes
+            assert block == tuple(range(block[0], block[0] + 2**k)) and block[0] % 2**k == 0
+            pieces = ag_pieces(unit, step.send_nodes)
+            for i in {p.param for p in pieces}:
+                mine = sorted((p.offset, p.nbytes) for p in pieces if p.param == i)
+                assert all(a + n_ == b for (a, n_), (b, _) in zip(mine, mine[1:]))
+
+
+@given(st.lists(shape_st, max_size=12), st.sampled_from([2, 4]), topologies(),
+       st.integers(4096, 1 << 16), st.integers(1, 4))
+@example([(1000, 64)], 2, Topology(4, 0, 2), 4096, 2)
+@example([(3, 70, 70)], 4, Topology(3, 0, 1), 4096, 1)  # a row larger than the budget
+def test_rs_plan_covers_every_row_once_within_budget(shapes, itemsize, topo, chunk, depth):
+    unit = plan_unit(shapes, itemsize, topo.world)
+    plan = plan_reduce_scatter(unit, topo, chunk, depth)
+    budget = max(1, chunk // topo.num_nodes)
+    next_row = [0] * len(shapes)
+    for ch in plan.chunks:
+        assert ch.pieces, "empty chunk"
+        end, data = 0, 0
+        for pc in ch.pieces:
+            spec = unit.specs[pc.param]
+            assert pc.row_start == next_row[pc.param] and pc.row_stop > pc.row_start
+            next_row[pc.param] = pc.row_stop
+            assert pc.offset % ALIGN == 0 and pc.offset >= end
+            end = pc.offset + (pc.row_stop - pc.row_start) * spec.row_nbytes
+            data += (pc.row_stop - pc.row_start) * spec.row_nbytes
+        assert ch.block_nbytes == align_up(end)
+        one_row = len(ch.pieces) == 1 and ch.pieces[0].row_stop - ch.pieces[0].row_start == 1
+        assert data <= budget or one_row, (data, budget)
+        assert ch.block_nbytes <= align_up(budget) or one_row
+    assert next_row == [s.rows_per_shard for s in unit.specs]
+    assert plan.source_nbytes == max((c.block_nbytes for c in plan.chunks), default=0) * \
+        topo.num_nodes
+    assert plan.buffer_nbytes == plan.source_nbytes * (topo.local_size - 1)
+    assert plan.staging_nbytes == depth * plan.buffer_nbytes
+    assert [plan.buffer_of(k) for k in range(5)] == [k % depth for k in range(5)]
+    end = 0
+    for off, spec in zip(plan.out_offsets, unit.specs):
+        assert off % (ALIGN // 4) == 0 and off >= end
+        end = off + spec.shard_numel
+    assert plan.block_numel >= end
+
+
+def test_rs_plan_splits_a_parameter_across_chunks():
+    """The small-chunk MPI tests rely on this: one shard spread over several chunks."""
+    unit = plan_unit([(100, 64), (5,), (40, 64)], 2, 2)  # shard 0: 6400 B
+    plan = plan_reduce_scatter(unit, Topology(2, 0, 2), 4096, 2)
+    chunks_of = {i: [k for k, c in enumerate(plan.chunks) for p in c.pieces if p.param == i]
+                 for i in range(3)}
+    assert len(chunks_of[0]) >= 2 and len(plan.chunks) >= 3
+
+
+def test_rs_plan_rejects_depth_zero():
+    unit = plan_unit([(4,)], 2, 2)
+    with pytest.raises(tidearray.TideInvalid, match="depth"):
+        plan_reduce_scatter(unit, Topology(2, 0, 2), 4096, 0)
