@@ -4,13 +4,13 @@
 // parameter slice), each with the same number of sources. The host builds a
 // table of int64 words (tidearray/backends/_cuda_accum.py, build_table):
 //
-//   pieces[3 * n_pieces] : out pointer, numel, vector flag (1 = every pointer
-//                          of the piece is 16-byte aligned)
+//   pieces[4 * n_pieces] : out pointer, numel, vector flag (1 = every pointer
+//                          of the piece is 16-byte aligned), first tile
 //   srcs[n_src * n_pieces]: source pointers, piece-major, in summation order
-//   tiles[2 * n_tiles]    : (piece, first element), tiles of `tile` elements
 //
-// Blocks walk the tiles grid-stride, so the grid stays small (about two
-// waves) and short-lived. For each element: acc = s0; acc += s1; ...;
+// Piece p covers tiles [first_p, first_{p+1}) of `tile` elements each. Blocks
+// walk the tiles grid-stride (so the grid stays small, about two waves, and
+// short-lived) and find a tile's piece by binary search over the first tiles. For each element: acc = s0; acc += s1; ...;
 // out = acc * scale, in fp32 with round-to-nearest and no contraction, which
 // is bitwise what the host backend computes. The multiply is skipped when
 // do_scale is 0 (scale == 1).
@@ -117,14 +117,18 @@ __device__ void tile_32(const i64* srcs, int n_src, float* out, i64 a, i64 b, in
 __device__ void accumulate(const i64* table, int n_pieces, int n_src, i64 n_tiles, i64 tile,
                            float scale, int do_scale, int kind) {
     const i64* pieces = table;
-    const i64* srcs = table + 3 * (i64)n_pieces;
-    const i64* tiles = srcs + (i64)n_src * n_pieces;
+    const i64* srcs = table + 4 * (i64)n_pieces;
     for (i64 t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-        i64 p = tiles[2 * t];
-        i64 a = tiles[2 * t + 1];
-        float* out = reinterpret_cast<float*>(pieces[3 * p]);
-        i64 numel = pieces[3 * p + 1];
-        int vec = (int)pieces[3 * p + 2];
+        int lo = 0, hi = n_pieces - 1;  // the last piece whose first tile is <= t
+        while (lo < hi) {
+            int mid = (lo + hi + 1) / 2;
+            if (pieces[4 * mid + 3] <= t) lo = mid; else hi = mid - 1;
+        }
+        i64 p = lo;
+        i64 a = (t - pieces[4 * p + 3]) * tile;
+        float* out = reinterpret_cast<float*>(pieces[4 * p]);
+        i64 numel = pieces[4 * p + 1];
+        int vec = (int)pieces[4 * p + 2];
         i64 b = a + tile < numel ? a + tile : numel;
         const i64* ps = srcs + p * n_src;
         if (kind == 2) {

@@ -7,8 +7,27 @@ would leave the others waiting in ``init``.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Print a GPU test's failure at once, with the rank: under MPI a failed rank
+    can leave its peers waiting, and the end-of-session report never comes."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed and item.get_closest_marker("gpu"):
+        try:
+            from mpi4py import MPI
+
+            rank = MPI.COMM_WORLD.rank
+        except ImportError:
+            rank = 0
+        sys.__stderr__.write(f"\n[rank {rank}] FAILED ({rep.when}) {item.nodeid}\n"
+                             f"{rep.longreprtext[-4000:]}\n")
+        sys.__stderr__.flush()
 
 
 def _all_ranks_have_gpu() -> tuple[bool, str]:

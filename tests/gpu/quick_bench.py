@@ -187,7 +187,16 @@ def run(args: argparse.Namespace) -> list[dict]:
 
         res = timed(comm, cp, stream, ag, args.iters)
         record("tide_ag", res, recv_bytes=recv, recv_GBps=recv / res["median_s"] / 1e9,
-               recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9)
+               recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9, split=be.push_split)
+        default = (be.push_split, be.aux_streams)
+        for split in args.splits:  # copy-engine streams per peer push ([Note: split pushes])
+            be.push_split = split
+            be.aux_streams = [[cp.cuda.Stream(non_blocking=True) for _ in range(split - 1)]
+                              for _ in range(g.local_size)]
+            res = timed(comm, cp, stream, ag, args.iters)
+            record(f"tide_ag_split{split}", res, recv_GBps=recv / res["median_s"] / 1e9,
+                   recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9)
+        be.push_split, be.aux_streams = default
         if W == 2:
             src = cp.empty(recv, cp.uint8)
             peer_slot = arena[0].ptr(1 - g.local_rank) if g.local_size == 2 else None
@@ -255,6 +264,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", default=None, help="write the records here (rank 0)")
     p.add_argument("--profile", default=None, help="write a host cProfile here (rank 0)")
+    p.add_argument("--splits", type=int, nargs="*", default=[],
+                   help="also time TIDE-AG with these push splits (e.g. 1 2 3)")
     args = p.parse_args()
     records = run(args)
     if MPI.COMM_WORLD.rank:

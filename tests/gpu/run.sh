@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU entry point: run on the GPU machine from the repo root.
 #
-#   bash tests/gpu/run.sh            # info, suites with 2 ranks and 1 rank, quick bench
-#   TIDE_GPU_BENCH=0 bash tests/gpu/run.sh   # skip the benchmark
+#   bash tests/gpu/run.sh                      # every step
+#   TIDE_GPU_STEPS="np2 bench" bash tests/gpu/run.sh   # some steps: info np2 np1 nodes bench
+#   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
 #
 # Installs the carried wheels (.whl/: nccl4py, pytest-mpi) into /tmp/site, then
 # runs the generic suite (tests/) and the GPU tests (tests/gpu) on the cuda
@@ -32,13 +33,13 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember failures
     [ "$rc" -eq 0 ] || status=1
 }
 
-step info timeout "$T" mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x TIDE_BACKEND=cuda \
-    python3 -m tidearray.info
-step np2 "${MPI[@]}" -n 2 "${PYTEST[@]}" tests
-step np1 "${MPI[@]}" -n 1 "${PYTEST[@]}" tests
-step np2_nodes "${MPI[@]}" -x TIDE_LOCAL_SIZE=1 -n 2 "${PYTEST[@]}" tests/gpu
-if [ "${TIDE_GPU_BENCH:-1}" != 0 ]; then
-    step bench "${MPI[@]}" -n 2 python3 tests/gpu/quick_bench.py --iters 30 \
-        --json "$OUT/quick_bench.json" --profile "$OUT/host_profile.txt"
-fi
+run_info() { step info timeout "$T" mpirun --allow-run-as-root -n 2 -x PYTHONPATH \
+    -x TIDE_BACKEND=cuda python3 -m tidearray.info; }
+run_np2() { step np2 "${MPI[@]}" -n 2 "${PYTEST[@]}" tests; }
+run_np1() { step np1 "${MPI[@]}" -n 1 "${PYTEST[@]}" tests; }
+run_nodes() { step np2_nodes "${MPI[@]}" -x TIDE_LOCAL_SIZE=1 -n 2 "${PYTEST[@]}" tests/gpu; }
+run_bench() { step bench "${MPI[@]}" -n 2 python3 tests/gpu/quick_bench.py --iters 30 \
+    --json "$OUT/quick_bench.json" --profile "$OUT/host_profile.txt" --splits 1 2 3; }
+
+for s in ${TIDE_GPU_STEPS:-info np2 np1 nodes bench}; do "run_$s"; done
 exit $status

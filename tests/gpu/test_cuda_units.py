@@ -14,6 +14,8 @@ rank rebuilds every rank's inputs from that seed on its GPU.
 from __future__ import annotations
 
 import random
+import time
+import traceback
 
 import numpy as np
 import pytest
@@ -27,6 +29,26 @@ pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
 def _seed(group) -> int:
     return group.comm.bcast(random.getrandbits(31), root=0)
+
+
+def _sync(cp, seconds: float = 30.0) -> None:
+    """Wait for the current stream, but fail instead of hanging on a broken protocol."""
+    ev = cp.cuda.Event(disable_timing=True)
+    ev.record()
+    deadline = time.monotonic() + seconds
+    while not ev.done:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"device work not done after {seconds:g} s")
+        time.sleep(1e-3)
+
+
+def _guarded(fn, *args, **kw) -> list[str]:
+    """``fn``'s failures, with any exception turned into one (so ranks still agree)."""
+    try:
+        return fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001 - report it collectively instead of desyncing ranks
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-6:])
+        return [f"{type(e).__name__}: {e}\n{tb}"]
 
 
 def _agree(group, failures: list[str], what: str) -> None:
@@ -52,7 +74,7 @@ def gather_and_check(group, cp, shapes, stream=None, poison=True) -> list[str]:
         slot.view(0, (slot.nbytes,), np.uint8).fill(0xFF)
     cp.cuda.runtime.deviceSynchronize()
     outs = tidearray.all_gather(shards, shapes, group=group, slot=slot, stream=stream)
-    cp.cuda.runtime.deviceSynchronize()
+    _sync(cp)
     bad = []
     for i, (o, f) in enumerate(zip(outs, full)):
         if o.shape != f.shape:
@@ -70,7 +92,7 @@ def reduce_and_check(group, cp, shapes, op="avg") -> list[str]:
     grads = [bf16_normal(cp, seed + 1000 * r + i, s) for i, s in enumerate(shapes)]
     outs = [cp.full(tidearray.shard_shape(s, W), np.nan, cp.float32) for s in shapes]
     res = tidearray.reduce_scatter(grads, op=op, out=outs, group=group)
-    cp.cuda.runtime.deviceSynchronize()
+    _sync(cp)
     scale = 1.0 / W if op == "avg" else 1.0
     bad = []
     for i, (s, got) in enumerate(zip(shapes, res)):
@@ -96,18 +118,19 @@ def reduce_and_check(group, cp, shapes, op="avg") -> list[str]:
 
 @pytest.mark.parametrize("unit", sorted(UNITS))
 def test_all_gather_unit_bitwise(cuda_group, cp, unit):
-    _agree(cuda_group, gather_and_check(cuda_group, cp, UNITS[unit]()), f"AG {unit}")
+    _agree(cuda_group, _guarded(gather_and_check, cuda_group, cp, UNITS[unit]()), f"AG {unit}")
 
 
 @pytest.mark.parametrize("unit", sorted(UNITS))
 def test_reduce_scatter_unit_bf16_to_fp32(cuda_group, cp, unit):
-    _agree(cuda_group, reduce_and_check(cuda_group, cp, UNITS[unit]()), f"RS {unit}")
+    _agree(cuda_group, _guarded(reduce_and_check, cuda_group, cp, UNITS[unit]()), f"RS {unit}")
 
 
 def test_reduce_scatter_sum_odd_shapes(cuda_group, cp):
     W = cuda_group.size
     shapes = [(W + 3, 5), (1,), (max(W - 1, 1), 7, 3), (0, 4), (4099,), (2 * W, 8)]
-    _agree(cuda_group, reduce_and_check(cuda_group, cp, shapes, op="sum"), "RS odd shapes")
+    _agree(cuda_group, _guarded(reduce_and_check, cuda_group, cp, shapes, op="sum"),
+           "RS odd shapes")
 
 
 def test_repeated_calls_reuse_slots(cuda_group, cp):
@@ -115,6 +138,6 @@ def test_repeated_calls_reuse_slots(cuda_group, cp):
     shapes = [(257, 64), (31,), (1024, 1024)]
     bad = []
     for _ in range(5):
-        bad += gather_and_check(cuda_group, cp, shapes, poison=False)
-        bad += reduce_and_check(cuda_group, cp, shapes)
+        bad += _guarded(gather_and_check, cuda_group, cp, shapes, poison=False)
+        bad += _guarded(reduce_and_check, cuda_group, cp, shapes)
     _agree(cuda_group, bad, "repeated")

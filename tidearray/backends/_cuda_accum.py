@@ -46,29 +46,27 @@ def choose_tile(total: int, max_grid: int) -> int:
 def build_table(pieces: Sequence[AccumPiece], tile: int = TILE) -> tuple[np.ndarray, int]:
     """The int64 table ``accumulate.cu`` walks, and its tile count.
 
-    Layout: ``[out, numel, vec] * n_pieces``, then ``n_src`` source pointers
-    per piece, then ``(piece, start)`` per tile. ``vec`` is 1 where the output
-    and every source are 16-byte aligned (vector loads and stores allowed).
+    Layout: ``[out, numel, vec, first_tile] * n_pieces``, then ``n_src`` source
+    pointers per piece. ``vec`` is 1 where the output and every source are
+    16-byte aligned (vector loads and stores allowed). Piece ``p`` covers tiles
+    ``[first_tile[p], first_tile[p+1])``; the kernel finds a tile's piece by
+    binary search, so the table is O(pieces), cheap to build per launch.
 
     Args:
         pieces: non-empty pieces, all with the same number of sources.
         tile: elements per tile.
     """
     n_src = len(pieces[0].srcs)
-    assert all(len(p.srcs) == n_src for p in pieces), "pieces differ in source count"
-    outs = np.fromiter((p.out for p in pieces), np.int64, len(pieces))
-    numels = np.fromiter((p.numel for p in pieces), np.int64, len(pieces))
-    srcs = np.array([p.srcs for p in pieces], np.int64).reshape(len(pieces), n_src)
-    vec = ((outs % 16 == 0) & np.all(srcs % 16 == 0, axis=1)).astype(np.int64)
-    per = -(-numels // tile)
-    n_tiles = int(per.sum())
-    first = np.repeat(np.cumsum(per) - per, per)
-    tiles = np.empty((n_tiles, 2), np.int64)
-    tiles[:, 0] = np.repeat(np.arange(len(pieces), dtype=np.int64), per)
-    tiles[:, 1] = (np.arange(n_tiles, dtype=np.int64) - first) * tile
-    table = np.concatenate([np.stack([outs, numels, vec], axis=1).ravel(), srcs.ravel(),
-                            tiles.ravel()])
-    return table, n_tiles
+    head: list[int] = []
+    srcs: list[int] = []
+    first = 0
+    for p in pieces:
+        assert len(p.srcs) == n_src and p.numel > 0, "pieces differ in source count"
+        vec = p.out % 16 == 0 and all(s % 16 == 0 for s in p.srcs)
+        head += (p.out, p.numel, int(vec), first)
+        srcs += p.srcs
+        first += -(-p.numel // tile)
+    return np.array(head + srcs, np.int64), first
 
 
 class _Slot:
@@ -84,7 +82,7 @@ class _Slot:
     def take(self, nbytes: int) -> None:
         import cupy
 
-        if self.event is not None:
+        if self.event is not None and not self.event.done:
             self.event.synchronize()  # its previous kernel has read the table
         if nbytes > self.nbytes:
             size = max(nbytes, 2 * self.nbytes, 1 << 16)

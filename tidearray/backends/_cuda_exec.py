@@ -19,6 +19,13 @@ the completion makes a stream wait on those events (no host synchronisation).
 Lanes are shared by successive collectives and run in issue order, which every
 rank shares, so the flag protocol of ``_arena`` cannot deadlock.
 
+[Note: split pushes]
+One copy engine did not fill the NVLink to a peer on 2xH200 (about 306 GB/s
+for a 208 MiB push while the peer pushed back). A large batch to a peer is
+therefore cut into ``push_split`` runs of equal bytes (``TIDE_CE_SPLIT``,
+default 2), each on its own stream forked from the lane and joined back before
+the lane's next operation, so several copy engines share the link. Still no SM.
+
 [Note: buffer lifetimes]
 Buffers the collective allocates (``Backend.empty``: the reduce-scatter's
 partial sums and results) are held by the backend, with the events of the
@@ -37,6 +44,10 @@ from typing import Any, Sequence
 from .._errors import TideInvalid
 from .._layout import Copy
 from ._base import Completion, Executor
+from ._cuda_copy import split_copies
+
+#: Pushes smaller than this stay on one stream (the split's events cost more).
+SPLIT_MIN_BYTES = 8 << 20
 
 
 def stream_ptr(stream: Any) -> int:
@@ -127,7 +138,26 @@ class CudaExecutor(Executor):
         return s
 
     def _copy(self, lane: int, copies: list) -> None:
-        self.be.copier.copy(self._lane(lane).ptr, copies)
+        """One batch; to a peer, split over ``push_split`` streams ([Note: split pushes])."""
+        s = self._lane(lane)
+        split = self.be.push_split if lane < self.COMPUTE and lane != self.be.local_rank else 1
+        if split <= 1 or sum(c[2] for c in copies) < SPLIT_MIN_BYTES:
+            self.be.copier.copy(s.ptr, copies)
+            return
+        fork, joins = _event(), []
+        fork.record(s)
+        for k, run in enumerate(split_copies(copies, split)):
+            if not run:
+                continue
+            aux = s if k == 0 else self.be.aux_streams[lane][k - 1]
+            if k:
+                aux.wait_event(fork)
+            self.be.copier.copy(aux.ptr, run)
+            if k:
+                joins.append(_event())
+                joins[-1].record(aux)
+        for ev in joins:  # the lane's next op (the arrival signal) follows every run
+            s.wait_event(ev)
 
     def _signal(self, lane: int, addr: int, value: int) -> None:
         self.be.flags.signal(self._lane(lane), addr, value)

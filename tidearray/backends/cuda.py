@@ -82,6 +82,9 @@ class CudaBackend(Backend):
         super().__init__(group)
         self.device = -1
         self.streams: list = []
+        self.aux_streams: list = []
+        self.push_split = 1
+        self.local_rank = group.topology.local_rank
         self.copier: Any = None
         self.flags: Any = None
         self.accumulator: Any = None
@@ -129,6 +132,11 @@ class CudaBackend(Backend):
         # One non-blocking stream per lane: peers 0..L-1, COMPUTE, NET ([Note: streams]).
         self.streams = [cupy.cuda.Stream(non_blocking=True)
                         for _ in range(self.group.local_size + 2)]
+        # Extra streams per peer lane, for pushes split over copy engines.
+        self.push_split = max(1, int(os.environ.get("TIDE_CE_SPLIT", "2")))
+        self.aux_streams = [[cupy.cuda.Stream(non_blocking=True)
+                             for _ in range(self.push_split - 1)]
+                            for _ in range(self.group.local_size)]
         self.copier = Copier(self.group.config.batch_copies)
         self.flags = FlagOps(self.device)
         sms = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
@@ -142,9 +150,20 @@ class CudaBackend(Backend):
             "multicast": multicast_capability(self.device),
             "NCCL put/signal": put_signal_capability(),
         }
-        if self.group.config.multicast and not self.capabilities["multicast"][0]:
-            raise TideInvalid("multicast: expected a machine that allows NVSwitch multicast, "
-                              f"got: {self.capabilities['multicast'][1]}")
+        self.capabilities["split pushes"] = (
+            self.push_split > 1, f"{self.push_split} copy-engine stream(s) per peer push "
+            "(TIDE_CE_SPLIT)")
+
+    def multicast_capability(self) -> tuple[bool, str]:
+        """Always off here: the cuda multicast transport is not implemented.
+
+        The reason says why it would be refused anyway, where it would
+        (``NCCL_NVLS_ENABLE=0``, or no device support).
+        """
+        ok, why = multicast_capability(max(self.device, 0))
+        if ok:
+            why = "the device supports it, but the cuda backend has no multicast transport"
+        return False, why
 
     def close(self) -> None:
         if self.nccl is not None:

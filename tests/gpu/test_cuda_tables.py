@@ -1,4 +1,4 @@
-"""The accumulate kernel's table, built on the host: runs on CPU (no GPU needed).
+"""Host-side tables of the cuda backend (accumulate table, split pushes): CPU only.
 
 Walks the table the way ``kernels/accumulate.cu`` does and checks that every
 element of every piece is covered by exactly one tile, that tiles never cross
@@ -25,14 +25,18 @@ def test_table_covers_each_element_once(specs, n_src, tile):
               for k, (n, o, o2) in enumerate(specs)]
     table, n_tiles = build_table(pieces, tile)
     P = len(pieces)
-    heads = table[: 3 * P].reshape(P, 3)
-    srcs = table[3 * P: 3 * P + n_src * P].reshape(P, n_src)
-    tiles = table[3 * P + n_src * P:].reshape(-1, 2)
-    assert len(tiles) == n_tiles and table.dtype == np.int64
+    heads = table[: 4 * P].reshape(P, 4)
+    srcs = table[4 * P:].reshape(P, n_src)
+    assert table.dtype == np.int64 and len(table) == P * (4 + n_src)
     seen = [np.zeros(p.numel, np.int64) for p in pieces]
-    for p, a in tiles:
-        assert a % tile == 0 and 0 <= a < pieces[p].numel
-        seen[p][a: min(a + tile, pieces[p].numel)] += 1
+    for t in range(n_tiles):  # the kernel's binary search, spelled out
+        lo, hi = 0, P - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if heads[mid, 3] <= t else (lo, mid - 1)
+        a = (t - heads[lo, 3]) * tile
+        assert 0 <= a < pieces[lo].numel
+        seen[lo][a: min(a + tile, pieces[lo].numel)] += 1
     assert all((s == 1).all() for s in seen)
     for k, p in enumerate(pieces):
         assert heads[k, 0] == p.out and heads[k, 1] == p.numel
@@ -46,3 +50,26 @@ def test_tile_size_bounds_the_table(total, grid):
     tile = choose_tile(total, grid)
     assert tile % TILE == 0 and tile >= TILE
     assert -(-total // tile) <= max(4 * grid, -(-total // TILE))
+
+
+@given(st.lists(st.integers(0, 5 << 17), min_size=1, max_size=8), st.integers(1, 4))
+def test_split_copies_keeps_every_byte_in_order(sizes, parts):
+    from tidearray.backends._cuda_copy import SPLIT_ALIGN, split_copies
+
+    copies, dst, src = [], 1 << 40, 1 << 30
+    for n in sizes:
+        if n:
+            copies.append((dst, src, n))
+        dst, src = dst + n + 4096, src + n + 8192
+    runs = split_copies(copies, parts)
+    assert len(runs) == parts
+    merged = []  # re-join the pieces that continue each other: the original copies
+    for d, s, n in (c for run in runs for c in run):
+        assert n > 0
+        if merged and merged[-1][0] + merged[-1][2] == d and merged[-1][1] + merged[-1][2] == s:
+            md, ms, mn = merged[-1]
+            assert (d - md) % SPLIT_ALIGN == 0, "a cut not on the split granule"
+            merged[-1] = (md, ms, mn + n)
+        else:
+            merged.append((d, s, n))
+    assert merged == copies
