@@ -144,7 +144,8 @@ def environment(ctx: Ctx) -> dict:
     try:
         from mpi4py import MPI
 
-        env["mpi"] = MPI.Get_library_version().splitlines()[0]
+        first = MPI.Get_library_version().splitlines()[0]
+        env["mpi"] = "".join(c for c in first if c.isprintable()).strip()
     except Exception:  # noqa: BLE001 - the MPI version is only informative
         pass
     if ctx.dev.name == "cuda":

@@ -55,7 +55,8 @@ class Prepared:
     ag_out: Optional[Callable[[], list]] = None
     rs_out: Optional[Callable[[], list]] = None
     phases: dict[str, Phase] = field(default_factory=dict)
-    accounted_nbytes: int = 0
+    #: Bytes of the buffers it allocates itself (None: not known, e.g. torch-managed).
+    accounted_nbytes: Optional[int] = 0
     release: Callable[[], None] = lambda: None
     #: Untimed work before each timed iteration of an op (e.g. FSDP2's unshard before RS).
     pre: dict[str, Callable[[], None]] = field(default_factory=dict)

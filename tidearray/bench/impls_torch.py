@@ -203,11 +203,15 @@ class Fsdp2(_TorchImpl):
                 group.post_backward()
                 stream.wait_stream(group.comm_ctx.reduce_scatter_stream)
 
-        def rs_out() -> list:
-            return [p.grad.to_local().float() for p in module.params]
+        def rs_out() -> list:  # unpadded fp32 shards, as CuPy arrays for the check
+            import cupy
+
+            return [cupy.from_dlpack(p.grad.to_local().float().contiguous())
+                    for p in module.params]
 
         def release() -> None:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
-        return Prepared(ag, rs, None, rs_out, release=release, pre={"rs": before_rs})
+        return Prepared(ag, rs, None, rs_out, release=release, pre={"rs": before_rs},
+                        accounted_nbytes=None)

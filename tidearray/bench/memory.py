@@ -65,10 +65,12 @@ def _measure(ctx: Any, impl: Any, data: UnitData) -> None:
 
 
 def _record(ctx: Any, impl: Any, unit: Any, base: Any, seen: list, pool0: Any, pool: Any,
-            accounted: int) -> None:
-    accounted = max(ctx.comm.allgather(accounted))
-    ctx.sink.add("memory", impl.name, unit.name, "accounted", accounted, "B")
-    line = f"  {impl.name:<12} accounted {accounted / 2**20:9.1f} MiB"
+            accounted: Any) -> None:
+    line = f"  {impl.name:<12}"
+    if accounted is not None:
+        accounted = max(ctx.comm.allgather(accounted))
+        ctx.sink.add("memory", impl.name, unit.name, "accounted", accounted, "B")
+        line += f" accounted {accounted / 2**20:9.1f} MiB"
     if base is not None:
         peak = max(ctx.comm.allgather(max(s - base for s in seen if s is not None)))
         pool_rise = max(ctx.comm.allgather(pool - pool0))

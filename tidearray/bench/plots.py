@@ -7,6 +7,14 @@ from typing import Any, Optional
 
 from .tables import Results
 
+#: One color per implementation, the same in every plot.
+COLORS = {"tide": "tab:blue", "stock": "tab:orange", "symm": "tab:green", "nccl-bf16": "tab:red",
+          "stock-torch": "tab:brown", "fsdp2": "tab:purple"}
+
+
+def _color(impl: str) -> Any:
+    return COLORS.get(impl)
+
 
 def _plt() -> Any:
     import matplotlib
@@ -25,7 +33,8 @@ def _bars(ax: Any, res: Results, suite: str, metric: str, workloads: list, scale
     for k, impl in enumerate(impls):
         ys = [res.value(suite, impl, w, metric) for w in workloads]
         xs = [j + k * width for j, y in enumerate(ys) if y is not None]
-        ax.bar(xs, [y * scale for y in ys if y is not None], width, label=impl)
+        ax.bar(xs, [y * scale for y in ys if y is not None], width, label=impl,
+               color=_color(impl))
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))])
     ax.set_xticklabels(workloads, rotation=15, fontsize=8)
     ax.set_ylabel(ylabel)
@@ -46,13 +55,12 @@ def units(res: Results, out: str) -> Optional[str]:
 
 
 def sweeps(res: Results, out: str) -> Optional[str]:
-    panels = [(s, k) for k in ("size", "count") for s in ("ag", "rs") if res.workloads(s, k)]
-    if not panels:
+    kinds = [k for k in ("size", "count") if any(res.workloads(s, k) for s in ("ag", "rs"))]
+    if not kinds:
         return None
     plt = _plt()
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    for ax, (suite, kind) in zip(axes.flat, [(s, k) for k in ("size", "count")
-                                             for s in ("ag", "rs")]):
+    fig, axes = plt.subplots(len(kinds), 2, figsize=(13, 4.5 * len(kinds)), squeeze=False)
+    for ax, (suite, kind) in zip(axes.flat, [(s, k) for k in kinds for s in ("ag", "rs")]):
         ws = res.workloads(suite, kind)
         if not ws:
             ax.set_visible(False)
@@ -65,7 +73,7 @@ def sweeps(res: Results, out: str) -> Optional[str]:
                 if r is not None and r.get("value") is not None and x is not None:
                     pts.append((x / 2**20 if kind == "size" else x, r["value"]))
             if pts:
-                ax.plot(*zip(*sorted(pts)), marker="o", label=impl)
+                ax.plot(*zip(*sorted(pts)), marker="o", label=impl, color=_color(impl))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("unit size (MiB), 8 parameters" if kind == "size"
                       else "parameters per unit (256 MiB total)")
@@ -89,7 +97,8 @@ def interference(res: Results, out: str) -> Optional[str]:
     for k, impl in enumerate(impls):
         ys = [res.value("interference", impl, unit, m) for m in metrics]
         xs = [j + k * width for j, y in enumerate(ys) if y is not None]
-        ax.bar(xs, [y * 100 for y in ys if y is not None], width, label=impl)
+        ax.bar(xs, [y * 100 for y in ys if y is not None], width, label=impl,
+               color=_color(impl))
     ax.axhline(10, color="k", lw=0.8, ls="--")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(metrics))])
     ax.set_xticklabels(metrics, fontsize=7)

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from . import plots, targets
 from .impls import ORDER
 from .records import load
-from .tables import Results, grid, markdown, mib, num, phase_table, us
+from .tables import Results, gbs, grid, markdown, mib, num, phase_table, us
 
 DEFINITIONS = """\
 * **time**: median over the timed iterations of the per-iteration maximum over
@@ -59,12 +59,13 @@ def build(json_paths: list[str], docs: str, note: str = "") -> str:
 
 
 def render(res: Results, pngs: list[str], note: str = "") -> str:
-    out = ["# tidearray benchmarks\n"] + ([note + "\n"] if note else []) + [_provenance(res)]
+    out = ["# tidearray benchmarks\n"] + ([note + "\n"] if note else [])
+    out.append(_provenance(res))
     rows = targets.evaluate(res)
     out += ["## Targets (issue 4)\n", markdown(targets.table(rows))]
     misses = [r for r in rows if r.met is False]
     if misses:
-        out.append("### Why the missed targets were missed (measured in the same run)\n")
+        out.append("### Why the missed targets were missed (measured, in the runs above)\n")
         out += [f"* **{r.target}, {r.workload}**: {r.why}\n" for r in misses]
     out.append(_units_section(res))
     out.append(_detail_section(res))
@@ -92,9 +93,13 @@ def _provenance(res: Results) -> str:
     ex = runs[-1].get("extra") or {}
     keys = ("device", "sms", "backend", "group", "nccl", "mpi", "cupy", "driver", "runtime",
             "host", "tidearray", "group_note")
-    lines += [f"* {k}: `{ex[k]}`" for k in keys if ex.get(k) not in (None, "")]
+    lines += [f"* {k}: `{_printable(ex[k])}`" for k in keys if ex.get(k) not in (None, "")]
     lines.append(f"* runs: {', '.join(sorted({r['run'] for r in runs}))}\n")
     return "\n".join(lines)
+
+
+def _printable(v: Any) -> str:
+    return "".join(c for c in str(v) if c.isprintable()).strip()
 
 
 def _units_section(res: Results) -> str:
@@ -109,7 +114,7 @@ def _units_section(res: Results) -> str:
                 f"### {name}: speedup vs stock\n",
                 markdown(grid(res, suite, "speedup_vs_stock", ws, lambda v: num(v) + "x")),
                 f"### {name}: per-rank bandwidth (GB/s)\n",
-                markdown(grid(res, suite, "bandwidth", ws, lambda v: num(v, "{:.0f}")))]
+                markdown(grid(res, suite, "bandwidth", ws, gbs))]
         if suite == "rs":
             out += ["### Reduce-scatter error vs fp64 (normwise max relative)\n",
                     markdown(grid(res, "rs", "rs_error", ws, lambda v: num(v, "{:.1e}")))]
@@ -175,7 +180,7 @@ def _sweep_section(res: Results) -> str:
             ws = res.workloads(suite, kind)
             if ws:
                 out += [f"## {title}: {suite.upper()} per-rank bandwidth (GB/s)\n",
-                        markdown(grid(res, suite, "bandwidth", ws, lambda v: num(v, "{:.0f}")))]
+                        markdown(grid(res, suite, "bandwidth", ws, gbs))]
     return "\n".join(out)
 
 

@@ -42,10 +42,8 @@ def run(ctx: Any, op: str, workloads: list) -> None:
 
 
 def _run_one(ctx: Any, op: str, impl: Any, data: UnitData, detail: bool) -> Optional[float]:
-    unit = data.unit
     if op not in impl.ops and not (detail and impl.ops == ()):
-        ctx.sink.skip(op, impl.name, unit.name, f"{impl.name} has no {op}")
-        return None
+        return None  # by design (e.g. nccl-bf16 has no all-gather): nothing to record
     prep = prepare(ctx, op, impl, data)
     if prep is None:
         return None
@@ -119,7 +117,9 @@ def _phases(ctx: Any, op: str, impl: Any, data: UnitData, prep: Any) -> None:
         timed[name] = (ph, stats.median)
         ctx.sink.add(op, impl.name, unit.name, "phase:" + name.split(".", 1)[1], stats.median,
                      "s", kind=ph.kind, ctas=ph.ctas, note=ph.note, part=ph.part)
-    if getattr(prep, op) is not None and ctx.dev.num_sms:
+    has_parts = any(ph.part for ph, _ in timed.values())
+    if getattr(prep, op) is not None and ctx.dev.num_sms and (
+            has_parts or (impl.name == "tide" and op == "ag")):
         value, extra = sm_time(ctx, impl, op, timed)
         ctx.sink.add(op, impl.name, unit.name, "sm_time", value, "s", **extra)
 

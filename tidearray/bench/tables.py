@@ -64,6 +64,11 @@ def num(v: Optional[float], fmt: str = "{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def gbs(v: Optional[float]) -> str:
+    """A bandwidth: whole GB/s, one decimal below 10."""
+    return "-" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
+
+
 def mib(v: Optional[float]) -> str:
     return "-" if v is None else f"{v / 2**20:,.1f}"
 
@@ -73,8 +78,11 @@ def grid(res: Results, suite: str, metric: str, workloads: Iterable[str],
          label: Callable[[str], str] = str,
          value: Callable[[dict], Any] = lambda r: r.get("value")) -> Table:
     """Rows = workloads, columns = implementations, cells = one metric (``value`` of
-    its record)."""
-    impls = impls or res.impls(suite)
+    its record). Columns: ``impls``, else every implementation with a record of
+    the metric or a failure on these workloads."""
+    workloads = list(workloads)
+    impls = impls or [i for i in res.impls(suite) if any(
+        res.get(suite, i, w, metric) or res.get(suite, i, w, "status") for w in workloads)]
     rows = []
     for w in workloads:
         cells = []

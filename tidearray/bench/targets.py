@@ -64,10 +64,13 @@ def ag_rows(res: Results, base: str, goal: float, units: tuple = LLAMA) -> list[
     for w in units:
         t, b = _time(res, "ag", "tide", w), _time(res, "ag", base, w)
         pc = res.value("ag", "tide", w, "phase:peer_copy")
+        small = res.value("ag", "tide", "size-1MiB", "time")
         why = (f"tide AG {us(t)} us ({_host(res, 'ag', 'tide', w)}); one plain "
                f"CE copy of the same bytes {us(pc)} us "
-               f"({_pct(pc, t)} of tide's time); {base} AG {us(b)} us = "
-               f"{_phases(res, 'ag', base, w)}")
+               f"({_pct(pc, t)} of tide's time)"
+               + (f"; tide AG of a 1 MiB unit {us(small)} us (fixed cost per call)"
+                  if small is not None else "")
+               + f"; {base} AG {us(b)} us = {_phases(res, 'ag', base, w)}")
         rows.append(_at_least(f"TIDE-AG vs {base}", w, _ratio(b, t), goal, why))
     return rows
 
@@ -95,10 +98,24 @@ def sm_rows(res: Results) -> list[Row]:
         t, b = res.get("rs", "tide", w, "sm_time"), res.get("rs", "stock", w, "sm_time")
         tv, bv = (t or {}).get("value"), (b or {}).get("value")
         notes = "; ".join((t or {}).get("extra", {}).get("notes", []))
-        why = (f"tide RS SM time {us(tv)} us ({_parts(t)}); stock {us(bv)} us ({_parts(b)})"
-               + (f"; {notes}" if notes else ""))
+        why = (f"tide RS SM time {us(tv)} us ({_parts(t)}{_accum_rate(res, w)}); stock "
+               f"{us(bv)} us ({_parts(b)})" + (f"; {notes}" if notes else ""))
         rows.append(_at_least("RS SM time, NCCL (stock) / tide", w, _ratio(bv, tv), 12.5, why))
     return rows
+
+
+def _accum_rate(res: Results, w: str) -> str:
+    """Achieved memory rate of TIDE-RS's accumulate alone: W bf16 sources in, fp32 out."""
+    acc = res.get("rs", "tide", w, "phase:accumulate")
+    t = (res.get("rs", "tide", w, "time") or {}).get("extra") or {}
+    runs = res.runs()
+    world = ((runs[-1].get("extra") or {}).get("world") if runs else None) or 0
+    if not acc or not acc.get("value") or not t.get("nbytes") or not world:
+        return ""
+    moved = t["nbytes"] / 2 / world * (2 * world + 4)
+    ctas = (acc.get("extra") or {}).get("ctas")
+    return (f"; the accumulate moves {moved / 1e9:.2f} GB at {moved / acc['value'] / 1e12:.2f} "
+            f"TB/s on {ctas} CTAs")
 
 
 def _parts(rec: Optional[dict]) -> str:
