@@ -61,6 +61,25 @@ def cuda_group(request: pytest.FixtureRequest):
     g.close()
 
 
+@pytest.fixture(autouse=True)
+def _own_device(request: pytest.FixtureRequest):
+    """Make this rank's GPU current around every GPU test.
+
+    JAX and PyTorch can leave another device current; arrays made afterwards
+    would then sit on the wrong GPU, and the collectives rightly refuse them.
+    Restoring it after the test also keeps later (generic) tests on the right GPU.
+    """
+    if "cuda_group" not in request.fixturenames:
+        yield
+        return
+    import cupy
+
+    dev = request.getfixturevalue("cuda_group").backend.device
+    cupy.cuda.Device(dev).use()
+    yield
+    cupy.cuda.Device(dev).use()
+
+
 @pytest.fixture(scope="session")
 def cp(cuda_group):
     import cupy
