@@ -43,22 +43,20 @@ __device__ __forceinline__ int find_seg(const Seg* segs, int nseg, i64 tile) {
     return lo;
 }
 
-// Copies bytes [begin, vend) with 16-byte vectors, four in flight per thread.
-__device__ __forceinline__ void copy_vec16(char* __restrict__ dst, const char* __restrict__ src,
-                                           i64 begin, i64 vend) {
-    const i64 step = (i64)blockDim.x * 16;
-    i64 i = begin + (i64)threadIdx.x * 16;
+// Runs st(i, ld(i)) for i = begin + threadIdx.x * UNITS, stepping by blockDim.x * UNITS,
+// below vend; four loads are issued before their stores (memory-level parallelism).
+template <int UNITS, typename Load, typename Store>
+__device__ __forceinline__ void unrolled(i64 begin, i64 vend, Load ld, Store st) {
+    const i64 step = (i64)blockDim.x * UNITS;
+    i64 i = begin + (i64)threadIdx.x * UNITS;
     for (; i + 3 * step < vend; i += 4 * step) {
-        uint4 a = *(const uint4*)(src + i);
-        uint4 b = *(const uint4*)(src + i + step);
-        uint4 c = *(const uint4*)(src + i + 2 * step);
-        uint4 d = *(const uint4*)(src + i + 3 * step);
-        *(uint4*)(dst + i) = a;
-        *(uint4*)(dst + i + step) = b;
-        *(uint4*)(dst + i + 2 * step) = c;
-        *(uint4*)(dst + i + 3 * step) = d;
+        const uint4 a = ld(i), b = ld(i + step), c = ld(i + 2 * step), d = ld(i + 3 * step);
+        st(i, a);
+        st(i + step, b);
+        st(i + 2 * step, c);
+        st(i + 3 * step, d);
     }
-    for (; i < vend; i += step) *(uint4*)(dst + i) = *(const uint4*)(src + i);
+    for (; i < vend; i += step) st(i, ld(i));
 }
 
 extern "C" __global__ void pack_bytes(const Seg* __restrict__ segs, int nseg, i64 ntiles) {
@@ -76,7 +74,9 @@ extern "C" __global__ void pack_bytes(const Seg* __restrict__ segs, int nseg, i6
         i64 scalar_from = begin;
         if (((sg.dst | sg.src) & 15) == 0 && vend > begin) {
             scalar_from = begin + ((vend - begin) & ~15LL);
-            copy_vec16(dst, src, begin, scalar_from);
+            unrolled<16>(begin, scalar_from,
+                         [&](i64 i) { return *(const uint4*)(src + i); },
+                         [&](i64 i, uint4 v) { *(uint4*)(dst + i) = v; });
         }
         for (i64 i = scalar_from + threadIdx.x; i < vend; i += blockDim.x) dst[i] = src[i];
         for (i64 i = imax(begin, sg.valid) + threadIdx.x; i < end; i += blockDim.x) dst[i] = 0;
@@ -87,41 +87,20 @@ __device__ __forceinline__ float bf16_to_f32(unsigned short x) {
     return __uint_as_float(((unsigned int)x) << 16);
 }
 
-__device__ __forceinline__ float4 lo4(uint4 v) {
-    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
-                       __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+// One 16-byte store. NVCC split plain float4/uint4 stores of the converted values below
+// into four 4-byte stores (seen in the PTX), a quarter of the store width.
+__device__ __forceinline__ void store16(void* p, uint4 v) {
+    asm volatile("st.v4.u32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-__device__ __forceinline__ float4 hi4(uint4 v) {
-    return make_float4(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u),
-                       __uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
+// fp32 bit patterns of bf16 elements 0-3 (lo) and 4-7 (hi) of a 16-byte load.
+__device__ __forceinline__ uint4 lo4(uint4 v) {
+    return make_uint4(v.x << 16, v.x & 0xffff0000u, v.y << 16, v.y & 0xffff0000u);
 }
 
-// Converts elements [begin, vend) (a multiple of 8) with 16-byte loads, four in flight.
-__device__ __forceinline__ void cvt_vec8(float* __restrict__ dst,
-                                         const unsigned short* __restrict__ src,
-                                         i64 begin, i64 vend) {
-    const i64 step = (i64)blockDim.x * 8;
-    i64 i = begin + (i64)threadIdx.x * 8;
-    for (; i + 3 * step < vend; i += 4 * step) {
-        uint4 a = *(const uint4*)(src + i);
-        uint4 b = *(const uint4*)(src + i + step);
-        uint4 c = *(const uint4*)(src + i + 2 * step);
-        uint4 d = *(const uint4*)(src + i + 3 * step);
-        *(float4*)(dst + i) = lo4(a);
-        *(float4*)(dst + i + 4) = hi4(a);
-        *(float4*)(dst + i + step) = lo4(b);
-        *(float4*)(dst + i + step + 4) = hi4(b);
-        *(float4*)(dst + i + 2 * step) = lo4(c);
-        *(float4*)(dst + i + 2 * step + 4) = hi4(c);
-        *(float4*)(dst + i + 3 * step) = lo4(d);
-        *(float4*)(dst + i + 3 * step + 4) = hi4(d);
-    }
-    for (; i < vend; i += step) {
-        uint4 v = *(const uint4*)(src + i);
-        *(float4*)(dst + i) = lo4(v);
-        *(float4*)(dst + i + 4) = hi4(v);
-    }
+__device__ __forceinline__ uint4 hi4(uint4 v) {
+    return make_uint4(v.z << 16, v.z & 0xffff0000u, v.w << 16, v.w & 0xffff0000u);
 }
 
 // bf16 -> fp32 with zero padding (FSDP2's _chunk_cat into an fp32 reduce-scatter input).
@@ -140,7 +119,12 @@ extern "C" __global__ void pack_bf16_f32(const Seg* __restrict__ segs, int nseg,
         i64 scalar_from = begin;
         if ((sg.src & 15) == 0 && (sg.dst & 15) == 0 && vend > begin) {
             scalar_from = begin + ((vend - begin) & ~7LL);
-            cvt_vec8(dst, src, begin, scalar_from);
+            unrolled<8>(begin, scalar_from,
+                        [&](i64 i) { return *(const uint4*)(src + i); },
+                        [&](i64 i, uint4 v) {
+                            store16(dst + i, lo4(v));
+                            store16(dst + i + 4, hi4(v));
+                        });
         }
         for (i64 i = scalar_from + threadIdx.x; i < vend; i += blockDim.x)
             dst[i] = bf16_to_f32(src[i]);
