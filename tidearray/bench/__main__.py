@@ -94,8 +94,9 @@ def parser() -> argparse.ArgumentParser:
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for name in list(COMMANDS) + ["report"]:
-        s = sub.add_parser(name, help=f"run the {name} suite" if name != "report" else
-                           "rebuild tables and plots from JSON records")
+        helps = {"all": "run every suite, then write the report",
+                 "report": "rebuild tables and plots from JSON records"}
+        s = sub.add_parser(name, help=helps.get(name, f"run the {name} suite"))
         if name == "report":
             s.add_argument("--json", action="append", required=True,
                            help="JSON Lines record file (repeatable)")
