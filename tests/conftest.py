@@ -19,11 +19,17 @@ import random
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-settings.register_profile("tide", deadline=None, max_examples=60, database=None,
+#: Examples per property test; raise with TIDE_TEST_EXAMPLES for a longer soak.
+_EXAMPLES = int(os.environ.get("TIDE_TEST_EXAMPLES", "0") or 0)
+settings.register_profile("tide", deadline=None, max_examples=_EXAMPLES or 150, database=None,
                           print_blob=True)
 settings.register_profile(
-    "tide-mpi", deadline=None, max_examples=15, database=None, derandomize=False,
-    suppress_health_check=list(HealthCheck), phases=(Phase.explicit, Phase.generate),
+    "tide-mpi", deadline=None, max_examples=_EXAMPLES or 40, database=None, derandomize=False,
+    suppress_health_check=list(HealthCheck),
+    # Shrinking stops on a wall clock, so ranks could stop at different examples and hang;
+    # TIDE_TEST_SHRINK=1 turns it on for debugging a failure on a quiet machine.
+    phases=(Phase.explicit, Phase.generate)
+    + ((Phase.shrink,) if os.environ.get("TIDE_TEST_SHRINK") == "1" else ()),
     report_multiple_bugs=False, print_blob=True)
 
 

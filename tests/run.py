@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""The single test entry point: single-process tests, then the multi-rank suite.
+
+Runs, in order, each in its own process group under a timeout:
+
+1. ``python -m pytest -q tests``: layout, config and helper tests (Hypothesis);
+2. ``mpiexec -n N python -m pytest --with-mpi -q tests/mpi`` for N = 1, 2, 3, 4;
+3. topology overrides: ``TIDE_LOCAL_SIZE=1`` with N = 3 (pairwise inter-node steps)
+   and N = 4 (recursive doubling), and ``TIDE_LOCAL_SIZE=2`` with N = 4 (two nodes
+   of two ranks).
+
+Every run gets the same Hypothesis seed (printed; pass ``--seed`` to reproduce),
+so all ranks of a run draw the same examples. ``TIDE_TIMEOUT`` defaults to 60 s
+here, so a lost signal fails a test instead of hanging it. Prints a summary
+table; the exit status is nonzero if any run failed or timed out.
+
+Usage: ``python tests/run.py [--seed S] [--only WORD] [--ranks 1,2] [-- PYTEST ARGS]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Stop starting new runs after this long, so a CI job never runs past ~15 minutes.
+TOTAL_BUDGET_S = 13 * 60
+
+
+@dataclass
+class Run:
+    name: str
+    ranks: int  # 0: plain pytest, no mpiexec
+    env: dict = field(default_factory=dict)
+    status: str = "not run"
+    seconds: float = 0.0
+    summary: str = ""
+    log: Optional[Path] = None
+
+
+def plan(ranks: list[int]) -> list[Run]:
+    runs = [Run("single-process", 0)]
+    runs += [Run(f"mpi n={n}", n) for n in ranks]
+    overrides = [(3, 1), (4, 1), (4, 2)]  # (ranks, TIDE_LOCAL_SIZE)
+    runs += [Run(f"mpi n={n} local_size={L}", n, {"TIDE_LOCAL_SIZE": str(L)})
+             for n, L in overrides if n in ranks]
+    return runs
+
+
+def find_mpiexec() -> str:
+    """``mpiexec`` next to this Python (a venv's mpich wheel), else on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        sys.exit("tests/run.py: no mpiexec next to the interpreter or on PATH "
+                 "(pip install mpich, or install an MPI)")
+    return found
+
+
+def mpiexec_flags(mpiexec: str) -> list[str]:
+    """Open MPI needs to be told to oversubscribe (and to run as root); MPICH does not."""
+    try:
+        version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if "Open MPI" not in version and "OpenRTE" not in version:
+        return []
+    return ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+
+
+def command(run: Run, mpiexec: list[str], seed: int, extra: list[str]) -> list[str]:
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+              f"--hypothesis-seed={seed}"]
+    if run.ranks == 0:
+        return pytest + ["tests"] + extra
+    return mpiexec + ["-n", str(run.ranks)] + pytest + ["--with-mpi", "tests/mpi"] + extra
+
+
+def execute(run: Run, cmd: list[str], timeout: float, logdir: Path) -> None:
+    """Run ``cmd`` in its own process group; on timeout kill that group (mpiexec and ranks)."""
+    env = dict(os.environ, **run.env)
+    env.setdefault("TIDE_TIMEOUT", "60")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    run.log = logdir / (re.sub(r"[^\w]+", "_", run.name) + ".log")
+    start = time.monotonic()
+    with open(run.log, "w") as log:
+        log.write("$ " + " ".join(f"{k}={v}" for k, v in run.env.items()) + " "
+                  + " ".join(cmd) + "\n\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+            run.status = "passed" if rc == 0 else f"FAILED (exit {rc})"
+        except subprocess.TimeoutExpired:
+            run.status = f"TIMEOUT ({timeout:.0f} s)"
+            _kill(proc)
+        except KeyboardInterrupt:
+            _kill(proc)
+            raise
+    run.seconds = time.monotonic() - start
+    run.summary = _pytest_summary(run.log.read_text(errors="replace"))
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _pytest_summary(text: str) -> str:
+    """The last "N passed, M skipped in Ts" line (rank 0's, or any rank's)."""
+    lines = re.findall(r"(\d+ (?:passed|failed|error|errors|skipped|xfailed|xpassed|deselected)"
+                       r"(?:, \d+ \w+)*) in [\d.]+s", text)
+    return lines[-1] if lines else ""
+
+
+def report(runs: list[Run], seed: int, logdir: Path) -> None:
+    rows = [("run", "ranks", "env", "status", "time", "tests")]
+    for r in runs:
+        env = " ".join(f"{k}={v}" for k, v in r.env.items()) or "-"
+        rows.append((r.name, str(r.ranks or 1), env, r.status,
+                     f"{r.seconds:.1f} s" if r.status != "not run" else "-", r.summary))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    print()
+    for k, row in enumerate(rows):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+    print(f"\nHypothesis seed {seed} (reproduce: python tests/run.py --seed {seed}); "
+          f"logs in {logdir}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=None,
+                    help="Hypothesis seed for every run (default: TIDE_TEST_SEED or random)")
+    ap.add_argument("--ranks", default="1,2,3,4", help="world sizes (default 1,2,3,4)")
+    ap.add_argument("--only", default=None, help="run only the runs whose name contains this")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
+    ap.add_argument("--logs", default=None, help="directory for the logs (default: a temp dir)")
+    ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    args = ap.parse_args(argv)
+    seed = args.seed if args.seed is not None else int(
+        os.environ.get("TIDE_TEST_SEED") or random.getrandbits(32))
+    runs = plan([int(n) for n in args.ranks.split(",") if n])
+    if args.only:
+        runs = [r for r in runs if args.only in r.name]
+    mpi = find_mpiexec()
+    mpiexec = [mpi] + mpiexec_flags(mpi)
+    logdir = Path(args.logs or tempfile.mkdtemp(prefix="tidearray-tests-"))
+    logdir.mkdir(parents=True, exist_ok=True)
+    print(f"tests/run.py: {len(runs)} runs, Hypothesis seed {seed}, {mpi}, logs in {logdir}")
+    deadline = time.monotonic() + TOTAL_BUDGET_S
+    for run in runs:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            run.status = "not run (time budget spent)"
+            continue
+        cmd = command(run, mpiexec, seed, args.pytest_args)
+        print(f"--> {run.name}: {' '.join(cmd[cmd.index('-m') - 1:]) if run.ranks == 0 else ' '.join(cmd)}",
+              flush=True)
+        execute(run, cmd, min(args.timeout, left), logdir)
+        print(f"    {run.status} in {run.seconds:.1f} s {run.summary}", flush=True)
+        if run.status != "passed":
+            tail = run.log.read_text(errors="replace").splitlines()[-120:]
+            print("    ---- last lines of the log ----\n" + "\n".join(tail), flush=True)
+    report(runs, seed, logdir)
+    return 0 if all(r.status == "passed" for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
