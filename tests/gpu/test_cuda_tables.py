@@ -73,3 +73,18 @@ def test_split_copies_keeps_every_byte_in_order(sizes, parts):
         else:
             merged.append((d, s, n))
     assert merged == copies
+
+
+def test_process_device_prefers_the_launcher_and_sticks(monkeypatch):
+    from tidearray.backends import cuda
+
+    monkeypatch.setattr(cuda, "_process_device", None)
+    for var in cuda._LOCAL_RANK_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")
+    assert cuda.process_device(0, 2) == 1  # a group over COMM_SELF still gets GPU 1
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    assert cuda.process_device(0, 2) == 1  # chosen once per process
+    monkeypatch.setattr(cuda, "_process_device", None)
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_RANK")
+    assert cuda.process_device(5, 4) == 1  # no launcher variable: the host split decides

@@ -105,8 +105,9 @@ class IpcSymmetricBuffer(SymmetricBuffer):
             return
         import cupy
 
-        cupy.cuda.runtime.deviceSynchronize()  # no copy still touches a mapping
-        self._close_peers()
-        self._node_comm.Barrier()  # every peer has closed its mapping of our memory
-        cupy.cuda.runtime.free(self._local)
+        with cupy.cuda.Device(self.device):
+            cupy.cuda.runtime.deviceSynchronize()  # no copy still touches a mapping
+            self._close_peers()
+            self._node_comm.Barrier()  # every peer has closed its mapping of our memory
+            cupy.cuda.runtime.free(self._local)
         self._local, self._ptrs, self._mem = None, [], None

@@ -21,7 +21,7 @@ whether it could be, and the backend refuses ``multicast=True`` where not.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 from .._dtypes import normalize
 from .._errors import TideBackendError, TideInvalid
@@ -60,6 +60,31 @@ def multicast_capability(device: int = 0) -> tuple[bool, str]:
         return False, "the device lacks CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED"
     return True, ("supported by the device; tidearray's multicast transport is not "
                   "implemented, copy-engine pushes are used")
+
+
+#: Launchers' variables for a process's rank on its host (Open MPI, MPICH, Slurm, torchrun).
+_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID",
+                    "LOCAL_RANK")
+_process_device: Optional[int] = None
+
+
+def process_device(split_rank: int, count: int) -> int:
+    """This process's GPU: its rank on the host (from the launcher) modulo ``count``.
+
+    Chosen once per process and kept, so every group of the process (one over
+    ``COMM_SELF`` too) uses the same GPU. Without a launcher variable, the rank
+    among the group's ranks on this host (``split_rank``) decides.
+    """
+    global _process_device
+    if _process_device is None:
+        local = split_rank
+        for var in _LOCAL_RANK_VARS:
+            value = os.environ.get(var, "").strip()
+            if value.isdigit():
+                local = int(value)
+                break
+        _process_device = local % count
+    return _process_device
 
 
 def physical_local_rank(comm: Any) -> int:
@@ -113,6 +138,7 @@ class CudaBackend(Backend):
         if self.group.topology.num_nodes > 1:
             self.nccl = NcclLink()
             self.nccl.setup(self.group.inter_comm)
+            cupy.cuda.Device(self.device).use()  # whatever NCCL's start-up made current
         self.capabilities["nccl"] = ((True, "inter-node communicator over nccl4py")
                                      if self.nccl else (False, "single node: not needed"))
 
@@ -120,8 +146,8 @@ class CudaBackend(Backend):
         import cupy
 
         # The host's rank, not the emulated topology's: TIDE_LOCAL_SIZE=1 must not
-        # put every rank of a host on device 0.
-        self.device = local_rank % cupy.cuda.runtime.getDeviceCount()
+        # put every rank of a host on device 0; nor must a group over COMM_SELF.
+        self.device = process_device(local_rank, cupy.cuda.runtime.getDeviceCount())
         cupy.cuda.Device(self.device).use()
         try:  # cuda-bindings' runtime keeps its own notion of the current device
             from cuda.bindings import runtime as cudart
@@ -167,9 +193,13 @@ class CudaBackend(Backend):
 
     def close(self) -> None:
         if self.nccl is not None:
+            import cupy
+
+            prev = cupy.cuda.runtime.getDevice()
             self.synchronize()
             self.nccl.close()
             self.nccl = None
+            cupy.cuda.runtime.setDevice(prev)
         self._allocs, self._inflight = [], []
 
     # -- arrays and memory ----------------------------------------------------
@@ -240,4 +270,5 @@ class CudaBackend(Backend):
     def synchronize(self) -> None:
         import cupy
 
-        cupy.cuda.runtime.deviceSynchronize()
+        with cupy.cuda.Device(self.device):
+            cupy.cuda.runtime.deviceSynchronize()
