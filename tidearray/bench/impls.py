@@ -155,16 +155,31 @@ class Tide(Impl):
             slot.free()
             staging.free()
 
-        phases = {}
-        if ctx.dev.name == "cuda":
-            from .tide_phases import accumulate_phase, peer_copy_phase
-
-            phases["ag.peer_copy"] = peer_copy_phase(ctx, data, slot)
-            acc = accumulate_phase(ctx, data, rs_plan, staging, outs)
-            if acc is not None:
-                phases["rs.accumulate"] = acc
+        phases = self._phases(data, rs_plan, slot, staging, outs)
         return Prepared(ag, rs, lambda: last["ag"], lambda: outs, phases,
                         slot.nbytes + staging.nbytes + sum(o.nbytes for o in outs), release)
+
+
+    def _phases(self, data: UnitData, rs_plan: Any, slot: Any, staging: Any,
+                outs: list) -> dict:
+        """The GPU breakdown pieces; left out on every rank if any rank cannot make them
+        (they use backend internals that may change), so TIDE's own timing still runs."""
+        if self.ctx.dev.name != "cuda":
+            return {}
+        from .tide_phases import accumulate_phase, peer_copy_phase
+        from .timing import agree
+
+        phases = {}
+        try:
+            phases["ag.peer_copy"] = peer_copy_phase(self.ctx, data, slot)
+            acc = accumulate_phase(self.ctx, data, rs_plan, staging, outs)
+            if acc is not None:
+                phases["rs.accumulate"] = acc
+            ok = True
+        except Exception as e:  # noqa: BLE001 - breakdowns are optional
+            self.ctx.log(f"  tide: no breakdown phases ({e.__class__.__name__}: {e})")
+            ok = False
+        return phases if agree(self.ctx.comm, ok) else {}
 
 
 @register

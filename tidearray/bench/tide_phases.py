@@ -97,15 +97,21 @@ def launch_ctas(ex: Any, be: Any) -> Optional[int]:
 
 def accumulator_ctas(be: Any, per_chunk: list) -> Optional[int]:
     """Mean grid of the accumulate launches, by the cuda backend's own rule
-    (``min(tiles of the launch's table, Accumulator.max_grid)``), if it has one."""
-    acc = getattr(be, "accumulator", None)
+    (``min(tiles of the launch's table, Accumulator.max_grid)``, tiles sized by its
+    ``choose_tile`` where it has one), or None if that rule is not there."""
     try:
-        from ..backends._cuda_accum import build_table
-    except ImportError:
+        from ..backends import _cuda_accum as ca
+
+        acc = be.accumulator
+        grids = []
+        for pieces in per_chunk:
+            if not pieces:
+                continue
+            choose = getattr(ca, "choose_tile", None)
+            tile = choose(sum(p.numel for p in pieces), acc.max_grid) if choose else ca.TILE
+            grids.append(min(ca.build_table(pieces, tile)[1], acc.max_grid))
+    except Exception:  # noqa: BLE001 - a changed backend: report the grid as unknown
         return None
-    if acc is None or not hasattr(acc, "max_grid") or not per_chunk:
-        return None
-    grids = [min(build_table(p)[1], acc.max_grid) for p in per_chunk if p]
     return int(round(sum(grids) / len(grids))) if grids else None
 
 
