@@ -59,18 +59,34 @@ __device__ __forceinline__ void unrolled(i64 begin, i64 vend, Load ld, Store st)
     for (; i < vend; i += step) st(i, ld(i));
 }
 
+// The segment that tile `tile` belongs to, and the tile's unit range in it: [begin, end)
+// to write, [begin, vend) of it copied, the rest zero. Every thread of the CTA calls it.
+struct Span {
+    Seg sg;
+    i64 begin, end, vend;
+};
+
+__device__ __forceinline__ Span span_of(const Seg* segs, int nseg, i64 tile, i64 units,
+                                        int* s_seg) {
+    if (threadIdx.x == 0) *s_seg = find_seg(segs, nseg, tile);
+    __syncthreads();
+    Span sp;
+    sp.sg = segs[*s_seg];
+    __syncthreads();  // s_seg is rewritten for the next tile
+    sp.begin = (tile - sp.sg.tile0) * units;
+    sp.end = imin(sp.begin + units, sp.sg.total);
+    sp.vend = imin(sp.end, sp.sg.valid);
+    return sp;
+}
+
 extern "C" __global__ void pack_bytes(const Seg* __restrict__ segs, int nseg, i64 ntiles) {
     __shared__ int s_seg;
     for (i64 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-        if (threadIdx.x == 0) s_seg = find_seg(segs, nseg, tile);
-        __syncthreads();
-        const Seg sg = segs[s_seg];
-        __syncthreads();
+        const Span sp = span_of(segs, nseg, tile, BYTES_TILE, &s_seg);
+        const Seg& sg = sp.sg;
+        const i64 begin = sp.begin, end = sp.end, vend = sp.vend;
         char* dst = (char*)sg.dst;
         const char* src = (const char*)sg.src;
-        const i64 begin = (tile - sg.tile0) * BYTES_TILE;
-        const i64 end = imin(begin + BYTES_TILE, sg.total);
-        const i64 vend = imin(end, sg.valid);
         i64 scalar_from = begin;
         if (((sg.dst | sg.src) & 15) == 0 && vend > begin) {
             scalar_from = begin + ((vend - begin) & ~15LL);
@@ -107,15 +123,11 @@ __device__ __forceinline__ uint4 hi4(uint4 v) {
 extern "C" __global__ void pack_bf16_f32(const Seg* __restrict__ segs, int nseg, i64 ntiles) {
     __shared__ int s_seg;
     for (i64 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-        if (threadIdx.x == 0) s_seg = find_seg(segs, nseg, tile);
-        __syncthreads();
-        const Seg sg = segs[s_seg];
-        __syncthreads();
+        const Span sp = span_of(segs, nseg, tile, CVT_TILE, &s_seg);
+        const Seg& sg = sp.sg;
+        const i64 begin = sp.begin, end = sp.end, vend = sp.vend;
         float* dst = (float*)sg.dst;
         const unsigned short* src = (const unsigned short*)sg.src;
-        const i64 begin = (tile - sg.tile0) * CVT_TILE;
-        const i64 end = imin(begin + CVT_TILE, sg.total);
-        const i64 vend = imin(end, sg.valid);
         i64 scalar_from = begin;
         if ((sg.src & 15) == 0 && (sg.dst & 15) == 0 && vend > begin) {
             scalar_from = begin + ((vend - begin) & ~7LL);
