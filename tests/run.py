@@ -179,8 +179,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             run.status = "not run (time budget spent)"
             continue
         cmd = command(run, mpiexec, seed, args.pytest_args)
-        print(f"--> {run.name}: {' '.join(cmd[cmd.index('-m') - 1:]) if run.ranks == 0 else ' '.join(cmd)}",
-              flush=True)
+        print(f"--> {run.name}: {' '.join(cmd)}", flush=True)
         execute(run, cmd, min(args.timeout, left), logdir)
         print(f"    {run.status} in {run.seconds:.1f} s {run.summary}", flush=True)
         if run.status != "passed":

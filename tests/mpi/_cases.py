@@ -14,7 +14,16 @@ import numpy as np
 
 import tidearray
 
-from .._util import bits, compare_bits, padded_shard, random_bits, random_values, to_numpy, to_xp
+from .._util import (
+    agree,
+    bits,
+    compare_bits,
+    padded_shard,
+    random_bits,
+    random_values,
+    to_numpy,
+    to_xp,
+)
 
 #: Outputs are filled with all-ones bytes before each run; data never holds this pattern.
 POISON_BYTE = 0xFF
@@ -73,9 +82,17 @@ def _placement(group: Any, slot: Any, outs: Sequence[Any]) -> list[str]:
     return failures
 
 
+def same_everywhere(comm: Any, *drawn: Any) -> None:
+    """Fail on every rank, clearly, if ranks drew different examples (seed not shared)."""
+    mine = repr(drawn)
+    agree(comm, [] if len(set(comm.allgather(mine))) == 1 else
+          [f"Hypothesis drew different examples on different ranks; this rank drew {mine}"])
+
+
 def run_all_gather(group: Any, shapes: Sequence[tuple], dtype: np.dtype, seed: int, *,
                    slot: Any = None, async_op: bool = False) -> tuple[list[str], list]:
     """Gather a unit (into a poisoned ``slot`` if given); returns (failures, outputs)."""
+    same_everywhere(group.comm, shapes, str(dtype), seed, async_op)
     xp, W, r = group.backend.xp, group.size, group.rank
     fulls = full_params(shapes, dtype, seed)
     shards = [tidearray.shard(to_xp(xp, f), rank=r, world=W) for f in fulls]
@@ -155,6 +172,7 @@ def run_reduce_scatter(group: Any, shapes: Sequence[tuple], dtype: np.dtype, see
                        op: str, *, out: bool = True, staging: Any = None,
                        async_op: bool = False) -> tuple[list[str], list]:
     """Reduce-scatter a unit (into poisoned ``out`` arrays if ``out``); (failures, results)."""
+    same_everywhere(group.comm, shapes, str(dtype), seed, op, out, async_op)
     xp, W, r = group.backend.xp, group.size, group.rank
     mine = rank_grads(shapes, dtype, seed, r)
     grads = [to_xp(xp, g) for g in mine]
