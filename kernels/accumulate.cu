@@ -41,9 +41,24 @@ __device__ __forceinline__ float half_bits_to_float(unsigned int h16, int is_bf1
     return f;
 }
 
-// Eight 16-bit values (one 16-byte load) as fp32.
-__device__ __forceinline__ void load8(const u16* p, int is_bf16, float v[8]) {
-    uint4 q = *reinterpret_cast<const uint4*>(p);
+__device__ __forceinline__ float finish(float acc, float scale, int do_scale) {
+    return do_scale ? __fmul_rn(acc, scale) : acc;
+}
+
+// Streaming 16-byte load: every byte is read once, so do not keep it in L1.
+__device__ __forceinline__ uint4 load16(const u16* p) {
+    uint4 r;
+    asm("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void store4(float* p, float4 v) {
+    asm volatile("st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+}
+
+__device__ __forceinline__ void widen8(uint4 q, int is_bf16, float v[8]) {
     unsigned int w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -52,36 +67,66 @@ __device__ __forceinline__ void load8(const u16* p, int is_bf16, float v[8]) {
     }
 }
 
-__device__ __forceinline__ float finish(float acc, float scale, int do_scale) {
-    return do_scale ? __fmul_rn(acc, scale) : acc;
+__device__ __forceinline__ void store8(float* out, const float acc[8], float scale,
+                                       int do_scale) {
+    float4 lo = make_float4(finish(acc[0], scale, do_scale), finish(acc[1], scale, do_scale),
+                            finish(acc[2], scale, do_scale), finish(acc[3], scale, do_scale));
+    float4 hi = make_float4(finish(acc[4], scale, do_scale), finish(acc[5], scale, do_scale),
+                            finish(acc[6], scale, do_scale), finish(acc[7], scale, do_scale));
+    store4(out, lo);
+    store4(out + 4, hi);
 }
+
+// Vector steps per thread per iteration: UNROLL independent 16-byte loads per
+// source are in flight before the first add, so a small grid still streams.
+#define UNROLL 4
 
 // 16-bit sources: 8 elements per vector step.
 __device__ void tile_16(const i64* srcs, int n_src, float* out, i64 a, i64 b, int vec,
                         int is_bf16, float scale, int do_scale) {
     i64 vend = vec ? a + ((b - a) / 8) * 8 : a;
-    for (i64 i = a + 8 * (i64)threadIdx.x; i < vend; i += 8 * (i64)blockDim.x) {
+    const i64 step = 8 * (i64)blockDim.x;
+    i64 i = a + 8 * (i64)threadIdx.x;
+    for (; i + (UNROLL - 1) * step < vend; i += UNROLL * step) {
+        float acc[UNROLL][8];
+        uint4 q[UNROLL];
+        const u16* s0 = reinterpret_cast<const u16*>(srcs[0]);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) q[u] = load16(s0 + i + u * step);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) widen8(q[u], is_bf16, acc[u]);
+        for (int s = 1; s < n_src; ++s) {
+            const u16* sp = reinterpret_cast<const u16*>(srcs[s]);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) q[u] = load16(sp + i + u * step);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                float v[8];
+                widen8(q[u], is_bf16, v);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) acc[u][k] = __fadd_rn(acc[u][k], v[k]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) store8(out + i + u * step, acc[u], scale, do_scale);
+    }
+    for (; i < vend; i += step) {
         float acc[8];
-        load8(reinterpret_cast<const u16*>(srcs[0]) + i, is_bf16, acc);
+        widen8(load16(reinterpret_cast<const u16*>(srcs[0]) + i), is_bf16, acc);
         for (int s = 1; s < n_src; ++s) {
             float v[8];
-            load8(reinterpret_cast<const u16*>(srcs[s]) + i, is_bf16, v);
+            widen8(load16(reinterpret_cast<const u16*>(srcs[s]) + i), is_bf16, v);
 #pragma unroll
             for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
         }
-        float4 lo = make_float4(finish(acc[0], scale, do_scale), finish(acc[1], scale, do_scale),
-                                finish(acc[2], scale, do_scale), finish(acc[3], scale, do_scale));
-        float4 hi = make_float4(finish(acc[4], scale, do_scale), finish(acc[5], scale, do_scale),
-                                finish(acc[6], scale, do_scale), finish(acc[7], scale, do_scale));
-        reinterpret_cast<float4*>(out + i)[0] = lo;
-        reinterpret_cast<float4*>(out + i)[1] = hi;
+        store8(out + i, acc, scale, do_scale);
     }
-    for (i64 i = vend + threadIdx.x; i < b; i += blockDim.x) {
-        float acc = load_one(reinterpret_cast<const u16*>(srcs[0]) + i, is_bf16);
+    for (i64 j = vend + threadIdx.x; j < b; j += blockDim.x) {
+        float acc = load_one(reinterpret_cast<const u16*>(srcs[0]) + j, is_bf16);
         for (int s = 1; s < n_src; ++s) {
-            acc = __fadd_rn(acc, load_one(reinterpret_cast<const u16*>(srcs[s]) + i, is_bf16));
+            acc = __fadd_rn(acc, load_one(reinterpret_cast<const u16*>(srcs[s]) + j, is_bf16));
         }
-        out[i] = finish(acc, scale, do_scale);
+        out[j] = finish(acc, scale, do_scale);
     }
 }
 

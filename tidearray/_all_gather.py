@@ -11,6 +11,7 @@ to its node-local peers.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from . import _dtypes, _validate
@@ -39,7 +40,7 @@ def unit_nbytes(shapes: Sequence[Sequence[int]], dtype: Any, group: Optional[Gro
     return _unit(shapes, _dtypes.normalize(dtype).itemsize, world).nbytes
 
 
-def _check(group: Group, shards: list, shapes: tuple, slot: Optional[Region]) -> UnitLayout:
+def _check(group: Group, shards: list, shapes: tuple, slot: Optional[Region]) -> _AgCall:
     errors = []
     if len(shards) != len(shapes):
         errors.append(f"expected one shard per shape ({len(shapes)}), got {len(shards)}")
@@ -75,7 +76,7 @@ def _check(group: Group, shards: list, shapes: tuple, slot: Optional[Region]) ->
     signature = (("shapes", shapes), ("dtype", str(dtype)),
                  ("slot", None if slot is None else slot.id))
     _validate.check(group, "all_gather", signature, errors)
-    return unit
+    return _AgCall(unit, dtype, signature, _validate.digest(signature), {})
 
 
 def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
@@ -113,72 +114,139 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
     except TypeError:
         _validate.check(group, "all_gather", (("shapes", repr(shapes)),),
                         [f"expected shapes as a list of int tuples, got {shapes!r}"])
-    unit = _check(group, shards, shapes, slot)
-    dtype = shards[0].dtype if shards else _dtypes.bfloat16
+    key = ("all_gather", shapes, None if slot is None else slot.id,
+           tuple((s.ptr, s.nbytes, s.dtype, s.contiguous) for s in shards))
+    call = group.calls.get(key)
+    if call is None:
+        call = group.calls.put(key, _check(group, shards, shapes, slot))
+    else:
+        _validate.check(group, "all_gather", call.signature, (), known_digest=call.digest)
     if slot is None:
-        slot = default_region(group, "slot", unit.nbytes, ring=2)
+        slot = default_region(group, "slot", call.unit.nbytes, ring=2)
+    program = call.programs.get(slot.id)
+    if program is None:
+        program = call.programs[slot.id] = _program(group, call.unit, [s.ptr for s in shards],
+                                                    slot)
     ex = be.executor(stream)
-    _issue(group, ex, unit, [s.ptr for s in shards], slot)
-    outs = slot.views(unit, dtype)
-    work = Work(ex.finish(), outs)
+    _issue(group, ex, program, slot)
+    work = Work(ex.finish(), slot.views(call.unit, call.dtype))
     return work if async_op else work.wait(stream)
 
 
-def _issue(group: Group, ex: Any, unit: UnitLayout, shard_ptrs: list[int], slot: Region) -> None:
+@dataclass
+class _AgCall:
+    """A validated all-gather call, and its issue programs per slot."""
+
+    unit: UnitLayout
+    dtype: Any
+    signature: tuple
+    digest: int
+    programs: dict
+
+
+@dataclass(frozen=True)
+class _Program:
+    """Every address an all-gather into one slot touches, computed once.
+
+    Attributes:
+        exchanges: inter-node steps as (sends, recvs) of (peer, addr, nbytes).
+        own: copies of this rank's shards into its own slot.
+        pushes: per node-local peer, the copies into that peer's slot (unicast).
+        column: (offset, src, nbytes) of everything this rank's column holds,
+            for a multicast write.
+    """
+
+    exchanges: tuple
+    own: tuple
+    pushes: dict
+    column: tuple
+
+
+def _program(group: Group, unit: UnitLayout, shard_ptrs: list[int], slot: Region) -> _Program:
     topo = group.topology
     me, L = topo.local_rank, topo.local_size
-    use = slot.uses[AG_CHANNEL] = slot.uses[AG_CHANNEL] + 1
     base = slot.ptr(me)
-    peers = [(me + k) % L for k in range(1, L)]
-    for p in peers:  # grants first: no rank waits before it has granted
-        ex.signal(ex.COMPUTE, slot.flag(p, AG_CHANNEL, FREE, me), use)
 
     def src(piece: Any) -> int:
         return shard_ptrs[piece.param] if piece.rank == topo.rank else base + piece.offset
 
+    exchanges = []
     for step in internode_ag_steps(topo.num_nodes, topo.node):
         col_s = tuple(topo.global_rank(m, me) for m in step.send_nodes)
         col_r = tuple(topo.global_rank(m, me) for m in step.recv_nodes)
-        ex.exchange(ex.NET,
-                    [(step.send_peer, src(pc), pc.nbytes) for pc in _pieces(unit, col_s)],
-                    [(step.recv_peer, base + pc.offset, pc.nbytes)
-                     for pc in _pieces(unit, col_r)])
+        exchanges.append(
+            ([(step.send_peer, src(pc), pc.nbytes) for pc in _pieces(unit, col_s)],
+             [(step.recv_peer, base + pc.offset, pc.nbytes) for pc in _pieces(unit, col_r)]))
     column = _pieces(unit, topo.column(me))
+    own = tuple((base + pc.offset, src(pc), pc.nbytes) for pc in column if pc.rank == topo.rank)
+    pushes = {p: tuple((slot.ptr(p) + pc.offset, src(pc), pc.nbytes) for pc in column)
+              for p in range(L) if p != me}
+    return _Program(tuple(exchanges), own, pushes,
+                    tuple((pc.offset, src(pc), pc.nbytes) for pc in column))
+
+
+def _issue(group: Group, ex: Any, program: _Program, slot: Region) -> None:
+    topo = group.topology
+    me, L = topo.local_rank, topo.local_size
+    use = slot.uses[AG_CHANNEL] = slot.uses[AG_CHANNEL] + 1
+    peers = [(me + k) % L for k in range(1, L)]
+    for p in peers:  # grants first: no rank waits before it has granted
+        ex.signal(ex.COMPUTE, slot.flag(p, AG_CHANNEL, FREE, me), use)
+    for sends, recvs in program.exchanges:
+        ex.exchange(ex.NET, sends, recvs)
     if slot.buffer.multicast:
-        _multicast_push(ex, slot, column, src, me, peers, use, topo.num_nodes > 1)
+        _push_multicast(ex, slot, program, me, peers, use, topo.num_nodes > 1)
+    elif group.config.ag_batch == "single":
+        _push_single_batch(ex, slot, program, me, peers, use, topo.num_nodes > 1)
     else:
-        _unicast_push(ex, slot, column, src, me, peers, use, topo)
+        _push_per_peer(ex, slot, program, me, peers, use, topo.num_nodes > 1)
     for q in peers:
         ex.wait(ex.COMPUTE, slot.flag(me, AG_CHANNEL, ARRIVED, q), use)
 
 
-def _unicast_push(ex: Any, slot: Region, column: tuple, src: Any, me: int, peers: list,
-                  use: int, topo: Any) -> None:
-    """One copy-engine batch per peer, on that peer's lane."""
-    own = [pc for pc in column if pc.rank == topo.rank]
-    for p in [me] + peers:
-        if topo.num_nodes > 1:
+def _start(ex: Any, lane: int, after_net: bool) -> None:
+    # After COMPUTE's earlier work: a reduce-scatter may still be reading
+    # staging that lives in this slot (Slot-Reuse); after NET: the column's
+    # shards from other nodes must have landed.
+    ex.depend(lane, ex.COMPUTE)
+    if after_net:
+        ex.depend(lane, ex.NET)
+
+
+def _push_per_peer(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: int,
+                   after_net: bool) -> None:
+    """One copy-engine batch per peer, each on that peer's lane."""
+    _start(ex, me, after_net)
+    ex.copy(me, program.own)
+    for p in peers:
+        if after_net:
             ex.depend(p, ex.NET)
-        dst = slot.ptr(p)
-        if p == me:
-            # After COMPUTE's earlier work: a reduce-scatter may still be reading
-            # staging that lives in this slot (Slot-Reuse).
-            ex.depend(p, ex.COMPUTE)
-            ex.copy(p, [(dst + pc.offset, src(pc), pc.nbytes) for pc in own])
-            continue
         ex.wait(p, slot.flag(me, AG_CHANNEL, FREE, p), use)
-        ex.copy(p, [(dst + pc.offset, src(pc), pc.nbytes) for pc in column])
+        ex.copy(p, program.pushes[p])
         ex.signal(p, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
 
 
-def _multicast_push(ex: Any, slot: Region, column: tuple, src: Any, me: int, peers: list,
-                    use: int, after_net: bool) -> None:
+def _push_single_batch(ex: Any, slot: Region, program: _Program, me: int, peers: list,
+                       use: int, after_net: bool) -> None:
+    """Own copy and every peer's push in one copy-engine batch, once all peers granted.
+
+    One batch lets the driver spread the copies over the copy engines itself
+    (NCCL's CE all-gather does the same).
+    """
+    _start(ex, me, after_net)
+    for p in peers:
+        ex.wait(me, slot.flag(me, AG_CHANNEL, FREE, p), use)
+    ex.copy(me, list(program.own) + [c for p in peers for c in program.pushes[p]])
+    for p in peers:
+        ex.signal(me, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
+
+
+def _push_multicast(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: int,
+                    after_net: bool) -> None:
     """Each piece written once, to the multicast address: every peer's slot gets it."""
-    ex.depend(me, ex.COMPUTE)  # see _unicast_push
-    if after_net:
-        ex.depend(me, ex.NET)
+    _start(ex, me, after_net)
     for p in peers:  # every peer must have granted before the single write
         ex.wait(me, slot.flag(me, AG_CHANNEL, FREE, p), use)
-    ex.multicast_copy(me, slot.buffer, [(pc.offset, src(pc), pc.nbytes) for pc in column])
+    ex.multicast_copy(me, slot.buffer, program.column)
     for p in peers:
         ex.signal(me, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)

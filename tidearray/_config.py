@@ -38,6 +38,16 @@ class Config:
     """Opt in to NVSwitch multicast for all-gather (False). Refused while
     ``NCCL_NVLS_ENABLE=0`` or without device support. Env: ``TIDE_MULTICAST``."""
 
+    ag_batch: str = "single"
+    """How node-local all-gather pushes are issued: ``"single"`` (own copy and
+    every peer's push in one copy-engine batch on one lane, like NCCL's CE
+    all-gather) or ``"per-peer"`` (one batch per peer, each on its own lane).
+    Env: ``TIDE_AG_BATCH``."""
+
+    accum_ctas: Optional[int] = None
+    """CTAs of the reduce-scatter's accumulate kernel; None means half the SMs.
+    Env: ``TIDE_ACCUM_CTAS``."""
+
     batch_copies: Optional[bool] = None
     """Use batched copies (``cudaMemcpyBatchAsync``); None means where available.
     Env: ``TIDE_BATCH_COPIES``."""
@@ -49,6 +59,8 @@ class Config:
         "TIDE_DEPTH": ("depth", int),
         "TIDE_TIMEOUT": ("timeout", float),
         "TIDE_MULTICAST": ("multicast", lambda s: s.lower() in ("1", "true", "yes", "on")),
+        "TIDE_AG_BATCH": ("ag_batch", str),
+        "TIDE_ACCUM_CTAS": ("accum_ctas", int),
         "TIDE_BATCH_COPIES": ("batch_copies",
                               lambda s: s.lower() in ("1", "true", "yes", "on")),
     }
@@ -77,8 +89,12 @@ class Config:
     def check(self) -> None:
         if self.backend not in ("auto", "cuda", "host"):
             raise TideInvalid(f"backend: expected 'auto', 'cuda' or 'host', got {self.backend!r}")
+        if self.ag_batch not in ("single", "per-peer"):
+            raise TideInvalid(f"ag_batch: expected 'single' or 'per-peer', got {self.ag_batch!r}")
         if self.local_size is not None and self.local_size < 1:
             raise TideInvalid(f"local_size: expected >= 1, got {self.local_size}")
+        if self.accum_ctas is not None and self.accum_ctas < 1:
+            raise TideInvalid(f"accum_ctas: expected >= 1, got {self.accum_ctas}")
         if self.chunk_nbytes < 4096:
             raise TideInvalid(f"chunk_nbytes: expected >= 4096, got {self.chunk_nbytes}")
         if not 1 <= self.depth <= 4:

@@ -41,6 +41,9 @@ class Group:
         self.backend: Any = None
         self.closed = False
         self._resources: dict = {}
+        from ._validate import CallCache
+
+        self.calls = CallCache()
 
     @property
     def rank(self) -> int:

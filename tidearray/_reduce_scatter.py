@@ -15,6 +15,7 @@ sum; the outputs are then views into its receive buffer.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from . import _dtypes, _validate
@@ -35,8 +36,20 @@ def _plan(unit: UnitLayout, topo: Topology, chunk_nbytes: int, depth: int) -> Rs
     return plan_reduce_scatter(unit, topo, chunk_nbytes, depth)
 
 
+@dataclass
+class _RsCall:
+    """A validated reduce-scatter call, and its issue programs per (staging, outputs)."""
+
+    unit: UnitLayout
+    plan: RsPlan
+    dtype: Any
+    signature: tuple
+    digest: int
+    programs: dict
+
+
 def _check(group: Group, grads: list, outs: Optional[list], op: str,
-           staging: Optional[Region]) -> tuple[UnitLayout, RsPlan]:
+           staging: Optional[Region]) -> _RsCall:
     errors = []
     if op not in OPS:
         errors.append(f"expected op in {OPS}, got {op!r}")
@@ -72,7 +85,7 @@ def _check(group: Group, grads: list, outs: Optional[list], op: str,
     signature = (("shapes", shapes), ("dtype", str(dtype)), ("op", op),
                  ("out", outs is not None), ("staging", None if staging is None else staging.id))
     _validate.check(group, "reduce_scatter", signature, errors)
-    return unit, plan
+    return _RsCall(unit, plan, dtype, signature, _validate.digest(signature), {})
 
 
 def _check_outs(unit: UnitLayout, grads: list, outs: list) -> list[str]:
@@ -124,39 +137,92 @@ def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Seque
         errors += out_errors
     if errors:
         _validate.check(group, "reduce_scatter", (("inputs", "unresolvable"),), errors)
-    unit, plan = _check(group, grads, outs, op, staging)
+    key = ("reduce_scatter", op, None if staging is None else staging.id,
+           tuple((g.ptr, g.nbytes, g.dtype, g.contiguous, g.shape) for g in grads),
+           None if outs is None else
+           tuple((o.ptr, o.nbytes, o.dtype, o.contiguous, o.shape) for o in outs))
+    call = group.calls.get(key)
+    if call is None:
+        call = group.calls.put(key, _check(group, grads, outs, op, staging))
+    else:
+        _validate.check(group, "reduce_scatter", call.signature, (), known_digest=call.digest)
+    unit, plan = call.unit, call.plan
     if staging is None:
         staging = default_region(group, "staging", plan.staging_nbytes)
-    topo = group.topology
-    nodes = topo.num_nodes
+    nodes = group.topology.num_nodes
+    final = partial = None
     if outs is not None and nodes == 1:
-        results, out_ptrs = [o.array for o in outs], [o.ptr for o in outs]
+        results, dst_key = [o.array for o in outs], tuple(o.ptr for o in outs)
     else:
         final = be.empty((plan.block_numel,), _dtypes.float32)
-        final_ptr = be.resolve(final).ptr
         results = [final[o:o + s.shard_numel].reshape(s.shard_shape)
                    for o, s in zip(plan.out_offsets, unit.specs)]
-        out_ptrs = [final_ptr + o * 4 for o in plan.out_offsets]
-    partial = be.empty((nodes * plan.block_numel,), _dtypes.float32) if nodes > 1 else None
-    scale = 1.0 / group.size if op == "avg" else 1.0
-    ex = be.executor(stream)
-    grad_ptrs = [g.ptr for g in grads]
-    dst = out_ptrs if nodes == 1 else _partial_ptrs(be, partial, plan, topo)
-    _issue_local(group, ex, unit, plan, grad_ptrs, dst, staging, grads[0].dtype if grads else
-                 _dtypes.bfloat16, scale)
-    lane = ex.COMPUTE
+        dst_key = be.resolve(final).ptr
     if nodes > 1:
-        lane = ex.NET
-        ex.depend(lane, ex.COMPUTE)
-        ex.reduce_scatter_f32(lane, be.resolve(partial).ptr, final_ptr, plan.block_numel)
-        if outs is not None:
-            ex.copy(lane, [(o.ptr, p, o.nbytes) for o, p in zip(outs, out_ptrs)])
-            results, out_ptrs = [o.array for o in outs], [o.ptr for o in outs]
-    for spec, ptr in zip(unit.specs, out_ptrs):  # padding rows: nobody contributes
-        v = spec.valid_rows(topo.rank)
-        ex.zero(lane, ptr + v * spec.row_numel * 4, (spec.rows_per_shard - v) * spec.row_numel * 4)
+        partial = be.empty((nodes * plan.block_numel,), _dtypes.float32)
+        dst_key = (dst_key, be.resolve(partial).ptr)
+    program = call.programs.get((staging.id, dst_key))
+    if program is None:
+        program = call.programs[(staging.id, dst_key)] = _program(
+            group, call, [g.ptr for g in grads], outs, final, partial, staging)
+    ex = be.executor(stream)
+    _issue(group, ex, call, program, staging, 1.0 / group.size if op == "avg" else 1.0)
+    if outs is not None:
+        results = [o.array for o in outs]
     work = Work(ex.finish(), results)
     return work if async_op else work.wait(stream)
+
+
+@dataclass(frozen=True)
+class _Program:
+    """Every address a reduce-scatter touches for one set of buffers, computed once.
+
+    Attributes:
+        chunks: per chunk, ``(pushes, pieces)``: copies into each node-local
+            peer's staging, and the accumulate pieces of our own shard rows.
+        reduce: ``(send, recv, count)`` of the inter-node fp32 reduce-scatter, or None.
+        copy_out: copies from the receive buffer into the caller's ``out`` (across nodes).
+        zeros: ``(addr, nbytes)`` of padding rows in the outputs.
+    """
+
+    chunks: tuple
+    reduce: Optional[tuple]
+    copy_out: tuple
+    zeros: tuple
+
+
+def _program(group: Group, call: _RsCall, grad_ptrs: list[int], outs: Optional[list],
+             final: Any, partial: Any, staging: Region) -> _Program:
+    be, topo, unit, plan = group.backend, group.topology, call.unit, call.plan
+    me, L = topo.local_rank, topo.local_size
+    if outs is not None and final is None:
+        out_ptrs = [o.ptr for o in outs]
+    else:
+        final_ptr = be.resolve(final).ptr
+        out_ptrs = [final_ptr + o * 4 for o in plan.out_offsets]
+    dst = out_ptrs if partial is None else _partial_ptrs(be, partial, plan, topo)
+    itemsize = _dtypes.normalize(call.dtype).itemsize
+    chunks = []
+    for k, chunk in enumerate(plan.chunks):
+        boff = plan.buffer_of(k) * plan.buffer_nbytes
+        pushes = {p: _push_copies(unit, chunk, topo, p, grad_ptrs,
+                                  staging.ptr(p) + boff + ((me - p) % L - 1) * plan.source_nbytes)
+                  for p in range(L) if p != me}
+        src_base = {q: staging.ptr(me) + boff + ((q - me) % L - 1) * plan.source_nbytes
+                    for q in range(L) if q != me}
+        chunks.append((pushes, _accum_pieces(unit, chunk, topo, grad_ptrs, dst, src_base,
+                                             itemsize)))
+    reduce = copy_out = None
+    if partial is not None:
+        reduce = (be.resolve(partial).ptr, final_ptr, plan.block_numel)
+        if outs is not None:
+            copy_out = tuple((o.ptr, p, o.nbytes) for o, p in zip(outs, out_ptrs))
+            out_ptrs = [o.ptr for o in outs]
+    zeros = []
+    for spec, ptr in zip(unit.specs, out_ptrs):  # padding rows: nobody contributes
+        v = spec.valid_rows(topo.rank)
+        zeros.append((ptr + v * spec.row_numel * 4, (spec.rows_per_shard - v) * spec.row_numel * 4))
+    return _Program(tuple(chunks), reduce, copy_out or (), tuple(zeros))
 
 
 def _partial_ptrs(be: Any, partial: Any, plan: RsPlan, topo: Topology) -> list[list[int]]:
@@ -166,38 +232,38 @@ def _partial_ptrs(be: Any, partial: Any, plan: RsPlan, topo: Topology) -> list[l
             for m in range(topo.num_nodes)]
 
 
-def _issue_local(group: Group, ex: Any, unit: UnitLayout, plan: RsPlan, grad_ptrs: list[int],
-                 dst: list, staging: Region, dtype: Any, scale: float) -> None:
-    """The node-local phase: CE pushes into peers' staging, accumulate from ours."""
-    topo = group.topology
-    me, L = topo.local_rank, topo.local_size
+def _issue(group: Group, ex: Any, call: _RsCall, program: _Program, staging: Region,
+           scale: float) -> None:
+    """CE pushes into peers' staging, accumulate from ours; then across nodes."""
+    me, L = group.topology.local_rank, group.topology.local_size
+    plan = call.plan
     peers = [(me + k) % L for k in range(1, L)]
     n_chunks = len(plan.chunks)
     for b in range(min(plan.depth, n_chunks)):  # grant this call's first use of each buffer
         for p in peers:
             ex.signal(ex.COMPUTE, staging.flag(p, RS_CHANNEL0 + b, FREE, me),
                       staging.uses[RS_CHANNEL0 + b] + 1)
-    itemsize = _dtypes.normalize(dtype).itemsize
-    for k, chunk in enumerate(plan.chunks):
-        b = plan.buffer_of(k)
-        ch = RS_CHANNEL0 + b
+    for k, (pushes, pieces) in enumerate(program.chunks):
+        ch = RS_CHANNEL0 + plan.buffer_of(k)
         use = staging.uses[ch] = staging.uses[ch] + 1
-        boff = b * plan.buffer_nbytes
         for p in peers:
-            j = (me - p) % L - 1  # our source slot in p's staging
             ex.wait(p, staging.flag(me, ch, FREE, p), use)
-            base = staging.ptr(p) + boff + j * plan.source_nbytes
-            ex.copy(p, _push_copies(unit, chunk, topo, p, grad_ptrs, base))
+            ex.copy(p, pushes[p])
             ex.signal(p, staging.flag(p, ch, ARRIVED, me), use)
         for q in peers:
             ex.wait(ex.COMPUTE, staging.flag(me, ch, ARRIVED, q), use)
-        src_base = {q: staging.ptr(me) + boff + ((q - me) % L - 1) * plan.source_nbytes
-                    for q in peers}
-        ex.accumulate(ex.COMPUTE, _accum_pieces(unit, chunk, topo, grad_ptrs, dst, src_base,
-                                                itemsize), dtype, scale)
+        ex.accumulate(ex.COMPUTE, pieces, call.dtype, scale)
         if k + plan.depth < n_chunks:
             for p in peers:
                 ex.signal(ex.COMPUTE, staging.flag(p, ch, FREE, me), use + 1)
+    lane = ex.COMPUTE
+    if program.reduce is not None:
+        lane = ex.NET
+        ex.depend(lane, ex.COMPUTE)
+        ex.reduce_scatter_f32(lane, *program.reduce)
+        ex.copy(lane, program.copy_out)
+    for addr, nbytes in program.zeros:
+        ex.zero(lane, addr, nbytes)
 
 
 def _slice(spec: Any, target: int, a: int, b: int) -> tuple[int, int]:

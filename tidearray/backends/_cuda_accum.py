@@ -15,7 +15,7 @@ cannot deadlock against a peer.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -97,12 +97,16 @@ class Accumulator:
 
     Args:
         device: the CUDA device id.
-        sm_count: multiprocessors, to size the grid (at most two waves).
+        sm_count: multiprocessors.
+        ctas: grid cap (``Config.accum_ctas``); None means half the SMs. The
+            accumulate of chunk k runs while chunk k+1 is still on the copy
+            engines, so it needs to keep pace with them, not to fill the GPU:
+            a small grid leaves the other SMs to concurrent compute.
     """
 
-    def __init__(self, device: int, sm_count: int) -> None:
+    def __init__(self, device: int, sm_count: int, ctas: Optional[int] = None) -> None:
         self.device = device
-        self.max_grid = max(1, 2 * sm_count)
+        self.max_grid = max(1, ctas if ctas else sm_count // 2)
         self._ring = [_Slot() for _ in range(RING)]
         self._next = 0
         self._kernels: dict = {}

@@ -166,7 +166,7 @@ class CudaBackend(Backend):
         self.copier = Copier(self.group.config.batch_copies)
         self.flags = FlagOps(self.device)
         sms = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
-        self.accumulator = Accumulator(self.device, sms)
+        self.accumulator = Accumulator(self.device, sms, self.group.config.accum_ctas)
         probe_stream = self.streams[-1]
         self.capabilities = {
             "batched copies": self.copier.probe(probe_stream.ptr),
