@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import math
@@ -124,6 +125,24 @@ def calibrate(comm: Any, cp: Any, stream: Any, g: Any, src: Any, peer_slot: int,
     record("ce_local", res, GBps=n / res["median_s"] / 1e9)
     res = timed(comm, cp, stream, both, iters)
     record("ce_push_and_local", res, recv_GBps=n / res["median_s"] / 1e9)
+    copier = g.backend.copier
+    # The same two copies in ONE batch on one stream (NCCL's CE all-gather does this).
+    batch = [(peer_slot, src.data.ptr, n), (local.data.ptr, src.data.ptr, n)]
+    res = timed(comm, cp, stream, lambda i: copier.copy(stream.ptr, batch), iters)
+    record("ce_batch_push_and_local", res, recv_GBps=n / res["median_s"] / 1e9)
+    piece = 8 << 20  # the push alone, cut into 8 MiB copies of one batch
+    cuts = [(peer_slot + o, src.data.ptr + o, min(piece, n - o)) for o in range(0, n, piece)]
+    res = timed(comm, cp, stream, lambda i: copier.copy(stream.ptr, cuts), iters)
+    record("ce_batch_push_8MiB", res, recv_GBps=n / res["median_s"] / 1e9)
+    res = timed(comm, cp, stream, lambda i: copier.copy(stream.ptr, batch[:1]), iters)
+    record("ce_batch_push", res, recv_GBps=n / res["median_s"] / 1e9)
+    theirs_slot = peer_slot  # pull: read the peer's memory instead
+
+    def pull(i: int) -> None:
+        cp.cuda.runtime.memcpyAsync(local.data.ptr, theirs_slot, n, 4, stream.ptr)
+
+    res = timed(comm, cp, stream, pull, iters)
+    record("ce_pull", res, recv_GBps=n / res["median_s"] / 1e9)
     region = tidearray.Region(g, 256)
     me, peer, trips, count = g.local_rank, 1 - g.local_rank, 20, [0]
     mine, theirs = region.flag(me, 0, 0, peer), region.flag(peer, 0, 0, me)
@@ -189,14 +208,18 @@ def run(args: argparse.Namespace) -> list[dict]:
         record("tide_ag", res, recv_bytes=recv, recv_GBps=recv / res["median_s"] / 1e9,
                recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9, split=be.push_split)
         default = (be.push_split, be.aux_streams)
+        single = g.config
+        g.config = dataclasses.replace(single, ag_batch="per-peer")  # one batch per peer lane
         for split in args.splits:  # copy-engine streams per peer push ([Note: split pushes])
             be.push_split = split
             be.aux_streams = [[cp.cuda.Stream(non_blocking=True) for _ in range(split - 1)]
                               for _ in range(g.local_size)]
             res = timed(comm, cp, stream, ag, args.iters)
-            record(f"tide_ag_split{split}", res, recv_GBps=recv / res["median_s"] / 1e9,
+            record(f"tide_ag_perpeer_split{split}", res,
+                   recv_GBps=recv / res["median_s"] / 1e9,
                    recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9)
         be.push_split, be.aux_streams = default
+        g.config = single
         if W == 2:
             src = cp.empty(recv, cp.uint8)
             peer_slot = arena[0].ptr(1 - g.local_rank) if g.local_size == 2 else None
