@@ -3,6 +3,7 @@
 #
 #   bash tests/gpu/run.sh                      # every step
 #   TIDE_GPU_STEPS="np2 bench" bash tests/gpu/run.sh   # some steps: info np2 np1 nodes bench
+#                                                      # benchall (python -m tidearray.bench all)
 #   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
 #
 # Installs the carried wheels (.whl/: nccl4py, pytest-mpi) into /tmp/site, then
@@ -38,6 +39,8 @@ run_info() { step info timeout "$T" mpirun --allow-run-as-root -n 2 -x PYTHONPAT
 run_np2() { step np2 "${MPI[@]}" -n 2 "${PYTEST[@]}" tests; }
 run_np1() { step np1 "${MPI[@]}" -n 1 "${PYTEST[@]}" tests; }
 run_nodes() { step np2_nodes "${MPI[@]}" -x TIDE_LOCAL_SIZE=1 -n 2 "${PYTEST[@]}" tests/gpu; }
+run_benchall() { step benchall "${MPI[@]}" -n 2 python3 -m tidearray.bench all \
+    --out "$OUT/b" --docs "${TIDE_BENCH_DOCS:-$OUT/b/report}"; }
 run_bench() { step bench "${MPI[@]}" -n 2 python3 tests/gpu/quick_bench.py --iters 30 \
     --json "$OUT/quick_bench.json" --profile "$OUT/host_profile.txt" --splits 1 2 3; }
 
