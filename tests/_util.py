@@ -7,6 +7,7 @@ the tests compare against cannot inherit a bug from the code under test.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Optional, Sequence
 
 import ml_dtypes
@@ -51,6 +52,26 @@ def to_xp(xp: Any, a: np.ndarray) -> Any:
     if xp is np:
         return np.array(a, copy=True)
     return xp.asarray(bits(np.ascontiguousarray(a))).view(a.dtype)
+
+
+_SPIN = r"""
+extern "C" __global__ void tide_test_spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+
+
+def stall(xp: Any, seconds: float) -> None:
+    """Make the backend's queue late by ``seconds``: NumPy sleeps; on CuPy one thread
+    spins on the current stream, so work queued after it really runs late on the GPU."""
+    if seconds <= 0:
+        return
+    if xp is np:
+        time.sleep(seconds)
+        return
+    khz = xp.cuda.Device().attributes["ClockRate"]
+    xp.RawKernel(_SPIN, "tide_test_spin")((1,), (1,), (np.int64(seconds * khz * 1e3),))
 
 
 def random_bits(rng: np.random.Generator, shape: Sequence[int], dtype: np.dtype,

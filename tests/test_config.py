@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import tidearray
@@ -44,6 +46,7 @@ def test_rejects_unknown_keys():
     ("depth", 5, "depth"),
     ("timeout", 0, "timeout"),
     ("timeout", -1.0, "timeout"),
+    ("ag_batch", "double", "ag_batch"),
 ])
 def test_rejects_bad_values(key, value, word):
     with pytest.raises(tidearray.TideInvalid, match=word) as info:
@@ -67,3 +70,9 @@ def test_config_is_frozen():
 def test_init_rejects_unknown_settings_before_touching_mpi():
     with pytest.raises(tidearray.TideInvalid, match="chunk_size"):
         tidearray.init(chunk_size=4096)
+
+
+def test_every_environment_variable_names_a_field():
+    fields = {f.name for f in dataclasses.fields(Config)}
+    assert {name for name, _ in Config._ENV.values()} <= fields
+    assert all(var.startswith("TIDE_") for var in Config._ENV)

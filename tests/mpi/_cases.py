@@ -21,6 +21,7 @@ from .._util import (
     padded_shard,
     random_bits,
     random_values,
+    stall,
     to_numpy,
     to_xp,
 )
@@ -90,8 +91,13 @@ def same_everywhere(comm: Any, *drawn: Any) -> None:
 
 
 def run_all_gather(group: Any, shapes: Sequence[tuple], dtype: np.dtype, seed: int, *,
-                   slot: Any = None, async_op: bool = False) -> tuple[list[str], list]:
-    """Gather a unit (into a poisoned ``slot`` if given); returns (failures, outputs)."""
+                   slot: Any = None, async_op: bool = False,
+                   late: float = 0.0) -> tuple[list[str], list]:
+    """Gather a unit (into a poisoned ``slot`` if given); returns (failures, outputs).
+
+    ``late``: seconds this rank's queue stalls before poisoning its slot; peers that
+    wrote without waiting for its grant would have their data overwritten by the poison.
+    """
     same_everywhere(group.comm, shapes, str(dtype), seed, async_op)
     xp, W, r = group.backend.xp, group.size, group.rank
     fulls = full_params(shapes, dtype, seed)
@@ -100,6 +106,7 @@ def run_all_gather(group: Any, shapes: Sequence[tuple], dtype: np.dtype, seed: i
     for i, (s, f) in enumerate(zip(shards, fulls)):  # the input helper, against NumPy
         failures += compare_bits(s, padded_shard(f, W, r), f"shard() of parameter {i}")
     if slot is not None:
+        stall(xp, late)
         poison(slot)
     res = tidearray.all_gather(shards, shapes, group=group, slot=slot, async_op=async_op)
     if async_op:

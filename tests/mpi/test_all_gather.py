@@ -23,10 +23,29 @@ SLOT_BYTES = 256 << 10
 pytestmark = pytest.mark.mpi
 
 
-@pytest.fixture(scope="module")
-def arena(group):
-    """Two symmetric slots, made once (mapping is the expensive part)."""
-    return tidearray.SlotArena(SLOT_BYTES, num_slots=2, group=group)
+def _skip_without_multicast(group) -> None:
+    """Skip on every rank unless every rank's backend allows multicast."""
+    answers = group.comm.allgather(group.backend.multicast_capability())
+    if not all(ok for ok, _ in answers):
+        pytest.skip(f"no multicast here: {answers}")
+
+
+@pytest.fixture(scope="module", params=["single-batch", "per-peer", "multicast"])
+def arena(request, group):
+    """Two slots, made once (mapping is the expensive part), for each push transport:
+    one copy batch for all peers (the default), one batch per peer (on a second group
+    with ``ag_batch="per-peer"``), and multicast slots (on host: the emulation that
+    checks multicast addressing). Tests use ``arena.group``."""
+    g = group
+    if request.param == "per-peer":
+        g = tidearray.init(backend=group.backend.name, ag_batch="per-peer")
+    elif request.param == "multicast":
+        _skip_without_multicast(group)
+    yield tidearray.SlotArena(SLOT_BYTES, num_slots=2, group=g,
+                              multicast=request.param == "multicast")
+    if g is not group:
+        g.comm.Barrier()
+        g.close()
 
 
 def _fits(group, unit, dtype) -> list[str]:
@@ -38,29 +57,46 @@ def _fits(group, unit, dtype) -> list[str]:
 @example([], BF16, 1, 0, False)
 @example([(1,)], FP32, 2, 1, False)
 @example([(WORLD - 1 or 1, 3), (WORLD + 1,), (2 * WORLD, 2, 2)], FP16, 3, 0, True)
-def test_all_gather_is_bitwise_exact(group, arena, unit, dtype, seed, which, async_op):
+def test_all_gather_is_bitwise_exact(arena, unit, dtype, seed, which, async_op):
     """Random units (0..12 parameters, 1-D to 3-D, d0 < W, ragged, empty) in bf16, fp16 and
     fp32, random bit patterns, into a slot poisoned with all-ones bytes: every output
     bit equals the reference, no byte outside the parameters is written, the outputs are
     views into the slot, and the shards are not modified."""
-    failures = _fits(group, unit, dtype)
+    failures = _fits(arena.group, unit, dtype)
     if not failures:
-        failures, _ = run_all_gather(group, unit, dtype, seed, slot=arena[which],
+        failures, _ = run_all_gather(arena.group, unit, dtype, seed, slot=arena[which],
                                      async_op=async_op)
-    agree(group.comm, failures, f"unit {unit} {dtype}")
+    agree(arena.group.comm, failures, f"unit {unit} {dtype}")
 
 
 @given(shapes(WORLD, min_count=1), shapes(WORLD, min_count=1), dtypes, seeds)
-def test_second_gather_leaves_the_first_intact(group, arena, unit_a, unit_b, dtype, seed):
+def test_second_gather_leaves_the_first_intact(arena, unit_a, unit_b, dtype, seed):
     """Slot 0 keeps unit A while unit B goes into slot 1; then slot 0 is reused for C."""
-    failures = _fits(group, unit_a, dtype) + _fits(group, unit_b, dtype)
+    failures = _fits(arena.group, unit_a, dtype) + _fits(arena.group, unit_b, dtype)
     if not failures:
-        failures, outs_a = run_all_gather(group, unit_a, dtype, seed, slot=arena[0])
-        f_b, outs_b = run_all_gather(group, unit_b, FP32, seed + 1, slot=arena[1])
+        failures, outs_a = run_all_gather(arena.group, unit_a, dtype, seed, slot=arena[0])
+        f_b, outs_b = run_all_gather(arena.group, unit_b, FP32, seed + 1, slot=arena[1])
         failures += f_b + check_gathered(outs_a, unit_a, dtype, seed, "A after B")
-        f_c, _ = run_all_gather(group, unit_b, dtype, seed + 2, slot=arena[0])
+        f_c, _ = run_all_gather(arena.group, unit_b, dtype, seed + 2, slot=arena[0])
         failures += f_c + check_gathered(outs_b, unit_b, FP32, seed + 1, "B after C")
-    agree(group.comm, failures)
+    agree(arena.group.comm, failures)
+
+
+def test_writers_wait_for_the_owners_grant(arena):
+    """Each rank in turn is late to poison its slot (its last use before the gather):
+    peers must wait for its grant, or the poison overwrites what they delivered.
+
+    This bites on the cuda backend, where the poison is queued behind a spinning
+    kernel and the host call returns at once. On host the validation Allreduce
+    already holds every rank until all have poisoned, so it passes either way there.
+    """
+    unit = [(3 * WORLD + 1, 40), (WORLD,)]
+    failures = []
+    for late in range(WORLD):
+        f, _ = run_all_gather(arena.group, unit, BF16, 50 + late, slot=arena[late % 2],
+                              late=0.05 if arena.group.rank == late else 0.0)
+        failures += [f"rank {late} late: {x}" for x in f]
+    agree(arena.group.comm, failures)
 
 
 def test_default_slots_keep_the_previous_unit(group):
@@ -92,17 +128,28 @@ def test_many_parameter_unit(group, dtype):
     agree(group.comm, failures)
 
 
-def test_zero_sized_parameters(group, arena):
+def test_zero_sized_parameters(arena):
     """Empty parameters (d0 = 0 or an inner dim 0) next to non-empty ones."""
     unit = [(0,), (3 * WORLD, 0), (WORLD + 1, 2), (0, 4), (1,)]
-    failures, outs = run_all_gather(group, unit, BF16, 5, slot=arena[0])
+    failures, outs = run_all_gather(arena.group, unit, BF16, 5, slot=arena[0])
     failures += [f"parameter {i}: shape {o.shape}, expected {s}"
                  for i, (o, s) in enumerate(zip(outs, unit)) if o.shape != s]
-    agree(group.comm, failures)
+    agree(arena.group.comm, failures)
 
 
-def test_async_handle(group, arena):
+def test_async_handle(arena):
     """``async_op=True`` returns a Work whose ``wait()`` gives the gathered parameters."""
     unit = [(3 * WORLD + 2, 5), (7,)]
-    failures, outs = run_all_gather(group, unit, BF16, 9, slot=arena[1], async_op=True)
-    agree(group.comm, failures)
+    failures, outs = run_all_gather(arena.group, unit, BF16, 9, slot=arena[1], async_op=True)
+    agree(arena.group.comm, failures)
+
+
+def test_multicast_group_default_slots(group):
+    """A group with ``multicast=True`` gathers into multicast default slots."""
+    _skip_without_multicast(group)
+    g = tidearray.init(backend=group.backend.name, multicast=True)
+    unit = [(5 * WORLD + 2, 3), (WORLD,), (1, 7)]
+    failures, _ = run_all_gather(g, unit, BF16, 41)
+    f2, _ = run_all_gather(g, unit, FP32, 42)
+    g.close()
+    agree(group.comm, failures + f2)
