@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
@@ -18,7 +18,7 @@ import tidearray
 from tidearray._layout import plan_reduce_scatter, plan_unit
 
 from .._util import BF16, FP16, FP32, agree, bits, dtypes, seeds, shapes, to_numpy
-from ._cases import run_reduce_scatter
+from ._cases import run_all_gather, run_reduce_scatter
 
 WORLD = MPI.COMM_WORLD.Get_size()
 ops = st.sampled_from(["sum", "avg"])
@@ -87,6 +87,30 @@ def test_reduce_scatter_staged_in_a_slot(group, staging_slot, unit, dtype, seed,
     """Slot-Reuse: staging in a user-given symmetric slot instead of the group's own."""
     failures, _ = run_reduce_scatter(group, unit, dtype, seed, op, staging=staging_slot)
     agree(group.comm, failures)
+
+
+@pytest.fixture(scope="module")
+def reuse_slot(small_chunks):
+    """A slot of the small-chunk group, for gathers and staging in turn."""
+    return tidearray.SlotArena(256 << 10, num_slots=1, group=small_chunks)[0]
+
+
+@given(shapes(WORLD, min_count=1, max_count=6), shapes(WORLD, min_count=1, max_count=6),
+       dtypes, seeds)
+@settings(max_examples=10)
+def test_slot_alternates_between_gather_and_staging(small_chunks, reuse_slot, unit_p, unit_g,
+                                                    dtype, seed):
+    """The FSDP backward pattern on one slot: gather a unit's parameters into it, then
+    (parameters dead) stage the unit's reduce-scatter in it, then gather again; the
+    small chunks make the staging cycle through its buffers."""
+    g, slot = small_chunks, reuse_slot
+    failures = []
+    for k in range(2):
+        f, _ = run_all_gather(g, unit_p, dtype, seed + k, slot=slot)
+        failures += f
+        f, _ = run_reduce_scatter(g, unit_g, dtype, seed + k, "avg", staging=slot)
+        failures += f
+    agree(g.comm, failures)
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16, FP32], ids=str)

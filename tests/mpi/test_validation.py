@@ -148,6 +148,13 @@ def _aliasing(c: Ctx) -> dict:
     return _rs(c, grads, outs)
 
 
+def _small_staging(c: Ctx) -> dict:
+    if c.group.local_size == 1:
+        pytest.skip("with one rank per node nothing is staged")
+    big = [(64 * WORLD, 256)]
+    return _rs(c, c.grads(big), c.outs(big), staging=c.slots.tiny)
+
+
 RS_CASES = {
     "extra gradient": Case(lambda c: _rs(c, c.grads(unit() + [(5,)]), c.outs(unit() + [(5,)]))
                            if c.bad else _rs(c), ("number of shapes", "rank {bad}"), cross=True),
@@ -190,6 +197,7 @@ RS_CASES = {
     "None instead of the gradient list": Case(
         lambda c: _rs(c, out=c.outs(unit())) | ({"grads": None} if c.bad else {}),
         ("rank {bad}", "gradient")),
+    "staging slot too small everywhere": Case(_small_staging, ("staging", "rank 0")),
     "bad op": Case(lambda c: _rs(c, op="mean" if c.bad else "avg"), ("op", "rank {bad}", "mean")),
     "bad op everywhere": Case(lambda c: _rs(c, op="max"), ("op", "rank 0", "max")),
 }
@@ -280,7 +288,9 @@ def _run_rs_case(group: Any, slots: Any, case: Case) -> None:
 
 @pytest.fixture(scope="module")
 def slots(group):
-    return tidearray.SlotArena(64 << 10, num_slots=2, group=group)
+    arena = tidearray.SlotArena(64 << 10, num_slots=2, group=group)
+    arena.tiny = tidearray.SlotArena(4096, num_slots=1, group=group)[0]
+    return arena
 
 
 @pytest.mark.parametrize("name", AG_CASES)
