@@ -83,7 +83,7 @@ def mpiexec_flags(mpiexec: str) -> list[str]:
 
 
 def command(run: Run, mpiexec: list[str], seed: int, extra: list[str]) -> list[str]:
-    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    pytest = [sys.executable, "-m", "pytest", "-q", "--color=no", "-p", "no:cacheprovider",
               f"--hypothesis-seed={seed}"]
     if run.ranks == 0:
         return pytest + ["tests"] + extra
@@ -131,6 +131,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def _pytest_summary(text: str) -> str:
     """The last "N passed, M skipped in Ts" line (rank 0's, or any rank's)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # in case colour was forced (FORCE_COLOR)
     lines = re.findall(r"(\d+ (?:passed|failed|error|errors|skipped|xfailed|xpassed|deselected)"
                        r"(?:, \d+ \w+)*) in [\d.]+s", text)
     return lines[-1] if lines else ""
