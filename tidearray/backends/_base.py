@@ -211,9 +211,11 @@ class Backend(abc.ABC):
         Raises:
             TideInvalid: multicast is not allowed or not supported here.
         """
-        ok, why = self.multicast_capability()
-        if not ok:
-            raise TideInvalid(f"multicast: expected a machine that allows it, got: {why}")
+        # Collective: every rank learns of any rank's refusal, none waits alone.
+        answers = self.group.node_comm.allgather(self.multicast_capability())
+        refused = [(r, why) for r, (ok, why) in enumerate(answers) if not ok]
+        if refused:
+            raise TideInvalid(f"multicast: expected a machine that allows it, got: {refused}")
         return self._alloc_multicast(nbytes)
 
     def multicast_capability(self) -> tuple[bool, str]:

@@ -159,6 +159,11 @@ class CudaExecutor(Executor):
         for ev in joins:  # the lane's next op (the arrival signal) follows every run
             s.wait_event(ev)
 
+    def _multicast_copy(self, lane: int, buffer: Any, copies: list) -> None:
+        # One write per piece, to the multicast mapping: the switch fans it out.
+        self.be.copier.copy(self._lane(lane).ptr,
+                            [(buffer.mc_ptr + off, src, n) for off, src, n in copies])
+
     def _signal(self, lane: int, addr: int, value: int) -> None:
         self.be.flags.signal(self._lane(lane), addr, value)
 

@@ -21,6 +21,7 @@ whether it could be, and the backend refuses ``multicast=True`` where not.
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any, Optional
 
 from .._dtypes import normalize
@@ -58,8 +59,10 @@ def multicast_capability(device: int = 0) -> tuple[bool, str]:
         return False, f"cannot query CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED ({e})"
     if not value:
         return False, "the device lacks CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED"
-    return True, ("supported by the device; tidearray's multicast transport is not "
-                  "implemented, copy-engine pushes are used")
+    if not hasattr(socket, "send_fds"):
+        return False, "Python lacks socket.send_fds (3.9+), needed to share VMM handles"
+    return True, ("allowed and supported: slots are VMM memory bound to a multicast object; "
+                  "all-gather writes each shard once, to the multicast address")
 
 
 #: Launchers' variables for a process's rank on its host (Open MPI, MPICH, Slurm, torchrun).
@@ -181,15 +184,16 @@ class CudaBackend(Backend):
             "(TIDE_CE_SPLIT)")
 
     def multicast_capability(self) -> tuple[bool, str]:
-        """Always off here: the cuda multicast transport is not implemented.
+        """See :func:`multicast_capability`; never creates a multicast object."""
+        return multicast_capability(max(self.device, 0))
 
-        The reason says why it would be refused anyway, where it would
-        (``NCCL_NVLS_ENABLE=0``, or no device support).
-        """
-        ok, why = multicast_capability(max(self.device, 0))
-        if ok:
-            why = "the device supports it, but the cuda backend has no multicast transport"
-        return False, why
+    def _alloc_multicast(self, nbytes: int) -> Any:
+        import cupy
+
+        from ._cuda_multicast import MulticastSymmetricBuffer
+
+        with cupy.cuda.Device(self.device):
+            return MulticastSymmetricBuffer(self.group.node_comm, nbytes, self.device)
 
     def close(self) -> None:
         if self.nccl is not None:

@@ -1,0 +1,53 @@
+"""The cuda multicast transport's host-side logic, testable without a GPU.
+
+``exchange_fds`` hands VMM file descriptors between a node's processes; here it
+carries memfds whose contents name their owner, so a wrong routing or a lost
+descriptor fails. The capability check must refuse while NCCL_NVLS_ENABLE=0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from .._util import agree
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs os.memfd_create (Linux)")
+def test_exchange_fds_routes_each_rank_descriptors(group):
+    from tidearray.backends._cuda_multicast import exchange_fds
+
+    comm = group.node_comm
+    token = os.urandom(8).hex()
+    mine = []
+    for k in range(2):  # two descriptors per rank, like memory + multicast handles
+        fd = os.memfd_create(f"tide-test-{k}")
+        os.write(fd, f"{token}:{comm.rank}:{k}".encode())
+        mine.append(fd)
+    tokens = comm.allgather(token)
+    got = exchange_fds(comm, mine)
+    failures = [] if len(got) == comm.size else [f"got {len(got)} ranks' descriptors"]
+    for r, fds in enumerate(got):
+        for k, fd in enumerate(fds):
+            os.lseek(fd, 0, os.SEEK_SET)
+            text = os.read(fd, 64).decode()
+            if text != f"{tokens[r]}:{r}:{k}":
+                failures.append(f"descriptor {k} of rank {r} reads {text!r}")
+            if r != comm.rank:
+                os.close(fd)
+        if len(fds) != 2:
+            failures.append(f"rank {r}: expected 2 descriptors, got {len(fds)}")
+    for fd in mine:
+        os.close(fd)
+    agree(comm, failures, "exchange_fds")
+
+
+def test_multicast_refused_while_nvls_disabled(monkeypatch):
+    from tidearray.backends.cuda import multicast_capability
+
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    ok, why = multicast_capability(0)
+    assert not ok and "NCCL_NVLS_ENABLE=0" in why
