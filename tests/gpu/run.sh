@@ -4,16 +4,18 @@
 #   bash tests/gpu/run.sh                      # every step
 #   TIDE_GPU_STEPS="np2 bench" bash tests/gpu/run.sh   # some steps: info np2 np1 nodes bench
 #                                                      # benchall (python -m tidearray.bench all)
+#                                                      # suites (each suite alone; TIDE_BENCH_SUITES)
 #   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
 #
 # Installs the carried wheels (.whl/: nccl4py, pytest-mpi) into /tmp/site, then
 # runs the generic suite (tests/) and the GPU tests (tests/gpu) on the cuda
 # backend under mpirun -n 2 and -n 1, the GPU tests once more with
 # TIDE_LOCAL_SIZE=1 (two emulated nodes: the NCCL path), and the quick bench.
-# Logs go to $OUT (or ./gpu-logs). Every multi-rank command runs under timeout.
+# Logs go to $OUT (or ./gpu-logs), step logs to $TIDE_GPU_LOGS if set. Every multi-rank command runs under timeout.
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-logs}
-mkdir -p "$OUT"
+LOGS=${TIDE_GPU_LOGS:-$OUT}  # step logs (elsewhere, to keep few files under $OUT)
+mkdir -p "$OUT" "$LOGS"
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
@@ -28,7 +30,7 @@ status=0
 step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember failures
     local name=$1; shift
     echo "== $name: $*"
-    "$@" 2>&1 | tee "$OUT/$name.log"
+    "$@" 2>&1 | tee "$LOGS/$name.log"
     local rc=${PIPESTATUS[0]}
     echo "== $name: exit $rc"
     [ "$rc" -eq 0 ] || status=1
@@ -41,6 +43,13 @@ run_np1() { step np1 "${MPI[@]}" -n 1 "${PYTEST[@]}" tests; }
 run_nodes() { step np2_nodes "${MPI[@]}" -x TIDE_LOCAL_SIZE=1 -n 2 "${PYTEST[@]}" tests/gpu; }
 run_benchall() { step benchall "${MPI[@]}" -n 2 python3 -m tidearray.bench all \
     --out "$OUT/b" --docs "${TIDE_BENCH_DOCS:-$OUT/b/report}"; }
+run_suites() {  # the same suites as benchall, each under its own timeout, one record file
+    for suite in ${TIDE_BENCH_SUITES:-interference memory ag rs}; do
+        step "bench_$suite" timeout "${TIDE_BENCH_TIMEOUT:-150}" mpirun --allow-run-as-root \
+            -n 2 -x PYTHONPATH -x PYTHONUNBUFFERED -x TIDE_BACKEND=cuda \
+            python3 -m tidearray.bench "$suite" --out "$OUT/b"
+    done
+}
 run_bench() { step bench "${MPI[@]}" -n 2 python3 tests/gpu/quick_bench.py --iters 30 \
     --json "$OUT/quick_bench.json" --profile "$OUT/host_profile.txt" --splits 1 2 3; }
 
