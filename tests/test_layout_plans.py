@@ -139,3 +139,15 @@ def test_rs_plan_rejects_depth_zero():
     unit = plan_unit([(4,)], 2, 2)
     with pytest.raises(tidearray.TideInvalid, match="depth"):
         plan_reduce_scatter(unit, Topology(2, 0, 2), 4096, 0)
+
+
+@pytest.mark.xfail(strict=True, reason="core: the per-node budget chunk_nbytes // nodes is not "
+                   "rounded down to ALIGN, so aligned blocks can exceed it")
+@pytest.mark.parametrize("world,local", [(3, 1), (6, 2)])
+def test_rs_staging_within_the_documented_bound(world, local):
+    """plan_reduce_scatter's docstring: ``chunk_nbytes`` bounds one remote source's bytes
+    per chunk, summed over target nodes, so staging <= depth * (L-1) * chunk_nbytes."""
+    unit = plan_unit([(60 * world, 50)], 2, world)  # 100-byte rows: 13 fit 1365 B, 1536 aligned
+    plan = plan_reduce_scatter(unit, Topology(world, 0, local), 4096, 2)
+    assert plan.source_nbytes <= 4096
+    assert plan.staging_nbytes <= 2 * (local - 1) * 4096
