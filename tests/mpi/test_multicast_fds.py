@@ -32,8 +32,9 @@ def test_exchange_fds_routes_each_rank_descriptors(group):
     failures = [] if len(got) == comm.size else [f"got {len(got)} ranks' descriptors"]
     for r, fds in enumerate(got):
         for k, fd in enumerate(fds):
-            os.lseek(fd, 0, os.SEEK_SET)
-            text = os.read(fd, 64).decode()
+            # pread: passed descriptors share one file offset across processes, so
+            # lseek + read races with the other ranks reading the same descriptor.
+            text = os.pread(fd, 64, 0).decode()
             if text != f"{tokens[r]}:{r}:{k}":
                 failures.append(f"descriptor {k} of rank {r} reads {text!r}")
             if r != comm.rank:
