@@ -46,7 +46,7 @@ def test_rejects_unknown_keys():
     ("depth", 5, "depth"),
     ("timeout", 0, "timeout"),
     ("timeout", -1.0, "timeout"),
-    ("ag_batch", "double", "ag_batch"),
+    ("ag_transport", "double", "ag_transport"),
 ])
 def test_rejects_bad_values(key, value, word):
     with pytest.raises(tidearray.TideInvalid, match=word) as info:

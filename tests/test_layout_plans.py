@@ -141,8 +141,6 @@ def test_rs_plan_rejects_depth_zero():
         plan_reduce_scatter(unit, Topology(2, 0, 2), 4096, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="core: the per-node budget chunk_nbytes // nodes is not "
-                   "rounded down to ALIGN, so aligned blocks can exceed it")
 @pytest.mark.parametrize("world,local", [(3, 1), (6, 2)])
 def test_rs_staging_within_the_documented_bound(world, local):
     """plan_reduce_scatter's docstring: ``chunk_nbytes`` bounds one remote source's bytes

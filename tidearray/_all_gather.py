@@ -15,11 +15,15 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from . import _dtypes, _validate
-from ._arena import AG_CHANNEL, ARRIVED, FREE, Region, default_region
+from ._arena import AG_CHANNEL, ARRIVED, DONE, FREE, READY, Region, default_region
 from ._errors import TideInvalid
 from ._group import Group, default_group
-from ._layout import UnitLayout, ag_pieces, internode_ag_steps, plan_unit
+from ._layout import UnitLayout, ag_pieces, internode_ag_steps, plan_unit, split_copies
 from ._work import Work
+
+#: Parts of a pull gather, and the unit size below which it uses one part.
+PULL_PARTS = 4
+PULL_SPLIT_MIN = 32 << 20
 
 
 @functools.lru_cache(maxsize=1024)
@@ -111,7 +115,7 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
         _validate.check(group, "all_gather", (("inputs", "unresolvable"),), errors)
     try:
         shapes = tuple(tuple(int(d) for d in s) for s in shapes)
-    except TypeError:
+    except (TypeError, ValueError):
         _validate.check(group, "all_gather", (("shapes", repr(shapes)),),
                         [f"expected shapes as a list of int tuples, got {shapes!r}"])
     key = ("all_gather", shapes, None if slot is None else slot.id,
@@ -154,12 +158,23 @@ class _Program:
         pushes: per node-local peer, the copies into that peer's slot (unicast).
         column: (offset, src, nbytes) of everything this rank's column holds,
             for a multicast write.
+        own_parts: the own copies cut into the pull transport's parts.
+        pulls: per node-local peer, that peer's slot cut into the same parts,
+            as copies into this rank's slot.
     """
 
     exchanges: tuple
     own: tuple
     pushes: dict
     column: tuple
+    own_parts: tuple
+    pulls: dict
+
+
+def pull_parts(unit: UnitLayout) -> int:
+    """Parts a pull gather stages in: readers start on part 0 while the owner
+    still copies the rest. One part for small units, where a flag costs more."""
+    return 1 if unit.nbytes < PULL_SPLIT_MIN else PULL_PARTS
 
 
 def _program(group: Group, unit: UnitLayout, shard_ptrs: list[int], slot: Region) -> _Program:
@@ -181,8 +196,16 @@ def _program(group: Group, unit: UnitLayout, shard_ptrs: list[int], slot: Region
     own = tuple((base + pc.offset, src(pc), pc.nbytes) for pc in column if pc.rank == topo.rank)
     pushes = {p: tuple((slot.ptr(p) + pc.offset, src(pc), pc.nbytes) for pc in column)
               for p in range(L) if p != me}
+    # Cut points depend only on piece sizes and order, so an owner and its
+    # readers cut the owner's column identically.
+    parts = pull_parts(unit)
+    own_parts = tuple(tuple(c for c in run if c[0] != c[1]) for run in split_copies(
+        [(base + pc.offset, src(pc), pc.nbytes) for pc in column], parts))
+    pulls = {q: tuple(tuple(run) for run in split_copies(
+        [(base + pc.offset, slot.ptr(q) + pc.offset, pc.nbytes)
+         for pc in _pieces(unit, topo.column(q))], parts)) for q in range(L) if q != me}
     return _Program(tuple(exchanges), own, pushes,
-                    tuple((pc.offset, src(pc), pc.nbytes) for pc in column))
+                    tuple((pc.offset, src(pc), pc.nbytes) for pc in column), own_parts, pulls)
 
 
 def _issue(group: Group, ex: Any, program: _Program, slot: Region) -> None:
@@ -190,16 +213,19 @@ def _issue(group: Group, ex: Any, program: _Program, slot: Region) -> None:
     me, L = topo.local_rank, topo.local_size
     use = slot.uses[AG_CHANNEL] = slot.uses[AG_CHANNEL] + 1
     peers = [(me + k) % L for k in range(1, L)]
-    for p in peers:  # grants first: no rank waits before it has granted
-        ex.signal(ex.COMPUTE, slot.flag(p, AG_CHANNEL, FREE, me), use)
+    after_net = topo.num_nodes > 1
+    transport = "multicast" if slot.buffer.multicast else group.config.ag_transport
+    if transport != "pull":
+        for p in peers:  # grants first: no rank waits before it has granted
+            ex.signal(ex.COMPUTE, slot.flag(p, AG_CHANNEL, FREE, me), use)
     for sends, recvs in program.exchanges:
         ex.exchange(ex.NET, sends, recvs)
-    if slot.buffer.multicast:
-        _push_multicast(ex, slot, program, me, peers, use, topo.num_nodes > 1)
-    elif group.config.ag_batch == "single":
-        _push_single_batch(ex, slot, program, me, peers, use, topo.num_nodes > 1)
-    else:
-        _push_per_peer(ex, slot, program, me, peers, use, topo.num_nodes > 1)
+    if transport == "pull":
+        _pull(ex, slot, program, me, peers, use, after_net)
+        return
+    push = {"multicast": _push_multicast, "push-batch": _push_single_batch,
+            "push": _push_per_peer}[transport]
+    push(ex, slot, program, me, peers, use, after_net)
     for q in peers:
         ex.wait(ex.COMPUTE, slot.flag(me, AG_CHANNEL, ARRIVED, q), use)
 
@@ -211,6 +237,31 @@ def _start(ex: Any, lane: int, after_net: bool) -> None:
     ex.depend(lane, ex.COMPUTE)
     if after_net:
         ex.depend(lane, ex.NET)
+
+
+def _pull(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: int,
+          after_net: bool) -> None:
+    """Stage own shards in our slot part by part; read each peer's parts from its slot.
+
+    See [Note: ready/done] in ``_arena``. Our slot is written only by us, so no
+    grant is needed; our completion waits until every reader is done with it.
+    """
+    first = slot.parts_ready
+    slot.parts_ready += len(program.own_parts)
+    _start(ex, me, after_net)
+    for k, part in enumerate(program.own_parts):
+        ex.copy(me, part)
+        for p in peers:
+            ex.signal(me, slot.flag(p, AG_CHANNEL, READY, me), first + k + 1)
+    for q in peers:
+        if after_net:
+            ex.depend(q, ex.NET)
+        for k, part in enumerate(program.pulls[q]):
+            ex.wait(q, slot.flag(me, AG_CHANNEL, READY, q), first + k + 1)
+            ex.copy(q, part)
+        ex.signal(q, slot.flag(q, AG_CHANNEL, DONE, me), use)
+    for q in peers:
+        ex.wait(ex.COMPUTE, slot.flag(me, AG_CHANNEL, DONE, q), use)
 
 
 def _push_per_peer(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: int,

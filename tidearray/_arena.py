@@ -16,6 +16,15 @@ way on every rank, because ranks issue the same collectives in order):
   writes ``u`` into the owner's ARRIVED word for that writer;
 * the owner waits for ARRIVED >= ``u`` from every writer before reading.
 
+[Note: ready/done]
+The pull all-gather reverses the direction: each rank reads peers' slots and
+writes only its own. An owner copies its shards into its own slot in parts
+and, after part ``k``, writes the running part count into every reader's
+READY word; a reader waits for that count, copies the part from the owner's
+slot into its own, and after the last part writes the use count into the
+owner's DONE word. The owner's collective completes only once every reader
+is DONE, so the next write into its slot cannot race a slow reader.
+
 All waits are on local memory, all signals are remote writes issued on the
 same lane as the data they follow: zero SMs on the cuda backend.
 """
@@ -29,6 +38,10 @@ from ._errors import TideInvalid
 from ._layout import align_up
 
 FREE, ARRIVED = 0, 1
+#: Pull all-gather: the owner's part k is in its slot (READY, a running count of
+#: parts), and a reader finished pulling from the owner (DONE, the use count).
+READY, DONE = 2, 3
+NUM_KINDS = 4
 AG_CHANNEL = 0
 #: Channel of reduce-scatter staging buffer ``b`` is ``RS_CHANNEL0 + b``.
 RS_CHANNEL0 = 1
@@ -49,7 +62,7 @@ class Region:
         self.id = next(_ids)
         self.nbytes = align_up(nbytes)
         L = group.local_size
-        self._flag_words = NUM_CHANNELS * 2 * L
+        self._flag_words = NUM_CHANNELS * NUM_KINDS * L
         alloc = group.backend.alloc_multicast if multicast else group.backend.alloc_symmetric
         self.buffer = alloc(self.nbytes + self._flag_words * 4)
         flags = self.buffer.view(self.nbytes, (self._flag_words,), "int32")
@@ -57,6 +70,7 @@ class Region:
         group.backend.synchronize()
         group.node_comm.Barrier()  # no peer signals before our flags are zero
         self.uses = [0] * NUM_CHANNELS
+        self.parts_ready = 0  # READY count so far: advances by the parts of each pull gather
         self._views: dict = {}
 
     def ptr(self, local_rank: int) -> int:
@@ -65,7 +79,8 @@ class Region:
     def flag(self, at: int, channel: int, kind: int, peer: int) -> int:
         """Address of the flag word in ``at``'s memory about ``peer``."""
         L = self.group.local_size
-        return self.buffer.ptr(at) + self.nbytes + ((channel * 2 + kind) * L + peer) * 4
+        return (self.buffer.ptr(at) + self.nbytes
+                + ((channel * NUM_KINDS + kind) * L + peer) * 4)
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
         return self.buffer.view(offset, shape, dtype)

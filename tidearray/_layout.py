@@ -171,6 +171,35 @@ def coalesce(copies: Sequence[Copy]) -> list[Copy]:
     return out
 
 
+#: Cut points of split batches are multiples of this (keeps vector alignment).
+SPLIT_ALIGN = 1 << 16
+
+
+def split_copies(copies: Sequence[tuple[int, int, int]], parts: int) -> list[list]:
+    """``copies`` cut into ``parts`` runs of about equal bytes, in order.
+
+    A copy that straddles a cut is split in two at a multiple of
+    :data:`SPLIT_ALIGN` bytes from its start (same allocation, so still valid).
+    Runs can be empty when there are fewer bytes than cut granules.
+    """
+    total = sum(n for _, _, n in copies)
+    share = -(-total // parts)
+    runs: list[list] = [[] for _ in range(parts)]
+    k, room = 0, share
+    for dst, src, n in copies:
+        while n:
+            take = n if n <= room or k == parts - 1 else max(
+                room // SPLIT_ALIGN * SPLIT_ALIGN, 0)
+            if take == 0:  # the cut would be unaligned: move on to the next run
+                k, room = k + 1, share
+                continue
+            runs[k].append((dst, src, take))
+            dst, src, n, room = dst + take, src + take, n - take, room - take
+            if room <= 0 and k < parts - 1:
+                k, room = k + 1, share
+    return runs
+
+
 @dataclass(frozen=True)
 class AgPiece:
     """Rank ``rank``'s contribution to parameter ``param``, at ``offset`` in the slot."""
@@ -279,16 +308,20 @@ class RsPlan:
 
 
 def _chunk_pieces(unit: UnitLayout, budget: int) -> list[list[tuple[int, int, int]]]:
-    """Split shard rows greedily into chunks of at most ``budget`` bytes (one row minimum)."""
+    """Split shard rows greedily into chunks of at most ``budget`` bytes, counting each
+    piece aligned (one row minimum, so a single row larger than the budget still fits)."""
     chunks: list[list[tuple[int, int, int]]] = [[]]
     used = 0
     for i, spec in enumerate(unit.specs):
         a, c, rb = 0, spec.rows_per_shard, spec.row_nbytes
         while a < c:
-            if used and used + rb > budget:
+            if used and used + align_up(rb) > budget:
                 chunks.append([])
                 used = 0
-            take = c - a if rb == 0 else max(1, min(c - a, (budget - used) // rb))
+            take = c - a if rb == 0 else min(c - a, (budget - used) // rb)
+            while take > 1 and align_up(take * rb) > budget - used:
+                take -= 1
+            take = max(1, take)
             chunks[-1].append((i, a, a + take))
             used += align_up(take * rb)
             a += take
@@ -308,7 +341,7 @@ def plan_reduce_scatter(
         raise TideInvalid(f"expected a pipeline depth >= 1, got {depth}")
     nodes = topo.num_nodes
     chunks = []
-    for raw in _chunk_pieces(unit, max(1, chunk_nbytes // nodes)):
+    for raw in _chunk_pieces(unit, max(ALIGN, chunk_nbytes // nodes // ALIGN * ALIGN)):
         pieces, cursor = [], 0
         for i, a, b in raw:
             pieces.append(RsPiece(i, a, b, cursor))

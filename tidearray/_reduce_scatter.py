@@ -163,6 +163,8 @@ def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Seque
         dst_key = (dst_key, be.resolve(partial).ptr)
     program = call.programs.get((staging.id, dst_key))
     if program is None:
+        if len(call.programs) >= 8:  # new result buffers each call: keep the latest few
+            call.programs.pop(next(iter(call.programs)))
         program = call.programs[(staging.id, dst_key)] = _program(
             group, call, [g.ptr for g in grads], outs, final, partial, staging)
     ex = be.executor(stream)
@@ -210,8 +212,8 @@ def _program(group: Group, call: _RsCall, grad_ptrs: list[int], outs: Optional[l
                   for p in range(L) if p != me}
         src_base = {q: staging.ptr(me) + boff + ((q - me) % L - 1) * plan.source_nbytes
                     for q in range(L) if q != me}
-        chunks.append((pushes, _accum_pieces(unit, chunk, topo, grad_ptrs, dst, src_base,
-                                             itemsize)))
+        pieces = _accum_pieces(unit, chunk, topo, grad_ptrs, dst, src_base, itemsize)
+        chunks.append((pushes, tuple(p for p in pieces if p.numel)))
     reduce = copy_out = None
     if partial is not None:
         reduce = (be.resolve(partial).ptr, final_ptr, plan.block_numel)

@@ -207,19 +207,18 @@ def run(args: argparse.Namespace) -> list[dict]:
         res = timed(comm, cp, stream, ag, args.iters)
         record("tide_ag", res, recv_bytes=recv, recv_GBps=recv / res["median_s"] / 1e9,
                recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9, split=be.push_split)
-        default = (be.push_split, be.aux_streams)
-        single = g.config
-        g.config = dataclasses.replace(single, ag_batch="per-peer")  # one batch per peer lane
-        for split in args.splits:  # copy-engine streams per peer push ([Note: split pushes])
+        default = (be.push_split, be.aux_streams, g.config)
+        variants = [(t, s) for t in ("pull", "push") for s in args.splits] + [("push-batch", 1)]
+        for transport, split in variants:  # copy-engine streams per peer lane
+            g.config = dataclasses.replace(default[2], ag_transport=transport)
             be.push_split = split
             be.aux_streams = [[cp.cuda.Stream(non_blocking=True) for _ in range(split - 1)]
                               for _ in range(g.local_size)]
             res = timed(comm, cp, stream, ag, args.iters)
-            record(f"tide_ag_perpeer_split{split}", res,
+            record(f"tide_ag_{transport}_split{split}", res,
                    recv_GBps=recv / res["median_s"] / 1e9,
                    recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9)
-        be.push_split, be.aux_streams = default
-        g.config = single
+        be.push_split, be.aux_streams, g.config = default
         if W == 2:
             src = cp.empty(recv, cp.uint8)
             peer_slot = arena[0].ptr(1 - g.local_rank) if g.local_size == 2 else None

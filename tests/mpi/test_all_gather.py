@@ -30,19 +30,27 @@ def _skip_without_multicast(group) -> None:
         pytest.skip(f"no multicast here: {answers}")
 
 
-@pytest.fixture(scope="module", params=["single-batch", "per-peer", "multicast"])
+@pytest.fixture(scope="module",
+                params=["pull", "pull-parts", "push", "push-batch", "multicast"])
 def arena(request, group):
-    """Two slots, made once (mapping is the expensive part), for each push transport:
-    one copy batch for all peers (the default), one batch per peer (on a second group
-    with ``ag_batch="per-peer"``), and multicast slots (on host: the emulation that
-    checks multicast addressing). Tests use ``arena.group``."""
+    """Two slots, made once (mapping is the expensive part), for each transport: pull
+    (the default; "pull-parts" also cuts small units into parts, as large ones are),
+    one push batch per peer and one batch for all peers (each on a second group with
+    that ``ag_transport``), and multicast slots (on host: the emulation that checks
+    multicast addressing). Tests use ``arena.group``."""
     g = group
-    if request.param == "per-peer":
-        g = tidearray.init(backend=group.backend.name, ag_batch="per-peer")
+    patch = pytest.MonkeyPatch()
+    if request.param in ("push", "push-batch"):
+        g = tidearray.init(backend=group.backend.name, ag_transport=request.param)
+    elif request.param == "pull-parts":
+        import tidearray._all_gather as ag
+
+        patch.setattr(ag, "PULL_SPLIT_MIN", 0)
     elif request.param == "multicast":
         _skip_without_multicast(group)
     yield tidearray.SlotArena(SLOT_BYTES, num_slots=2, group=g,
                               multicast=request.param == "multicast")
+    patch.undo()
     if g is not group:
         g.comm.Barrier()
         g.close()

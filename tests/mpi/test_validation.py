@@ -10,7 +10,6 @@ proves the group kept no half-done state.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -303,22 +302,14 @@ def test_reduce_scatter_rejects(group, slots, name):
     _run_rs_case(group, slots, RS_CASES[name])
 
 
-#: Inputs on which the bad rank raises alone, so that the others wait for it forever.
+#: Inputs on which the bad rank once raised alone, leaving the others waiting.
 HANG_CASES = {
     "a dimension that is not a number": Case(
         lambda c: _ag(c, _swap(unit(), 2, ("x",)) if c.bad else None, c.shards(unit())),
         ("rank {bad}", "shape")),
 }
-HANG_REASON = ("core bug: all_gather parses shapes with int() and catches only TypeError, so "
-               "int('x') raises ValueError on the bad rank alone and the other ranks hang in "
-               "the validation Allreduce")
-
 
 @pytest.mark.parametrize("name", HANG_CASES)
-@pytest.mark.xfail(strict=True, reason=HANG_REASON)
 def test_all_gather_rejects_without_hanging(group, slots, name):
-    """With several ranks this hangs until the core is fixed, so it runs on one rank
-    only (where it xfails), unless ``TIDE_TEST_HANG_CASES=1``."""
-    if WORLD > 1 and os.environ.get("TIDE_TEST_HANG_CASES") != "1":
-        pytest.skip(HANG_REASON + "; set TIDE_TEST_HANG_CASES=1 to run with several ranks")
+    """Inputs that once made the bad rank raise alone: now every rank raises."""
     _run_ag_case(group, slots, HANG_CASES[name])

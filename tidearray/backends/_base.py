@@ -102,7 +102,8 @@ class Executor(abc.ABC):
     def accumulate(self, lane: int, pieces: Sequence[AccumPiece], src_dtype: Any,
                    scale: float) -> None:
         """fp32 ``out = scale * sum(srcs)`` per piece, sources summed in the given order."""
-        pieces = [p for p in pieces if p.numel]
+        if not all(p.numel for p in pieces):  # keeps a cached program's tuple as it is
+            pieces = tuple(p for p in pieces if p.numel)
         if pieces:
             self._accumulate(lane, pieces, src_dtype, scale)
 

@@ -31,6 +31,8 @@ TILES_PER_BLOCK = 4
 BLOCK = 512
 #: Table slots in flight (see [Note: table lifetime]).
 RING = 16
+#: Device tables kept for cached programs.
+TABLES = 256
 #: Kernel name per source dtype.
 KERNELS = {"bfloat16": "tide_accumulate_bf16", "float16": "tide_accumulate_fp16",
            "float32": "tide_accumulate_fp32"}
@@ -110,30 +112,53 @@ class Accumulator:
         self._ring = [_Slot() for _ in range(RING)]
         self._next = 0
         self._kernels: dict = {}
+        self._tables: dict = {}  # id(pieces) -> (pieces, device table, tiles, tile, event)
 
     def launch(self, stream: Any, pieces: Sequence[AccumPiece], src_dtype: Any,
                scale: float) -> None:
         """fp32 ``out = scale * sum(srcs)`` per piece, one launch on ``stream`` (a cupy Stream)."""
-        import cupy
 
         kernel = self._kernel(normalize(src_dtype).name)
+        cached = self._tables.get(id(pieces))
+        if cached is not None and cached[0] is pieces:
+            _, dev, n_tiles, tile, event = cached
+        else:
+            dev, n_tiles, tile, event = self._upload(stream, pieces)
+        grid = min(n_tiles, self.max_grid)
+        with stream:
+            kernel((grid,), (BLOCK,), (dev, np.int32(len(pieces)),
+                                       np.int32(len(pieces[0].srcs)), np.int64(n_tiles),
+                                       np.int64(tile), np.float32(scale),
+                                       np.int32(np.float32(scale) != 1)))
+        event.record(stream)
+
+    def _upload(self, stream: Any, pieces: Sequence[AccumPiece]) -> tuple:
+        """Build and upload a table. A tuple of pieces is a cached program's (the
+        collectives reuse it call after call), so its table stays on the device;
+        anything else goes through the ring (see [Note: table lifetime])."""
+        import cupy
+
         tile = choose_tile(sum(p.numel for p in pieces), self.max_grid)
         table, n_tiles = build_table(pieces, tile)
+        if isinstance(pieces, tuple):
+            if len(self._tables) >= TABLES:
+                _, old = self._tables.popitem()  # an arbitrary one; rebuilt if used again
+                if not old[4].done:
+                    old[4].synchronize()  # its last kernel has read it
+            with stream:
+                dev = cupy.asarray(table)
+            event = cupy.cuda.Event(block=False, disable_timing=True)
+            self._tables[id(pieces)] = (pieces, dev, n_tiles, tile, event)
+            return dev, n_tiles, tile, event
         slot = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
         slot.take(table.nbytes)
         slot.host_view[:table.nbytes] = table.view(np.uint8)
         cupy.cuda.runtime.memcpyAsync(slot.dev.data.ptr, slot.host.ptr, table.nbytes,
                                       cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        grid = min(n_tiles, self.max_grid)
-        with stream:
-            kernel((grid,), (BLOCK,), (slot.dev, np.int32(len(pieces)),
-                                       np.int32(len(pieces[0].srcs)), np.int64(n_tiles),
-                                       np.int64(tile), np.float32(scale),
-                                       np.int32(np.float32(scale) != 1)))
         if slot.event is None:
             slot.event = cupy.cuda.Event(block=False, disable_timing=True)
-        slot.event.record(stream)
+        return slot.dev, n_tiles, tile, slot.event
 
     def _kernel(self, dtype_name: str) -> Any:
         if dtype_name not in self._kernels:

@@ -15,35 +15,6 @@ from typing import Any, Optional, Sequence
 from .._errors import TideBackendError
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the (unified) addresses
-#: Cut points of split batches are multiples of this (keeps vector alignment).
-SPLIT_ALIGN = 1 << 16
-
-
-def split_copies(copies: Sequence[tuple[int, int, int]], parts: int) -> list[list]:
-    """``copies`` cut into ``parts`` runs of about equal bytes, in order.
-
-    A copy that straddles a cut is split in two at a multiple of
-    :data:`SPLIT_ALIGN` bytes from its start (same allocation, so still valid).
-    Runs can be empty when there are fewer bytes than cut granules.
-    """
-    total = sum(n for _, _, n in copies)
-    share = -(-total // parts)
-    runs: list[list] = [[] for _ in range(parts)]
-    k, room = 0, share
-    for dst, src, n in copies:
-        while n:
-            take = n if n <= room or k == parts - 1 else max(
-                room // SPLIT_ALIGN * SPLIT_ALIGN, 0)
-            if take == 0:  # the cut would be unaligned: move on to the next run
-                k, room = k + 1, share
-                continue
-            runs[k].append((dst, src, take))
-            dst, src, n, room = dst + take, src + take, n - take, room - take
-            if room <= 0 and k < parts - 1:
-                k, room = k + 1, share
-    return runs
-
-
 class Copier:
     """Issues batches of ``(dst, src, nbytes)`` device copies on a stream.
 

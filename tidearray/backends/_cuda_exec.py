@@ -42,9 +42,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .._errors import TideInvalid
-from .._layout import Copy
+from .._layout import Copy, split_copies
 from ._base import Completion, Executor
-from ._cuda_copy import split_copies
 
 #: Pushes smaller than this stay on one stream (the split's events cost more).
 SPLIT_MIN_BYTES = 8 << 20
