@@ -22,7 +22,7 @@ from . import pack
 from .data import UnitData, as_f32_shards
 
 #: Names in report order.
-ORDER = ("tide", "stock", "symm", "nccl-bf16", "stock-torch", "fsdp2")
+ORDER = ("tide", "tide-push", "stock", "symm", "nccl-bf16", "stock-torch", "fsdp2")
 _REGISTRY: dict[str, list[type]] = {}
 
 
@@ -180,6 +180,31 @@ class Tide(Impl):
             self.ctx.log(f"  tide: no breakdown phases ({e.__class__.__name__}: {e})")
             ok = False
         return phases if agree(self.ctx.comm, ok) else {}
+
+
+@register
+class TidePush(Tide):
+    """TIDE-AG over copy-engine pushes instead of pulls, in the same run as ``tide``."""
+
+    name = "tide-push"
+    description = "TIDE-AG with ag_transport='push' (one CE batch per peer, into its slot)"
+    ops = ("ag",)
+
+    def setup(self, data: UnitData) -> Prepared:
+        import dataclasses
+
+        prep = super().setup(data)
+        g = self.ctx.group
+        push, gather = dataclasses.replace(g.config, ag_transport="push"), prep.ag
+
+        def ag() -> None:
+            saved, g.config = g.config, push
+            try:
+                gather()
+            finally:
+                g.config = saved
+
+        return dataclasses.replace(prep, ag=ag, rs=None, rs_out=None, phases={})
 
 
 @register
