@@ -47,7 +47,7 @@ run_suites() {  # the same suites as benchall, each under its own timeout, one r
     for suite in ${TIDE_BENCH_SUITES:-interference memory ag rs}; do
         step "bench_$suite" timeout "${TIDE_BENCH_TIMEOUT:-150}" mpirun --allow-run-as-root \
             -n 2 -x PYTHONPATH -x PYTHONUNBUFFERED -x TIDE_BACKEND=cuda \
-            python3 -m tidearray.bench "$suite" --out "$OUT/b"
+            python3 -m tidearray.bench "$suite" --out "$OUT/b" ${TIDE_BENCH_ARGS:-}
     done
 }
 run_bench() { step bench "${MPI[@]}" -n 2 python3 tests/gpu/quick_bench.py --iters 30 \
