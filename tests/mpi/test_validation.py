@@ -121,6 +121,9 @@ AG_CASES = {
     "a dimension that is None": Case(
         lambda c: _ag(c, _swap(unit(), 2, (None,)) if c.bad else None, c.shards(unit())),
         ("rank {bad}", "shape")),
+    "a dimension that is not a number": Case(
+        lambda c: _ag(c, _swap(unit(), 2, ("x",)) if c.bad else None, c.shards(unit())),
+        ("rank {bad}", "shape")),
     "slot too small everywhere": Case(lambda c: _ag(c, _swap(unit(), 0, (4096 * WORLD, 64))),
                                       ("slot", "rank 0")),
 }
@@ -302,14 +305,9 @@ def test_reduce_scatter_rejects(group, slots, name):
     _run_rs_case(group, slots, RS_CASES[name])
 
 
-#: Inputs on which the bad rank once raised alone, leaving the others waiting.
-HANG_CASES = {
-    "a dimension that is not a number": Case(
-        lambda c: _ag(c, _swap(unit(), 2, ("x",)) if c.bad else None, c.shards(unit())),
-        ("rank {bad}", "shape")),
-}
-
-@pytest.mark.parametrize("name", HANG_CASES)
-def test_all_gather_rejects_without_hanging(group, slots, name):
-    """Inputs that once made the bad rank raise alone: now every rank raises."""
-    _run_ag_case(group, slots, HANG_CASES[name])
+@pytest.mark.xfail(strict=True, reason="core: all_gather parses dims with int(), which turns 2.5 "
+                   "into 2; operator.index(d) would reject it (TypeError, already caught)")
+def test_all_gather_rejects_a_float_dimension(group, slots):
+    _run_ag_case(group, slots, Case(
+        lambda c: _ag(c, _swap(unit(), 2, (2.5,)) if c.bad else None, c.shards(unit())),
+        ("rank {bad}", "shape")))
