@@ -11,6 +11,7 @@ to its node-local peers.
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -40,7 +41,7 @@ def unit_nbytes(shapes: Sequence[Sequence[int]], dtype: Any, group: Optional[Gro
                 world: Optional[int] = None) -> int:
     """Slot bytes that the full parameters of ``shapes`` need (with alignment)."""
     world = world or (group or default_group()).size
-    shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+    shapes = tuple(tuple(operator.index(d) for d in s) for s in shapes)
     return _unit(shapes, _dtypes.normalize(dtype).itemsize, world).nbytes
 
 
@@ -114,7 +115,7 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
     if errors:
         _validate.check(group, "all_gather", (("inputs", "unresolvable"),), errors)
     try:
-        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        shapes = tuple(tuple(operator.index(d) for d in s) for s in shapes)  # 2.5 is no dim
     except (TypeError, ValueError):
         _validate.check(group, "all_gather", (("shapes", repr(shapes)),),
                         [f"expected shapes as a list of int tuples, got {shapes!r}"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -85,7 +86,7 @@ class ShardSpec:
 
 
 def shard_spec(shape: Sequence[int], itemsize: int, world: int, index: int = 0) -> ShardSpec:
-    shape = tuple(int(d) for d in shape)
+    shape = tuple(operator.index(d) for d in shape)
     if len(shape) == 0:
         raise TideInvalid(f"parameter {index}: expected at least 1 dimension, got a 0-d shape")
     if any(d < 0 for d in shape):

@@ -305,8 +305,6 @@ def test_reduce_scatter_rejects(group, slots, name):
     _run_rs_case(group, slots, RS_CASES[name])
 
 
-@pytest.mark.xfail(strict=True, reason="core: all_gather parses dims with int(), which turns 2.5 "
-                   "into 2; operator.index(d) would reject it (TypeError, already caught)")
 def test_all_gather_rejects_a_float_dimension(group, slots):
     _run_ag_case(group, slots, Case(
         lambda c: _ag(c, _swap(unit(), 2, (2.5,)) if c.bad else None, c.shards(unit())),
