@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from .._errors import TideBackendError, TideInvalid
 from .._layout import Copy, coalesce
@@ -159,9 +159,12 @@ class Executor(abc.ABC):
     def _depend(self, lane: int, on: int) -> None: ...
 
 
-@dataclass(frozen=True)
-class Resolved:
-    """An input array resolved once, at the edge: the array, its address and size."""
+class Resolved(NamedTuple):
+    """An input array resolved once, at the edge: the array, its address and size.
+
+    A NamedTuple, not a dataclass: units of hundreds of parameters resolve
+    hundreds of arrays per call, and a tuple is built three times faster.
+    """
 
     array: Any
     ptr: int
