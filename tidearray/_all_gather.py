@@ -46,20 +46,9 @@ def unit_nbytes(shapes: Sequence[Sequence[int]], dtype: Any, group: Optional[Gro
 
 
 def _check(group: Group, shards: list, shapes: tuple, slot: Optional[Region]) -> _AgCall:
-    errors = []
+    dtype, errors = _validate.check_arrays(shards, "shard")
     if len(shards) != len(shapes):
-        errors.append(f"expected one shard per shape ({len(shapes)}), got {len(shards)}")
-    dtypes = [s.dtype for s in shards]
-    dtype = dtypes[0] if dtypes else _dtypes.bfloat16
-    for i, s in enumerate(shards):
-        if not _dtypes.is_supported(s.dtype):
-            errors.append(f"parameter {i}: expected dtype in {sorted(_dtypes.SUPPORTED)}, "
-                          f"got {s.dtype}")
-        elif s.dtype != dtype:
-            errors.append(f"parameter {i}: expected the unit's dtype {dtype}, got {s.dtype}")
-        if not s.contiguous:
-            errors.append(f"parameter {i}: expected a C-contiguous shard, got strides of a "
-                          f"non-contiguous view of shape {s.shape}")
+        errors.insert(0, f"expected one shard per shape ({len(shapes)}), got {len(shards)}")
     try:
         unit = _unit(shapes, dtype.itemsize, group.size)
     except TideInvalid as e:

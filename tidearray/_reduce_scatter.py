@@ -50,19 +50,9 @@ class _RsCall:
 
 def _check(group: Group, grads: list, outs: Optional[list], op: str,
            staging: Optional[Region]) -> _RsCall:
-    errors = []
+    dtype, errors = _validate.check_arrays(grads, "gradient")
     if op not in OPS:
-        errors.append(f"expected op in {OPS}, got {op!r}")
-    dtype = grads[0].dtype if grads else _dtypes.bfloat16
-    for i, g in enumerate(grads):
-        if not _dtypes.is_supported(g.dtype):
-            errors.append(f"parameter {i}: expected dtype in {sorted(_dtypes.SUPPORTED)}, "
-                          f"got {g.dtype}")
-        elif g.dtype != dtype:
-            errors.append(f"parameter {i}: expected the unit's dtype {dtype}, got {g.dtype}")
-        if not g.contiguous:
-            errors.append(f"parameter {i}: expected a C-contiguous gradient, got a "
-                          f"non-contiguous view of shape {g.shape}")
+        errors.insert(0, f"expected op in {OPS}, got {op!r}")
     shapes = tuple(g.shape for g in grads)
     try:
         unit = _unit(shapes, dtype.itemsize, group.size)

@@ -101,6 +101,27 @@ def resolve_all(backend: Any, objs: Any, what: str) -> tuple[list, list[str]]:
     return resolved, errors
 
 
+def check_arrays(arrays: Sequence[Any], what: str) -> tuple[Any, list[str]]:
+    """The unit's dtype (the first array's) and each array's local errors.
+
+    Every array must have a supported dtype, the same one, and be C-contiguous.
+    """
+    from . import _dtypes
+
+    dtype = arrays[0].dtype if arrays else _dtypes.bfloat16
+    errors = []
+    for i, a in enumerate(arrays):
+        if not _dtypes.is_supported(a.dtype):
+            errors.append(f"parameter {i}: expected dtype in {sorted(_dtypes.SUPPORTED)}, "
+                          f"got {a.dtype}")
+        elif a.dtype != dtype:
+            errors.append(f"parameter {i}: expected the unit's dtype {dtype}, got {a.dtype}")
+        if not a.contiguous:
+            errors.append(f"parameter {i}: expected a C-contiguous {what}, got a "
+                          f"non-contiguous view of shape {a.shape}")
+    return dtype, errors
+
+
 def _mismatch(sigs: list[tuple]) -> str:
     """Name the first field where ranks disagree."""
     ref = sigs[0]
