@@ -24,9 +24,9 @@ from mpi4py import MPI
 import tidearray as ta
 
 HIDDEN, FFN, UNITS, TOKENS = 128, 344, 4, 8
-#: Reduce-scatter chunk. Staging takes depth (2) x (local_size - 1) x chunk
-#: bytes, so 16 KiB chunks fit in a vacated slot (~180 KiB) with up to 6 ranks
-#: per node. Real units are MiBs to GiBs, so the default 32 MiB chunk fits.
+#: Reduce-scatter chunk. Staging takes at most depth (2) x (local_size - 1) x
+#: chunk bytes, so 16 KiB chunks fit in a vacated slot (~180 KiB) with up to 6
+#: ranks per node. Real units are MiBs to GiBs, so the default 32 MiB chunk fits.
 CHUNK = 16 << 10
 
 
@@ -78,8 +78,9 @@ def backward(g: ta.Group, arena: ta.SlotArena, shards: list) -> list:
         params = pending.wait()
         if j + 1 < UNITS:
             nxt = (j + 1) % 2
-            if rs_work[nxt] is not None:  # a slot that staged a reduce-scatter is
-                results[order[j - 1]] = rs_work[nxt].wait()  # free once it is waited
+            if rs_work[nxt] is not None:  # a slot that staged a reduce-scatter is free
+                # once it is waited on the stream that gathers into it (here: current)
+                results[order[j - 1]] = rs_work[nxt].wait()
                 rs_work[nxt] = None
             pending = ta.all_gather(shards[order[j + 1]], shapes, slot=arena[nxt],
                                     async_op=True)
