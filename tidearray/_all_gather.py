@@ -1,11 +1,14 @@
-"""TIDE-AG: each rank's shard goes straight into every peer's parameter storage.
+"""TIDE-AG: each rank's shard lands straight in every peer's parameter storage.
 
-Node-local peers receive by copy-engine pushes into their slot at the byte
-offset the shard occupies in the full parameter; no flat buffer, no copy-out.
-Across nodes, ranks with the same local rank first exchange shards by
-recursive doubling (pairwise for a node count that is not a power of two),
-straight into their slots; then each rank pushes everything its column holds
-to its node-local peers.
+Every byte goes to the offset it occupies in the full parameter inside a
+slot; no flat buffer, no copy-out. Node-local transports, all by copy engine
+(``Config.ag_transport``): ``pull`` (default: each rank stages its shards in
+its own slot, in parts, and peers read them from there), ``push`` (one batch
+per peer, into its slot), ``push-batch`` (all pushes in one batch), and
+multicast slots (one write reaches every peer). Across nodes, ranks with the
+same local rank first exchange shards by recursive doubling (pairwise for a
+node count that is not a power of two), straight into their slots; the
+node-local transport then spreads everything the column holds.
 """
 
 from __future__ import annotations
@@ -244,8 +247,7 @@ def _pull(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: i
         for p in peers:
             ex.signal(me, slot.flag(p, AG_CHANNEL, READY, me), first + k + 1)
     for q in peers:
-        if after_net:
-            ex.depend(q, ex.NET)
+        _start(ex, q, after_net)  # lane q writes into our slot too
         for k, part in enumerate(program.pulls[q]):
             ex.wait(q, slot.flag(me, AG_CHANNEL, READY, q), first + k + 1)
             ex.copy(q, part)
@@ -288,6 +290,9 @@ def _push_multicast(ex: Any, slot: Region, program: _Program, me: int, peers: li
     _start(ex, me, after_net)
     for p in peers:  # every peer must have granted before the single write
         ex.wait(me, slot.flag(me, AG_CHANNEL, FREE, p), use)
+    # Across nodes the column holds other nodes' shards, already in our slot:
+    # they are written from there to the multicast address, which also maps our
+    # slot, so those bytes are rewritten in place with the same values.
     ex.multicast_copy(me, slot.buffer, program.column)
     for p in peers:
         ex.signal(me, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)

@@ -17,9 +17,9 @@ Why legacy IPC and not VMM (``cuMemCreate`` with POSIX file descriptors):
   MPI communicator the group already has; the driver does the rest. It worked
   in these containers (DESIGN.md, "Measured facts").
 
-What VMM would add (multicast binding, finer-grained mapping) is not needed
-here: multicast stays off (``multicast_capability``), and slots are mapped
-whole. Memory comes from ``cudaMalloc`` directly, not CuPy's pool, because
+VMM is used only where it is needed, for opt-in multicast slots
+(``_cuda_multicast``, which passes its descriptors over abstract Unix
+sockets); ordinary slots are mapped whole, over IPC. Memory comes from ``cudaMalloc`` directly, not CuPy's pool, because
 an IPC handle maps a whole allocation from its base.
 """
 

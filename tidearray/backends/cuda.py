@@ -14,8 +14,8 @@ How each primitive runs (all asynchronous, on the lane streams of
 * ``exchange`` / ``reduce_scatter_f32``: NCCL through nccl4py (``_cuda_nccl``).
 
 So TIDE-AG uses no SM at all, and TIDE-RS only the accumulate's CTAs.
-Multicast (NVSwitch) is never used; :func:`multicast_capability` reports
-whether it could be, and the backend refuses ``multicast=True`` where not.
+Multicast (NVSwitch) slots are opt-in (``_cuda_multicast``): :func:`multicast_capability`
+refuses them while ``NCCL_NVLS_ENABLE=0`` or without device support.
 """
 
 from __future__ import annotations
