@@ -19,8 +19,9 @@ Why legacy IPC and not VMM (``cuMemCreate`` with POSIX file descriptors):
 
 VMM is used only where it is needed, for opt-in multicast slots
 (``_cuda_multicast``, which passes its descriptors over abstract Unix
-sockets); ordinary slots are mapped whole, over IPC. Memory comes from ``cudaMalloc`` directly, not CuPy's pool, because
-an IPC handle maps a whole allocation from its base.
+sockets); ordinary slots are mapped whole, over IPC. Memory comes from
+``cudaMalloc`` directly, not CuPy's pool, because an IPC handle maps a whole
+allocation from its base.
 """
 
 from __future__ import annotations
