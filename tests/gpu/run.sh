@@ -38,7 +38,7 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember failures
 
 run_info() { step info timeout "$T" mpirun --allow-run-as-root -n 2 -x PYTHONPATH \
     -x TIDE_BACKEND=cuda python3 -m tidearray.info; }
-run_np2() { step np2 "${MPI[@]}" -n 2 "${PYTEST[@]}" tests; }
+run_np2() { step np2 "${MPI[@]}" -n "${TIDE_GPU_RANKS:-2}" "${PYTEST[@]}" tests; }
 run_np1() { step np1 "${MPI[@]}" -n 1 "${PYTEST[@]}" tests; }
 run_nodes() { step np2_nodes "${MPI[@]}" -x TIDE_LOCAL_SIZE=1 -n 2 "${PYTEST[@]}" tests/gpu; }
 run_benchall() { step benchall "${MPI[@]}" -n 2 python3 -m tidearray.bench all \
