@@ -102,6 +102,7 @@ class MulticastSymmetricBuffer(SymmetricBuffer):
         gran = max(gran, _check(cu.cuMemGetAllocationGranularity(
             prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
             "cuMemGetAllocationGranularity"))
+        self._gran = gran
         self._size = size = -(-max(nbytes, 1) // gran) * gran
         mc_prop.size = size
         self._mem = _check(cu.cuMemCreate(size, prop, 0), "cuMemCreate")
@@ -135,7 +136,8 @@ class MulticastSymmetricBuffer(SymmetricBuffer):
     def _map(self, handle: Any) -> int:
         from cuda.bindings import driver as cu
 
-        ptr = _check(cu.cuMemAddressReserve(self._size, 0, 0, 0), "cuMemAddressReserve")
+        # Aligned to the granularity: multicast mappings require it.
+        ptr = _check(cu.cuMemAddressReserve(self._size, self._gran, 0, 0), "cuMemAddressReserve")
         _check(cu.cuMemMap(ptr, self._size, 0, handle, 0), "cuMemMap")
         desc = cu.CUmemAccessDesc()
         desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
