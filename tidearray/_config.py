@@ -53,6 +53,11 @@ class Config:
     """CTAs of the reduce-scatter's accumulate kernel; None means half the SMs.
     Env: ``TIDE_ACCUM_CTAS``."""
 
+    ce_split: int = 2
+    """Copy-engine streams per peer lane: a copy batch of 8 MiB or more to or from
+    a peer is cut into this many runs of equal bytes, so several copy engines
+    share the link (cuda). Env: ``TIDE_CE_SPLIT``."""
+
     batch_copies: Optional[bool] = None
     """Use batched copies (``cudaMemcpyBatchAsync``); None means where available.
     Env: ``TIDE_BATCH_COPIES``."""
@@ -66,6 +71,7 @@ class Config:
         "TIDE_MULTICAST": ("multicast", lambda s: s.lower() in ("1", "true", "yes", "on")),
         "TIDE_AG_TRANSPORT": ("ag_transport", str),
         "TIDE_ACCUM_CTAS": ("accum_ctas", int),
+        "TIDE_CE_SPLIT": ("ce_split", int),
         "TIDE_BATCH_COPIES": ("batch_copies",
                               lambda s: s.lower() in ("1", "true", "yes", "on")),
     }
@@ -99,6 +105,8 @@ class Config:
                               f"{self.ag_transport!r}")
         if self.local_size is not None and self.local_size < 1:
             raise TideInvalid(f"local_size: expected >= 1, got {self.local_size}")
+        if self.ce_split < 1:
+            raise TideInvalid(f"ce_split: expected >= 1, got {self.ce_split}")
         if self.accum_ctas is not None and self.accum_ctas < 1:
             raise TideInvalid(f"accum_ctas: expected >= 1, got {self.accum_ctas}")
         if self.chunk_nbytes < 4096:

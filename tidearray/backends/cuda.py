@@ -162,7 +162,7 @@ class CudaBackend(Backend):
         self.streams = [cupy.cuda.Stream(non_blocking=True)
                         for _ in range(self.group.local_size + 2)]
         # Extra streams per peer lane, for pushes split over copy engines.
-        self.push_split = max(1, int(os.environ.get("TIDE_CE_SPLIT", "2")))
+        self.push_split = self.group.config.ce_split
         self.aux_streams = [[cupy.cuda.Stream(non_blocking=True)
                              for _ in range(self.push_split - 1)]
                             for _ in range(self.group.local_size)]
