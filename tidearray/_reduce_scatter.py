@@ -140,27 +140,25 @@ def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Seque
     if staging is None:
         staging = default_region(group, "staging", plan.staging_nbytes)
     nodes = group.topology.num_nodes
-    final = partial = None
-    if outs is not None and nodes == 1:
-        results, dst_key = [o.array for o in outs], tuple(o.ptr for o in outs)
-    else:
-        final = be.empty((plan.block_numel,), _dtypes.float32)
-        results = [final[o:o + s.shard_numel].reshape(s.shard_shape)
-                   for o, s in zip(plan.out_offsets, unit.specs)]
-        dst_key = be.resolve(final).ptr
-    if nodes > 1:
-        partial = be.empty((nodes * plan.block_numel,), _dtypes.float32)
-        dst_key = (dst_key, be.resolve(partial).ptr)
+    # Our own receive buffer unless the outputs can take the sums directly.
+    final = be.empty((plan.block_numel,), _dtypes.float32) if outs is None or nodes > 1 else None
+    partial = be.empty((nodes * plan.block_numel,), _dtypes.float32) if nodes > 1 else None
+    final_ptr = None if final is None else be.resolve(final).ptr
+    partial_ptr = None if partial is None else be.resolve(partial).ptr
+    dst_key = (tuple(o.ptr for o in outs) if final is None else final_ptr, partial_ptr)
     program = call.programs.get((staging.id, dst_key))
     if program is None:
         if len(call.programs) >= 8:  # new result buffers each call: keep the latest few
             call.programs.pop(next(iter(call.programs)))
         program = call.programs[(staging.id, dst_key)] = _program(
-            group, call, [g.ptr for g in grads], outs, final, partial, staging)
+            group, call, [g.ptr for g in grads], outs, final_ptr, partial_ptr, staging)
     ex = be.executor(stream)
     _issue(group, ex, call, program, staging, 1.0 / group.size if op == "avg" else 1.0)
     if outs is not None:
         results = [o.array for o in outs]
+    else:  # views of the receive buffer, built only when they are the result
+        results = [final[o:o + s.shard_numel].reshape(s.shard_shape)
+                   for o, s in zip(plan.out_offsets, unit.specs)]
     work = Work(ex.finish(), results)
     return work if async_op else work.wait(stream)
 
@@ -184,15 +182,15 @@ class _Program:
 
 
 def _program(group: Group, call: _RsCall, grad_ptrs: list[int], outs: Optional[list],
-             final: Any, partial: Any, staging: Region) -> _Program:
-    be, topo, unit, plan = group.backend, group.topology, call.unit, call.plan
+             final_ptr: Optional[int], partial_ptr: Optional[int],
+             staging: Region) -> _Program:
+    topo, unit, plan = group.topology, call.unit, call.plan
     me, L = topo.local_rank, topo.local_size
-    if outs is not None and final is None:
+    if final_ptr is None:
         out_ptrs = [o.ptr for o in outs]
     else:
-        final_ptr = be.resolve(final).ptr
         out_ptrs = [final_ptr + o * 4 for o in plan.out_offsets]
-    dst = out_ptrs if partial is None else _partial_ptrs(be, partial, plan, topo)
+    dst = out_ptrs if partial_ptr is None else _partial_ptrs(partial_ptr, plan, topo)
     itemsize = _dtypes.normalize(call.dtype).itemsize
     chunks = []
     for k, chunk in enumerate(plan.chunks):
@@ -205,8 +203,8 @@ def _program(group: Group, call: _RsCall, grad_ptrs: list[int], outs: Optional[l
         pieces = _accum_pieces(unit, chunk, topo, grad_ptrs, dst, src_base, itemsize)
         chunks.append((pushes, tuple(p for p in pieces if p.numel)))
     reduce = copy_out = None
-    if partial is not None:
-        reduce = (be.resolve(partial).ptr, final_ptr, plan.block_numel)
+    if partial_ptr is not None:
+        reduce = (partial_ptr, final_ptr, plan.block_numel)
         if outs is not None:
             copy_out = tuple((o.ptr, p, o.nbytes) for o, p in zip(outs, out_ptrs))
             out_ptrs = [o.ptr for o in outs]
@@ -217,9 +215,8 @@ def _program(group: Group, call: _RsCall, grad_ptrs: list[int], outs: Optional[l
     return _Program(tuple(chunks), reduce, copy_out or (), tuple(zeros))
 
 
-def _partial_ptrs(be: Any, partial: Any, plan: RsPlan, topo: Topology) -> list[list[int]]:
+def _partial_ptrs(base: int, plan: RsPlan, topo: Topology) -> list[list[int]]:
     """``[node][param]`` addresses of node partial sums, rank-major for the inter-node RS."""
-    base = be.resolve(partial).ptr
     return [[base + (m * plan.block_numel + o) * 4 for o in plan.out_offsets]
             for m in range(topo.num_nodes)]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 from .._errors import TideBackendError, TideInvalid
-from .._layout import Copy, coalesce
+from .._layout import Copy
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,13 @@ class Executor(abc.ABC):
         self.num_lanes = local_size + 2
 
     def copy(self, lane: int, copies: Sequence[Copy]) -> None:
-        """Copy-engine batch: ``(dst, src, nbytes)`` address triples, any peer."""
-        copies = coalesce(copies)
+        """Copy-engine batch: ``(dst, src, nbytes)`` address triples, any peer.
+
+        Copies are passed on as given: two arrays can be adjacent without being
+        one allocation, and a device copy must not span allocations, so merging
+        neighbours is left to backends where it is safe (host memory).
+        """
+        copies = [c for c in copies if c[2]]
         if copies:
             self._copy(lane, copies)
 
@@ -84,7 +89,7 @@ class Executor(abc.ABC):
         if not buffer.multicast:
             raise TideBackendError("multicast_copy: expected a buffer allocated with "
                                    "multicast=True, got a unicast one")
-        copies = coalesce(copies)
+        copies = [c for c in copies if c[2]]
         if copies:
             self._multicast_copy(lane, buffer, copies)
 

@@ -39,10 +39,10 @@ asynchronous CUDA call.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 from .._errors import TideInvalid
-from .._layout import Copy, split_copies
+from .._layout import split_copies
 from ._base import Completion, Executor
 
 #: Pushes smaller than this stay on one stream (the split's events cost more).
@@ -115,18 +115,6 @@ class CudaExecutor(Executor):
         self._fork = _event()
         rt.eventRecord(self._fork.ptr, stream_ptr(stream))
         self._started: set[int] = set()
-
-    def copy(self, lane: int, copies: Sequence[Copy]) -> None:
-        """Copy-engine batch, without the base class's coalescing.
-
-        Coalescing merges copies that continue each other in address space, but
-        two arrays can be adjacent without being one allocation, and a CUDA
-        copy must not span allocations (``cudaMemcpyBatchAsync`` rejects it
-        with ``cudaErrorInvalidValue``). A batch costs the same for any count.
-        """
-        copies = [c for c in copies if c[2]]
-        if copies:
-            self._copy(lane, copies)
 
     def _lane(self, lane: int) -> Any:
         """Lane ``lane``'s stream, made to wait for the fork on first use."""

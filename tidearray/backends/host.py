@@ -23,6 +23,7 @@ import numpy as np
 
 from .._dtypes import float32, normalize
 from .._errors import TideBackendError, TideInvalid
+from .._layout import coalesce
 from ._base import Backend, Completion, Executor, Resolved, SymmetricBuffer
 
 
@@ -90,7 +91,7 @@ class HostExecutor(Executor):
         self.backend = backend
 
     def _copy(self, lane: int, copies: list) -> None:
-        for dst, src, n in copies:
+        for dst, src, n in coalesce(copies):  # plain host memory: neighbours may merge
             ctypes.memmove(dst, src, n)
 
     def _multicast_copy(self, lane: int, buffer: Any, copies: list) -> None:
