@@ -105,6 +105,15 @@ class UnitLayout:
     def __len__(self) -> int:
         return len(self.specs)
 
+    def __hash__(self) -> int:
+        # Computed once: units key caches on every call, and hashing hundreds
+        # of specs each time cost more than the lookups it served.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.specs, self.offsets, self.nbytes))
+            object.__setattr__(self, "_hash", h)
+        return h
+
 
 def plan_unit(
     shapes: Sequence[Sequence[int]], itemsize: int, world: int, align: int = ALIGN

@@ -211,7 +211,9 @@ def _program(group: Group, call: _RsCall, grad_ptrs: list[int], outs: Optional[l
     zeros = []
     for spec, ptr in zip(unit.specs, out_ptrs):  # padding rows: nobody contributes
         v = spec.valid_rows(topo.rank)
-        zeros.append((ptr + v * spec.row_numel * 4, (spec.rows_per_shard - v) * spec.row_numel * 4))
+        if v < spec.rows_per_shard:
+            zeros.append((ptr + v * spec.row_numel * 4,
+                          (spec.rows_per_shard - v) * spec.row_numel * 4))
     return _Program(tuple(chunks), reduce, copy_out or (), tuple(zeros))
 
 
@@ -263,7 +265,7 @@ def _slice(spec: Any, target: int, a: int, b: int) -> tuple[int, int]:
 
 
 def _push_copies(unit: UnitLayout, chunk: Any, topo: Topology, p: int, grad_ptrs: list[int],
-                 base: int) -> list:
+                 base: int) -> tuple:
     copies = []
     for m in range(topo.num_nodes):
         target = topo.global_rank(m, p)
@@ -272,7 +274,7 @@ def _push_copies(unit: UnitLayout, chunk: Any, topo: Topology, p: int, grad_ptrs
             row, n = _slice(spec, target, pc.row_start, pc.row_stop)
             copies.append((base + m * chunk.block_nbytes + pc.offset,
                            grad_ptrs[pc.param] + row * spec.row_nbytes, n * spec.row_nbytes))
-    return copies
+    return tuple(copies)  # the copier keeps packed batches by this tuple's identity
 
 
 def _accum_pieces(unit: UnitLayout, chunk: Any, topo: Topology, grad_ptrs: list[int], dst: list,

@@ -50,6 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import tidearray  # noqa: E402
 from tests.gpu._units import BF16, UNITS, bf16_normal, padded_shard, shard_rows  # noqa: E402
+from tidearray import _all_gather  # noqa: E402
+from tidearray._validate import CallCache  # noqa: E402
 from tidearray.backends._base import AccumPiece  # noqa: E402
 from tidearray.backends._cuda_nccl import NcclLink  # noqa: E402
 
@@ -163,6 +165,34 @@ def calibrate(comm: Any, cp: Any, stream: Any, g: Any, src: Any, peer_slot: int,
                                for k, v in res.items()})
 
 
+def sweep_ctas(comm: Any, cp: Any, stream: Any, g: Any, rs: Callable, record: Callable,
+               args: argparse.Namespace) -> None:
+    """TIDE-RS and its accumulate alone at each accumulate grid of ``--ctas``.
+
+    SM time = accumulate time x CTAs / SMs (the issue's definition).
+    """
+    acc = g.backend.accumulator
+    sms = cp.cuda.runtime.getDeviceProperties(g.backend.device)["multiProcessorCount"]
+    call = next(v for k, v in g.calls._entries.items() if k[0] == "reduce_scatter")
+    chunks = [pieces for _, pieces in next(iter(call.programs.values())).chunks]
+    default = acc.max_grid
+    for ctas in args.ctas:
+        cp.cuda.runtime.deviceSynchronize()
+        acc.max_grid, acc._tables = ctas, {}  # tables are tiled for the grid
+        res = timed(comm, cp, stream, rs, args.iters)
+        record(f"tide_rs_ctas{ctas}", res)
+
+        def accumulate(i: int) -> None:
+            for pieces in chunks:
+                acc.launch(stream, pieces, BF16, 0.5)
+
+        res = timed(comm, cp, stream, accumulate, args.iters)
+        record(f"accumulate_ctas{ctas}", res, ctas=ctas,
+               sm_time_us=res["median_s"] * 1e6 * ctas / sms)
+    cp.cuda.runtime.deviceSynchronize()
+    acc.max_grid, acc._tables = default, {}
+
+
 def pack_pieces(shapes: list, grads: list, flat: Any, W: int) -> tuple[list, int]:
     """``_chunk_cat`` as accumulate pieces: rank-major fp32 blocks, each param padded."""
     numel_shard = [-(-s[0] // W) * math.prod(s[1:]) for s in shapes]
@@ -208,17 +238,24 @@ def run(args: argparse.Namespace) -> list[dict]:
         record("tide_ag", res, recv_bytes=recv, recv_GBps=recv / res["median_s"] / 1e9,
                recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9, split=be.push_split)
         default = (be.push_split, be.aux_streams, g.config)
-        variants = [(t, s) for t in ("pull", "push") for s in args.splits] + [("push-batch", 1)]
-        for transport, split in variants:  # copy-engine streams per peer lane
+        variants = [(t, s, _all_gather.PULL_PARTS) for t in ("pull", "push")
+                    for s in args.splits] + [("push-batch", 1, _all_gather.PULL_PARTS)]
+        variants += [("pull", s, n) for s in args.splits for n in args.parts]
+        parts_default = _all_gather.PULL_PARTS
+        for transport, split, parts in variants:  # copy-engine streams per peer lane
             g.config = dataclasses.replace(default[2], ag_transport=transport)
             be.push_split = split
             be.aux_streams = [[cp.cuda.Stream(non_blocking=True) for _ in range(split - 1)]
                               for _ in range(g.local_size)]
+            _all_gather.PULL_PARTS = parts
+            g.calls = CallCache()  # programs are cut into parts when built
             res = timed(comm, cp, stream, ag, args.iters)
-            record(f"tide_ag_{transport}_split{split}", res,
+            record(f"tide_ag_{transport}_split{split}_parts{parts}", res,
                    recv_GBps=recv / res["median_s"] / 1e9,
                    recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9)
         be.push_split, be.aux_streams, g.config = default
+        _all_gather.PULL_PARTS = parts_default
+        g.calls = CallCache()
         if W == 2:
             src = cp.empty(recv, cp.uint8)
             peer_slot = arena[0].ptr(1 - g.local_rank) if g.local_size == 2 else None
@@ -226,7 +263,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             def ce_push(i: int) -> None:
                 cp.cuda.runtime.memcpyAsync(peer_slot, src.data.ptr, recv, 4, stream.ptr)
 
-            if peer_slot is not None:
+            if peer_slot is not None and not args.skip_calibration:
                 res = timed(comm, cp, stream, ce_push, args.iters)
                 record("ce_push", res, recv_GBps=recv / res["median_s"] / 1e9)
                 calibrate(comm, cp, stream, g, src, peer_slot, recv, record, args.iters)
@@ -238,6 +275,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             tidearray.reduce_scatter(grads, op="avg", out=outs, group=g, stream=stream)
 
         record("tide_rs", timed(comm, cp, stream, rs, args.iters))
+        sweep_ctas(comm, cp, stream, g, rs, record, args)
         if args.profile:
             profile_host(comm, ag, 10, args.profile)
             profile_host(comm, rs, 10, args.profile)
@@ -286,6 +324,12 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", default=None, help="write the records here (rank 0)")
     p.add_argument("--profile", default=None, help="write a host cProfile here (rank 0)")
+    p.add_argument("--parts", type=int, nargs="*", default=[],
+                   help="also time the pull TIDE-AG in these numbers of parts (e.g. 1 2 8)")
+    p.add_argument("--ctas", type=int, nargs="*", default=[],
+                   help="also time TIDE-RS and its accumulate at these grids (e.g. 16 32)")
+    p.add_argument("--skip-calibration", action="store_true",
+                   help="leave out the copy-engine calibrations")
     p.add_argument("--splits", type=int, nargs="*", default=[],
                    help="also time TIDE-AG with these push splits (e.g. 1 2 3)")
     args = p.parse_args()
@@ -293,7 +337,8 @@ def main() -> None:
     if MPI.COMM_WORLD.rank:
         return
     for x in records:
-        extra = {k: v for k, v in x.items() if k.endswith(("GBps", "pipelined", "pack_nccl_rs"))}
+        extra = {k: v for k, v in x.items()
+                 if k.endswith(("GBps", "pipelined", "pack_nccl_rs", "sm_time_us"))}
         print(f"{x['bench']:<14} median {x['median_s'] * 1e6:8.1f} us  pipelined "
               f"{x['pipelined_s'] * 1e6:8.1f} us  host {x['host_s'] * 1e6:7.1f} us  " + "  ".join(
                   f"{k}={v:.2f}" for k, v in extra.items()))

@@ -6,6 +6,8 @@
 #                                                      # benchall (python -m tidearray.bench all)
 #                                                      # suites (each suite alone; TIDE_BENCH_SUITES)
 #   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
+#   TIDE_QUICK_UNITS="llama3.1-8b qwen3-30b-a3b" TIDE_QUICK_ARGS="--iters 20 --parts 1 2 8
+#       --ctas 16 32" TIDE_GPU_STEPS=bench bash tests/gpu/run.sh   # quick bench variants
 #
 # Installs the carried wheels (.whl/: nccl4py, pytest-mpi) into /tmp/site, then
 # runs the generic suite (tests/) and the GPU tests (tests/gpu) on the cuda
@@ -50,8 +52,13 @@ run_suites() {  # the same suites as benchall, each under its own timeout, one r
             python3 -m tidearray.bench "$suite" --out "$OUT/b" ${TIDE_BENCH_ARGS:-}
     done
 }
-run_bench() { step bench "${MPI[@]}" -n 2 python3 tests/gpu/quick_bench.py --iters 30 \
-    --json "$OUT/quick_bench.json" --profile "$OUT/host_profile.txt" --splits 1 2 3; }
+run_bench() {  # TIDE_QUICK_UNITS (llama3.1-8b), TIDE_QUICK_ARGS (--iters 30 --splits 1 2 3)
+    for unit in ${TIDE_QUICK_UNITS:-llama3.1-8b}; do
+        step "bench_$unit" "${MPI[@]}" -n 2 python3 tests/gpu/quick_bench.py --unit "$unit" \
+            --json "$LOGS/quick_bench_$unit.json" --profile "$LOGS/host_profile_$unit.txt" \
+            ${TIDE_QUICK_ARGS:---iters 30 --splits 1 2 3}
+    done
+}
 
 for s in ${TIDE_GPU_STEPS:-info np2 np1 nodes bench}; do "run_$s"; done
 exit $status

@@ -71,11 +71,12 @@ class Executor(abc.ABC):
     def copy(self, lane: int, copies: Sequence[Copy]) -> None:
         """Copy-engine batch: ``(dst, src, nbytes)`` address triples, any peer.
 
-        Copies are passed on as given: two arrays can be adjacent without being
-        one allocation, and a device copy must not span allocations, so merging
-        neighbours is left to backends where it is safe (host memory).
+        Copies are passed on as given, the same object each call for a cached
+        program (device backends keep per-batch state by its identity): two
+        arrays can be adjacent without being one allocation, and a device copy
+        must not span allocations, so merging neighbours is left to backends
+        where it is safe (host memory). Zero-byte copies are allowed.
         """
-        copies = [c for c in copies if c[2]]
         if copies:
             self._copy(lane, copies)
 

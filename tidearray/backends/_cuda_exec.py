@@ -42,7 +42,6 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import TideInvalid
-from .._layout import split_copies
 from ._base import Completion, Executor
 
 #: Pushes smaller than this stay on one stream (the split's events cost more).
@@ -81,6 +80,22 @@ def _event() -> Any:
     import cupy
 
     return cupy.cuda.Event(block=False, disable_timing=True)
+
+
+class EventRing:
+    """Events for orderings that are waited on right after they are recorded
+    (split forks and joins, lane dependencies), reused in turn rather than
+    created and destroyed per use. A stream wait takes the event's state when
+    it is issued, so re-recording an event later cannot affect it."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._events = [_event() for _ in range(size)]
+        self._next = 0
+
+    def take(self) -> Any:
+        ev = self._events[self._next]
+        self._next = (self._next + 1) % len(self._events)
+        return ev
 
 
 class CudaCompletion(Completion):
@@ -124,24 +139,23 @@ class CudaExecutor(Executor):
             self._started.add(lane)
         return s
 
-    def _copy(self, lane: int, copies: list) -> None:
+    def _copy(self, lane: int, copies: Any) -> None:
         """One batch; to a peer, split over ``push_split`` streams ([Note: split pushes])."""
         s = self._lane(lane)
         split = self.be.push_split if lane < self.COMPUTE and lane != self.be.local_rank else 1
-        if split <= 1 or sum(c[2] for c in copies) < SPLIT_MIN_BYTES:
-            self.be.copier.copy(s.ptr, copies)
+        runs = self.be.copier.runs(copies, split, SPLIT_MIN_BYTES)
+        if len(runs) == 1:
+            self.be.copier.copy(s.ptr, runs[0])
             return
-        fork, joins = _event(), []
+        fork, joins = self.be.events.take(), []
         fork.record(s)
-        for k, run in enumerate(split_copies(copies, split)):
-            if not run:
-                continue
+        for k, run in enumerate(runs):
             aux = s if k == 0 else self.be.aux_streams[lane][k - 1]
             if k:
                 aux.wait_event(fork)
             self.be.copier.copy(aux.ptr, run)
             if k:
-                joins.append(_event())
+                joins.append(self.be.events.take())
                 joins[-1].record(aux)
         for ev in joins:  # the lane's next op (the arrival signal) follows every run
             s.wait_event(ev)
@@ -172,7 +186,7 @@ class CudaExecutor(Executor):
         self.be.nccl.reduce_scatter_f32(self._lane(lane).ptr, send, recv, count)
 
     def _depend(self, lane: int, on: int) -> None:
-        ev = _event()
+        ev = self.be.events.take()
         ev.record(self._lane(on))
         self._lane(lane).wait_event(ev)
 

@@ -18,6 +18,11 @@ from typing import Any
 import numpy as np
 
 from .._errors import TideBackendError
+from . import _cuda_driver
+
+#: CU_STREAM_WRITE_VALUE_DEFAULT (with a memory barrier) and CU_STREAM_WAIT_VALUE_GEQ.
+_WRITE_DEFAULT = 0
+_WAIT_GEQ = 0
 
 
 class FlagOps:
@@ -27,9 +32,8 @@ class FlagOps:
         self.device = device
         self.memops = False
         self.reason = "not probed yet"
-        self._cu: Any = None
-        self._write_flag = self._wait_flag = 0
-        self._ok: Any = None
+        self._write: Any = None
+        self._wait: Any = None
 
     def probe(self, stream: Any) -> tuple[bool, str]:
         """Try a write and a wait on a scratch word; fall back to kernels on failure."""
@@ -38,12 +42,8 @@ class FlagOps:
         word = cupy.zeros(1, cupy.int32)
         cupy.cuda.get_current_stream().synchronize()
         try:
-            from cuda.bindings import driver as cu
-
-            self._cu = cu
-            self._write_flag = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
-            self._wait_flag = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
-            self._ok = cu.CUresult.CUDA_SUCCESS
+            self._write = _cuda_driver.stream_value32("Write")
+            self._wait = _cuda_driver.stream_value32("Wait")
             self.memops = True
             self.signal(stream, word.data.ptr, 7)
             self.wait(stream, word.data.ptr, 7)
@@ -60,16 +60,16 @@ class FlagOps:
     def signal(self, stream: Any, addr: int, value: int) -> None:
         """After ``stream``'s earlier work, write ``value`` to the int32 at ``addr``."""
         if self.memops:
-            self._check(self._cu.cuStreamWriteValue32(stream.ptr, addr, value & 0xFFFFFFFF,
-                                                      self._write_flag), "cuStreamWriteValue32")
+            self._check(self._write(stream.ptr, addr, value & 0xFFFFFFFF, _WRITE_DEFAULT),
+                        "cuStreamWriteValue32")
         else:
             self._kernel("tide_signal", stream, addr, value)
 
     def wait(self, stream: Any, addr: int, value: int) -> None:
         """Hold ``stream`` until the int32 at ``addr`` is >= ``value`` (cyclically)."""
         if self.memops:
-            self._check(self._cu.cuStreamWaitValue32(stream.ptr, addr, value & 0xFFFFFFFF,
-                                                     self._wait_flag), "cuStreamWaitValue32")
+            self._check(self._wait(stream.ptr, addr, value & 0xFFFFFFFF, _WAIT_GEQ),
+                        "cuStreamWaitValue32")
         else:
             self._kernel("tide_wait", stream, addr, value)
 
@@ -81,7 +81,7 @@ class FlagOps:
             k((1,), (1,), (np.uint64(addr), np.int32(np.uint32(value & 0xFFFFFFFF).view(
                 np.int32))))
 
-    def _check(self, res: Any, what: str) -> None:
-        err = res[0] if isinstance(res, tuple) else res
-        if err != self._ok:
-            raise TideBackendError(f"{what} failed: {err}")
+    @staticmethod
+    def _check(err: int, what: str) -> None:
+        if err:
+            raise TideBackendError(f"{what} failed: CUresult {err}")

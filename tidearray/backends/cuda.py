@@ -29,7 +29,7 @@ from .._errors import TideBackendError, TideInvalid
 from ._base import Backend, Resolved
 from ._cuda_accum import Accumulator
 from ._cuda_copy import Copier
-from ._cuda_exec import CudaExecutor
+from ._cuda_exec import CudaExecutor, EventRing
 from ._cuda_flags import FlagOps
 from ._cuda_memory import IpcSymmetricBuffer
 from ._cuda_nccl import NcclLink, put_signal_capability
@@ -114,6 +114,7 @@ class CudaBackend(Backend):
         self.push_split = 1
         self.local_rank = group.topology.local_rank
         self.copier: Any = None
+        self.events: Any = None
         self.flags: Any = None
         self.accumulator: Any = None
         self.nccl: Any = None
@@ -166,6 +167,7 @@ class CudaBackend(Backend):
         self.aux_streams = [[cupy.cuda.Stream(non_blocking=True)
                              for _ in range(self.push_split - 1)]
                             for _ in range(self.group.local_size)]
+        self.events = EventRing()
         self.copier = Copier(self.group.config.batch_copies)
         self.flags = FlagOps(self.device)
         sms = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
