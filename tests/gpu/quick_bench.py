@@ -193,6 +193,103 @@ def sweep_ctas(comm: Any, cp: Any, stream: Any, g: Any, rs: Callable, record: Ca
     acc.max_grid, acc._tables = default, {}
 
 
+def copy_modes(comm: Any, cp: Any, stream: Any, copier: Any, fn: Callable, name: str,
+               record: Callable, iters: int, recv: int = 0) -> None:
+    """``fn`` with every cached batch as a batch, and with every one from a graph."""
+    default = copier.graph_min
+    for mode, graph_min in (("batches", 1 << 30), ("graphs", 1)):
+        if copier.graphs is None and mode == "graphs":
+            continue
+        copier.graph_min = graph_min
+        res = timed(comm, cp, stream, fn, iters)
+        extra = {"recv_GBps": recv / res["median_s"] / 1e9} if recv else {}
+        record(f"{name}_{mode}", res, **extra)
+    copier.graph_min = default
+
+
+def trace(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], calls: int,
+          path: str) -> None:
+    """A lane timeline of ``calls`` back-to-back calls: for every executor operation,
+    when its lane reached it and when it was done, in us from a start event on
+    ``stream`` (timing events recorded around each op; every rank, to ``path``)."""
+    from tidearray.backends._cuda_exec import CudaExecutor
+
+    names = ("_copy", "_wait", "_signal", "_accumulate", "_depend")
+    orig = {n: getattr(CudaExecutor, n) for n in names}
+    marks: list = []
+
+    def wrap(name: str) -> Callable:
+        def op(self: Any, lane: int, *a: Any) -> None:
+            s = self._lane(lane)
+            t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+            t0.record(s)
+            orig[name](self, lane, *a)
+            t1.record(s)
+            size = sum(c[2] for c in a[0]) if name == "_copy" else ""
+            marks.append((name[1:], lane, size, t0, t1))
+        return op
+
+    for i in range(3):
+        fn(i)
+    cp.cuda.runtime.deviceSynchronize()
+    comm.Barrier()
+    start = cp.cuda.Event()
+    start.record(stream)
+    for n in names:
+        setattr(CudaExecutor, n, wrap(n))
+    try:
+        for i in range(calls):
+            fn(i)
+    finally:
+        for n in names:
+            setattr(CudaExecutor, n, orig[n])
+    end = cp.cuda.Event()
+    end.record(stream)
+    end.synchronize()
+    lines = [f"rank {comm.rank}: {calls} calls in "
+             f"{cp.cuda.get_elapsed_time(start, end) * 1e3:.0f} us"]
+    for name, lane, size, t0, t1 in marks:
+        a = cp.cuda.get_elapsed_time(start, t0) * 1e3
+        b = cp.cuda.get_elapsed_time(start, t1) * 1e3
+        lines.append(f"  lane {lane:>2} {name:<10} {size!s:>10} {a:9.1f} -> {b:9.1f} us "
+                     f"({b - a:7.1f})")
+    every = comm.gather("\n".join(lines), root=0)
+    if comm.rank == 0:
+        with open(path, "a") as f:
+            f.write("\n".join(every) + "\n")
+
+
+def many_copies(comm: Any, cp: Any, stream: Any, g: Any, peer: int, local: Any,
+                record: Callable, iters: int, count: int = 384, size: int = 3 << 19) -> None:
+    """``count`` pulls of ``size`` bytes at a stride of 2x ``size`` from the peer's slot
+    (a Qwen3 unit's pull pattern): one batch, a graph of independent memcpy nodes,
+    one 2D copy. Host issue is ``host_s``."""
+    from cuda.bindings import runtime as rt
+
+    copies = tuple((local.data.ptr + k * size, peer + 2 * k * size, size) for k in range(count))
+    copier = g.backend.copier
+    res = timed(comm, cp, stream, lambda i: copier.copy(stream.ptr, copies), iters)
+    record("many_batch", res, copies=count, recv_GBps=count * size / res["median_s"] / 1e9)
+    err, graph = rt.cudaGraphCreate(0)
+    for d, s_, n in copies:
+        err, _ = rt.cudaGraphAddMemcpyNode1D(graph, None, 0, d, s_, n,
+                                             rt.cudaMemcpyKind.cudaMemcpyDefault)
+        assert err == rt.cudaError_t.cudaSuccess, err
+    err, exe = rt.cudaGraphInstantiate(graph, 0)
+    assert err == rt.cudaError_t.cudaSuccess, err
+    res = timed(comm, cp, stream, lambda i: rt.cudaGraphLaunch(exe, stream.ptr), iters)
+    record("many_graph", res, copies=count, recv_GBps=count * size / res["median_s"] / 1e9)
+
+    def two_d(i: int) -> None:
+        rt.cudaMemcpy2DAsync(local.data.ptr, size, peer, 2 * size, size, count,
+                             rt.cudaMemcpyKind.cudaMemcpyDefault, stream.ptr)
+
+    res = timed(comm, cp, stream, two_d, iters)
+    record("many_2d", res, copies=count, recv_GBps=count * size / res["median_s"] / 1e9)
+    ok = comm.allreduce(int(err == rt.cudaError_t.cudaSuccess), op=MPI.MIN)
+    record("many_ok", {"median_s": float(ok), "pipelined_s": 0.0, "host_s": 0.0})
+
+
 def pack_pieces(shapes: list, grads: list, flat: Any, W: int) -> tuple[list, int]:
     """``_chunk_cat`` as accumulate pieces: rank-major fp32 blocks, each param padded."""
     numel_shard = [-(-s[0] // W) * math.prod(s[1:]) for s in shapes]
@@ -237,6 +334,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         res = timed(comm, cp, stream, ag, args.iters)
         record("tide_ag", res, recv_bytes=recv, recv_GBps=recv / res["median_s"] / 1e9,
                recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9, split=be.push_split)
+        copy_modes(comm, cp, stream, be.copier, ag, "tide_ag", record, args.iters, recv)
         default = (be.push_split, be.aux_streams, g.config)
         variants = [(t, s, _all_gather.PULL_PARTS) for t in ("pull", "push")
                     for s in args.splits] + [("push-batch", 1, _all_gather.PULL_PARTS)]
@@ -256,6 +354,13 @@ def run(args: argparse.Namespace) -> list[dict]:
         be.push_split, be.aux_streams, g.config = default
         _all_gather.PULL_PARTS = parts_default
         g.calls = CallCache()
+        if args.trace:
+            trace(comm, cp, stream, ag, 2, args.trace)
+        if W == 2 and g.local_size == 2 and args.many and arena[0].nbytes >= 384 * (3 << 20):
+            local = cp.empty(384 * (3 << 19), cp.uint8)
+            many_copies(comm, cp, stream, g, arena[0].ptr(1 - g.local_rank), local, record,
+                        args.iters)
+            local = None
         if W == 2:
             src = cp.empty(recv, cp.uint8)
             peer_slot = arena[0].ptr(1 - g.local_rank) if g.local_size == 2 else None
@@ -275,6 +380,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             tidearray.reduce_scatter(grads, op="avg", out=outs, group=g, stream=stream)
 
         record("tide_rs", timed(comm, cp, stream, rs, args.iters))
+        copy_modes(comm, cp, stream, be.copier, rs, "tide_rs", record, args.iters)
+        if args.trace:
+            trace(comm, cp, stream, rs, 1, args.trace)
         sweep_ctas(comm, cp, stream, g, rs, record, args)
         if args.profile:
             profile_host(comm, ag, 10, args.profile)
@@ -328,6 +436,10 @@ def main() -> None:
                    help="also time the pull TIDE-AG in these numbers of parts (e.g. 1 2 8)")
     p.add_argument("--ctas", type=int, nargs="*", default=[],
                    help="also time TIDE-RS and its accumulate at these grids (e.g. 16 32)")
+    p.add_argument("--trace", default=None,
+                   help="append lane timelines of back-to-back AG and one RS here (rank 0)")
+    p.add_argument("--many", action="store_true",
+                   help="time 384 small pulls as one batch, one graph and one 2D copy")
     p.add_argument("--skip-calibration", action="store_true",
                    help="leave out the copy-engine calibrations")
     p.add_argument("--splits", type=int, nargs="*", default=[],

@@ -34,6 +34,8 @@ _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the (unified) addresses
 _SRC_ORDER_STREAM = 1
 #: Packed batches and split runs kept (programs are cached; this bounds the rest).
 CACHE_ENTRIES = 4096
+#: Executable copy graphs kept.
+GRAPHS = 512
 
 
 class IdentityCache:
@@ -43,8 +45,9 @@ class IdentityCache:
     entry lives; oldest entries go first.
     """
 
-    def __init__(self, size: int = CACHE_ENTRIES) -> None:
+    def __init__(self, size: int = CACHE_ENTRIES, evict: Any = None) -> None:
         self._size = size
+        self._evict = evict
         self._entries: dict[int, tuple[Any, Any]] = {}
 
     def get(self, key: Any, make: Any) -> Any:
@@ -54,7 +57,9 @@ class IdentityCache:
         value = make(key)
         if isinstance(key, tuple):  # lists may change: never cached
             if len(self._entries) >= self._size:
-                self._entries.pop(next(iter(self._entries)))
+                _, old = self._entries.pop(next(iter(self._entries)))
+                if self._evict is not None:
+                    self._evict(old)
             self._entries[id(key)] = (key, value)
         return value
 
@@ -89,18 +94,69 @@ class _DriverBatch:
                                    f"(failing copy index {self._fail.value})")
 
 
+class _CopyGraphs:
+    """Cached batches replayed from CUDA graphs: one launch per batch, any length.
+
+    A graph of independent memcpy nodes (cudaMemcpyDefault: peer addresses are
+    IPC mappings) is built and instantiated once per program batch; launching
+    it costs about as much as one copy. An executable graph that is evicted
+    while in flight is freed by the driver once it completes.
+    """
+
+    def __init__(self) -> None:
+        from cuda.bindings import runtime as rt
+
+        self._rt = rt
+        self._launch = _cuda_driver.entry("cuGraphLaunch", _cuda_driver.CUDA_12_0,
+                                          ctypes.c_void_p, ctypes.c_void_p)
+        self._cache = IdentityCache(GRAPHS, evict=self._destroy)
+
+    def _check(self, res: Any, what: str) -> Any:
+        err = res[0] if isinstance(res, tuple) else res
+        if err != self._rt.cudaError_t.cudaSuccess:
+            raise TideBackendError(f"{what} failed: {err}")
+        return res[1] if isinstance(res, tuple) and len(res) > 1 else None
+
+    def _build(self, copies: Sequence[tuple[int, int, int]]) -> tuple:
+        rt = self._rt
+        graph = self._check(rt.cudaGraphCreate(0), "cudaGraphCreate")
+        for dst, src, n in copies:
+            if n:
+                self._check(rt.cudaGraphAddMemcpyNode1D(graph, None, 0, dst, src, n,
+                                                        rt.cudaMemcpyKind.cudaMemcpyDefault),
+                            "cudaGraphAddMemcpyNode1D")
+        exe = self._check(rt.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+        return graph, exe, int(exe)
+
+    def _destroy(self, entry: tuple) -> None:
+        graph, exe, _ = entry
+        self._rt.cudaGraphExecDestroy(exe)
+        self._rt.cudaGraphDestroy(graph)
+
+    def __call__(self, stream_ptr: int, copies: tuple) -> None:
+        err = self._launch(self._cache.get(copies, self._build)[2], stream_ptr)
+        if err:
+            raise TideBackendError(f"cuGraphLaunch of {len(copies)} copies failed: "
+                                   f"CUresult {err}")
+
+
 class Copier:
     """Issues batches of ``(dst, src, nbytes)`` device copies on a stream.
 
     Args:
         want_batch: ``Config.batch_copies``: False forces one memcpy per copy,
             None means batch where the probe succeeds.
+        graph_min: ``Config.copy_graph_min``: cached batches (tuples) of at
+            least this many copies are replayed from a graph; 0: never.
     """
 
-    def __init__(self, want_batch: Optional[bool]) -> None:
+    def __init__(self, want_batch: Optional[bool], graph_min: int = 0) -> None:
         self.want_batch = want_batch
         self.batched = False
         self.reason = "not probed yet"
+        self.graph_min = graph_min
+        self.graphs: Optional[_CopyGraphs] = None
+        self.graph_reason = "off: Config.copy_graph_min = 0"
         self._driver: Optional[_DriverBatch] = None
         self._attrs: Any = None
         self._cudart: Any = None
@@ -138,6 +194,20 @@ class Copier:
                 raise TideBackendError(f"batch_copies=True, but {self.reason}") from e
         return self.batched, self.reason
 
+    def probe_graphs(self, stream_ptr: int) -> tuple[bool, str]:
+        """Decide whether cached batches replay from graphs, by trying one."""
+        if not self.graph_min:
+            return False, self.graph_reason
+        try:
+            self.graphs = _CopyGraphs()
+            self._trial(stream_ptr, graph=True)
+            self.graph_reason = (f"cached batches of >= {self.graph_min} copies replay a CUDA "
+                                 "graph (TIDE_COPY_GRAPH_MIN)")
+        except Exception as e:  # noqa: BLE001 - no graph support for these copies: batches
+            self.graphs = None
+            self.graph_reason = f"off ({type(e).__name__}: {e}); batches instead"
+        return self.graphs is not None, self.graph_reason
+
     def _setup_runtime(self) -> None:
         from cuda.bindings import runtime as cudart
 
@@ -145,14 +215,17 @@ class Copier:
         attrs.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
         self._cudart, self._attrs = cudart, attrs
 
-    def _trial(self, stream_ptr: int) -> None:
+    def _trial(self, stream_ptr: int, graph: bool = False) -> None:
         import cupy
 
         src = cupy.arange(64, dtype=cupy.int32)
         dst = cupy.zeros(64, dtype=cupy.int32)
         cupy.cuda.get_current_stream().synchronize()
-        self._batch(stream_ptr, ((dst.data.ptr, src.data.ptr, 128),
-                                 (dst.data.ptr + 128, src.data.ptr + 128, 128)))
+        copies = ((dst.data.ptr, src.data.ptr, 128), (dst.data.ptr + 128, src.data.ptr + 128, 128))
+        if graph:
+            self.graphs(stream_ptr, copies)
+        else:
+            self._batch(stream_ptr, copies)
         cupy.cuda.runtime.streamSynchronize(stream_ptr)
         if not bool((dst == src).all()):
             raise RuntimeError("a trial batch copied the wrong bytes")
@@ -171,6 +244,9 @@ class Copier:
     def copy(self, stream_ptr: int, copies: Sequence[tuple[int, int, int]]) -> None:
         """Issue ``copies`` on the stream, in one batch when batching is on."""
         if not copies:
+            return
+        if self.graphs is not None and len(copies) >= self.graph_min and type(copies) is tuple:
+            self.graphs(stream_ptr, copies)
             return
         if self.batched:
             self._batch(stream_ptr, copies)
