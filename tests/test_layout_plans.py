@@ -9,12 +9,14 @@ from hypothesis import strategies as st
 import tidearray
 from tidearray._layout import (
     ALIGN,
+    MAX_PITCH,
     Topology,
     ag_pieces,
     align_up,
     internode_ag_steps,
     plan_reduce_scatter,
     plan_unit,
+    strided_runs,
 )
 
 shape_st = st.tuples(st.integers(0, 300), st.lists(st.integers(0, 70), max_size=2)).map(
@@ -149,3 +151,25 @@ def test_rs_staging_within_the_documented_bound(world, local):
     plan = plan_reduce_scatter(unit, Topology(world, 0, local), 4096, 2)
     assert plan.source_nbytes <= 4096
     assert plan.staging_nbytes <= 2 * (local - 1) * 4096
+
+
+copy_lists = st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 40),
+                                st.integers(0, 1 << 20)), max_size=30)
+
+
+@given(copy_lists, st.integers(2, 40), st.integers(1, 1 << 16), st.integers(0, 1 << 16),
+       st.integers(0, 1 << 16))
+@example([], 3, 4096, 4096, 4096)
+def test_strided_runs_expand_to_the_same_copies(rest, count, width, dgap, sgap):
+    strided = [((1 << 42) + k * (width + dgap), (1 << 43) + k * (width + sgap), width)
+               for k in range(count)]
+    copies = rest + strided + rest
+    runs = strided_runs(copies)
+    rows = [(r.dst + k * r.dpitch, r.src + k * r.spitch, r.width)
+            for r in runs for k in range(r.height)]
+    assert rows == [c for c in copies if c[2]]  # same copies, same order, none empty
+    for r in runs:
+        assert r.height >= 1 and r.width > 0
+        if r.height > 1:  # rows never overlap
+            assert r.width <= r.dpitch <= MAX_PITCH and r.width <= r.spitch <= MAX_PITCH
+    assert len(strided_runs(strided)) == 1  # a constant-stride block alone: one 2D copy

@@ -62,12 +62,6 @@ class Config:
     """Use batched copies (``cudaMemcpyBatchAsync``); None means where available.
     Env: ``TIDE_BATCH_COPIES``."""
 
-    copy_graph_min: int = 32
-    """Batches of at least this many copies, in a collective's cached program,
-    are replayed from a CUDA graph built once, instead of issued as a batch
-    (the driver spends microseconds per batch entry on every call); 0: never.
-    Env: ``TIDE_COPY_GRAPH_MIN``."""
-
     _ENV = {
         "TIDE_BACKEND": ("backend", str),
         "TIDE_LOCAL_SIZE": ("local_size", int),
@@ -78,7 +72,6 @@ class Config:
         "TIDE_AG_TRANSPORT": ("ag_transport", str),
         "TIDE_ACCUM_CTAS": ("accum_ctas", int),
         "TIDE_CE_SPLIT": ("ce_split", int),
-        "TIDE_COPY_GRAPH_MIN": ("copy_graph_min", int),
         "TIDE_BATCH_COPIES": ("batch_copies",
                               lambda s: s.lower() in ("1", "true", "yes", "on")),
     }
@@ -114,8 +107,6 @@ class Config:
             raise TideInvalid(f"local_size: expected >= 1, got {self.local_size}")
         if self.ce_split < 1:
             raise TideInvalid(f"ce_split: expected >= 1, got {self.ce_split}")
-        if self.copy_graph_min < 0:
-            raise TideInvalid(f"copy_graph_min: expected >= 0, got {self.copy_graph_min}")
         if self.accum_ctas is not None and self.accum_ctas < 1:
             raise TideInvalid(f"accum_ctas: expected >= 1, got {self.accum_ctas}")
         if self.chunk_nbytes < 4096:

@@ -16,7 +16,7 @@ import functools
 import math
 import operator
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from ._errors import TideInvalid
 
@@ -207,6 +207,52 @@ def split_copies(copies: Sequence[tuple[int, int, int]], parts: int) -> list[lis
             dst, src, n, room = dst + take, src + take, n - take, room - take
             if room <= 0 and k < parts - 1:
                 k, room = k + 1, share
+    return runs
+
+
+class Strided(NamedTuple):
+    """``height`` rows of ``width`` bytes: row ``k`` from ``src + k*spitch`` to
+    ``dst + k*dpitch`` (one 2D copy; ``height`` 1 is a plain copy)."""
+
+    dst: int
+    dpitch: int
+    src: int
+    spitch: int
+    width: int
+    height: int
+
+
+#: Largest pitch a 2D copy takes (cudaDevAttrMaxPitch on current GPUs).
+MAX_PITCH = (1 << 31) - 1
+
+
+def strided_runs(copies: Sequence[tuple[int, int, int]]) -> list[Strided]:
+    """Consecutive copies of one size at constant destination and source
+    strides, merged into 2D runs; every other copy is a run of height 1.
+
+    A unit's pieces from one rank sit at a constant stride wherever its
+    parameters repeat a shape (a MoE layer's experts), so a gather of hundreds
+    of pieces becomes a few 2D copies. Strides must be at least the width (rows
+    never overlap). Zero-byte copies are dropped. Whether the rows of a run lie
+    in one allocation is for the caller to check.
+    """
+    runs: list[Strided] = []
+    for dst, src, n in copies:
+        if not n:
+            continue
+        if runs:
+            r = runs[-1]
+            if n == r.width:
+                if r.height == 1:
+                    dp, sp = dst - r.dst, src - r.src
+                    if n <= dp <= MAX_PITCH and n <= sp <= MAX_PITCH:
+                        runs[-1] = r._replace(dpitch=dp, spitch=sp, height=2)
+                        continue
+                elif (dst == r.dst + r.height * r.dpitch
+                      and src == r.src + r.height * r.spitch):
+                    runs[-1] = r._replace(height=r.height + 1)
+                    continue
+        runs.append(Strided(dst, n, src, n, n, 1))
     return runs
 
 

@@ -195,16 +195,18 @@ def sweep_ctas(comm: Any, cp: Any, stream: Any, g: Any, rs: Callable, record: Ca
 
 def copy_modes(comm: Any, cp: Any, stream: Any, copier: Any, fn: Callable, name: str,
                record: Callable, iters: int, recv: int = 0) -> None:
-    """``fn`` with every cached batch as a batch, and with every one from a graph."""
-    default = copier.graph_min
-    for mode, graph_min in (("batches", 1 << 30), ("graphs", 1)):
-        if copier.graphs is None and mode == "graphs":
-            continue
-        copier.graph_min = graph_min
+    """``fn`` under other copy plans ([Note: copy plans]): everything in batches
+    (the previous behaviour), every copy alone, no 2D runs."""
+    from tidearray.backends._cuda_copy import IdentityCache
+
+    default = (copier.large_min, copier.strided)
+    for mode, large_min, strided in (("batches", 1 << 62, False), ("singles", 0, True),
+                                     ("no2d", default[0], False)):
+        copier.large_min, copier.strided, copier._plans = large_min, strided, IdentityCache()
         res = timed(comm, cp, stream, fn, iters)
         extra = {"recv_GBps": recv / res["median_s"] / 1e9} if recv else {}
         record(f"{name}_{mode}", res, **extra)
-    copier.graph_min = default
+    (copier.large_min, copier.strided), copier._plans = default, IdentityCache()
 
 
 def trace(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], calls: int,
@@ -262,23 +264,26 @@ def trace(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], calls: int,
 def many_copies(comm: Any, cp: Any, stream: Any, g: Any, peer: int, local: Any,
                 record: Callable, iters: int, count: int = 384, size: int = 3 << 19) -> None:
     """``count`` pulls of ``size`` bytes at a stride of 2x ``size`` from the peer's slot
-    (a Qwen3 unit's pull pattern): one batch, a graph of independent memcpy nodes,
-    one 2D copy. Host issue is ``host_s``."""
+    (a Qwen3 unit's pull pattern): one batch, one memcpy each, one 2D copy; and
+    the same bytes as one copy, batched and not. Host issue is ``host_s``."""
     from cuda.bindings import runtime as rt
 
     copies = tuple((local.data.ptr + k * size, peer + 2 * k * size, size) for k in range(count))
     copier = g.backend.copier
     res = timed(comm, cp, stream, lambda i: copier.copy(stream.ptr, copies), iters)
     record("many_batch", res, copies=count, recv_GBps=count * size / res["median_s"] / 1e9)
-    err, graph = rt.cudaGraphCreate(0)
-    for d, s_, n in copies:
-        err, _ = rt.cudaGraphAddMemcpyNode1D(graph, None, 0, d, s_, n,
-                                             rt.cudaMemcpyKind.cudaMemcpyDefault)
-        assert err == rt.cudaError_t.cudaSuccess, err
-    err, exe = rt.cudaGraphInstantiate(graph, 0)
-    assert err == rt.cudaError_t.cudaSuccess, err
-    res = timed(comm, cp, stream, lambda i: rt.cudaGraphLaunch(exe, stream.ptr), iters)
-    record("many_graph", res, copies=count, recv_GBps=count * size / res["median_s"] / 1e9)
+    def singles(i: int) -> None:
+        for d, s_, n in copies:
+            cp.cuda.runtime.memcpyAsync(d, s_, n, 4, stream.ptr)
+
+    res = timed(comm, cp, stream, singles, iters)
+    record("many_singles", res, copies=count, recv_GBps=count * size / res["median_s"] / 1e9)
+    whole = ((local.data.ptr, peer, count * size),)  # one copy of as many bytes
+    res = timed(comm, cp, stream, lambda i: copier._batch(stream.ptr, whole), iters)
+    record("pull_batch_one", res, recv_GBps=count * size / res["median_s"] / 1e9)
+    res = timed(comm, cp, stream, lambda i: cp.cuda.runtime.memcpyAsync(
+        local.data.ptr, peer, count * size, 4, stream.ptr), iters)
+    record("pull_memcpy_one", res, recv_GBps=count * size / res["median_s"] / 1e9)
 
     def two_d(i: int) -> None:
         rt.cudaMemcpy2DAsync(local.data.ptr, size, peer, 2 * size, size, count,
@@ -286,8 +291,6 @@ def many_copies(comm: Any, cp: Any, stream: Any, g: Any, peer: int, local: Any,
 
     res = timed(comm, cp, stream, two_d, iters)
     record("many_2d", res, copies=count, recv_GBps=count * size / res["median_s"] / 1e9)
-    ok = comm.allreduce(int(err == rt.cudaError_t.cudaSuccess), op=MPI.MIN)
-    record("many_ok", {"median_s": float(ok), "pipelined_s": 0.0, "host_s": 0.0})
 
 
 def pack_pieces(shapes: list, grads: list, flat: Any, W: int) -> tuple[list, int]:

@@ -113,7 +113,8 @@ def test_all_gather_launches_no_kernels(cuda_group, cp, tmp_path):
         pytest.skip("across nodes TIDE-AG exchanges through NCCL (its kernels drive the NIC)")
     torch.cuda.set_device(g.backend.device)
     torch.cuda.init()
-    shapes = [(4096, 512), (512,), (1000, 64), (3, 3)]
+    # 40 repeated shapes: their pieces pull as one 2D copy ([Note: copy plans])
+    shapes = [(4096, 512), (512,), (1000, 64), (3, 3)] + [(64, 32)] * 40
     shards = [cp.ones(tidearray.shard_shape(s, g.size), cp.float16) for s in shapes]
     tidearray.all_gather(shards, shapes, group=g)  # warm-up: slots exist, flags zeroed
     cp.cuda.runtime.deviceSynchronize()

@@ -6,16 +6,23 @@ number of copies (DESIGN.md, "Measured facts"). Peer addresses are IPC
 mappings, so the copies are peer-to-peer over NVLink, done by copy engines:
 no SM is used.
 
-[Note: packed batches]
-cuda-python's ``cudaMemcpyBatchAsync`` takes Python lists and converts every
-address on every call, about 2 us per copy (run 1's calibration): 1.6 ms for
-the 800 copies of a 393-parameter gather. Collectives pass copies as tuples
-that live in their cached issue programs, so the addresses are packed once
-into ``uint64`` arrays (kept by the tuple's identity, the tuple held so its id
-is not reused) and the driver's ``cuMemcpyBatchAsync`` is called through
-ctypes on those arrays: one C call per batch whatever its length. The entry
-point is taken with ``cuGetProcAddress`` at the CUDA 12.8 ABI, the first
-with batches; where that fails, the cuda-python runtime call is the fallback.
+[Note: copy plans]
+A batch is one call, but not free: the driver spends microseconds per entry
+on every call, and the copy engine several more per entry (run 3: 384 pulls
+of 1.5 MiB as one batch moved 195 GB/s; the same rows as one 2D copy, 364 GB/s,
+and 12 us of host time instead of 720). So each batch a collective passes
+is planned once (kept by the tuple's identity, which lives in the collective's
+cached program; the tuple is held so its id is not reused):
+
+* runs of equal-sized copies at constant strides (``_layout.strided_runs``),
+  rows within one allocation on both sides (``cuMemGetAddressRange``), become
+  one ``cudaMemcpy2DAsync`` each: the pieces of repeated shapes, e.g. experts;
+* copies of ``LARGE_MIN`` bytes or more go alone (``cudaMemcpyAsync``);
+* the rest go in one ``cuMemcpyBatchAsync``, its addresses packed once into
+  ``uint64`` arrays and passed through ctypes (``_cuda_driver``): cuda-python
+  converts list arguments element by element on every call.
+
+All of these are copy-engine copies: no SM is used.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .._errors import TideBackendError
-from .._layout import split_copies
+from .._layout import Strided, split_copies, strided_runs
 from . import _cuda_driver
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the (unified) addresses
@@ -34,8 +41,9 @@ _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the (unified) addresses
 _SRC_ORDER_STREAM = 1
 #: Packed batches and split runs kept (programs are cached; this bounds the rest).
 CACHE_ENTRIES = 4096
-#: Executable copy graphs kept.
-GRAPHS = 512
+#: Copies of at least this many bytes are issued alone (``cudaMemcpyAsync``):
+#: a batch entry costs the copy engine several microseconds more (run 3).
+LARGE_MIN = 4 << 20
 
 
 class IdentityCache:
@@ -94,72 +102,29 @@ class _DriverBatch:
                                    f"(failing copy index {self._fail.value})")
 
 
-class _CopyGraphs:
-    """Cached batches replayed from CUDA graphs: one launch per batch, any length.
-
-    A graph of independent memcpy nodes (cudaMemcpyDefault: peer addresses are
-    IPC mappings) is built and instantiated once per program batch; launching
-    it costs about as much as one copy. An executable graph that is evicted
-    while in flight is freed by the driver once it completes.
-    """
-
-    def __init__(self) -> None:
-        from cuda.bindings import runtime as rt
-
-        self._rt = rt
-        self._launch = _cuda_driver.entry("cuGraphLaunch", _cuda_driver.CUDA_12_0,
-                                          ctypes.c_void_p, ctypes.c_void_p)
-        self._cache = IdentityCache(GRAPHS, evict=self._destroy)
-
-    def _check(self, res: Any, what: str) -> Any:
-        err = res[0] if isinstance(res, tuple) else res
-        if err != self._rt.cudaError_t.cudaSuccess:
-            raise TideBackendError(f"{what} failed: {err}")
-        return res[1] if isinstance(res, tuple) and len(res) > 1 else None
-
-    def _build(self, copies: Sequence[tuple[int, int, int]]) -> tuple:
-        rt = self._rt
-        graph = self._check(rt.cudaGraphCreate(0), "cudaGraphCreate")
-        for dst, src, n in copies:
-            if n:
-                self._check(rt.cudaGraphAddMemcpyNode1D(graph, None, 0, dst, src, n,
-                                                        rt.cudaMemcpyKind.cudaMemcpyDefault),
-                            "cudaGraphAddMemcpyNode1D")
-        exe = self._check(rt.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
-        return graph, exe, int(exe)
-
-    def _destroy(self, entry: tuple) -> None:
-        graph, exe, _ = entry
-        self._rt.cudaGraphExecDestroy(exe)
-        self._rt.cudaGraphDestroy(graph)
-
-    def __call__(self, stream_ptr: int, copies: tuple) -> None:
-        err = self._launch(self._cache.get(copies, self._build)[2], stream_ptr)
-        if err:
-            raise TideBackendError(f"cuGraphLaunch of {len(copies)} copies failed: "
-                                   f"CUresult {err}")
-
-
 class Copier:
     """Issues batches of ``(dst, src, nbytes)`` device copies on a stream.
 
     Args:
         want_batch: ``Config.batch_copies``: False forces one memcpy per copy,
             None means batch where the probe succeeds.
-        graph_min: ``Config.copy_graph_min``: cached batches (tuples) of at
-            least this many copies are replayed from a graph; 0: never.
+
+    Attributes:
+        large_min: copies of at least this many bytes go alone.
+        strided: merge strided runs within one allocation into 2D copies.
     """
 
-    def __init__(self, want_batch: Optional[bool], graph_min: int = 0) -> None:
+    def __init__(self, want_batch: Optional[bool]) -> None:
         self.want_batch = want_batch
         self.batched = False
         self.reason = "not probed yet"
-        self.graph_min = graph_min
-        self.graphs: Optional[_CopyGraphs] = None
-        self.graph_reason = "off: Config.copy_graph_min = 0"
+        self.large_min = LARGE_MIN
+        self.strided = True
         self._driver: Optional[_DriverBatch] = None
         self._attrs: Any = None
         self._cudart: Any = None
+        self._range: Any = None
+        self._plans = IdentityCache()
         self._packed = IdentityCache()
         self._runs = IdentityCache()
 
@@ -194,20 +159,6 @@ class Copier:
                 raise TideBackendError(f"batch_copies=True, but {self.reason}") from e
         return self.batched, self.reason
 
-    def probe_graphs(self, stream_ptr: int) -> tuple[bool, str]:
-        """Decide whether cached batches replay from graphs, by trying one."""
-        if not self.graph_min:
-            return False, self.graph_reason
-        try:
-            self.graphs = _CopyGraphs()
-            self._trial(stream_ptr, graph=True)
-            self.graph_reason = (f"cached batches of >= {self.graph_min} copies replay a CUDA "
-                                 "graph (TIDE_COPY_GRAPH_MIN)")
-        except Exception as e:  # noqa: BLE001 - no graph support for these copies: batches
-            self.graphs = None
-            self.graph_reason = f"off ({type(e).__name__}: {e}); batches instead"
-        return self.graphs is not None, self.graph_reason
-
     def _setup_runtime(self) -> None:
         from cuda.bindings import runtime as cudart
 
@@ -215,17 +166,14 @@ class Copier:
         attrs.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
         self._cudart, self._attrs = cudart, attrs
 
-    def _trial(self, stream_ptr: int, graph: bool = False) -> None:
+    def _trial(self, stream_ptr: int) -> None:
         import cupy
 
         src = cupy.arange(64, dtype=cupy.int32)
         dst = cupy.zeros(64, dtype=cupy.int32)
         cupy.cuda.get_current_stream().synchronize()
-        copies = ((dst.data.ptr, src.data.ptr, 128), (dst.data.ptr + 128, src.data.ptr + 128, 128))
-        if graph:
-            self.graphs(stream_ptr, copies)
-        else:
-            self._batch(stream_ptr, copies)
+        self._batch(stream_ptr, ((dst.data.ptr, src.data.ptr, 128),
+                                 (dst.data.ptr + 128, src.data.ptr + 128, 128)))
         cupy.cuda.runtime.streamSynchronize(stream_ptr)
         if not bool((dst == src).all()):
             raise RuntimeError("a trial batch copied the wrong bytes")
@@ -242,23 +190,57 @@ class Copier:
         return by_parts[parts]
 
     def copy(self, stream_ptr: int, copies: Sequence[tuple[int, int, int]]) -> None:
-        """Issue ``copies`` on the stream, in one batch when batching is on."""
+        """Issue ``copies`` on the stream: 2D runs, large copies alone, the rest
+        in one batch ([Note: copy plans])."""
         if not copies:
-            return
-        if self.graphs is not None and len(copies) >= self.graph_min and type(copies) is tuple:
-            self.graphs(stream_ptr, copies)
-            return
-        if self.batched:
-            self._batch(stream_ptr, copies)
             return
         import cupy
 
-        for dst, src, n in copies:
-            cupy.cuda.runtime.memcpyAsync(dst, src, n, _MEMCPY_DEFAULT, stream_ptr)
+        rt = cupy.cuda.runtime
+        strided, large, rest = self._plans.get(copies, self._plan)
+        for r in strided:
+            rt.memcpy2DAsync(r.dst, r.dpitch, r.src, r.spitch, r.width, r.height,
+                             _MEMCPY_DEFAULT, stream_ptr)
+        for dst, src, n in large:
+            rt.memcpyAsync(dst, src, n, _MEMCPY_DEFAULT, stream_ptr)
+        if not rest:
+            return
+        if self.batched:
+            self._batch(stream_ptr, rest)
+            return
+        for dst, src, n in rest:
+            rt.memcpyAsync(dst, src, n, _MEMCPY_DEFAULT, stream_ptr)
+
+    def _plan(self, copies: Sequence[tuple[int, int, int]]) -> tuple:
+        """(2D runs, large copies, the rest), each a tuple."""
+        strided, large, rest = [], [], []
+        for r in strided_runs(copies):
+            if r.height > 1 and self.strided and self._one_allocation(r):
+                strided.append(r)
+                continue
+            for k in range(r.height):
+                c = (r.dst + k * r.dpitch, r.src + k * r.spitch, r.width)
+                (large if r.width >= self.large_min else rest).append(c)
+        return tuple(strided), tuple(large), tuple(rest)
+
+    def _one_allocation(self, r: Strided) -> bool:
+        """Whether every row's source, and every row's destination, lies in one
+        allocation (a 2D copy may not cross allocations)."""
+        if self._range is None:
+            try:
+                self._range = _cuda_driver.address_range()
+            except (OSError, RuntimeError):
+                self._range = lambda ptr: (0, 0)
+        for first, pitch in ((r.dst, r.dpitch), (r.src, r.spitch)):
+            base, size = self._range(first)
+            if not size or first + pitch * (r.height - 1) + r.width > base + size:
+                return False
+        return True
 
     def _batch(self, stream_ptr: int, copies: Sequence[tuple[int, int, int]]) -> None:
         if self._driver is not None:
-            self._driver(stream_ptr, self._packed.get(copies, _DriverBatch.pack))
+            self._driver(stream_ptr, _DriverBatch.pack(copies) if type(copies) is not tuple
+                         else self._packed.get(copies, _DriverBatch.pack))
             return
         copies = [c for c in copies if c[2]]
         if not copies:

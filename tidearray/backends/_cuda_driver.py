@@ -54,3 +54,18 @@ def stream_value32(op: str) -> Callable[..., int]:
     """``cuStream{Write,Wait}Value32(stream, addr, value, flags)`` (``op``: Write or Wait)."""
     return entry(f"cuStream{op}Value32", CUDA_12_0, ctypes.c_void_p, ctypes.c_uint64,
                  ctypes.c_uint32, ctypes.c_uint)
+
+
+def address_range() -> Callable[[int], tuple[int, int]]:
+    """``ptr -> (base, size)`` of the allocation holding ``ptr`` (``cuMemGetAddressRange``);
+    ``(0, 0)`` where the driver does not know the address."""
+    fn = entry("cuMemGetAddressRange", CUDA_12_0, ctypes.c_void_p, ctypes.c_void_p,
+               ctypes.c_uint64)
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    pbase, psize = ctypes.addressof(base), ctypes.addressof(size)
+
+    def query(ptr: int) -> tuple[int, int]:
+        if fn(pbase, psize, ptr):
+            return 0, 0
+        return base.value, size.value
+    return query

@@ -168,14 +168,13 @@ class CudaBackend(Backend):
                              for _ in range(self.push_split - 1)]
                             for _ in range(self.group.local_size)]
         self.events = EventRing()
-        self.copier = Copier(self.group.config.batch_copies, self.group.config.copy_graph_min)
+        self.copier = Copier(self.group.config.batch_copies)
         self.flags = FlagOps(self.device)
         sms = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
         self.accumulator = Accumulator(self.device, sms, self.group.config.accum_ctas)
         probe_stream = self.streams[-1]
         self.capabilities = {
             "batched copies": self.copier.probe(probe_stream.ptr),
-            "copy graphs": self.copier.probe_graphs(probe_stream.ptr),
             "stream memory operations": self.flags.probe(probe_stream),
             "IPC route": (True, "legacy CUDA IPC (cudaIpcGetMemHandle / cudaIpcOpenMemHandle), "
                                 "handles over the node communicator"),
