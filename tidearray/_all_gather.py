@@ -26,7 +26,7 @@ from ._layout import UnitLayout, ag_pieces, internode_ag_steps, plan_unit, split
 from ._work import Work
 
 #: Parts of a pull gather, and the unit size below which it uses one part.
-PULL_PARTS = 4
+PULL_PARTS = 2
 PULL_SPLIT_MIN = 32 << 20
 
 

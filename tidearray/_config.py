@@ -53,7 +53,7 @@ class Config:
     """CTAs of the reduce-scatter's accumulate kernel; None means half the SMs.
     Env: ``TIDE_ACCUM_CTAS``."""
 
-    ce_split: int = 2
+    ce_split: int = 1
     """Copy-engine streams per peer lane: a copy batch of 8 MiB or more to or from
     a peer is cut into this many runs of equal bytes, so several copy engines
     share the link (cuda). Env: ``TIDE_CE_SPLIT``."""

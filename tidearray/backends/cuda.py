@@ -101,6 +101,10 @@ def physical_local_rank(comm: Any) -> int:
         node.Free()
 
 
+#: numpy dtypes of the arrays seen, normalized.
+_DTYPES: dict = {}
+
+
 class CudaBackend(Backend):
     """CuPy arrays on one GPU per rank; see the module docstring."""
 
@@ -215,12 +219,19 @@ class CudaBackend(Backend):
         import cupy
 
         arr = obj if isinstance(obj, cupy.ndarray) else self._import(obj)
-        dev = arr.data.device_id if arr.size else self.device
-        if dev != self.device:
+        data = arr.data
+        if arr.size and data.device_id != self.device:
             raise TideInvalid(f"expected an array on cuda:{self.device} (this rank's device), "
-                              f"got one on cuda:{dev}")
-        return Resolved(arr, arr.data.ptr, arr.nbytes, tuple(arr.shape), normalize(arr.dtype),
-                        bool(arr.flags.c_contiguous))
+                              f"got one on cuda:{data.device_id}")
+        # Units resolve hundreds of arrays per call: skip the flags object where
+        # CuPy exposes the bit, and normalize each dtype once.
+        contiguous = getattr(arr, "_c_contiguous", None)
+        if contiguous is None:
+            contiguous = arr.flags.c_contiguous
+        dtype = _DTYPES.get(arr.dtype)
+        if dtype is None:
+            dtype = _DTYPES.setdefault(arr.dtype, normalize(arr.dtype))
+        return Resolved(arr, data.ptr, arr.nbytes, arr.shape, dtype, bool(contiguous))
 
     def _import(self, obj: Any) -> Any:
         import cupy
