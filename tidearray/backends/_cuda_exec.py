@@ -20,11 +20,11 @@ Lanes are shared by successive collectives and run in issue order, which every
 rank shares, so the flag protocol of ``_arena`` cannot deadlock.
 
 [Note: split pushes]
-One copy engine did not fill the NVLink to a peer on 2xH200 (about 306 GB/s
-for a 208 MiB push while the peer pushed back). A large batch to a peer is
-therefore cut into ``push_split`` runs of equal bytes (``TIDE_CE_SPLIT``,
-default 2), each on its own stream forked from the lane and joined back before
-the lane's next operation, so several copy engines share the link. Still no SM.
+A large batch to or from a peer can be cut into ``push_split`` runs of equal
+bytes (``TIDE_CE_SPLIT``), each on its own stream forked from the lane and
+joined back before the lane's next operation, so several copy engines share
+the link. Still no SM. On 2xH200 one engine per lane was as fast as two or
+three (run 3's sweep in docs/benchmarks), so the default is 1.
 
 [Note: buffer lifetimes]
 Buffers the collective allocates (``Backend.empty``: the reduce-scatter's
