@@ -209,6 +209,33 @@ def copy_modes(comm: Any, cp: Any, stream: Any, copier: Any, fn: Callable, name:
     (copier.large_min, copier.strided), copier._plans = default, IdentityCache()
 
 
+def pull_probe(comm: Any, cp: Any, stream: Any, g: Any, arena: Any, ag: Callable,
+               record: Callable, iters: int, recv: int) -> None:
+    """Where the gather's pulls lose rate: the same bytes pulled from the peer's slot,
+    both ranks at once, into a plain buffer or into our own slot, as one copy or as
+    the gather's own pieces (its cached program, no flags, no staging)."""
+    me, peer = g.local_rank, 1 - g.local_rank
+    call = next(v for k, v in g.calls._entries.items() if k[0] == "all_gather")
+    slot = arena[0]
+    pieces = [c for part in call.programs[slot.id].pulls[peer] for c in part]
+    local = cp.empty(recv, cp.uint8)
+    rt = cp.cuda.runtime
+    cases = {
+        "pull_one_into_buffer": lambda i: rt.memcpyAsync(local.data.ptr, slot.ptr(peer), recv,
+                                                         4, stream.ptr),
+        "pull_one_into_slot": lambda i: rt.memcpyAsync(arena[1].ptr(me), slot.ptr(peer), recv,
+                                                       4, stream.ptr),
+        "pull_pieces_into_slot": lambda i: [rt.memcpyAsync(d, s_, n, 4, stream.ptr)
+                                            for d, s_, n in pieces],
+        "pull_pieces_batch": lambda i: g.backend.copier.copy(stream.ptr, tuple(pieces)),
+        "gather": ag,
+    }
+    for name, fn in cases.items():
+        res = timed(comm, cp, stream, fn, iters)
+        record(name, res, recv_GBps=recv / res["median_s"] / 1e9,
+               recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9, pieces=len(pieces))
+
+
 def trace(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], calls: int,
           path: str) -> None:
     """A lane timeline of ``calls`` back-to-back calls: for every executor operation,
@@ -359,6 +386,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         g.calls = CallCache()
         if args.trace:
             trace(comm, cp, stream, ag, 2, args.trace)
+        if args.pull_probe and W == 2 and g.local_size == 2:
+            pull_probe(comm, cp, stream, g, arena, ag, record, args.iters, recv)
         if W == 2 and g.local_size == 2 and args.many and arena[0].nbytes >= 384 * (3 << 20):
             local = cp.empty(384 * (3 << 19), cp.uint8)
             many_copies(comm, cp, stream, g, arena[0].ptr(1 - g.local_rank), local, record,
@@ -441,6 +470,8 @@ def main() -> None:
                    help="also time TIDE-RS and its accumulate at these grids (e.g. 16 32)")
     p.add_argument("--trace", default=None,
                    help="append lane timelines of back-to-back AG and one RS here (rank 0)")
+    p.add_argument("--pull-probe", action="store_true",
+                   help="time the gather's pulls alone, as one copy and as its pieces")
     p.add_argument("--many", action="store_true",
                    help="time 384 small pulls as one batch, one graph and one 2D copy")
     p.add_argument("--skip-calibration", action="store_true",
