@@ -215,6 +215,9 @@ def pull_probe(comm: Any, cp: Any, stream: Any, g: Any, arena: Any, ag: Callable
     both ranks at once, into a plain buffer or into our own slot, as one copy or as
     the gather's own pieces (its cached program, no flags, no staging)."""
     me, peer = g.local_rank, 1 - g.local_rank
+    ag(0)  # programs for both slots exist
+    ag(1)
+    cp.cuda.runtime.deviceSynchronize()
     call = next(v for k, v in g.calls._entries.items() if k[0] == "all_gather")
     slot = arena[0]
     pieces = [c for part in call.programs[slot.id].pulls[peer] for c in part]
