@@ -99,7 +99,8 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
         TideInvalid: on every rank, before any transfer, if any rank's input is bad.
 
     See Also:
-        ``cudaMemcpyBatchAsync``, ``cuStreamWriteValue32``, ``cuStreamWaitValue32``.
+        ``cuMemcpyBatchAsync``, ``cudaMemcpy2DAsync``, ``cuStreamWriteValue32``,
+        ``cuStreamWaitValue32``.
     """
     group = group or default_group()
     be = group.backend

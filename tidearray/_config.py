@@ -59,7 +59,8 @@ class Config:
     share the link (cuda). Env: ``TIDE_CE_SPLIT``."""
 
     batch_copies: Optional[bool] = None
-    """Use batched copies (``cudaMemcpyBatchAsync``); None means where available.
+    """Use batched copies (``cuMemcpyBatchAsync``) for a call's small copies; None
+    means where available.
     Env: ``TIDE_BATCH_COPIES``."""
 
     _ENV = {

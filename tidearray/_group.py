@@ -41,7 +41,7 @@ class Group:
         self.backend: Any = None
         self.closed = False
         self._resources: dict = {}
-        from ._validate import CallCache
+        from ._cache import CallCache
 
         self.calls = CallCache()
 

@@ -30,29 +30,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-class CallCache:
-    """Calls already validated, and what their issue needed, keyed by what was checked.
-
-    FSDP repeats the same collectives with the same buffers every step. A key
-    holds everything local validation looked at (shapes, dtypes, addresses,
-    sizes, contiguity, slot), so a hit skips the per-parameter checks and
-    reuses the issue program; the cross-rank digest check still runs.
-    """
-
-    def __init__(self, size: int = 256) -> None:
-        self._size = size
-        self._entries: dict = {}
-
-    def get(self, key: Any) -> Any:
-        return self._entries.get(key)
-
-    def put(self, key: Any, value: Any) -> Any:
-        if len(self._entries) >= self._size:
-            self._entries.pop(next(iter(self._entries)))  # oldest first
-        self._entries[key] = value
-        return value
-
-
 def check(group: Any, what: str, signature: tuple, errors: Sequence[str],
           known_digest: Optional[int] = None) -> None:
     """Raise :class:`TideInvalid` on every rank if any rank's input is bad.

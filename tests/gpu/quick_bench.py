@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import tidearray  # noqa: E402
 from tests.gpu._units import BF16, UNITS, bf16_normal, padded_shard, shard_rows  # noqa: E402
 from tidearray import _all_gather  # noqa: E402
-from tidearray._validate import CallCache  # noqa: E402
+from tidearray._cache import CallCache  # noqa: E402
 from tidearray.backends._base import AccumPiece  # noqa: E402
 from tidearray.backends._cuda_nccl import NcclLink  # noqa: E402
 
@@ -178,7 +178,7 @@ def sweep_ctas(comm: Any, cp: Any, stream: Any, g: Any, rs: Callable, record: Ca
     default = acc.max_grid
     for ctas in args.ctas:
         cp.cuda.runtime.deviceSynchronize()
-        acc.max_grid, acc._tables = ctas, {}  # tables are tiled for the grid
+        acc.set_grid(ctas)
         res = timed(comm, cp, stream, rs, args.iters)
         record(f"tide_rs_ctas{ctas}", res)
 
@@ -190,23 +190,21 @@ def sweep_ctas(comm: Any, cp: Any, stream: Any, g: Any, rs: Callable, record: Ca
         record(f"accumulate_ctas{ctas}", res, ctas=ctas,
                sm_time_us=res["median_s"] * 1e6 * ctas / sms)
     cp.cuda.runtime.deviceSynchronize()
-    acc.max_grid, acc._tables = default, {}
+    acc.set_grid(default)
 
 
 def copy_modes(comm: Any, cp: Any, stream: Any, copier: Any, fn: Callable, name: str,
                record: Callable, iters: int, recv: int = 0) -> None:
     """``fn`` under other copy plans ([Note: copy plans]): everything in batches
     (the previous behaviour), every copy alone, no 2D runs."""
-    from tidearray.backends._cuda_copy import IdentityCache
-
     default = (copier.large_min, copier.strided)
     for mode, large_min, strided in (("batches", 1 << 62, False), ("singles", 0, True),
                                      ("no2d", default[0], False)):
-        copier.large_min, copier.strided, copier._plans = large_min, strided, IdentityCache()
+        copier.configure(large_min, strided)
         res = timed(comm, cp, stream, fn, iters)
         extra = {"recv_GBps": recv / res["median_s"] / 1e9} if recv else {}
         record(f"{name}_{mode}", res, **extra)
-    (copier.large_min, copier.strided), copier._plans = default, IdentityCache()
+    copier.configure(*default)
 
 
 def pull_probe(comm: Any, cp: Any, stream: Any, g: Any, arena: Any, ag: Callable,

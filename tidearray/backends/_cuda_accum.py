@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from .._cache import IdentityCache
 from .._dtypes import normalize
 from ._base import AccumPiece
 
@@ -94,6 +95,13 @@ class _Slot:
             self.nbytes = size
 
 
+def _release_table(entry: tuple) -> None:
+    """Before a device table is dropped: wait until its last kernel has read it."""
+    event = entry[3]
+    if not event.done:
+        event.synchronize()
+
+
 class Accumulator:
     """Launches the accumulate kernel; owns the ring of table slots.
 
@@ -108,22 +116,25 @@ class Accumulator:
 
     def __init__(self, device: int, sm_count: int, ctas: Optional[int] = None) -> None:
         self.device = device
+        self.sm_count = sm_count
         self.max_grid = max(1, ctas if ctas else sm_count // 2)
         self._ring = [_Slot() for _ in range(RING)]
         self._next = 0
         self._kernels: dict = {}
-        self._tables: dict = {}  # id(pieces) -> (pieces, device table, tiles, tile, event)
+        # A cached program's pieces (a tuple) -> (device table, tiles, tile, event)
+        self._tables = IdentityCache(TABLES, evict=_release_table)
+
+    def set_grid(self, ctas: Optional[int]) -> None:
+        """Cap the grid at ``ctas`` (None: half the SMs); tables are tiled anew for it."""
+        self.max_grid = max(1, ctas if ctas else self.sm_count // 2)
+        self._tables.clear()
 
     def launch(self, stream: Any, pieces: Sequence[AccumPiece], src_dtype: Any,
                scale: float) -> None:
         """fp32 ``out = scale * sum(srcs)`` per piece, one launch on ``stream`` (a cupy Stream)."""
 
         kernel = self._kernel(normalize(src_dtype).name)
-        cached = self._tables.get(id(pieces))
-        if cached is not None and cached[0] is pieces:
-            _, dev, n_tiles, tile, event = cached
-        else:
-            dev, n_tiles, tile, event = self._upload(stream, pieces)
+        dev, n_tiles, tile, event = self._tables.get(pieces, lambda p: self._upload(stream, p))
         grid = min(n_tiles, self.max_grid)
         with stream:
             kernel((grid,), (BLOCK,), (dev, np.int32(len(pieces)),
@@ -140,16 +151,10 @@ class Accumulator:
 
         tile = choose_tile(sum(p.numel for p in pieces), self.max_grid)
         table, n_tiles = build_table(pieces, tile)
-        if isinstance(pieces, tuple):
-            if len(self._tables) >= TABLES:
-                _, old = self._tables.popitem()  # an arbitrary one; rebuilt if used again
-                if not old[4].done:
-                    old[4].synchronize()  # its last kernel has read it
+        if type(pieces) is tuple:  # kept by ``_tables``; freed by ``_release_table``
             with stream:
                 dev = cupy.asarray(table)
-            event = cupy.cuda.Event(block=False, disable_timing=True)
-            self._tables[id(pieces)] = (pieces, dev, n_tiles, tile, event)
-            return dev, n_tiles, tile, event
+            return dev, n_tiles, tile, cupy.cuda.Event(block=False, disable_timing=True)
         slot = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
         slot.take(table.nbytes)

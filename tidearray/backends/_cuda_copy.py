@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from .._cache import IdentityCache
 from .._errors import TideBackendError
 from .._layout import Strided, split_copies, strided_runs
 from . import _cuda_driver
@@ -39,37 +40,9 @@ from . import _cuda_driver
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the (unified) addresses
 #: CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: sources are read in stream order.
 _SRC_ORDER_STREAM = 1
-#: Packed batches and split runs kept (programs are cached; this bounds the rest).
-CACHE_ENTRIES = 4096
 #: Copies of at least this many bytes are issued alone (``cudaMemcpyAsync``):
 #: a batch entry costs the copy engine several microseconds more (run 3).
 LARGE_MIN = 4 << 20
-
-
-class IdentityCache:
-    """Values derived from immutable tuples, kept by the tuple's identity.
-
-    Each entry holds its tuple, so the tuple's id cannot be reused while the
-    entry lives; oldest entries go first.
-    """
-
-    def __init__(self, size: int = CACHE_ENTRIES, evict: Any = None) -> None:
-        self._size = size
-        self._evict = evict
-        self._entries: dict[int, tuple[Any, Any]] = {}
-
-    def get(self, key: Any, make: Any) -> Any:
-        entry = self._entries.get(id(key))
-        if entry is not None and entry[0] is key:
-            return entry[1]
-        value = make(key)
-        if isinstance(key, tuple):  # lists may change: never cached
-            if len(self._entries) >= self._size:
-                _, old = self._entries.pop(next(iter(self._entries)))
-                if self._evict is not None:
-                    self._evict(old)
-            self._entries[id(key)] = (key, value)
-        return value
 
 
 class _DriverBatch:
@@ -112,6 +85,7 @@ class Copier:
     Attributes:
         large_min: copies of at least this many bytes go alone.
         strided: merge strided runs within one allocation into 2D copies.
+        (Both through :meth:`configure`, which drops the plans made so far.)
     """
 
     def __init__(self, want_batch: Optional[bool]) -> None:
@@ -125,7 +99,6 @@ class Copier:
         self._cudart: Any = None
         self._range: Any = None
         self._plans = IdentityCache()
-        self._packed = IdentityCache()
         self._runs = IdentityCache()
 
     def probe(self, stream_ptr: int) -> tuple[bool, str]:
@@ -178,6 +151,10 @@ class Copier:
         if not bool((dst == src).all()):
             raise RuntimeError("a trial batch copied the wrong bytes")
 
+    def configure(self, large_min: int = LARGE_MIN, strided: bool = True) -> None:
+        """Set how batches are planned ([Note: copy plans]); later calls re-plan."""
+        self.large_min, self.strided, self._plans = large_min, strided, IdentityCache()
+
     def runs(self, copies: Sequence[tuple[int, int, int]], parts: int,
              min_bytes: int = 0) -> tuple:
         """``copies`` cut into ``parts`` runs of about equal bytes, or one run if
@@ -197,7 +174,7 @@ class Copier:
         import cupy
 
         rt = cupy.cuda.runtime
-        strided, large, rest = self._plans.get(copies, self._plan)
+        strided, large, rest, packed = self._plans.get(copies, self._plan)
         for r in strided:
             rt.memcpy2DAsync(r.dst, r.dpitch, r.src, r.spitch, r.width, r.height,
                              _MEMCPY_DEFAULT, stream_ptr)
@@ -206,13 +183,13 @@ class Copier:
         if not rest:
             return
         if self.batched:
-            self._batch(stream_ptr, rest)
+            self._batch(stream_ptr, rest, packed)
             return
         for dst, src, n in rest:
             rt.memcpyAsync(dst, src, n, _MEMCPY_DEFAULT, stream_ptr)
 
     def _plan(self, copies: Sequence[tuple[int, int, int]]) -> tuple:
-        """(2D runs, large copies, the rest), each a tuple."""
+        """(2D runs, large copies, the rest, the rest packed for the driver or None)."""
         strided, large, rest = [], [], []
         for r in strided_runs(copies):
             if r.height > 1 and self.strided and self._one_allocation(r):
@@ -221,7 +198,8 @@ class Copier:
             for k in range(r.height):
                 c = (r.dst + k * r.dpitch, r.src + k * r.spitch, r.width)
                 (large if r.width >= self.large_min else rest).append(c)
-        return tuple(strided), tuple(large), tuple(rest)
+        packed = _DriverBatch.pack(rest) if rest and self._driver is not None else None
+        return tuple(strided), tuple(large), tuple(rest), packed
 
     def _one_allocation(self, r: Strided) -> bool:
         """Whether every row's source, and every row's destination, lies in one
@@ -237,10 +215,10 @@ class Copier:
                 return False
         return True
 
-    def _batch(self, stream_ptr: int, copies: Sequence[tuple[int, int, int]]) -> None:
+    def _batch(self, stream_ptr: int, copies: Sequence[tuple[int, int, int]],
+               packed: Optional[tuple] = None) -> None:
         if self._driver is not None:
-            self._driver(stream_ptr, _DriverBatch.pack(copies) if type(copies) is not tuple
-                         else self._packed.get(copies, _DriverBatch.pack))
+            self._driver(stream_ptr, packed or _DriverBatch.pack(copies))
             return
         copies = [c for c in copies if c[2]]
         if not copies:

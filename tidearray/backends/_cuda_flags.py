@@ -59,19 +59,20 @@ class FlagOps:
 
     def signal(self, stream: Any, addr: int, value: int) -> None:
         """After ``stream``'s earlier work, write ``value`` to the int32 at ``addr``."""
-        if self.memops:
-            self._check(self._write(stream.ptr, addr, value & 0xFFFFFFFF, _WRITE_DEFAULT),
-                        "cuStreamWriteValue32")
-        else:
-            self._kernel("tide_signal", stream, addr, value)
+        self._op("Write", _WRITE_DEFAULT, "tide_signal", stream, addr, value)
 
     def wait(self, stream: Any, addr: int, value: int) -> None:
         """Hold ``stream`` until the int32 at ``addr`` is >= ``value`` (cyclically)."""
-        if self.memops:
-            self._check(self._wait(stream.ptr, addr, value & 0xFFFFFFFF, _WAIT_GEQ),
-                        "cuStreamWaitValue32")
-        else:
-            self._kernel("tide_wait", stream, addr, value)
+        self._op("Wait", _WAIT_GEQ, "tide_wait", stream, addr, value)
+
+    def _op(self, op: str, flags: int, kernel: str, stream: Any, addr: int, value: int) -> None:
+        if not self.memops:
+            self._kernel(kernel, stream, addr, value)
+            return
+        memop = self._write if op == "Write" else self._wait
+        err = memop(stream.ptr, addr, value & 0xFFFFFFFF, flags)
+        if err:
+            raise TideBackendError(f"cuStream{op}Value32 failed: CUresult {err}")
 
     def _kernel(self, name: str, stream: Any, addr: int, value: int) -> None:
         from .. import _kernels
@@ -80,8 +81,3 @@ class FlagOps:
         with stream:
             k((1,), (1,), (np.uint64(addr), np.int32(np.uint32(value & 0xFFFFFFFF).view(
                 np.int32))))
-
-    @staticmethod
-    def _check(err: int, what: str) -> None:
-        if err:
-            raise TideBackendError(f"{what} failed: CUresult {err}")

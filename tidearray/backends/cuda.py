@@ -5,8 +5,8 @@ How each primitive runs (all asynchronous, on the lane streams of
 
 * symmetric memory: legacy CUDA IPC, mapped once per allocation
   (``_cuda_memory``, which says why not VMM);
-* ``copy``: one ``cudaMemcpyBatchAsync`` per call, copy engines only
-  (``_cuda_copy``);
+* ``copy``: each call's batch planned once into 2D copies, large single
+  copies and one ``cuMemcpyBatchAsync``, copy engines only (``_cuda_copy``);
 * ``signal`` / ``wait``: ``cuStreamWriteValue32`` / ``cuStreamWaitValue32``,
   zero SMs (``_cuda_flags``);
 * ``accumulate``: one short kernel per call (``kernels/accumulate.cu``,
