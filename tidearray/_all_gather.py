@@ -2,9 +2,10 @@
 
 Every byte goes to the offset it occupies in the full parameter inside a
 slot; no flat buffer, no copy-out. Node-local transports, all by copy engine
-(``Config.ag_transport``): ``pull`` (default: each rank stages its shards in
-its own slot, in parts, and peers read them from there), ``push`` (one batch
-per peer, into its slot), ``push-batch`` (all pushes in one batch), and
+(``Config.ag_transport``): ``push`` (default: one batch per peer, straight
+from the shards into its slot), ``pull`` (each rank stages its shards in its
+own slot, in parts, and peers read them from there), ``push-batch`` (all
+pushes in one batch), and
 multicast slots (one write reaches every peer). Across nodes, ranks with the
 same local rank first exchange shards by recursive doubling (pairwise for a
 node count that is not a power of two), straight into their slots; the
@@ -259,15 +260,19 @@ def _pull(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: i
 
 def _push_per_peer(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: int,
                    after_net: bool) -> None:
-    """One copy-engine batch per peer, each on that peer's lane."""
-    _start(ex, me, after_net)
-    ex.copy(me, program.own)
+    """One copy-engine batch per peer, each on that peer's lane; then our own copy.
+
+    The pushes are issued first: they are the long pole, and the own copy (a
+    local copy at several times the link's rate) overlaps them.
+    """
     for p in peers:
         if after_net:
             ex.depend(p, ex.NET)
         ex.wait(p, slot.flag(me, AG_CHANNEL, FREE, p), use)
         ex.copy(p, program.pushes[p])
         ex.signal(p, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
+    _start(ex, me, after_net)
+    ex.copy(me, program.own)
 
 
 def _push_single_batch(ex: Any, slot: Region, program: _Program, me: int, peers: list,

@@ -237,6 +237,176 @@ def pull_probe(comm: Any, cp: Any, stream: Any, g: Any, arena: Any, ag: Callable
                recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9, pieces=len(pieces))
 
 
+def link_probe(comm: Any, cp: Any, stream: Any, g: Any, shapes: list, shards: list,
+               arena: Any, record: Callable, records: list, iters: int,
+               recv: int) -> None:
+    """How fast the peer's bytes can cross the link, both ranks at once: pulled
+    (read by our copy engine), pushed (written by the peer's), or half and half
+    at once (two engines on the same direction); on one or two streams; and the
+    gather's pieces pulled straight from the peer's shards in symmetric memory
+    (no staging), beside the copy of our own shards into our slot."""
+    from tidearray._layout import ag_pieces, align_up, plan_unit
+
+    me, peer = g.local_rank, 1 - g.local_rank
+    rt = cp.cuda.runtime
+    half = recv // 2 // 256 * 256
+    src = tidearray.Region(g, recv)  # what the peer reads or we write from
+    local = cp.empty(recv, cp.uint8)
+    side = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+
+    def on_two(*copies: tuple) -> None:  # one copy per side stream, joined to ``stream``
+        fork = cp.cuda.Event(disable_timing=True)
+        fork.record(stream)
+        for s, (d, s_, n) in zip(side, copies):
+            s.wait_event(fork)
+            rt.memcpyAsync(d, s_, n, 4, s.ptr)
+            join = cp.cuda.Event(disable_timing=True)
+            join.record(s)
+            stream.wait_event(join)
+
+    peer_slot, peer_src, mine = arena[0].ptr(peer), src.ptr(peer), src.ptr(me)
+    cases = {
+        "link_pull_one": lambda i: rt.memcpyAsync(local.data.ptr, peer_src, recv, 4,
+                                                  stream.ptr),
+        "link_push_one": lambda i: rt.memcpyAsync(peer_slot, mine, recv, 4, stream.ptr),
+        "link_pull_two": lambda i: on_two((local.data.ptr, peer_src, half),
+                                          (local.data.ptr + half, peer_src + half,
+                                           recv - half)),
+        "link_push_two": lambda i: on_two((peer_slot, mine, half),
+                                          (peer_slot + half, mine + half, recv - half)),
+        "link_pull_half_push_half": lambda i: on_two(
+            (local.data.ptr, peer_src, half),
+            (peer_slot + half, mine + half, recv - half)),
+    }
+    from tidearray.backends._cuda_vmm import VmmSymmetricBuffer
+
+    vmm_src = VmmSymmetricBuffer(g.node_comm, recv, g.backend.device)
+    vmm_dst = VmmSymmetricBuffer(g.node_comm, recv, g.backend.device)
+    vsrc, vdst_peer, vsrc_peer = vmm_src.ptr(me), vmm_dst.ptr(peer), vmm_src.ptr(peer)
+    cases["vmm_push_one"] = lambda i: rt.memcpyAsync(vdst_peer, vsrc, recv, 4, stream.ptr)
+    cases["vmm_pull_one"] = lambda i: rt.memcpyAsync(local.data.ptr, vsrc_peer, recv, 4,
+                                                     stream.ptr)
+    cases["vmm_push_batch"] = lambda i: g.backend.copier._batch(
+        stream.ptr, ((vdst_peer, vsrc, recv),))
+    cases["ipc_push_batch"] = lambda i: g.backend.copier._batch(
+        stream.ptr, ((peer_slot, mine, recv),))
+    cases["ipc_push_from_plain"] = lambda i: rt.memcpyAsync(peer_slot, local.data.ptr, recv, 4,
+                                                            stream.ptr)
+    drv = g.backend.copier._driver
+
+    def overlap_flag(copies: tuple) -> None:  # cudaMemcpyFlagPreferOverlapWithCompute
+        drv._attrs[5] = 1
+        g.backend.copier._batch(stream.ptr, copies)
+        drv._attrs[5] = 0
+
+    if drv is not None:
+        cases["vmm_push_batch_overlap"] = lambda i: overlap_flag(((vdst_peer, vsrc, recv),))
+        cases["ipc_push_batch_overlap"] = lambda i: overlap_flag(((peer_slot, mine, recv),))
+        cases["ipc_pull_batch_overlap"] = lambda i: overlap_flag(
+            ((local.data.ptr, peer_src, recv),))
+    # Shards laid out one after another in symmetric memory: the pull gather
+    # could then read them in place, with no staging copy.
+    unit = plan_unit(tuple(shapes), 2, g.size)
+    offs, o = [], 0
+    for sh in shards:
+        offs.append(o)
+        o = align_up(o + sh.nbytes)
+    store = tidearray.Region(g, o)
+    for sh, off in zip(shards, offs):
+        rt.memcpy(store.ptr(me) + off, sh.data.ptr, sh.nbytes, 4)
+    base = arena[1].ptr(me)
+    theirs = [(base + pc.offset, store.ptr(peer) + offs[pc.param], pc.nbytes)
+              for pc in ag_pieces(unit, (g.rank ^ 1,))]
+    own = [(base + pc.offset, shards[pc.param].data.ptr, pc.nbytes)
+           for pc in ag_pieces(unit, (g.rank,))]
+    copier = g.backend.copier
+    theirs_t, own_t = tuple(theirs), tuple(own)
+
+    high = cp.cuda.Stream(non_blocking=True, priority=-5)
+
+    def direct(first: tuple, second: tuple, streams: tuple = tuple(side)) -> None:
+        fork = cp.cuda.Event(disable_timing=True)
+        fork.record(stream)
+        for s, copies in zip(streams, (first, second)):
+            s.wait_event(fork)
+            copier.copy(s.ptr, copies)
+            join = cp.cuda.Event(disable_timing=True)
+            join.record(s)
+            stream.wait_event(join)
+
+    everything = own_t + theirs_t
+    cases["direct_pulls_alone"] = lambda i: copier.copy(stream.ptr, theirs_t)
+    cases["direct_own_alone"] = lambda i: copier.copy(stream.ptr, own_t)
+    cases["direct_pulls_and_own"] = lambda i: direct(own_t, theirs_t)
+    cases["direct_pulls_then_own_issue"] = lambda i: direct(theirs_t, own_t)
+    cases["direct_own_high_priority"] = lambda i: direct(own_t, theirs_t, (high, side[1]))
+    cases["direct_serial_own_first"] = lambda i: copier.copy(stream.ptr, everything)
+    cases["direct_one_batch"] = lambda i: copier._batch(stream.ptr, everything)
+    cases["direct_one_batch_pulls_first"] = lambda i: copier._batch(stream.ptr,
+                                                                   theirs_t + own_t)
+    cases["direct_two_batches"] = lambda i: (copier._batch(side[0].ptr, own_t),
+                                             copier._batch(side[1].ptr, theirs_t))
+    cases.pop("direct_two_batches")
+    rt.deviceSynchronize()
+    comm.Barrier()
+    for name, fn in cases.items():
+        res = timed(comm, cp, stream, fn, iters)
+        record(name, res, recv_GBps=recv / res["median_s"] / 1e9,
+               recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9)
+    scratch = cp.empty((2, recv), cp.uint8)
+    other = ((scratch[1].data.ptr, scratch[0].data.ptr, recv),)
+    small = ((scratch[1].data.ptr, scratch[0].data.ptr, 8 << 20),)
+    a = cp.ones((4096, 4096), cp.float32)
+
+    def gemm() -> None:
+        with stream:
+            for _ in range(4):
+                a @ a
+
+    phases = {"own_then_pulls": (own_t, theirs_t, False),
+              "pulls_then_pulls": (theirs_t, theirs_t, False),
+              "scratch_then_pulls": (other, theirs_t, False),
+              "small_then_pulls": (small, theirs_t, False),
+              "idle200us_then_pulls": (small, theirs_t, 200e-6),
+              "idle2ms_then_pulls": (small, theirs_t, 2e-3),
+              "gemm_then_pulls": (gemm, theirs_t, False),
+              "own_sync_pulls": (own_t, theirs_t, True)}
+    for name, (first, second, sync) in phases.items():  # each phase timed on its own
+        ev = [cp.cuda.Event() for _ in range(3)]
+        t1, t2 = [], []
+        for i in range(iters + 3):
+            rt.deviceSynchronize()
+            comm.Barrier()
+            ev[0].record(stream)
+            if callable(first):
+                first()
+            else:
+                copier.copy(stream.ptr, first)
+            ev[1].record(stream)
+            if sync:
+                ev[1].synchronize()
+                comm.Barrier()
+                time.sleep(0 if sync is True else sync)
+            copier.copy(stream.ptr, second)
+            ev[2].record(stream)
+            ev[2].synchronize()
+            if i >= 3:
+                t1.append(cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3)
+                t2.append(cp.cuda.get_elapsed_time(ev[1], ev[2]) * 1e3)
+        t1 = np.max(np.array(comm.allgather(t1)), axis=0)
+        t2 = np.max(np.array(comm.allgather(t2)), axis=0)
+        records.append({"bench": f"phase_{name}", "first_us": float(np.median(t1)),
+                        "second_us": float(np.median(t2)), "median_s": 0.0,
+                        "pipelined_s": 0.0, "host_s": 0.0})
+    scratch = a = None
+    rt.deviceSynchronize()
+    comm.Barrier()
+    store.free()
+    src.free()
+    vmm_src.free()
+    vmm_dst.free()
+
+
 def trace(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], calls: int,
           path: str) -> None:
     """A lane timeline of ``calls`` back-to-back calls: for every executor operation,
@@ -389,6 +559,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             trace(comm, cp, stream, ag, 2, args.trace)
         if args.pull_probe and W == 2 and g.local_size == 2:
             pull_probe(comm, cp, stream, g, arena, ag, record, args.iters, recv)
+        if args.link_probe and W == 2 and g.local_size == 2:
+            link_probe(comm, cp, stream, g, shapes, shards, arena, record, records, args.iters,
+                       recv)
         if W == 2 and g.local_size == 2 and args.many and arena[0].nbytes >= 384 * (3 << 20):
             local = cp.empty(384 * (3 << 19), cp.uint8)
             many_copies(comm, cp, stream, g, arena[0].ptr(1 - g.local_rank), local, record,
@@ -473,6 +646,9 @@ def main() -> None:
                    help="append lane timelines of back-to-back AG and one RS here (rank 0)")
     p.add_argument("--pull-probe", action="store_true",
                    help="time the gather's pulls alone, as one copy and as its pieces")
+    p.add_argument("--link-probe", action="store_true",
+                   help="time pulls, pushes and both at once over the link, and pulls "
+                        "straight from shards in symmetric memory")
     p.add_argument("--many", action="store_true",
                    help="time 384 small pulls as one batch, one graph and one 2D copy")
     p.add_argument("--skip-calibration", action="store_true",
@@ -485,7 +661,7 @@ def main() -> None:
         return
     for x in records:
         extra = {k: v for k, v in x.items()
-                 if k.endswith(("GBps", "pipelined", "pack_nccl_rs", "sm_time_us"))}
+                 if k.endswith(("GBps", "pipelined", "pack_nccl_rs", "sm_time_us", "_us"))}
         print(f"{x['bench']:<14} median {x['median_s'] * 1e6:8.1f} us  pipelined "
               f"{x['pipelined_s'] * 1e6:8.1f} us  host {x['host_s'] * 1e6:7.1f} us  " + "  ".join(
                   f"{k}={v:.2f}" for k, v in extra.items()))

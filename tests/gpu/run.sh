@@ -26,6 +26,7 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 T=${TIDE_GPU_TIMEOUT:-300}
 MPI=(timeout "$T" mpirun --allow-run-as-root --oversubscribe -x PYTHONPATH -x PYTHONUNBUFFERED
      -x XLA_PYTHON_CLIENT_PREALLOCATE -x TIDE_BACKEND=cuda)
+for v in $(compgen -e | grep '^TIDE_'); do MPI+=(-x "$v"); done  # settings reach every rank
 PYTEST=(python3 -m pytest --with-mpi -q -p no:cacheprovider -o faulthandler_timeout=60 -rf)
 status=0
 

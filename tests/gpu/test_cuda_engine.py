@@ -79,7 +79,7 @@ def test_copier_many_small_segments(cuda_group, cp, batched):
 
 def test_capabilities_reported(cuda_group):
     caps = cuda_group.backend.capabilities
-    for name in ("batched copies", "stream memory operations", "IPC route", "multicast",
+    for name in ("batched copies", "stream memory operations", "symmetric memory", "multicast",
                  "NCCL put/signal", "nccl"):
         ok, why = caps[name]
         assert isinstance(ok, bool) and why, name

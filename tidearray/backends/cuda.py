@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from .._dtypes import normalize
 from .._errors import TideBackendError, TideInvalid
-from ._base import Backend, Resolved
+from ._base import Backend, Resolved, SymmetricBuffer
 from ._cuda_accum import Accumulator
 from ._cuda_copy import Copier
 from ._cuda_exec import CudaExecutor, EventRing
@@ -122,6 +122,7 @@ class CudaBackend(Backend):
         self.flags: Any = None
         self.accumulator: Any = None
         self.nccl: Any = None
+        self.vmm = False
         self.capabilities: dict[str, tuple[bool, str]] = {}
         self._allocs: list = []
         self._inflight: list = []
@@ -143,6 +144,7 @@ class CudaBackend(Backend):
         if any(errs):
             raise TideBackendError("cuda backend setup failed: " + "; ".join(
                 f"rank {r}: {e}" for r, e in enumerate(errs) if e))
+        self.capabilities["symmetric memory"] = self._choose_memory()
         if self.group.topology.num_nodes > 1:
             self.nccl = NcclLink()
             self.nccl.setup(self.group.inter_comm)
@@ -180,14 +182,37 @@ class CudaBackend(Backend):
         self.capabilities = {
             "batched copies": self.copier.probe(probe_stream.ptr),
             "stream memory operations": self.flags.probe(probe_stream),
-            "IPC route": (True, "legacy CUDA IPC (cudaIpcGetMemHandle / cudaIpcOpenMemHandle), "
-                                "handles over the node communicator"),
             "multicast": multicast_capability(self.device),
             "NCCL put/signal": put_signal_capability(),
         }
         self.capabilities["split pushes"] = (
             self.push_split > 1, f"{self.push_split} copy-engine stream(s) per peer push "
             "(TIDE_CE_SPLIT)")
+
+    def _choose_memory(self) -> tuple[bool, str]:
+        """The symmetric-memory route (``Config.symmetric_memory``). Collective over the node.
+
+        ``auto`` tries a small VMM allocation on every node-local rank; any
+        rank's failure (no descriptor passing between these processes, say)
+        is learnt by all, which then use legacy IPC.
+        """
+        from ._cuda_vmm import VmmSymmetricBuffer
+
+        want = self.group.config.symmetric_memory
+        ipc = "legacy CUDA IPC (cudaIpcGetMemHandle / cudaIpcOpenMemHandle), handles over MPI"
+        if want == "ipc":
+            self.vmm = False
+            return True, ipc + " (symmetric_memory='ipc')"
+        try:
+            VmmSymmetricBuffer(self.group.node_comm, 1, self.device).free()
+        except TideBackendError as e:
+            if want == "vmm":
+                raise
+            self.vmm = False
+            return True, f"{ipc}; VMM is unavailable here: {e}"
+        self.vmm = True
+        return True, ("VMM (cuMemCreate, POSIX file descriptors over Unix sockets, "
+                      "cuMemMap by every peer)")
 
     def multicast_capability(self) -> tuple[bool, str]:
         """See :func:`multicast_capability`; never creates a multicast object."""
@@ -264,11 +289,14 @@ class CudaBackend(Backend):
         self._allocs.append(arr)  # kept until the next collective's work is done
         return arr
 
-    def alloc_symmetric(self, nbytes: int) -> IpcSymmetricBuffer:
+    def alloc_symmetric(self, nbytes: int) -> SymmetricBuffer:
         import cupy
 
+        from ._cuda_vmm import VmmSymmetricBuffer
+
+        kind = VmmSymmetricBuffer if self.vmm else IpcSymmetricBuffer
         with cupy.cuda.Device(self.device):
-            return IpcSymmetricBuffer(self.group.node_comm, nbytes, self.device)
+            return kind(self.group.node_comm, nbytes, self.device)
 
     def executor(self, stream: Any = None) -> CudaExecutor:
         return CudaExecutor(self, stream)

@@ -22,7 +22,7 @@ from . import pack
 from .data import UnitData, as_f32_shards
 
 #: Names in report order.
-ORDER = ("tide", "tide-push", "stock", "symm", "nccl-bf16", "stock-torch", "fsdp2")
+ORDER = ("tide", "tide-pull", "stock", "symm", "nccl-bf16", "stock-torch", "fsdp2")
 _REGISTRY: dict[str, list[type]] = {}
 
 
@@ -183,11 +183,12 @@ class Tide(Impl):
 
 
 @register
-class TidePush(Tide):
-    """TIDE-AG over copy-engine pushes instead of pulls, in the same run as ``tide``."""
+class TidePull(Tide):
+    """TIDE-AG over copy-engine pulls instead of pushes, in the same run as ``tide``."""
 
-    name = "tide-push"
-    description = "TIDE-AG with ag_transport='push' (one CE batch per peer, into its slot)"
+    name = "tide-pull"
+    description = ("TIDE-AG with ag_transport='pull' (own shards staged in our slot, "
+                   "read by each peer)")
     ops = ("ag",)
 
     def setup(self, data: UnitData) -> Prepared:
@@ -195,10 +196,10 @@ class TidePush(Tide):
 
         prep = super().setup(data)
         g = self.ctx.group
-        push, gather = dataclasses.replace(g.config, ag_transport="push"), prep.ag
+        pull, gather = dataclasses.replace(g.config, ag_transport="pull"), prep.ag
 
         def ag() -> None:
-            saved, g.config = g.config, push
+            saved, g.config = g.config, pull
             try:
                 gather()
             finally:

@@ -1,0 +1,221 @@
+"""Symmetric device memory over VMM: ``cuMemCreate``, descriptors over Unix sockets.
+
+Each node-local rank creates the same number of bytes with ``cuMemCreate``,
+exports a POSIX file descriptor, and hands it to every peer over an abstract
+Unix socket (:func:`exchange_fds`); each rank then imports and maps every
+peer's memory once, at allocation. Used for multicast slots, which only VMM
+memory can be bound to (``_cuda_multicast``), and for ordinary symmetric
+memory where ``Config.memory`` asks for it (see ``_cuda_memory`` for why
+legacy IPC is the default).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .._dtypes import normalize
+from .._errors import TideBackendError
+from ._base import SymmetricBuffer
+
+
+def exchange_fds(node_comm: Any, fds: Sequence[int], timeout: float = 30.0) -> list[list[int]]:
+    """Send ``fds`` to every node-local peer; return every rank's fds (ours as given).
+
+    Collective over ``node_comm``. Each rank listens on an abstract Unix socket
+    (no file system path, so nothing to clean up), connects to each peer and
+    sends its descriptors with ``SCM_RIGHTS``; the receiver gets duplicates
+    valid in its own process.
+
+    Raises:
+        TideBackendError: on every rank, if any rank could not send or receive
+            (abstract sockets are per network namespace: containers that do not
+            share one cannot pass descriptors). No rank waits longer than
+            ``timeout`` seconds for a peer that never connects.
+    """
+    tag = node_comm.bcast(uuid.uuid4().hex if node_comm.rank == 0 else None)
+    me, size = node_comm.rank, node_comm.size
+    got: list[list[int]] = [[] for _ in range(size)]
+    got[me] = list(fds)
+    err = None
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(f"\0tidearray-{tag}-{me}")
+        listener.listen(size)
+    except OSError as e:
+        err = f"listen: {e}"
+    node_comm.Barrier()  # every listener is up (or has failed)
+    try:
+        for r in range(size):  # connections queue in the backlog: no accept needed to send
+            if r != me and err is None:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.settimeout(timeout)
+                    s.connect(f"\0tidearray-{tag}-{r}")
+                    socket.send_fds(s, [me.to_bytes(4, "little")], list(fds))
+        listener.settimeout(timeout)
+        for _ in range(size - 1 if err is None else 0):
+            conn, _ = listener.accept()
+            with conn:
+                data, received, _, _ = socket.recv_fds(conn, 4, max(len(fds), 1))
+                got[int.from_bytes(data, "little")] = list(received)
+    except OSError as e:  # refused, timed out, no such socket
+        err = f"{type(e).__name__}: {e}"
+    finally:
+        listener.close()
+    errors = node_comm.allgather(err)
+    if any(errors):
+        for r, group in enumerate(got):
+            for fd in group if r != me else ():
+                os.close(fd)
+        raise TideBackendError("passing VMM file descriptors over Unix sockets failed: " +
+                               "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+    return got
+
+
+def agree(node_comm: Any, err: Optional[str], what: str) -> None:
+    """Raise TideBackendError on every rank if ``err`` is set on any."""
+    errors = node_comm.allgather(err)
+    if any(errors):
+        raise TideBackendError(f"{what} failed: " + "; ".join(
+            f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+
+
+def check(res: Any, what: str) -> Any:
+    """The value of a cuda-bindings driver call, or TideBackendError naming ``what``."""
+    from cuda.bindings import driver as cu
+
+    err = res[0] if isinstance(res, tuple) else res
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise TideBackendError(f"{what} failed: {err}")
+    return res[1] if isinstance(res, tuple) and len(res) == 2 else res
+
+
+FD_HANDLE = "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"
+
+
+def alloc_prop(device: int) -> Any:
+    """Pinned device memory on ``device``, exportable as a file descriptor."""
+    from cuda.bindings import driver as cu
+
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device
+    prop.requestedHandleTypes = getattr(cu.CUmemAllocationHandleType, FD_HANDLE)
+    return prop
+
+
+def granularity(prop: Any) -> int:
+    from cuda.bindings import driver as cu
+
+    return int(check(cu.cuMemGetAllocationGranularity(
+        prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+        "cuMemGetAllocationGranularity"))
+
+
+class VmmSymmetricBuffer(SymmetricBuffer):
+    """``nbytes`` of VMM memory on every node-local rank, each mapped by all.
+
+    Collective over ``node_comm``. Subclasses add handles to the exchange
+    (``_extra_fds``) and use them before the peers' memory is mapped
+    (``_bind``).
+    """
+
+    def __init__(self, node_comm: Any, nbytes: int, device: int, gran: int = 0) -> None:
+        self.nbytes, self.device, self._comm = nbytes, device, node_comm
+        self._ptrs: Any = None
+        own, err = [], None
+        try:  # local steps first, then agree: no rank enters the exchange alone
+            from cuda.bindings import driver as cu
+
+            fd_type = getattr(cu.CUmemAllocationHandleType, FD_HANDLE)
+            prop = alloc_prop(device)
+            self._gran = gran = max(gran, granularity(prop))
+            self._size = size = -(-max(nbytes, 1) // gran) * gran
+            self._mem = check(cu.cuMemCreate(size, prop, 0), "cuMemCreate")
+            own = [check(cu.cuMemExportToShareableHandle(self._mem, fd_type, 0),
+                         "cuMemExportToShareableHandle")]
+            own += self._extra_fds()
+        except Exception as e:  # noqa: BLE001 - fail together
+            err = f"{type(e).__name__}: {e}"
+        try:
+            agree(node_comm, err, "VMM allocation")
+            fds = exchange_fds(node_comm, own)
+        except TideBackendError:
+            for fd in own:
+                os.close(fd)
+            raise
+        me = node_comm.rank
+        try:
+            self._bind(fds)
+            handles = [self._mem if r == me else check(
+                cu.cuMemImportFromShareableHandle(fds[r][0], fd_type),
+                "cuMemImportFromShareableHandle") for r in range(node_comm.size)]
+            self._imported = [h for r, h in enumerate(handles) if r != me]
+            self._ptrs = [self._map(h) for h in handles]
+        except Exception as e:  # noqa: BLE001 - fail together
+            err = f"{type(e).__name__}: {e}"
+        finally:
+            for fd in (fd for group in fds for fd in group):  # the handles hold the memory
+                os.close(fd)
+        agree(node_comm, err, "VMM import and mapping")
+
+    def _extra_fds(self) -> list[int]:
+        return []
+
+    def _bind(self, fds: list[list[int]]) -> None:
+        pass
+
+    def _map(self, handle: Any) -> int:
+        from cuda.bindings import driver as cu
+
+        ptr = check(cu.cuMemAddressReserve(self._size, self._gran, 0, 0), "cuMemAddressReserve")
+        check(cu.cuMemMap(ptr, self._size, 0, handle, 0), "cuMemMap")
+        desc = cu.CUmemAccessDesc()
+        desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = self.device
+        desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        check(cu.cuMemSetAccess(ptr, self._size, [desc], 1), "cuMemSetAccess")
+        return int(ptr)
+
+    def ptr(self, local_rank: int) -> int:
+        return self._ptrs[local_rank]
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        import cupy
+
+        dtype = normalize(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        if offset < 0 or offset + count * dtype.itemsize > self._size:
+            raise IndexError(f"view of {count * dtype.itemsize} bytes at {offset} is outside "
+                             f"a symmetric buffer of {self._size} bytes")
+        mem = cupy.cuda.UnownedMemory(self._ptrs[self._comm.rank], self._size, self,
+                                      self.device)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, offset))
+
+    def _unmap(self) -> list:
+        """Unmap every mapping; the handles still to release."""
+        from cuda.bindings import driver as cu
+
+        for ptr in self._ptrs:
+            cu.cuMemUnmap(ptr, self._size)
+            cu.cuMemAddressFree(ptr, self._size)
+        return [*self._imported, self._mem]
+
+    def free(self) -> None:
+        """Unmap everything and release. Collective."""
+        if self._ptrs is None:
+            return
+        import cupy
+        from cuda.bindings import driver as cu
+
+        cupy.cuda.runtime.deviceSynchronize()
+        self._comm.Barrier()
+        for h in self._unmap():
+            cu.cuMemRelease(h)
+        self._ptrs = None
+        self._comm.Barrier()
