@@ -18,7 +18,7 @@ pytestmark = pytest.mark.mpi
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs os.memfd_create (Linux)")
 def test_exchange_fds_routes_each_rank_descriptors(group):
-    from tidearray.backends._cuda_multicast import exchange_fds
+    from tidearray.backends._cuda_vmm import exchange_fds
 
     comm = group.node_comm
     token = os.urandom(8).hex()
@@ -52,3 +52,28 @@ def test_multicast_refused_while_nvls_disabled(monkeypatch):
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
     ok, why = multicast_capability(0)
     assert not ok and "NCCL_NVLS_ENABLE=0" in why
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs os.memfd_create (Linux)")
+def test_exchange_fds_failure_raises_on_every_rank(group, monkeypatch):
+    """One rank that cannot reach its peers (as in containers without a shared
+    network namespace) makes every rank raise, none waits for it."""
+    import socket
+
+    from tidearray import TideBackendError
+    from tidearray.backends._cuda_vmm import exchange_fds
+
+    comm = group.node_comm
+    if comm.size < 2:
+        pytest.skip("needs 2 node-local ranks")
+    if comm.rank == comm.size - 1:
+        def refuse(self, addr):
+            raise ConnectionRefusedError("refused (test)")
+
+        monkeypatch.setattr(socket.socket, "connect", refuse)
+    fd = os.memfd_create("tide-test")
+    try:
+        with pytest.raises(TideBackendError, match=f"rank {comm.size - 1}: .*refused"):
+            exchange_fds(comm, [fd], timeout=5.0)
+    finally:
+        os.close(fd)
