@@ -31,23 +31,24 @@ def _skip_without_multicast(group) -> None:
 
 
 @pytest.fixture(scope="module",
-                params=["pull", "pull-parts", "push", "push-batch", "multicast"])
+                params=["push", "pull", "pull-parts", "push-batch", "multicast"])
 def arena(request, group):
-    """Two slots, made once (mapping is the expensive part), for each transport: pull
-    (the default; "pull-parts" also cuts small units into parts, as large ones are),
-    one push batch per peer and one batch for all peers (each on a second group with
-    that ``ag_transport``), and multicast slots (on host: the emulation that checks
-    multicast addressing). Tests use ``arena.group``."""
+    """Two slots, made once (mapping is the expensive part), for each transport: push
+    (the default: one batch per peer), pull ("pull-parts" also cuts small units into
+    parts, as large ones are) and one batch for all peers (each on a second group
+    with that ``ag_transport``), and multicast slots (on host: the emulation that
+    checks multicast addressing). Tests use ``arena.group``."""
     g = group
     patch = pytest.MonkeyPatch()
-    if request.param in ("push", "push-batch"):
-        g = tidearray.init(backend=group.backend.name, ag_transport=request.param)
-    elif request.param == "pull-parts":
+    if request.param == "multicast":
+        _skip_without_multicast(group)
+    elif request.param != group.config.ag_transport:
+        transport = request.param.replace("-parts", "")
+        g = tidearray.init(backend=group.backend.name, ag_transport=transport)
+    if request.param == "pull-parts":
         import tidearray._all_gather as ag
 
         patch.setattr(ag, "PULL_SPLIT_MIN", 0)
-    elif request.param == "multicast":
-        _skip_without_multicast(group)
     yield tidearray.SlotArena(SLOT_BYTES, num_slots=2, group=g,
                               multicast=request.param == "multicast")
     patch.undo()

@@ -85,7 +85,10 @@ def _provenance(res: Results) -> str:
     seen = set()
     for r in runs:
         ex = r.get("extra") or {}
-        cmd = f"mpirun -n {ex.get('world')} {ex.get('argv')}"
+        # The settings the run was made with (not the backend choice, which is the device's).
+        env = " ".join(f"{k}={v}" for k, v in sorted((ex.get("env") or {}).items())
+                       if k.startswith("TIDE_") and k != "TIDE_BACKEND")
+        cmd = f"{env + ' ' if env else ''}mpirun -n {ex.get('world')} {ex.get('argv')}"
         if cmd not in seen:
             seen.add(cmd)
             lines.append(cmd)
