@@ -15,6 +15,8 @@ import pytest
 import tidearray
 from tidearray.backends._base import AccumPiece
 
+from ._units import UNITS
+
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
 
@@ -133,3 +135,29 @@ def test_all_gather_launches_no_kernels(cuda_group, cp, tmp_path):
                                               f"{memcpys} memcpys"]
     everything = g.comm.allgather(bad)
     assert not any(everything), everything
+
+
+@pytest.mark.parametrize("transport", ["push", "pull"])
+def test_vmm_symmetric_memory_units(cuda_group, cp, transport):
+    """The opt-in VMM route (``symmetric_memory="vmm"``) on the unit shapes, with the
+    slots and staging it maps; back-to-back calls advance its flags. It runs before
+    the interop tests: with JAX in the process seeing every GPU, VMM peer copies are
+    known to fault (docs/backends.md), so it is skipped once JAX is loaded."""
+    import sys
+
+    from .test_cuda_units import _agree, _guarded, gather_and_check, reduce_and_check
+
+    if cuda_group.comm.allreduce(int("jax" in sys.modules)):
+        pytest.skip("JAX is loaded: VMM symmetric memory is not supported beside it")
+    g = tidearray.init(backend="cuda", symmetric_memory="vmm", ag_transport=transport)
+    try:
+        route = g.backend.capabilities["symmetric memory"]
+        bad = [] if "VMM" in route[1] else [f"expected the VMM route, got {route}"]
+        for unit in ("llama3.1-8b", "qwen3-30b-a3b"):
+            for _ in range(2):
+                bad += _guarded(gather_and_check, g, cp, UNITS[unit]())
+            bad += _guarded(reduce_and_check, g, cp, UNITS[unit]())
+        _agree(g, bad, f"VMM {transport}")
+    finally:
+        g.comm.Barrier()
+        g.close()

@@ -142,20 +142,3 @@ def test_repeated_calls_reuse_slots(cuda_group, cp):
         bad += _guarded(reduce_and_check, cuda_group, cp, shapes)
     _agree(cuda_group, bad, "repeated")
 
-
-@pytest.mark.parametrize("transport", ["push", "pull"])
-def test_vmm_symmetric_memory_units(cuda_group, cp, transport):
-    """The opt-in VMM route (``symmetric_memory="vmm"``) on the unit shapes, with the
-    slots and staging it maps; back-to-back calls advance its flags."""
-    g = tidearray.init(backend="cuda", symmetric_memory="vmm", ag_transport=transport)
-    try:
-        bad = [] if "VMM" in g.backend.capabilities["symmetric memory"][1] else [
-            f"expected the VMM route, got {g.backend.capabilities['symmetric memory']}"]
-        for unit in ("llama3.1-8b", "qwen3-30b-a3b"):
-            for _ in range(2):
-                bad += _guarded(gather_and_check, g, cp, UNITS[unit]())
-            bad += _guarded(reduce_and_check, g, cp, UNITS[unit]())
-        _agree(g, bad, f"VMM {transport}")
-    finally:
-        g.comm.Barrier()
-        g.close()
