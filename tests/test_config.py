@@ -47,6 +47,7 @@ def test_rejects_unknown_keys():
     ("timeout", 0, "timeout"),
     ("timeout", -1.0, "timeout"),
     ("ag_transport", "double", "ag_transport"),
+    ("symmetric_memory", "shm", "symmetric_memory"),
 ])
 def test_rejects_bad_values(key, value, word):
     with pytest.raises(tidearray.TideInvalid, match=word) as info:
@@ -55,7 +56,8 @@ def test_rejects_bad_values(key, value, word):
 
 
 @pytest.mark.parametrize("var,value", [("TIDE_LOCAL_SIZE", "two"), ("TIDE_CHUNK_BYTES", "1.5x"),
-                                       ("TIDE_DEPTH", "0"), ("TIDE_BACKEND", "tpu")])
+                                       ("TIDE_DEPTH", "0"), ("TIDE_BACKEND", "tpu"),
+                                       ("TIDE_SYMMETRIC_MEMORY", "posix")])
 def test_rejects_bad_environment(var, value):
     with pytest.raises(tidearray.TideInvalid):
         Config.make(env={var: value})

@@ -10,18 +10,21 @@ Why legacy IPC and not VMM (``cuMemCreate`` with POSIX file descriptors):
 
 * a VMM handle is a file descriptor, which has to cross processes over a Unix
   domain socket with ``SCM_RIGHTS`` (or be fetched with ``pidfd_getfd``). In
-  containers both are fragile: the socket needs a shared, writable path,
+  containers both are fragile: the socket needs a shared path or, for an
+  abstract socket (what ``_cuda_vmm`` uses), a shared network namespace,
   ``pidfd_getfd`` needs ``PTRACE_MODE_ATTACH`` rights, often denied, and each
   rank may sit in its own PID namespace;
 * a legacy IPC handle is 64 opaque bytes that any transport carries, here the
   MPI communicator the group already has; the driver does the rest. It worked
-  in these containers (DESIGN.md, "Measured facts").
+  in these containers (DESIGN.md, "Measured facts");
+* with JAX in the process seeing every GPU (its default), copies from JAX
+  arrays into a peer's VMM memory faulted on 2xH200 (``tests/gpu/vmm_jax_probe.py``),
+  while the same copies into IPC memory work.
 
-VMM is used only where it is needed, for opt-in multicast slots
-(``_cuda_multicast``, which passes its descriptors over abstract Unix
-sockets); ordinary slots are mapped whole, over IPC. Memory comes from
-``cudaMalloc`` directly, not CuPy's pool, because an IPC handle maps a whole
-allocation from its base.
+VMM (``_cuda_vmm``) is opt-in (``Config.symmetric_memory``), because peers
+write it faster, and it is what multicast slots need (``_cuda_multicast``).
+Memory here comes from ``cudaMalloc`` directly, not CuPy's pool, because an
+IPC handle maps a whole allocation from its base.
 """
 
 from __future__ import annotations
