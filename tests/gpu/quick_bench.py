@@ -87,6 +87,24 @@ def timed(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], iters: int)
             "host_s": float(np.median(host)), "iters": iters}
 
 
+def on_streams(cp: Any, stream: Any, streams: Any, issues: Any) -> None:
+    """Issue ``issues[k](stream_ptr)`` on ``streams[k]``, all forked from and joined
+    back to ``stream``, so they run at once."""
+    fork = cp.cuda.Event(disable_timing=True)
+    fork.record(stream)
+    for s, issue in zip(streams, issues):
+        s.wait_event(fork)
+        issue(s.ptr)
+        join = cp.cuda.Event(disable_timing=True)
+        join.record(s)
+        stream.wait_event(join)
+
+
+def memcpy(cp: Any, dst: int, src: int, n: int) -> Callable[[int], None]:
+    """A ``cudaMemcpyAsync`` of ``n`` bytes, to be issued on a stream."""
+    return lambda stream_ptr: cp.cuda.runtime.memcpyAsync(dst, src, n, 4, stream_ptr)
+
+
 def profile_host(comm: Any, fn: Callable[[int], Any], iters: int, path: str) -> None:
     """cProfile rank 0's host side of ``iters`` calls (every rank runs them)."""
     prof = cProfile.Profile() if comm.rank == 0 else None
@@ -110,15 +128,8 @@ def calibrate(comm: Any, cp: Any, stream: Any, g: Any, src: Any, peer_slot: int,
     side = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
 
     def both(i: int) -> None:  # push to the peer and a local copy, on two streams at once
-        fork = cp.cuda.Event(disable_timing=True)
-        fork.record(stream)
-        for k, s in enumerate(side):
-            s.wait_event(fork)
-            dst = peer_slot if k == 0 else local.data.ptr
-            cp.cuda.runtime.memcpyAsync(dst, src.data.ptr, n, 4, s.ptr)
-            join = cp.cuda.Event(disable_timing=True)
-            join.record(s)
-            stream.wait_event(join)
+        on_streams(cp, stream, side, [memcpy(cp, peer_slot, src.data.ptr, n),
+                                      memcpy(cp, local.data.ptr, src.data.ptr, n)])
 
     def local_copy(i: int) -> None:
         cp.cuda.runtime.memcpyAsync(local.data.ptr, src.data.ptr, n, 4, stream.ptr)
@@ -246,6 +257,7 @@ def link_probe(comm: Any, cp: Any, stream: Any, g: Any, shapes: list, shards: li
     gather's pieces pulled straight from the peer's shards in symmetric memory
     (no staging), beside the copy of our own shards into our slot."""
     from tidearray._layout import ag_pieces, align_up, plan_unit
+    from tidearray.backends._cuda_vmm import VmmSymmetricBuffer
 
     me, peer = g.local_rank, 1 - g.local_rank
     rt = cp.cuda.runtime
@@ -254,15 +266,8 @@ def link_probe(comm: Any, cp: Any, stream: Any, g: Any, shapes: list, shards: li
     local = cp.empty(recv, cp.uint8)
     side = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
 
-    def on_two(*copies: tuple) -> None:  # one copy per side stream, joined to ``stream``
-        fork = cp.cuda.Event(disable_timing=True)
-        fork.record(stream)
-        for s, (d, s_, n) in zip(side, copies):
-            s.wait_event(fork)
-            rt.memcpyAsync(d, s_, n, 4, s.ptr)
-            join = cp.cuda.Event(disable_timing=True)
-            join.record(s)
-            stream.wait_event(join)
+    def on_two(*copies: tuple) -> None:  # one copy per side stream
+        on_streams(cp, stream, side, [memcpy(cp, *c) for c in copies])
 
     peer_slot, peer_src, mine = arena[0].ptr(peer), src.ptr(peer), src.ptr(me)
     cases = {
@@ -278,8 +283,6 @@ def link_probe(comm: Any, cp: Any, stream: Any, g: Any, shapes: list, shards: li
             (local.data.ptr, peer_src, half),
             (peer_slot + half, mine + half, recv - half)),
     }
-    from tidearray.backends._cuda_vmm import VmmSymmetricBuffer
-
     vmm_src = VmmSymmetricBuffer(g.node_comm, recv, g.backend.device)
     vmm_dst = VmmSymmetricBuffer(g.node_comm, recv, g.backend.device)
     vsrc, vdst_peer, vsrc_peer = vmm_src.ptr(me), vmm_dst.ptr(peer), vmm_src.ptr(peer)
@@ -325,14 +328,8 @@ def link_probe(comm: Any, cp: Any, stream: Any, g: Any, shapes: list, shards: li
     high = cp.cuda.Stream(non_blocking=True, priority=-5)
 
     def direct(first: tuple, second: tuple, streams: tuple = tuple(side)) -> None:
-        fork = cp.cuda.Event(disable_timing=True)
-        fork.record(stream)
-        for s, copies in zip(streams, (first, second)):
-            s.wait_event(fork)
-            copier.copy(s.ptr, copies)
-            join = cp.cuda.Event(disable_timing=True)
-            join.record(s)
-            stream.wait_event(join)
+        on_streams(cp, stream, streams, [lambda p, c=c: copier.copy(p, c)
+                                         for c in (first, second)])
 
     everything = own_t + theirs_t
     cases["direct_pulls_alone"] = lambda i: copier.copy(stream.ptr, theirs_t)
@@ -344,9 +341,6 @@ def link_probe(comm: Any, cp: Any, stream: Any, g: Any, shapes: list, shards: li
     cases["direct_one_batch"] = lambda i: copier._batch(stream.ptr, everything)
     cases["direct_one_batch_pulls_first"] = lambda i: copier._batch(stream.ptr,
                                                                    theirs_t + own_t)
-    cases["direct_two_batches"] = lambda i: (copier._batch(side[0].ptr, own_t),
-                                             copier._batch(side[1].ptr, theirs_t))
-    cases.pop("direct_two_batches")
     rt.deviceSynchronize()
     comm.Barrier()
     for name, fn in cases.items():
@@ -367,8 +361,6 @@ def link_probe(comm: Any, cp: Any, stream: Any, g: Any, shapes: list, shards: li
               "pulls_then_pulls": (theirs_t, theirs_t, False),
               "scratch_then_pulls": (other, theirs_t, False),
               "small_then_pulls": (small, theirs_t, False),
-              "idle200us_then_pulls": (small, theirs_t, 200e-6),
-              "idle2ms_then_pulls": (small, theirs_t, 2e-3),
               "gemm_then_pulls": (gemm, theirs_t, False),
               "own_sync_pulls": (own_t, theirs_t, True)}
     for name, (first, second, sync) in phases.items():  # each phase timed on its own
@@ -386,7 +378,6 @@ def link_probe(comm: Any, cp: Any, stream: Any, g: Any, shapes: list, shards: li
             if sync:
                 ev[1].synchronize()
                 comm.Barrier()
-                time.sleep(0 if sync is True else sync)
             copier.copy(stream.ptr, second)
             ev[2].record(stream)
             ev[2].synchronize()
