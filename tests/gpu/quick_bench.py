@@ -399,51 +399,91 @@ def link_probe(comm: Any, cp: Any, stream: Any, g: Any, shapes: list, shards: li
 
 
 def trace(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], calls: int,
-          path: str) -> None:
-    """A lane timeline of ``calls`` back-to-back calls: for every executor operation,
-    when its lane reached it and when it was done, in us from a start event on
-    ``stream`` (timing events recorded around each op; every rank, to ``path``)."""
+          path: str, spaced: bool = False) -> None:
+    """A lane timeline of ``calls`` calls: for every executor operation, when the
+    host issued it, when its lane reached it and when it was done, in us from a
+    start event on ``stream`` (timing events recorded around each op; every
+    rank, to ``path``). Back to back, or ``spaced`` as in :func:`timed` (a device
+    sync and a barrier before each call, times from that call's start): then the
+    host also marks validation, the executor, ``finish`` and the views."""
+    from tidearray import _validate
+    from tidearray._arena import Region
     from tidearray.backends._cuda_exec import CudaExecutor
 
     names = ("_copy", "_wait", "_signal", "_accumulate", "_depend")
     orig = {n: getattr(CudaExecutor, n) for n in names}
+    hooks = [(_validate, "check"), (CudaExecutor, "__init__"), (CudaExecutor, "finish"),
+             (Region, "views")]
+    hooked = {(o, n): getattr(o, n) for o, n in hooks}
     marks: list = []
+    h0 = [0.0]
 
     def wrap(name: str) -> Callable:
         def op(self: Any, lane: int, *a: Any) -> None:
             s = self._lane(lane)
+            h = time.perf_counter() - h0[0]
             t0, t1 = cp.cuda.Event(), cp.cuda.Event()
             t0.record(s)
             orig[name](self, lane, *a)
             t1.record(s)
             size = sum(c[2] for c in a[0]) if name == "_copy" else ""
-            marks.append((name[1:], lane, size, t0, t1))
+            marks.append((name[1:], lane, size, h, t0, t1))
         return op
+
+    def host_mark(name: str, f: Callable) -> Callable:
+        def hooked_call(*a: Any, **k: Any) -> Any:
+            h = time.perf_counter() - h0[0]
+            out = f(*a, **k)
+            marks.append((name, "host", "", h, time.perf_counter() - h0[0], None))
+            return out
+        return hooked_call
 
     for i in range(3):
         fn(i)
     cp.cuda.runtime.deviceSynchronize()
     comm.Barrier()
-    start = cp.cuda.Event()
-    start.record(stream)
+    starts = []
     for n in names:
         setattr(CudaExecutor, n, wrap(n))
+    if spaced:
+        for (o, n), f in hooked.items():
+            setattr(o, n, host_mark(n, f))
     try:
         for i in range(calls):
+            if spaced or not starts:
+                cp.cuda.runtime.deviceSynchronize()
+                comm.Barrier()
+                starts.append(cp.cuda.Event())
+                starts[-1].record(stream)
+                h0[0] = time.perf_counter()
+                marks.append(("call", "start", i, 0.0, starts[-1], starts[-1]))
             fn(i)
+            marks.append(("call", "return", i, time.perf_counter() - h0[0], None, None))
+            if spaced:
+                end = cp.cuda.Event()
+                end.record(stream)
+                marks.append(("call", "end", i, time.perf_counter() - h0[0], end, end))
     finally:
         for n in names:
             setattr(CudaExecutor, n, orig[n])
-    end = cp.cuda.Event()
-    end.record(stream)
-    end.synchronize()
-    lines = [f"rank {comm.rank}: {calls} calls in "
-             f"{cp.cuda.get_elapsed_time(start, end) * 1e3:.0f} us"]
-    for name, lane, size, t0, t1 in marks:
-        a = cp.cuda.get_elapsed_time(start, t0) * 1e3
-        b = cp.cuda.get_elapsed_time(start, t1) * 1e3
-        lines.append(f"  lane {lane:>2} {name:<10} {size!s:>10} {a:9.1f} -> {b:9.1f} us "
-                     f"({b - a:7.1f})")
+        for (o, n), f in hooked.items():
+            setattr(o, n, f)
+    cp.cuda.runtime.deviceSynchronize()
+    lines = [f"rank {comm.rank}: {calls} calls, {'spaced' if spaced else 'back to back'}; "
+             "columns: op, lane, bytes, host issue us, lane reached -> done us"]
+    start = starts[0]
+    for name, lane, size, h, t0, t1 in marks:
+        if name == "call" and lane == "start":
+            start = t0
+        if lane == "host":
+            lines.append(f"  host     {name:<10} {'':>10} {h:9.1f} (returned {t0:7.1f})")
+        elif t0 is None:
+            lines.append(f"  {lane:<8} {name:<10} {size!s:>10} {h:9.1f}")
+        else:
+            a = cp.cuda.get_elapsed_time(start, t0) * 1e3
+            b = cp.cuda.get_elapsed_time(start, t1) * 1e3
+            lines.append(f"  lane {lane!s:>3} {name:<10} {size!s:>10} {h:9.1f} {a:9.1f} -> "
+                         f"{b:9.1f} ({b - a:7.1f})")
     every = comm.gather("\n".join(lines), root=0)
     if comm.rank == 0:
         with open(path, "a") as f:
@@ -548,6 +588,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         g.calls = CallCache()
         if args.trace:
             trace(comm, cp, stream, ag, 2, args.trace)
+            trace(comm, cp, stream, ag, 3, args.trace, spaced=True)
         if args.pull_probe and W == 2 and g.local_size == 2:
             pull_probe(comm, cp, stream, g, arena, ag, record, args.iters, recv)
         if args.link_probe and W == 2 and g.local_size == 2:
@@ -580,6 +621,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         copy_modes(comm, cp, stream, be.copier, rs, "tide_rs", record, args.iters)
         if args.trace:
             trace(comm, cp, stream, rs, 1, args.trace)
+            trace(comm, cp, stream, rs, 2, args.trace, spaced=True)
         sweep_ctas(comm, cp, stream, g, rs, record, args)
         if args.profile:
             profile_host(comm, ag, 10, args.profile)
@@ -634,7 +676,8 @@ def main() -> None:
     p.add_argument("--ctas", type=int, nargs="*", default=[],
                    help="also time TIDE-RS and its accumulate at these grids (e.g. 16 32)")
     p.add_argument("--trace", default=None,
-                   help="append lane timelines of back-to-back AG and one RS here (rank 0)")
+                   help="append lane timelines of AG and RS (back to back, then spaced as timed, "
+                        "with host marks) here (rank 0)")
     p.add_argument("--pull-probe", action="store_true",
                    help="time the gather's pulls alone, as one copy and as its pieces")
     p.add_argument("--link-probe", action="store_true",

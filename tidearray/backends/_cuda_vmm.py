@@ -118,6 +118,33 @@ def granularity(prop: Any) -> int:
         "cuMemGetAllocationGranularity"))
 
 
+def access(device: int) -> Any:
+    """Read-write access for ``device``, as ``cuMemSetAccess`` takes it."""
+    from cuda.bindings import driver as cu
+
+    desc = cu.CUmemAccessDesc()
+    desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = device
+    desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return desc
+
+
+def peer_devices(device: int) -> list[int]:
+    """Every other visible device with peer access to ``device``.
+
+    Mappings are made accessible to these too: a process in which another
+    library (JAX, by default) has enabled peer access between its devices may
+    have a copy into a peer's memory carried out through another device's
+    context, which faults on a mapping only ``device`` may access. XLA's own
+    VMM allocator grants every peer for the same reason.
+    """
+    import cupy
+
+    rt = cupy.cuda.runtime
+    return [d for d in range(rt.getDeviceCount())
+            if d != device and rt.deviceCanAccessPeer(device, d)]
+
+
 class VmmSymmetricBuffer(SymmetricBuffer):
     """``nbytes`` of VMM memory on every node-local rank, each mapped by all.
 
@@ -176,11 +203,10 @@ class VmmSymmetricBuffer(SymmetricBuffer):
 
         ptr = check(cu.cuMemAddressReserve(self._size, self._gran, 0, 0), "cuMemAddressReserve")
         check(cu.cuMemMap(ptr, self._size, 0, handle, 0), "cuMemMap")
-        desc = cu.CUmemAccessDesc()
-        desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = self.device
-        desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        check(cu.cuMemSetAccess(ptr, self._size, [desc], 1), "cuMemSetAccess")
+        check(cu.cuMemSetAccess(ptr, self._size, [access(self.device)], 1), "cuMemSetAccess")
+        for dev in peer_devices(self.device):
+            # Optional: a device without a path to this memory's owner refuses.
+            cu.cuMemSetAccess(ptr, self._size, [access(dev)], 1)
         return int(ptr)
 
     def ptr(self, local_rank: int) -> int:
