@@ -49,6 +49,15 @@ def unit_nbytes(shapes: Sequence[Sequence[int]], dtype: Any, group: Optional[Gro
     return _unit(shapes, _dtypes.normalize(dtype).itemsize, world).nbytes
 
 
+def _shapes(group: Group, shapes: Any) -> tuple:
+    try:
+        return tuple(tuple(operator.index(d) for d in s) for s in shapes)  # 2.5 is no dim
+    except (TypeError, ValueError):
+        _validate.check(group, "all_gather", (("shapes", repr(shapes)),),
+                        [f"expected shapes as a list of int tuples, got {shapes!r}"])
+        raise AssertionError("check raises on errors") from None
+
+
 def _check(group: Group, shards: list, shapes: tuple, slot: Optional[Region]) -> _AgCall:
     dtype, errors = _validate.check_arrays(shards, "shard")
     if len(shards) != len(shapes):
@@ -108,16 +117,16 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
     shards, errors = _validate.resolve_all(be, shards, "shard")
     if errors:
         _validate.check(group, "all_gather", (("inputs", "unresolvable"),), errors)
-    try:
-        shapes = tuple(tuple(operator.index(d) for d in s) for s in shapes)  # 2.5 is no dim
-    except (TypeError, ValueError):
-        _validate.check(group, "all_gather", (("shapes", repr(shapes)),),
-                        [f"expected shapes as a list of int tuples, got {shapes!r}"])
-    key = ("all_gather", shapes, None if slot is None else slot.id,
-           tuple((s.ptr, s.nbytes, s.dtype, s.contiguous) for s in shards))
-    call = group.calls.get(key)
+    try:  # shapes equal to a validated call's find its entry; others are normalized
+        key = ("all_gather", tuple(map(tuple, shapes)), None if slot is None else slot.id,
+               tuple((s.ptr, s.nbytes, s.dtype, s.contiguous) for s in shards))
+        call = group.calls.get(key)
+    except TypeError:  # not a list of sequences, or unhashable
+        key, call = None, None
     if call is None:
-        call = group.calls.put(key, _check(group, shards, shapes, slot))
+        call = _check(group, shards, _shapes(group, shapes), slot)
+        if key is not None:
+            group.calls.put(key, call)
     else:
         _validate.check(group, "all_gather", call.signature, (), known_digest=call.digest)
     if slot is None:

@@ -421,7 +421,7 @@ def trace(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], calls: int,
     def wrap(name: str) -> Callable:
         def op(self: Any, lane: int, *a: Any) -> None:
             s = self._lane(lane)
-            h = time.perf_counter() - h0[0]
+            h = (time.perf_counter() - h0[0]) * 1e6
             t0, t1 = cp.cuda.Event(), cp.cuda.Event()
             t0.record(s)
             orig[name](self, lane, *a)
@@ -432,9 +432,9 @@ def trace(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], calls: int,
 
     def host_mark(name: str, f: Callable) -> Callable:
         def hooked_call(*a: Any, **k: Any) -> Any:
-            h = time.perf_counter() - h0[0]
+            h = (time.perf_counter() - h0[0]) * 1e6
             out = f(*a, **k)
-            marks.append((name, "host", "", h, time.perf_counter() - h0[0], None))
+            marks.append((name, "host", "", h, (time.perf_counter() - h0[0]) * 1e6, None))
             return out
         return hooked_call
 
@@ -458,11 +458,11 @@ def trace(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], calls: int,
                 h0[0] = time.perf_counter()
                 marks.append(("call", "start", i, 0.0, starts[-1], starts[-1]))
             fn(i)
-            marks.append(("call", "return", i, time.perf_counter() - h0[0], None, None))
+            marks.append(("call", "return", i, (time.perf_counter() - h0[0]) * 1e6, None, None))
             if spaced:
                 end = cp.cuda.Event()
                 end.record(stream)
-                marks.append(("call", "end", i, time.perf_counter() - h0[0], end, end))
+                marks.append(("call", "end", i, (time.perf_counter() - h0[0]) * 1e6, end, end))
     finally:
         for n in names:
             setattr(CudaExecutor, n, orig[n])

@@ -6,6 +6,7 @@
 #                                                      # benchall (python -m tidearray.bench all)
 #                                                      # suites (each suite alone; TIDE_BENCH_SUITES)
 #   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
+#   TIDE_MPI_ARGS="--bind-to none" bash tests/gpu/run.sh  # extra mpirun options
 #   TIDE_QUICK_UNITS="llama3.1-8b qwen3-30b-a3b" TIDE_QUICK_ARGS="--iters 20 --parts 1 2 8
 #       --ctas 16 32" TIDE_GPU_STEPS=bench bash tests/gpu/run.sh   # quick bench variants
 #
@@ -24,7 +25,7 @@ fi
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 T=${TIDE_GPU_TIMEOUT:-300}
-MPI=(timeout "$T" mpirun --allow-run-as-root --oversubscribe -x PYTHONPATH -x PYTHONUNBUFFERED
+MPI=(timeout "$T" mpirun --allow-run-as-root --oversubscribe ${TIDE_MPI_ARGS:-} -x PYTHONPATH -x PYTHONUNBUFFERED
      -x XLA_PYTHON_CLIENT_PREALLOCATE -x TIDE_BACKEND=cuda)
 for v in $(compgen -e | grep '^TIDE_'); do MPI+=(-x "$v"); done  # settings reach every rank
 PYTEST=(python3 -m pytest --with-mpi -q -p no:cacheprovider -o faulthandler_timeout=60 -rf)

@@ -10,7 +10,9 @@ never synchronise with the legacy default stream):
 * ``COMPUTE`` runs grants, arrival waits and the accumulate kernel;
 * ``NET`` runs NCCL (inter-node exchanges and the fp32 reduce-scatter).
 
-An executor records one event on the user's stream when it is created. Each
+An executor records one event on the user's stream when it is created (from
+the backend's spare fork events, returned by ``finish``: a stream wait takes
+an event's state when it is issued, so a later re-record cannot affect it). Each
 lane waits on that event before its first operation of the collective (lazily,
 so unused lanes cost nothing): everything the user issued before the call is
 ordered before the collective. ``finish`` records an event on every lane used;
@@ -127,7 +129,8 @@ class CudaExecutor(Executor):
         self._prev_device = rt.getDevice()
         if self._prev_device != backend.device:  # another library moved the current device
             rt.setDevice(backend.device)
-        self._fork = _event()
+        forks = backend.fork_events
+        self._fork = forks.pop() if forks else _event()
         rt.eventRecord(self._fork.ptr, stream_ptr(stream))
         self._started: set[int] = set()
 
@@ -196,7 +199,9 @@ class CudaExecutor(Executor):
             ev = _event()
             ev.record(self.be.streams[lane])
             events.append(ev)
-        if not events:  # nothing issued: completion is the fork itself
+        if events:  # every lane's wait on the fork is issued: it can be re-recorded
+            self.be.fork_events.append(self._fork)
+        else:  # nothing issued: completion is the fork itself
             events.append(self._fork)
         self.be.retire(events)
         if self._prev_device != self.be.device:

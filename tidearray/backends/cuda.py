@@ -174,6 +174,7 @@ class CudaBackend(Backend):
                              for _ in range(self.push_split - 1)]
                             for _ in range(self.group.local_size)]
         self.events = EventRing()
+        self.fork_events: list = []  # see [Note: streams] in _cuda_exec
         self.copier = Copier(self.group.config.batch_copies)
         self.flags = FlagOps(self.device)
         sms = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
