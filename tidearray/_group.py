@@ -18,6 +18,9 @@ from ._layout import Topology
 
 _default: Optional[Group] = None
 
+#: Integers every collective's validation agrees on (``_validate.check``).
+VALIDATION_WIDTH = 3
+
 
 class Group:
     """Ranks that run collectives together. Made by :func:`init`.
@@ -39,6 +42,8 @@ class Group:
         self.inter_comm = inter_comm
         self.config = config
         self.backend: Any = None
+        #: Shared-memory agreement when the group is one node (see ``_board``).
+        self.board: Any = None
         self.closed = False
         self._resources: dict = {}
         from ._cache import CallCache
@@ -66,6 +71,13 @@ class Group:
         return (f"Group(rank={t.rank}, size={t.world}, nodes={t.num_nodes}, "
                 f"local_size={t.local_size}, backend={getattr(self.backend, 'name', None)!r})")
 
+    def agree_max(self, values: list[int]) -> list[int]:
+        """Elementwise max of ``values`` over the group (collective): over the
+        node's shared-memory board where there is one, else ``Allreduce``."""
+        if self.board is not None:
+            return self.board.max(values)
+        return allreduce_max(self.comm, values)
+
     def close(self) -> None:
         """Free symmetric memory and communicators (collective)."""
         global _default
@@ -77,6 +89,8 @@ class Group:
         self._resources.clear()
         if self.backend is not None:
             self.backend.close()
+        if self.board is not None:
+            self.board.free()
         for c in (self.inter_comm, self.node_comm, self.comm):
             c.Free()
         if _default is self:
@@ -137,6 +151,10 @@ def init(comm: Any = None, *, backend: Optional[str] = None,
     node, L = _split(dup, config.local_size)
     inter = dup.Split(dup.rank % L, dup.rank)
     group = Group(dup, Topology(dup.size, dup.rank, L), node, inter, config)
+    if 1 < L == dup.size:
+        from ._board import HostBoard
+
+        group.board = HostBoard(node, VALIDATION_WIDTH, config.timeout)
     group.backend = make_backend(config.backend, group)
     group.backend.setup()
     _default = group

@@ -1,7 +1,8 @@
 """Collective validation: every rank raises the same TideInvalid, before any transfer.
 
-The fast path is one small ``Allreduce``: a 56-bit digest of the call's
-signature and a count of local errors. Only when digests differ or some rank
+The fast path is one small agreement (``Group.agree_max``: shared memory on
+one node, else ``Allreduce``): a 56-bit digest of the call's signature and a
+count of local errors. Only when digests differ or some rank
 found an error do ranks exchange descriptions, to name the rank and parameter.
 """
 
@@ -11,7 +12,6 @@ import zlib
 from typing import Any, Optional, Sequence
 
 from ._errors import TideInvalid
-from ._group import allreduce_max
 
 
 def digest(signature: tuple) -> int:
@@ -42,7 +42,7 @@ def check(group: Any, what: str, signature: tuple, errors: Sequence[str],
         errors: this rank's own findings, each "parameter i: expected X, got Y".
     """
     h = digest(signature) if known_digest is None else known_digest
-    hmax, negmin, nerr = allreduce_max(group.comm, [h, -h, len(errors)])
+    hmax, negmin, nerr = group.agree_max([h, -h, len(errors)])
     if hmax == -negmin and nerr == 0:
         return
     everything = group.comm.allgather((signature, list(errors)))

@@ -242,11 +242,9 @@ class CudaBackend(Backend):
 
     def resolve(self, obj: Any) -> Resolved:
         """A CuPy view of ``obj`` on this rank's device: CuPy as is, else DLPack or CAI."""
-        import cupy
-
-        arr = obj if isinstance(obj, cupy.ndarray) else self._import(obj)
+        arr = obj if isinstance(obj, self.xp.ndarray) else self._import(obj)
         data = arr.data
-        if arr.size and data.device_id != self.device:
+        if data.device_id != self.device and arr.size:
             raise TideInvalid(f"expected an array on cuda:{self.device} (this rank's device), "
                               f"got one on cuda:{data.device_id}")
         # Units resolve hundreds of arrays per call: skip the flags object where
