@@ -123,6 +123,11 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
         call = group.calls.get(key)
     except TypeError:  # not a list of sequences, or unhashable
         key, call = None, None
+    ex = None
+    if call is not None and slot is not None and slot.id in call.programs:
+        # A repeated call: grant our slot while the ranks agree ([Note: early grant]).
+        ex = be.executor(stream)
+        _grant(group, ex, slot)
     if call is None:
         call = _check(group, shards, _shapes(group, shapes), slot)
         if key is not None:
@@ -135,7 +140,9 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
     if program is None:
         program = call.programs[slot.id] = _program(group, call.unit, [s.ptr for s in shards],
                                                     slot)
-    ex = be.executor(stream)
+    if ex is None:
+        ex = be.executor(stream)
+        _grant(group, ex, slot)
     _issue(group, ex, program, slot)
     work = Work(ex.finish(), slot.views(call.unit, call.dtype))
     return work if async_op else work.wait(stream)
@@ -212,16 +219,39 @@ def _program(group: Group, unit: UnitLayout, shard_ptrs: list[int], slot: Region
                     tuple((pc.offset, src(pc), pc.nbytes) for pc in column), own_parts, pulls)
 
 
+def _transport(group: Group, slot: Region) -> str:
+    return "multicast" if slot.buffer.multicast else group.config.ag_transport
+
+
+def _grant(group: Group, ex: Any, slot: Region) -> None:
+    """Tell every node-local peer that our slot may take its next gather.
+
+    [Note: early grant]
+    A grant moves no data: it lets peers write our slot once our stream's
+    earlier work (which may still read the slot) is done. A repeated call
+    grants before the ranks agree on its validity, so the grant's trip over
+    the link overlaps the agreement. If the agreement fails, no rank pushes,
+    the slot's use count stays, and the next call grants the same value again.
+    (A pull gather writes only its own slot: no grants.)
+    """
+    if _transport(group, slot) == "pull":
+        return
+    topo = group.topology
+    me, L = topo.local_rank, topo.local_size
+    use = slot.uses[AG_CHANNEL] + 1
+    for k in range(1, L):
+        ex.signal(ex.COMPUTE, slot.flag((me + k) % L, AG_CHANNEL, FREE, me), use)
+
+
 def _issue(group: Group, ex: Any, program: _Program, slot: Region) -> None:
+    """Everything after the grants (issued first, by :func:`_grant`: no rank
+    waits before it has granted)."""
     topo = group.topology
     me, L = topo.local_rank, topo.local_size
     use = slot.uses[AG_CHANNEL] = slot.uses[AG_CHANNEL] + 1
     peers = [(me + k) % L for k in range(1, L)]
     after_net = topo.num_nodes > 1
-    transport = "multicast" if slot.buffer.multicast else group.config.ag_transport
-    if transport != "pull":
-        for p in peers:  # grants first: no rank waits before it has granted
-            ex.signal(ex.COMPUTE, slot.flag(p, AG_CHANNEL, FREE, me), use)
+    transport = _transport(group, slot)
     for sends, recvs in program.exchanges:
         ex.exchange(ex.NET, sends, recvs)
     if transport == "pull":

@@ -408,12 +408,13 @@ def trace(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], calls: int,
     host also marks validation, the executor, ``finish`` and the views."""
     from tidearray import _validate
     from tidearray._arena import Region
+    from tidearray._cache import CallCache
     from tidearray.backends._cuda_exec import CudaExecutor
 
     names = ("_copy", "_wait", "_signal", "_accumulate", "_depend")
     orig = {n: getattr(CudaExecutor, n) for n in names}
-    hooks = [(_validate, "check"), (CudaExecutor, "__init__"), (CudaExecutor, "finish"),
-             (Region, "views")]
+    hooks = [(_validate, "resolve_all"), (CallCache, "get"), (_validate, "check"),
+             (CudaExecutor, "__init__"), (CudaExecutor, "finish"), (Region, "views")]
     hooked = {(o, n): getattr(o, n) for o, n in hooks}
     marks: list = []
     h0 = [0.0]

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 import tidearray
 
-from .._util import BF16, FP16, FP32, agree, to_numpy, to_xp
+from .._util import BF16, FP16, FP32, agree, compare_bits, to_numpy, to_xp
 from ._cases import POISON_BYTE, check_usable, full_params, poison, rank_grads, slot_bytes
 
 WORLD = MPI.COMM_WORLD.Get_size()
@@ -309,3 +309,30 @@ def test_all_gather_rejects_a_float_dimension(group, slots):
     _run_ag_case(group, slots, Case(
         lambda c: _ag(c, _swap(unit(), 2, (2.5,)) if c.bad else None, c.shards(unit())),
         ("rank {bad}", "shape")))
+
+
+def test_a_repeated_call_rejected_by_one_rank(group, slots):
+    """Good ranks repeat a call they made before, so they grant their slot before
+    the ranks agree ([Note: early grant] in ``_all_gather``); the last rank's
+    shape differs. Every rank raises, no slot is written, and the same call then
+    gathers bitwise right, twice (the slot's use count survived)."""
+    if WORLD == 1:
+        pytest.skip("a disagreement between ranks needs 2+ ranks")
+    seed = group.comm.bcast(int(np.random.default_rng().integers(1 << 30)))
+    shapes = unit()
+    fulls = full_params(shapes, BF16, seed)
+    xp = group.backend.xp
+    shards = [tidearray.shard(to_xp(xp, f), rank=group.rank, world=WORLD) for f in fulls]
+    for _ in range(2):  # validated, its program cached
+        tidearray.all_gather(shards, shapes, group=group, slot=slots[0])
+    _run_ag_case(group, slots, Case(
+        lambda c: dict(shards=shards, shapes=_swap(shapes, 1, (3 * WORLD, 5)) if c.bad
+                       else shapes),
+        ("parameter 1", "rank {bad}", "shape"), cross=True))
+    failures = []
+    for k in range(2):
+        poison(slots[0])
+        outs = tidearray.all_gather(shards, shapes, group=group, slot=slots[0])
+        failures += [x for i, (o, f) in enumerate(zip(outs, fulls))
+                     for x in compare_bits(o, f, f"call {k}: parameter {i}")]
+    agree(group.comm, failures)
