@@ -49,6 +49,13 @@ def unit_nbytes(shapes: Sequence[Sequence[int]], dtype: Any, group: Optional[Gro
     return _unit(shapes, _dtypes.normalize(dtype).itemsize, world).nbytes
 
 
+def _resolve(group: Group, shards: Any) -> list:
+    shards, errors = _validate.resolve_all(group.backend, shards, "shard")
+    if errors:
+        _validate.check(group, "all_gather", (("inputs", "unresolvable"),), errors)
+    return shards
+
+
 def _shapes(group: Group, shapes: Any) -> tuple:
     try:
         return tuple(tuple(operator.index(d) for d in s) for s in shapes)  # 2.5 is no dim
@@ -114,12 +121,14 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
     """
     group = group or default_group()
     be = group.backend
-    shards, errors = _validate.resolve_all(be, shards, "shard")
-    if errors:
-        _validate.check(group, "all_gather", (("inputs", "unresolvable"),), errors)
+    arrays = be.fingerprint(shards)  # the backend's own arrays: no resolving on a repeat
+    resolved = None
+    if arrays is None:
+        resolved = _resolve(group, shards)
+        arrays = tuple((s.ptr, s.nbytes, s.dtype, s.contiguous) for s in resolved)
     try:  # shapes equal to a validated call's find its entry; others are normalized
         key = ("all_gather", tuple(map(tuple, shapes)), None if slot is None else slot.id,
-               tuple((s.ptr, s.nbytes, s.dtype, s.contiguous) for s in shards))
+               arrays)
         call = group.calls.get(key)
     except TypeError:  # not a list of sequences, or unhashable
         key, call = None, None
@@ -129,7 +138,8 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
         ex = be.executor(stream)
         _grant(group, ex, slot)
     if call is None:
-        call = _check(group, shards, _shapes(group, shapes), slot)
+        resolved = _resolve(group, shards) if resolved is None else resolved
+        call = _check(group, resolved, _shapes(group, shapes), slot)
         if key is not None:
             group.calls.put(key, call)
     else:
@@ -138,7 +148,7 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
         slot = default_region(group, "slot", call.unit.nbytes, ring=2)
     program = call.programs.get(slot.id)
     if program is None:
-        program = call.programs[slot.id] = _program(group, call.unit, [s.ptr for s in shards],
+        program = call.programs[slot.id] = _program(group, call.unit, [a[0] for a in arrays],
                                                     slot)
     if ex is None:
         ex = be.executor(stream)

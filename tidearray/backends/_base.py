@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 from .._errors import TideBackendError, TideInvalid
 from .._layout import Copy
@@ -207,6 +207,16 @@ class Backend(abc.ABC):
         Raises:
             TideInvalid: ``obj`` is not an array this backend can address.
         """
+
+    def fingerprint(self, objs: Any) -> Optional[tuple]:
+        """A cheap cache key for a list of this backend's own arrays, or None.
+
+        One tuple per array, its address first, holding everything
+        :meth:`resolve` would check (size, dtype, contiguity, device), so a
+        repeated call can find its validated entry without resolving each
+        array. None (resolve them) for anything else.
+        """
+        return None
 
     @abc.abstractmethod
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Any: ...

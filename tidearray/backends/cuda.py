@@ -257,6 +257,16 @@ class CudaBackend(Backend):
             dtype = _DTYPES.setdefault(arr.dtype, normalize(arr.dtype))
         return Resolved(arr, data.ptr, arr.nbytes, arr.shape, dtype, bool(contiguous))
 
+    def fingerprint(self, objs: Any) -> Optional[tuple]:
+        nd = self.xp.ndarray
+        if type(objs) not in (list, tuple) or set(map(type, objs)) != {nd}:
+            return None
+        try:
+            return tuple([(a.data.ptr, a.nbytes, a.dtype, a._c_contiguous, a.data.device_id)
+                          for a in objs])
+        except AttributeError:  # a CuPy without the flag attribute
+            return None
+
     def _import(self, obj: Any) -> Any:
         import cupy
 
