@@ -206,12 +206,14 @@ def sweep_ctas(comm: Any, cp: Any, stream: Any, g: Any, rs: Callable, record: Ca
 
 def copy_modes(comm: Any, cp: Any, stream: Any, copier: Any, fn: Callable, name: str,
                record: Callable, iters: int, recv: int = 0) -> None:
-    """``fn`` under other copy plans ([Note: copy plans]): everything in batches
-    (the previous behaviour), every copy alone, no 2D runs."""
-    default = (copier.large_min, copier.strided)
-    for mode, large_min, strided in (("batches", 1 << 62, False), ("singles", 0, True),
-                                     ("no2d", default[0], False)):
-        copier.configure(large_min, strided)
+    """``fn`` under other copy plans ([Note: copy plans]): ``singles`` (copies of
+    4 MiB or more alone, pairs as 2D copies: the plan before run 6), every copy
+    alone, no 2D runs."""
+    default = (copier.large_min, copier.strided, copier.min_rows)
+    for mode, large_min, strided, rows in (("singles", 4 << 20, True, 2),
+                                           ("alone", 0, True, default[2]),
+                                           ("no2d", default[0], False, default[2])):
+        copier.configure(large_min, strided, rows)
         res = timed(comm, cp, stream, fn, iters)
         extra = {"recv_GBps": recv / res["median_s"] / 1e9} if recv else {}
         record(f"{name}_{mode}", res, **extra)
