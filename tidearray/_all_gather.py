@@ -249,6 +249,8 @@ def _grant(group: Group, ex: Any, slot: Region) -> None:
     topo = group.topology
     me, L = topo.local_rank, topo.local_size
     use = slot.uses[AG_CHANNEL] + 1
+    # On COMPUTE: after its earlier work, which may still read staging that a
+    # reduce-scatter kept in this slot (Slot-Reuse).
     for k in range(1, L):
         ex.signal(ex.COMPUTE, slot.flag((me + k) % L, AG_CHANNEL, FREE, me), use)
 
