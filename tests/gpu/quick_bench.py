@@ -250,6 +250,63 @@ def pull_probe(comm: Any, cp: Any, stream: Any, g: Any, arena: Any, ag: Callable
                recv_GBps_pipelined=recv / res["pipelined_s"] / 1e9, pieces=len(pieces))
 
 
+def host_probe(comm: Any, cp: Any, stream: Any, g: Any, record: Callable,
+               calls: int = 2000) -> None:
+    """Host cost of each driver call on a collective's issue path (us per call,
+    ``calls`` in a row, then a sync): events, stream waits, flag writes and
+    waits, and 9-entry batches and single copies of 4 KiB into local memory and
+    into a peer's legacy-IPC and VMM memory (where the driver's per-copy work
+    differs)."""
+    from tidearray.backends._cuda_memory import IpcSymmetricBuffer
+    from tidearray.backends._cuda_vmm import VmmSymmetricBuffer
+
+    be, rt = g.backend, cp.cuda.runtime
+    me, peer = g.local_rank, (g.local_rank + 1) % g.local_size
+    n, size = 9, 4096
+    ipc = IpcSymmetricBuffer(g.node_comm, 2 * n * size, be.device)
+    vmm = VmmSymmetricBuffer(g.node_comm, 2 * n * size, be.device)
+    local = cp.zeros(2 * n * size, cp.uint8)
+    flag = cp.zeros(1, cp.int32)
+    flag[0] = 1
+    ev = cp.cuda.Event(block=False, disable_timing=True)
+
+    def batch(dst: int) -> tuple:
+        return tuple((dst + k * size, local.data.ptr + (n + k) * size, size) for k in range(n))
+
+    batches = {name: batch(dst) for name, dst in (("local", local.data.ptr),
+                                                  ("ipc_peer", ipc.ptr(peer)),
+                                                  ("vmm_peer", vmm.ptr(peer)),
+                                                  ("vmm_own", vmm.ptr(me)))}
+    cases = {
+        "event_create": lambda: cp.cuda.Event(block=False, disable_timing=True),
+        "event_record": lambda: rt.eventRecord(ev.ptr, stream.ptr),
+        "stream_wait_event": lambda: rt.streamWaitEvent(stream.ptr, ev.ptr, 0),
+        "write_value_local": lambda: be.flags.signal(stream, flag.data.ptr, 1),
+        "wait_value_local": lambda: be.flags.wait(stream, flag.data.ptr, 1),
+        "board_agree": lambda: g.agree_max([1, 2, 3]),
+    }
+    for name, copies in batches.items():
+        be.copier.copy(stream.ptr, copies)  # plan once
+        cases[f"batch9_{name}"] = lambda c=copies: be.copier.copy(stream.ptr, c)
+        cases[f"memcpy_{name}"] = lambda c=copies[0]: rt.memcpyAsync(c[0], c[1], c[2], 4,
+                                                                     stream.ptr)
+    for name, fn in cases.items():
+        for _ in range(50):
+            fn()
+        stream.synchronize()
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t = (time.perf_counter() - t0) / calls
+        stream.synchronize()
+        t = comm.allreduce(t, op=MPI.MAX)
+        record(f"host_{name}", {"median_s": t, "pipelined_s": t, "host_s": t,
+                                "iters": calls})
+    ipc.free()
+    vmm.free()
+
+
 def link_probe(comm: Any, cp: Any, stream: Any, g: Any, shapes: list, shards: list,
                arena: Any, record: Callable, records: list, iters: int,
                recv: int) -> None:
@@ -406,8 +463,9 @@ def trace(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], calls: int,
     host issued it, when its lane reached it and when it was done, in us from a
     start event on ``stream`` (timing events recorded around each op; every
     rank, to ``path``). Back to back, or ``spaced`` as in :func:`timed` (a device
-    sync and a barrier before each call, times from that call's start): then the
-    host also marks validation, the executor, ``finish`` and the views."""
+    sync and a barrier before each call, times from that call's start): then
+    only copies get timing events, and the host also marks resolving, the call
+    cache, validation, the executor, ``finish`` and the views."""
     from tidearray import _validate
     from tidearray._arena import Region
     from tidearray._cache import CallCache
@@ -423,8 +481,12 @@ def trace(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], calls: int,
 
     def wrap(name: str) -> Callable:
         def op(self: Any, lane: int, *a: Any) -> None:
-            s = self._lane(lane)
             h = (time.perf_counter() - h0[0]) * 1e6
+            if spaced and name != "_copy":  # host marks only: events would delay the copies
+                orig[name](self, lane, *a)
+                marks.append((name[1:], lane, "", h, None, None))
+                return
+            s = self._lane(lane)
             t0, t1 = cp.cuda.Event(), cp.cuda.Event()
             t0.record(s)
             orig[name](self, lane, *a)
@@ -481,7 +543,7 @@ def trace(comm: Any, cp: Any, stream: Any, fn: Callable[[int], Any], calls: int,
         if lane == "host":
             lines.append(f"  host     {name:<10} {'':>10} {h:9.1f} (returned {t0:7.1f})")
         elif t0 is None:
-            lines.append(f"  {lane:<8} {name:<10} {size!s:>10} {h:9.1f}")
+            lines.append(f"  {lane!s:<8} {name:<10} {size!s:>10} {h:9.1f}")
         else:
             a = cp.cuda.get_elapsed_time(start, t0) * 1e3
             b = cp.cuda.get_elapsed_time(start, t1) * 1e3
@@ -594,6 +656,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             trace(comm, cp, stream, ag, 3, args.trace, spaced=True)
         if args.pull_probe and W == 2 and g.local_size == 2:
             pull_probe(comm, cp, stream, g, arena, ag, record, args.iters, recv)
+        if args.host_probe and g.local_size > 1:
+            host_probe(comm, cp, stream, g, record)
         if args.link_probe and W == 2 and g.local_size == 2:
             link_probe(comm, cp, stream, g, shapes, shards, arena, record, records, args.iters,
                        recv)
@@ -686,6 +750,8 @@ def main() -> None:
     p.add_argument("--link-probe", action="store_true",
                    help="time pulls, pushes and both at once over the link, and pulls "
                         "straight from shards in symmetric memory")
+    p.add_argument("--host-probe", action="store_true",
+                   help="time each driver call of the issue path on the host")
     p.add_argument("--many", action="store_true",
                    help="time 384 small pulls as one batch, one graph and one 2D copy")
     p.add_argument("--skip-calibration", action="store_true",
