@@ -60,15 +60,14 @@ class Config:
     a peer is cut into this many runs of equal bytes, so several copy engines
     share the link (cuda). Env: ``TIDE_CE_SPLIT``."""
 
-    symmetric_memory: str = "ipc"
+    symmetric_memory: str = "auto"
     """How symmetric memory (slots, staging) is allocated and mapped on the cuda
-    backend: ``"ipc"`` (default: ``cudaMalloc`` and legacy IPC handles over MPI;
-    works wherever the driver allows IPC), ``"vmm"`` (``cuMemCreate``, file
-    descriptors passed over Unix sockets; on 2xH200 a copy-engine write into a
-    peer's VMM memory ran at 388 GB/s, into legacy-IPC memory at 273 GB/s; but
-    copies from JAX arrays fault when JAX in each process sees every GPU, see
-    docs/backends.md), or ``"auto"`` (VMM where every node-local rank can pass
-    descriptors, else IPC). Env: ``TIDE_SYMMETRIC_MEMORY``."""
+    backend: ``"auto"`` (default: VMM where every node-local rank can pass
+    descriptors, else legacy IPC), ``"vmm"`` (``cuMemCreate``, file descriptors
+    passed over Unix sockets; on 2xH200 a copy-engine write into a peer's VMM
+    memory ran at 388 GB/s, into legacy-IPC memory at 273 GB/s), or ``"ipc"``
+    (``cudaMalloc`` and legacy IPC handles over MPI; works wherever the driver
+    allows IPC). Env: ``TIDE_SYMMETRIC_MEMORY``."""
 
     batch_copies: Optional[bool] = None
     """Use batched copies (``cuMemcpyBatchAsync``) for a call's small copies; None

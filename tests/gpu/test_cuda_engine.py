@@ -137,27 +137,53 @@ def test_all_gather_launches_no_kernels(cuda_group, cp, tmp_path):
     assert not any(everything), everything
 
 
-@pytest.mark.parametrize("transport", ["push", "pull"])
-def test_vmm_symmetric_memory_units(cuda_group, cp, transport):
-    """The opt-in VMM route (``symmetric_memory="vmm"``) on the unit shapes, with the
-    slots and staging it maps; back-to-back calls advance its flags. It runs before
-    the interop tests: with JAX in the process seeing every GPU, VMM peer copies are
-    known to fault (docs/backends.md), so it is skipped once JAX is loaded."""
-    import sys
+def test_repeated_all_gather_follows_its_arrays(cuda_group, cp):
+    """The fingerprint cache (``CudaBackend.fingerprint``): the same list gathered
+    again, then with one entry replaced in place, then new arrays after the old
+    ones died (ids and addresses may be reused), each bitwise against NumPy."""
+    g = cuda_group
+    rng = np.random.default_rng(g.comm.bcast(int(np.random.default_rng().integers(1 << 30))))
+    shapes = [(4 * g.size + 1, 8), (3 * g.size, 16), (5,)]
 
+    def make() -> tuple[list, list]:
+        full = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+        return full, [cp.asarray(tidearray.shard(f, rank=g.rank, world=g.size)) for f in full]
+
+    def check(shards: list, full: list, label: str) -> list[str]:
+        outs = tidearray.all_gather(shards, shapes, group=g)
+        return [f"{label}: parameter {i}" for i, (o, f) in enumerate(zip(outs, full))
+                if not (cp.asnumpy(o).view(np.uint32) == f.view(np.uint32)).all()]
+
+    full, shards = make()
+    bad = check(shards, full, "first") + check(shards, full, "repeated")
+    full2, shards2 = make()
+    full[1], shards[1] = full2[1], shards2[1]
+    bad += check(shards, full, "one entry replaced")
+    del shards2
+    full, shards = make()
+    bad += check(shards, full, "new arrays")
+    everything = g.comm.allgather(bad)
+    assert not any(everything), everything
+
+
+@pytest.mark.parametrize("memory", ["vmm", "ipc"])
+@pytest.mark.parametrize("transport", ["push", "pull"])
+def test_symmetric_memory_routes_units(cuda_group, cp, memory, transport):
+    """Each symmetric-memory route (``symmetric_memory``: VMM, legacy IPC) on the
+    unit shapes, with the slots and staging it maps; back-to-back calls advance
+    its flags. The rest of the suite runs on the default route."""
     from .test_cuda_units import _agree, _guarded, gather_and_check, reduce_and_check
 
-    if cuda_group.comm.allreduce(int("jax" in sys.modules)):
-        pytest.skip("JAX is loaded: VMM symmetric memory is not supported beside it")
-    g = tidearray.init(backend="cuda", symmetric_memory="vmm", ag_transport=transport)
+    g = tidearray.init(backend="cuda", symmetric_memory=memory, ag_transport=transport)
     try:
         route = g.backend.capabilities["symmetric memory"]
-        bad = [] if "VMM" in route[1] else [f"expected the VMM route, got {route}"]
+        want = {"vmm": "VMM", "ipc": "legacy CUDA IPC"}[memory]
+        bad = [] if want in route[1] else [f"expected the {want} route, got {route}"]
         for unit in ("llama3.1-8b", "qwen3-30b-a3b"):
             for _ in range(2):
                 bad += _guarded(gather_and_check, g, cp, UNITS[unit]())
             bad += _guarded(reduce_and_check, g, cp, UNITS[unit]())
-        _agree(g, bad, f"VMM {transport}")
+        _agree(g, bad, f"{memory} {transport}")
     finally:
         g.comm.Barrier()
         g.close()
