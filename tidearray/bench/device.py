@@ -16,10 +16,16 @@ import numpy as np
 
 
 class WallTimer:
-    """``start``/``stop`` on the host clock; ``seconds()`` after ``stop``."""
+    """``start``/``lap``/``stop`` on the host clock; ``seconds()`` after ``stop``."""
+
+    def __init__(self, laps: int = 0) -> None:
+        self._laps: list[float] = []
 
     def start(self) -> None:
         self._t0 = time.perf_counter()
+
+    def lap(self) -> None:
+        self._laps.append(time.perf_counter())
 
     def stop(self) -> None:
         self._t1 = time.perf_counter()
@@ -27,18 +33,32 @@ class WallTimer:
     def seconds(self) -> float:
         return self._t1 - self._t0
 
+    def lap_seconds(self) -> list[float]:
+        """Time from the start (then from each lap) to each lap."""
+        marks = [self._t0, *self._laps]
+        return [b - a for a, b in zip(marks, marks[1:])]
+
 
 class EventTimer:
-    """CUDA events recorded on ``stream``; ``seconds()`` waits for the end event."""
+    """CUDA events recorded on ``stream``; ``seconds()`` waits for the end event.
 
-    def __init__(self, stream: Any) -> None:
+    ``laps`` events are made up front, so a lap costs one record between calls.
+    """
+
+    def __init__(self, stream: Any, laps: int = 0) -> None:
         import cupy
 
         self.stream = stream
         self._e0, self._e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        self._laps = [cupy.cuda.Event() for _ in range(laps)]
+        self._used = 0
 
     def start(self) -> None:
         self._e0.record(self.stream)
+
+    def lap(self) -> None:
+        self._laps[self._used].record(self.stream)
+        self._used += 1
 
     def stop(self) -> None:
         self._e1.record(self.stream)
@@ -48,6 +68,14 @@ class EventTimer:
 
         self._e1.synchronize()
         return cupy.cuda.get_elapsed_time(self._e0, self._e1) * 1e-3
+
+    def lap_seconds(self) -> list[float]:
+        """Time from the start (then from each lap) to each lap."""
+        import cupy
+
+        self._e1.synchronize()
+        marks = [self._e0, *self._laps[:self._used]]
+        return [cupy.cuda.get_elapsed_time(a, b) * 1e-3 for a, b in zip(marks, marks[1:])]
 
 
 class HostDevice:
@@ -66,8 +94,8 @@ class HostDevice:
     def sync(self) -> None:
         pass
 
-    def timer(self) -> WallTimer:
-        return WallTimer()
+    def timer(self, laps: int = 0) -> WallTimer:
+        return WallTimer(laps)
 
     def mem_used(self) -> Optional[int]:
         return None
@@ -108,8 +136,8 @@ class CudaDevice:
     def sync(self) -> None:
         self.dev.synchronize()
 
-    def timer(self, stream: Any = None) -> EventTimer:
-        return EventTimer(stream or self.stream)
+    def timer(self, stream: Any = None, laps: int = 0) -> EventTimer:
+        return EventTimer(stream or self.stream, laps)
 
     def mem_used(self) -> int:
         """Device bytes in use by anyone (``total - free`` of ``cudaMemGetInfo``)."""

@@ -68,12 +68,17 @@ def _time(ctx: Any, op: str, impl: Any, data: UnitData, fn: Any, prep: Any) -> O
                                         pre=prep.pre.get(op)))
     if not ok:
         return None
-    t = stats.median
-    bw = recv_nbytes(unit, ctx.size) / t / 1e9
+    t, b2b = stats.median, stats.back_to_back
+    recv = recv_nbytes(unit, ctx.size)
+    bw = recv / t / 1e9
     common = {"kind": unit.kind, "x": unit.x, "nparams": unit.nparams, "nbytes": unit.nbytes}
     ctx.sink.add(op, impl.name, unit.name, "time", t, "s", **stats.summary(), **common)
     ctx.sink.add(op, impl.name, unit.name, "bandwidth", bw, "GB/s", **common)
-    ctx.log(f"  {impl.name:<12} {t * 1e6:10.1f} us  {bw:8.1f} GB/s per rank")
+    if b2b:
+        ctx.sink.add(op, impl.name, unit.name, "bandwidth_back_to_back", recv / b2b / 1e9,
+                     "GB/s", **common)
+    ctx.log(f"  {impl.name:<12} {t * 1e6:10.1f} us  {bw:8.1f} GB/s per rank" + (
+        f"  (back to back {b2b * 1e6:.1f} us, {recv / b2b / 1e9:.1f} GB/s)" if b2b else ""))
     return t
 
 

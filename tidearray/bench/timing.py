@@ -26,6 +26,13 @@ class Stats:
     host: tuple[float, ...] = ()
     #: Mean time per call of ``iters`` calls issued back to back (host issue overlapped).
     pipelined: Optional[float] = None
+    #: Per call of those back-to-back calls (from one call's end to the next's,
+    #: max over ranks); their median is :attr:`back_to_back`.
+    laps: tuple[float, ...] = ()
+
+    @property
+    def back_to_back(self) -> Optional[float]:
+        return float(np.median(self.laps)) if self.laps else None
 
     @property
     def median(self) -> float:
@@ -46,6 +53,8 @@ class Stats:
             out["host_median_s"] = float(np.median(self.host))
         if self.pipelined is not None:
             out["pipelined_s"] = self.pipelined
+        if self.laps:
+            out["back_to_back_median_s"] = self.back_to_back
         return out
 
 
@@ -55,7 +64,8 @@ def measure(ctx: Any, fn: Callable[[], Any], *, iters: int = MIN_ITERS, warmup: 
 
     ``pre`` runs untimed before every iteration. Without ``pre``, the same
     number of calls is then issued back to back between two events
-    (``Stats.pipelined``). Collective: every rank must call it with the same
+    (``Stats.pipelined``, their mean), with an event after each call
+    (``Stats.back_to_back``, the median per call). Collective: every rank must call it with the same
     ``iters`` and ``warmup``.
     """
     dev = ctx.dev
@@ -77,17 +87,19 @@ def measure(ctx: Any, fn: Callable[[], Any], *, iters: int = MIN_ITERS, warmup: 
         host[i] = time.perf_counter() - h0
         t.stop()
         times[i] = t.seconds()
-    piped = None
+    piped, laps = None, ()
     if pre is None:
         ctx.comm.Barrier()
-        t = dev.timer(stream) if stream is not None else dev.timer()
+        t = dev.timer(stream, laps=iters) if stream is not None else dev.timer(laps=iters)
         t.start()
         for _ in range(iters):
             fn()
+            t.lap()
         t.stop()
         piped = float(allreduce_max(ctx.comm, [t.seconds() / iters])[0])
+        laps = tuple(allreduce_max(ctx.comm, t.lap_seconds()).tolist())
     return Stats(tuple(allreduce_max(ctx.comm, times).tolist()),
-                 tuple(allreduce_max(ctx.comm, host).tolist()), piped)
+                 tuple(allreduce_max(ctx.comm, host).tolist()), piped, laps)
 
 
 def allreduce_max(comm: Any, values: Sequence[float]) -> np.ndarray:
