@@ -1,5 +1,8 @@
-"""Which copies into a peer's VMM memory fault once JAX is in the process
-(diagnostic: ``mpirun -n 2 python tests/gpu/vmm_jax_probe.py [own]``)."""
+"""Copies from CuPy and JAX arrays into a peer's VMM memory, before and after JAX
+starts (diagnostic: ``mpirun -n 2 python tests/gpu/vmm_jax_probe.py [own]``; ``own``
+limits JAX to the rank's GPU). They faulted once JAX (seeing every GPU) was in the
+process while only our device had access to the mapping; every line prints True
+since mappings grant every peer-capable device (``_cuda_vmm.peer_devices``)."""
 import os
 import sys
 

@@ -6,7 +6,9 @@ IPC handle (``cudaIpcGetMemHandle``), and the handles are exchanged with one
 handle once (``cudaIpcOpenMemHandle``), at allocation, never per step, since
 an import costs milliseconds (22 ms measured on 2xH200).
 
-Why legacy IPC and not VMM (``cuMemCreate`` with POSIX file descriptors):
+Legacy IPC is the fallback of ``Config.symmetric_memory="auto"`` (the
+default prefers VMM, ``_cuda_vmm``, which peers write faster) and the route
+of ``"ipc"``, because it works where VMM's handle passing does not:
 
 * a VMM handle is a file descriptor, which has to cross processes over a Unix
   domain socket with ``SCM_RIGHTS`` (or be fetched with ``pidfd_getfd``). In
@@ -16,13 +18,8 @@ Why legacy IPC and not VMM (``cuMemCreate`` with POSIX file descriptors):
   rank may sit in its own PID namespace;
 * a legacy IPC handle is 64 opaque bytes that any transport carries, here the
   MPI communicator the group already has; the driver does the rest. It worked
-  in these containers (DESIGN.md, "Measured facts");
-* with JAX in the process seeing every GPU (its default), copies from JAX
-  arrays into a peer's VMM memory faulted on 2xH200 (``tests/gpu/vmm_jax_probe.py``),
-  while the same copies into IPC memory work.
+  in these containers (DESIGN.md, "Measured facts").
 
-VMM (``_cuda_vmm``) is opt-in (``Config.symmetric_memory``), because peers
-write it faster, and it is what multicast slots need (``_cuda_multicast``).
 Memory here comes from ``cudaMalloc`` directly, not CuPy's pool, because an
 IPC handle maps a whole allocation from its base.
 """

@@ -5,9 +5,9 @@ exports a POSIX file descriptor, and hands it to every peer over an abstract
 Unix socket (:func:`exchange_fds`); each rank then imports and maps every
 peer's memory once, at allocation. Used for multicast slots, which only VMM
 memory can be bound to (``_cuda_multicast``), and for ordinary symmetric
-memory where ``Config.symmetric_memory`` asks for it: peers write VMM memory
-at the link's rate (388 GB/s on 2xH200, against 273 GB/s into legacy-IPC
-memory). See ``_cuda_memory`` for why legacy IPC stays the default.
+memory by default (``Config.symmetric_memory``): peers write VMM memory at the
+link's rate (388 GB/s on 2xH200, against 273 GB/s into legacy-IPC memory).
+See ``_cuda_memory`` for where legacy IPC is still needed.
 """
 
 from __future__ import annotations

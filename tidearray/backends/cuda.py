@@ -1,12 +1,12 @@
-"""The cuda backend: CuPy arrays, IPC symmetric memory, copy engines, stream flags, NCCL.
+"""The cuda backend: CuPy arrays, symmetric memory, copy engines, stream flags, NCCL.
 
 How each primitive runs (all asynchronous, on the lane streams of
 ``_cuda_exec``, [Note: streams]):
 
-* symmetric memory: legacy CUDA IPC, mapped once per allocation
-  (``_cuda_memory``, which says why not VMM);
-* ``copy``: each call's batch planned once into 2D copies, large single
-  copies and one ``cuMemcpyBatchAsync``, copy engines only (``_cuda_copy``);
+* symmetric memory: VMM where descriptors pass (``_cuda_vmm``), else legacy
+  CUDA IPC (``_cuda_memory``, which says when), mapped once per allocation;
+* ``copy``: each call's batch planned once into 2D copies and one
+  ``cuMemcpyBatchAsync``, copy engines only (``_cuda_copy``);
 * ``signal`` / ``wait``: ``cuStreamWriteValue32`` / ``cuStreamWaitValue32``,
   zero SMs (``_cuda_flags``);
 * ``accumulate``: one short kernel per call (``kernels/accumulate.cu``,
