@@ -38,6 +38,22 @@ from ._base import SymmetricBuffer
 _LAZY_PEER = 1
 
 
+def device_view(mem: Any, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
+    """A CuPy array over the CuPy memory object ``mem`` at byte ``offset``.
+
+    Raises:
+        IndexError: the view would reach outside ``mem``.
+    """
+    import cupy
+
+    dtype = normalize(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    if offset < 0 or offset + count * dtype.itemsize > mem.size:
+        raise IndexError(f"view of {count * dtype.itemsize} bytes at {offset} is outside "
+                         f"a symmetric buffer of {mem.size} bytes")
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, offset))
+
+
 class IpcSymmetricBuffer(SymmetricBuffer):
     """``nbytes`` of device memory on every node-local rank, each mapped by all.
 
@@ -84,14 +100,7 @@ class IpcSymmetricBuffer(SymmetricBuffer):
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
         """A CuPy array over this rank's memory at byte ``offset`` (keeps this buffer alive)."""
-        import cupy
-
-        dtype = normalize(dtype)
-        count = int(np.prod(shape, dtype=np.int64))
-        if offset < 0 or offset + count * dtype.itemsize > self._mem.size:
-            raise IndexError(f"view of {count * dtype.itemsize} bytes at {offset} is outside "
-                             f"a symmetric buffer of {self._mem.size} bytes")
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(self._mem, offset))
+        return device_view(self._mem, offset, shape, dtype)
 
     def _close_peers(self) -> None:
         import cupy

@@ -17,11 +17,9 @@ import socket
 import uuid
 from typing import Any, Optional, Sequence
 
-import numpy as np
-
-from .._dtypes import normalize
 from .._errors import TideBackendError
 from ._base import SymmetricBuffer
+from ._cuda_memory import device_view
 
 
 def exchange_fds(node_comm: Any, fds: Sequence[int], timeout: float = 30.0) -> list[list[int]]:
@@ -213,16 +211,12 @@ class VmmSymmetricBuffer(SymmetricBuffer):
         return self._ptrs[local_rank]
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A CuPy array over this rank's memory at byte ``offset`` (keeps this buffer alive)."""
         import cupy
 
-        dtype = normalize(dtype)
-        count = int(np.prod(shape, dtype=np.int64))
-        if offset < 0 or offset + count * dtype.itemsize > self._size:
-            raise IndexError(f"view of {count * dtype.itemsize} bytes at {offset} is outside "
-                             f"a symmetric buffer of {self._size} bytes")
         mem = cupy.cuda.UnownedMemory(self._ptrs[self._comm.rank], self._size, self,
                                       self.device)
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, offset))
+        return device_view(mem, offset, shape, dtype)
 
     def _unmap(self) -> list:
         """Unmap every mapping; the handles still to release."""
