@@ -23,7 +23,7 @@ from . import _dtypes, _validate
 from ._arena import AG_CHANNEL, ARRIVED, DONE, FREE, READY, Region, default_region
 from ._errors import TideInvalid
 from ._group import Group, default_group
-from ._layout import UnitLayout, ag_pieces, internode_ag_steps, plan_unit, split_copies
+from ._layout import UnitLayout, ag_pieces, cached_unit, internode_ag_steps, split_copies
 from ._work import Work
 
 #: Parts of a pull gather, and the unit size below which it uses one part.
@@ -36,17 +36,12 @@ def _pieces(unit: UnitLayout, ranks: tuple[int, ...]) -> tuple:
     return ag_pieces(unit, ranks)
 
 
-@functools.lru_cache(maxsize=512)
-def _unit(shapes: tuple, itemsize: int, world: int) -> UnitLayout:
-    return plan_unit(shapes, itemsize, world)
-
-
 def unit_nbytes(shapes: Sequence[Sequence[int]], dtype: Any, group: Optional[Group] = None,
                 world: Optional[int] = None) -> int:
     """Slot bytes that the full parameters of ``shapes`` need (with alignment)."""
     world = world or (group or default_group()).size
     shapes = tuple(tuple(operator.index(d) for d in s) for s in shapes)
-    return _unit(shapes, _dtypes.normalize(dtype).itemsize, world).nbytes
+    return cached_unit(shapes, _dtypes.normalize(dtype).itemsize, world).nbytes
 
 
 def _resolve(group: Group, shards: Any) -> list:
@@ -70,7 +65,7 @@ def _check(group: Group, shards: list, shapes: tuple, slot: Optional[Region]) ->
     if len(shards) != len(shapes):
         errors.insert(0, f"expected one shard per shape ({len(shapes)}), got {len(shards)}")
     try:
-        unit = _unit(shapes, dtype.itemsize, group.size)
+        unit = cached_unit(shapes, dtype.itemsize, group.size)
     except TideInvalid as e:
         errors.append(str(e))
         unit = None
@@ -89,8 +84,9 @@ def _check(group: Group, shards: list, shapes: tuple, slot: Optional[Region]) ->
                                   "got one that aliases it")
     signature = (("shapes", shapes), ("dtype", str(dtype)),
                  ("slot", None if slot is None else slot.id))
-    _validate.check(group, "all_gather", signature, errors)
-    return _AgCall(unit, dtype, signature, _validate.digest(signature), {})
+    digest = _validate.digest(signature)
+    _validate.check(group, "all_gather", signature, errors, known_digest=digest)
+    return _AgCall(unit, dtype, signature, digest, {})
 
 
 def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
@@ -179,6 +175,8 @@ class _Program:
         pushes: per node-local peer, the copies into that peer's slot (unicast).
         column: (offset, src, nbytes) of everything this rank's column holds,
             for a multicast write.
+        batch: the own copies, then every peer's pushes in issue order, as one
+            batch (the ``push-batch`` transport).
         own_parts: the own copies cut into the pull transport's parts.
         pulls: per node-local peer, that peer's slot cut into the same parts,
             as copies into this rank's slot.
@@ -187,6 +185,7 @@ class _Program:
     exchanges: tuple
     own: tuple
     pushes: dict
+    batch: tuple
     column: tuple
     own_parts: tuple
     pulls: dict
@@ -225,7 +224,9 @@ def _program(group: Group, unit: UnitLayout, shard_ptrs: list[int], slot: Region
     pulls = {q: tuple(tuple(run) for run in split_copies(
         [(base + pc.offset, slot.ptr(q) + pc.offset, pc.nbytes)
          for pc in _pieces(unit, topo.column(q))], parts)) for q in range(L) if q != me}
-    return _Program(tuple(exchanges), own, pushes,
+    # The copier keeps its plans by a batch's identity: built once, here.
+    batch = own + tuple(c for k in range(1, L) for c in pushes[(me + k) % L])
+    return _Program(tuple(exchanges), own, pushes, batch,
                     tuple((pc.offset, src(pc), pc.nbytes) for pc in column), own_parts, pulls)
 
 
@@ -269,9 +270,7 @@ def _issue(group: Group, ex: Any, program: _Program, slot: Region) -> None:
     if transport == "pull":
         _pull(ex, slot, program, me, peers, use, after_net)
         return
-    push = {"multicast": _push_multicast, "push-batch": _push_single_batch,
-            "push": _push_per_peer}[transport]
-    push(ex, slot, program, me, peers, use, after_net)
+    _PUSHES[transport](ex, slot, program, me, peers, use, after_net)
     for q in peers:
         ex.wait(ex.COMPUTE, slot.flag(me, AG_CHANNEL, ARRIVED, q), use)
 
@@ -336,7 +335,7 @@ def _push_single_batch(ex: Any, slot: Region, program: _Program, me: int, peers:
     _start(ex, me, after_net)
     for p in peers:
         ex.wait(me, slot.flag(me, AG_CHANNEL, FREE, p), use)
-    ex.copy(me, list(program.own) + [c for p in peers for c in program.pushes[p]])
+    ex.copy(me, program.batch)
     for p in peers:
         ex.signal(me, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
 
@@ -353,3 +352,7 @@ def _push_multicast(ex: Any, slot: Region, program: _Program, me: int, peers: li
     ex.multicast_copy(me, slot.buffer, program.column)
     for p in peers:
         ex.signal(me, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
+
+
+_PUSHES = {"push": _push_per_peer, "push-batch": _push_single_batch,
+           "multicast": _push_multicast}

@@ -11,17 +11,14 @@ from __future__ import annotations
 class TideError(RuntimeError):
     """Base class of every error tidearray raises."""
 
+    def __reduce__(self):  # picklable, so ranks can exchange it
+        return (type(self), self.args)
+
 
 class TideInvalid(TideError, ValueError):
     """Invalid user input. The message says "expected X, got Y" and names the
     parameter index and the rank(s) at fault."""
 
-    def __reduce__(self):  # picklable, so ranks can exchange it
-        return (type(self), self.args)
-
 
 class TideBackendError(TideError):
     """A CUDA, NCCL or MPI call failed, or a peer stopped answering."""
-
-    def __reduce__(self):
-        return (type(self), self.args)

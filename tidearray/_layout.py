@@ -127,6 +127,13 @@ def plan_unit(
     return UnitLayout(specs, tuple(offsets), cursor)
 
 
+@functools.lru_cache(maxsize=512)
+def cached_unit(shapes: tuple, itemsize: int, world: int) -> UnitLayout:
+    """:func:`plan_unit` for normalized (hashable) shapes, cached: the collectives
+    plan the same units call after call."""
+    return plan_unit(shapes, itemsize, world)
+
+
 @dataclass(frozen=True)
 class Topology:
     """Ranks as ``nodes x local_size``; global rank = node * local_size + local_rank."""

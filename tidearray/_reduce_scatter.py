@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from . import _dtypes, _validate
-from ._all_gather import _unit
 from ._arena import ARRIVED, FREE, RS_CHANNEL0, Region, default_region
+from ._cache import CallCache
 from ._errors import TideInvalid
 from ._group import Group, default_group
-from ._layout import RsPlan, Topology, UnitLayout, plan_reduce_scatter
+from ._layout import RsPlan, Topology, UnitLayout, cached_unit, plan_reduce_scatter
 from ._validate import overlaps
 from ._work import Work
 from .backends._base import AccumPiece
@@ -38,14 +38,15 @@ def _plan(unit: UnitLayout, topo: Topology, chunk_nbytes: int, depth: int) -> Rs
 
 @dataclass
 class _RsCall:
-    """A validated reduce-scatter call, and its issue programs per (staging, outputs)."""
+    """A validated reduce-scatter call, and its issue programs per (staging, outputs):
+    the latest 8, since calls without ``out=`` get new result buffers each time."""
 
     unit: UnitLayout
     plan: RsPlan
     dtype: Any
     signature: tuple
     digest: int
-    programs: dict
+    programs: CallCache
 
 
 def _check(group: Group, grads: list, outs: Optional[list], op: str,
@@ -55,7 +56,7 @@ def _check(group: Group, grads: list, outs: Optional[list], op: str,
         errors.insert(0, f"expected op in {OPS}, got {op!r}")
     shapes = tuple(g.shape for g in grads)
     try:
-        unit = _unit(shapes, dtype.itemsize, group.size)
+        unit = cached_unit(shapes, dtype.itemsize, group.size)
     except TideInvalid as e:
         errors.append(str(e))
         unit = None
@@ -74,8 +75,9 @@ def _check(group: Group, grads: list, outs: Optional[list], op: str,
                        if staging.contains(g.ptr, g.nbytes)]
     signature = (("shapes", shapes), ("dtype", str(dtype)), ("op", op),
                  ("out", outs is not None), ("staging", None if staging is None else staging.id))
-    _validate.check(group, "reduce_scatter", signature, errors)
-    return _RsCall(unit, plan, dtype, signature, _validate.digest(signature), {})
+    digest = _validate.digest(signature)
+    _validate.check(group, "reduce_scatter", signature, errors, known_digest=digest)
+    return _RsCall(unit, plan, dtype, signature, digest, CallCache(8))
 
 
 def _check_outs(unit: UnitLayout, grads: list, outs: list) -> list[str]:
@@ -148,10 +150,8 @@ def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Seque
     dst_key = (tuple(o.ptr for o in outs) if final is None else final_ptr, partial_ptr)
     program = call.programs.get((staging.id, dst_key))
     if program is None:
-        if len(call.programs) >= 8:  # new result buffers each call: keep the latest few
-            call.programs.pop(next(iter(call.programs)))
-        program = call.programs[(staging.id, dst_key)] = _program(
-            group, call, [g.ptr for g in grads], outs, final_ptr, partial_ptr, staging)
+        program = call.programs.put((staging.id, dst_key), _program(
+            group, call, [g.ptr for g in grads], outs, final_ptr, partial_ptr, staging))
     ex = be.executor(stream)
     _issue(group, ex, call, program, staging, 1.0 / group.size if op == "avg" else 1.0)
     if outs is not None:
@@ -191,7 +191,6 @@ def _program(group: Group, call: _RsCall, grad_ptrs: list[int], outs: Optional[l
     else:
         out_ptrs = [final_ptr + o * 4 for o in plan.out_offsets]
     dst = out_ptrs if partial_ptr is None else _partial_ptrs(partial_ptr, plan, topo)
-    itemsize = _dtypes.normalize(call.dtype).itemsize
     chunks = []
     for k, chunk in enumerate(plan.chunks):
         boff = plan.buffer_of(k) * plan.buffer_nbytes
@@ -200,7 +199,7 @@ def _program(group: Group, call: _RsCall, grad_ptrs: list[int], outs: Optional[l
                   for p in range(L) if p != me}
         src_base = {q: staging.ptr(me) + boff + ((q - me) % L - 1) * plan.source_nbytes
                     for q in range(L) if q != me}
-        pieces = _accum_pieces(unit, chunk, topo, grad_ptrs, dst, src_base, itemsize)
+        pieces = _accum_pieces(unit, chunk, topo, grad_ptrs, dst, src_base)
         chunks.append((pushes, tuple(p for p in pieces if p.numel)))
     reduce = copy_out = None
     if partial_ptr is not None:
@@ -278,7 +277,7 @@ def _push_copies(unit: UnitLayout, chunk: Any, topo: Topology, p: int, grad_ptrs
 
 
 def _accum_pieces(unit: UnitLayout, chunk: Any, topo: Topology, grad_ptrs: list[int], dst: list,
-                  src_base: dict, itemsize: int) -> list[AccumPiece]:
+                  src_base: dict) -> list[AccumPiece]:
     me, L = topo.local_rank, topo.local_size
     pieces = []
     for m in range(topo.num_nodes):

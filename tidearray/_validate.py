@@ -11,6 +11,7 @@ from __future__ import annotations
 import zlib
 from typing import Any, Optional, Sequence
 
+from . import _dtypes
 from ._errors import TideInvalid
 
 
@@ -65,8 +66,6 @@ def resolve_all(backend: Any, objs: Any, what: str) -> tuple[list, list[str]]:
     Raising on one rank would leave the others waiting in :func:`check`, so
     failures become entries of the error list that ``check`` shares.
     """
-    from ._errors import TideInvalid
-
     if objs is None or isinstance(objs, (str, bytes)) or not hasattr(objs, "__len__"):
         return [], [f"expected a list of {what}s, got {type(objs).__name__}"]
     resolved, errors = [], []
@@ -83,8 +82,6 @@ def check_arrays(arrays: Sequence[Any], what: str) -> tuple[Any, list[str]]:
 
     Every array must have a supported dtype, the same one, and be C-contiguous.
     """
-    from . import _dtypes
-
     dtype = arrays[0].dtype if arrays else _dtypes.bfloat16
     errors = []
     for i, a in enumerate(arrays):

@@ -90,7 +90,8 @@ class Executor(abc.ABC):
         if not buffer.multicast:
             raise TideBackendError("multicast_copy: expected a buffer allocated with "
                                    "multicast=True, got a unicast one")
-        copies = [c for c in copies if c[2]]
+        if not all(c[2] for c in copies):  # keeps a cached program's tuple as it is
+            copies = tuple(c for c in copies if c[2])
         if copies:
             self._multicast_copy(lane, buffer, copies)
 
