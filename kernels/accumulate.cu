@@ -9,8 +9,9 @@
 //   srcs[n_src * n_pieces]: source pointers, piece-major, in summation order
 //
 // Piece p covers tiles [first_p, first_{p+1}) of `tile` elements each. Blocks
-// walk the tiles grid-stride (so the grid stays small, about two waves, and
-// short-lived) and find a tile's piece by binary search over the first tiles. For each element: acc = s0; acc += s1; ...;
+// walk the tiles grid-stride (so the grid stays small: half the SMs by
+// default, Config.accum_ctas) and find a tile's piece by binary search over
+// the first tiles. For each element: acc = s0; acc += s1; ...;
 // out = acc * scale, in fp32 with round-to-nearest and no contraction, which
 // is bitwise what the host backend computes. The multiply is skipped when
 // do_scale is 0 (scale == 1).

@@ -66,7 +66,6 @@ class Executor(abc.ABC):
     def __init__(self, local_size: int) -> None:
         self.COMPUTE = local_size
         self.NET = local_size + 1
-        self.num_lanes = local_size + 2
 
     def copy(self, lane: int, copies: Sequence[Copy]) -> None:
         """Copy-engine batch: ``(dst, src, nbytes)`` address triples, any peer.

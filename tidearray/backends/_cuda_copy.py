@@ -2,9 +2,9 @@
 
 A separate ``cudaMemcpyAsync`` costs about 3.5 us to issue, which caps a unit of
 small parameters at a fraction of the link; a batch is one call for any
-number of copies (DESIGN.md, "Measured facts"). Peer addresses are IPC
-mappings, so the copies are peer-to-peer over NVLink, done by copy engines:
-no SM is used.
+number of copies (DESIGN.md, "Measured facts"). Peer addresses are mappings
+of peers' memory (VMM or IPC), so the copies are peer-to-peer over NVLink,
+done by copy engines.
 
 [Note: copy plans]
 A batch is one call, but not free: the driver spends microseconds per entry
@@ -24,7 +24,8 @@ cached program; the tuple is held so its id is not reused):
   on 2xH200 the Llama-3.1-8B gather's pushes as one batch took 586 us back to
   back, against 599 us with each large copy alone and pairs of equal ones as
   2D copies, and the reduce-scatter's 660 against 683 us (quick bench,
-  ``tide_ag_batches``). ``configure(large_min=...)`` sends large copies alone.
+  ``tide_ag`` against ``tide_ag_singles``). ``configure(large_min=...)`` sends
+  large copies alone.
 
 All of these are copy-engine copies: no SM is used.
 """
@@ -167,16 +168,18 @@ class Copier:
              min_bytes: int = 0) -> tuple:
         """``copies`` cut into ``parts`` runs of about equal bytes, or one run if
         they hold fewer than ``min_bytes`` (cached for tuples)."""
+        if parts <= 1:  # the default (one stream per lane): no bookkeeping
+            return (copies,)
         by_parts = self._runs.get(copies, lambda c: {0: sum(n for _, _, n in c)})
-        if by_parts[0] < min_bytes or parts <= 1:
+        if by_parts[0] < min_bytes:
             return (copies,)
         if parts not in by_parts:
             by_parts[parts] = tuple(tuple(run) for run in split_copies(copies, parts) if run)
         return by_parts[parts]
 
     def copy(self, stream_ptr: int, copies: Sequence[tuple[int, int, int]]) -> None:
-        """Issue ``copies`` on the stream: 2D runs, large copies alone, the rest
-        in one batch ([Note: copy plans])."""
+        """Issue ``copies`` on the stream: 2D runs, then the rest in one batch
+        (large copies alone where ``configure`` asks; [Note: copy plans])."""
         if not copies:
             return
         import cupy

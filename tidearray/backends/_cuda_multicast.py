@@ -11,16 +11,17 @@ allows it, which it never does while ``NCCL_NVLS_ENABLE=0`` is set (the
 operator's statement that multicast must stay off), nor on a device without
 ``CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED``. On our test machines it is off,
 so this module is exercised only through the host backend's emulation of the
-same addressing, and :func:`exchange_fds` through CPU tests.
+same addressing; the VMM memory and descriptor exchange under it
+(``_cuda_vmm``) run on every VMM allocation.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._cuda_vmm import FD_HANDLE, VmmSymmetricBuffer, check, exchange_fds
+from ._cuda_vmm import FD_HANDLE, VmmSymmetricBuffer, agree, check
 
-__all__ = ["MulticastSymmetricBuffer", "exchange_fds"]
+__all__ = ["MulticastSymmetricBuffer"]
 
 
 class MulticastSymmetricBuffer(VmmSymmetricBuffer):
@@ -59,13 +60,16 @@ class MulticastSymmetricBuffer(VmmSymmetricBuffer):
     def _bind(self, fds: list[list[int]]) -> None:
         from cuda.bindings import driver as cu
 
-        if not self._mc_rank0:
-            self._mc = check(cu.cuMemImportFromShareableHandle(fds[0][1],
-                                                               self._mc_prop.handleTypes),
-                             "cuMemImportFromShareableHandle(multicast)")
-        dev = check(cu.cuDeviceGet(self.device), "cuDeviceGet")
-        check(cu.cuMulticastAddDevice(self._mc, dev), "cuMulticastAddDevice")
-        self._comm.Barrier()  # every device joined before any bind
+        err = None
+        try:
+            if not self._mc_rank0:
+                self._mc = check(cu.cuMemImportFromShareableHandle(
+                    fds[0][1], self._mc_prop.handleTypes), "cuMemImportFromShareableHandle")
+            dev = check(cu.cuDeviceGet(self.device), "cuDeviceGet")
+            check(cu.cuMulticastAddDevice(self._mc, dev), "cuMulticastAddDevice")
+        except Exception as e:  # noqa: BLE001 - fail together: a lone raise would hang the rest
+            err = f"{type(e).__name__}: {e}"
+        agree(self._comm, err, "multicast join")  # every device joined before any bind
         check(cu.cuMulticastBindMem(self._mc, 0, self._mem, 0, self._size, 0),
               "cuMulticastBindMem")
 

@@ -67,9 +67,6 @@ class HostSymmetricBuffer(SymmetricBuffer):
         count = int(np.prod(shape, dtype=np.int64))
         return self._local[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
 
-    def fence(self) -> None:
-        self._win.Sync()
-
     def free(self) -> None:
         if self._win is not None:
             self._parts = self._local = None
