@@ -25,13 +25,14 @@ fi
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 T=${TIDE_GPU_TIMEOUT:-300}
-MPI=(timeout "$T" mpirun --allow-run-as-root --oversubscribe ${TIDE_MPI_ARGS:-} -x PYTHONPATH -x PYTHONUNBUFFERED
-     -x XLA_PYTHON_CLIENT_PREALLOCATE -x TIDE_BACKEND=cuda)
-for v in $(compgen -e | grep '^TIDE_'); do MPI+=(-x "$v"); done  # settings reach every rank
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe ${TIDE_MPI_ARGS:-} -x PYTHONPATH
+        -x PYTHONUNBUFFERED -x XLA_PYTHON_CLIENT_PREALLOCATE -x TIDE_BACKEND=cuda)
+for v in $(compgen -e | grep '^TIDE_'); do MPIRUN+=(-x "$v"); done  # settings reach every rank
+MPI=(timeout "$T" "${MPIRUN[@]}")
 PYTEST=(python3 -m pytest --with-mpi -q -p no:cacheprovider -o faulthandler_timeout=60 -rf)
 status=0
 
-step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember failures
+step() {  # step NAME CMD...: run, log to $LOGS/NAME.log, remember failures
     local name=$1; shift
     echo "== $name: $*"
     "$@" 2>&1 | tee "$LOGS/$name.log"
@@ -40,17 +41,15 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember failures
     [ "$rc" -eq 0 ] || status=1
 }
 
-run_info() { step info timeout "$T" mpirun --allow-run-as-root -n 2 -x PYTHONPATH \
-    -x TIDE_BACKEND=cuda python3 -m tidearray.info; }
+run_info() { step info "${MPI[@]}" -n 2 python3 -m tidearray.info; }
 run_np2() { step np2 "${MPI[@]}" -n "${TIDE_GPU_RANKS:-2}" "${PYTEST[@]}" tests; }
 run_np1() { step np1 "${MPI[@]}" -n 1 "${PYTEST[@]}" tests; }
 run_nodes() { step np2_nodes "${MPI[@]}" -x TIDE_LOCAL_SIZE=1 -n 2 "${PYTEST[@]}" tests/gpu; }
 run_benchall() { step benchall "${MPI[@]}" -n 2 python3 -m tidearray.bench all \
-    --out "$OUT/b" --docs "${TIDE_BENCH_DOCS:-$OUT/b/report}"; }
+    --out "$OUT/b" ${TIDE_BENCH_DOCS:+--docs "$TIDE_BENCH_DOCS"}; }
 run_suites() {  # the same suites as benchall, each under its own timeout, one record file
     for suite in ${TIDE_BENCH_SUITES:-interference memory ag rs}; do
-        step "bench_$suite" timeout "${TIDE_BENCH_TIMEOUT:-150}" mpirun --allow-run-as-root \
-            -n 2 -x PYTHONPATH -x PYTHONUNBUFFERED -x TIDE_BACKEND=cuda \
+        step "bench_$suite" timeout "${TIDE_BENCH_TIMEOUT:-150}" "${MPIRUN[@]}" -n 2 \
             python3 -m tidearray.bench "$suite" --out "$OUT/b" ${TIDE_BENCH_ARGS:-}
     done
 }

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import numpy as np
-
 from .._dtypes import bfloat16, float32
 from .._layout import ShardSpec, shard_spec
 from .workloads import Unit, values
@@ -109,10 +107,6 @@ def recv_nbytes(unit: Unit, world: int) -> int:
 def as_f32_shards(xp: Any, flat: Any, offsets: Sequence[int], specs: Sequence[ShardSpec]) -> list:
     """Views of a flat fp32 buffer as each parameter's padded shard."""
     return [flat[o:o + s.shard_numel].reshape(s.shard_shape) for o, s in zip(offsets, specs)]
-
-
-def host_array(xp: Any, a: Any) -> np.ndarray:
-    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 __all__ = ["UnitData", "recv_nbytes", "as_f32_shards", "float32"]

@@ -136,8 +136,8 @@ class CudaDevice:
     def sync(self) -> None:
         self.dev.synchronize()
 
-    def timer(self, stream: Any = None, laps: int = 0) -> EventTimer:
-        return EventTimer(stream or self.stream, laps)
+    def timer(self, laps: int = 0) -> EventTimer:
+        return EventTimer(self.stream, laps)
 
     def mem_used(self) -> int:
         """Device bytes in use by anyone (``total - free`` of ``cudaMemGetInfo``)."""

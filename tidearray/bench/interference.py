@@ -57,7 +57,8 @@ def run(ctx: Any, unit: Any) -> None:
                     if coll is None or prep.pre.get(op):
                         continue
                     ok, st = guarded(ctx, "interference", impl.name, unit.name, f"{op} alone",
-                                     lambda c=coll: measure(ctx, c, iters=5, warmup=2))
+                                     lambda c=coll: measure(ctx, c, iters=5, warmup=2,
+                                                           back_to_back=False))
                     if not ok:
                         continue
                     for gname, (gemm, alone) in gemms.items():

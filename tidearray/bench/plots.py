@@ -26,9 +26,9 @@ def _plt() -> Any:
 
 
 def _bars(ax: Any, res: Results, suite: str, metric: str, workloads: list, scale: float,
-          ylabel: str, title: str, impls: Optional[list] = None) -> None:
-    impls = impls or [i for i in res.impls(suite)
-                      if any(res.value(suite, i, w, metric) is not None for w in workloads)]
+          ylabel: str, title: str) -> None:
+    impls = [i for i in res.impls(suite)
+             if any(res.value(suite, i, w, metric) is not None for w in workloads)]
     width = 0.8 / max(1, len(impls))
     for k, impl in enumerate(impls):
         ys = [res.value(suite, impl, w, metric) for w in workloads]
@@ -76,7 +76,7 @@ def sweeps(res: Results, out: str) -> Optional[str]:
                 ax.plot(*zip(*sorted(pts)), marker="o", label=impl, color=_color(impl))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("unit size (MiB), 8 parameters" if kind == "size"
-                      else "parameters per unit (256 MiB total)")
+                      else f"parameters per unit ({res.sweep_mib(suite, kind) or 0:g} MiB total)")
         ax.set_ylabel("per-rank bandwidth (GB/s)")
         ax.set_title(f"{suite.upper()} vs {kind}")
         ax.grid(alpha=0.3)
@@ -85,8 +85,7 @@ def sweeps(res: Results, out: str) -> Optional[str]:
 
 
 def interference(res: Results, out: str) -> Optional[str]:
-    metrics = sorted({k[3] for k in res.by_key if k[0] == "interference" and ":" in k[3]
-                      and not k[3].endswith(":alone")})
+    metrics = res.interference_metrics()
     impls = [i for i in res.impls("interference")]
     if not metrics or not impls:
         return None

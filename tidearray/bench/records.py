@@ -48,9 +48,6 @@ class Sink:
     def skip(self, suite: str, impl: str, workload: str, reason: str) -> dict:
         return self.add(suite, impl, workload, "status", None, status="skipped", reason=reason)
 
-    def error(self, suite: str, impl: str, workload: str, reason: str) -> dict:
-        return self.add(suite, impl, workload, "status", None, status="error", reason=reason)
-
 
 def _plain(v: Any) -> Any:
     """JSON-safe: numpy scalars to Python, tuples to lists, dicts recursively."""
@@ -71,7 +68,3 @@ def load(paths: Iterable[str]) -> list[dict]:
             out += [json.loads(line) for line in f if line.strip()]
     return out
 
-
-def latest(records: list[dict]) -> dict:
-    """``{(suite, impl, workload, metric): record}``, later records winning."""
-    return {(r["suite"], r["impl"], r["workload"], r["metric"]): r for r in records}

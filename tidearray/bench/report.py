@@ -11,13 +11,12 @@ import os
 from typing import Any, Optional
 
 from . import plots, targets
-from .impls import ORDER
 from .records import load
-from .tables import Results, gbs, grid, markdown, mib, num, phase_table, us
+from .tables import Results, back_to_back, gbs, grid, markdown, mib, num, phase_table, us
 
 DEFINITIONS = """\
 * **time**: median over the timed iterations of the per-iteration maximum over
-  ranks; each iteration starts after a barrier, with the GPU idle, and is timed with
+  ranks; each iteration starts after a barrier, with the timing stream idle, and is timed with
   CUDA events on the issuing stream (wall clock on the host backend).
 * **bandwidth**: per rank, `(W-1)/W` of the unit's bf16 bytes divided by the time
   (the same numerator for every implementation, so ratios of bandwidths are ratios
@@ -135,9 +134,7 @@ def _units_section(res: Results) -> str:
 
 
 def _back_to_back(rec: dict) -> Optional[float]:
-    """The median per call; records before run 6 have only the mean (``pipelined_s``)."""
-    extra = rec.get("extra") or {}
-    return extra.get("back_to_back_median_s", extra.get("pipelined_s"))
+    return back_to_back(rec.get("extra") or {})
 
 
 def _detail_section(res: Results) -> str:
@@ -153,8 +150,7 @@ def _detail_section(res: Results) -> str:
 
 
 def _interference_section(res: Results) -> str:
-    metrics = sorted({k[3] for k in res.by_key if k[0] == "interference" and ":" in k[3]
-                      and not k[3].endswith(":alone")})
+    metrics = res.interference_metrics()
     if not metrics:
         return ""
     unit = next(iter(res.workloads("interference")), "")
@@ -186,10 +182,11 @@ def _memory_section(res: Results) -> str:
 
 def _sweep_section(res: Results) -> str:
     out = []
-    for kind, title in (("size", "Size sweep (8 equal parameters)"),
-                        ("count", "Parameter-count sweep (256 MiB)")):
+    for kind in ("size", "count"):
         for suite in ("ag", "rs"):
             ws = res.workloads(suite, kind)
+            title = ("Size sweep (8 equal parameters)" if kind == "size" else
+                     f"Parameter-count sweep ({res.sweep_mib(suite, kind) or 0:g} MiB)")
             if ws:
                 out += [f"## {title}: {suite.upper()} per-rank bandwidth (GB/s)\n",
                         markdown(grid(res, suite, "bandwidth", ws, gbs))]
@@ -229,4 +226,4 @@ def summary(ctx: Any) -> str:
     return "\n".join(out)
 
 
-__all__ = ["build", "render", "summary", "ORDER"]
+__all__ = ["build", "render", "summary"]

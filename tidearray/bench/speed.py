@@ -116,7 +116,8 @@ def _phases(ctx: Any, op: str, impl: Any, data: UnitData, prep: Any) -> None:
         if not name.startswith(op + "."):
             continue
         ok, stats = guarded(ctx, op, impl.name, unit.name, f"phase {name}",
-                            lambda f=ph.fn: measure(ctx, f, iters=a.iters, warmup=a.warmup))
+                            lambda f=ph.fn: measure(ctx, f, iters=a.iters, warmup=a.warmup,
+                                                    back_to_back=False))
         if not ok:
             continue
         timed[name] = (ph, stats.median)

@@ -41,6 +41,20 @@ class Results:
                 out.append(r["workload"])
         return out
 
+    def interference_metrics(self) -> list[str]:
+        """The interference suite's ``<gemm>:<op>`` slowdown metrics (not the GEMM alone)."""
+        return sorted({k[3] for k in self.by_key if k[0] == "interference" and ":" in k[3]
+                       and not k[3].endswith(":alone")})
+
+    def sweep_mib(self, suite: str, kind: str) -> Optional[float]:
+        """The unit size (MiB) of a parameter-count sweep, from its records."""
+        for w in self.workloads(suite, kind):
+            r = next((r for k, r in self.by_key.items() if k[0] == suite and k[2] == w
+                      and (r.get("extra") or {}).get("nbytes")), None)
+            if r is not None:
+                return r["extra"]["nbytes"] / 2**20
+        return None
+
     def problems(self) -> list[dict]:
         return [r for k, r in self.by_key.items() if r.get("status") in ("skipped", "error")]
 
@@ -74,14 +88,13 @@ def mib(v: Optional[float]) -> str:
 
 
 def grid(res: Results, suite: str, metric: str, workloads: Iterable[str],
-         fmt: Callable[[Any], str], impls: Optional[list[str]] = None,
-         label: Callable[[str], str] = str,
+         fmt: Callable[[Any], str],
          value: Callable[[dict], Any] = lambda r: r.get("value")) -> Table:
     """Rows = workloads, columns = implementations, cells = one metric (``value`` of
-    its record). Columns: ``impls``, else every implementation with a record of
-    the metric or a failure on these workloads."""
+    its record). Columns: every implementation with a record of the metric or a
+    failure on these workloads."""
     workloads = list(workloads)
-    impls = impls or [i for i in res.impls(suite) if any(
+    impls = [i for i in res.impls(suite) if any(
         res.get(suite, i, w, metric) or res.get(suite, i, w, "status") for w in workloads)]
     rows = []
     for w in workloads:
@@ -93,7 +106,7 @@ def grid(res: Results, suite: str, metric: str, workloads: Iterable[str],
                 cells.append(st["status"] if st else "")
             else:
                 cells.append(fmt(value(r)))
-        rows.append([label(w)] + cells)
+        rows.append([w] + cells)
     return ["workload"] + impls, rows
 
 
@@ -120,3 +133,9 @@ def markdown(table: Table) -> str:
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     body = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     return "\n".join([line, sep] + body) + "\n"
+
+
+def back_to_back(extra: dict) -> Optional[float]:
+    """A time record's median per call issued back to back; records before run 6
+    have only the mean (``pipelined_s``)."""
+    return extra.get("back_to_back_median_s", extra.get("pipelined_s"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .tables import Results, Table, us
+from .tables import Results, Table, back_to_back, us
 
 LLAMA = ("llama3.1-8b", "llama3.1-70b")
 UNITS = ("llama3.1-8b", "llama3.1-70b", "qwen3-30b-a3b", "wan2.2-dit")
@@ -56,8 +56,8 @@ def _time(res: Results, suite: str, impl: str, w: str) -> Optional[float]:
 def _host(res: Results, suite: str, impl: str, w: str) -> str:
     """Host issue time of one call, and the time per call issued back to back."""
     ex = (res.get(suite, impl, w, "time") or {}).get("extra") or {}
-    b2b = ex.get("back_to_back_median_s", ex.get("pipelined_s"))
-    return f"host issue {us(ex.get('host_median_s'))} us, back to back {us(b2b)} us/call"
+    return (f"host issue {us(ex.get('host_median_s'))} us, back to back "
+            f"{us(back_to_back(ex))} us/call")
 
 
 def ag_rows(res: Results, base: str, goal: float, units: tuple = LLAMA) -> list[Row]:

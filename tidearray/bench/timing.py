@@ -24,10 +24,9 @@ class Stats:
     samples: tuple[float, ...]
     #: Host time to issue each iteration (the call's return), max over ranks.
     host: tuple[float, ...] = ()
-    #: Mean time per call of ``iters`` calls issued back to back (host issue overlapped).
-    pipelined: Optional[float] = None
-    #: Per call of those back-to-back calls (from one call's end to the next's,
-    #: max over ranks); their median is :attr:`back_to_back`.
+    #: Per call of ``iters`` calls issued back to back, host issue overlapped
+    #: (from one call's end to the next's, max over ranks); their median is
+    #: :attr:`back_to_back`.
     laps: tuple[float, ...] = ()
 
     @property
@@ -51,22 +50,20 @@ class Stats:
                "min_s": min(self.samples), "iters": len(self.samples)}
         if self.host:
             out["host_median_s"] = float(np.median(self.host))
-        if self.pipelined is not None:
-            out["pipelined_s"] = self.pipelined
         if self.laps:
             out["back_to_back_median_s"] = self.back_to_back
         return out
 
 
 def measure(ctx: Any, fn: Callable[[], Any], *, iters: int = MIN_ITERS, warmup: int = 3,
-            stream: Any = None, pre: Optional[Callable[[], Any]] = None) -> Stats:
-    """Time ``fn`` (which issues work on ``stream``, the timing stream by default).
+            pre: Optional[Callable[[], Any]] = None, back_to_back: bool = True) -> Stats:
+    """Time ``fn``, which issues work on the device's timing stream.
 
-    ``pre`` runs untimed before every iteration. Without ``pre``, the same
-    number of calls is then issued back to back between two events
-    (``Stats.pipelined``, their mean), with an event after each call
-    (``Stats.back_to_back``, the median per call). Collective: every rank must call it with the same
-    ``iters`` and ``warmup``.
+    ``pre`` runs untimed before every iteration. Without ``pre``, and unless
+    ``back_to_back`` is False (callers that read only the median), the same
+    number of calls is then issued back to back, with an event after each
+    (``Stats.back_to_back``, the median per call). Collective: every rank must
+    call it with the same ``iters``, ``warmup`` and ``back_to_back``.
     """
     dev = ctx.dev
     for _ in range(warmup):
@@ -80,26 +77,25 @@ def measure(ctx: Any, fn: Callable[[], Any], *, iters: int = MIN_ITERS, warmup: 
             pre()
             dev.sync()
         ctx.comm.Barrier()
-        t = dev.timer(stream) if stream is not None else dev.timer()
+        t = dev.timer()
         t.start()
         h0 = time.perf_counter()
         fn()
         host[i] = time.perf_counter() - h0
         t.stop()
         times[i] = t.seconds()
-    piped, laps = None, ()
-    if pre is None:
+    laps: tuple = ()
+    if pre is None and back_to_back:
         ctx.comm.Barrier()
-        t = dev.timer(stream, laps=iters) if stream is not None else dev.timer(laps=iters)
+        t = dev.timer(laps=iters)
         t.start()
         for _ in range(iters):
             fn()
             t.lap()
         t.stop()
-        piped = float(allreduce_max(ctx.comm, [t.seconds() / iters])[0])
         laps = tuple(allreduce_max(ctx.comm, t.lap_seconds()).tolist())
     return Stats(tuple(allreduce_max(ctx.comm, times).tolist()),
-                 tuple(allreduce_max(ctx.comm, host).tolist()), piped, laps)
+                 tuple(allreduce_max(ctx.comm, host).tolist()), laps)
 
 
 def allreduce_max(comm: Any, values: Sequence[float]) -> np.ndarray:

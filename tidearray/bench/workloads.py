@@ -13,7 +13,7 @@ them, and NumPy and CuPy produce the same values.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 MiB = 1 << 20
@@ -37,7 +37,6 @@ class Unit:
     shapes: tuple[tuple[int, ...], ...]
     kind: str = "unit"
     x: float | None = None
-    tags: tuple[str, ...] = field(default=())
 
     @property
     def nparams(self) -> int:
@@ -95,9 +94,9 @@ def units(scale: int = 1) -> list[Unit]:
     s = scale
     return [
         Unit("llama3.1-8b", "Llama-3.1-8B layer",
-             tuple(llama_layer(4096 // s, 32, 8, 128 // s, 14336 // s)), tags=("llama",)),
+             tuple(llama_layer(4096 // s, 32, 8, 128 // s, 14336 // s))),
         Unit("llama3.1-70b", "Llama-3.1-70B layer",
-             tuple(llama_layer(8192 // s, 64, 8, 128 // s, 28672 // s)), tags=("llama",)),
+             tuple(llama_layer(8192 // s, 64, 8, 128 // s, 28672 // s))),
         Unit("qwen3-30b-a3b", "Qwen3-30B-A3B MoE layer",
              tuple(qwen3_moe_layer(2048 // s, 32, 4, 128 // s, 128, 768 // s))),
         Unit("wan2.2-dit", "Wan2.2 DiT block", tuple(wan22_dit_block(5120 // s, 13824 // s))),
