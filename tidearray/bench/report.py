@@ -181,16 +181,17 @@ def _memory_section(res: Results) -> str:
 
 
 def _sweep_section(res: Results) -> str:
-    out = []
-    for kind in ("size", "count"):
-        for suite in ("ag", "rs"):
-            ws = res.workloads(suite, kind)
-            title = ("Size sweep (8 equal parameters)" if kind == "size" else
-                     f"Parameter-count sweep ({res.sweep_mib(suite, kind) or 0:g} MiB)")
-            if ws:
-                out += [f"## {title}: {suite.upper()} per-rank bandwidth (GB/s)\n",
-                        markdown(grid(res, suite, "bandwidth", ws, gbs))]
-    return "\n".join(out)
+    parts = [part for kind in ("size", "count") for suite in ("ag", "rs")
+             if (ws := res.workloads(suite, kind))
+             for part in (f"## {_sweep_title(res, suite, kind)}: {suite.upper()} per-rank "
+                          "bandwidth (GB/s)\n", markdown(grid(res, suite, "bandwidth", ws, gbs)))]
+    return "\n".join(parts)
+
+
+def _sweep_title(res: Results, suite: str, kind: str) -> str:
+    if kind == "size":
+        return "Size sweep (8 equal parameters)"
+    return f"Parameter-count sweep ({res.sweep_mib(suite, kind) or 0:g} MiB)"
 
 
 def _problems(res: Results) -> str:
