@@ -13,6 +13,7 @@ from ._dtypes import bfloat16, float16, float32
 from ._errors import TideBackendError, TideError, TideInvalid
 from ._group import Group, default_group, init
 from ._layout import ShardSpec, UnitLayout, plan_unit, shard_spec
+from ._plan import GatherPlan, ReducePlan, Unit
 from ._reduce_scatter import reduce_scatter
 from ._shard import full_from_shards, shard, shard_shape
 from ._work import Work
@@ -20,8 +21,10 @@ from ._work import Work
 __version__ = "0.1.0"
 
 __all__ = [
-    "Config", "Group", "Region", "ShardSpec", "SlotArena", "TideBackendError", "TideError",
-    "TideInvalid", "UnitLayout", "Work", "all_gather", "bfloat16", "default_group", "float16",
-    "float32", "full_from_shards", "init", "plan_unit", "reduce_scatter", "shard",
-    "shard_shape", "shard_spec", "unit_nbytes",
+    "Config", "GatherPlan", "Group", "ReducePlan", "Region", "ShardSpec", "SlotArena",
+    "TideBackendError", "TideError", "TideInvalid", "Unit", "UnitLayout", "Work", "all_gather",
+    "bfloat16", "default_group", "float16", "float32", "fsdp", "full_from_shards", "init",
+    "plan_unit", "reduce_scatter", "shard", "shard_shape", "shard_spec", "unit_nbytes",
 ]
+
+from . import fsdp  # noqa: E402  (the runtime builds on the names above)

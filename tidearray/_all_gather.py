@@ -60,7 +60,7 @@ def _shapes(group: Group, shapes: Any) -> tuple:
         raise AssertionError("check raises on errors") from None
 
 
-def _check(group: Group, shards: list, shapes: tuple, slot: Optional[Region]) -> _AgCall:
+def check_call(group: Group, shards: list, shapes: tuple, slot: Optional[Region]) -> _AgCall:
     dtype, errors = _validate.check_arrays(shards, "shard")
     if len(shards) != len(shapes):
         errors.insert(0, f"expected one shard per shape ({len(shapes)}), got {len(shards)}")
@@ -132,10 +132,10 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
     if call is not None and slot is not None and slot.id in call.programs:
         # A repeated call: grant our slot while the ranks agree ([Note: early grant]).
         ex = be.executor(stream)
-        _grant(group, ex, slot)
+        grant(group, ex, slot)
     if call is None:
         resolved = _resolve(group, shards) if resolved is None else resolved
-        call = _check(group, resolved, _shapes(group, shapes), slot)
+        call = check_call(group, resolved, _shapes(group, shapes), slot)
         if key is not None:
             group.calls.put(key, call)
     else:
@@ -144,12 +144,12 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
         slot = default_region(group, "slot", call.unit.nbytes, ring=2)
     program = call.programs.get(slot.id)
     if program is None:
-        program = call.programs[slot.id] = _program(group, call.unit, [a[0] for a in arrays],
-                                                    slot)
+        program = call.programs[slot.id] = build_program(group, call.unit,
+                                                         [a[0] for a in arrays], slot)
     if ex is None:
         ex = be.executor(stream)
-        _grant(group, ex, slot)
-    _issue(group, ex, program, slot)
+        grant(group, ex, slot)
+    issue(group, ex, program, slot)
     work = Work(ex.finish(), slot.views(call.unit, call.dtype))
     return work if async_op else work.wait(stream)
 
@@ -197,7 +197,8 @@ def pull_parts(unit: UnitLayout) -> int:
     return 1 if unit.nbytes < PULL_SPLIT_MIN else PULL_PARTS
 
 
-def _program(group: Group, unit: UnitLayout, shard_ptrs: list[int], slot: Region) -> _Program:
+def build_program(group: Group, unit: UnitLayout, shard_ptrs: list[int],
+                  slot: Region) -> _Program:
     topo = group.topology
     me, L = topo.local_rank, topo.local_size
     base = slot.ptr(me)
@@ -234,7 +235,7 @@ def _transport(group: Group, slot: Region) -> str:
     return "multicast" if slot.buffer.multicast else group.config.ag_transport
 
 
-def _grant(group: Group, ex: Any, slot: Region) -> None:
+def grant(group: Group, ex: Any, slot: Region) -> None:
     """Tell every node-local peer that our slot may take its next gather.
 
     [Note: early grant]
@@ -256,7 +257,7 @@ def _grant(group: Group, ex: Any, slot: Region) -> None:
         ex.signal(ex.COMPUTE, slot.flag((me + k) % L, AG_CHANNEL, FREE, me), use)
 
 
-def _issue(group: Group, ex: Any, program: _Program, slot: Region) -> None:
+def issue(group: Group, ex: Any, program: _Program, slot: Region) -> None:
     """Everything after the grants (issued first, by :func:`_grant`: no rank
     waits before it has granted)."""
     topo = group.topology

@@ -13,6 +13,10 @@ AG_TRANSPORTS = ("pull", "push", "push-batch")
 SYMMETRIC_MEMORY = ("auto", "vmm", "ipc")
 
 
+def _flag(text: str) -> bool:
+    return text.lower() in ("1", "true", "yes", "on")
+
+
 @dataclass(frozen=True)
 class Config:
     """Settings of one group. Unknown keys are rejected, like mpi4py's ``rc``."""
@@ -74,19 +78,25 @@ class Config:
     means where available.
     Env: ``TIDE_BATCH_COPIES``."""
 
+    debug: bool = False
+    """Re-check every plan call across ranks (one small agreement per call): that
+    every rank calls the same plan, in the same order (False). Plans are
+    validated when built; this catches ranks that drift apart afterwards.
+    Env: ``TIDE_DEBUG``."""
+
     _ENV = {
         "TIDE_BACKEND": ("backend", str),
         "TIDE_LOCAL_SIZE": ("local_size", int),
         "TIDE_CHUNK_BYTES": ("chunk_nbytes", int),
         "TIDE_DEPTH": ("depth", int),
         "TIDE_TIMEOUT": ("timeout", float),
-        "TIDE_MULTICAST": ("multicast", lambda s: s.lower() in ("1", "true", "yes", "on")),
+        "TIDE_MULTICAST": ("multicast", _flag),
         "TIDE_AG_TRANSPORT": ("ag_transport", str),
         "TIDE_ACCUM_CTAS": ("accum_ctas", int),
         "TIDE_CE_SPLIT": ("ce_split", int),
         "TIDE_SYMMETRIC_MEMORY": ("symmetric_memory", str),
-        "TIDE_BATCH_COPIES": ("batch_copies",
-                              lambda s: s.lower() in ("1", "true", "yes", "on")),
+        "TIDE_BATCH_COPIES": ("batch_copies", _flag),
+        "TIDE_DEBUG": ("debug", _flag),
     }
 
     @classmethod

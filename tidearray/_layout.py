@@ -94,6 +94,37 @@ def shard_spec(shape: Sequence[int], itemsize: int, world: int, index: int = 0) 
     return ShardSpec(shape, itemsize, world)
 
 
+#: Shard offsets inside a rank's block of a flat layout are aligned to 16 bytes
+#: (vector copies in the fused kernels).
+FLAT_ALIGN_BYTES = 16
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Padded shards of one unit, packed back to back per rank (elements)."""
+
+    specs: tuple[ShardSpec, ...]
+    offsets: tuple[int, ...]
+    block_numel: int
+    world: int
+
+    @property
+    def total_numel(self) -> int:
+        return self.block_numel * self.world
+
+
+def flat_layout(shapes: Sequence[Sequence[int]], world: int, itemsize: int = 2) -> FlatLayout:
+    """Rank-major flat layout; each shard offset aligned to 16 bytes of ``itemsize``."""
+    specs = tuple(shard_spec(s, itemsize, world, i) for i, s in enumerate(shapes))
+    align = max(1, FLAT_ALIGN_BYTES // itemsize)
+    offsets, cur = [], 0
+    for s in specs:
+        offsets.append(cur)
+        cur += -(-s.shard_numel // align) * align
+    return FlatLayout(specs, tuple(offsets), cur, world)
+
+
+
 @dataclass(frozen=True)
 class UnitLayout:
     """One FSDP unit's parameters and where each lives inside a slot."""

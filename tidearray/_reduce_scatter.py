@@ -49,7 +49,7 @@ class _RsCall:
     programs: CallCache
 
 
-def _check(group: Group, grads: list, outs: Optional[list], op: str,
+def check_call(group: Group, grads: list, outs: Optional[list], op: str,
            staging: Optional[Region]) -> _RsCall:
     dtype, errors = _validate.check_arrays(grads, "gradient")
     if op not in OPS:
@@ -135,7 +135,7 @@ def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Seque
            tuple((o.ptr, o.nbytes, o.dtype, o.contiguous, o.shape) for o in outs))
     call = group.calls.get(key)
     if call is None:
-        call = group.calls.put(key, _check(group, grads, outs, op, staging))
+        call = group.calls.put(key, check_call(group, grads, outs, op, staging))
     else:
         _validate.check(group, "reduce_scatter", call.signature, (), known_digest=call.digest)
     unit, plan = call.unit, call.plan
@@ -150,10 +150,10 @@ def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Seque
     dst_key = (tuple(o.ptr for o in outs) if final is None else final_ptr, partial_ptr)
     program = call.programs.get((staging.id, dst_key))
     if program is None:
-        program = call.programs.put((staging.id, dst_key), _program(
+        program = call.programs.put((staging.id, dst_key), build_program(
             group, call, [g.ptr for g in grads], outs, final_ptr, partial_ptr, staging))
     ex = be.executor(stream)
-    _issue(group, ex, call, program, staging, 1.0 / group.size if op == "avg" else 1.0)
+    issue(group, ex, call, program, staging, 1.0 / group.size if op == "avg" else 1.0)
     if outs is not None:
         results = [o.array for o in outs]
     else:  # views of the receive buffer, built only when they are the result
@@ -181,7 +181,7 @@ class _Program:
     zeros: tuple
 
 
-def _program(group: Group, call: _RsCall, grad_ptrs: list[int], outs: Optional[list],
+def build_program(group: Group, call: _RsCall, grad_ptrs: list[int], outs: Optional[list],
              final_ptr: Optional[int], partial_ptr: Optional[int],
              staging: Region) -> _Program:
     topo, unit, plan = group.topology, call.unit, call.plan
@@ -222,7 +222,7 @@ def _partial_ptrs(base: int, plan: RsPlan, topo: Topology) -> list[list[int]]:
             for m in range(topo.num_nodes)]
 
 
-def _issue(group: Group, ex: Any, call: _RsCall, program: _Program, staging: Region,
+def issue(group: Group, ex: Any, call: _RsCall, program: _Program, staging: Region,
            scale: float) -> None:
     """CE pushes into peers' staging, accumulate from ours; then across nodes."""
     me, L = group.topology.local_rank, group.topology.local_size

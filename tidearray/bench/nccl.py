@@ -19,8 +19,8 @@ import re
 from typing import Any, Optional
 
 #: ncclDataType_t / ncclRedOp_t values (nccl.h; stable across NCCL 2.x).
-DTYPES = {"bfloat16": 9, "float16": 6, "float32": 7}
-AVG = 4
+DTYPES = {"uint8": 1, "bfloat16": 9, "float16": 6, "float32": 7}
+SUM, AVG = 0, 4
 
 
 def available() -> tuple[bool, str]:
@@ -92,9 +92,16 @@ def all_gather(nccl_comm: Any, send: int, recv: int, count: int, dtype: str,
 def reduce_scatter_avg(nccl_comm: Any, send: int, recv: int, count: int, dtype: str,
                        stream_ptr: int) -> None:
     """ncclReduceScatter with ncclAvg; ``count`` elements received per rank."""
+    reduce_scatter(nccl_comm, send, recv, count, dtype, AVG, stream_ptr)
+
+
+def reduce_scatter(nccl_comm: Any, send: int, recv: int, count: int, dtype: str, op: int,
+                   stream_ptr: int) -> None:
+    """ncclReduceScatter with ``op`` (:data:`SUM` or :data:`AVG`); ``count`` elements
+    received per rank."""
     from nccl.bindings import nccl as nb
 
-    nb.reduce_scatter(send, recv, count, DTYPES[dtype], AVG, raw(nccl_comm), stream_ptr)
+    nb.reduce_scatter(send, recv, count, DTYPES[dtype], op, raw(nccl_comm), stream_ptr)
 
 
 class NcclBuffer:

@@ -13,45 +13,18 @@ the three conversions (copy-in, copy-out, chunk-cat), and runs them:
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from .._layout import ShardSpec, shard_spec
+from .._layout import FLAT_ALIGN_BYTES as ALIGN_BYTES  # noqa: F401  (re-exported)
+from .._layout import FlatLayout, flat_layout  # noqa: F401  (re-exported)
 
 #: Tile sizes; must match BYTES_TILE / CVT_TILE in kernels/pack.cu.
 BYTES_TILE = 65536
 CVT_TILE = 32768
 THREADS = 512
 MAX_GRID = 2**31 - 1
-#: Shard offsets inside a rank's block are aligned to 16 bytes (vector copies).
-ALIGN_BYTES = 16
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """Padded shards of one unit, packed back to back per rank (elements)."""
-
-    specs: tuple[ShardSpec, ...]
-    offsets: tuple[int, ...]
-    block_numel: int
-    world: int
-
-    @property
-    def total_numel(self) -> int:
-        return self.block_numel * self.world
-
-
-def flat_layout(shapes: Sequence[Sequence[int]], world: int, itemsize: int = 2) -> FlatLayout:
-    """Rank-major flat layout; each shard offset aligned to 16 bytes of ``itemsize``."""
-    specs = tuple(shard_spec(s, itemsize, world, i) for i, s in enumerate(shapes))
-    align = max(1, ALIGN_BYTES // itemsize)
-    offsets, cur = [], 0
-    for s in specs:
-        offsets.append(cur)
-        cur += -(-s.shard_numel // align) * align
-    return FlatLayout(specs, tuple(offsets), cur, world)
 
 
 Seg = tuple  # (dst, src, valid, total): addresses in bytes, counts in units

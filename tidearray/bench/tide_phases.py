@@ -56,7 +56,7 @@ def accumulate_phase(ctx: Any, data: Any, plan: Any, staging: Any, outs: list) -
         boff = plan.buffer_of(k) * plan.buffer_nbytes
         src_base = {q: staging.ptr(me) + boff + ((q - me) % L - 1) * plan.source_nbytes
                     for q in peers}
-        per_chunk.append(_accum_pieces(unit, chunk, topo, grad_ptrs, out_ptrs, src_base, 2))
+        per_chunk.append(_accum_pieces(unit, chunk, topo, grad_ptrs, out_ptrs, src_base))
     stream, scale = ctx.dev.stream, 1.0 / g.size
     seen: dict[str, Any] = {}
 

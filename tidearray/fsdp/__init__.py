@@ -1,0 +1,16 @@
+"""A small FSDP runtime over tidearray's plans: units, prefetch, Slot-Reuse, fused AdamW.
+
+:class:`ShardedModel` shards a model's units over the group, gathers each unit
+before it runs and reduces its gradients as soon as its backward is done, and
+steps a fused AdamW on the fp32 master shards (which also writes the bf16
+shards the next gather sends). It knows nothing of autograd: a front end
+calls its hooks (see ``docs/fsdp.md``).
+"""
+
+from ._checkpoint import export, load, save
+from ._comm import KINDS
+from ._optim import AdamW, FusedAdamW, clip_scale
+from ._runtime import ShardedModel
+
+__all__ = ["KINDS", "AdamW", "FusedAdamW", "ShardedModel", "clip_scale", "export", "load",
+           "save"]

@@ -1,0 +1,190 @@
+"""How the runtime moves a unit: gather it into slot ``k``, reduce gradient buffer ``k``.
+
+Three implementations, chosen by ``ShardedModel(comm=...)``, run the same
+trainer so their step times compare like for like:
+
+* ``tide``: persistent TIDE plans (``Unit.gather_plan`` / ``reduce_plan``).
+  The gathered parameters are views into symmetric slots; a unit's gradients
+  are reduced with their staging in the slot the unit just vacated (Slot-Reuse).
+* ``stock``: FSDP2's path: fused copy-in, flat all-gather, fused copy-out; fused
+  fp32 chunk-cat, flat fp32 reduce-scatter (NCCL on cuda, MPI on host), each
+  on a side stream (all-gather, reduce-scatter), as FSDP2 does.
+* ``local``: the no-communication floor: the whole model on each rank
+  (``world = 1``), parameters read in place from the send shards, gradients
+  cast into the fp32 arena.
+
+Every implementation keeps ``num_slots`` gradient buffers in the param dtype:
+unit ``i`` in slot ``k`` writes its gradients into buffer ``k``, and the
+runtime waits for that buffer's previous reduction before handing it out
+again ([Note: gradient buffers] in ``_runtime``).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Sequence
+
+import numpy as np
+
+from .. import _dtypes
+from .._arena import SlotArena
+from .._errors import TideInvalid
+from .._layout import UnitLayout, cached_unit
+from .._plan import Unit
+from .._work import Work
+from ..backends._base import Completion
+from ._shards import ShardArena
+
+KINDS = ("tide", "stock", "local")
+
+
+class _Ready(Completion):
+    """Work that is complete when issued (host lanes, or the compute stream itself)."""
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class UnitComm(abc.ABC):
+    """Gathers and reductions of the runtime's units, over ``num_slots`` slots.
+
+    Args:
+        group: the tidearray group (its backend gives the array module).
+        shapes: per unit, the parameters' full shapes.
+        dtype: the param dtype (gathered parameters, gradients).
+        arena: the shard arena (send shards in, fp32 gradients out).
+        num_slots: slots, and gradient buffers (prefetch depth + 1).
+    """
+
+    #: Ranks a parameter is sharded over (1 for the floor).
+    world: int
+
+    def __init__(self, group: Any, shapes: Sequence[Sequence[tuple[int, ...]]], dtype: Any,
+                 arena: ShardArena, num_slots: int) -> None:
+        self.group = group
+        self.xp = group.backend.xp
+        self.dtype = _dtypes.normalize(dtype)
+        self.shapes = [tuple(map(tuple, s)) for s in shapes]
+        self.arena = arena
+        self.num_slots = num_slots
+        self.layouts: list[UnitLayout] = [cached_unit(s, self.dtype.itemsize, self.world)
+                                          for s in self.shapes]
+        unit_nbytes = max(lay.nbytes for lay in self.layouts)
+        self._grad_bufs = [self.xp.empty((unit_nbytes,), np.uint8) for _ in range(num_slots)]
+        self._grad_views: dict = {}
+
+    def grads(self, unit: int, k: int) -> list:
+        """The gradient arrays unit ``unit``'s backward writes when it is in slot ``k``."""
+        views = self._grad_views.get((unit, k))
+        if views is None:
+            views = self._grad_views[(unit, k)] = _views(self._grad_bufs[k], self.layouts[unit],
+                                                          self.dtype)
+        return views
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers this implementation holds (slots, gradients, flat buffers)."""
+        return sum(b.nbytes for b in self._grad_bufs)
+
+    @abc.abstractmethod
+    def gather(self, unit: int, k: int, stream: Any) -> Work:
+        """Start gathering ``unit`` into slot ``k``; the work's result is its parameters."""
+
+    @abc.abstractmethod
+    def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
+        """Start reducing gradient buffer ``k`` (sum over ranks) into the fp32 flat ``out``."""
+
+    def close(self) -> None:
+        """Release communicators (collective)."""
+
+
+def _views(buf: Any, layout: UnitLayout, dtype: Any) -> list:
+    return [buf[off:off + s.nbytes].view(dtype).reshape(s.shape)
+            for s, off in zip(layout.specs, layout.offsets)]
+
+
+class TideComm(UnitComm):
+    """Persistent TIDE plans, built on first use (every rank uses them in the same order)."""
+
+    def __init__(self, group: Any, shapes: Sequence, dtype: Any, arena: ShardArena,
+                 num_slots: int) -> None:
+        self.world = group.size
+        super().__init__(group, shapes, dtype, arena, num_slots)
+        self.units = [Unit(s, self.dtype, group) for s in self.shapes]
+        slot_nbytes = max(max(u.nbytes, u.staging_nbytes) for u in self.units)
+        self.slots = SlotArena(slot_nbytes, num_slots, group=group)
+        self._gather_plans: dict = {}
+        self._reduce_plans: dict = {}
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + sum(s.nbytes for s in self.slots.slots)
+
+    def gather(self, unit: int, k: int, stream: Any) -> Work:
+        plan = self._gather_plans.get((unit, k))
+        if plan is None:
+            plan = self._gather_plans[(unit, k)] = self.units[unit].gather_plan(
+                self.arena.views(self.arena.send, unit), self.slots[k])
+        return plan(stream=stream, async_op=True)
+
+    def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
+        key = (unit, k, id(out))
+        plan = self._reduce_plans.get(key)
+        if plan is None:
+            plan = self._reduce_plans[key] = self.units[unit].reduce_plan(
+                self.grads(unit, k), self.arena.views(out, unit), op="sum",
+                staging=self.slots[k])
+        return plan(stream=stream, async_op=True)
+
+
+class LocalComm(UnitComm):
+    """No communication: parameters are the send shards themselves (``world = 1``)."""
+
+    world = 1
+
+    def gather(self, unit: int, k: int, stream: Any) -> Work:
+        return Work(_Ready(), self.arena.views(self.arena.send, unit))
+
+    def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
+        with on_stream(stream):
+            for o, g in zip(self.arena.views(out, unit), self.grads(unit, k)):
+                self.xp.copyto(o, g, casting="unsafe")
+        return Work(_Ready(), None)
+
+
+class on_stream:
+    """``with`` the compute stream current (cuda), or nothing (None: the current one)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __enter__(self) -> None:
+        if self._stream is not None:
+            self._stream.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._stream is not None:
+            self._stream.__exit__(*exc)
+
+
+def make_comm(kind: str, group: Any, shapes: Sequence, dtype: Any, arena: ShardArena,
+              num_slots: int) -> UnitComm:
+    """The implementation called ``kind`` (one of :data:`KINDS`)."""
+    if kind == "tide":
+        return TideComm(group, shapes, dtype, arena, num_slots)
+    if kind == "local":
+        return LocalComm(group, shapes, dtype, arena, num_slots)
+    if kind == "stock":
+        from ._stock import StockComm
+
+        return StockComm(group, shapes, dtype, arena, num_slots)
+    raise TideInvalid(f"comm: expected one of {KINDS}, got {kind!r}")
+
+
+def world_of(kind: str, group: Any) -> int:
+    """Ranks parameters are sharded over for ``kind``."""
+    return 1 if kind == "local" else group.size
+

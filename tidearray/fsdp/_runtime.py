@@ -1,0 +1,284 @@
+"""``ShardedModel``: the FSDP runtime over a list of units.
+
+It knows nothing of autograd. A front end calls four hooks per unit, at the
+points where FSDP2 hooks in, and :meth:`ShardedModel.step` once per step::
+
+    for i in range(n):                      # forward
+        params = model.pre_forward(i)       # gathered (prefetch of i+1.. issued)
+        x = forward(i, params, x)
+        model.post_forward(i)               # slot free for the next gather
+    for i in reversed(range(n)):            # backward
+        params, grads = model.pre_backward(i)
+        dx = backward(i, params, dx, grads) # writes the unit's gradients into grads
+        model.post_backward(i)              # reduce-scatter starts; slot reused as staging
+    model.step()                            # fused AdamW on the shards
+
+[Note: slots]
+``prefetch + 1`` slots form a ring. A unit is gathered into the next free
+slot when first needed or prefetched, and its slot is free again after its
+forward (the last unit stays for its backward, as FSDP2 keeps the root) or
+after its backward. A gather into a slot is ordered after everything the
+compute stream issued before the gather was issued, so it never overwrites
+parameters still in use; on the tide path its grant also follows the
+reduce-scatter that staged in that slot (Slot-Reuse).
+
+[Note: gradient buffers]
+Unit ``i`` in slot ``k`` writes its gradients into gradient buffer ``k``
+(``num_slots`` of them, each as big as the largest unit). The reduction of
+buffer ``k`` reads it on tidearray's lanes while compute goes on; before
+buffer ``k`` is handed to another backward, the compute stream waits for that
+reduction (``_retire``). So at most ``num_slots`` units' gradients exist at once
+and nothing blocks the host.
+
+[Note: streams]
+Compute runs on the caller's stream (``stream=``, CuPy's current stream if
+None). Gathers and reductions run on tidearray's lanes (or the ``stock``
+side streams), forked from the compute stream when issued and joined back by
+stream waits (events): in the steady state no call blocks the host, except
+the gradient-norm all-reduce when clipping is on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from .. import _dtypes
+from .._errors import TideInvalid
+from .._group import Group, default_group
+from ._comm import make_comm, on_stream, world_of
+from ._optim import AdamW, FusedAdamW, clip_scale
+from ._shards import ShardArena, arena_layout
+
+Init = Callable[[str, tuple], Any]
+
+
+class ShardedModel:
+    """A model's units, sharded over the group, with their optimizer. Collective.
+
+    Args:
+        units: per FSDP unit, ``(name, value)`` pairs: ``value`` is the full
+            parameter (any array; the same on every rank) or, with ``init``, its
+            shape. Names must be unique.
+        init: ``init(name, shape)`` returns a full parameter (any array), called
+            one parameter at a time so that only one full parameter exists at once.
+        group: the group (default: the last ``init``).
+        param_dtype: dtype of the gathered parameters and of the gradients
+            (bf16 default; fp32 masters are kept either way).
+        optimizer: AdamW hyper-parameters (defaults of :class:`AdamW`).
+        prefetch: units gathered ahead of the one running (1).
+        comm: ``"tide"`` (default), ``"stock"`` (FSDP2's flat path, the
+            baseline) or ``"local"`` (no communication: every rank holds the
+            whole model; the floor a step is measured against).
+        stream: the compute stream (cuda; CuPy's current stream if None).
+
+    Raises:
+        TideInvalid: on every rank, for bad units, dtype or settings.
+    """
+
+    def __init__(self, units: Sequence[Sequence[tuple[str, Any]]], *,
+                 init: Optional[Init] = None, group: Optional[Group] = None,
+                 param_dtype: Any = _dtypes.bfloat16, optimizer: Optional[AdamW] = None,
+                 prefetch: int = 1, comm: str = "tide", stream: Any = None) -> None:
+        group = group or default_group()
+        names, shapes, values = _describe(units, init)
+        if prefetch < 1:
+            raise TideInvalid(f"prefetch: expected >= 1, got {prefetch}")
+        self.group, self.kind, self.stream = group, comm, stream
+        self.names, self.shapes = names, shapes
+        self.param_dtype = _dtypes.normalize(param_dtype)
+        self.xp = group.backend.xp
+        self.world = world_of(comm, group)
+        self.rank = group.rank if self.world > 1 else 0
+        self.arena = ShardArena(arena_layout(shapes, self.world), self.xp, self.param_dtype)
+        self._fill_masters(values, init)
+        self.optimizer = FusedAdamW(optimizer or AdamW(), self.arena.master, self.arena.send,
+                                    self.xp)
+        self.num_slots = prefetch + 1
+        self.prefetch = prefetch
+        self.comm = make_comm(comm, group, shapes, self.param_dtype, self.arena, self.num_slots)
+        self._free = list(range(self.num_slots))
+        self._gathered: dict[int, tuple[int, Any]] = {}
+        self._pending: dict[int, tuple[Any, int, bool]] = {}
+        self._micro = 0
+        self._scratch: Any = None
+
+    @property
+    def num_units(self) -> int:
+        return len(self.shapes)
+
+    # -- the four hooks ---------------------------------------------------------
+
+    def pre_forward(self, i: int) -> list:
+        """Unit ``i``'s full parameters (waited on the compute stream); prefetches
+        the next ``prefetch`` units."""
+        self._ensure(i)
+        for j in range(i + 1, min(i + 1 + self.prefetch, self.num_units)):
+            self._ensure(j)
+        return self._params(i)
+
+    def post_forward(self, i: int) -> None:
+        """Unit ``i``'s forward is issued: its slot may take another gather.
+        The last unit keeps its parameters for its backward, which comes next."""
+        if i != self.num_units - 1:
+            self._release(i)
+
+    def pre_backward(self, i: int) -> tuple[list, list]:
+        """Unit ``i``'s parameters and the gradient arrays its backward must write."""
+        self._ensure(i)
+        for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
+            self._ensure(j)
+        k = self._gathered[i][0]
+        self._retire(k)  # [Note: gradient buffers]
+        return self._params(i), self.comm.grads(i, k)
+
+    def post_backward(self, i: int) -> None:
+        """Unit ``i``'s gradients are written (issued): reduce them into the fp32 shards.
+
+        The first micro-batch of a step reduces straight into the gradient
+        shards; later ones reduce into a scratch arena that is added on retire.
+        """
+        k = self._gathered[i][0]
+        accumulate = self._micro > 0
+        out = self._scratch_arena() if accumulate else self.arena.grad
+        self._pending[k] = (self.comm.reduce(i, k, out, self.stream), i, accumulate)
+        self._release(i)
+        if i == 0:
+            self._micro += 1
+
+    # -- the step -----------------------------------------------------------------
+
+    def step(self, lr: Optional[float] = None) -> Optional[float]:
+        """Average the accumulated gradients and run the fused AdamW on every shard.
+
+        Args:
+            lr: this step's learning rate (the optimizer's ``lr`` if None).
+
+        Returns:
+            The global gradient norm when clipping is on (one small all-reduce,
+            which syncs the host), else None.
+        """
+        for k in list(self._pending):
+            self._retire(k)
+        if self._micro == 0:
+            raise TideInvalid("step: expected a backward since the last step, got none")
+        scale = 1.0 / (self.world * self._micro)
+        norm, coef = None, 1.0
+        max_norm = self.optimizer.hp.max_grad_norm
+        if max_norm is not None:
+            with on_stream(self.stream):
+                local = self.optimizer.sum_squares(self.arena.grad)
+            total = local if self.world == 1 else self.group.comm.allreduce(local)
+            norm = math.sqrt(total) * scale
+            coef = clip_scale(norm, max_norm)
+        self.optimizer.step(self.arena.grad, grad_scale=scale * coef, lr=lr, stream=self.stream)
+        self._micro = 0
+        return norm
+
+    # -- internals -------------------------------------------------------------------
+
+    def _ensure(self, i: int) -> None:
+        if i in self._gathered:
+            return
+        assert self._free, "no free slot: a hook was called out of order"
+        k = self._free.pop(0)
+        self._gathered[i] = (k, self.comm.gather(i, k, self.stream))
+
+    def _params(self, i: int) -> list:
+        return self._gathered[i][1].wait(self.stream)
+
+    def _release(self, i: int) -> None:
+        self._free.append(self._gathered.pop(i)[0])
+
+    def _retire(self, k: int) -> None:
+        entry = self._pending.pop(k, None)
+        if entry is None:
+            return
+        work, unit, accumulate = entry
+        work.wait(self.stream)
+        if accumulate:
+            with on_stream(self.stream):
+                grad = self.arena.block(self.arena.grad, unit)
+                self.xp.add(grad, self.arena.block(self._scratch, unit), out=grad)
+
+    def _scratch_arena(self) -> Any:
+        if self._scratch is None:
+            self._scratch = self.xp.zeros_like(self.arena.grad)
+        return self._scratch
+
+    def _fill_masters(self, values: list, init: Optional[Init]) -> None:
+        xp, r = self.xp, self.rank
+        for u, unit_values in enumerate(values):
+            lay = self.arena.layout.units[u]
+            for spec, master, (name, value) in zip(
+                    lay.specs, self.arena.views(self.arena.master, u), unit_values):
+                full = init(name, spec.shape) if init is not None else value
+                if tuple(full.shape) != spec.shape:
+                    raise TideInvalid(f"parameter {name!r}: expected shape {spec.shape}, got "
+                                      f"{tuple(full.shape)}")
+                start, stop = spec.rows(r)
+                if stop > start:
+                    master[:stop - start] = xp.asarray(full[start:stop], dtype=np.float32)
+        self.arena.send[...] = self.arena.master.astype(self.param_dtype)
+
+    # -- state --------------------------------------------------------------------
+
+    def params(self, unit: int) -> list:
+        """This rank's fp32 master shards of ``unit`` (padded views into the arena)."""
+        return self.arena.views(self.arena.master, unit)
+
+    def synchronize(self) -> None:
+        """Wait for every outstanding gather, reduction and optimizer step (host)."""
+        for k in list(self._pending):
+            self._retire(k)
+        if self.xp is not np:
+            self.xp.cuda.Device().synchronize()
+
+    def close(self) -> None:
+        """Release communicators (collective). Slots go with the group."""
+        self.comm.close()
+
+    def save(self, path: str) -> None:
+        """Save the sharded state; see :func:`tidearray.fsdp.save`."""
+        from ._checkpoint import save
+
+        save(self, path)
+
+    def load(self, path: str) -> None:
+        """Load a sharded state saved at the same world size; see :func:`tidearray.fsdp.load`."""
+        from ._checkpoint import load
+
+        load(self, path)
+
+    def export(self, path: str) -> None:
+        """Write the gathered fp32 model to one ``.npz`` (rank 0 writes; collective)."""
+        from ._checkpoint import export
+
+        export(self, path)
+
+
+def _describe(units: Sequence[Sequence[tuple[str, Any]]],
+              init: Optional[Init]) -> tuple[list, list, list]:
+    names: list[list[str]] = []
+    shapes: list[list[tuple]] = []
+    values: list[list] = []
+    seen: set = set()
+    for u, unit in enumerate(units):
+        names.append([]), shapes.append([]), values.append([])
+        for entry in unit:
+            name, value = entry
+            if name in seen:
+                raise TideInvalid(f"unit {u}: expected unique parameter names, got {name!r} "
+                                  "twice")
+            seen.add(name)
+            shape = tuple(int(d) for d in (value if init is not None else value.shape))
+            names[-1].append(name)
+            shapes[-1].append(shape)
+            values[-1].append((name, value))
+    if not shapes or not all(shapes):
+        raise TideInvalid("units: expected at least one unit, each with parameters, got "
+                          f"{[len(s) for s in shapes]}")
+    return names, shapes, values
+

@@ -1,0 +1,201 @@
+"""The ``stock`` baseline of the runtime: FSDP2's communication path, at its strongest.
+
+Per unit, with the flat rank-major layout ``[r0: p0 p1 ..][r1: p0 p1 ..]``:
+
+* all-gather: one fused copy-in of the send shards into our block of the
+  flat buffer, an in-place flat all-gather, one fused copy-out into each
+  parameter's storage;
+* reduce-scatter: one fused chunk-cat of the gradients into a flat fp32
+  buffer (padding zeroed), a flat fp32 sum reduce-scatter straight into the
+  unit's block of the fp32 gradient arena.
+
+On cuda the copies are the kernels of ``kernels/pack.cu`` (tables uploaded once
+per unit and slot) and the collectives are NCCL through nccl4py, each
+collective kind on its own side stream and communicator (FSDP2's all-gather and
+reduce-scatter streams). On host they are memmove / NumPy over the same tables
+and MPI collectives.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .. import _dtypes
+from .._errors import TideInvalid
+from .._layout import FlatLayout, flat_layout
+from .._work import Work
+from ..bench import pack
+from ._comm import UnitComm, _Ready, _views
+from ._shards import ShardArena
+
+
+class StockComm(UnitComm):
+    """Flat buffers per slot, conversion tables per (unit, slot), made on first use."""
+
+    def __init__(self, group: Any, shapes: Sequence, dtype: Any, arena: ShardArena,
+                 num_slots: int) -> None:
+        self.world = group.size
+        super().__init__(group, shapes, dtype, arena, num_slots)
+        if self.dtype not in (_dtypes.bfloat16, _dtypes.float32):
+            raise TideInvalid(f"comm='stock': expected param dtype bfloat16 or float32, got "
+                              f"{self.dtype}")
+        xp, W = self.xp, self.world
+        self.flats: list[FlatLayout] = [flat_layout(s, W) for s in self.shapes]
+        block = max(f.block_numel for f in self.flats)
+        unit_nbytes = max(lay.nbytes for lay in self.layouts)
+        self._params = [xp.empty((unit_nbytes,), np.uint8) for _ in range(num_slots)]
+        self._ag_flat = [xp.empty((W * block,), self.dtype) for _ in range(num_slots)]
+        self._rs_flat = [xp.empty((W * block,), np.float32) for _ in range(num_slots)]
+        self._ops: dict = {}
+        self._lanes = _CudaLanes(group) if group.backend.name == "cuda" else _HostLanes(group)
+
+    @property
+    def nbytes(self) -> int:
+        bufs = self._params + self._ag_flat + self._rs_flat
+        return super().nbytes + sum(b.nbytes for b in bufs)
+
+    def gather(self, unit: int, k: int, stream: Any) -> Work:
+        copy_in, copy_out, params = self._ag_ops(unit, k)
+        flat, lay = self._ag_flat[k], self.flats[unit]
+        n = lay.block_numel * self.dtype.itemsize
+
+        def run(s: Any) -> None:
+            copy_in(s)
+            self._lanes.all_gather(flat, n * self.world, n, s)
+            copy_out(s)
+
+        return Work(self._lanes.run("ag", run, stream), params)
+
+    def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
+        chunk_cat = self._rs_op(unit, k)
+        lay = self.flats[unit]
+        dst = self.arena.block(out, unit)
+        src = self._rs_flat[k][:lay.block_numel * self.world]
+
+        def run(s: Any) -> None:
+            chunk_cat(s)
+            self._lanes.reduce_scatter(src, dst, lay.block_numel, s)
+
+        return Work(self._lanes.run("rs", run, stream), None)
+
+    def _ag_ops(self, unit: int, k: int) -> tuple:
+        key = ("ag", unit, k)
+        ops = self._ops.get(key)
+        if ops is None:
+            lay, size = self.flats[unit], self.dtype.itemsize
+            params = _views(self._params[k], self.layouts[unit], self.dtype)
+            flat = _ptr(self._ag_flat[k])
+            shards = [_ptr(a) for a in self.arena.views(self.arena.send, unit)]
+            copy_in = self._copy(pack.copy_in_segs(lay, shards, flat, self.group.rank, size),
+                                 "bytes")
+            copy_out = self._copy(pack.copy_out_segs(lay, flat, [_ptr(p) for p in params], size),
+                                  "bytes")
+            ops = self._ops[key] = (copy_in, copy_out, params)
+        return ops
+
+    def _rs_op(self, unit: int, k: int) -> Callable[[Any], None]:
+        key = ("rs", unit, k)
+        op = self._ops.get(key)
+        if op is None:
+            grads = [_ptr(g) for g in self.grads(unit, k)]
+            lay, flat = self.flats[unit], _ptr(self._rs_flat[k])
+            if self.dtype == _dtypes.bfloat16:
+                op = self._copy(pack.chunk_cat_segs(lay, grads, flat, 2, 4), "bf16_f32")
+            else:  # fp32 gradients: a byte copy with the padding zeroed
+                op = self._copy(pack.to_bytes(pack.chunk_cat_segs(lay, grads, flat, 4, 4), 4),
+                                "bytes")
+            self._ops[key] = op
+        return op
+
+    def _copy(self, segs: list, kind: str) -> Callable[[Any], None]:
+        dev = SimpleNamespace(name=self.group.backend.name, num_sms=self._lanes.num_sms)
+        return pack.make_copy(dev, segs, kind)
+
+    def close(self) -> None:
+        self._lanes.close()
+
+
+def _ptr(a: Any) -> int:
+    return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
+
+
+class _HostLanes:
+    """MPI collectives in program order, on a private duplicate of the group's comm."""
+
+    num_sms = None
+
+    def __init__(self, group: Any) -> None:
+        self.comm = group.comm.Dup()
+
+    def run(self, kind: str, fn: Callable[[Any], None], stream: Any) -> _Ready:
+        fn(None)
+        return _Ready()
+
+    def all_gather(self, flat: np.ndarray, nbytes: int, each: int, stream: Any) -> None:
+        from mpi4py import MPI
+
+        self.comm.Allgather(MPI.IN_PLACE, [flat.view(np.uint8)[:nbytes], MPI.BYTE])
+
+    def reduce_scatter(self, src: np.ndarray, dst: np.ndarray, count: int, stream: Any) -> None:
+        from mpi4py import MPI
+
+        self.comm.Reduce_scatter_block(src, dst[:count], op=MPI.SUM)
+
+    def close(self) -> None:
+        self.comm.Free()
+
+
+class _CudaLanes:
+    """NCCL on two side streams, one communicator each (FSDP2's AG and RS streams).
+
+    [Note: stock streams]
+    A collective's side stream first waits for an event recorded on the
+    caller's stream (so it reads what compute wrote before the call); the
+    returned completion is an event on the side stream, which the runtime
+    makes the compute stream wait for before it reads the result or reuses
+    the gradient buffer.
+    """
+
+    def __init__(self, group: Any) -> None:
+        import cupy
+
+        from ..bench import nccl
+
+        ok, why = nccl.available()
+        if not ok:
+            raise TideInvalid(f"comm='stock' on cuda needs nccl4py: {why}")
+        self.nccl = nccl
+        self.rank = group.comm.rank
+        self.num_sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+        self.streams = {k: cupy.cuda.Stream(non_blocking=True) for k in ("ag", "rs")}
+        self.comms = {k: nccl.communicator(group.comm) for k in ("ag", "rs")}
+
+    def run(self, kind: str, fn: Callable[[Any], None], stream: Any) -> Any:
+        import cupy
+
+        from ..backends._cuda_exec import CudaCompletion, stream_ptr
+
+        side = self.streams[kind]
+        ready = cupy.cuda.Event(block=False, disable_timing=True)
+        cupy.cuda.runtime.eventRecord(ready.ptr, stream_ptr(stream))
+        side.wait_event(ready)
+        fn(side)
+        done = cupy.cuda.Event(block=False, disable_timing=True)
+        done.record(side)
+        return CudaCompletion([done])
+
+    def all_gather(self, flat: Any, nbytes: int, each: int, stream: Any) -> None:
+        base = int(flat.data.ptr)
+        self.nccl.all_gather(self.comms["ag"], base + self.rank * each, base, each, "uint8",
+                             stream.ptr)
+
+    def reduce_scatter(self, src: Any, dst: Any, count: int, stream: Any) -> None:
+        self.nccl.reduce_scatter(self.comms["rs"], int(src.data.ptr), int(dst.data.ptr),
+                                 count, "float32", self.nccl.SUM, stream.ptr)
+
+    def close(self) -> None:
+        for c in self.comms.values():
+            c.destroy()
