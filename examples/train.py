@@ -1,0 +1,324 @@
+"""Train a Llama-style decoder with tidearray's FSDP runtime.
+
+    mpirun -n 2 python examples/train.py                      # tiny model, default backend
+    mpirun -n 2 python examples/train.py --model llama3-8b-8l --tokens 8192 --impl all
+
+Each rank trains on its own ``--tokens`` per step (data parallel); the model's
+units are sharded over the ranks by ``tidearray.fsdp.ShardedModel``. The
+model (``llama.py``, next to this file) has a hand-written backward and runs on
+the backend's array module: CuPy on the cuda backend, NumPy on host.
+
+``--impl`` picks the communication under the same trainer: ``tide`` (TIDE
+plans), ``stock`` (FSDP2's flat path: fused copy-in/out + flat all-gather,
+fused fp32 pack + flat fp32 reduce-scatter; NCCL on cuda), ``local`` (the
+no-communication floor: the whole model on each rank, the same per-rank work),
+or ``all`` (the three in turn, in one run, then a comparison). ``--out DIR``
+writes the run's JSON record (with the git commit), a table and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import zlib
+from typing import Any, Optional
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import llama  # noqa: E402
+
+import tidearray as ta  # noqa: E402
+from tidearray.fsdp import AdamW, ShardedModel  # noqa: E402
+
+
+def parse(argv: Optional[list] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", choices=sorted(llama.MODELS))
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per rank per step (default: 4 sequences)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (model default)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="gradient accumulation: micro-batches of --tokens per step")
+    p.add_argument("--impl", default="tide", choices=["tide", "stock", "local", "all"])
+    p.add_argument("--param-dtype", default=None, choices=["bfloat16", "float32"],
+                   help="default: bfloat16 on cuda, float32 on host")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip", type=float, default=None, help="global grad-norm clip")
+    p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
+    p.add_argument("--save", default=None, help="save a sharded checkpoint here at the end")
+    p.add_argument("--resume", default=None, help="load a sharded checkpoint first")
+    p.add_argument("--export", default=None, help="write the full fp32 model (.npz) at the end")
+    p.add_argument("--out", default=None, help="directory for the record, table and plots")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one tide step with CUPTI (torch.profiler) into --out")
+    p.add_argument("--backend", default=None, help="tidearray backend (default: auto)")
+    return p.parse_args(argv)
+
+
+class Log:
+    """Prints on rank 0 only, flushed (progress lines under mpirun)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __call__(self, *args: Any) -> None:
+        if self.rank == 0:
+            print(*args, flush=True)
+
+
+def device_init(xp: Any, seed: int, cfg: llama.ModelConfig) -> Any:
+    """``init(name, shape)`` drawing on the device: the 8B shapes would take a minute in
+    NumPy. Deterministic per (seed, name), so every rank and implementation agrees."""
+    out_scale = 1.0 / math.sqrt(2 * cfg.layers)
+
+    def init(name: str, shape: tuple) -> Any:
+        if name.endswith("norm"):
+            return xp.ones(shape, np.float32)
+        std = 0.02 * (out_scale if name.rsplit(".", 1)[-1] in ("wo", "w_down") else 1.0)
+        rng = xp.random.RandomState(seed * 7919 + zlib.crc32(name.encode()))
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    return init
+
+
+def build(args: argparse.Namespace, g: Any, kind: str, cfg: llama.ModelConfig,
+          stream: Any) -> ShardedModel:
+    specs = llama.unit_specs(cfg)
+    named = [[(f"{u}.{name}", shape) for name, shape in unit] for u, unit in enumerate(specs)]
+    opt = AdamW(lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.clip)
+    common = dict(group=g, param_dtype=args.param_dtype, optimizer=opt, prefetch=args.prefetch,
+                  comm=kind, stream=stream)
+    if g.backend.name == "cuda":
+        return ShardedModel(named, init=device_init(g.backend.xp, args.seed, cfg), **common)
+    full = llama.init_params(cfg, args.seed)
+    units = [[(n, a) for (n, _), a in zip(names, arrays)] for names, arrays in zip(named, full)]
+    return ShardedModel(units, **common)
+
+
+def train_step(sm: ShardedModel, net: llama.Llama, tokens: Any, targets: Any) -> Any:
+    """One micro-batch's forward and backward through the runtime's hooks; the loss."""
+    n = sm.num_units
+    saved, x = [], tokens
+    for i in range(n):
+        params = sm.pre_forward(i)
+        x, s = net.forward(i, params, (x, targets) if i == n - 1 else x)
+        saved.append(s)
+        sm.post_forward(i)
+    loss, dx = x, 1.0
+    for i in reversed(range(n)):
+        params, grads = sm.pre_backward(i)
+        dx, _ = net.backward(i, params, saved[i], dx, grads_out=grads)
+        saved[i] = None
+        sm.post_backward(i)
+    return loss
+
+
+class Memory:
+    """Peak device bytes in use (sampled after each step; the pool keeps what a step
+    allocated, so the sample holds the step's peak), or host RSS on the host backend."""
+
+    def __init__(self, xp: Any) -> None:
+        self.xp = xp
+        self.base = self.used()
+        self.peak = 0
+
+    def used(self) -> int:
+        if self.xp is np:
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        free, total = self.xp.cuda.runtime.memGetInfo()
+        return total - free
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, self.used() - self.base)
+
+
+def run(args: argparse.Namespace, g: Any, kind: str, cfg: llama.ModelConfig, B: int,
+        log: Log) -> dict:
+    xp = g.backend.xp
+    stream = xp.cuda.Stream(non_blocking=True) if xp is not np else None
+    if xp is not np:
+        xp.get_default_memory_pool().free_all_blocks()
+    mem = Memory(xp)
+    sm = build(args, g, kind, cfg, stream)
+    net = llama.Llama(cfg, xp)
+    rank = g.rank
+    if args.resume:
+        sm.load(args.resume)
+    first = sm.optimizer.step_count
+    data = [[llama.batch(cfg, step=first + s, batch_size=B, seed=args.seed,
+                         first_sample=(rank * args.micro_batches + m) * B)
+             for m in range(args.micro_batches)] for s in range(args.steps)]
+    losses, times = [], []
+    sync(xp, stream)
+    for s in range(args.steps):
+        t0 = time.perf_counter()
+        dev_losses = []
+        with _current(stream):
+            for tokens, targets in data[s]:
+                dev_losses.append(train_step(sm, net, xp.asarray(tokens), xp.asarray(targets)))
+            sm.step()
+        sync(xp, stream)
+        dt = time.perf_counter() - t0
+        mem.sample()
+        local = float(sum(float(v) for v in dev_losses) / len(dev_losses))
+        loss = g.comm.allreduce(local) / g.size
+        losses.append(loss)
+        times.append(dt)
+        tok = B * cfg.seq * args.micro_batches
+        log(f"[{kind}] step {first + s + 1:4d}  loss {loss:.6f}  {dt * 1e3:9.2f} ms  "
+            f"{tok / dt:12,.0f} tok/s/rank  mem {mem.peak / 2**30:6.2f} GiB")
+    if args.save:
+        sm.save(args.save)
+    if args.export:
+        sm.export(args.export)
+    prof = None
+    if args.profile and kind != "local" and args.out:
+        prof = profile_step(args, g, kind, sm, net, data[-1], stream, log)
+    steady = times[args.warmup:] or times
+    rec = {"impl": kind, "losses": losses, "step_s": times,
+           "median_step_s": float(np.median(steady)), "peak_bytes": mem.peak,
+           "comm_bytes": sm.comm.nbytes, "arena_bytes": sm.arena.nbytes, "profile": prof}
+    sm.close()
+    del sm
+    return rec
+
+
+class _current:
+    """``with`` a CuPy stream current, or nothing."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> None:
+        if self.stream is not None:
+            self.stream.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.stream is not None:
+            self.stream.__exit__(*exc)
+
+
+def sync(xp: Any, stream: Any) -> None:
+    if xp is not np:
+        xp.cuda.Device().synchronize()
+
+
+def profile_step(args: argparse.Namespace, g: Any, kind: str, sm: ShardedModel,
+                 net: llama.Llama, batches: list, stream: Any, log: Log) -> Optional[dict]:
+    """One more step under CUPTI: its events, a timeline PNG and the device time per
+    role (compute, accumulate, NCCL, layout conversion, copies) go to --out."""
+    from tidearray.bench import cupti, timeline
+
+    xp = g.backend.xp
+
+    def step() -> None:
+        with _current(stream):
+            for tokens, targets in batches:
+                train_step(sm, net, xp.asarray(tokens), xp.asarray(targets))
+            sm.step()
+        sync(xp, stream)
+
+    events = cupti.trace(step)
+    if events is None:
+        log(f"profile: skipped ({cupti.available()[1]})")
+        return None
+    roles = {r: us / 1e3 for r, us in timeline.roles(events).items()}
+    kernels = {k: v for k, v in cupti.by_name(events).items() if not k.startswith("kernel: ")
+               or timeline.role({"cat": "kernel", "name": k}) != "compute"}
+    if g.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        cupti.save(events, os.path.join(args.out, f"{kind}_step_trace.json"))
+        timeline.plot(events, os.path.join(args.out, f"{kind}_step_timeline.png"),
+                      f"{kind}: one training step, rank 0 ({args.model}, {g.size} ranks)")
+        log(f"[{kind}] profiled step: device ms per role {roles}")
+        log(cupti.summary(events, top=15))
+    return {"ms_per_role": roles, "non_compute_events": kernels}
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10,
+                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def summarize(records: list, log: Log) -> dict:
+    by = {r["impl"]: r for r in records}
+    log("\nsummary (median step time after warm-up; peak memory per rank)")
+    log(f"{'impl':8s} {'step ms':>10s} {'vs local':>9s} {'peak GiB':>9s} {'last loss':>12s}")
+    floor = by.get("local", {}).get("median_step_s")
+    for r in records:
+        ratio = f"{r['median_step_s'] / floor:.3f}x" if floor else "-"
+        log(f"{r['impl']:8s} {r['median_step_s'] * 1e3:10.2f} {ratio:>9s} "
+            f"{r['peak_bytes'] / 2**30:9.2f} {r['losses'][-1]:12.6f}")
+    out: dict = {}
+    if "tide" in by and "stock" in by:
+        a, b = by["tide"]["losses"], by["stock"]["losses"]
+        diff = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+        out["tide_vs_stock_losses"] = {"bitwise": a == b, "max_rel_diff": diff}
+        log(f"tide vs stock losses: {'bitwise equal' if a == b else f'max rel diff {diff:.3g}'}"
+            f" over {len(a)} steps")
+    if floor and "tide" in by and "stock" in by:
+        t, s = by["tide"]["median_step_s"], by["stock"]["median_step_s"]
+        out.update(tide_over_floor=t / floor, stock_over_floor=s / floor,
+                   overhead_ratio=(t - floor) / (s - floor) if s > floor else None,
+                   peak_ratio=by["tide"]["peak_bytes"] / max(by["stock"]["peak_bytes"], 1))
+        log(f"tide {100 * (t / floor - 1):+.1f}% over the floor, stock "
+            f"{100 * (s / floor - 1):+.1f}%; tide's overhead is "
+            f"{out['overhead_ratio'] or float('nan'):.3f} of stock's; peak memory tide/stock "
+            f"{out['peak_ratio']:.2f}")
+    return out
+
+
+def main(argv: Optional[list] = None) -> None:
+    args = parse(argv)
+    g = ta.init(backend=args.backend)
+    log = Log(g.rank)
+    cfg = llama.MODELS[args.model]
+    if args.seq:
+        cfg = llama.ModelConfig(**{**cfg.__dict__, "seq": args.seq})
+    tokens = args.tokens or 4 * cfg.seq
+    if tokens % cfg.seq:
+        raise SystemExit(f"--tokens: expected a multiple of the sequence length {cfg.seq}, "
+                         f"got {tokens}")
+    B = tokens // cfg.seq
+    args.param_dtype = args.param_dtype or ("bfloat16" if g.backend.name == "cuda" else
+                                            "float32")
+    impls = ["tide", "stock", "local"] if args.impl == "all" else [args.impl]
+    log(f"train: {args.model} ({cfg.layers} layers, hidden {cfg.hidden}), {tokens} tokens/rank "
+        f"x {args.micro_batches} micro-batches, {g.size} ranks, backend {g.backend.name}, "
+        f"{args.param_dtype}, impls {impls}")
+    records = [run(args, g, kind, cfg, B, log) for kind in impls]
+    comparison = summarize(records, log)
+    if args.out and g.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        record = {"commit": commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                  "argv": sys.argv, "model": args.model, "config": cfg.__dict__,
+                  "tokens_per_rank": tokens, "world": g.size, "backend": g.backend.name,
+                  "param_dtype": args.param_dtype, "runs": records, "comparison": comparison}
+        with open(os.path.join(args.out, "train.json"), "w") as f:
+            json.dump(record, f, indent=1)
+        log(f"record: {os.path.join(args.out, 'train.json')}")
+    g.close()
+
+
+if __name__ == "__main__":
+    main()

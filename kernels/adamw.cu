@@ -1,0 +1,122 @@
+// Fused AdamW over the FSDP shard arena: fp32 master, moments and gradient in,
+// master and moments updated in place, and the param-dtype send copy written
+// in the same pass (no separate cast kernel).
+//
+// Launched by tidearray/fsdp/_optim.py (FusedAdamW._step_cupy), one kernel per
+// send dtype: adamw_bf16, adamw_f16, adamw_f32. The host folds the
+// hyper-parameters and the step into float32 coefficients (_optim.coefficients),
+// so the kernel and the NumPy path read the very same float32 values.
+//
+// Per element, in float32, each operation rounded to nearest even:
+//
+//   g     = grad * grad_scale
+//   p     = master * decay                     decay     = 1 - lr * weight_decay
+//   m     = beta1 * m + omb1 * g               omb1      = 1 - beta1
+//   v     = beta2 * v + omb2 * (g * g)         omb2      = 1 - beta2
+//   denom = sqrt(v) / bc2_sqrt + eps           bc2_sqrt  = sqrt(1 - beta2^step)
+//   p     = p - step_size * (m / denom)        step_size = lr / (1 - beta1^step)
+//   master = p; exp_avg = m; exp_avg_sq = v; send = round_to_nearest_even(p)
+//
+// This is torch.optim.AdamW's formulation (decoupled decay first; denom as
+// sqrt(v) / sqrt(bc2) + eps; addcdiv by -step_size). Every operation is an
+// explicit _rn intrinsic: they are never contracted into FMAs (NVRTC fuses
+// a * b + c by default), and division and sqrt are IEEE-exact whatever the
+// compile flags, so the result is bitwise what NumPy's float32 ufuncs give.
+//
+// No headers: bf16 rounding is integer arithmetic on the float's bits, fp16
+// is one cvt instruction, so NVRTC needs no include path.
+
+typedef long long i64;
+typedef unsigned short u16;
+
+struct Coeffs {
+    float decay, beta1, omb1, beta2, omb2, eps, step_size, bc2_sqrt, grad_scale;
+};
+
+// fp32 -> bf16, round to nearest even (what ml_dtypes' astype does). Adding
+// 0x7fff plus the lowest kept bit carries into the kept half exactly when the
+// dropped half is above one half, or equal to it with an odd kept half;
+// overflow carries into the exponent and gives inf, as it should. NaN would
+// carry into the sign or become inf, so it becomes the signed quiet NaN that
+// ml_dtypes gives (0x7fc0 or 0xffc0): bitwise equal to astype there too.
+__device__ __forceinline__ u16 to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (u16)(((u >> 16) & 0x8000u) | 0x7fc0u);
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+// fp32 -> fp16, round to nearest even (cvt.rn; NumPy's astype rounds the same).
+// Only NaN differs from NumPy: cvt gives the canonical 0x7fff, NumPy keeps the
+// sign and the payload's top bits. Both are NaN.
+__device__ __forceinline__ u16 to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Where the send copy goes, one type per send dtype (so the loop is one template).
+struct SendBf16 {
+    u16* p;
+    __device__ __forceinline__ void store(i64 i, float v) const { p[i] = to_bf16(v); }
+};
+
+struct SendF16 {
+    u16* p;
+    __device__ __forceinline__ void store(i64 i, float v) const { p[i] = to_f16(v); }
+};
+
+struct SendF32 {
+    float* p;
+    __device__ __forceinline__ void store(i64 i, float v) const { p[i] = v; }
+};
+
+// One element's update; returns the new master value. Order as in the header.
+__device__ __forceinline__ float update(float* master, float* exp_avg, float* exp_avg_sq,
+                                        const float* grad, i64 i, const Coeffs& c) {
+    float g = __fmul_rn(grad[i], c.grad_scale);
+    float p = __fmul_rn(master[i], c.decay);
+    float m = __fadd_rn(__fmul_rn(c.beta1, exp_avg[i]), __fmul_rn(c.omb1, g));
+    float v = __fadd_rn(__fmul_rn(c.beta2, exp_avg_sq[i]), __fmul_rn(c.omb2, __fmul_rn(g, g)));
+    float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
+    // p - x as p + (-x): negation is exact, and __fadd_rn is never contracted.
+    p = __fadd_rn(p, -__fmul_rn(c.step_size, __fdiv_rn(m, denom)));
+    master[i] = p;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    return p;
+}
+
+// Grid-stride loop, scalar and coalesced: the kernel is bound by memory
+// (16 bytes read and 12 + sizeof(send element) written per element), and
+// scalar accesses keep it correct for shards at any alignment in the arena.
+template <typename Send>
+__device__ __forceinline__ void adamw_loop(float* master, float* exp_avg, float* exp_avg_sq,
+                                           const float* grad, Send send, i64 n,
+                                           const Coeffs& c) {
+    i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        send.store(i, update(master, exp_avg, exp_avg_sq, grad, i, c));
+    }
+}
+
+// The three entry points differ only in the send pointer's type. Arguments,
+// in order: master, exp_avg, exp_avg_sq, grad, send, n, then the float32
+// coefficients decay, beta1, omb1, beta2, omb2, eps, step_size, bc2_sqrt,
+// grad_scale (their meaning is in the header).
+#define ADAMW_KERNEL(NAME, SEND, SEND_ELEM)                                              \
+    extern "C" __global__ void NAME(float* master, float* exp_avg, float* exp_avg_sq,    \
+                                    const float* grad, SEND_ELEM* send, i64 n,           \
+                                    float decay, float beta1, float omb1, float beta2,   \
+                                    float omb2, float eps, float step_size,              \
+                                    float bc2_sqrt, float grad_scale) {                  \
+        const Coeffs c = {decay, beta1, omb1, beta2, omb2, eps, step_size, bc2_sqrt,     \
+                          grad_scale};                                                   \
+        adamw_loop(master, exp_avg, exp_avg_sq, grad, SEND{send}, n, c);                 \
+    }
+
+ADAMW_KERNEL(adamw_bf16, SendBf16, u16)
+ADAMW_KERNEL(adamw_f16, SendF16, u16)
+ADAMW_KERNEL(adamw_f32, SendF32, float)

@@ -1,0 +1,147 @@
+"""Persistent plans, multi-rank: built once, called many times, at any world size.
+
+Each call changes the inputs in place and poisons the outputs first, so a plan
+that skipped its transfers, or read stale addresses, fails. Reductions use
+normal values (fp32 sums of them are inexact) against an fp64 reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+import tidearray as ta
+
+from .._util import DTYPES, FP32, agree, compare_bits, padded_shard, seeds, shapes, to_numpy
+from ._cases import full_params, poison, rank_grads
+
+WORLD = MPI.COMM_WORLD.Get_size()
+pytestmark = pytest.mark.mpi
+
+#: fp32 accumulation of W normal values vs fp64: relative to the sum of magnitudes.
+RS_RTOL = 4 * WORLD * 2.0**-24
+
+
+def _arena(group, unit, num=2):
+    return ta.SlotArena(max(unit.nbytes, unit.staging_nbytes), num_slots=num, group=group)
+
+
+@given(shapes=shapes(WORLD, max_count=8, min_count=1), dtype=st.sampled_from(DTYPES),
+       seed=seeds)
+def test_gather_plan_repeats_with_new_data(group, xp, shapes, dtype, seed):
+    """Three calls into two slots, each with new shard contents written in place."""
+    unit = ta.Unit(shapes, dtype, group=group)
+    arena = _arena(group, unit)
+    shards = [xp.zeros(s, dtype) for s in unit.shard_shapes]
+    plans = [unit.gather_plan(shards, arena[k]) for k in range(2)]
+    failures = []
+    for call in range(3):
+        full = full_params(shapes, dtype, seed + call)
+        for s, f in zip(shards, full):
+            s[...] = xp.asarray(padded_shard(f, group.size, group.rank))
+        slot = arena[call % 2]
+        poison(slot)
+        got = plans[call % 2]()
+        for i, (g, f) in enumerate(zip(got, full)):
+            failures += compare_bits(g, f, f"call {call}: parameter {i}")
+    agree(group.comm, failures, "gather plan")
+    for s in arena.slots:
+        s.free()
+
+
+@given(shapes=shapes(WORLD, max_count=8, min_count=1), dtype=st.sampled_from(DTYPES),
+       op=st.sampled_from(["sum", "avg"]), seed=seeds)
+def test_reduce_plan_repeats_with_new_data(group, xp, shapes, dtype, op, seed):
+    """Slot-Reuse staging; new gradients and poisoned outputs before each of three calls."""
+    unit = ta.Unit(shapes, dtype, group=group)
+    arena = _arena(group, unit, 1)
+    grads = [xp.zeros(s, dtype) for s in shapes]
+    plan = unit.reduce_plan(grads, op=op, staging=arena[0])
+    failures = []
+    for call in range(3):
+        every = [rank_grads(shapes, dtype, seed + call, r) for r in range(group.size)]
+        for g, mine in zip(grads, every[group.rank]):
+            g[...] = xp.asarray(mine)
+        for o in plan.out:
+            o.fill(np.nan)
+        got = plan()
+        for i, spec in enumerate(unit.layout.specs):
+            total = sum(e[i].astype(np.float64) for e in every)
+            scale = 1.0 / group.size if op == "avg" else 1.0
+            want = padded_shard(total * scale, group.size, group.rank)
+            bound = padded_shard(sum(np.abs(e[i].astype(np.float64)) for e in every),
+                                 group.size, group.rank) * RS_RTOL
+            err = np.abs(to_numpy(got[i]).astype(np.float64) - want)
+            if to_numpy(got[i]).dtype != FP32 or not np.all(err <= bound):
+                failures.append(f"call {call}: parameter {i}: max error {np.nanmax(err)!r} "
+                                f"beyond {RS_RTOL:.2g} x sum|g|")
+    agree(group.comm, failures, "reduce plan")
+    arena[0].free()
+
+
+def test_many_plans_interleaved(group, xp):
+    """400 plans (one per unit), called in a shuffled order the ranks share: no plan's
+    addresses or flag counts leak into another's."""
+    rng = np.random.default_rng(group.comm.bcast(np.random.SeedSequence().entropy, root=0))
+    n = 400
+    dtype = np.dtype(np.float32)
+    unit_shapes = [[(int(rng.integers(1, 3 * WORLD + 2)), 3)] for _ in range(n)]
+    units = [ta.Unit(s, dtype, group=group) for s in unit_shapes]
+    arena = ta.SlotArena(max(u.nbytes for u in units), num_slots=2, group=group)
+    fulls = [[rng.standard_normal(s[0]).astype(dtype)] for s in unit_shapes]
+    plans = [u.gather_plan([xp.asarray(padded_shard(f[0], group.size, group.rank))],
+                           arena[i % 2]) for i, (u, f) in enumerate(zip(units, fulls))]
+    failures = []
+    for i in rng.permutation(n)[:120]:
+        poison(arena[i % 2])
+        failures += compare_bits(plans[i]()[0], fulls[i][0], f"plan {i}")
+    agree(group.comm, failures, "400 plans")
+    for s in arena.slots:
+        s.free()
+
+
+def test_bad_plan_input_raises_on_every_rank(group, xp):
+    """One rank's wrong shard shape, or a too-small staging slot: TideInvalid everywhere."""
+    unit = ta.Unit([(2 * WORLD + 1, 3)], FP32, group=group)
+    arena = ta.SlotArena(unit.nbytes, num_slots=1, group=group)
+    shape = unit.shard_shapes[0]
+    if group.rank == group.size - 1:
+        shape = (shape[0] + 1, 3)
+    with pytest.raises(ta.TideInvalid, match=f"rank {group.size - 1}"):
+        unit.gather_plan([xp.zeros(shape, FP32)], arena[0])
+    small = ta.SlotArena(64, num_slots=1, group=group)
+    if unit.staging_nbytes > small[0].nbytes:
+        with pytest.raises(ta.TideInvalid, match="staging"):
+            unit.reduce_plan([xp.zeros((2 * WORLD + 1, 3), FP32)], staging=small[0])
+    with pytest.raises(ta.TideInvalid, match="dtype"):
+        unit.gather_plan([xp.zeros(unit.shard_shapes[0], np.float16)], arena[0])
+    for r in (*arena.slots, *small.slots):
+        r.free()
+
+
+def test_unit_rejects_bad_shapes_everywhere(group):
+    with pytest.raises(ta.TideInvalid, match="int"):
+        ta.Unit([(5.0, 3)], FP32, group=group)
+    shapes = [(3,)] if group.rank == 0 else [(4,)]
+    if group.size > 1:
+        with pytest.raises(ta.TideInvalid, match="Unit"):
+            ta.Unit(shapes, FP32, group=group)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_debug_mode_catches_plans_called_out_of_order(comm):
+    """With ``debug=True``, ranks calling different plans raise together, before any copy."""
+    g = ta.init(comm, backend="host", debug=True)
+    try:
+        units = [ta.Unit([(2 * g.size, 2)], FP32, group=g) for _ in range(2)]
+        arena = ta.SlotArena(units[0].nbytes, num_slots=1, group=g)
+        plans = [u.gather_plan([np.zeros(u.shard_shapes[0], FP32)], arena[0]) for u in units]
+        plans[0]()  # in order: fine
+        with pytest.raises(ta.TideInvalid, match="plan"):
+            plans[0 if g.rank == 0 else 1]()
+    finally:
+        comm.Barrier()
+        g.close()

@@ -1,0 +1,333 @@
+"""FusedAdamW's NumPy path (CPU): math, rounding of the send shard, state, validation.
+
+References, written here from scratch:
+
+* a float64 AdamW in torch's formulation (decoupled decay, bias corrections,
+  clipping by torch's ``clip_grad_norm_`` rule). Tolerance after ``STEPS``
+  steps, elementwise, ``|got - ref| <= rtol * scale + atol``:
+  - master: ``rtol = 3 * STEPS * 2**-24`` (1.8e-6), ``scale = |p_0| + |ref|``
+    (covers ``|p|`` on every step, also where ``p`` crosses zero),
+    ``atol = 1e-6 * lr``. Each step adds three float32 roundings of at most
+    2**-25, 2**-24 and 2**-24 of ``|p|`` (the decay factor, ``p * decay``,
+    ``p - update``), and the update, at most a few ``lr``, carries about ten
+    roundings of 2**-24: well under ``1e-6 * lr`` over ten steps;
+  - moments: ``rtol = 1e-6``, ``scale = |ref|``, ``atol = 1e-6`` times the
+    largest term (``max|g|``, ``max g**2``): a few roundings a step, each
+    shrunk by ``beta`` in later steps;
+* the documented float32 formula ([Note: AdamW math]) evaluated one element at
+  a time with NumPy float32 scalars: the path must equal it bitwise, which is
+  what the GPU kernel is held to as well.
+
+Data is fresh each run (the seed is in every failure message).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tidearray import TideInvalid
+from tidearray.fsdp._optim import (
+    HOST_CHUNK,
+    AdamW,
+    FusedAdamW,
+    clip_scale,
+    coefficients,
+)
+
+from ._util import BF16, DTYPES, FP32, bits
+
+STEPS = 10
+RTOL_MASTER = 3 * STEPS * 2**-24
+ATOL_LR = 1e-6
+RTOL = 1e-6
+
+
+@pytest.fixture
+def rng() -> tuple[np.random.Generator, int]:
+    seed = int(np.random.SeedSequence().entropy) % (1 << 63)
+    return np.random.default_rng(seed), seed
+
+
+def _shards(rng: np.random.Generator, n: int, send_dtype: np.dtype = BF16):
+    master = rng.standard_normal(n).astype(np.float32)
+    return master, np.zeros(n, send_dtype)
+
+
+def _grads(rng: np.random.Generator, n: int, steps: int) -> list[np.ndarray]:
+    """Gradients spanning magnitudes, so both ``eps`` and ``sqrt(v)`` matter."""
+    mag = 10.0 ** rng.uniform(-9, 0, n)
+    return [(rng.standard_normal(n) * mag).astype(np.float32) for _ in range(steps)]
+
+
+def _reference(master: np.ndarray, grads: list[np.ndarray], lrs: list[float], hp: AdamW):
+    """float64 AdamW as torch computes it, clipping each step's gradient first."""
+    p = master.astype(np.float64)
+    m, v = np.zeros_like(p), np.zeros_like(p)
+    b1, b2 = hp.betas
+    for t, (g32, lr) in enumerate(zip(grads, lrs), start=1):
+        g = g32.astype(np.float64)
+        if hp.max_grad_norm is not None:
+            coef = hp.max_grad_norm / (math.sqrt(np.dot(g, g)) + 1e-6)
+            g = g * min(coef, 1.0)
+        p = p * (1.0 - lr * hp.weight_decay)
+        m = b1 * m + (1.0 - b1) * g
+        v = b2 * v + (1.0 - b2) * g * g
+        denom = np.sqrt(v) / math.sqrt(1.0 - b2**t) + hp.eps
+        p = p - lr / (1.0 - b1**t) * m / denom
+    return p, m, v
+
+
+def _run(opt: FusedAdamW, grads: list[np.ndarray], lrs: list[float]) -> None:
+    """Steps the way the runtime will: global norm (one rank here), clip scale, step."""
+    for g, lr in zip(grads, lrs):
+        scale = clip_scale(math.sqrt(opt.sum_squares(g)), opt.hp.max_grad_norm)
+        opt.step(g, grad_scale=scale, lr=lr)
+
+
+def _assert_close(got: np.ndarray, ref: np.ndarray, rtol: float, atol: float, what: str,
+                  seed: int, start: Optional[np.ndarray] = None) -> None:
+    """``|got - ref| <= rtol * (|ref| + |start|) + atol`` elementwise (``start``: 0 if None)."""
+    err = np.abs(got.astype(np.float64) - ref)
+    scale = np.abs(ref) if start is None else np.abs(ref) + np.abs(start.astype(np.float64))
+    bound = rtol * scale + atol
+    worst = int(np.argmax(err - bound))
+    assert (err <= bound).all(), (f"{what}: element {worst} off by {err[worst]:.3g} > "
+                                  f"{bound[worst]:.3g} (seed {seed})")
+
+
+@pytest.mark.parametrize("n", [1, 1000, 2 * HOST_CHUNK + 123])
+def test_matches_float64_reference(rng, n: int) -> None:
+    gen, seed = rng
+    hp = AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=0.5)
+    master, send = _shards(gen, n)
+    grads = _grads(gen, n, STEPS)
+    lrs = [hp.lr * (0.5 + 0.5 * k / STEPS) for k in range(STEPS)]  # a warm-up schedule
+    opt = FusedAdamW(hp, master.copy(), send, np)
+    p_ref, m_ref, v_ref = _reference(master, grads, lrs, hp)
+    _run(opt, grads, lrs)
+    assert opt.step_count == STEPS
+    g_max = max(float(np.abs(g).max()) for g in grads)
+    _assert_close(opt._master, p_ref, RTOL_MASTER, ATOL_LR * hp.lr, "master", seed, master)
+    _assert_close(opt.exp_avg, m_ref, RTOL, RTOL * g_max, "exp_avg", seed)
+    _assert_close(opt.exp_avg_sq, v_ref, RTOL, RTOL * g_max**2, "exp_avg_sq", seed)
+
+
+def _formula_f32(p: float, m: float, v: float, g: float, c) -> tuple:
+    """[Note: AdamW math] for one element, in NumPy float32 scalars (each op rounds)."""
+    f = np.float32
+    g = f(g) * c.grad_scale
+    p = f(p) * c.decay
+    m = c.beta1 * f(m) + c.omb1 * g
+    v = c.beta2 * f(v) + c.omb2 * (g * g)
+    denom = np.sqrt(v) / c.bc2_sqrt + c.eps
+    p = p - c.step_size * (m / denom)
+    return p, m, v
+
+
+def test_bitwise_equal_to_the_documented_float32_formula(rng) -> None:
+    gen, seed = rng
+    n = 300
+    hp = AdamW(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
+    master, send = _shards(gen, n, FP32)
+    opt = FusedAdamW(hp, master.copy(), send, np)
+    p, m, v = master.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    for t, g in enumerate(_grads(gen, n, 4), start=1):
+        c = coefficients(hp, t, hp.lr, 0.75)
+        assert all(type(x) is np.float32 for x in c)
+        for i in range(n):
+            p[i], m[i], v[i] = _formula_f32(p[i], m[i], v[i], g[i], c)
+        opt.step(g, grad_scale=0.75)
+        for got, want, what in ((opt._master, p, "master"), (opt.exp_avg, m, "exp_avg"),
+                                (opt.exp_avg_sq, v, "exp_avg_sq")):
+            assert (bits(got) == bits(want)).all(), f"{what} at step {t} (seed {seed})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_send_is_the_rounded_master(rng, dtype: np.dtype) -> None:
+    gen, seed = rng
+    n = HOST_CHUNK + 7
+    master, send = _shards(gen, n, dtype)
+    opt = FusedAdamW(AdamW(lr=1e-2, weight_decay=0.01), master, send, np)
+    for t, g in enumerate(_grads(gen, n, 3), start=1):
+        opt.step(g)
+        want = master.astype(dtype)  # RNE, as ml_dtypes and NumPy cast
+        assert (bits(send) == bits(want)).all(), f"{dtype} send at step {t} (seed {seed})"
+
+
+def test_bf16_cast_rounds_to_nearest_even() -> None:
+    """The cast the NumPy path relies on (and the kernel copies) is RNE, ties to even."""
+    u = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x7F7FFFFF], np.uint32)
+    got = u.view(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+    assert list(got) == [0x3F80, 0x3F82, 0x3F81, 0x7F80]
+
+
+def test_grad_scale_is_applied_first(rng) -> None:
+    gen, _ = rng
+    n, scale = 513, np.float32(0.37)
+    master, _ = _shards(gen, n)
+    grads = _grads(gen, n, 3)
+    a = FusedAdamW(AdamW(weight_decay=0.1), master.copy(), np.zeros(n, BF16), np)
+    b = FusedAdamW(AdamW(weight_decay=0.1), master.copy(), np.zeros(n, BF16), np)
+    for g in grads:
+        a.step(g, grad_scale=float(scale))
+        b.step(g * scale)  # the same float32 product, made outside
+    for x, y in ((a._master, b._master), (a.exp_avg, b.exp_avg), (a.exp_avg_sq, b.exp_avg_sq)):
+        assert (bits(x) == bits(y)).all()
+
+
+@pytest.mark.parametrize("norm, max_norm, want", [
+    (3.0, None, 1.0),
+    (0.5, 1.0, 1.0),
+    (1.0, 1.0, 1.0 / (1.0 + 1e-6)),  # clipped by a hair, as in torch
+    (4.0, 1.0, 1.0 / (4.0 + 1e-6)),
+    (0.0, 2.0, 1.0),
+    (math.inf, 1.0, 0.0),
+])
+def test_clip_scale_rule(norm: float, max_norm: Optional[float], want: float) -> None:
+    assert clip_scale(norm, max_norm) == want
+
+
+def test_clip_scale_nan_propagates() -> None:
+    assert math.isnan(clip_scale(math.nan, 1.0))
+
+
+def test_sum_squares_in_float64(rng) -> None:
+    gen, _ = rng
+    n = 3 * HOST_CHUNK + 5
+    opt = FusedAdamW(AdamW(), *_shards(gen, n), np)
+    g = _grads(gen, n, 1)[0]
+    want = math.fsum(float(x) * float(x) for x in g)
+    assert opt.sum_squares(g) == pytest.approx(want, rel=1e-12)
+
+
+def test_state_dict_round_trip_is_bitwise(rng) -> None:
+    gen, _ = rng
+    n = 777
+    hp = AdamW(weight_decay=0.1)
+    master, send = _shards(gen, n)
+    grads = _grads(gen, n, 5)
+    a = FusedAdamW(hp, master, send, np)
+    for g in grads[:3]:
+        a.step(g)
+    state, saved = a.state_dict(), master.copy()
+    b = FusedAdamW(hp, saved, np.zeros(n, BF16), np)
+    b.load_state_dict(state)
+    assert b.step_count == 3
+    for g in grads[3:]:
+        a.step(g)
+        b.step(g)
+    for x, y in ((a._master, b._master), (a.exp_avg, b.exp_avg), (a.exp_avg_sq, b.exp_avg_sq),
+                 (send, b._send)):
+        assert (bits(x) == bits(y)).all()
+
+
+def test_state_dict_is_a_copy(rng) -> None:
+    gen, _ = rng
+    opt = FusedAdamW(AdamW(), *_shards(gen, 16), np)
+    state = opt.state_dict()
+    opt.step(_grads(gen, 16, 1)[0])
+    assert state["step"] == 0 and not state["exp_avg"].any()
+
+
+@pytest.mark.parametrize("kw", [
+    {"lr": -1.0}, {"lr": math.nan}, {"lr": math.inf}, {"lr": "0.1"}, {"lr": True},
+    {"betas": (1.0, 0.9)}, {"betas": (0.9, -0.1)}, {"betas": (0.9,)}, {"betas": 0.9},
+    {"eps": -1e-8}, {"weight_decay": -0.1}, {"weight_decay": math.nan},
+    {"max_grad_norm": 0.0}, {"max_grad_norm": -1.0}, {"max_grad_norm": math.inf},
+])
+def test_bad_hyper_parameters(kw: dict) -> None:
+    with pytest.raises(TideInvalid, match="expected"):
+        AdamW(**kw)
+
+
+def test_hyper_parameters_normalised() -> None:
+    hp = AdamW(betas=[0.8, 0.9])
+    assert hp.betas == (0.8, 0.9) and hash(hp) == hash(AdamW(betas=(0.8, 0.9)))
+
+
+def _bad_constructions() -> list:
+    m = np.zeros(8, np.float32)
+    return [
+        ("master", (np.zeros(8, np.float64), np.zeros(8, BF16))),
+        ("master", (np.zeros((2, 4), np.float32), np.zeros(8, BF16))),
+        ("master", (np.zeros(16, np.float32)[::2], np.zeros(8, BF16))),
+        ("master", ([0.0] * 8, np.zeros(8, BF16))),
+        ("send", (np.zeros(8, np.float32), np.zeros(7, BF16))),
+        ("send", (np.zeros(8, np.float32), np.zeros(8, np.int32))),
+        ("send", (m, m)),
+        ("send", (m, m.view(np.float32)[:])),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_constructions())))
+def test_bad_construction(case: int) -> None:
+    what, (master, send) = _bad_constructions()[case]
+    with pytest.raises(TideInvalid, match=f"{what}: expected"):
+        FusedAdamW(AdamW(), master, send, np)
+
+
+def test_bad_module_and_hp() -> None:
+    with pytest.raises(TideInvalid, match="xp: expected"):
+        FusedAdamW(AdamW(), np.zeros(4, np.float32), np.zeros(4, BF16), math)
+    with pytest.raises(TideInvalid, match="hp: expected"):
+        FusedAdamW({"lr": 1e-3}, np.zeros(4, np.float32), np.zeros(4, BF16), np)
+
+
+def test_bad_step_arguments() -> None:
+    opt = FusedAdamW(AdamW(), np.zeros(8, np.float32), np.zeros(8, BF16), np)
+    for grad, kw, what in [(np.zeros(7, np.float32), {}, "grad"),
+                           (np.zeros(8, BF16), {}, "grad"),
+                           (np.zeros(8, np.float32), {"lr": -1.0}, "lr"),
+                           (np.zeros(8, np.float32), {"grad_scale": "2"}, "grad_scale")]:
+        with pytest.raises(TideInvalid, match=f"{what}: expected"):
+            opt.step(grad, **kw)
+    with pytest.raises(TideInvalid, match="grad: expected"):
+        opt.sum_squares(np.zeros(9, np.float32))
+    assert opt.step_count == 0  # nothing ran
+
+
+def test_bad_state() -> None:
+    opt = FusedAdamW(AdamW(), np.zeros(8, np.float32), np.zeros(8, BF16), np)
+    ok = {"step": 2, "exp_avg": np.ones(8, np.float32), "exp_avg_sq": np.ones(8, np.float32)}
+    for bad, what in [({k: ok[k] for k in ("step", "exp_avg")}, "state"),
+                      ({**ok, "step": -1}, "state\\['step'\\]"),
+                      ({**ok, "step": 1.5}, "state\\['step'\\]"),
+                      ({**ok, "exp_avg_sq": np.ones(9, np.float32)}, "state\\['exp_avg_sq'\\]")]:
+        with pytest.raises(TideInvalid, match=f"{what}: expected"):
+            opt.load_state_dict(bad)
+    assert opt.step_count == 0 and not opt.exp_avg.any()  # nothing was copied
+    opt.load_state_dict(ok)
+    assert opt.step_count == 2 and (opt.exp_avg == 1).all()
+
+
+def test_matches_torch_adamw(rng) -> None:
+    """torch.optim.AdamW on the same float32 data. Twice the reference's tolerance: both
+    round in float32, in different orders (torch uses ``lerp`` for the first moment)."""
+    torch = pytest.importorskip("torch")
+    gen, seed = rng
+    n = 4099
+    hp = AdamW(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=0.5)
+    start, send = _shards(gen, n)
+    master = start.copy()
+    grads = _grads(gen, n, STEPS)
+    param = torch.nn.Parameter(torch.from_numpy(start.copy()))
+    ref = torch.optim.AdamW([param], lr=hp.lr, betas=hp.betas, eps=hp.eps,
+                            weight_decay=hp.weight_decay, foreach=False)
+    opt = FusedAdamW(hp, master, send, np)
+    for g in grads:
+        param.grad = torch.from_numpy(g.copy())
+        torch.nn.utils.clip_grad_norm_([param], hp.max_grad_norm)
+        ref.step()
+    _run(opt, grads, [hp.lr] * STEPS)
+    want = param.detach().numpy().astype(np.float64)
+    _assert_close(master, want, 2 * RTOL_MASTER, 2 * ATOL_LR * hp.lr, "master vs torch", seed,
+                  start)
+    st = ref.state[param]
+    g_max = max(float(np.abs(g).max()) for g in grads)
+    _assert_close(opt.exp_avg, st["exp_avg"].numpy().astype(np.float64), 2 * RTOL,
+                  2 * RTOL * g_max, "exp_avg vs torch", seed)

@@ -1,0 +1,78 @@
+"""A timeline plot of one profiled region: one row per stream, from CUPTI events.
+
+Events are coloured by role: model compute, TIDE's accumulate, NCCL, the
+baselines' layout conversions (``pack.cu``), copy-engine copies and memsets.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+#: Kernel-name fragments of each role (first match wins); anything else is compute.
+ROLES = (("accumulate", ("accum",)), ("nccl", ("nccl",)), ("layout", ("pack_",)),
+         ("optimizer", ("adamw",)))
+COLORS = {"compute": "#4C72B0", "accumulate": "#DD8452", "nccl": "#C44E52",
+          "layout": "#8172B3", "optimizer": "#937860", "copy": "#55A868", "memset": "#CCB974"}
+
+
+def role(event: dict) -> str:
+    if event["cat"] == "gpu_memcpy":
+        return "copy"
+    if event["cat"] == "gpu_memset":
+        return "memset"
+    name = event["name"].lower()
+    for r, keys in ROLES:
+        if any(k in name for k in keys):
+            return r
+    return "compute"
+
+
+def roles(events: list[dict]) -> Counter:
+    """Device microseconds per role."""
+    c: Counter = Counter()
+    for e in events:
+        c[role(e)] += e["dur_us"]
+    return c
+
+
+def plot(events: list[dict], path: str, title: str = "", window: Optional[tuple] = None) -> None:
+    """Write a PNG with one row per stream (busiest first), time in ms from the first event."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if not events:
+        return
+    t0 = min(e["ts_us"] for e in events)
+    busy: Counter = Counter()
+    for e in events:
+        busy[e["stream"]] += e["dur_us"]
+    streams = [s for s, _ in busy.most_common()]
+    fig, ax = plt.subplots(figsize=(14, 0.5 * len(streams) + 1.5))
+    for row, s in enumerate(streams):
+        spans: dict = {}
+        for e in events:
+            if e["stream"] == s:
+                spans.setdefault(role(e), []).append(((e["ts_us"] - t0) / 1e3,
+                                                      max(e["dur_us"], 1.0) / 1e3))
+        for r, bars in spans.items():
+            ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=COLORS[r])
+    labels = []
+    for s in streams:
+        top = Counter(role(e) for e in events if e["stream"] == s).most_common(1)[0][0]
+        labels.append(f"stream {s} ({top})")
+    ax.set_yticks(range(len(streams)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    if window:
+        ax.set_xlim(*window)
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=c, label=r) for r, c in COLORS.items()], ncol=7,
+              loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.02 * len(streams)),
+              fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

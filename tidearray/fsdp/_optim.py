@@ -1,0 +1,396 @@
+"""Fused AdamW over the flat fp32 shard arena, writing the param-dtype send shard too.
+
+One pass per step reads the fp32 gradient shard and updates the fp32 master
+shard and both moments in place, and writes the send shard (bf16, fp16 or
+fp32) that the next all-gather sends: no separate cast. CuPy arrays run
+``kernels/adamw.cu``; NumPy arrays run the same float32 operations with
+NumPy's ufuncs.
+
+[Note: AdamW math]
+torch.optim.AdamW's formulation (decoupled weight decay), per element in
+float32, every operation rounded to nearest even:
+
+    g     = grad * grad_scale
+    p     = master * decay                     decay     = 1 - lr * weight_decay
+    m     = beta1 * m + omb1 * g               omb1      = 1 - beta1
+    v     = beta2 * v + omb2 * (g * g)         omb2      = 1 - beta2
+    denom = sqrt(v) / bc2_sqrt + eps           bc2_sqrt  = sqrt(1 - beta2**step)
+    p     = p - step_size * (m / denom)        step_size = lr / (1 - beta1**step)
+    master = p; exp_avg = m; exp_avg_sq = v; send = round_to_nearest_even(p)
+
+The right-hand coefficients are computed once per step on the host in float64
+and rounded once to float32 (:func:`coefficients`); both paths read those same
+float32 values. The kernel spells every operation as a ``_rn`` intrinsic (no
+FMA contraction, IEEE division and sqrt), and NumPy's float32 ufuncs round
+each operation the same way, so the two paths agree bitwise. The one
+exception is NaN sent as fp16: both give a NaN, with different payload bits.
+
+[Note: clipping]
+The global gradient norm spans every rank's shard, so the optimizer cannot
+clip by itself. The runtime computes it: each rank calls
+:meth:`FusedAdamW.sum_squares` on its shard, the results are summed over the
+group (``allreduce``), and ``clip_scale(sqrt(total), hp.max_grad_norm)`` is
+passed to :meth:`FusedAdamW.step` as ``grad_scale``. Any other factor (say
+1/world for averaging) multiplies into the same ``grad_scale``; the norm must
+then be of the scaled gradient, ``factor * sqrt(total)``.
+
+[Note: optimizer streams]
+``step`` (cupy) enqueues one kernel on ``stream`` (None: the current stream)
+and returns without waiting. The caller orders it after the reduce-scatter
+that wrote ``grad`` and before the all-gather that reads ``send``, by using
+the same stream or events. ``grad`` must stay unchanged until the kernel
+has run. The moments belong to the optimizer and live as long as it does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+from .. import _dtypes, _kernels
+from .._errors import TideInvalid
+
+#: An array of the optimizer's array module (numpy.ndarray or cupy.ndarray).
+Array = Any
+
+#: Threads per block of the AdamW kernel.
+BLOCK = 256
+#: Most blocks per launch (the grid-stride loop covers the rest): far more than
+#: enough resident threads to saturate memory on any current GPU.
+MAX_BLOCKS = 65535
+#: Elements per pass of the NumPy path: its temporaries stay in cache.
+HOST_CHUNK = 1 << 16
+#: Kernel per send dtype.
+KERNELS = {"bfloat16": "adamw_bf16", "float16": "adamw_f16", "float32": "adamw_f32"}
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_real(what: str, value: Any, expected: str, ok: bool) -> None:
+    """Raise ``TideInvalid`` unless ``value`` is a finite real and ``ok`` holds."""
+    if not (_is_real(value) and math.isfinite(value) and ok):
+        raise TideInvalid(f"{what}: expected {expected}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """Hyper-parameters of AdamW, as torch.optim.AdamW spells them."""
+
+    lr: float = 1e-3
+    """Learning rate (1e-3); ``FusedAdamW.step(lr=...)`` overrides it per step."""
+
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Decay rates of the first and second moment ((0.9, 0.95)), each in [0, 1)."""
+
+    eps: float = 1e-8
+    """Added to the bias-corrected ``sqrt(v)`` in the denominator (1e-8), >= 0."""
+
+    weight_decay: float = 0.0
+    """Decoupled weight decay (0.0): the master is scaled by ``1 - lr * weight_decay``
+    before the update."""
+
+    max_grad_norm: Optional[float] = None
+    """Clip the global gradient norm to this (> 0), or None (default) for no
+    clipping. The runtime applies it through :func:`clip_scale` (see
+    [Note: clipping])."""
+
+    def __post_init__(self) -> None:
+        _check_real("AdamW.lr", self.lr, "a finite real >= 0", _is_real(self.lr) and self.lr >= 0)
+        b = self.betas
+        if not (isinstance(b, (tuple, list)) and len(b) == 2
+                and all(_is_real(x) and 0.0 <= x < 1.0 for x in b)):
+            raise TideInvalid(f"AdamW.betas: expected two reals in [0, 1), got {b!r}")
+        object.__setattr__(self, "betas", (float(b[0]), float(b[1])))  # hashable, plain floats
+        _check_real("AdamW.eps", self.eps, "a finite real >= 0",
+                    _is_real(self.eps) and self.eps >= 0)
+        _check_real("AdamW.weight_decay", self.weight_decay, "a finite real >= 0",
+                    _is_real(self.weight_decay) and self.weight_decay >= 0)
+        if self.max_grad_norm is not None:
+            _check_real("AdamW.max_grad_norm", self.max_grad_norm, "None or a finite real > 0",
+                        _is_real(self.max_grad_norm) and self.max_grad_norm > 0)
+
+
+class Coefficients(NamedTuple):
+    """The float32 scalars of one step, in the kernel's argument order
+    (see [Note: AdamW math])."""
+
+    decay: np.float32
+    beta1: np.float32
+    omb1: np.float32
+    beta2: np.float32
+    omb2: np.float32
+    eps: np.float32
+    step_size: np.float32
+    bc2_sqrt: np.float32
+    grad_scale: np.float32
+
+
+def coefficients(hp: AdamW, step: int, lr: float, grad_scale: float) -> Coefficients:
+    """Step ``step``'s (1-based) coefficients: float64 on the host, rounded once to float32."""
+    b1, b2 = hp.betas
+    f = np.float32
+    return Coefficients(
+        decay=f(1.0 - lr * hp.weight_decay), beta1=f(b1), omb1=f(1.0 - b1), beta2=f(b2),
+        omb2=f(1.0 - b2), eps=f(hp.eps), step_size=f(lr / (1.0 - b1**step)),
+        bc2_sqrt=f(math.sqrt(1.0 - b2**step)), grad_scale=f(grad_scale))
+
+
+def clip_scale(total_norm: float, max_norm: Optional[float]) -> float:
+    """The gradient factor of torch's ``clip_grad_norm_``.
+
+    Args:
+        total_norm: the global L2 norm of the gradient (over every rank's shard).
+        max_norm: the norm to clip to, or None for no clipping.
+
+    Returns:
+        ``max_norm / (total_norm + 1e-6)`` where that is below 1, else 1.0; 1.0
+        when ``max_norm`` is None. A NaN ``total_norm`` gives NaN, as in torch.
+    """
+    if max_norm is None:
+        return 1.0
+    coef = max_norm / (total_norm + 1e-6)
+    return coef if (coef < 1.0 or math.isnan(coef)) else 1.0
+
+
+def adamw_numpy(master: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray,
+                grad: np.ndarray, send: np.ndarray, c: Coefficients) -> None:
+    """One step on NumPy arrays, in place, in [Note: AdamW math]'s order.
+
+    Every ufunc has float32 operands and a float32 ``out``, so no intermediate
+    is widened to float64. Works in chunks of :data:`HOST_CHUNK` elements so
+    the two temporaries stay small and in cache.
+    """
+    n = master.size
+    g = np.empty(min(n, HOST_CHUNK), np.float32)
+    t = np.empty_like(g)
+    for lo in range(0, n, HOST_CHUNK):
+        hi = min(lo + HOST_CHUNK, n)
+        p, m, v, gk, tk = master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], g[:hi - lo], t[:hi - lo]
+        np.multiply(grad[lo:hi], c.grad_scale, out=gk)
+        np.multiply(p, c.decay, out=p)
+        np.multiply(m, c.beta1, out=m)
+        np.add(m, np.multiply(gk, c.omb1, out=tk), out=m)
+        np.multiply(v, c.beta2, out=v)
+        np.add(v, np.multiply(np.multiply(gk, gk, out=tk), c.omb2, out=tk), out=v)
+        np.add(np.divide(np.sqrt(v, out=tk), c.bc2_sqrt, out=tk), c.eps, out=tk)  # denom
+        np.multiply(np.divide(m, tk, out=tk), c.step_size, out=tk)
+        np.subtract(p, tk, out=p)
+        send[lo:hi] = p  # the cast rounds to nearest even (ml_dtypes and NumPy alike)
+
+
+@functools.cache
+def _sum_squares_kernel() -> Any:
+    """A CuPy reduction: sum of squares of float32 in float64, with no temporary array."""
+    import cupy
+
+    return cupy.ReductionKernel("float32 x", "float64 y", "(double)x * (double)x", "a + b",
+                                "y = a", "0", "tide_sum_squares")
+
+
+class FusedAdamW:
+    """Fused AdamW over flat fp32 shards, also writing the param-dtype send shard.
+
+    Args:
+        hp: the hyper-parameters.
+        master: the 1-D, contiguous float32 master shard; updated in place.
+        send: the 1-D, contiguous send shard of the same length (bfloat16,
+            float16 or float32), a separate array; overwritten each step.
+        xp: the array module of both, ``numpy`` or ``cupy``.
+
+    Raises:
+        TideInvalid: an argument does not fit the above.
+
+    The constructor allocates the two zeroed float32 moments (on the master's
+    device) and does nothing else; the kernel is compiled at the first step.
+    """
+
+    def __init__(self, hp: AdamW, master: Array, send: Array, xp: Any) -> None:
+        if not isinstance(hp, AdamW):
+            raise TideInvalid(f"hp: expected an AdamW, got {type(hp).__name__}")
+        if xp is not np and getattr(xp, "__name__", None) != "cupy":
+            raise TideInvalid(f"xp: expected the numpy or cupy module, got {xp!r}")
+        self._hp, self._xp = hp, xp
+        self._check_vector("master", master, getattr(master, "size", 0))
+        self._master = master
+        self._check_send(send)
+        self._send = send
+        self._kind = _dtypes.normalize(send.dtype).name
+        with self._device():
+            self._exp_avg = xp.zeros(master.size, dtype=np.float32)
+            self._exp_avg_sq = xp.zeros(master.size, dtype=np.float32)
+        self._kernel: Any = None  # compiled at the first cupy step
+        self.step_count = 0
+        """Steps taken; step ``k`` (1-based) uses bias corrections ``1 - beta**k``."""
+
+    @property
+    def hp(self) -> AdamW:
+        """The hyper-parameters."""
+        return self._hp
+
+    @property
+    def exp_avg(self) -> Array:
+        """The first moment (float32, the master's length), updated in place."""
+        return self._exp_avg
+
+    @property
+    def exp_avg_sq(self) -> Array:
+        """The second moment (float32, the master's length), updated in place."""
+        return self._exp_avg_sq
+
+    def sum_squares(self, grad: Array, *, stream: Any = None) -> float:
+        """Sum of squares of this rank's fp32 gradient shard, accumulated in float64.
+
+        Waits for the result (a host sync); only clipping needs it (see
+        [Note: clipping]).
+
+        Args:
+            grad: the float32 gradient shard, the master's length.
+            stream: cupy stream to run on (None: the current one); ignored for NumPy.
+
+        Raises:
+            TideInvalid: ``grad`` does not match the master.
+        """
+        self._check_vector("grad", grad, self._master.size)
+        if self._xp is np:
+            total = 0.0
+            for lo in range(0, grad.size, HOST_CHUNK):  # float64 copies stay chunk-sized
+                g = grad[lo:lo + HOST_CHUNK].astype(np.float64)
+                total += float(np.dot(g, g))
+            return total
+        with self._device(), _on_stream(stream):
+            return float(_sum_squares_kernel()(grad))
+
+    def step(self, grad: Array, *, grad_scale: float = 1.0, lr: Optional[float] = None,
+             stream: Any = None) -> None:
+        """One AdamW step: master, moments and send shard, in one pass.
+
+        Args:
+            grad: the float32 gradient shard, the master's length.
+            grad_scale: multiplies the gradient first (clipping, averaging; see
+                [Note: clipping]).
+            lr: this step's learning rate (a scheduler's); None means ``hp.lr``.
+            stream: cupy stream to enqueue on (None: the current one); ignored for
+                NumPy. See [Note: optimizer streams].
+
+        Raises:
+            TideInvalid: ``grad`` does not match the master, or ``lr`` or
+                ``grad_scale`` is not a real number (``lr`` also finite and >= 0).
+
+        See Also:
+            ``kernels/adamw.cu`` (cupy), :func:`adamw_numpy` (NumPy).
+        """
+        self._check_vector("grad", grad, self._master.size)
+        lr = self._hp.lr if lr is None else lr
+        _check_real("lr", lr, "a finite real >= 0", _is_real(lr) and lr >= 0)
+        if not _is_real(grad_scale):
+            raise TideInvalid(f"grad_scale: expected a real number, got {grad_scale!r}")
+        self.step_count += 1
+        c = coefficients(self._hp, self.step_count, float(lr), float(grad_scale))
+        args = (self._master, self._exp_avg, self._exp_avg_sq, grad, self._send)
+        if self._xp is np:
+            adamw_numpy(*args, c)
+        else:
+            self._step_cupy(grad, c, stream)
+
+    def state_dict(self) -> dict:
+        """``{"step": int, "exp_avg": array, "exp_avg_sq": array}``; the arrays are copies."""
+        return {"step": self.step_count, "exp_avg": self._exp_avg.copy(),
+                "exp_avg_sq": self._exp_avg_sq.copy()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Copy a :meth:`state_dict` into this optimizer's moments and step count.
+
+        Args:
+            state: ``step`` (int >= 0) and the two moments, each of the master's
+                length; NumPy or CuPy arrays, converted to float32.
+
+        Raises:
+            TideInvalid: a key is missing or a value has the wrong type or length.
+        """
+        missing = {"step", "exp_avg", "exp_avg_sq"} - set(state)
+        if missing:
+            raise TideInvalid(f"state: expected keys step, exp_avg, exp_avg_sq, "
+                              f"got {sorted(state)} (missing {sorted(missing)})")
+        step = state["step"]
+        if not (isinstance(step, numbers.Integral) and not isinstance(step, bool) and step >= 0):
+            raise TideInvalid(f"state['step']: expected an int >= 0, got {step!r}")
+        moments = [self._to_module(f"state[{k!r}]", state[k]) for k in ("exp_avg", "exp_avg_sq")]
+        with self._device():
+            self._xp.copyto(self._exp_avg, moments[0], casting="same_kind")
+            self._xp.copyto(self._exp_avg_sq, moments[1], casting="same_kind")
+        self.step_count = int(step)
+
+    # -- private --------------------------------------------------------------------------
+
+    def _step_cupy(self, grad: Array, c: Coefficients, stream: Any) -> None:
+        import cupy
+
+        n = self._master.size
+        if n == 0:
+            return
+        dev = self._master.device.id
+        if self._kernel is None:
+            self._kernel = _kernels.function("adamw.cu", KERNELS[self._kind], dev)
+        # bf16 and fp16 travel as raw 16-bit words: the kernel rounds them itself.
+        send = self._send if self._kind == "float32" else self._send.view(cupy.uint16)
+        blocks = min(-(-n // BLOCK), MAX_BLOCKS)
+        with self._device(), _on_stream(stream):
+            self._kernel((blocks,), (BLOCK,), (self._master, self._exp_avg, self._exp_avg_sq,
+                                               grad, send, np.int64(n), *c))
+
+    def _device(self) -> Any:
+        """Context with the master's GPU current (nothing for NumPy)."""
+        if self._xp is np:
+            return contextlib.nullcontext()
+        return self._xp.cuda.Device(self._master.device.id)
+
+    def _check_vector(self, what: str, a: Any, n: int, dtype: Any = np.float32) -> None:
+        """``a`` must be a 1-D, C-contiguous array of this module, dtype and length
+        (and, for cupy, on the master's device)."""
+        if not isinstance(a, self._xp.ndarray):
+            raise TideInvalid(f"{what}: expected a {self._xp.__name__}.ndarray, "
+                              f"got {type(a).__name__}")
+        got = f"{a.dtype}, shape {a.shape}, contiguous={a.flags.c_contiguous}"
+        if a.ndim != 1 or a.size != n or a.dtype != dtype or not a.flags.c_contiguous:
+            raise TideInvalid(f"{what}: expected a contiguous 1-D {np.dtype(dtype)} array of "
+                              f"{n} elements, got {got}")
+        if self._xp is not np and hasattr(self, "_master") and a.device != self._master.device:
+            raise TideInvalid(f"{what}: expected an array on device "
+                              f"{self._master.device.id}, got device {a.device.id}")
+
+    def _check_send(self, send: Any) -> None:
+        if not (_is_array(send) and _dtypes.is_supported(send.dtype)):
+            got = getattr(send, "dtype", type(send).__name__)
+            raise TideInvalid(f"send: expected a bfloat16, float16 or float32 array, got {got}")
+        self._check_vector("send", send, self._master.size, _dtypes.normalize(send.dtype))
+        if send is self._master or self._xp.may_share_memory(send, self._master):
+            raise TideInvalid("send: expected an array separate from master, got one that "
+                              "overlaps it")
+
+    def _to_module(self, what: str, a: Any) -> Array:
+        """``a`` as a float32 array of this module, checked against the master's length."""
+        if self._xp is np and hasattr(a, "get"):
+            a = a.get()  # a cupy array loaded into a NumPy optimizer
+        with self._device():
+            a = self._xp.asarray(a)
+        if a.ndim != 1 or a.size != self._master.size:
+            raise TideInvalid(f"{what}: expected a 1-D array of {self._master.size} elements, "
+                              f"got shape {a.shape}")
+        return a
+
+
+def _is_array(a: Any) -> bool:
+    return all(hasattr(a, k) for k in ("dtype", "ndim", "size", "flags"))
+
+
+def _on_stream(stream: Any) -> Any:
+    """Context making ``stream`` current (a cupy Stream), or nothing for None."""
+    return contextlib.nullcontext() if stream is None else stream
