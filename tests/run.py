@@ -7,7 +7,8 @@ Runs, in order, each in its own process group under a timeout:
 2. ``mpiexec -n N python -m pytest --with-mpi -q tests/mpi`` for N = 1, 2, 3, 4;
 3. topology overrides: ``TIDE_LOCAL_SIZE=1`` with N = 3 (pairwise inter-node steps)
    and N = 4 (recursive doubling), and ``TIDE_LOCAL_SIZE=2`` with N = 4 (two nodes
-   of two ranks).
+   of two ranks);
+4. every example under ``mpiexec -n 2`` (the trainer for 5 steps).
 
 Every run gets the same Hypothesis seed (printed; pass ``--seed`` to reproduce),
 so all ranks of a run draw the same examples. ``TIDE_TIMEOUT`` defaults to 60 s
@@ -47,6 +48,8 @@ class Run:
     seconds: float = 0.0
     summary: str = ""
     log: Optional[Path] = None
+    #: Example scripts to run under mpiexec instead of pytest.
+    scripts: tuple = ()
 
 
 def plan(ranks: list[int]) -> list[Run]:
@@ -55,6 +58,8 @@ def plan(ranks: list[int]) -> list[Run]:
     overrides = [(3, 1), (4, 1), (4, 2)]  # (ranks, TIDE_LOCAL_SIZE)
     runs += [Run(f"mpi n={n} local_size={L}", n, {"TIDE_LOCAL_SIZE": str(L)})
              for n, L in overrides if n in ranks]
+    if 2 in ranks:
+        runs.append(Run("examples n=2", 2, scripts=EXAMPLES))
     return runs
 
 
@@ -82,7 +87,18 @@ def mpiexec_flags(mpiexec: str) -> list[str]:
     return ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
 
 
+#: Every example, as the docs run it (short settings where a flag allows).
+EXAMPLES = (("examples/train.py", "--steps", "5"), ("examples/quickstart.py",),
+            ("examples/async_prefetch.py",), ("examples/interop_dlpack.py",))
+
+
 def command(run: Run, mpiexec: list[str], seed: int, extra: list[str]) -> list[str]:
+    if run.scripts:  # one shell line: each example in turn, stopping at the first failure
+        import shlex
+
+        return ["sh", "-c", " && ".join(
+            shlex.join(mpiexec + ["-n", str(run.ranks), sys.executable, *s])
+            for s in run.scripts)]
     pytest = [sys.executable, "-m", "pytest", "-q", "--color=no", "-p", "no:cacheprovider",
               f"--hypothesis-seed={seed}"]
     if run.ranks == 0:

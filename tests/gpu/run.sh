@@ -4,6 +4,8 @@
 #   bash tests/gpu/run.sh                      # every step
 #   TIDE_GPU_STEPS="np2 bench" bash tests/gpu/run.sh   # some steps: info np2 np1 nodes bench
 #                                                      # benchall (python -m tidearray.bench all)
+#                                                      # plans, train (small model), train8b
+#                                                      # (Llama-8B shape, tide/stock/local)
 #                                                      # suites (each suite alone; TIDE_BENCH_SUITES)
 #   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
 #   TIDE_MPI_ARGS="--bind-to none" bash tests/gpu/run.sh  # extra mpirun options
@@ -52,6 +54,20 @@ run_suites() {  # the same suites as benchall, each under its own timeout, one r
         step "bench_$suite" timeout "${TIDE_BENCH_TIMEOUT:-150}" "${MPIRUN[@]}" -n 2 \
             python3 -m tidearray.bench "$suite" --out "$OUT/b" ${TIDE_BENCH_ARGS:-}
     done
+}
+run_plans() {  # plan tests on cuda at 2 ranks, then host time per plan call
+    step plans_np2 "${MPI[@]}" -n 2 "${PYTEST[@]}" tests/mpi/test_plans.py tests/gpu/test_adamw_gpu.py
+    step bench_plans "${MPI[@]}" -n 2 python3 -m tidearray.bench plans --workloads units \
+        --out "$OUT/b"
+}
+run_train() {  # the trainer on cuda: small model, tide vs stock vs the floor (correctness)
+    step train_small "${MPI[@]}" -n 2 python3 examples/train.py --model small --steps 20 \
+        --impl all
+}
+run_train8b() {  # the step-time comparison (TIDE_TRAIN_ARGS adds flags)
+    step train8b "${MPI[@]}" -n 2 python3 examples/train.py --model llama3-8b-8l \
+        --tokens 8192 --steps "${TIDE_TRAIN_STEPS:-50}" --impl all --profile \
+        --out "$OUT/train" ${TIDE_TRAIN_ARGS:-}
 }
 run_bench() {  # TIDE_QUICK_UNITS (llama3.1-8b), TIDE_QUICK_ARGS (--iters 30 --splits 1 2 3)
     for unit in ${TIDE_QUICK_UNITS:-llama3.1-8b}; do

@@ -6,6 +6,7 @@ Subcommands (registered below, like mpi4py's bench):
   (time, bandwidth, ratio to stock, correctness, breakdowns, SM time);
 * ``interference``: slowdown of a concurrent GEMM;
 * ``memory``: device memory per path;
+* ``plans``: host time per call of persistent plans vs the convenience calls;
 * ``all``: everything above, then ``report`` into ``<out>/report``;
 * ``report``: markdown tables and PNG plots from JSON records.
 
@@ -81,6 +82,13 @@ def cmd_memory(ctx: Any) -> None:
     from . import memory
 
     memory.run(ctx, _units(ctx.args))
+
+
+@command("plans")
+def cmd_plans(ctx: Any) -> None:
+    from . import plans
+
+    plans.run(ctx, _units(ctx.args))
 
 
 @command("all")
