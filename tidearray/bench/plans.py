@@ -30,39 +30,41 @@ MANY = 400
 
 
 def run(ctx: Any, units: list) -> None:
+    for u in units:
+        _one_unit(ctx, u)
+
+
+def _one_unit(ctx: Any, u: Any) -> None:
     import tidearray as ta
 
-    g, xp = ctx.group, ctx.dev.xp
-    stream = ctx.dev.stream
-    for u in units:
-        unit = ta.Unit(u.shapes, bfloat16, group=g)
-        arena = ta.SlotArena(max(unit.nbytes, unit.staging_nbytes), num_slots=2, group=g)
-        full = [W.values(xp, 11, i, int(np.prod(s))).reshape(s).astype(bfloat16)
-                for i, s in enumerate(u.shapes)]
-        shards = [ta.shard(f, group=g) for f in full]
-        grads = [xp.ones(s, bfloat16) for s in u.shapes]
-        gather = unit.gather_plan(shards, arena[0])
-        reduce = unit.reduce_plan(grads, op="avg", staging=arena[1])
-        cases = {
-            ("ag", "plan"): lambda: gather(stream=stream, async_op=True),
-            ("ag", "call"): lambda: ta.all_gather(shards, u.shapes, group=g, slot=arena[0],
-                                                  stream=stream, async_op=True),
-            ("rs", "plan"): lambda: reduce(stream=stream, async_op=True),
-            ("rs", "call"): lambda: ta.reduce_scatter(grads, op="avg", out=reduce.out, group=g,
-                                                      staging=arena[1], stream=stream,
-                                                      async_op=True)}
-        for (op, impl), fn in cases.items():
-            us = _host_us(ctx, fn)
-            ctx.sink.add("plans", impl, u.name, f"{op}_host_us", us, "us")
-            ctx.log(f"  {u.name:16s} {op} {impl:5s}: {us:8.1f} us host per call")
-        _check(ctx, gather, full)
-        ctx.dev.sync()
-        plans = [unit.gather_plan(shards, arena[i % 2]) for i in range(MANY)]
-        turn = iter(range(10**9))
-        us = _host_us(ctx, lambda: plans[next(turn) % MANY](stream=stream, async_op=True))
-        ctx.sink.add("plans", "plan-400", u.name, "ag_host_us", us, "us")
-        ctx.log(f"  {u.name:16s} ag plan-400: {us:8.1f} us host per call")
-        _check(ctx, plans[-1], full)
+    g, xp, stream = ctx.group, ctx.dev.xp, ctx.dev.stream
+    unit = ta.Unit(u.shapes, bfloat16, group=g)
+    arena = ta.SlotArena(max(unit.nbytes, unit.staging_nbytes), num_slots=2, group=g)
+    full = [W.values(xp, 11, i, int(np.prod(s))).reshape(s).astype(bfloat16)
+            for i, s in enumerate(u.shapes)]
+    shards = [ta.shard(f, group=g) for f in full]
+    grads = [xp.ones(s, bfloat16) for s in u.shapes]
+    gather = unit.gather_plan(shards, arena[0])
+    reduce = unit.reduce_plan(grads, op="avg", staging=arena[1])
+    cases = {
+        ("ag", "plan"): lambda: gather(stream=stream, async_op=True),
+        ("ag", "call"): lambda: ta.all_gather(shards, u.shapes, group=g, slot=arena[0],
+                                              stream=stream, async_op=True),
+        ("rs", "plan"): lambda: reduce(stream=stream, async_op=True),
+        ("rs", "call"): lambda: ta.reduce_scatter(grads, op="avg", out=reduce.out, group=g,
+                                                  staging=arena[1], stream=stream,
+                                                  async_op=True)}
+    for (op, impl), fn in cases.items():
+        us = _host_us(ctx, fn)
+        ctx.sink.add("plans", impl, u.name, f"{op}_host_us", us, "us")
+        ctx.log(f"  {u.name:16s} {op} {impl:8s}: {us:8.1f} us host per call")
+    _check(ctx, gather, full)
+    plans = [unit.gather_plan(shards, arena[i % 2]) for i in range(MANY)]
+    turn = iter(range(10**9))
+    us = _host_us(ctx, lambda: plans[next(turn) % MANY](stream=stream, async_op=True))
+    ctx.sink.add("plans", "plan-400", u.name, "ag_host_us", us, "us")
+    ctx.log(f"  {u.name:16s} ag plan-400: {us:8.1f} us host per call")
+    _check(ctx, plans[-1], full)
 
 
 def _host_us(ctx: Any, fn: Any) -> float:
