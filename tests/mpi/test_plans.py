@@ -15,7 +15,17 @@ from mpi4py import MPI
 
 import tidearray as ta
 
-from .._util import DTYPES, FP32, agree, compare_bits, padded_shard, seeds, shapes, to_numpy
+from .._util import (
+    DTYPES,
+    FP32,
+    agree,
+    compare_bits,
+    padded_shard,
+    seeds,
+    shapes,
+    to_numpy,
+    to_xp,
+)
 from ._cases import full_params, poison, rank_grads
 
 WORLD = MPI.COMM_WORLD.Get_size()
@@ -41,7 +51,7 @@ def test_gather_plan_repeats_with_new_data(group, xp, shapes, dtype, seed):
     for call in range(3):
         full = full_params(shapes, dtype, seed + call)
         for s, f in zip(shards, full):
-            s[...] = xp.asarray(padded_shard(f, group.size, group.rank))
+            s[...] = to_xp(xp, padded_shard(f, group.size, group.rank))
         slot = arena[call % 2]
         poison(slot)
         got = plans[call % 2]()
@@ -64,7 +74,7 @@ def test_reduce_plan_repeats_with_new_data(group, xp, shapes, dtype, op, seed):
     for call in range(3):
         every = [rank_grads(shapes, dtype, seed + call, r) for r in range(group.size)]
         for g, mine in zip(grads, every[group.rank]):
-            g[...] = xp.asarray(mine)
+            g[...] = to_xp(xp, mine)
         for o in plan.out:
             o.fill(np.nan)
         got = plan()
