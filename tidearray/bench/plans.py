@@ -59,6 +59,7 @@ def _one_unit(ctx: Any, u: Any) -> None:
         ctx.sink.add("plans", impl, u.name, f"{op}_host_us", us, "us")
         ctx.log(f"  {u.name:16s} {op} {impl:8s}: {us:8.1f} us host per call")
     _check(ctx, gather, full)
+    _where_time_goes(ctx, u.name, {"ag": cases[("ag", "plan")], "rs": cases[("rs", "plan")]})
     plans = [unit.gather_plan(shards, arena[i % 2]) for i in range(MANY)]
     turn = iter(range(10**9))
     us = _host_us(ctx, lambda: plans[next(turn) % MANY](stream=stream, async_op=True))
@@ -83,10 +84,37 @@ def _host_us(ctx: Any, fn: Any) -> float:
     return float(np.median(times)) * 1e6
 
 
+def _where_time_goes(ctx: Any, name: str, calls: dict) -> None:
+    """cProfile of ``--iters`` plan calls: the functions that take the host time (rank 0
+    logs the top entries, and records them)."""
+    import cProfile
+    import pstats
+
+    for op, fn in calls.items():
+        prof = cProfile.Profile()
+        for _ in range(ctx.args.iters):
+            prof.enable()
+            fn()
+            prof.disable()
+            ctx.dev.sync()
+            ctx.comm.Barrier()
+        stats = pstats.Stats(prof)
+        rows = sorted(((v[2] / ctx.args.iters * 1e6, v[1] // ctx.args.iters,
+                        f"{k[0].rsplit('/', 1)[-1]}:{k[1]}({k[2]})")
+                       for k, v in stats.stats.items()), reverse=True)[:12]
+        ctx.sink.add("plans", "plan", name, f"{op}_host_profile", None, status="ok",
+                     top=[{"us": us, "calls": n, "where": w} for us, n, w in rows])
+        ctx.log(f"  {name} {op} plan call, own host time per call (cProfile):")
+        for us, n, where in rows:
+            ctx.log(f"    {us:7.1f} us  x{n:<3d} {where}")
+
+
 def _check(ctx: Any, plan: Any, full: list) -> None:
     """Poison the slot, gather once more, compare bits on every rank (collective)."""
     slot = plan.slot
     slot.view(0, (slot.nbytes,), np.uint8).fill(0xFF)
+    ctx.dev.sync()  # the fill ran on the current stream, which the lanes do not follow
+    ctx.comm.Barrier()  # peers write our slot: none may start before our poison landed
     got = plan(stream=ctx.dev.stream)
     ctx.dev.sync()
     bad = [i for i, (a, b) in enumerate(zip(got, full))

@@ -62,7 +62,11 @@ def plot(events: list[dict], path: str, title: str = "", window: Optional[tuple]
             ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=COLORS[r])
     labels = []
     for s in streams:
-        top = Counter(role(e) for e in events if e["stream"] == s).most_common(1)[0][0]
+        by_time: Counter = Counter()
+        for e in events:
+            if e["stream"] == s:
+                by_time[role(e)] += e["dur_us"]
+        top = by_time.most_common(1)[0][0]
         labels.append(f"stream {s} ({top})")
     ax.set_yticks(range(len(streams)), labels)
     ax.invert_yaxis()
