@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import zlib
@@ -35,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama  # noqa: E402
 
 import tidearray as ta  # noqa: E402
+from tidearray.bench.records import git_commit  # noqa: E402
 from tidearray.fsdp import AdamW, ShardedModel  # noqa: E402
 
 
@@ -66,6 +66,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="profile one tide step with CUPTI (torch.profiler) into --out")
     p.add_argument("--backend", default=None, help="tidearray backend (default: auto)")
+    p.add_argument("--report", default=None, metavar="TRAIN_JSON",
+                   help="only rebuild the table and plot next to this record, then exit")
     return p.parse_args(argv)
 
 
@@ -258,18 +260,6 @@ def profile_step(args: argparse.Namespace, g: Any, kind: str, sm: ShardedModel,
     return {"ms_per_role": roles, "non_compute_events": kernels}
 
 
-def commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10,
-                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def summarize(records: list, log: Log) -> dict:
     by = {r["impl"]: r for r in records}
     log("\nsummary (median step time after warm-up; peak memory per rank)")
@@ -309,8 +299,62 @@ def summarize(records: list, log: Log) -> dict:
     return out
 
 
+def report(path: str) -> str:
+    """``train.md`` (a table) and ``train_steps.png`` (step times and losses) next to the
+    record ``path``, made from the record alone. Returns the table's path."""
+    with open(path) as f:
+        rec = json.load(f)
+    out = os.path.dirname(os.path.abspath(path))
+    runs, cmp_ = rec["runs"], rec.get("comparison", {})
+    floor = next((r["median_step_s"] for r in runs if r["impl"] == "local"), None)
+    lines = [f"# Training step: {rec['model']}, {rec['tokens_per_rank']} tokens per rank, "
+             f"{rec['world']} ranks ({rec['backend']}, {rec['param_dtype']})", "",
+             f"Commit `{rec['commit']}`; command `{' '.join(rec['argv'])}`; "
+             f"{len(runs[0]['losses'])} steps, medians after the warm-up steps.", "",
+             "| impl | median step (ms) | vs floor | peak memory (GiB) | first loss | last loss |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in runs:
+        ratio = f"{r['median_step_s'] / floor:.3f}" if floor else "-"
+        lines.append(f"| {r['impl']} | {r['median_step_s'] * 1e3:.2f} | {ratio} | "
+                     f"{r['peak_bytes'] / 2**30:.2f} | {r['losses'][0]:.4f} | "
+                     f"{r['losses'][-1]:.4f} |")
+    lines += ["", "Comparison: " + ", ".join(f"{k} = {v}" for k, v in cmp_.items())]
+    table = os.path.join(out, "train.md")
+    with open(table, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        _plot_steps(runs, os.path.join(out, "train_steps.png"), rec["model"])
+    except ImportError:
+        pass  # matplotlib is the optional 'bench' extra
+    return table
+
+
+def _plot_steps(runs: list, path: str, model: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    for r in runs:
+        steps = range(1, len(r["step_s"]) + 1)
+        a.plot(steps, [t * 1e3 for t in r["step_s"]], label=r["impl"])
+        b.plot(steps, r["losses"], label=r["impl"])
+    a.set(xlabel="step", ylabel="step time (ms)", title=f"{model}: step time")
+    lo = min(min(r["step_s"][2:] or r["step_s"]) for r in runs) * 1e3
+    a.set_ylim(lo * 0.97, lo * 1.08)
+    b.set(xlabel="step", ylabel="loss (mean over ranks)", title="loss")
+    a.legend(), b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: Optional[list] = None) -> None:
     args = parse(argv)
+    if args.report:
+        print(report(args.report))
+        return
     g = ta.init(backend=args.backend)
     log = Log(g.rank)
     cfg = llama.MODELS[args.model]
@@ -333,13 +377,14 @@ def main(argv: Optional[list] = None) -> None:
     comparison = summarize(records, log)
     if args.out and g.rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        record = {"commit": commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        record = {"commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                   "argv": sys.argv, "model": args.model, "config": cfg.__dict__,
                   "tokens_per_rank": tokens, "world": g.size, "backend": g.backend.name,
                   "param_dtype": args.param_dtype, "runs": records, "comparison": comparison}
-        with open(os.path.join(args.out, "train.json"), "w") as f:
+        path = os.path.join(args.out, "train.json")
+        with open(path, "w") as f:
             json.dump(record, f, indent=1)
-        log(f"record: {os.path.join(args.out, 'train.json')}")
+        log(f"record: {path}; table and plot: {report(path)}")
     g.close()
 
 

@@ -13,7 +13,7 @@ from ._dtypes import bfloat16, float16, float32
 from ._errors import TideBackendError, TideError, TideInvalid
 from ._group import Group, default_group, init
 from ._layout import ShardSpec, UnitLayout, plan_unit, shard_spec
-from ._plan import GatherPlan, ReducePlan, Unit
+from ._plan import GatherPlan, ReducePlan, Unit, slot_chunk_nbytes
 from ._reduce_scatter import reduce_scatter
 from ._shard import full_from_shards, shard, shard_shape
 from ._work import Work
@@ -24,7 +24,8 @@ __all__ = [
     "Config", "GatherPlan", "Group", "ReducePlan", "Region", "ShardSpec", "SlotArena",
     "TideBackendError", "TideError", "TideInvalid", "Unit", "UnitLayout", "Work", "all_gather",
     "bfloat16", "default_group", "float16", "float32", "fsdp", "full_from_shards", "init",
-    "plan_unit", "reduce_scatter", "shard", "shard_shape", "shard_spec", "unit_nbytes",
+    "plan_unit", "reduce_scatter", "shard", "shard_shape", "shard_spec", "slot_chunk_nbytes",
+    "unit_nbytes",
 ]
 
 from . import fsdp  # noqa: E402  (the runtime builds on the names above)

@@ -41,6 +41,10 @@ class Unit:
         dtype: the dtype the parameters are gathered in (and gradients reduced
             from): bf16, fp16 or fp32.
         group: the group (default: the last ``init``).
+        chunk_nbytes: reduce-scatter chunk (one source's staged bytes); the
+            group's ``chunk_nbytes`` if None. Fewer, larger chunks issue fewer
+            calls per reduction (host time); smaller ones start the accumulate
+            sooner. :func:`slot_chunk_nbytes` fits them to a Slot-Reuse slot.
 
     Attributes:
         layout: the slot layout (:class:`UnitLayout`): offsets and shard specs.
@@ -51,7 +55,7 @@ class Unit:
     """
 
     def __init__(self, shapes: Sequence[Sequence[int]], dtype: Any,
-                 group: Optional[Group] = None) -> None:
+                 group: Optional[Group] = None, chunk_nbytes: Optional[int] = None) -> None:
         group = group or default_group()
         errors: list[str] = []
         try:
@@ -70,13 +74,16 @@ class Unit:
                 layout = cached_unit(self.shapes, self.dtype.itemsize, group.size)
             except TideInvalid as e:
                 errors.append(str(e))
-        _validate.check(group, "Unit", (("shapes", self.shapes), ("dtype", str(self.dtype))),
-                        errors)
+        cfg = group.config
+        chunk = cfg.chunk_nbytes if chunk_nbytes is None else chunk_nbytes
+        if not isinstance(chunk, int) or chunk < 4096:
+            errors.append(f"chunk_nbytes: expected an int >= 4096, got {chunk!r}")
+        _validate.check(group, "Unit", (("shapes", self.shapes), ("dtype", str(self.dtype)),
+                                        ("chunk_nbytes", chunk)), errors)
         self.group = group
         self.layout: UnitLayout = layout
-        cfg = group.config
-        self.rs_plan: RsPlan = plan_reduce_scatter(layout, group.topology, cfg.chunk_nbytes,
-                                                   cfg.depth)
+        self.chunk_nbytes = chunk
+        self.rs_plan: RsPlan = plan_reduce_scatter(layout, group.topology, chunk, cfg.depth)
 
     @property
     def nbytes(self) -> int:
@@ -119,6 +126,21 @@ class Unit:
 
     def __repr__(self) -> str:
         return f"Unit({len(self.shapes)} parameters, {self.dtype}, nbytes={self.nbytes})"
+
+
+def slot_chunk_nbytes(slot_nbytes: int, group: Optional[Group] = None,
+                      pipeline: int = 2) -> int:
+    """The largest chunk whose staging fits ``slot_nbytes`` with ``pipeline`` chunks per
+    staging buffer in flight (at least the group's ``chunk_nbytes``).
+
+    Slot-Reuse stages in a slot sized for the biggest unit; chunks that fill
+    it need fewer calls per reduction. ``pipeline=2`` keeps two chunks per
+    buffer, so the accumulate of one overlaps the copies of the next.
+    """
+    group = group or default_group()
+    cfg, L = group.config, group.local_size
+    fit = slot_nbytes // (cfg.depth * max(L - 1, 1) * pipeline)
+    return max(cfg.chunk_nbytes, fit // 4096 * 4096)
 
 
 _build_numbers = itertools.count(1)

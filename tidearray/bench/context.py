@@ -13,7 +13,7 @@ import time
 from typing import Any, Optional
 
 from .device import make_device
-from .records import Sink
+from .records import Sink, git_commit
 
 
 class Ctx:
@@ -139,7 +139,8 @@ def environment(ctx: Ctx) -> dict:
     env = {"argv": " ".join(["python -m tidearray.bench"] + sys.argv[1:]),
            "world": ctx.size, "host": platform.node(), "python": platform.python_version(),
            "numpy": numpy.__version__, "tidearray": tidearray.__version__,
-           "group": repr(ctx.group), "group_note": ctx.group_note}
+           "group": repr(ctx.group), "group_note": ctx.group_note,
+           "commit": git_commit()}
     env.update(ctx.dev.describe())
     try:
         from mpi4py import MPI

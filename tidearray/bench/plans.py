@@ -5,9 +5,11 @@ model's kernels, so the host time of one call is time taken from compute
 launch. For each unit this measures, per call (median of ``--iters``):
 
 * ``plan``: ``GatherPlan(...)(async_op=True)`` / ``ReducePlan(...)(async_op=True)``,
-  the host time to issue (no wait);
+  the host time to issue (no wait); the reduction's chunks are sized to its
+  Slot-Reuse slot, as ``tidearray.fsdp`` sizes them;
 * ``call``: ``all_gather`` / ``reduce_scatter`` on the same buffers (the
-  convenience path, which validates across ranks on every call);
+  convenience path, which validates across ranks on every call, with the
+  group's ``chunk_nbytes``);
 * ``plan-400``: the gather plans of 400 units of the same shapes, called in
   turn, so each call's plan differs from the last (no cliff at many units).
 
@@ -37,8 +39,12 @@ def run(ctx: Any, units: list) -> None:
 def _one_unit(ctx: Any, u: Any) -> None:
     import tidearray as ta
 
+    from .._plan import slot_chunk_nbytes
+
     g, xp, stream = ctx.group, ctx.dev.xp, ctx.dev.stream
-    unit = ta.Unit(u.shapes, bfloat16, group=g)
+    # Chunks sized to the Slot-Reuse slot, as tidearray.fsdp makes them.
+    chunk = slot_chunk_nbytes(ta.unit_nbytes(u.shapes, bfloat16, group=g), g)
+    unit = ta.Unit(u.shapes, bfloat16, group=g, chunk_nbytes=chunk)
     arena = ta.SlotArena(max(unit.nbytes, unit.staging_nbytes), num_slots=2, group=g)
     full = [W.values(xp, 11, i, int(np.prod(s))).reshape(s).astype(bfloat16)
             for i, s in enumerate(u.shapes)]
@@ -61,6 +67,8 @@ def _one_unit(ctx: Any, u: Any) -> None:
     _check(ctx, gather, full)
     _where_time_goes(ctx, u.name, {"ag": cases[("ag", "plan")], "rs": cases[("rs", "plan")]})
     plans = [unit.gather_plan(shards, arena[i % 2]) for i in range(MANY)]
+    for p in plans:  # each plan's first call plans its copy batches: not the steady state
+        p(stream=stream, async_op=True)
     turn = iter(range(10**9))
     us = _host_us(ctx, lambda: plans[next(turn) % MANY](stream=stream, async_op=True))
     ctx.sink.add("plans", "plan-400", u.name, "ag_host_us", us, "us")

@@ -49,6 +49,26 @@ class Sink:
         return self.add(suite, impl, workload, "status", None, status="skipped", reason=reason)
 
 
+def git_commit() -> str:
+    """The commit the code ran at: ``TIDE_GIT_COMMIT`` if set (a copied working tree may
+    carry a stale ``.git``; the launcher then names the commit), else ``git rev-parse
+    HEAD`` of this checkout, with ``-dirty`` when tracked files differ from it."""
+    import subprocess
+
+    if os.environ.get("TIDE_GIT_COMMIT"):
+        return os.environ["TIDE_GIT_COMMIT"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=here, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, cwd=here,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("-dirty" if dirty else "")
+
+
 def _plain(v: Any) -> Any:
     """JSON-safe: numpy scalars to Python, tuples to lists, dicts recursively."""
     if isinstance(v, dict):

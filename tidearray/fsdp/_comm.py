@@ -30,7 +30,7 @@ from .. import _dtypes
 from .._arena import SlotArena
 from .._errors import TideInvalid
 from .._layout import UnitLayout, cached_unit
-from .._plan import Unit
+from .._plan import Unit, slot_chunk_nbytes
 from .._work import Work
 from ..backends._base import Completion
 from ._shards import ShardArena
@@ -113,7 +113,11 @@ class TideComm(UnitComm):
                  num_slots: int) -> None:
         self.world = group.size
         super().__init__(group, shapes, dtype, arena, num_slots)
-        self.units = [Unit(s, self.dtype, group) for s in self.shapes]
+        # Reductions stage in the slot their unit vacated (Slot-Reuse): chunks sized to
+        # the slot keep the calls per reduction few.
+        layouts = [cached_unit(s, self.dtype.itemsize, group.size) for s in self.shapes]
+        chunk = slot_chunk_nbytes(max(lay.nbytes for lay in layouts), group)
+        self.units = [Unit(s, self.dtype, group, chunk_nbytes=chunk) for s in self.shapes]
         slot_nbytes = max(max(u.nbytes, u.staging_nbytes) for u in self.units)
         self.slots = SlotArena(slot_nbytes, num_slots, group=group)
         self._gather_plans: dict = {}
