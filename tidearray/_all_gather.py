@@ -122,9 +122,9 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
     if arrays is None:
         resolved = _resolve(group, shards)
         arrays = tuple((s.ptr, s.nbytes, s.dtype, s.contiguous) for s in resolved)
-    try:  # shapes equal to a validated call's find its entry; others are normalized
-        key = ("all_gather", tuple(map(tuple, shapes)), None if slot is None else slot.id,
-               arrays)
+    try:  # int shapes equal to a validated call's find its entry; 5.0 == 5 must not
+        key = ("all_gather", tuple(tuple(map(operator.index, s)) for s in shapes),
+               None if slot is None else slot.id, arrays)
         call = group.calls.get(key)
     except TypeError:  # not a list of sequences, or unhashable
         key, call = None, None

@@ -336,3 +336,18 @@ def test_a_repeated_call_rejected_by_one_rank(group, slots):
         failures += [x for i, (o, f) in enumerate(zip(outs, fulls))
                      for x in compare_bits(o, f, f"call {k}: parameter {i}")]
     agree(group.comm, failures)
+
+
+def test_a_float_dimension_is_rejected_after_the_int_call_is_cached(group, slots):
+    """``(2.0,) == (2,)`` in Python, and both hash alike: a float dimension must not find
+    the cached entry of a validated int call. One rank (or every rank, at 1 rank) repeats
+    a cached call with a float; every rank raises."""
+    shapes = unit()
+    xp = group.backend.xp
+    shards = [tidearray.shard(to_xp(xp, f), rank=group.rank, world=WORLD)
+              for f in full_params(shapes, BF16, 5)]
+    tidearray.all_gather(shards, shapes, group=group, slot=slots[0])  # validated, cached
+    floats = [tuple(float(d) for d in s) for s in shapes]
+    bad = group.rank == BAD
+    with pytest.raises(tidearray.TideInvalid, match=f"rank {BAD}.*int"):
+        tidearray.all_gather(shards, floats if bad else shapes, group=group, slot=slots[0])

@@ -169,7 +169,10 @@ class HostBackend(Backend):
 
         # A window of our own, only for MPI_Win_sync as a memory fence.
         self._fence_win = MPI.Win.Allocate_shared(8, 1, comm=self.group.node_comm)
-        self._fence_win.Lock_all()  # Win_sync is only legal inside an access epoch
+        # Win_sync is only legal inside an access epoch. MODE_NOCHECK: no peer locks this
+        # window, so opening the epoch needs no message from peers (without it, MPICH can
+        # wait here for peers that spin in a shared-memory loop and make no MPI progress).
+        self._fence_win.Lock_all(MPI.MODE_NOCHECK)
 
     def close(self) -> None:
         if self._fence_win is not None:
