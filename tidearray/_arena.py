@@ -31,7 +31,6 @@ same lane as the data they follow: zero SMs on the cuda backend.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 from ._errors import TideInvalid
@@ -47,8 +46,6 @@ AG_CHANNEL = 0
 RS_CHANNEL0 = 1
 NUM_CHANNELS = RS_CHANNEL0 + 4
 
-_ids = itertools.count(1)
-
 
 class Region:
     """Symmetric memory of ``nbytes`` plus flag words. Collective over the node.
@@ -59,7 +56,10 @@ class Region:
 
     def __init__(self, group: Any, nbytes: int, multicast: bool = False) -> None:
         self.group = group
-        self.id = next(_ids)
+        # Numbered in the order the group made its regions, which every rank shares
+        # (regions are made collectively), so the number names the same slot everywhere.
+        group.regions_made = getattr(group, "regions_made", 0) + 1
+        self.id = group.regions_made
         self.nbytes = align_up(nbytes)
         L = group.local_size
         self._flag_words = NUM_CHANNELS * NUM_KINDS * L

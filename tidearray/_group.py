@@ -45,6 +45,8 @@ class Group:
         #: Shared-memory agreement when the group is one node (see ``_board``).
         self.board: Any = None
         self.closed = False
+        #: Symmetric regions made so far (each region's ``id`` is its number).
+        self.regions_made = 0
         self._resources: dict = {}
         from ._cache import CallCache
 

@@ -78,11 +78,14 @@ def resolve_all(backend: Any, objs: Any, what: str) -> tuple[list, list[str]]:
 
 
 def check_arrays(arrays: Sequence[Any], what: str) -> tuple[Any, list[str]]:
-    """The unit's dtype (the first array's) and each array's local errors.
+    """The unit's dtype (the first supported one) and each array's local errors.
 
     Every array must have a supported dtype, the same one, and be C-contiguous.
     """
-    dtype = arrays[0].dtype if arrays else _dtypes.bfloat16
+    # The unit's dtype is the first supported one: an odd first array (say float64)
+    # is then reported once, not as every other parameter's mismatch.
+    dtype = next((a.dtype for a in arrays if _dtypes.is_supported(a.dtype)),
+                 arrays[0].dtype if arrays else _dtypes.bfloat16)
     errors = []
     for i, a in enumerate(arrays):
         if not _dtypes.is_supported(a.dtype):
@@ -94,6 +97,13 @@ def check_arrays(arrays: Sequence[Any], what: str) -> tuple[Any, list[str]]:
             errors.append(f"parameter {i}: expected a C-contiguous {what}, got a "
                           f"non-contiguous view of shape {a.shape}")
     return dtype, errors
+
+
+#: How a mismatched signature field is shown: regions by their number in the group.
+_SHOW = {"slot": lambda v: "the group's default slots" if v is None else f"region #{v}",
+         "staging": lambda v: "the group's own staging" if v is None else f"region #{v}",
+         "out": lambda v: "out= given" if v else "no out=",
+         "plan": lambda v: f"plan #{v}"}
 
 
 def _mismatch(sigs: list[tuple]) -> str:
@@ -112,7 +122,9 @@ def _mismatch(sigs: list[tuple]) -> str:
                 i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
                 return (f"parameter {i}: expected the same {name[:-1]} on every rank, got "
                         f"{a[i]} on rank 0 and {b[i]} on rank {r}")
-            return f"expected the same {name} on every rank, got {a} on rank 0 and {b} on rank {r}"
+            show = _SHOW.get(name, str)
+            return (f"expected the same {name} on every rank, got {show(a)} on rank 0 and "
+                    f"{show(b)} on rank {r}")
     return "ranks disagree on the call"
 
 

@@ -140,3 +140,46 @@ def test_sum_of_ones_is_exact(group):
     want = np.zeros((3, 3), np.float32)
     want[:rows] = WORLD * (WORLD + 1) / 2
     agree(group.comm, [] if (bits(res) == bits(want)).all() else [f"got {res}"])
+
+
+@given(seeds, st.sampled_from(["sum", "avg"]), dtypes)
+def test_sum_order_is_local_rank_order(group, seed, op, dtype):
+    """Within a node each element is ``acc = g_0; acc += g_1; ...; acc * scale`` in fp32,
+    sources in local-rank order (docs/api.md, Determinism), bit for bit.
+
+    Magnitudes spread over 2**-8..2**24 (2**10 for fp16) make fp32 sums depend on their order; at 3+
+    ranks the test also checks that the reversed order would differ, so it can tell.
+    """
+    if group.topology.num_nodes > 1:
+        pytest.skip("across nodes the node partial sums are reduced by MPI/NCCL")
+    rng = np.random.default_rng(seed)
+    shape = (4 * WORLD + 3, 64)
+    every, top = [], 11 if dtype == FP16 else 25  # fp16 tops out near 2**16
+    for _ in range(WORLD):
+        g = rng.standard_normal(shape) * np.exp2(rng.integers(-8, top, shape))
+        every.append(g.astype(dtype))
+    xp = group.backend.xp
+    from .._util import to_xp
+
+    out = tidearray.reduce_scatter([to_xp(xp, every[group.rank])], op=op, group=group)[0]
+    scale = np.float32(1.0 / WORLD if op == "avg" else 1.0)
+
+    def fold(order):
+        acc = every[order[0]].astype(np.float32)
+        for r in order[1:]:
+            acc = acc + every[r].astype(np.float32)
+        return acc * scale if scale != 1 else acc
+
+    c = -(-shape[0] // WORLD)
+    lo, hi = min(group.rank * c, shape[0]), min((group.rank + 1) * c, shape[0])
+    want = np.zeros((c, shape[1]), np.float32)
+    want[:hi - lo] = fold(list(range(WORLD)))[lo:hi]  # the documented order
+    failures = []
+    got = to_numpy(out)
+    if (bits(got) != bits(want)).any():
+        failures.append(f"{int((bits(got) != bits(want)).sum())} elements differ from the "
+                        "local-rank-order fold")
+    forward, backward = fold(list(range(WORLD))), fold(list(range(WORLD))[::-1])
+    if WORLD >= 3 and (bits(forward) == bits(backward)).all():
+        failures.append("the data cannot tell the orders apart")
+    agree(group.comm, failures, f"seed {seed}")

@@ -87,7 +87,11 @@ AG_CASES = {
     "different dtype": Case(lambda c: _ag(c, shards=c.shards(unit(), FP16) if c.bad else None),
                             ("dtype", "rank {bad}", "float16"), cross=True),
     "different slot": Case(lambda c: _ag(c, slot=c.slots[1 if c.bad else 0]),
-                           ("slot", "rank {bad}"), cross=True),
+                           ("slot", "rank {bad}", "region #"), cross=True),
+    "float64 first shard": Case(
+        lambda c: _ag(c, shards=_swap(c.shards(unit()), 0, c.shards(unit(), np.float64)[0])
+                      if c.bad else None),
+        ("parameter 0", "rank {bad}", "float64")),
     "mixed dtypes": Case(_ag_bad_shard(lambda c: c.shards(unit(), FP32)[1]),
                          ("parameter 1", "rank {bad}", "float32")),
     "int32 shard": Case(_ag_bad_shard(lambda c: c.xp.zeros((_padded_rows(1), 2), np.int32)),
@@ -168,6 +172,8 @@ RS_CASES = {
                             ("dtype", "rank {bad}", "float16"), cross=True),
     "different op": Case(lambda c: _rs(c, op="sum" if c.bad else "avg"),
                          ("op", "rank {bad}"), cross=True),
+    "out on some ranks only": Case(lambda c: {**_rs(c), "out": None} if c.bad else _rs(c),
+                                   ("out", "rank {bad}", "no out="), cross=True),
     "mixed dtypes": Case(_rs_bad_grad(lambda c: c.grads(unit(), FP32)[1]),
                          ("parameter 1", "rank {bad}", "float32")),
     "int32 gradient": Case(_rs_bad_grad(lambda c: c.xp.zeros(unit()[1], np.int32)),
@@ -276,7 +282,7 @@ def _run_ag_case(group: Any, slots: Any, case: Case) -> None:
 def _run_rs_case(group: Any, slots: Any, case: Case) -> None:
     kwargs = _build(group, slots, case)
     grads = kwargs.pop("grads")
-    watched = [o for o in kwargs["out"]  # the poisoned (NaN) outputs, on every rank
+    watched = [o for o in kwargs["out"] or ()  # the poisoned (NaN) outputs, on every rank
                if getattr(o, "dtype", None) == np.float32 and o.size
                and np.isnan(to_numpy(o)).all()]
 
@@ -351,3 +357,16 @@ def test_a_float_dimension_is_rejected_after_the_int_call_is_cached(group, slots
     bad = group.rank == BAD
     with pytest.raises(tidearray.TideInvalid, match=f"rank {BAD}.*int"):
         tidearray.all_gather(shards, floats if bad else shapes, group=group, slot=slots[0])
+
+
+def test_an_odd_first_dtype_is_reported_once(group, slots):
+    """A float64 first shard is that parameter's error, not every other parameter's."""
+    xp = group.backend.xp
+    shards = [tidearray.shard(to_xp(xp, f), rank=group.rank, world=WORLD)
+              for f in full_params(unit(), BF16, 4)]
+    shards[0] = xp.zeros(shards[0].shape, np.float64)
+    with pytest.raises(tidearray.TideInvalid) as err:
+        tidearray.all_gather(shards, unit(), group=group, slot=slots[0])
+    msg = str(err.value)
+    agree(group.comm, [] if "parameter 0" in msg and "parameter 1" not in msg
+          and "parameter 2" not in msg else [f"message: {msg}"])
