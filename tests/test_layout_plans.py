@@ -173,3 +173,15 @@ def test_strided_runs_expand_to_the_same_copies(rest, count, width, dgap, sgap):
         if r.height > 1:  # rows never overlap
             assert r.width <= r.dpitch <= MAX_PITCH and r.width <= r.spitch <= MAX_PITCH
     assert len(strided_runs(strided)) == 1  # a constant-stride block alone: one 2D copy
+
+
+def test_shared_devices_names_ranks_of_one_communicator_on_one_device():
+    from tidearray._layout import shared_devices
+
+    # 4 ranks on 2 GPUs, local_size=2: ranks 0 and 2 share local rank 0 and device 0.
+    places = [(r % 2, "h", r % 2) for r in range(4)]
+    assert shared_devices(places) == [(0, 2), (1, 3)]
+    # 2 ranks on 2 GPUs, local_size=1: distinct devices.
+    assert shared_devices([(0, "h", 0), (0, "h", 1)]) == []
+    # The same device number on two hosts is two devices.
+    assert shared_devices([(0, "a", 0), (0, "b", 0)]) == []

@@ -128,11 +128,6 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
         call = group.calls.get(key)
     except TypeError:  # not a list of sequences, or unhashable
         key, call = None, None
-    ex = None
-    if call is not None and slot is not None and slot.id in call.programs:
-        # A repeated call: grant our slot while the ranks agree ([Note: early grant]).
-        ex = be.executor(stream)
-        grant(group, ex, slot)
     if call is None:
         resolved = _resolve(group, shards) if resolved is None else resolved
         call = check_call(group, resolved, _shapes(group, shapes), slot)
@@ -146,9 +141,10 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
     if program is None:
         program = call.programs[slot.id] = build_program(group, call.unit,
                                                          [a[0] for a in arrays], slot)
-    if ex is None:
-        ex = be.executor(stream)
-        grant(group, ex, slot)
+    # Grants only after the ranks agree: a grant lets peers write our slot, and a
+    # call that some rank rejects must leave every slot to its owner.
+    ex = be.executor(stream)
+    grant(group, ex, slot)
     issue(group, ex, program, slot)
     work = Work(ex.finish(), slot.views(call.unit, call.dtype))
     return work if async_op else work.wait(stream)
@@ -238,13 +234,11 @@ def _transport(group: Group, slot: Region) -> str:
 def grant(group: Group, ex: Any, slot: Region) -> None:
     """Tell every node-local peer that our slot may take its next gather.
 
-    [Note: early grant]
     A grant moves no data: it lets peers write our slot once our stream's
-    earlier work (which may still read the slot) is done. A repeated call
-    grants before the ranks agree on its validity, so the grant's trip over
-    the link overlaps the agreement. If the agreement fails, no rank pushes,
-    the slot's use count stays, and the next call grants the same value again.
-    (A pull gather writes only its own slot: no grants.)
+    earlier work (which may still read the slot) is done. It is issued only for
+    a call every rank accepted: a rejected call must leave the slot to its owner,
+    who may write it before the next call. (A pull gather writes only its own
+    slot: no grants.)
     """
     if _transport(group, slot) == "pull":
         return

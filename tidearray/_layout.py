@@ -205,6 +205,28 @@ class Topology:
 Copy = tuple[int, int, int]  # (dst, src, nbytes): addresses or offsets
 
 
+def shared_devices(places: Sequence[tuple]) -> list[tuple[int, int]]:
+    """Pairs of ranks that one communicator would put on one device.
+
+    Args:
+        places: per rank of the group, ``(communicator, host, device)``: which
+            communicator the rank joins (e.g. its local rank, for the
+            inter-node one), and where it runs.
+
+    Returns:
+        ``(first rank, later rank)`` for each rank whose place another rank of
+        the same communicator already has (NCCL rejects such a communicator).
+    """
+    first: dict = {}
+    pairs = []
+    for r, place in enumerate(places):
+        if place in first:
+            pairs.append((first[place], r))
+        else:
+            first[place] = r
+    return pairs
+
+
 def coalesce(copies: Sequence[Copy]) -> list[Copy]:
     """Merge copies that continue each other in both source and destination."""
     out: list[Copy] = []

@@ -318,10 +318,10 @@ def test_all_gather_rejects_a_float_dimension(group, slots):
 
 
 def test_a_repeated_call_rejected_by_one_rank(group, slots):
-    """Good ranks repeat a call they made before, so they grant their slot before
-    the ranks agree ([Note: early grant] in ``_all_gather``); the last rank's
-    shape differs. Every rank raises, no slot is written, and the same call then
-    gathers bitwise right, twice (the slot's use count survived)."""
+    """Good ranks repeat a call they made before (validated and cached); the last
+    rank's shape differs. Every rank raises, no slot is written, and the same call
+    then gathers bitwise right, twice, into slots poisoned after the error (no grant
+    of the rejected call may let a peer write a slot its owner is still writing)."""
     if WORLD == 1:
         pytest.skip("a disagreement between ranks needs 2+ ranks")
     seed = group.comm.bcast(int(np.random.default_rng().integers(1 << 30)))

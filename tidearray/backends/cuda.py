@@ -28,6 +28,7 @@ from typing import Any, Optional
 from .._cache import CallCache
 from .._dtypes import normalize
 from .._errors import TideBackendError, TideInvalid
+from .._layout import shared_devices
 from ._base import Backend, Resolved, SymmetricBuffer
 from ._cuda_accum import Accumulator
 from ._cuda_copy import Copier
@@ -148,11 +149,30 @@ class CudaBackend(Backend):
                 f"rank {r}: {e}" for r, e in enumerate(errs) if e))
         self.capabilities["symmetric memory"] = self._choose_memory()
         if self.group.topology.num_nodes > 1:
+            self._check_nccl_layout()
             self.nccl = NcclLink()
             self.nccl.setup(self.group.inter_comm)
             cupy.cuda.Device(self.device).use()  # whatever NCCL's start-up made current
         self.capabilities["nccl"] = ((True, "inter-node communicator over nccl4py")
                                      if self.nccl else (False, "single node: not needed"))
+
+    def _check_nccl_layout(self) -> None:
+        """Refuse, on every rank, an inter-node communicator with two ranks on one device.
+
+        NCCL rejects it (``ncclInvalidUsage`` from ``ncclCommInitRank``), and
+        can hang on the way; it happens when emulated nodes (``local_size``)
+        share GPUs, e.g. 4 ranks on 2 GPUs with ``local_size=2``. Collective.
+        """
+        place = (self.group.local_rank, socket.gethostname(), self.device)
+        places = self.group.comm.allgather(place)
+        pairs = shared_devices(places)
+        if pairs:
+            a, b = pairs[0]
+            raise TideInvalid(
+                f"expected the ranks of each inter-node NCCL communicator on distinct GPUs, "
+                f"got ranks {a} and {b} (local rank {places[a][0]}) both on device "
+                f"{places[a][2]} of {places[a][1]} ({len(pairs)} such pair(s)); use fewer "
+                "ranks per GPU, or a local_size that keeps emulated nodes on their own GPUs")
 
     def _setup_device(self, local_rank: int) -> None:
         import cupy
