@@ -3,6 +3,7 @@
 #
 #   bash tests/gpu/run.sh                      # every step
 #   TIDE_GPU_STEPS="np2 bench" bash tests/gpu/run.sh   # some steps: info np2 np1 nodes bench
+#                                                      # np3 np4 (ranks sharing GPUs)
 #                                                      # benchall (python -m tidearray.bench all)
 #                                                      # plans, train (small model), train8b
 #                                                      # (Llama-8B shape, tide/stock/local)
@@ -48,6 +49,9 @@ step() {  # step NAME CMD...: run, log to $LOGS/NAME.log, remember failures
 run_info() { step info "${MPI[@]}" -n 2 python3 -m tidearray.info; }
 run_np2() { step np2 "${MPI[@]}" -n "${TIDE_GPU_RANKS:-2}" "${PYTEST[@]}" tests; }
 run_np1() { step np1 "${MPI[@]}" -n 1 "${PYTEST[@]}" tests; }
+# Ranks sharing GPUs (rank -> device is local rank % count): correctness runs, not timings.
+run_np3() { step np3 "${MPI[@]}" -n 3 "${PYTEST[@]}" tests/mpi tests/gpu; }
+run_np4() { step np4 "${MPI[@]}" -n 4 "${PYTEST[@]}" tests/mpi tests/gpu; }
 run_nodes() { step np2_nodes "${MPI[@]}" -x TIDE_LOCAL_SIZE=1 -n 2 "${PYTEST[@]}" tests/gpu; }
 run_benchall() { step benchall "${MPI[@]}" -n 2 python3 -m tidearray.bench all \
     --out "$OUT/b" ${TIDE_BENCH_DOCS:+--docs "$TIDE_BENCH_DOCS"}; }
