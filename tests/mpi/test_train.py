@@ -108,14 +108,18 @@ def test_gradient_accumulation_matches_the_reference(group):
 
 def test_checkpoint_resume_reproduces_the_next_losses(group):
     """Train 10 steps; separately train 5, save, load into a fresh model, train 5 more:
-    the last 5 losses must be identical, bit for bit."""
+    the last 5 losses must be identical, bit for bit (on the GPU, where the model's own
+    embedding backward is not deterministic, within 1e-5)."""
     path = group.comm.bcast(tempfile.mkdtemp(prefix="tide-ckpt-") if group.rank == 0 else None)
     ckpt = os.path.join(path, "ckpt")
     straight = _train(group, "--impl", "tide", "--steps", "10")
     _train(group, "--impl", "tide", "--steps", "5", "--save", ckpt)
     resumed = _train(group, "--impl", "tide", "--steps", "5", "--resume", ckpt,
                      "--export", os.path.join(path, "full.npz"))
-    failures = [] if resumed == straight[5:] else [f"resumed {resumed} != {straight[5:]}"]
+    if group.backend.name == "host":
+        failures = [] if resumed == straight[5:] else [f"resumed {resumed} != {straight[5:]}"]
+    else:  # the model's embedding backward adds with atomics on the GPU: run to run, not bitwise
+        failures = _close(resumed, straight[5:], "resumed (cuda, 1e-5)")
     group.comm.Barrier()
     if group.rank == 0:
         full = np.load(os.path.join(path, "full.npz"))
