@@ -238,7 +238,7 @@ class ReducePlan(_Plan):
             errors.append(f"staging: expected a Region, got {type(staging).__name__}")
         if errors:
             _validate.check(group, "reduce_scatter plan", (("inputs", "unresolvable"),), errors)
-        call = rs.check_call(group, grads_r, outs, op, staging)
+        call = rs.check_call(group, grads_r, outs, op, staging, unit.chunk_nbytes)
         if call.dtype != unit.dtype or call.unit != unit.layout:
             _validate.check(group, "reduce_scatter plan", (), [
                 f"expected gradients of the unit's shapes and dtype {unit.dtype}, got "

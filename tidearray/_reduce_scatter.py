@@ -50,7 +50,7 @@ class _RsCall:
 
 
 def check_call(group: Group, grads: list, outs: Optional[list], op: str,
-           staging: Optional[Region]) -> _RsCall:
+               staging: Optional[Region], chunk_nbytes: Optional[int] = None) -> _RsCall:
     dtype, errors = _validate.check_arrays(grads, "gradient")
     if op not in OPS:
         errors.insert(0, f"expected op in {OPS}, got {op!r}")
@@ -63,7 +63,7 @@ def check_call(group: Group, grads: list, outs: Optional[list], op: str,
     plan = None
     if unit is not None:
         cfg = group.config
-        plan = _plan(unit, group.topology, cfg.chunk_nbytes, cfg.depth)
+        plan = _plan(unit, group.topology, chunk_nbytes or cfg.chunk_nbytes, cfg.depth)
         if outs is not None:
             errors += _check_outs(unit, grads, outs)
         if staging is not None:

@@ -155,3 +155,22 @@ def test_debug_mode_catches_plans_called_out_of_order(comm):
     finally:
         comm.Barrier()
         g.close()
+
+
+def test_reduce_plan_uses_the_units_chunks(group, xp):
+    """A unit's ``chunk_nbytes`` decides the plan's chunks (and so its staging), not the
+    group's: 4 KiB chunks over a 64 KiB parameter need several, and still sum right."""
+    shapes = [(8 * WORLD, 2048)]
+    unit = ta.Unit(shapes, FP32, group=group, chunk_nbytes=4096)
+    assert len(unit.rs_plan.chunks) > 1
+    arena = _arena(group, unit, 1)
+    every = [rank_grads(shapes, FP32, 9, r) for r in range(group.size)]
+    plan = unit.reduce_plan([to_xp(xp, every[group.rank][0])], op="sum", staging=arena[0])
+    want = padded_shard(sum(e[0].astype(np.float64) for e in every), group.size, group.rank)
+    got = to_numpy(plan()[0]).astype(np.float64)
+    ok = np.allclose(got, want, rtol=0, atol=RS_RTOL * np.abs(want).max() * 4 + 1e-6)
+    failures = [] if ok else ["wrong sums"]
+    if plan._call.plan != unit.rs_plan:
+        failures.append("the plan ignored the unit's chunks")
+    agree(group.comm, failures)
+    arena[0].free()
