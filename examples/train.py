@@ -253,49 +253,57 @@ def profile_step(args: argparse.Namespace, g: Any, kind: str, sm: ShardedModel,
     if g.rank == 0:
         os.makedirs(args.out, exist_ok=True)
         cupti.save(events, os.path.join(args.out, f"{kind}_step_trace.json"))
-        timeline.plot(events, os.path.join(args.out, f"{kind}_step_timeline.png"),
-                      f"{kind}: one training step, rank 0 ({args.model}, {g.size} ranks)")
         log(f"[{kind}] profiled step: device ms per role {roles}")
         log(cupti.summary(events, top=15))
     return {"ms_per_role": roles, "non_compute_events": kernels}
 
 
 def summarize(records: list, log: Log) -> dict:
-    by = {r["impl"]: r for r in records}
+    """Print the comparison of a ``--impl all`` run; return it for the record."""
+    floor = next((r["median_step_s"] for r in records if r["impl"] == "local"), None)
     log("\nsummary (median step time after warm-up; peak memory per rank)")
     log(f"{'impl':8s} {'step ms':>10s} {'vs local':>9s} {'peak GiB':>9s} {'last loss':>12s}")
-    floor = by.get("local", {}).get("median_step_s")
     for r in records:
         ratio = f"{r['median_step_s'] / floor:.3f}x" if floor else "-"
         log(f"{r['impl']:8s} {r['median_step_s'] * 1e3:10.2f} {ratio:>9s} "
             f"{r['peak_bytes'] / 2**30:9.2f} {r['losses'][-1]:12.6f}")
-    out: dict = {}
-    if "tide" in by and "stock" in by:
-        a, b = by["tide"]["losses"], by["stock"]["losses"]
-        diff = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
-        out["tide_vs_stock_losses"] = {"bitwise": a == b, "max_rel_diff": diff}
-        log(f"tide vs stock losses: {'bitwise equal' if a == b else f'max rel diff {diff:.3g}'}"
-            f" over {len(a)} steps")
-    if floor and "tide" in by and "stock" in by:
-        t, s = by["tide"]["median_step_s"], by["stock"]["median_step_s"]
-        out.update(tide_over_floor=t / floor, stock_over_floor=s / floor,
-                   overhead_ratio=(t - floor) / (s - floor) if s > floor else None,
-                   peak_ratio=by["tide"]["peak_bytes"] / max(by["stock"]["peak_bytes"], 1))
-        log(f"tide {100 * (t / floor - 1):+.1f}% over the floor, stock "
-            f"{100 * (s / floor - 1):+.1f}%; tide's overhead is "
-            f"{out['overhead_ratio'] or float('nan'):.3f} of stock's; peak memory tide/stock "
-            f"{out['peak_ratio']:.2f}")
+    rows = goals(records)
+    for g in rows:
+        log(f"{'met   ' if g['met'] else 'MISSED'} {g['goal']}: {g['measured']}")
+    return {"goals": rows}
+
+
+def goals(records: list) -> list[dict]:
+    """The step-time, memory and loss goals of a tide/stock/local run, from its records."""
+    by = {r["impl"]: r for r in records}
+    if not {"tide", "stock"} <= set(by):
+        return []
+    out = []
+    a, b = by["tide"]["losses"], by["stock"]["losses"]
+    diff = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+    out.append({"goal": f"tide and stock losses equal for {len(a)} steps",
+                "measured": "bitwise equal" if a == b else f"max relative difference {diff:.3g}",
+                "met": a == b or diff < 1e-2})
+    peak = by["tide"]["peak_bytes"] / max(by["stock"]["peak_bytes"], 1)
+    out.append({"goal": "tide peak memory <= stock's", "measured": f"{peak:.3f}x",
+                "met": peak <= 1})
+    if "local" not in by:
+        return out
+    t, s, floor = (by[k]["median_step_s"] for k in ("tide", "stock", "local"))
+    out.append({"goal": "tide step <= 1.03 x the local floor", "measured": f"{t / floor:.3f}x "
+                f"(stock {s / floor:.3f}x)", "met": t <= 1.03 * floor})
+    floors = [("the local floor", floor)]
     prof = {k: (by[k].get("profile") or {}).get("ms_per_role", {}) for k in by}
-    if floor and all("optimizer" in prof.get(k, {}) for k in ("tide", "stock", "local")):
+    if all("optimizer" in prof[k] for k in ("tide", "local")):
         # The floor steps AdamW over the whole model, the sharded runs over 1/W of it:
-        # a floor that did the sharded runs' optimizer work, from the measured kernels.
+        # the same floor with the sharded runs' optimizer time, from the measured kernels.
         adj = floor - (prof["local"]["optimizer"] - prof["tide"]["optimizer"]) / 1e3
-        t, s = by["tide"]["median_step_s"], by["stock"]["median_step_s"]
-        out.update(floor_sharded_optimizer_s=adj, tide_over_adjusted_floor=t / adj,
-                   stock_over_adjusted_floor=s / adj)
-        log(f"floor with the optimizer on 1/{by['tide'].get('world', 'W')} of the model "
-            f"(CUPTI): {adj * 1e3:.2f} ms; tide {100 * (t / adj - 1):+.1f}%, stock "
-            f"{100 * (s / adj - 1):+.1f}%")
+        floors.append(("the floor with a sharded optimizer (CUPTI)", adj))
+    for name, f in floors:
+        out.append({"goal": f"tide - floor <= (stock - floor) / 5, over {name}",
+                    "measured": f"tide {1e3 * (t - f):+.2f} ms, stock {1e3 * (s - f):+.2f} ms "
+                                f"(floor {1e3 * f:.2f} ms)",
+                    "met": t - f <= (s - f) / 5})
     return out
 
 
@@ -305,7 +313,7 @@ def report(path: str) -> str:
     with open(path) as f:
         rec = json.load(f)
     out = os.path.dirname(os.path.abspath(path))
-    runs, cmp_ = rec["runs"], rec.get("comparison", {})
+    runs = rec["runs"]
     floor = next((r["median_step_s"] for r in runs if r["impl"] == "local"), None)
     lines = [f"# Training step: {rec['model']}, {rec['tokens_per_rank']} tokens per rank, "
              f"{rec['world']} ranks ({rec['backend']}, {rec['param_dtype']})", "",
@@ -318,15 +326,33 @@ def report(path: str) -> str:
         lines.append(f"| {r['impl']} | {r['median_step_s'] * 1e3:.2f} | {ratio} | "
                      f"{r['peak_bytes'] / 2**30:.2f} | {r['losses'][0]:.4f} | "
                      f"{r['losses'][-1]:.4f} |")
-    lines += ["", "Comparison: " + ", ".join(f"{k} = {v}" for k, v in cmp_.items())]
+    lines += ["", "| goal | measured | |", "| --- | --- | --- |"]
+    lines += [f"| {g['goal']} | {g['measured']} | {'met' if g['met'] else 'missed'} |"
+              for g in goals(runs)]
     table = os.path.join(out, "train.md")
     with open(table, "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
         _plot_steps(runs, os.path.join(out, "train_steps.png"), rec["model"])
+        _plot_timelines(rec, out)
     except ImportError:
         pass  # matplotlib is the optional 'bench' extra
     return table
+
+
+def _plot_timelines(rec: dict, out: str) -> None:
+    """A timeline PNG per saved CUPTI trace next to the record (``<impl>_step_trace.json``,
+    gzipped or not)."""
+    from tidearray.bench import timeline
+
+    for r in rec["runs"]:
+        for name in (f"{r['impl']}_step_trace.json", f"{r['impl']}_step_trace.json.gz"):
+            path = os.path.join(out, name)
+            if os.path.exists(path):
+                timeline.plot(timeline.load(path),
+                              os.path.join(out, f"{r['impl']}_step_timeline.png"),
+                              f"{r['impl']}: one training step, rank 0 ({rec['model']}, "
+                              f"{rec['world']} ranks)")
 
 
 def _plot_steps(runs: list, path: str, model: str) -> None:

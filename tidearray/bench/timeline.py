@@ -16,6 +16,16 @@ COLORS = {"compute": "#4C72B0", "accumulate": "#DD8452", "nccl": "#C44E52",
           "layout": "#8172B3", "optimizer": "#937860", "copy": "#55A868", "memset": "#CCB974"}
 
 
+def load(path: str) -> list[dict]:
+    """Events saved by ``cupti.save`` (``.json``, or gzipped ``.json.gz``)."""
+    import gzip
+    import json
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
 def role(event: dict) -> str:
     if event["cat"] == "gpu_memcpy":
         return "copy"
@@ -46,7 +56,10 @@ def plot(events: list[dict], path: str, title: str = "", window: Optional[tuple]
 
     if not events:
         return
-    t0 = min(e["ts_us"] for e in events)
+    # From the first kernel: a profiled region can open with an upload long before it.
+    t0 = min((e["ts_us"] for e in events if e["cat"] == "kernel"),
+             default=min(e["ts_us"] for e in events))
+    events = [e for e in events if e["ts_us"] >= t0]
     busy: Counter = Counter()
     for e in events:
         busy[e["stream"]] += e["dur_us"]
