@@ -77,3 +77,53 @@ def test_exchange_fds_failure_raises_on_every_rank(group, monkeypatch):
             exchange_fds(comm, [fd], timeout=5.0)
     finally:
         os.close(fd)
+
+
+_INTRUDER = r"""
+import os, socket, sys
+fd = os.memfd_create("intruder")
+os.write(fd, b"intruder")
+with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+    s.connect(sys.argv[1].encode().replace(b"@", b"\0"))
+    socket.send_fds(s, [(1).to_bytes(4, "little")], [fd])
+"""
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs os.memfd_create (Linux)")
+def test_exchange_fds_refuses_a_process_that_is_not_a_peer(group, monkeypatch):
+    """Another local process connects to rank 0's socket first, claiming to be rank 1
+    and sending a descriptor: rank 0 refuses it unread, warns, and still gets every
+    real peer's descriptors."""
+    import subprocess
+    import sys
+    import warnings
+
+    from tidearray.backends import _cuda_vmm
+
+    comm = group.node_comm
+    if comm.size < 2:
+        pytest.skip("needs 2+ ranks on one node")
+    if comm.rank == 1:  # the intruder connects to rank 0 before rank 1 does
+        monkeypatch.setattr(_cuda_vmm, "before_connect", lambda name: subprocess.run(
+            [sys.executable, "-c", _INTRUDER, name.replace("\0", "@") + "0"], check=True,
+            timeout=30))
+    token = os.urandom(8).hex()
+    fd = os.memfd_create("tide-test")
+    os.write(fd, f"{token}:{comm.rank}".encode())
+    tokens = comm.allgather(token)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _cuda_vmm.exchange_fds(comm, [fd])
+    failures = []
+    for r, fds in enumerate(got):
+        text = os.pread(fds[0], 64, 0).decode()
+        if text != f"{tokens[r]}:{r}":
+            failures.append(f"rank {r}'s descriptor reads {text!r}")
+        if r != comm.rank:
+            os.close(fds[0])
+    os.close(fd)
+    refused = [w for w in caught if "refused a descriptor connection" in str(w.message)]
+    if comm.rank == 0 and not refused:
+        failures.append("the intruder was not refused")
+    agree(comm, failures, "exchange_fds with an intruder")

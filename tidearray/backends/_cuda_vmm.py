@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import uuid
-from typing import Any, Optional, Sequence
+import warnings
+from typing import Any, Callable, Optional, Sequence
 
 from .._errors import TideBackendError
 from ._base import SymmetricBuffer
 from ._cuda_memory import device_view
+
+#: Called (tests only) once every listener is up, before this rank connects to its peers.
+before_connect: Optional[Callable[[str], None]] = None
 
 
 def exchange_fds(node_comm: Any, fds: Sequence[int], timeout: float = 30.0) -> list[list[int]]:
@@ -30,6 +35,14 @@ def exchange_fds(node_comm: Any, fds: Sequence[int], timeout: float = 30.0) -> l
     sends its descriptors with ``SCM_RIGHTS``; the receiver gets duplicates
     valid in its own process.
 
+    [Note: peer credentials]
+    An abstract socket's name is listed in ``/proc/net/unix``, so any local
+    process can connect. Before reading a connection, the receiver checks its
+    ``SO_PEERCRED``: the same user, and the process id of the node-local rank
+    the connection claims to be, once. Anything else is refused unread (its
+    descriptors are dropped with the connection) and reported with a warning;
+    the exchange goes on with the real peers.
+
     Raises:
         TideBackendError: on every rank, if any rank could not send or receive
             (abstract sockets are per network namespace: containers that do not
@@ -37,6 +50,7 @@ def exchange_fds(node_comm: Any, fds: Sequence[int], timeout: float = 30.0) -> l
             ``timeout`` seconds for a peer that never connects.
     """
     tag = node_comm.bcast(uuid.uuid4().hex if node_comm.rank == 0 else None)
+    pids = node_comm.allgather(os.getpid())
     me, size = node_comm.rank, node_comm.size
     got: list[list[int]] = [[] for _ in range(size)]
     got[me] = list(fds)
@@ -48,6 +62,8 @@ def exchange_fds(node_comm: Any, fds: Sequence[int], timeout: float = 30.0) -> l
     except OSError as e:
         err = f"listen: {e}"
     node_comm.Barrier()  # every listener is up (or has failed)
+    if before_connect is not None:
+        before_connect(f"\0tidearray-{tag}-")
     try:
         for r in range(size):  # connections queue in the backlog: no accept needed to send
             if r != me and err is None:
@@ -56,11 +72,7 @@ def exchange_fds(node_comm: Any, fds: Sequence[int], timeout: float = 30.0) -> l
                     s.connect(f"\0tidearray-{tag}-{r}")
                     socket.send_fds(s, [me.to_bytes(4, "little")], list(fds))
         listener.settimeout(timeout)
-        for _ in range(size - 1 if err is None else 0):
-            conn, _ = listener.accept()
-            with conn:
-                data, received, _, _ = socket.recv_fds(conn, 4, max(len(fds), 1))
-                got[int.from_bytes(data, "little")] = list(received)
+        _receive(listener, got, pids, me, len(fds), 0 if err is not None else size - 1)
     except OSError as e:  # refused, timed out, no such socket
         err = f"{type(e).__name__}: {e}"
     finally:
@@ -73,6 +85,37 @@ def exchange_fds(node_comm: Any, fds: Sequence[int], timeout: float = 30.0) -> l
         raise TideBackendError("passing VMM file descriptors over Unix sockets failed: " +
                                "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
     return got
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end (``SO_PEERCRED``)."""
+    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                      struct.calcsize("3i")))
+    return pid, uid
+
+
+def _receive(listener: socket.socket, got: list, pids: list, me: int, count: int,
+             expected: int) -> None:
+    """Accept until ``expected`` peers have sent; refuse anyone else ([Note: peer credentials])."""
+    arrived: set = set()
+    while len(arrived) < expected:
+        conn, _ = listener.accept()
+        with conn:
+            pid, uid = _peer(conn)
+            rank = pids.index(pid) if pid in pids else None
+            if uid != os.getuid() or rank is None or rank == me or rank in arrived:
+                warnings.warn(f"tidearray: refused a descriptor connection from pid {pid} "
+                              f"(uid {uid}): not a node-local peer that has yet to send",
+                              RuntimeWarning, stacklevel=3)
+                continue  # closed unread: any descriptors it sent are dropped with it
+            data, received, _, _ = socket.recv_fds(conn, 4, max(count, 1))
+            if int.from_bytes(data, "little") != rank:
+                for fd in received:
+                    os.close(fd)
+                raise OSError(f"pid {pid} is rank {rank} but claimed rank "
+                              f"{int.from_bytes(data, 'little')}")
+            got[rank] = list(received)
+            arrived.add(rank)
 
 
 def agree(node_comm: Any, err: Optional[str], what: str) -> None:
