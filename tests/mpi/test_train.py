@@ -25,7 +25,7 @@ import llama  # noqa: E402
 import train  # noqa: E402
 
 from tidearray.fsdp import AdamW  # noqa: E402
-from tidearray.fsdp._optim import adamw_numpy, coefficients  # noqa: E402
+from tidearray.fsdp._optim import adamw_numpy, clip_scale, coefficients  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -35,8 +35,10 @@ STEPS, B, LR = 20, 2, 3e-3
 LOSS_RTOL = 1e-5
 
 
-def reference_losses(world: int, steps: int, micro: int = 1, seed: int = 0) -> list[float]:
-    """Single-process training of the same model on every rank's samples, fp32."""
+def reference_losses(world: int, steps: int, micro: int = 1, seed: int = 0,
+                     clip: float = None) -> list[float]:
+    """Single-process training of the same model on every rank's samples, fp32; with
+    ``clip``, torch's global-norm rule over every gradient (computed in fp64)."""
     net = llama.Llama(CFG)
     params = llama.init_params(CFG, seed)
     moments = [[(np.zeros(p.size, np.float32), np.zeros(p.size, np.float32)) for p in u]
@@ -53,7 +55,12 @@ def reference_losses(world: int, steps: int, micro: int = 1, seed: int = 0) -> l
         grads, dx = [None] * len(params), 1.0
         for i in reversed(range(len(params))):
             dx, grads[i] = net.backward(i, params[i], saved[i], dx)
-        c = coefficients(AdamW(lr=LR), s + 1, LR, 1.0)
+        coef = 1.0
+        if clip is not None:
+            norm = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum())
+                               for unit in grads for g in unit))
+            coef = clip_scale(norm, clip)
+        c = coefficients(AdamW(lr=LR), s + 1, LR, coef)
         for unit, unit_grads, unit_moments in zip(params, grads, moments):
             for p, g, (m, v) in zip(unit, unit_grads, unit_moments):
                 flat = p.reshape(-1)
@@ -104,6 +111,14 @@ def test_gradient_accumulation_matches_the_reference(group):
         pytest.skip("the fp32 CPU reference is for the host backend")
     got = _train(group, "--impl", "tide", "--steps", "6", "--micro-batches", "2")
     agree(group.comm, _close(got, reference_losses(group.size, 6, micro=2), "micro-batches"))
+
+
+def test_gradient_clipping_matches_the_reference(group):
+    """A clip well below the gradients' norm, so every step is clipped."""
+    if group.backend.name != "host":
+        pytest.skip("the fp32 CPU reference is for the host backend")
+    got = _train(group, "--impl", "tide", "--steps", "8", "--clip", "0.05")
+    agree(group.comm, _close(got, reference_losses(group.size, 8, clip=0.05), "clip"))
 
 
 def test_checkpoint_resume_reproduces_the_next_losses(group):
