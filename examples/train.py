@@ -415,4 +415,15 @@ def main(argv: Optional[list] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException as e:  # fail as a group, like mpi4py.run: never leave peers hanging
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.size > 1 and not isinstance(e, SystemExit):
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+        raise

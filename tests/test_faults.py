@@ -1,0 +1,91 @@
+"""Faults under mpiexec on the host backend: a dead, stopped, failing or out-of-order rank.
+
+Each case starts ``tests/faults/worker.py`` on 3 ranks with ``TIDE_TIMEOUT`` = 5 s, and
+checks that the job ends within the timeout plus 10 s, that no process of it is left,
+that no rank ever returned wrong data, and what the survivors said. What each fault
+does to the survivors is written up in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 5.0
+RANKS = 3
+
+
+def _mpiexec() -> list:
+    here = Path(sys.executable).parent / "mpiexec"
+    found = str(here) if here.exists() else shutil.which("mpiexec")
+    if not found:
+        pytest.skip("no mpiexec")
+    version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
+    extra = ["--oversubscribe", "--allow-run-as-root"] if "Open MPI" in version else []
+    return [found, *extra]
+
+
+def _alive(token: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if token in line and "ps -eo" not in line]
+
+
+def _run(fault: str, **env: str) -> tuple[int, str, float]:
+    token = f"tide-fault-{uuid.uuid4().hex[:8]}"
+    cmd = _mpiexec() + ["-n", str(RANKS), sys.executable, "tests/faults/worker.py", fault,
+                        token]
+    environ = dict(os.environ, TIDE_TIMEOUT=str(TIMEOUT_S), PYTHONUNBUFFERED="1", **env)
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S + 60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail(f"{fault}: the job did not end within {TIMEOUT_S + 60} s:\n{out}")
+    took = time.monotonic() - start
+    time.sleep(0.5)
+    left = _alive(token)
+    for line in left:  # do not leave them to the next test
+        os.kill(int(line.split()[0]), 9)
+    assert not left, f"{fault}: processes left after the job ended: {left}"
+    assert "WRONG DATA" not in out, out
+    return proc.returncode, out, took
+
+
+@pytest.mark.parametrize("fault", ["exit", "raise"])
+def test_a_dead_rank_ends_the_job(fault):
+    """A rank that dies (``os._exit``) or raises between collectives: the job ends,
+    none of its processes is left, and no survivor returned wrong data."""
+    rc, out, took = _run(fault)
+    assert rc != 0, out
+    assert took < TIMEOUT_S + 30, f"{fault}: took {took:.1f} s:\n{out}"
+
+
+def test_a_stopped_rank_makes_every_survivor_raise():
+    """A rank stopped (SIGSTOP) for longer than the timeout: every other rank raises
+    TideBackendError within the timeout plus 10 s, then the job ends."""
+    rc, out, took = _run("stop")
+    survivors = re.findall(r"rank (\d+): TideBackendError after ([\d.]+) s", out)
+    assert sorted(int(r) for r, _ in survivors) == [r for r in range(RANKS) if r != 1], out
+    assert all(float(s) <= TIMEOUT_S + 10 for _, s in survivors), out
+    assert rc != 0, out
+
+
+def test_plans_called_out_of_order_raise_in_debug_mode():
+    """Rank 1 calls two plans in the other order: with ``TIDE_DEBUG=1`` every rank raises
+    TideInvalid at that call, before any copy (without it the call would move the wrong
+    unit's bytes: the reason the mode exists)."""
+    rc, out, took = _run("order", TIDE_DEBUG="1")
+    raised = re.findall(r"rank (\d+): TideInvalid after [\d.]+ s: all_gather plan", out)
+    assert sorted(int(r) for r in raised) == list(range(RANKS)), out
