@@ -137,7 +137,7 @@ def main(argv: Any = None) -> int:
         return 0
     if args.iters < MIN_ITERS:
         print(f"note: --iters {args.iters} < {MIN_ITERS}: medians over fewer iterations "
-              "than the brief asks for", file=sys.stderr)
+              "than the benchmarks' method asks for", file=sys.stderr)
     from .context import environment, make_ctx
 
     ctx = make_ctx(args)

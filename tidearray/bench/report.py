@@ -65,7 +65,7 @@ def render(res: Results, pngs: list[str], note: str = "") -> str:
     out = ["# tidearray benchmarks\n"] + ([note + "\n"] if note else [])
     out.append(_provenance(res))
     rows = targets.evaluate(res)
-    out += ["## Targets (issue 4; issue 3's bandwidth on the GPU)\n",
+    out += ["## Targets (the collectives' goals; TIDE-AG's bandwidth on the GPU)\n",
             markdown(targets.table(rows))]
     misses = [r for r in rows if r.met is False]
     if misses:

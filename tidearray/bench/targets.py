@@ -1,4 +1,4 @@
-"""Issue 4's targets (and issue 3's bandwidth goal), evaluated from records,
+"""The collectives' targets (and TIDE-AG's bandwidth goal), evaluated from records,
 with measured explanations for misses.
 
 Each target yields rows ``(target, workload, goal, measured, met, margin)``.
@@ -76,12 +76,12 @@ def ag_rows(res: Results, base: str, goal: float, units: tuple = LLAMA) -> list[
     return rows
 
 
-#: Issue 3's goal for TIDE-AG on the Llama-3.1-8B unit, 2xH200 (line rate 396 GB/s).
+#: The goal for TIDE-AG on the Llama-3.1-8B unit, 2xH200 (line rate 396 GB/s).
 AG_GBPS = 350.0
 
 
 def bandwidth_rows(res: Results, w: str = "llama3.1-8b") -> list[Row]:
-    """TIDE-AG's per-rank bandwidth against issue 3's goal, timed one call at a
+    """TIDE-AG's per-rank bandwidth against its goal, timed one call at a
     time and back to back; only where the run measured the copy-engine
     reference (``peer_copy``: the cuda backend), which the goal is relative to."""
     pc = res.value("ag", "tide", w, "phase:peer_copy")
@@ -94,7 +94,7 @@ def bandwidth_rows(res: Results, w: str = "llama3.1-8b") -> list[Row]:
         margin = "not measured" if v is None else f"{(v / AG_GBPS - 1) * 100:+.1f}% vs goal"
         why = (f"tide AG {us(_time(res, 'ag', 'tide', w))} us ({_host(res, 'ag', 'tide', w)}); "
                f"one plain CE copy of the same bytes {us(pc)} us")
-        rows.append(Row(f"TIDE-AG bandwidth, {how} (issue 3)", w, f">= {AG_GBPS:g} GB/s", v,
+        rows.append(Row(f"TIDE-AG bandwidth, {how}", w, f">= {AG_GBPS:g} GB/s", v,
                         met, margin, "" if met else why))
     return rows
 

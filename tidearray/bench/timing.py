@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-#: The brief asks for medians over at least this many iterations.
+#: Medians are taken over at least this many timed iterations.
 MIN_ITERS = 20
 
 
