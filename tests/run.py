@@ -8,7 +8,9 @@ Runs, in order, each in its own process group under a timeout:
 3. topology overrides: ``TIDE_LOCAL_SIZE=1`` with N = 3 (pairwise inter-node steps)
    and N = 4 (recursive doubling), and ``TIDE_LOCAL_SIZE=2`` with N = 4 (two nodes
    of two ranks);
-4. every example under ``mpiexec -n 2`` (the trainer for 5 steps).
+4. every example under ``mpiexec -n 2`` (the trainer for 5 steps), and the benchmark
+   harness on small sizes (``python -m tidearray.bench all --quick``), which exits
+   nonzero if any step fails or any output is wrong.
 
 Every run gets the same Hypothesis seed (printed; pass ``--seed`` to reproduce),
 so all ranks of a run draw the same examples. ``TIDE_TIMEOUT`` defaults to 60 s
@@ -89,7 +91,9 @@ def mpiexec_flags(mpiexec: str) -> list[str]:
 
 #: Every example, as the docs run it (short settings where a flag allows).
 EXAMPLES = (("examples/train.py", "--steps", "5"), ("examples/quickstart.py",),
-            ("examples/async_prefetch.py",), ("examples/interop_dlpack.py",))
+            ("examples/async_prefetch.py",), ("examples/interop_dlpack.py",),
+            ("-m", "tidearray.bench", "all", "--quick", "--iters", "20", "--out",
+             str(Path(tempfile.gettempdir()) / "tidearray-ci-bench")))
 
 
 def command(run: Run, mpiexec: list[str], seed: int, extra: list[str]) -> list[str]:

@@ -154,10 +154,12 @@ def main(argv: Any = None) -> int:
             ctx.log(f"report: {build([ctx.sink.path], docs)}")
         if ctx.rank == 0 and ctx.sink.path:
             ctx.log(f"records: {ctx.sink.path}")
+        if ctx.errors:
+            ctx.log(f"FAILED: {len(ctx.errors)} step(s) failed: " + "; ".join(ctx.errors[:5]))
     finally:
         ctx.close()
         ctx.group.close()
-    return 0
+    return 1 if ctx.errors else 0
 
 
 def _summary(ctx: Any) -> str:

@@ -25,6 +25,8 @@ class Ctx:
         self.rank, self.size = comm.rank, comm.size
         self.group_note = group_note
         self.nccl_log: Optional[str] = None
+        #: Failures of the run (errors, not skips): any makes the command exit nonzero.
+        self.errors: list[str] = []
         self.t0 = time.perf_counter()
         self._log = None
         if self.rank == 0 and args.out:

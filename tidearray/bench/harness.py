@@ -1,9 +1,11 @@
-"""Running implementations safely: one failure is recorded, never fatal, never a hang.
+"""Running implementations safely: one failure is recorded, never a hang.
 
 Every step that can fail (open, setup, a timed loop, a check, release) runs
 through :func:`guarded`: each rank catches its own exception, then all ranks
 agree (an allgather) before anyone goes on, so no rank enters a collective
-alone. Failures become ``status`` records with every rank's reason.
+alone. Failures become ``status`` records with every rank's reason; the run
+goes on to the other implementations, then exits nonzero if any step failed
+(a skip, where an implementation cannot run here, is not a failure).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def guarded(ctx: Any, suite: str, impl: str, workload: str, what: str,
                                                   ctx.size else "")
     ctx.sink.add(suite, impl, workload, "status", None, status=status, reason=reason)
     ctx.log(f"  {impl:<12} {status.upper()}: {reason}")
+    if status == "error":
+        ctx.errors.append(f"{suite} {impl} {workload}: {reason}")
     return False, None
 
 

@@ -162,24 +162,24 @@ class Tide(Impl):
 
     def _phases(self, data: UnitData, rs_plan: Any, slot: Any, staging: Any,
                 outs: list) -> dict:
-        """The GPU breakdown pieces; left out on every rank if any rank cannot make them
-        (they use backend internals that may change), so TIDE's own timing still runs."""
+        """The GPU breakdown pieces. If any rank cannot make them, every rank leaves
+        them out (TIDE's own timing still runs) and the run is marked failed: a
+        breakdown that silently disappears hides a broken path."""
         if self.ctx.dev.name != "cuda":
             return {}
         from .tide_phases import accumulate_phase, peer_copy_phase
-        from .timing import agree
 
-        phases = {}
-        try:
-            phases["ag.peer_copy"] = peer_copy_phase(self.ctx, data, slot)
+        def make() -> dict:
+            phases = {"ag.peer_copy": peer_copy_phase(self.ctx, data, slot)}
             acc = accumulate_phase(self.ctx, data, rs_plan, staging, outs)
             if acc is not None:
                 phases["rs.accumulate"] = acc
-            ok = True
-        except Exception as e:  # noqa: BLE001 - breakdowns are optional
-            self.ctx.log(f"  tide: no breakdown phases ({e.__class__.__name__}: {e})")
-            ok = False
-        return phases if agree(self.ctx.comm, ok) else {}
+            return phases
+
+        from .harness import guarded
+
+        ok, phases = guarded(self.ctx, "breakdown", self.name, data.unit.name, "phases", make)
+        return phases if ok else {}
 
 
 @register
