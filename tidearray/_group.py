@@ -80,6 +80,13 @@ class Group:
             return self.board.max(values)
         return allreduce_max(self.comm, values)
 
+    def check(self) -> None:
+        """Raise :class:`TideBackendError` if a collective of this group timed out on the
+        device (a peer died or stopped; see docs/reliability.md). Call it before
+        trusting results read after a host synchronization."""
+        if self.backend is not None:
+            self.backend.check()
+
     def close(self) -> None:
         """Free symmetric memory and communicators (collective)."""
         global _default

@@ -200,6 +200,10 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release communicators; idempotent."""
 
+    def check(self) -> None:
+        """Raise :class:`TideBackendError` if an earlier collective failed in a way that
+        only the device saw (a timed-out wait); nothing on backends without one."""
+
     @abc.abstractmethod
     def resolve(self, obj: Any) -> Resolved:
         """Zero-copy view of ``obj`` (this backend's array or a DLPack producer).

@@ -56,6 +56,12 @@ def stream_value32(op: str) -> Callable[..., int]:
                  ctypes.c_uint32, ctypes.c_uint)
 
 
+def memset_d32_async() -> Callable[..., int]:
+    """``cuMemsetD32Async(dst, value, count, stream)``: the watchdog's flag writes."""
+    return entry("cuMemsetD32Async", CUDA_12_0, ctypes.c_uint64, ctypes.c_uint,
+                 ctypes.c_size_t, ctypes.c_void_p)
+
+
 def address_range() -> Callable[[int], tuple[int, int]]:
     """``ptr -> (base, size)`` of the allocation holding ``ptr`` (``cuMemGetAddressRange``);
     ``(0, 0)`` where the driver does not know the address."""

@@ -133,6 +133,7 @@ class CudaExecutor(Executor):
         self._fork = forks.pop() if forks else _event()
         rt.eventRecord(self._fork.ptr, stream_ptr(stream))
         self._started: set[int] = set()
+        self._waits: list[tuple[int, int]] = []  # for the watchdog ([Note: watchdog])
 
     def _lane(self, lane: int) -> Any:
         """Lane ``lane``'s stream, made to wait for the fork on first use."""
@@ -173,6 +174,7 @@ class CudaExecutor(Executor):
 
     def _wait(self, lane: int, addr: int, value: int) -> None:
         self.be.flags.wait(self._lane(lane), addr, value)
+        self._waits.append((addr, value))
 
     def _accumulate(self, lane: int, pieces: list, src_dtype: Any, scale: float) -> None:
         self.be.accumulator.launch(self._lane(lane), pieces, src_dtype, scale)
@@ -204,6 +206,7 @@ class CudaExecutor(Executor):
         else:  # nothing issued: completion is the fork itself
             events.append(self._fork)
         self.be.retire(events)
+        self.be.watchdog.watch("collective", events, self._waits)
         if self._prev_device != self.be.device:
             import cupy
 

@@ -36,6 +36,7 @@ from ._cuda_exec import CudaExecutor, EventRing
 from ._cuda_flags import FlagOps
 from ._cuda_memory import IpcSymmetricBuffer
 from ._cuda_nccl import NcclLink, put_signal_capability
+from ._cuda_watchdog import Watchdog
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types addressable as device memory
 _DL_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 13: "cuda_managed", 10: "rocm"}
@@ -126,6 +127,7 @@ class CudaBackend(Backend):
         self.accumulator: Any = None
         self.nccl: Any = None
         self.vmm = False
+        self.watchdog: Any = None
         self.capabilities: dict[str, tuple[bool, str]] = {}
         self._allocs: list = []
         self._inflight: list = []
@@ -202,6 +204,7 @@ class CudaBackend(Backend):
         self.flags = FlagOps(self.device)
         sms = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
         self.accumulator = Accumulator(self.device, sms, self.group.config.accum_ctas)
+        self.watchdog = Watchdog(self.device, self.group.config.timeout)
         probe_stream = self.streams[-1]
         self.capabilities = {
             "batched copies": self.copier.probe(probe_stream.ptr),
@@ -251,6 +254,8 @@ class CudaBackend(Backend):
             return MulticastSymmetricBuffer(self.group.node_comm, nbytes, self.device)
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self.nccl is not None:
             import cupy
 
@@ -346,7 +351,13 @@ class CudaBackend(Backend):
             return kind(self.group.node_comm, nbytes, self.device)
 
     def executor(self, stream: Any = None) -> CudaExecutor:
+        self.watchdog.check()  # a timed-out collective broke the group ([Note: watchdog])
         return CudaExecutor(self, stream)
+
+    def check(self) -> None:
+        """Raise TideBackendError if a collective timed out ([Note: watchdog])."""
+        if self.watchdog is not None:
+            self.watchdog.check()
 
     def retire(self, events: list) -> None:
         """Hold buffers allocated since the last collective until ``events`` fire.

@@ -1,0 +1,122 @@
+"""A host-side watchdog over the cuda backend's collectives: no wait lasts forever.
+
+A collective's lanes wait on flag words (``cuStreamWaitValue32``) that peers
+write. A peer that died or stopped never writes them, and the wait would hold
+its lane, and every stream ordered after it, for ever. The watchdog notices.
+
+[Note: watchdog]
+Every collective is registered when issued, with its completion events and the
+(flag address, value) pairs its lanes wait for. A daemon thread polls the
+events. When a collective has not completed ``Config.timeout`` seconds after it
+was issued, the thread
+
+* writes each awaited value into its flag word itself (``cuMemsetD32Async`` on
+  a stream of its own), which releases the waits, so the lanes and the
+  caller's streams drain instead of hanging;
+* marks the backend broken, with a message naming the collective's sequence
+  number, its kind and how long it waited.
+
+The collective that timed out delivered garbage (its peers' data never came);
+every later call on the group raises :class:`TideBackendError` at once, and
+:meth:`CudaBackend.check` raises it on demand, for example before using results
+read after a host synchronization. ``group.close()`` still frees everything.
+NCCL calls across nodes are not released by this (NCCL has its own timeouts).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+from .._errors import TideBackendError
+from . import _cuda_driver
+
+#: Seconds between polls of the registered collectives' events.
+POLL_S = 0.05
+
+
+class Watchdog:
+    """Registers collectives and releases the waits of any that outlive ``timeout``.
+
+    Args:
+        device: the CUDA device the collectives run on.
+        timeout: seconds a collective may take from issue to completion.
+    """
+
+    def __init__(self, device: int, timeout: float) -> None:
+        self.device = device
+        self.timeout = timeout
+        self.broken: Optional[str] = None
+        self._pending: list = []
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._memset: Any = None
+        self._stream: Any = None
+        self._seq = 0
+
+    def watch(self, what: str, events: Sequence[Any], waits: Sequence[tuple[int, int]]) -> None:
+        """Register one issued collective (its completion ``events``, and its ``waits``)."""
+        self._seq += 1
+        if not waits:
+            return  # nothing it does can wait on a peer
+        if self._thread is None:
+            self._start()
+        with self._lock:
+            self._pending.append((time.monotonic() + self.timeout, self._seq, what,
+                                  list(events), list(waits)))
+
+    def check(self) -> None:
+        """Raise TideBackendError if a collective has timed out."""
+        if self.broken is not None:
+            raise TideBackendError(self.broken)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _start(self) -> None:
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._memset = _cuda_driver.memset_d32_async()
+        self._thread = threading.Thread(target=self._run, name="tidearray-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import cupy
+
+        cupy.cuda.Device(self.device).use()
+        while not self._stop.wait(POLL_S):
+            now = time.monotonic()
+            with self._lock:
+                pending, self._pending = self._pending, []
+            keep = []
+            for entry in pending:
+                deadline, seq, what, events, waits = entry
+                if all(ev.done for ev in events):
+                    continue
+                if now < deadline:
+                    keep.append(entry)
+                    continue
+                self._expire(seq, what, waits)
+            with self._lock:
+                self._pending = keep + self._pending
+
+    def _expire(self, seq: int, what: str, waits: list) -> None:
+        for addr, value in waits:
+            err = self._memset(addr, value & 0xFFFFFFFF, 1, self._stream.ptr)
+            if err:
+                self.broken = (f"collective #{seq} ({what}) timed out after {self.timeout:g} s, "
+                               f"and releasing its waits failed: CUresult {err}")
+                return
+        if self.broken is None:
+            self.broken = (f"collective #{seq} ({what}) did not complete within "
+                           f"{self.timeout:g} s: a peer never signalled (dead, stopped, or "
+                           "calling other collectives); its waits were released, its results "
+                           "are garbage, and this group can no longer be used")
