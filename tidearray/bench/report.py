@@ -53,7 +53,12 @@ def build(json_paths: list[str], docs: str, note: str = "") -> str:
     """
     res = Results(load(json_paths))
     os.makedirs(docs, exist_ok=True)
-    pngs = [p for p in (f(res, docs) for f in plots.ALL) if p]
+    try:
+        pngs = [p for p in (f(res, docs) for f in plots.ALL) if p]
+    except ImportError as e:  # matplotlib is the optional 'bench' extra
+        pngs = []
+        note = (note + "\n\n" if note else "") + (
+            f"Plots left out: {e.name or e} is not installed (pip install 'tidearray[bench]').")
     text = render(res, pngs, note)
     path = os.path.join(docs, "README.md")
     with open(path, "w") as f:
