@@ -174,3 +174,23 @@ def test_reduce_plan_uses_the_units_chunks(group, xp):
         failures.append("the plan ignored the unit's chunks")
     agree(group.comm, failures)
     arena[0].free()
+
+
+@given(seed=seeds, dtype=st.sampled_from(DTYPES))
+def test_reduction_bits_do_not_depend_on_chunking(group, xp, seed, dtype):
+    """The same gradients reduced with 4 KiB chunks, 64 KiB chunks and the group's
+    default give the same bits: chunks change how the work is cut, not what is summed."""
+    shapes = [(6 * WORLD + 1, 300), (5,), (2 * WORLD, 1024)]
+    every = [rank_grads(shapes, dtype, seed, r) for r in range(group.size)]
+    results = []
+    for chunk in (4096, 65536, None):
+        unit = ta.Unit(shapes, dtype, group=group, chunk_nbytes=chunk)
+        arena = _arena(group, unit, 1)
+        grads = [to_xp(xp, g) for g in every[group.rank]]
+        plan = unit.reduce_plan(grads, op="avg", staging=arena[0])
+        results.append([to_numpy(o).copy() for o in plan()])
+        arena[0].free()
+    failures = [f"chunking {k}: parameter {i} differs from 4 KiB chunks"
+                for k in (1, 2) for i, (a, b) in enumerate(zip(results[0], results[k]))
+                if a.tobytes() != b.tobytes()]
+    agree(group.comm, failures, f"seed {seed}")
