@@ -66,6 +66,14 @@ def build(json_paths: list[str], docs: str, note: str = "") -> str:
     return path
 
 
+def _spread(rec: dict) -> str:
+    """A time record as ``median [p10, p90]`` in microseconds."""
+    extra = rec.get("extra") or {}
+    if "p10_s" not in extra:
+        return us(rec.get("value"))
+    return f"{us(rec.get('value'))} [{us(extra['p10_s'])}, {us(extra['p90_s'])}]"
+
+
 def render(res: Results, pngs: list[str], note: str = "") -> str:
     out = ["# tidearray benchmarks\n"] + ([note + "\n"] if note else [])
     out.append(_provenance(res))
@@ -120,7 +128,8 @@ def _units_section(res: Results) -> str:
         ws = res.workloads(suite, "unit")
         if not ws:
             continue
-        out += [f"### {name}: median time (us)\n", markdown(grid(res, suite, "time", ws, us)),
+        out += [f"### {name}: median time [p10, p90] (us)\n",
+                markdown(grid(res, suite, "time", ws, _spread, value=lambda r: r)),
                 f"### {name}: median time per call issued back to back (us)\n",
                 markdown(grid(res, suite, "time", ws, us, value=_back_to_back)),
                 f"### {name}: speedup vs stock\n",
