@@ -14,13 +14,16 @@ points where FSDP2 hooks in, and :meth:`ShardedModel.step` once per step::
     model.step()                            # fused AdamW on the shards
 
 [Note: slots]
-``prefetch + 1`` slots form a ring. A unit is gathered into the next free
-slot when first needed or prefetched, and its slot is free again after its
-forward (the last unit stays for its backward, as FSDP2 keeps the root) or
-after its backward. A gather into a slot is ordered after everything the
-compute stream issued before the gather was issued, so it never overwrites
-parameters still in use; on the tide path its grant also follows the
-reduce-scatter that staged in that slot (Slot-Reuse).
+``prefetch + 1`` slots; unit ``i`` is always gathered into slot
+``i % (prefetch + 1)``, when first needed or prefetched, so its parameters
+have the same addresses in forward and in backward (front ends whose autograd
+saved the forward's parameter tensors find them again, regathered, in
+backward). A slot is free again after its unit's forward (the last unit stays
+for its backward, as FSDP2 keeps the root) or after its backward. A gather
+into a slot is ordered after everything the compute stream issued before the
+gather was issued, so it never overwrites parameters still in use; on the tide
+path its grant also follows the reduce-scatter that staged in that slot
+(Slot-Reuse).
 
 [Note: gradient buffers]
 Unit ``i`` in slot ``k`` writes its gradients into gradient buffer ``k``
@@ -182,8 +185,13 @@ class ShardedModel:
     def _ensure(self, i: int) -> None:
         if i in self._gathered:
             return
-        assert self._free, "no free slot: a hook was called out of order"
-        k = self._free.pop(0)
+        k = i % self.num_slots  # [Note: slots]: the same slot every time
+        if k not in self._free:
+            raise TideInvalid(f"unit {i}: expected its slot {k} to be free, got it holding unit "
+                              f"{next(u for u, (s, _) in self._gathered.items() if s == k)}: "
+                              "call the hooks in order (forward 0..n-1, backward n-1..0), "
+                              "each unit's post hook before the unit prefetch+1 further on")
+        self._free.remove(k)
         self._gathered[i] = (k, self.comm.gather(i, k, self.stream))
 
     def _params(self, i: int) -> list:
