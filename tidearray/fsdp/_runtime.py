@@ -72,6 +72,9 @@ class ShardedModel:
             (bf16 default; fp32 masters are kept either way).
         optimizer: AdamW hyper-parameters (defaults of :class:`AdamW`).
         prefetch: units gathered ahead of the one running (1).
+        num_slots: slots (and gradient buffers); ``prefetch + 1`` if None. A front
+            end whose backward may start unit ``i-1`` before unit ``i``'s
+            gradients are all in (autograd) needs one more.
         comm: ``"tide"`` (default), ``"stock"`` (FSDP2's flat path, the
             baseline) or ``"local"`` (no communication: every rank holds the
             whole model; the floor a step is measured against).
@@ -84,11 +87,16 @@ class ShardedModel:
     def __init__(self, units: Sequence[Sequence[tuple[str, Any]]], *,
                  init: Optional[Init] = None, group: Optional[Group] = None,
                  param_dtype: Any = _dtypes.bfloat16, optimizer: Optional[AdamW] = None,
-                 prefetch: int = 1, comm: str = "tide", stream: Any = None) -> None:
+                 prefetch: int = 1, comm: str = "tide", stream: Any = None,
+                 num_slots: Optional[int] = None) -> None:
         group = group or default_group()
         names, shapes, values = _describe(units, init)
         if prefetch < 1:
             raise TideInvalid(f"prefetch: expected >= 1, got {prefetch}")
+        num_slots = prefetch + 1 if num_slots is None else num_slots
+        if num_slots < prefetch + 1:
+            raise TideInvalid(f"num_slots: expected >= prefetch + 1 = {prefetch + 1}, got "
+                              f"{num_slots}")
         self.group, self.kind, self.stream = group, comm, stream
         self.names, self.shapes = names, shapes
         self.param_dtype = _dtypes.normalize(param_dtype)
@@ -99,7 +107,7 @@ class ShardedModel:
         self._fill_masters(values, init)
         self.optimizer = FusedAdamW(optimizer or AdamW(), self.arena.master, self.arena.send,
                                     self.xp)
-        self.num_slots = prefetch + 1
+        self.num_slots = num_slots
         self.prefetch = prefetch
         self.comm = make_comm(comm, group, shapes, self.param_dtype, self.arena, self.num_slots)
         self._free = list(range(self.num_slots))
