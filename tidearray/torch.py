@@ -15,7 +15,9 @@ four hooks onto module hooks, where FSDP2 hooks in:
 * :meth:`ShardedModule.step` runs the fused AdamW on the fp32 master shards.
 
 Parameters are views of a slot only between a unit's pre-hook and its forward
-hook (and again in its backward); elsewhere they are empty. The gradient copy
+hook (and again in its backward); elsewhere they are empty. Activation
+checkpointing works: a forward recomputed during backward finds its unit
+gathered already, and the forward hooks leave the runtime alone then. The gradient copy
 costs one device copy per parameter, as FSDP2's copy-in does; the layout
 conversions around the collectives are gone.
 """
@@ -112,9 +114,13 @@ class ShardedModule:
             p.data = _tensor(a, shape)
 
     def _pre_forward(self, i: int, module: Any, args: Any) -> None:
+        if _in_backward():  # activation checkpointing recomputes the forward in backward:
+            return  # the unit is gathered already (its backward pre-hook ran)
         self._point(i, self.model.pre_forward(i))
 
     def _post_forward(self, i: int, module: Any, args: Any, output: Any) -> None:
+        if _in_backward():
+            return
         self.model.post_forward(i)
         if i != len(self.units) - 1:
             for p, e in zip(self.params[i], self._empty[i]):
@@ -150,6 +156,13 @@ class ShardedModule:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread."""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
 
 
 def _check_cover(module: Any, params: list) -> None:

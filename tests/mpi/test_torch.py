@@ -22,11 +22,25 @@ LR, STEPS, B = 1e-2, 10, 4
 LOSS_RTOL = 1e-5
 
 
-def _model(seed: int) -> tuple:
+class _Checkpointed(torch.nn.Module):
+    """Runs ``inner`` under non-reentrant activation checkpointing."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _model(seed: int, checkpointed: bool = False) -> tuple:
     torch.manual_seed(seed)
     units = [torch.nn.Linear(6, 16), torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(16, 16)),
              torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(16, 3))]
-    return torch.nn.Sequential(*units), units
+    layers = [_Checkpointed(u) if checkpointed and k == 1 else u for k, u in enumerate(units)]
+    return torch.nn.Sequential(*layers), units
 
 
 def _batch(step: int, first: int, n: int) -> tuple:
@@ -50,13 +64,16 @@ def _reference(model, world: int) -> list[float]:
     return losses
 
 
-def test_shard_module_matches_plain_torch(group):
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_shard_module_matches_plain_torch(group, checkpointed):
+    """With the middle unit under activation checkpointing too (its forward runs again
+    inside backward)."""
     if group.backend.name != "host":
         pytest.skip("CPU tensors: the host backend")
     import tidearray.torch as tt
     from tidearray.fsdp import AdamW
 
-    model, units = _model(0)
+    model, units = _model(0, checkpointed)
     reference = copy.deepcopy(model)
     sm = tt.shard_module(model, units, group=group, optimizer=AdamW(lr=LR))
     losses = []
