@@ -1,4 +1,4 @@
-"""Unit shapes from DESIGN.md and GPU-side data helpers for the cuda tests and quick bench.
+"""Unit shapes (from the benchmark's workloads) and GPU-side data helpers for the cuda tests.
 
 Data is made on the GPU from seeds, so every rank can rebuild every other
 rank's inputs locally (no GiB-sized MPI traffic) and references stay cheap.
@@ -17,22 +17,18 @@ import numpy as np
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def llama31_8b_layer() -> list[tuple[int, ...]]:
-    """One Llama-3.1-8B decoder layer: hidden 4096, 32/8 heads of 128, FFN 14336 (416 MiB bf16)."""
-    h, kv, ffn = 4096, 8 * 128, 14336
-    return [(h, h), (kv, h), (kv, h), (h, h), (ffn, h), (ffn, h), (h, ffn), (h,), (h,)]
+def _from_workloads() -> dict:
+    """The benchmark's own unit shapes (``tidearray.bench.workloads``): one definition."""
+    from tidearray.bench import workloads
+
+    wanted = ("llama3.1-8b", "qwen3-30b-a3b")
+    return {u.name: (lambda u=u: [tuple(s) for s in u.shapes])
+            for u in workloads.units(1) if u.name in wanted}
 
 
-def qwen3_30b_a3b_layer() -> list[tuple[int, ...]]:
-    """One Qwen3-30B-A3B MoE layer: 128 experts of FFN 768, router 2048x128 (1189 MiB bf16)."""
-    h, q, kv, e, ffn = 2048, 32 * 128, 4 * 128, 128, 768
-    shapes = [(q, h), (kv, h), (kv, h), (h, q), (128,), (128,), (e, h)]
-    for _ in range(e):
-        shapes += [(ffn, h), (ffn, h), (h, ffn)]
-    return shapes + [(h,), (h,)]
-
-
-UNITS = {"llama3.1-8b": llama31_8b_layer, "qwen3-30b-a3b": qwen3_30b_a3b_layer}
+#: name -> function returning the unit's full shapes (Llama-3.1-8B: 416 MiB bf16;
+#: Qwen3-30B-A3B: 393 parameters, 1188 MiB).
+UNITS = _from_workloads()
 
 
 def nbytes(shapes: Sequence[Sequence[int]], itemsize: int = 2) -> int:
