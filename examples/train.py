@@ -267,6 +267,9 @@ def summarize(records: list, log: Log) -> dict:
         ratio = f"{r['median_step_s'] / floor:.3f}x" if floor else "-"
         log(f"{r['impl']:8s} {r['median_step_s'] * 1e3:10.2f} {ratio:>9s} "
             f"{r['peak_bytes'] / 2**30:9.2f} {r['losses'][-1]:12.6f}")
+    for r in records:
+        log(f"{r['impl']}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} over "
+            f"{len(r['losses'])} steps")
     rows = goals(records)
     for g in rows:
         log(f"{'met   ' if g['met'] else 'MISSED'} {g['goal']}: {g['measured']}")
