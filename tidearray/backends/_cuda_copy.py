@@ -33,6 +33,7 @@ All of these are copy-engine copies: no SM is used.
 from __future__ import annotations
 
 import ctypes
+import warnings
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -137,6 +138,9 @@ class Copier:
                            f"{e}); one cudaMemcpyAsync per copy")
             if self.want_batch:
                 raise TideBackendError(f"batch_copies=True, but {self.reason}") from e
+            warnings.warn(f"tidearray: batched copies are unavailable, so each copy is its "
+                          f"own cudaMemcpyAsync (slower for small parameters): {self.reason}",
+                          RuntimeWarning, stacklevel=2)
         return self.batched, self.reason
 
     def _setup_runtime(self) -> None:

@@ -13,6 +13,7 @@ Where the driver refuses stream memory operations, one-thread kernels from
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,11 @@ class FlagOps:
             self.memops = False
             self.reason = (f"off ({type(e).__name__}: {e}); one-thread flag kernels "
                            "(kernels/flags.cu) instead")
+            # Said once, not only in tidearray.info: the spinning kernels occupy SMs, which
+            # the zero-SM transport promises not to.
+            warnings.warn(f"tidearray: stream memory operations are unavailable, so flags "
+                          f"use one-thread spinning kernels (SMs): {self.reason}",
+                          RuntimeWarning, stacklevel=2)
         return self.memops, self.reason
 
     def signal(self, stream: Any, addr: int, value: int) -> None:
