@@ -158,8 +158,12 @@ def _detail_section(res: Results) -> str:
         if ws:
             out += [f"### {suite.upper()} phases, each timed alone\n",
                     markdown(phase_table(res, suite, ws)),
-                    f"### {suite.upper()} SM time (us)\n",
+                    f"### {suite.upper()} SM time, modelled from the phases (us)\n",
                     markdown(grid(res, suite, "sm_time", ws, us))]
+            if any(res.get(suite, i, w, "sm_time_cupti") for i in res.impls(suite) for w in ws):
+                out += [f"### {suite.upper()} SM time per call, measured by CUPTI (us): "
+                        "kernel time x min(1, blocks / SMs)\n",
+                        markdown(grid(res, suite, "sm_time_cupti", ws, us))]
     return "\n".join(out)
 
 

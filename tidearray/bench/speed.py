@@ -56,6 +56,8 @@ def _run_one(ctx: Any, op: str, impl: Any, data: UnitData, detail: bool) -> Opti
             _check(ctx, op, impl, data, prep)
         if detail:
             _phases(ctx, op, impl, data, prep)
+            if fn is not None:
+                _cupti_sm_time(ctx, op, impl, data, fn, prep)
         return None if fn is None else t
     finally:
         release(ctx, op, impl, data, prep)
@@ -157,6 +159,42 @@ def _phases(ctx: Any, op: str, impl: Any, data: UnitData, prep: Any) -> None:
             has_parts or (impl.name == "tide" and op == "ag")):
         value, extra = sm_time(ctx, impl, op, timed)
         ctx.sink.add(op, impl.name, unit.name, "sm_time", value, "s", **extra)
+
+
+#: Calls traced by CUPTI per implementation and unit (the SM time is per call).
+CUPTI_CALLS = 5
+
+
+def _cupti_sm_time(ctx: Any, op: str, impl: Any, data: UnitData, fn: Any, prep: Any) -> None:
+    """SM time per call measured by CUPTI over ``CUPTI_CALLS`` calls, and every kernel
+    the calls launched (cuda, where torch.profiler can reach CUPTI)."""
+    from . import cupti
+
+    if ctx.dev.name != "cuda":
+        return
+    ok, why = cupti.available()
+    if not ok or prep.pre.get(op):
+        reason = why if not ok else "needs an untimed step before each call, inside the window"
+        ctx.sink.skip(op, impl.name, data.unit.name, f"sm_time_cupti: {reason}")
+        return
+
+    def traced() -> Any:
+        def calls() -> None:
+            for _ in range(CUPTI_CALLS):
+                fn()
+            ctx.dev.sync()
+        return cupti.trace(calls)
+
+    ok, events = guarded(ctx, op, impl.name, data.unit.name, "CUPTI trace", traced)
+    if not ok or events is None:
+        return
+    kernels = sorted({e["name"] for e in events if e["cat"] == "kernel"})
+    value = cupti.sm_seconds(events, ctx.dev.num_sms) / CUPTI_CALLS
+    ctx.sink.add(op, impl.name, data.unit.name, "sm_time_cupti", value, "s",
+                 kernels=[k[:120] for k in kernels[:24]], calls=CUPTI_CALLS,
+                 kernel_launches=sum(e["cat"] == "kernel" for e in events) / CUPTI_CALLS)
+    ctx.log(f"  {impl.name:<12} SM time (CUPTI) {value * 1e6:8.1f} us per call; kernels: "
+            + (", ".join(k[:40] for k in kernels[:6]) or "none"))
 
 
 def sm_time(ctx: Any, impl: Any, op: str, timed: dict) -> tuple[Optional[float], dict]:

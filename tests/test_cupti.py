@@ -1,0 +1,42 @@
+"""The CUPTI record parsing and SM-time arithmetic, on synthetic Chrome traces (no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidearray.bench import cupti, timeline
+
+
+def _trace():
+    return {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "tide_accumulate_bf16", "ts": 100.0, "dur": 50.0,
+         "args": {"grid": [66, 1, 1], "block": [512, 1, 1], "stream": 16}},
+        {"ph": "X", "cat": "kernel", "name": "big_gemm", "ts": 10.0, "dur": 20.0,
+         "args": {"grid": [528, 2, 1], "block": [128, 1, 1], "stream": 7}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy PtoP", "ts": 5.0, "dur": 400.0,
+         "args": {"stream": 14, "bytes": 1 << 20}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1.0, "dur": 3.0},
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 2.0},
+    ]}
+
+
+def test_events_keep_device_activity_only_in_time_order():
+    events = cupti.events_from_chrome(_trace())
+    assert [e["name"] for e in events] == ["Memcpy PtoP", "big_gemm", "tide_accumulate_bf16"]
+    assert events[2]["blocks"] == 66 and events[2]["stream"] == 16
+    assert events[0]["blocks"] is None
+
+
+def test_sm_time_weights_each_kernel_by_the_sms_its_grid_can_fill():
+    events = cupti.events_from_chrome(_trace())
+    # 132 SMs: the accumulate (66 blocks) fills half for 50 us, the GEMM all for 20 us;
+    # copies cost no SM time.
+    assert cupti.sm_seconds(events, 132) == pytest.approx(25e-6 + 20e-6)
+
+
+def test_roles_name_collective_and_layout_kernels():
+    events = cupti.events_from_chrome(_trace())
+    roles = timeline.roles(events)
+    assert roles["accumulate"] == 50.0 and roles["compute"] == 20.0 and roles["copy"] == 400.0
+    assert timeline.role({"cat": "kernel", "name": "pack_bf16_f32"}) == "layout"
+    assert timeline.role({"cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL"}) == "nccl"
