@@ -8,7 +8,8 @@ with one fused kernel per conversion per unit (``kernels/pack.cu``):
   fp32 (padding zeroed), NCCL fp32 reduce-scatter (avg). FSDP2's path.
 * ``symm``: the same buffers allocated with ``ncclMemAlloc`` and registered as
   symmetric windows; the all-gather communicator uses ``NCCL_CTA_POLICY_ZERO``
-  (NCCL's copy-engine all-gather), the reduce-scatter one NCCL's defaults.
+  (NCCL's copy-engine all-gather), the reduce-scatter one NCCL's defaults, with
+  ``ncclSum`` (the symmetric kernels take no ``ncclAvg``) and the 1/W scale after.
 * ``nccl-bf16``: RS only: chunk-cat bf16 (no upcast), NCCL bf16 reduce-scatter,
   upcast of the shard to fp32. The shortcut that loses precision.
 """
@@ -70,6 +71,11 @@ class Stock(Impl):
     def _alloc(self, nbytes: int, role: str) -> Any:
         return self.ctx.dev.xp.empty(nbytes, self.ctx.dev.xp.uint8)
 
+    def _reduce(self, comm: Any, send: int, recv: int, out32: Any, count: int,
+                stream: Any) -> None:
+        """The fp32 reduce-scatter of the average (FSDP2 passes ncclAvg)."""
+        nccl.reduce_scatter_avg(comm, send, recv, count, "float32", stream.ptr)
+
     def _collective_kind(self, op: str) -> str:
         return "nccl"
 
@@ -124,14 +130,16 @@ class Stock(Impl):
             lay, [g.data.ptr for g in data.grads], rs_in, 2, 4), "bf16_f32")
         s, comm = dev.stream, self.rs_comm
 
+        out32 = out_arr.view(float32)
+
         def reduce() -> None:
-            nccl.reduce_scatter_avg(comm, rs_in, rs_out, lay.block_numel, "float32", s.ptr)
+            self._reduce(comm, rs_in, rs_out, out32, lay.block_numel, s)
 
         def rs() -> None:
             chunk_cat(s)
             reduce()
 
-        outs = as_f32_shards(xp, out_arr.view(float32), lay.offsets, data.specs)
+        outs = as_f32_shards(xp, out32, lay.offsets, data.specs)
         prep.rs, prep.rs_out = rs, lambda: outs
         prep.phases.update({
             "rs.pack": Phase(lambda: chunk_cat(s), "kernel", chunk_cat.ctas),
@@ -144,7 +152,8 @@ class Symm(Stock):
 
     name = "symm"
     description = "fused copy-in + NCCL CE all-gather (symmetric window, CTA policy ZERO) + " \
-                  "fused copy-out; fused fp32 chunk-cat + NCCL reduce-scatter on windows"
+                  "fused copy-out; fused fp32 chunk-cat + NCCL symmetric reduce-scatter " \
+                  "(ncclSum on windows) + 1/W scale"
 
     def unavailable(self) -> Optional[str]:
         why = super().unavailable()
@@ -173,6 +182,14 @@ class Symm(Stock):
 
     def _collective_kind(self, op: str) -> str:
         return "nccl-ce" if op == "ag" else "nccl"
+
+    def _reduce(self, comm: Any, send: int, recv: int, out32: Any, count: int,
+                stream: Any) -> None:
+        """ncclSum on the windows, then the 1/W scale: NCCL's symmetric reduce-scatter
+        kernels do not take ncclAvg (with it NCCL falls back to its regular kernel)."""
+        nccl.reduce_scatter(comm, send, recv, count, "float32", nccl.SUM, stream.ptr)
+        with stream:
+            out32 *= float32.type(1.0 / self.ctx.size)
 
 
 class _Windowed:
