@@ -78,6 +78,7 @@ class ShardedModule:
         self.params = [list(u.parameters()) for u in self.units]
         _check_cover(module, self.params)
         self.shapes = [[tuple(p.shape) for p in ps] for ps in self.params]
+        self._index = {id(p): k for ps in self.params for k, p in enumerate(ps)}
         first = self.params[0][0]
         dtype = _numpy_dtype(param_dtype if param_dtype is not None else first.dtype)
         named = [[(f"{i}.{name}", _host_or_device(p)) for name, p in u.named_parameters()]
@@ -133,8 +134,7 @@ class ShardedModule:
         self._pending[i] = len(self.params[i])
 
     def _grad_ready(self, i: int, param: Any) -> None:
-        k = next(j for j, p in enumerate(self.params[i]) if p is param)
-        self._grads[i][k].copy_(param.grad)
+        self._grads[i][self._index[id(param)]].copy_(param.grad)
         param.grad = None
         self._pending[i] -= 1
         if self._pending[i] == 0:
