@@ -5,6 +5,7 @@
 #   TIDE_GPU_STEPS="np2 bench" bash tests/gpu/run.sh   # some steps: info np2 np1 nodes bench
 #                                                      # np3 np4 (ranks sharing GPUs)
 #                                                      # benchall (python -m tidearray.bench all)
+#                                                      # launches (benchall 3 times, one report)
 #                                                      # plans, train (small model), train8b
 #                                                      # (Llama-8B shape, tide/stock/local)
 #                                                      # suites (each suite alone; TIDE_BENCH_SUITES)
@@ -55,6 +56,15 @@ run_np4() { step np4 "${MPI[@]}" -n 4 "${PYTEST[@]}" tests/mpi tests/gpu; }
 run_nodes() { step np2_nodes "${MPI[@]}" -x TIDE_LOCAL_SIZE=1 -n 2 "${PYTEST[@]}" tests/gpu; }
 run_benchall() { step benchall "${MPI[@]}" -n 2 python3 -m tidearray.bench all \
     --out "$OUT/b" ${TIDE_BENCH_DOCS:+--docs "$TIDE_BENCH_DOCS"}; }
+run_launches() {  # the whole suite in 3 separate launches, one report of the spread
+    local jsons=()
+    for k in 1 2 3; do
+        step "benchall_launch$k" "${MPI[@]}" -n 2 python3 -m tidearray.bench all \
+            --out "$OUT/launch$k"
+        jsons+=(--json "$OUT/launch$k/bench.jsonl")
+    done
+    step launches_report python3 -m tidearray.bench report "${jsons[@]}" --docs "$OUT/report3"
+}
 run_suites() {  # the same suites as benchall, each under its own timeout, one record file
     for suite in ${TIDE_BENCH_SUITES:-interference memory ag rs}; do
         step "bench_$suite" timeout "${TIDE_BENCH_TIMEOUT:-150}" "${MPIRUN[@]}" -n 2 \
