@@ -35,11 +35,27 @@ class _Checkpointed(torch.nn.Module):
         return checkpoint(self.inner, x, use_reentrant=False)
 
 
-def _model(seed: int, checkpointed: bool = False) -> tuple:
+class _Compiled(torch.nn.Module):
+    """Runs ``inner`` through ``torch.compile`` (AOT autograd, no code generation: the
+    graph capture and the compiled backward are what meet the hooks)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.fn = torch.compile(inner, backend="aot_eager")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+WRAP = {"plain": lambda u: u, "checkpointed": _Checkpointed, "compiled": _Compiled}
+
+
+def _model(seed: int, wrap: str = "plain") -> tuple:
     torch.manual_seed(seed)
     units = [torch.nn.Linear(6, 16), torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(16, 16)),
              torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(16, 3))]
-    layers = [_Checkpointed(u) if checkpointed and k == 1 else u for k, u in enumerate(units)]
+    layers = [WRAP[wrap](u) if k == 1 else u for k, u in enumerate(units)]
     return torch.nn.Sequential(*layers), units
 
 
@@ -64,16 +80,18 @@ def _reference(model, world: int) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
-def test_shard_module_matches_plain_torch(group, checkpointed):
-    """With the middle unit under activation checkpointing too (its forward runs again
-    inside backward)."""
+@pytest.mark.parametrize("wrap", list(WRAP))
+def test_shard_module_matches_plain_torch(group, wrap):
+    """Also with the middle unit under activation checkpointing (its forward runs again
+    inside backward) and under ``torch.compile``."""
     if group.backend.name != "host":
         pytest.skip("CPU tensors: the host backend")
     import tidearray.torch as tt
     from tidearray.fsdp import AdamW
 
-    model, units = _model(0, checkpointed)
+    if wrap == "compiled" and not hasattr(torch, "compile"):
+        pytest.skip("this torch has no torch.compile")
+    model, units = _model(0, wrap)
     reference = copy.deepcopy(model)
     sm = tt.shard_module(model, units, group=group, optimizer=AdamW(lr=LR))
     losses = []
