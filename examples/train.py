@@ -19,6 +19,7 @@ writes the run's JSON record (with the git commit), a table and plots.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -167,15 +168,15 @@ def run(args: argparse.Namespace, g: Any, kind: str, cfg: llama.ModelConfig, B: 
                          first_sample=(rank * args.micro_batches + m) * B)
              for m in range(args.micro_batches)] for s in range(args.steps)]
     losses, times = [], []
-    sync(xp, stream)
+    sync(xp)
     for s in range(args.steps):
         t0 = time.perf_counter()
         dev_losses = []
-        with _current(stream):
+        with stream or contextlib.nullcontext():
             for tokens, targets in data[s]:
                 dev_losses.append(train_step(sm, net, xp.asarray(tokens), xp.asarray(targets)))
             sm.step(lr=learning_rate(args, first + s))
-        sync(xp, stream)
+        sync(xp)
         dt = time.perf_counter() - t0
         mem.sample()
         local = float(sum(float(v) for v in dev_losses) / len(dev_losses))
@@ -208,22 +209,8 @@ def learning_rate(args: argparse.Namespace, step: int) -> float:
     return args.lr
 
 
-class _current:
-    """``with`` a CuPy stream current, or nothing."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-
-    def __enter__(self) -> None:
-        if self.stream is not None:
-            self.stream.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.stream is not None:
-            self.stream.__exit__(*exc)
-
-
-def sync(xp: Any, stream: Any) -> None:
+def sync(xp: Any) -> None:
+    """Wait for the device (the step's end; the loss is read after it)."""
     if xp is not np:
         xp.cuda.Device().synchronize()
 
@@ -237,11 +224,11 @@ def profile_step(args: argparse.Namespace, g: Any, kind: str, sm: ShardedModel,
     xp = g.backend.xp
 
     def step() -> None:
-        with _current(stream):
+        with stream or contextlib.nullcontext():
             for tokens, targets in batches:
                 train_step(sm, net, xp.asarray(tokens), xp.asarray(targets))
             sm.step()
-        sync(xp, stream)
+        sync(xp)
 
     events = cupti.trace(step)
     if events is None:

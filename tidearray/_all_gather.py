@@ -252,7 +252,7 @@ def grant(group: Group, ex: Any, slot: Region) -> None:
 
 
 def issue(group: Group, ex: Any, program: _Program, slot: Region) -> None:
-    """Everything after the grants (issued first, by :func:`_grant`: no rank
+    """Everything after the grants (issued first, by :func:`grant`: no rank
     waits before it has granted)."""
     topo = group.topology
     me, L = topo.local_rank, topo.local_size

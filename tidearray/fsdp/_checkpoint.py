@@ -90,7 +90,7 @@ def load(model: Any, path: str) -> None:
     model.optimizer.load_state_dict({"step": int(data["step"]),
                                      "exp_avg": xp.asarray(data["exp_avg"]),
                                      "exp_avg_sq": xp.asarray(data["exp_avg_sq"])})
-    model.arena.send[...] = model.arena.master.astype(model.param_dtype)
+    model.arena.refresh_send()
 
 
 def export(model: Any, path: str) -> None:

@@ -22,6 +22,7 @@ again ([Note: gradient buffers] in ``_runtime``).
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Any, Sequence
 
 import numpy as np
@@ -159,19 +160,10 @@ class LocalComm(UnitComm):
         return Work(_Ready(), None)
 
 
-class on_stream:
-    """``with`` the compute stream current (cuda), or nothing (None: the current one)."""
-
-    def __init__(self, stream: Any) -> None:
-        self._stream = stream
-
-    def __enter__(self) -> None:
-        if self._stream is not None:
-            self._stream.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._stream is not None:
-            self._stream.__exit__(*exc)
+def on_stream(stream: Any) -> Any:
+    """A ``with`` context making ``stream`` current (a CuPy stream is one); nothing for
+    None (the host backend, or CuPy's current stream)."""
+    return contextlib.nullcontext() if stream is None else stream
 
 
 def make_comm(kind: str, group: Any, shapes: Sequence, dtype: Any, arena: ShardArena,

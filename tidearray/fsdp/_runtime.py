@@ -237,7 +237,7 @@ class ShardedModel:
                 start, stop = spec.rows(r)
                 if stop > start:
                     master[:stop - start] = xp.asarray(full[start:stop], dtype=np.float32)
-        self.arena.send[...] = self.arena.master.astype(self.param_dtype)
+        self.arena.refresh_send()
 
     # -- state --------------------------------------------------------------------
 

@@ -54,6 +54,11 @@ class ShardArena:
         self.grad = xp.zeros(n, float32)
         self.send = xp.zeros(n, param_dtype)
 
+    def refresh_send(self) -> None:
+        """The send shards from the masters, rounded to nearest as the optimizer writes
+        them (after initialisation or a checkpoint load)."""
+        self.send[...] = self.master.astype(self.send.dtype)
+
     def views(self, flat: Any, unit: int) -> list:
         """Per-parameter padded shard views of ``flat`` for ``unit``."""
         lay, start = self.layout.units[unit], self.layout.starts[unit]
