@@ -7,7 +7,7 @@ Runs, in order, each in its own process group under a timeout:
 2. ``mpiexec -n N python -m pytest --with-mpi -q tests/mpi`` for N = 1, 2, 3, 4;
 3. topology overrides: ``TIDE_LOCAL_SIZE=1`` with N = 3 (pairwise inter-node steps)
    and N = 4 (recursive doubling), and ``TIDE_LOCAL_SIZE=2`` with N = 4 (two nodes
-   of two ranks);
+   of two ranks); and N = 3 in debug mode (``TIDE_DEBUG=1``: stamps checked);
 4. every example under ``mpiexec -n 2`` (the trainer for 5 steps), and the benchmark
    harness on small sizes (``python -m tidearray.bench all --quick``), which exits
    nonzero if any step fails or any output is wrong.
@@ -60,6 +60,8 @@ def plan(ranks: list[int]) -> list[Run]:
     overrides = [(3, 1), (4, 1), (4, 2)]  # (ranks, TIDE_LOCAL_SIZE)
     runs += [Run(f"mpi n={n} local_size={L}", n, {"TIDE_LOCAL_SIZE": str(L)})
              for n, L in overrides if n in ranks]
+    if 3 in ranks:  # debug mode: plan order re-checked, every transfer's stamps checked
+        runs.append(Run("mpi n=3 debug", 3, {"TIDE_DEBUG": "1"}))
     if 2 in ranks:
         runs.append(Run("examples n=2", 2, scripts=EXAMPLES))
     return runs

@@ -1,6 +1,7 @@
-"""Faults under mpiexec on the host backend: a dead, stopped, failing or out-of-order rank.
+"""Faults under mpiexec: a dead, stopped, failing or out-of-order rank.
 
-Each case starts ``tests/faults/worker.py`` on 3 ranks with ``TIDE_TIMEOUT`` = 5 s, and
+Each case starts ``tests/faults/worker.py`` on 3 ranks with ``TIDE_TIMEOUT`` = 5 s, on
+the host backend, and on the cuda backend where a GPU is visible (ranks share GPUs), and
 checks that the job ends within the timeout plus 10 s, that no process of it is left,
 that no rank ever returned wrong data, and what the survivors said. What each fault
 does to the survivors is written up in docs/reliability.md.
@@ -24,6 +25,27 @@ TIMEOUT_S = 5.0
 RANKS = 3
 
 
+def _backends() -> list:
+    """host always; cuda where CuPy sees a GPU (skipped, with the reason, elsewhere)."""
+    why = None
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            why = "no CUDA device"
+    except Exception as e:  # noqa: BLE001 - no CuPy, or no driver: skip the cuda cases
+        why = f"no CUDA device ({type(e).__name__})"
+    cuda = pytest.param("cuda", marks=pytest.mark.skip(reason=why)) if why else "cuda"
+    return ["host", cuda]
+
+
+@pytest.fixture(params=_backends(), autouse=True)
+def backend(request):
+    if any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
+        pytest.skip("starts its own mpiexec: run it outside an MPI job")
+    return request.param
+
+
 def _mpiexec() -> list:
     here = Path(sys.executable).parent / "mpiexec"
     found = str(here) if here.exists() else shutil.which("mpiexec")
@@ -39,11 +61,16 @@ def _alive(token: str) -> list[str]:
     return [line for line in out.splitlines() if token in line and "ps -eo" not in line]
 
 
-def _run(fault: str, **env: str) -> tuple[int, str, float]:
+def _run(backend: str, fault: str, **env: str) -> tuple[int, str, float]:
     token = f"tide-fault-{uuid.uuid4().hex[:8]}"
-    cmd = _mpiexec() + ["-n", str(RANKS), sys.executable, "tests/faults/worker.py", fault,
-                        token]
-    environ = dict(os.environ, TIDE_TIMEOUT=str(TIMEOUT_S), PYTHONUNBUFFERED="1", **env)
+    env = dict(env, TIDE_TIMEOUT=str(TIMEOUT_S), PYTHONUNBUFFERED="1",
+               TIDE_FAULT_BACKEND=backend)
+    mpiexec = _mpiexec()
+    if "--oversubscribe" in mpiexec:  # Open MPI passes on only what it is told to
+        mpiexec += [a for v in [*env, "PYTHONPATH"] if v in env or v in os.environ
+                    for a in ("-x", v)]
+    cmd = mpiexec + ["-n", str(RANKS), sys.executable, "tests/faults/worker.py", fault, token]
+    environ = dict(os.environ, **env)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=environ, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -64,28 +91,28 @@ def _run(fault: str, **env: str) -> tuple[int, str, float]:
 
 
 @pytest.mark.parametrize("fault", ["exit", "raise"])
-def test_a_dead_rank_ends_the_job(fault):
+def test_a_dead_rank_ends_the_job(backend, fault):
     """A rank that dies (``os._exit``) or raises between collectives: the job ends,
     none of its processes is left, and no survivor returned wrong data."""
-    rc, out, took = _run(fault)
+    rc, out, took = _run(backend, fault)
     assert rc != 0, out
     assert took < TIMEOUT_S + 30, f"{fault}: took {took:.1f} s:\n{out}"
 
 
-def test_a_stopped_rank_makes_every_survivor_raise():
+def test_a_stopped_rank_makes_every_survivor_raise(backend):
     """A rank stopped (SIGSTOP) for longer than the timeout: every other rank raises
     TideBackendError within the timeout plus 10 s, then the job ends."""
-    rc, out, took = _run("stop")
+    rc, out, took = _run(backend, "stop")
     survivors = re.findall(r"rank (\d+): TideBackendError after ([\d.]+) s", out)
     assert sorted(int(r) for r, _ in survivors) == [r for r in range(RANKS) if r != 1], out
     assert all(float(s) <= TIMEOUT_S + 10 for _, s in survivors), out
     assert rc != 0, out
 
 
-def test_plans_called_out_of_order_raise_in_debug_mode():
+def test_plans_called_out_of_order_raise_in_debug_mode(backend):
     """Rank 1 calls two plans in the other order: with ``TIDE_DEBUG=1`` every rank raises
     TideInvalid at that call, before any copy (without it the call would move the wrong
     unit's bytes: the reason the mode exists)."""
-    rc, out, took = _run("order", TIDE_DEBUG="1")
+    rc, out, took = _run(backend, "order", TIDE_DEBUG="1")
     raised = re.findall(r"rank (\d+): TideInvalid after [\d.]+ s: all_gather plan", out)
     assert sorted(int(r) for r in raised) == list(range(RANKS)), out

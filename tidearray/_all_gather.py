@@ -19,8 +19,8 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from . import _dtypes, _validate
-from ._arena import AG_CHANNEL, ARRIVED, DONE, FREE, READY, Region, default_region
+from . import _dtypes, _stamps, _validate
+from ._arena import AG_CHANNEL, ARRIVED, DONE, FREE, READY, STAMP, Region, default_region
 from ._errors import TideInvalid
 from ._group import Group, default_group
 from ._layout import UnitLayout, ag_pieces, cached_unit, internode_ag_steps, split_copies
@@ -144,9 +144,12 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
     # Grants only after the ranks agree: a grant lets peers write our slot, and a
     # call that some rank rejects must leave every slot to its owner.
     ex = be.executor(stream)
+    stamps = _stamps.start(group, "all_gather", group.local_size)
     grant(group, ex, slot)
-    issue(group, ex, program, slot)
+    issue(group, ex, program, slot, stamps)
     work = Work(ex.finish(), slot.views(call.unit, call.dtype))
+    if stamps is not None:
+        stamps.check()
     return work if async_op else work.wait(stream)
 
 
@@ -251,9 +254,10 @@ def grant(group: Group, ex: Any, slot: Region) -> None:
         ex.signal(ex.COMPUTE, slot.flag((me + k) % L, AG_CHANNEL, FREE, me), use)
 
 
-def issue(group: Group, ex: Any, program: _Program, slot: Region) -> None:
+def issue(group: Group, ex: Any, program: _Program, slot: Region,
+          stamps: Optional[_stamps.Stamps] = None) -> None:
     """Everything after the grants (issued first, by :func:`grant`: no rank
-    waits before it has granted)."""
+    waits before it has granted). ``stamps``: debug mode's ([Note: stamps])."""
     topo = group.topology
     me, L = topo.local_rank, topo.local_size
     use = slot.uses[AG_CHANNEL] = slot.uses[AG_CHANNEL] + 1
@@ -263,11 +267,13 @@ def issue(group: Group, ex: Any, program: _Program, slot: Region) -> None:
     for sends, recvs in program.exchanges:
         ex.exchange(ex.NET, sends, recvs)
     if transport == "pull":
-        _pull(ex, slot, program, me, peers, use, after_net)
+        _pull(ex, slot, program, me, peers, use, after_net, stamps)
         return
-    _PUSHES[transport](ex, slot, program, me, peers, use, after_net)
+    _PUSHES[transport](ex, slot, program, me, peers, use, after_net, stamps)
     for q in peers:
         ex.wait(ex.COMPUTE, slot.flag(me, AG_CHANNEL, ARRIVED, q), use)
+    if stamps is not None:
+        stamps.snapshot(ex, ex.COMPUTE, slot, AG_CHANNEL, peers, use, f"slot {slot.id}")
 
 
 def _start(ex: Any, lane: int, after_net: bool) -> None:
@@ -280,7 +286,7 @@ def _start(ex: Any, lane: int, after_net: bool) -> None:
 
 
 def _pull(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: int,
-          after_net: bool) -> None:
+          after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
     """Stage own shards in our slot part by part; read each peer's parts from its slot.
 
     See [Note: ready/done] in ``_arena``. Our slot is written only by us, so no
@@ -291,6 +297,8 @@ def _pull(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: i
     _start(ex, me, after_net)
     for k, part in enumerate(program.own_parts):
         ex.copy(me, part)
+        if stamps is not None and k == len(program.own_parts) - 1:
+            stamps.send(ex, me, slot, AG_CHANNEL, me, use)  # before the last READY
         for p in peers:
             ex.signal(me, slot.flag(p, AG_CHANNEL, READY, me), first + k + 1)
     for q in peers:
@@ -298,13 +306,16 @@ def _pull(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: i
         for k, part in enumerate(program.pulls[q]):
             ex.wait(q, slot.flag(me, AG_CHANNEL, READY, q), first + k + 1)
             ex.copy(q, part)
+        if stamps is not None:  # q's stamp, read from q's slot after its last part
+            stamps.fetch(ex, q, slot.flag(q, AG_CHANNEL, STAMP, q), q, use,
+                         f"slot {slot.id} (pulled)")
         ex.signal(q, slot.flag(q, AG_CHANNEL, DONE, me), use)
     for q in peers:
         ex.wait(ex.COMPUTE, slot.flag(me, AG_CHANNEL, DONE, q), use)
 
 
 def _push_per_peer(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: int,
-                   after_net: bool) -> None:
+                   after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
     """One copy-engine batch per peer, each on that peer's lane; then our own copy.
 
     The pushes are issued first: they are the long pole, and the own copy (a
@@ -315,13 +326,15 @@ def _push_per_peer(ex: Any, slot: Region, program: _Program, me: int, peers: lis
             ex.depend(p, ex.NET)
         ex.wait(p, slot.flag(me, AG_CHANNEL, FREE, p), use)
         ex.copy(p, program.pushes[p])
+        if stamps is not None:
+            stamps.send(ex, p, slot, AG_CHANNEL, p, use)
         ex.signal(p, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
     _start(ex, me, after_net)
     ex.copy(me, program.own)
 
 
 def _push_single_batch(ex: Any, slot: Region, program: _Program, me: int, peers: list,
-                       use: int, after_net: bool) -> None:
+                       use: int, after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
     """Own copy and every peer's push in one copy-engine batch, once all peers granted.
 
     One batch lets the driver spread the copies over the copy engines itself
@@ -331,12 +344,11 @@ def _push_single_batch(ex: Any, slot: Region, program: _Program, me: int, peers:
     for p in peers:
         ex.wait(me, slot.flag(me, AG_CHANNEL, FREE, p), use)
     ex.copy(me, program.batch)
-    for p in peers:
-        ex.signal(me, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
+    _arrive(ex, me, slot, peers, use, stamps)
 
 
 def _push_multicast(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: int,
-                    after_net: bool) -> None:
+                    after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
     """Each piece written once, to the multicast address: every peer's slot gets it."""
     _start(ex, me, after_net)
     for p in peers:  # every peer must have granted before the single write
@@ -345,7 +357,15 @@ def _push_multicast(ex: Any, slot: Region, program: _Program, me: int, peers: li
     # they are written from there to the multicast address, which also maps our
     # slot, so those bytes are rewritten in place with the same values.
     ex.multicast_copy(me, slot.buffer, program.column)
+    _arrive(ex, me, slot, peers, use, stamps)
+
+
+def _arrive(ex: Any, me: int, slot: Region, peers: list, use: int,
+            stamps: Optional[_stamps.Stamps]) -> None:
+    """After lane ``me``'s write reached every peer: stamp it (debug), signal arrival."""
     for p in peers:
+        if stamps is not None:
+            stamps.send(ex, me, slot, AG_CHANNEL, p, use)
         ex.signal(me, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
 
 

@@ -40,7 +40,10 @@ FREE, ARRIVED = 0, 1
 #: Pull all-gather: the owner's part k is in its slot (READY, a running count of
 #: parts), and a reader finished pulling from the owner (DONE, the use count).
 READY, DONE = 2, 3
-NUM_KINDS = 4
+#: Debug stamps ([Note: stamps] in ``_stamps``): a writer's use number, copied in
+#: after its data (STAMP, in the reader's memory), from a word of the writer's own (OUTBOX).
+STAMP, OUTBOX = 4, 5
+NUM_KINDS = 6
 AG_CHANNEL = 0
 #: Channel of reduce-scatter staging buffer ``b`` is ``RS_CHANNEL0 + b``.
 RS_CHANNEL0 = 1

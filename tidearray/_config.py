@@ -79,10 +79,12 @@ class Config:
     Env: ``TIDE_BATCH_COPIES``."""
 
     debug: bool = False
-    """Re-check every plan call across ranks (one small agreement per call): that
-    every rank calls the same plan, in the same order (False). Plans are
-    validated when built; this catches ranks that drift apart afterwards.
-    Env: ``TIDE_DEBUG``."""
+    """Debug mode (False): re-check every plan call across ranks (one small
+    agreement per call), so ranks that call plans in different orders raise;
+    and stamp every node-local transfer with its sequence number, then wait
+    for each call and check that every peer's bytes arrived before they were
+    read ([Note: stamps] in ``_stamps``). Synchronizes every call: for finding
+    bugs, not for timing. Env: ``TIDE_DEBUG``."""
 
     _ENV = {
         "TIDE_BACKEND": ("backend", str),

@@ -21,7 +21,7 @@ import operator
 from typing import Any, Optional, Sequence
 
 from . import _all_gather as ag
-from . import _dtypes, _validate
+from . import _dtypes, _stamps, _validate
 from . import _reduce_scatter as rs
 from ._arena import Region, default_region
 from ._errors import TideInvalid
@@ -146,6 +146,13 @@ def slot_chunk_nbytes(slot_nbytes: int, group: Optional[Group] = None,
 _build_numbers = itertools.count(1)
 
 
+def _finish(ex: Any, result: list, stamps: Any, stream: Any, async_op: bool) -> Any:
+    work = Work(ex.finish(), result)
+    if stamps is not None:  # debug mode: every peer's bytes arrived ([Note: stamps])
+        stamps.check()
+    return work if async_op else work.wait(stream)
+
+
 class _Plan:
     """What both plans share: the group, a build number and the debug re-check."""
 
@@ -206,10 +213,10 @@ class GatherPlan(_Plan):
         self._recheck()
         group = self.group
         ex = group.backend.executor(stream)
+        stamps = _stamps.start(group, self.what, group.local_size)
         ag.grant(group, ex, self.slot)
-        ag.issue(group, ex, self._program, self.slot)
-        work = Work(ex.finish(), self.params)
-        return work if async_op else work.wait(stream)
+        ag.issue(group, ex, self._program, self.slot, stamps)
+        return _finish(ex, self.params, stamps, stream, async_op)
 
     def __repr__(self) -> str:
         return f"GatherPlan({self.unit!r}, slot={self.slot.id})"
@@ -276,9 +283,9 @@ class ReducePlan(_Plan):
         """
         self._recheck()
         ex = self.group.backend.executor(stream)
-        rs.issue(self.group, ex, self._call, self._program, self.staging, self.scale)
-        work = Work(ex.finish(), self.out)
-        return work if async_op else work.wait(stream)
+        stamps = rs.start_stamps(self.group, self._call)
+        rs.issue(self.group, ex, self._call, self._program, self.staging, self.scale, stamps)
+        return _finish(ex, self.out, stamps, stream, async_op)
 
     def __repr__(self) -> str:
         return f"ReducePlan({self.unit!r}, staging={self.staging.id})"

@@ -18,7 +18,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from . import _dtypes, _validate
+from . import _dtypes, _stamps, _validate
 from ._arena import ARRIVED, FREE, RS_CHANNEL0, Region, default_region
 from ._cache import CallCache
 from ._errors import TideInvalid
@@ -153,14 +153,23 @@ def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Seque
         program = call.programs.put((staging.id, dst_key), build_program(
             group, call, [g.ptr for g in grads], outs, final_ptr, partial_ptr, staging))
     ex = be.executor(stream)
-    issue(group, ex, call, program, staging, 1.0 / group.size if op == "avg" else 1.0)
+    stamps = start_stamps(group, call)
+    issue(group, ex, call, program, staging, 1.0 / group.size if op == "avg" else 1.0, stamps)
     if outs is not None:
         results = [o.array for o in outs]
     else:  # views of the receive buffer, built only when they are the result
         results = [final[o:o + s.shard_numel].reshape(s.shard_shape)
                    for o, s in zip(plan.out_offsets, unit.specs)]
     work = Work(ex.finish(), results)
+    if stamps is not None:
+        stamps.check()
     return work if async_op else work.wait(stream)
+
+
+def start_stamps(group: Group, call: _RsCall) -> Optional[_stamps.Stamps]:
+    """Debug stamps for one call: one per peer and chunk ([Note: stamps])."""
+    return _stamps.start(group, "reduce_scatter",
+                         len(call.plan.chunks) * (group.local_size - 1))
 
 
 @dataclass(frozen=True)
@@ -223,8 +232,9 @@ def _partial_ptrs(base: int, plan: RsPlan, topo: Topology) -> list[list[int]]:
 
 
 def issue(group: Group, ex: Any, call: _RsCall, program: _Program, staging: Region,
-           scale: float) -> None:
-    """CE pushes into peers' staging, accumulate from ours; then across nodes."""
+          scale: float, stamps: Optional[_stamps.Stamps] = None) -> None:
+    """CE pushes into peers' staging, accumulate from ours; then across nodes.
+    ``stamps``: debug mode's ([Note: stamps])."""
     me, L = group.topology.local_rank, group.topology.local_size
     plan = call.plan
     peers = [(me + k) % L for k in range(1, L)]
@@ -239,9 +249,14 @@ def issue(group: Group, ex: Any, call: _RsCall, program: _Program, staging: Regi
         for p in peers:
             ex.wait(p, staging.flag(me, ch, FREE, p), use)
             ex.copy(p, pushes[p])
+            if stamps is not None:
+                stamps.send(ex, p, staging, ch, p, use)
             ex.signal(p, staging.flag(p, ch, ARRIVED, me), use)
         for q in peers:
             ex.wait(ex.COMPUTE, staging.flag(me, ch, ARRIVED, q), use)
+        if stamps is not None:
+            stamps.snapshot(ex, ex.COMPUTE, staging, ch, peers, use,
+                            f"staging {staging.id}, chunk {k}")
         ex.accumulate(ex.COMPUTE, pieces, call.dtype, scale)
         if k + plan.depth < n_chunks:
             for p in peers:

@@ -6,6 +6,7 @@ Usage: ``mpiexec -n N python tests/faults/worker.py FAULT TOKEN`` with FAULT one
 other order; run with ``TIDE_DEBUG=1``). TOKEN only marks the processes, so the test
 can check that none is left. Every survivor prints one line, ``rank R: <Error> after
 S s: ...`` or ``rank R: done``; on a tidearray error it aborts the job.
+``TIDE_FAULT_BACKEND`` picks the backend (``host`` by default, or ``cuda``).
 """
 
 from __future__ import annotations
@@ -33,16 +34,22 @@ def misbehave(fault: str, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def _host(xp, a):
+    return a if xp is np else xp.asnumpy(a)
+
+
 def main() -> int:
     fault = sys.argv[1]
-    g = ta.init(backend="host")
+    g = ta.init(backend=os.environ.get("TIDE_FAULT_BACKEND", "host"))
+    xp = g.backend.xp
     units = [ta.Unit([(4 * g.size + 1, 8), (3,)], ta.float32),
              ta.Unit([(2 * g.size, 5)], ta.float32)]
     arena = ta.SlotArena(max(max(u.nbytes, u.staging_nbytes) for u in units), 2)
     rng = np.random.default_rng(7)
     fulls = [[rng.standard_normal(s).astype(np.float32) for s in u.shapes] for u in units]
-    plans = [u.gather_plan([ta.shard(f) for f in full], arena[0])
+    plans = [u.gather_plan([xp.asarray(ta.shard(f)) for f in full], arena[0])
              for u, full in zip(units, fulls)]
+    ones = [xp.ones(s, np.float32) for s in units[0].shapes]
     t_fault = time.monotonic()
     try:
         for step in range(3 * FAULT_STEP):
@@ -51,12 +58,14 @@ def main() -> int:
                 misbehave(fault, g.rank)
             order = [1, 0] if fault == "order" and step == FAULT_STEP and g.rank == 1 else [0, 1]
             for i in order:
-                got = plans[i]()
+                got = [_host(xp, a) for a in plans[i]()]
+                # On cuda a call returns at once; a peer's silence shows after the
+                # host has waited for the device: check before trusting the data.
+                g.check()
                 if not all(np.array_equal(a, b) for a, b in zip(got, fulls[i])):
                     print(f"rank {g.rank}: WRONG DATA at step {step}", flush=True)
                     return 4
-            ta.reduce_scatter([np.ones(s, np.float32) for s in units[0].shapes],
-                              staging=arena[1])
+            ta.reduce_scatter(ones, staging=arena[1])
     except ta.TideError as e:
         print(f"rank {g.rank}: {type(e).__name__} after {time.monotonic() - t_fault:.1f} s: "
               f"{e}", flush=True)

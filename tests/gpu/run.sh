@@ -9,6 +9,9 @@
 #                                                      # plans, train (small model), train8b
 #                                                      # (Llama-8B shape, tide/stock/local)
 #                                                      # suites (each suite alone; TIDE_BENCH_SUITES)
+#                                                      # faults (tests/test_faults.py on host and
+#                                                      # cuda), soak (2,000 steps at 2 and 4 ranks),
+#                                                      # debug (np2 with TIDE_DEBUG=1: stamps)
 #   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
 #   TIDE_MPI_ARGS="--bind-to none" bash tests/gpu/run.sh  # extra mpirun options
 #   TIDE_QUICK_UNITS="llama3.1-8b qwen3-30b-a3b" TIDE_QUICK_ARGS="--iters 20 --parts 1 2 8
@@ -41,9 +44,10 @@ status=0
 step() {  # step NAME CMD...: run, log to $LOGS/NAME.log, remember failures
     local name=$1; shift
     echo "== $name: $*"
+    local t0=$SECONDS
     "$@" 2>&1 | tee "$LOGS/$name.log"
     local rc=${PIPESTATUS[0]}
-    echo "== $name: exit $rc"
+    echo "== $name: exit $rc after $((SECONDS - t0)) s"
     [ "$rc" -eq 0 ] || status=1
 }
 
@@ -54,6 +58,15 @@ run_np1() { step np1 "${MPI[@]}" -n 1 "${PYTEST[@]}" tests; }
 run_np3() { step np3 "${MPI[@]}" -n 3 "${PYTEST[@]}" tests/mpi tests/gpu; }
 run_np4() { step np4 "${MPI[@]}" -n 4 "${PYTEST[@]}" tests/mpi tests/gpu; }
 run_nodes() { step np2_nodes "${MPI[@]}" -x TIDE_LOCAL_SIZE=1 -n 2 "${PYTEST[@]}" tests/gpu; }
+run_debug() { step np2_debug "${MPI[@]}" -x TIDE_DEBUG=1 -n 2 "${PYTEST[@]}" tests/mpi tests/gpu; }
+run_faults() {  # starts its own mpiexec per case: not under mpirun
+    step faults timeout "$T" python3 -m pytest -q -p no:cacheprovider -rf tests/test_faults.py; }
+run_soak() {  # TIDE_SOAK_STEPS (2000); before/after figures in $OUT/soak.jsonl
+    for n in 2 4; do
+        step "soak_np$n" "${MPI[@]}" -x TIDE_SOAK_STEPS="${TIDE_SOAK_STEPS:-2000}" \
+            -x TIDE_SOAK_REPORT="$OUT/soak.jsonl" -n "$n" "${PYTEST[@]}" tests/mpi/test_soak.py
+    done
+}
 run_benchall() { step benchall "${MPI[@]}" -n 2 python3 -m tidearray.bench all \
     --out "$OUT/b" ${TIDE_BENCH_DOCS:+--docs "$TIDE_BENCH_DOCS"}; }
 run_launches() {  # the whole suite in 3 separate launches, one report of the spread

@@ -28,6 +28,8 @@ def test_watchdog_releases_a_wait_on_a_silent_peer(comm):
             pytest.skip("no CUDA device")
     except cupy.cuda.runtime.CUDARuntimeError:
         pytest.skip("no CUDA device")
+    if ta.Config.make().debug:
+        pytest.skip("debug mode agrees on every plan call, which a silent peer never joins")
     sub = comm.Split(0 if comm.rank < 2 else 1, comm.rank)
     failures: list[str] = []
     if comm.rank < 2:

@@ -3,8 +3,9 @@
 Alternates two units, two slots, the plans and the convenience calls, synchronous and
 ``async_op`` calls, and (on cuda) two streams. Every 50 steps the results are checked
 against references (bitwise for the gathers, fp64 for the reductions). Host RSS, open
-file descriptors and (cuda) device memory in use are read after a warm-up and at the end:
-descriptors must not change, RSS may grow by at most 32 MiB. ``TIDE_SOAK_STEPS`` sets the
+file descriptors, the group's symmetric regions and (cuda) device memory are read after a
+warm-up and at the end: descriptors, regions and CuPy's pool in use must not change, RSS
+may grow by at most 32 MiB and device memory by at most 64 MiB. ``TIDE_SOAK_STEPS`` sets the
 length (300 here; 2,000 for the figures in docs/reliability.md); ``TIDE_SOAK_REPORT=path``
 appends the before/after figures to a file.
 """
@@ -30,13 +31,18 @@ WARMUP = 20
 pytestmark = pytest.mark.mpi
 
 
-def _usage(xp) -> dict:
+def _usage(group, xp) -> dict:
+    """RSS, open descriptors, the group's symmetric regions (each holds its VMM or IPC
+    mappings) and, on cuda, device memory in use (driver) and in CuPy's pool."""
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    out = {"rss": rss, "fds": len(os.listdir("/proc/self/fd"))}
+    out = {"rss": rss, "fds": len(os.listdir("/proc/self/fd")),
+           "regions": len(group._resources)}
     if xp is not np:
+        xp.cuda.Device().synchronize()
         free, total = xp.cuda.runtime.memGetInfo()
         out["device_used"] = total - free
+        out["pool_used"] = xp.get_default_memory_pool().used_bytes()
     return out
 
 
@@ -71,10 +77,14 @@ def test_soak(group, xp):
                 stream.synchronize()
             failures += _check(group, units[i], params, outs, fulls[i], step)
         if step == WARMUP:
-            before = _usage(xp)
-    after = _usage(xp)
-    if after["fds"] != before["fds"]:
-        failures.append(f"open descriptors {before['fds']} -> {after['fds']}")
+            before = _usage(group, xp)
+    after = _usage(group, xp)
+    for what in ("fds", "regions", "pool_used"):
+        if after.get(what) != before.get(what):
+            failures.append(f"{what} {before.get(what)} -> {after.get(what)}")
+    if after.get("device_used", 0) - before.get("device_used", 0) > 64 << 20:
+        grew = (after["device_used"] - before["device_used"]) >> 20
+        failures.append(f"device memory grew {grew} MiB")
     if after["rss"] - before["rss"] > 32 << 20:
         failures.append(f"RSS grew {(after['rss'] - before['rss']) >> 20} MiB")
     if os.environ.get("TIDE_SOAK_REPORT"):

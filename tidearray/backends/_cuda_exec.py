@@ -134,6 +134,7 @@ class CudaExecutor(Executor):
         rt.eventRecord(self._fork.ptr, stream_ptr(stream))
         self._started: set[int] = set()
         self._waits: list[tuple[int, int]] = []  # for the watchdog ([Note: watchdog])
+        self._uses_nccl = False
 
     def _lane(self, lane: int) -> Any:
         """Lane ``lane``'s stream, made to wait for the fork on first use."""
@@ -185,9 +186,11 @@ class CudaExecutor(Executor):
         cupy.cuda.runtime.memsetAsync(addr, 0, nbytes, self._lane(lane).ptr)
 
     def _exchange(self, lane: int, sends: list, recvs: list) -> None:
+        self._uses_nccl = True
         self.be.nccl.exchange(self._lane(lane).ptr, sends, recvs)
 
     def _reduce_scatter_f32(self, lane: int, send: int, recv: int, count: int) -> None:
+        self._uses_nccl = True
         self.be.nccl.reduce_scatter_f32(self._lane(lane).ptr, send, recv, count)
 
     def _depend(self, lane: int, on: int) -> None:
@@ -206,7 +209,8 @@ class CudaExecutor(Executor):
         else:  # nothing issued: completion is the fork itself
             events.append(self._fork)
         self.be.retire(events)
-        self.be.watchdog.watch("collective", events, self._waits)
+        self.be.watchdog.watch("collective", events, self._waits,
+                               self.be.nccl.abort if self._uses_nccl else None)
         if self._prev_device != self.be.device:
             import cupy
 

@@ -110,6 +110,16 @@ class NcclLink:
         self._nb.reduce_scatter(send, recv, count, int(self._nccl.FLOAT32),
                                 int(self._nccl.SUM), self._raw, stream)
 
+    def abort(self) -> None:
+        """``ncclCommAbort``: ends this rank's NCCL kernels that wait for a dead peer.
+
+        Called by the watchdog's thread ([Note: watchdog]); the group is broken
+        afterwards, so nothing issues on the communicator again.
+        """
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            comm.abort()
+
     def close(self) -> None:
         if self.comm is not None:
             self.comm.destroy()

@@ -13,6 +13,8 @@ was issued, the thread
 * writes each awaited value into its flag word itself (``cuMemsetD32Async`` on
   a stream of its own), which releases the waits, so the lanes and the
   caller's streams drain instead of hanging;
+* aborts the NCCL communicator (``ncclCommAbort``) if the collective used it
+  (across nodes), which ends NCCL kernels waiting for the peer;
 * marks the backend broken, with a message naming the collective's sequence
   number, its kind and how long it waited.
 
@@ -20,14 +22,13 @@ The collective that timed out delivered garbage (its peers' data never came);
 every later call on the group raises :class:`TideBackendError` at once, and
 :meth:`CudaBackend.check` raises it on demand, for example before using results
 read after a host synchronization. ``group.close()`` still frees everything.
-NCCL calls across nodes are not released by this (NCCL has its own timeouts).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .._errors import TideBackendError
 from . import _cuda_driver
@@ -56,16 +57,18 @@ class Watchdog:
         self._stream: Any = None
         self._seq = 0
 
-    def watch(self, what: str, events: Sequence[Any], waits: Sequence[tuple[int, int]]) -> None:
-        """Register one issued collective (its completion ``events``, and its ``waits``)."""
+    def watch(self, what: str, events: Sequence[Any], waits: Sequence[tuple[int, int]],
+              abort: Optional[Callable[[], None]] = None) -> None:
+        """Register one issued collective: its completion ``events``, the flag
+        ``waits`` its lanes hold on, and ``abort`` for the NCCL work it issued."""
         self._seq += 1
-        if not waits:
+        if not waits and abort is None:
             return  # nothing it does can wait on a peer
         if self._thread is None:
             self._start()
         with self._lock:
             self._pending.append((time.monotonic() + self.timeout, self._seq, what,
-                                  list(events), list(waits)))
+                                  list(events), list(waits), abort))
 
     def check(self) -> None:
         """Raise TideBackendError if a collective has timed out."""
@@ -98,17 +101,24 @@ class Watchdog:
                 pending, self._pending = self._pending, []
             keep = []
             for entry in pending:
-                deadline, seq, what, events, waits = entry
+                deadline, seq, what, events, waits, abort = entry
                 if all(ev.done for ev in events):
                     continue
                 if now < deadline:
                     keep.append(entry)
                     continue
-                self._expire(seq, what, waits)
+                self._expire(seq, what, waits, abort)
             with self._lock:
                 self._pending = keep + self._pending
 
-    def _expire(self, seq: int, what: str, waits: list) -> None:
+    def _expire(self, seq: int, what: str, waits: list,
+                abort: Optional[Callable[[], None]]) -> None:
+        if abort is not None:
+            try:
+                abort()
+            except Exception as e:  # noqa: BLE001 - report it; the group is broken either way
+                self.broken = (f"collective #{seq} ({what}) timed out after "
+                               f"{self.timeout:g} s, and ncclCommAbort failed: {e}")
         for addr, value in waits:
             err = self._memset(addr, value & 0xFFFFFFFF, 1, self._stream.ptr)
             if err:
@@ -118,5 +128,6 @@ class Watchdog:
         if self.broken is None:
             self.broken = (f"collective #{seq} ({what}) did not complete within "
                            f"{self.timeout:g} s: a peer never signalled (dead, stopped, or "
-                           "calling other collectives); its waits were released, its results "
-                           "are garbage, and this group can no longer be used")
+                           "calling other collectives); its waits were released"
+                           + (" and its NCCL communicator aborted" if abort else "")
+                           + ", its results are garbage, and this group can no longer be used")
