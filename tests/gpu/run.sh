@@ -26,7 +26,7 @@ set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-logs}
 LOGS=${TIDE_GPU_LOGS:-$OUT}  # step logs (elsewhere, to keep few files under $OUT)
 mkdir -p "$OUT" "$LOGS"
-if compgen -G ".whl/*.whl" > /dev/null; then
+if [ ! -d /tmp/site/nccl ] && compgen -G ".whl/*.whl" > /dev/null; then  # once per machine
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD
