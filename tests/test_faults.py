@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from .run import mpiexec_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 5.0
 RANKS = 3
@@ -51,9 +53,7 @@ def _mpiexec() -> list:
     found = str(here) if here.exists() else shutil.which("mpiexec")
     if not found:
         pytest.skip("no mpiexec")
-    version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
-    extra = ["--oversubscribe", "--allow-run-as-root"] if "Open MPI" in version else []
-    return [found, *extra]
+    return [found, *mpiexec_flags(found)]
 
 
 def _alive(token: str) -> list[str]:
@@ -87,6 +87,8 @@ def _run(backend: str, fault: str, **env: str) -> tuple[int, str, float]:
         os.kill(int(line.split()[0]), 9)
     assert not left, f"{fault}: processes left after the job ended: {left}"
     assert "WRONG DATA" not in out, out
+    started = sorted(int(r) for r in re.findall(r"rank (\d+): started", out))
+    assert started == list(range(RANKS)), f"{fault}: not every rank started:\n{out}"
     return proc.returncode, out, took
 
 

@@ -42,6 +42,7 @@ def main() -> int:
     fault = sys.argv[1]
     g = ta.init(backend=os.environ.get("TIDE_FAULT_BACKEND", "host"))
     xp = g.backend.xp
+    print(f"rank {g.rank}: started", flush=True)
     units = [ta.Unit([(4 * g.size + 1, 8), (3,)], ta.float32),
              ta.Unit([(2 * g.size, 5)], ta.float32)]
     arena = ta.SlotArena(max(max(u.nbytes, u.staging_nbytes) for u in units), 2)

@@ -92,6 +92,26 @@ class NcclLink:
             raise TideBackendError(f"ncclCommInitRank failed on inter-node rank "
                                    f"{inter_comm.rank}: {e}") from e
         self._raw = self.comm._comm  # the binding handle the thin calls take
+        self._connect(inter_comm.size, inter_comm.rank)
+
+    def _connect(self, size: int, rank: int) -> None:
+        """Make every connection the collectives can use, now, while every rank is here.
+
+        NCCL connects peers on first use, and that first use blocks the host in
+        ``ncclGroupEnd`` until the peer joins: a call to a dead peer would then hang
+        on the host, where the watchdog ([Note: watchdog]) cannot release it. After
+        this, calls only enqueue, and the watchdog's ``ncclCommAbort`` ends their
+        kernels. One 4-byte send and receive with every peer, and one reduce-scatter.
+        """
+        import cupy
+
+        buf = cupy.zeros(3 * size, cupy.float32)
+        base, stream = buf.data.ptr, cupy.cuda.Stream(non_blocking=True)
+        peers = [p for p in range(size) if p != rank]
+        self.exchange(stream.ptr, [(p, base + 4 * p, 4) for p in peers],
+                      [(p, base + 4 * (size + p), 4) for p in peers])
+        self.reduce_scatter_f32(stream.ptr, base, base + 8 * size, 1)
+        stream.synchronize()
 
     def exchange(self, stream: int, sends: list, recvs: list) -> None:
         """Grouped byte ``send``/``recv`` of ``(peer, addr, nbytes)`` on ``stream``."""
