@@ -12,6 +12,8 @@
 #                                                      # faults (tests/test_faults.py on host and
 #                                                      # cuda), soak (2,000 steps at 2 and 4 ranks),
 #                                                      # debug (np2 with TIDE_DEBUG=1: stamps)
+#                                                      # fsdp2 (examples/compare_fsdp2.py, Llama-8B
+#                                                      # shape: FSDP2 vs shard_module vs the floor)
 #   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
 #   TIDE_MPI_ARGS="--bind-to none" bash tests/gpu/run.sh  # extra mpirun options
 #   TIDE_QUICK_UNITS="llama3.1-8b qwen3-30b-a3b" TIDE_QUICK_ARGS="--iters 20 --parts 1 2 8
@@ -97,6 +99,11 @@ run_train8b() {  # the step-time comparison (TIDE_TRAIN_ARGS adds flags)
     step train8b "${MPI[@]}" -n 2 python3 examples/train.py --model llama3-8b-8l \
         --tokens 8192 --steps "${TIDE_TRAIN_STEPS:-50}" --impl all --profile \
         --out "$OUT/train" ${TIDE_TRAIN_ARGS:-}
+}
+run_fsdp2() {  # real FSDP2 against shard_module, one run (TIDE_FSDP2_ARGS adds flags)
+    step fsdp2 "${MPI[@]}" -n 2 python3 examples/compare_fsdp2.py --model llama3-8b-8l \
+        --tokens 8192 --steps "${TIDE_FSDP2_STEPS:-50}" --lr-warmup 10 --profile \
+        --out "$OUT/fsdp2" ${TIDE_FSDP2_ARGS:-}
 }
 run_bench() {  # TIDE_QUICK_UNITS (llama3.1-8b), TIDE_QUICK_ARGS (--iters 30 --splits 1 2 3)
     for unit in ${TIDE_QUICK_UNITS:-llama3.1-8b}; do

@@ -22,7 +22,7 @@ from . import pack
 from .data import UnitData, as_f32_shards
 
 #: Names in report order.
-ORDER = ("tide", "tide-pull", "stock", "symm", "nccl-bf16", "stock-torch", "fsdp2")
+ORDER = ("tide", "tide-pull", "stock", "symm", "nccl-bf16", "nccl-a2a", "stock-torch", "fsdp2")
 _REGISTRY: dict[str, list[type]] = {}
 
 

@@ -12,6 +12,10 @@ with one fused kernel per conversion per unit (``kernels/pack.cu``):
   ``ncclSum`` (the symmetric kernels take no ``ncclAvg``) and the 1/W scale after.
 * ``nccl-bf16``: RS only: chunk-cat bf16 (no upcast), NCCL bf16 reduce-scatter,
   upcast of the shard to fp32. The shortcut that loses precision.
+* ``nccl-a2a``: RS only, Megatron-style: chunk-cat bf16, NCCL bf16 all-to-all (each
+  rank receives every rank's bf16 block of its shard), then a local fp32 accumulate of
+  the blocks in rank order with the 1/W scale fused, by TIDE-RS's own accumulate kernel.
+  The closest NCCL analogue of TIDE-RS: the same bytes on the wire and the same sum.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from .._dtypes import bfloat16, float32
+from ..backends._base import AccumPiece
 from . import nccl, pack
 from .data import UnitData, as_f32_shards
 from .impls import Impl, Phase, Prepared, Skip, register
@@ -243,3 +248,45 @@ class NcclBf16(Stock):
             "rs.pack": Phase(lambda: chunk_cat(s), "kernel", chunk_cat.ctas),
             "rs.collective": Phase(reduce, "nccl"),
             "rs.upcast": Phase(upcast, "kernel", None, "CuPy elementwise cast")})
+
+
+@register
+class NcclA2a(NcclBf16):
+    """bf16 chunk-cat, NCCL bf16 all-to-all, fp32 accumulate of the W blocks (Megatron)."""
+
+    name = "nccl-a2a"
+    description = "fused bf16 chunk-cat + NCCL bf16 all-to-all (grouped send/recv) + fp32 " \
+                  "accumulate of the W blocks in rank order, 1/W fused (TIDE-RS's kernel)"
+
+    def _setup_rs(self, data: UnitData, lay: pack.FlatLayout, bufs: _Buffers,
+                  prep: Prepared) -> None:
+        dev, xp, W = self.ctx.dev, self.ctx.dev.xp, data.world
+        _, rs_in = bufs.get(lay.total_numel * 2, "rs_in")
+        _, recv = bufs.get(lay.total_numel * 2, "rs_out")
+        out32 = xp.empty(lay.block_numel, float32)
+        bufs.nbytes += out32.nbytes
+        chunk_cat = pack.make_copy(dev, pack.chunk_cat_segs(
+            lay, [g.data.ptr for g in data.grads], rs_in, 2, 2), "bytes")
+        s, comm = dev.stream, self.rs_comm
+        accumulator = self.ctx.group.backend.accumulator
+        pieces = (AccumPiece(int(out32.data.ptr), tuple(
+            recv + r * lay.block_numel * 2 for r in range(W)), lay.block_numel),)
+
+        def exchange() -> None:
+            nccl.all_to_all(comm, rs_in, recv, lay.block_numel, "bfloat16", W, s.ptr)
+
+        def accumulate() -> None:
+            accumulator.launch(s, pieces, bfloat16, 1.0 / W)
+
+        def rs() -> None:
+            chunk_cat(s)
+            exchange()
+            accumulate()
+
+        outs = as_f32_shards(xp, out32, lay.offsets, data.specs)
+        prep.rs, prep.rs_out = rs, lambda: outs
+        prep.phases.update({
+            "rs.pack": Phase(lambda: chunk_cat(s), "kernel", chunk_cat.ctas),
+            "rs.collective": Phase(exchange, "nccl"),
+            "rs.accumulate": Phase(accumulate, "kernel", accumulator.max_grid,
+                                   "TIDE-RS accumulate kernel")})

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 #: ncclDataType_t / ncclRedOp_t values (nccl.h; stable across NCCL 2.x).
 DTYPES = {"uint8": 1, "bfloat16": 9, "float16": 6, "float32": 7}
+_ITEMSIZE = {"uint8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 SUM, AVG = 0, 4
 
 
@@ -102,6 +103,23 @@ def reduce_scatter(nccl_comm: Any, send: int, recv: int, count: int, dtype: str,
     from nccl.bindings import nccl as nb
 
     nb.reduce_scatter(send, recv, count, DTYPES[dtype], op, raw(nccl_comm), stream_ptr)
+
+
+def all_to_all(nccl_comm: Any, send: int, recv: int, count: int, dtype: str, size: int,
+               stream_ptr: int) -> None:
+    """All-to-all of ``count`` elements per peer (block ``p`` of ``send`` to rank ``p``,
+    block ``p`` of ``recv`` from it), as grouped ``ncclSend``/``ncclRecv``."""
+    import nccl.core as core
+    from nccl.bindings import nccl as nb
+
+    nbytes = count * _ITEMSIZE[dtype]
+    core.group_start()
+    try:
+        for p in range(size):
+            nb.recv(recv + p * nbytes, count, DTYPES[dtype], p, raw(nccl_comm), stream_ptr)
+            nb.send(send + p * nbytes, count, DTYPES[dtype], p, raw(nccl_comm), stream_ptr)
+    finally:
+        core.group_end()
 
 
 class NcclBuffer:

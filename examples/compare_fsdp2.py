@@ -1,0 +1,465 @@
+"""PyTorch FSDP2 against ``tidearray.torch.shard_module``: one model, one data stream, one run.
+
+    mpirun -n 2 python examples/compare_fsdp2.py                       # tiny model
+    mpirun -n 2 python examples/compare_fsdp2.py --model llama3-8b-8l --tokens 8192 \\
+        --steps 50 --lr-warmup 10 --profile --out docs/benchmarks/fsdp2
+
+The same PyTorch Llama-style decoder (``TorchLlama`` below: RMSNorm, RoPE, grouped
+query attention through ``scaled_dot_product_attention``, SwiGLU), trained three ways
+in turn, each from the same initial weights on the same batches:
+
+* ``fsdp2``: ``fully_shard`` on every block and on the root, with
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, and
+  ``torch.optim.AdamW(fused=True)`` on the fp32 shards;
+* ``tide``: ``shard_module`` with units embedding, each block, head: bf16 parameters
+  gathered by TIDE-AG, gradients reduced by TIDE-RS into fp32 shards, tidearray's
+  fused AdamW with the same settings;
+* ``floor``: the same ``shard_module`` code with ``comm="local"``: every rank holds the
+  whole model and nothing is communicated (each rank trains on its own data).
+
+Prints, per step, the loss and time, then a table: median step time (after
+``--warmup`` steps), its ratio to the floor, peak device memory per rank (the device's
+memory in use, sampled after every step, minus what was in use before the model was
+built; PyTorch's and CuPy's caches keep what a step used, so a sample holds the step's
+peak), and the largest loss difference between ``fsdp2`` and ``tide``. ``--out DIR``
+writes ``compare.json`` (with the git commit), ``compare.md`` (the table) and a step
+plot; ``--profile`` adds a CUPTI timeline of one step of each. ``--report JSON`` remakes
+the table and plots from a record. On a machine without a GPU it runs on CPU (gloo and
+the host backend, fp32) as a correctness check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import socket
+import sys
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import llama  # noqa: E402
+
+import tidearray as ta  # noqa: E402
+from tidearray.bench.records import git_commit  # noqa: E402
+
+IMPLS = ("floor", "fsdp2", "tide")
+#: Largest relative loss difference between fsdp2 and tide accepted as agreement:
+#: both compute in bf16 (fp32 on CPU), reduce in fp32 and step fp32 masters, but sum
+#: in different orders and run different AdamW kernels.
+LOSS_RTOL = 1e-2
+
+
+def parse(argv: Optional[list] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", choices=sorted(llama.MODELS))
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank per step")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--lr-warmup", type=int, default=0)
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="CUPTI timeline of one step each")
+    p.add_argument("--out", default=None)
+    p.add_argument("--report", default=None, metavar="COMPARE_JSON")
+    return p.parse_args(argv)
+
+
+def torch_llama(torch: Any, cfg: llama.ModelConfig) -> Any:
+    """The model class, built on ``torch`` (imported lazily: torch is optional)."""
+    nn, F = torch.nn, torch.nn.functional
+    hd = cfg.head_dim
+
+    class RMSNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(cfg.hidden))
+
+        def forward(self, x: Any) -> Any:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.eps)
+            return (h * self.weight.float()).to(x.dtype)
+
+    def rope(x: Any, cos: Any, sin: Any) -> Any:
+        a, b = x[..., : hd // 2], x[..., hd // 2:]
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], -1).to(x.dtype)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            H, kv = cfg.hidden, cfg.kv_heads * hd
+            self.attn_norm, self.mlp_norm = RMSNorm(), RMSNorm()
+            self.wq, self.wk = nn.Linear(H, H, bias=False), nn.Linear(H, kv, bias=False)
+            self.wv, self.wo = nn.Linear(H, kv, bias=False), nn.Linear(H, H, bias=False)
+            self.w_gate = nn.Linear(H, cfg.ffn, bias=False)
+            self.w_up = nn.Linear(H, cfg.ffn, bias=False)
+            self.w_down = nn.Linear(cfg.ffn, H, bias=False)
+
+        def forward(self, x: Any, cos: Any, sin: Any) -> Any:
+            B, S, _ = x.shape
+            h = self.attn_norm(x)
+            q = self.wq(h).view(B, S, cfg.heads, hd).transpose(1, 2)
+            k = self.wk(h).view(B, S, cfg.kv_heads, hd).transpose(1, 2)
+            v = self.wv(h).view(B, S, cfg.kv_heads, hd).transpose(1, 2)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + self.wo(a.transpose(1, 2).reshape(B, S, cfg.hidden))
+            h = self.mlp_norm(x)
+            return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = RMSNorm()
+            self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+        def forward(self, x: Any) -> Any:
+            return self.output(self.norm(x))
+
+    class TorchLlama(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+            self.blocks = nn.ModuleList(Block() for _ in range(cfg.layers))
+            self.head = Head()
+
+        def units(self) -> list:
+            return [self.embed, *self.blocks, self.head]
+
+        def forward(self, tokens: Any) -> Any:
+            x = self.embed(tokens)
+            pos = torch.arange(tokens.shape[1], device=tokens.device, dtype=torch.float32)
+            inv = cfg.rope_theta ** (-torch.arange(0, hd, 2, device=tokens.device,
+                                                   dtype=torch.float32) / hd)
+            ang = pos[:, None] * inv[None, :]
+            cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+            for b in self.blocks:
+                x = b(x, cos, sin)
+            return self.head(x)
+
+    return TorchLlama
+
+
+def build(torch: Any, cfg: llama.ModelConfig, device: Any, seed: int) -> Any:
+    """The model with seeded weights, the same on every rank and for every impl."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = torch_llama(torch, cfg)()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.02 if "embed" in name else 1.0 / math.sqrt(p.shape[-1]),
+                          generator=gen)
+    return model
+
+
+class Impl:
+    """One way to train: ``forward_backward(tokens, targets) -> loss`` and ``step(lr)``."""
+
+    def __init__(self, kind: str, torch: Any, model: Any, g: Any, args: argparse.Namespace,
+                 dtype: Any) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        import tidearray.torch as tt
+        from tidearray.fsdp import AdamW
+
+        self.kind, self.torch, self.model = kind, torch, model
+        hyper = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+        if kind == "fsdp2":
+            mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+            for b in model.blocks:
+                fully_shard(b, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+            self.opt = torch.optim.AdamW(model.parameters(), fused=True, **hyper)
+            self.sm = None
+        else:
+            self.sm = tt.shard_module(model, model.units(), group=g, param_dtype=dtype,
+                                      optimizer=AdamW(**hyper),
+                                      comm="tide" if kind == "tide" else "local")
+
+    def forward_backward(self, tokens: Any, targets: Any) -> Any:
+        logits = self.model(tokens)
+        loss = self.torch.nn.functional.cross_entropy(
+            logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        loss.backward()
+        return loss.detach()
+
+    def step(self, lr: float) -> None:
+        if self.sm is not None:
+            self.sm.step(lr=lr)
+            return
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        if self.sm is not None:
+            self.sm.model.close()
+
+
+def device_used(torch: Any, cuda: bool) -> int:
+    if not cuda:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.ModelConfig,
+        B: int, device: Any, log: Any) -> dict:
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    _release(torch, g, cuda)
+    base = device_used(torch, cuda)
+    impl = Impl(kind, torch, build(torch, cfg, device, args.seed), g, args, dtype)
+    data = [llama.batch(cfg, step=s, batch_size=B, seed=args.seed, first_sample=g.rank * B)
+            for s in range(args.steps)]
+    losses, times, peak = [], [], 0
+    for s, (tokens, targets) in enumerate(data):
+        tokens = torch.from_numpy(tokens.astype(np.int64)).to(device)
+        targets = torch.from_numpy(targets.astype(np.int64)).to(device)
+        _sync(torch, cuda)
+        t0 = time.perf_counter()
+        loss = impl.forward_backward(tokens, targets)
+        impl.step(learning_rate(args, s))
+        _sync(torch, cuda)
+        times.append(time.perf_counter() - t0)
+        peak = max(peak, device_used(torch, cuda) - base)
+        losses.append(g.comm.allreduce(float(loss)) / g.size)
+        log(f"[{kind}] step {s + 1:4d}  loss {losses[-1]:.6f}  {times[-1] * 1e3:9.2f} ms  "
+            f"mem {peak / 2**30:6.2f} GiB")
+    prof = profile(kind, torch, impl, data[-1], device, args, g, log) if args.profile else None
+    impl.close()
+    del impl
+    return {"impl": kind, "losses": losses, "step_s": times, "peak_bytes": peak,
+            "median_step_s": float(np.median(times[args.warmup:] or times)), "profile": prof}
+
+
+def _sync(torch: Any, cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _release(torch: Any, g: Any, cuda: bool) -> None:
+    """Give back what the previous impl cached, so each starts from the same base."""
+    import gc
+
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        g.backend.xp.get_default_memory_pool().free_all_blocks()
+
+
+def learning_rate(args: argparse.Namespace, step: int) -> float:
+    if args.lr_warmup and step < args.lr_warmup:
+        return args.lr * (step + 1) / args.lr_warmup
+    return args.lr
+
+
+def profile(kind: str, torch: Any, impl: Impl, batch: tuple, device: Any,
+            args: argparse.Namespace, g: Any, log: Any) -> Optional[dict]:
+    """One more step under CUPTI: device time per role, and the trace for the timeline."""
+    from tidearray.bench import cupti, timeline
+
+    tokens, targets = (torch.from_numpy(a.astype(np.int64)).to(device) for a in batch)
+
+    def step() -> None:
+        impl.forward_backward(tokens, targets)
+        impl.step(args.lr)
+        _sync(torch, device.type == "cuda")
+
+    events = cupti.trace(step)
+    if events is None:
+        log(f"profile: skipped ({cupti.available()[1]})")
+        return None
+    if g.rank == 0 and args.out:
+        os.makedirs(args.out, exist_ok=True)
+        cupti.save(events, os.path.join(args.out, f"{kind}_step_trace.json"))
+    return {"ms_per_role": {r: us / 1e3 for r, us in timeline.roles(events).items()}}
+
+
+def compare(records: list) -> dict:
+    """Ratios and agreement, from the records alone."""
+    by = {r["impl"]: r for r in records}
+    out: dict = {}
+    if "floor" in by:
+        floor = by["floor"]["median_step_s"]
+        out["vs_floor"] = {k: r["median_step_s"] / floor for k, r in by.items()}
+    if "fsdp2" in by and "tide" in by:
+        a, b = np.array(by["fsdp2"]["losses"]), np.array(by["tide"]["losses"])
+        rel = np.abs(a - b) / np.abs(a)
+        out["tide_vs_fsdp2_step"] = by["tide"]["median_step_s"] / by["fsdp2"]["median_step_s"]
+        out["tide_vs_fsdp2_peak"] = by["tide"]["peak_bytes"] / max(by["fsdp2"]["peak_bytes"], 1)
+        out["loss_max_rel_diff"] = float(rel.max())
+        out["loss_step_of_max"] = int(rel.argmax()) + 1
+        out["loss_rtol"] = LOSS_RTOL
+        out["losses_agree"] = bool(rel.max() <= LOSS_RTOL)
+    return out
+
+
+def table(rec: dict) -> str:
+    c = rec["comparison"]
+    lines = [f"# FSDP2 vs tidearray.torch.shard_module: {rec['model']}, {rec['world']} ranks, "
+             f"{rec['tokens_per_rank']} tokens per rank", "",
+             f"Commit `{rec['commit']}`, {rec['time']}, device: {rec['device']}. Command: "
+             f"`{' '.join(rec['argv'])}`.", "",
+             "| impl | median step (ms) | vs floor | peak memory per rank (GiB) | "
+             "first loss | last loss |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rec["runs"]:
+        vs = c.get("vs_floor", {}).get(r["impl"])
+        lines.append(f"| {r['impl']} | {r['median_step_s'] * 1e3:.2f} | "
+                     f"{'-' if vs is None else f'{vs:.3f}x'} | {r['peak_bytes'] / 2**30:.2f} | "
+                     f"{r['losses'][0]:.4f} | {r['losses'][-1]:.4f} |")
+    if "tide_vs_fsdp2_step" in c:
+        lines += ["", f"- tide step time / fsdp2's: **{c['tide_vs_fsdp2_step']:.3f}x** "
+                  f"({(1 - c['tide_vs_fsdp2_step']) * 100:.1f}% below)",
+                  f"- tide peak memory / fsdp2's: **{c['tide_vs_fsdp2_peak']:.3f}x**",
+                  f"- losses: largest relative difference {c['loss_max_rel_diff']:.2e} (step "
+                  f"{c['loss_step_of_max']}), tolerance {c['loss_rtol']:g}: "
+                  + ("agree" if c["losses_agree"] else "**differ**")]
+    return "\n".join(lines) + "\n"
+
+
+def report(path: str) -> str:
+    """Remake ``compare.md`` and the plots next to a ``compare.json``."""
+    with open(path) as f:
+        rec = json.load(f)
+    out = os.path.dirname(os.path.abspath(path))
+    text = table(rec)
+    with open(os.path.join(out, "compare.md"), "w") as f:
+        f.write(text)
+    try:
+        _plots(rec, out)
+    except ImportError:  # matplotlib is optional
+        pass
+    return text
+
+
+def _plots(rec: dict, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tidearray.bench import timeline
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    for r in rec["runs"]:
+        steps = range(1, len(r["step_s"]) + 1)
+        a.plot(steps, [t * 1e3 for t in r["step_s"]], label=r["impl"])
+        b.plot(steps, r["losses"], label=r["impl"])
+    a.set(xlabel="step", ylabel="step time (ms)", title=f"{rec['model']}: step time")
+    b.set(xlabel="step", ylabel="loss (mean over ranks)", title="loss")
+    a.legend(), b.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "compare_steps.png"), dpi=110)
+    plt.close(fig)
+    for r in rec["runs"]:
+        for name in (f"{r['impl']}_step_trace.json", f"{r['impl']}_step_trace.json.gz"):
+            if os.path.exists(os.path.join(out, name)):
+                timeline.plot(timeline.load(os.path.join(out, name)),
+                              os.path.join(out, f"{r['impl']}_step_timeline.png"),
+                              f"{r['impl']}: one training step, rank 0 ({rec['model']})")
+
+
+def init_torch(torch: Any, g: Any, cuda: bool) -> None:
+    """torch.distributed over the MPI ranks (one node: a TCP store on this host)."""
+    import torch.distributed as dist
+
+    port = None
+    if g.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = g.comm.bcast(port)
+    if cuda:
+        torch.cuda.set_device(g.backend.device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=g.rank, world_size=g.size)
+    # Communicator start-up before any memory baseline: counted for no impl.
+    t = torch.ones(1, device="cuda" if cuda else "cpu")
+    dist.all_reduce(t)
+
+
+def main(argv: Optional[list] = None) -> None:
+    args = parse(argv)
+    if args.report:
+        print(report(args.report))
+        return
+    try:
+        import torch
+    except ImportError:
+        print("compare_fsdp2.py: torch is not installed (pip install 'tidearray[torch]'); "
+              "skipped")
+        return
+    g = ta.init()
+    cuda = g.backend.name == "cuda"
+    if g.topology.num_nodes > 1:
+        raise SystemExit("compare_fsdp2.py: one node only (its process group is local)")
+    init_torch(torch, g, cuda)
+    device = torch.device("cuda", g.backend.device) if cuda else torch.device("cpu")
+
+    def log(msg: str) -> None:
+        if g.rank == 0:
+            print(msg, flush=True)
+
+    cfg = llama.MODELS[args.model]
+    tokens = args.tokens or 4 * cfg.seq
+    if tokens % cfg.seq:
+        raise SystemExit(f"--tokens: expected a multiple of {cfg.seq}, got {tokens}")
+    args.lr = args.lr or (3e-4 if cfg.hidden >= 1024 else 3e-3)
+    impls = [k for k in args.impls.split(",") if k]
+    if set(impls) - set(IMPLS):
+        raise SystemExit(f"--impls: expected some of {IMPLS}, got {impls}")
+    log(f"compare: {args.model}, {tokens} tokens/rank, {g.size} ranks, "
+        f"{'cuda bf16' if cuda else 'cpu fp32'}, impls {impls}, {args.steps} steps")
+    records = [run(k, torch, g, args, cfg, tokens // cfg.seq, device, log) for k in impls]
+    rec = {"commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "argv": ["python", *sys.argv], "model": args.model, "config": cfg.__dict__,
+           "tokens_per_rank": tokens, "world": g.size, "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+           "runs": records}
+    rec["comparison"] = compare(records)
+    log("\n" + table(rec))
+    if args.out and g.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "compare.json")
+        with open(path, "w") as f:
+            json.dump(rec, f, indent=1)
+        report(path)
+        log(f"record: {path}")
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    g.close()
+    c = rec["comparison"]
+    if "losses_agree" in c and not c["losses_agree"]:
+        raise SystemExit(f"compare_fsdp2.py: fsdp2 and tide losses differ by "
+                         f"{c['loss_max_rel_diff']:.2e} (> {LOSS_RTOL:g})")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException as e:  # fail as a group: never leave peers hanging
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.size > 1 and not isinstance(e, SystemExit):
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+        raise
