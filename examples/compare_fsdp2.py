@@ -31,7 +31,6 @@ the host backend, fp32) as a correctness check.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
