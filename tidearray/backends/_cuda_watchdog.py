@@ -113,21 +113,20 @@ class Watchdog:
 
     def _expire(self, seq: int, what: str, waits: list,
                 abort: Optional[Callable[[], None]]) -> None:
+        # Broken first: releasing the waits lets the caller's host synchronization
+        # return, and it must then find the group broken, not a window before it is.
+        self.broken = (f"collective #{seq} ({what}) did not complete within "
+                       f"{self.timeout:g} s: a peer never signalled (dead, stopped, or "
+                       "calling other collectives); its waits were released"
+                       + (" and its NCCL communicator aborted" if abort else "")
+                       + ", its results are garbage, and this group can no longer be used")
         if abort is not None:
             try:
                 abort()
             except Exception as e:  # noqa: BLE001 - report it; the group is broken either way
-                self.broken = (f"collective #{seq} ({what}) timed out after "
-                               f"{self.timeout:g} s, and ncclCommAbort failed: {e}")
+                self.broken += f" (ncclCommAbort failed: {e})"
         for addr, value in waits:
             err = self._memset(addr, value & 0xFFFFFFFF, 1, self._stream.ptr)
             if err:
-                self.broken = (f"collective #{seq} ({what}) timed out after {self.timeout:g} s, "
-                               f"and releasing its waits failed: CUresult {err}")
+                self.broken += f" (releasing a wait failed: CUresult {err})"
                 return
-        if self.broken is None:
-            self.broken = (f"collective #{seq} ({what}) did not complete within "
-                           f"{self.timeout:g} s: a peer never signalled (dead, stopped, or "
-                           "calling other collectives); its waits were released"
-                           + (" and its NCCL communicator aborted" if abort else "")
-                           + ", its results are garbage, and this group can no longer be used")
