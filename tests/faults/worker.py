@@ -11,6 +11,7 @@ S s: ...`` or ``rank R: done``; on a tidearray error it aborts the job.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -38,8 +39,17 @@ def _host(xp, a):
     return a if xp is np else xp.asnumpy(a)
 
 
+def _synchronize(xp) -> None:
+    """Wait for the current stream, the GIL released (the watchdog is a Python thread)."""
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
 def main() -> int:
     fault = sys.argv[1]
+    # A hang is a failure to report, not to wait out: print every thread's stack and exit.
+    faulthandler.dump_traceback_later(float(os.environ.get("TIDE_TIMEOUT", "5")) + 25,
+                                      exit=True)
     g = ta.init(backend=os.environ.get("TIDE_FAULT_BACKEND", "host"))
     xp = g.backend.xp
     print(f"rank {g.rank}: started", flush=True)
@@ -59,10 +69,12 @@ def main() -> int:
                 misbehave(fault, g.rank)
             order = [1, 0] if fault == "order" and step == FAULT_STEP and g.rank == 1 else [0, 1]
             for i in order:
-                got = [_host(xp, a) for a in plans[i]()]
+                got = plans[i]()
                 # On cuda a call returns at once; a peer's silence shows after the
                 # host has waited for the device: check before trusting the data.
+                _synchronize(xp)
                 g.check()
+                got = [_host(xp, a) for a in got]
                 if not all(np.array_equal(a, b) for a, b in zip(got, fulls[i])):
                     print(f"rank {g.rank}: WRONG DATA at step {step}", flush=True)
                     return 4
