@@ -118,16 +118,21 @@ def _check(ctx: Any, op: str, impl: Any, data: UnitData, prep: Any) -> None:
             ctx.errors.append(f"{op} {impl.name} {data.unit.name}: {why}")
         return
     worst = {k: max(r[k] for r in res) for k in res[0]}
-    bad = worst["nonfinite"] or worst["pad_nonzero"]
+    inexact = worst["norm_rel"] > impl.rs_tolerance
+    bad = worst["nonfinite"] or worst["pad_nonzero"] or inexact
     ctx.sink.add(op, impl.name, data.unit.name, "rs_error", worst["norm_rel"], "rel",
                  status="error" if bad else "ok", **worst)
     ctx.log(f"  {impl.name:<12} error vs fp64: max {worst['max_abs']:.2e}, mean "
             f"{worst['mean_abs']:.2e}, {worst['norm_rel']:.2e} normwise, "
             f"{worst['elem_rel']:.2e} elementwise" + (
-                f"  WRONG: {worst['nonfinite']} unwritten, {worst['pad_nonzero']} padding"
+                f"  WRONG: {worst['nonfinite']} unwritten, {worst['pad_nonzero']} padding, "
+                f"error {worst['norm_rel']:.2e} (tolerance {impl.rs_tolerance:g})"
                 if bad else ""))
     if bad:
-        ctx.errors.append(f"{op} {impl.name} {data.unit.name}: outputs left unwritten")
+        ctx.errors.append(f"{op} {impl.name} {data.unit.name}: wrong result (unwritten "
+                          f"{worst['nonfinite']}, padding {worst['pad_nonzero']}, error "
+                          f"{worst['norm_rel']:.2e} > {impl.rs_tolerance:g})" if inexact else
+                          f"{op} {impl.name} {data.unit.name}: outputs left unwritten")
 
 
 def _poison(xp: Any, outs: Any) -> None:
