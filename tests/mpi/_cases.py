@@ -140,7 +140,8 @@ def rs_reference(shapes: Sequence[tuple], dtype: np.dtype, seed: int, world: int
     tree), then scaled by fp32(1/W) (for avg: one rounding of 1/W, one of the
     product). To first order
     ``|out - ref| <= (W + 1) * 2**-24 * scale * sum_r |g_r|``; we allow
-    ``(W + 2)``, elementwise. Padding rows have bound 0 and must be +0.0.
+    ``(W + 2)``, elementwise. Padding rows have bound -0.0 (a real element whose
+    terms are all zero has +0.0, and may sum to -0.0) and must be +0.0.
     """
     grads = [rank_grads(shapes, dtype, seed, q) for q in range(world)]
     scale = 1.0 / world if op == "avg" else 1.0
@@ -149,7 +150,9 @@ def rs_reference(shapes: Sequence[tuple], dtype: np.dtype, seed: int, world: int
         total = sum(g[i].astype(np.float64) for g in grads) * scale
         mag = sum(np.abs(g[i].astype(np.float64)) for g in grads) * scale
         refs.append(padded_shard(np.asarray(total, np.float64), world, rank))
-        bounds.append(padded_shard(np.asarray(mag * (world + 2) * 2.0**-24), world, rank))
+        bound = padded_shard(np.asarray(mag * (world + 2) * 2.0**-24), world, rank)
+        bound[padded_shard(np.ones(shapes[i]), world, rank) == 0] = -0.0
+        bounds.append(bound)
     return refs, bounds
 
 
@@ -169,7 +172,7 @@ def compare_rs(results: Sequence[Any], refs: Sequence[np.ndarray],
             failures.append(f"parameter {i}: {bad.size} of {ref.size} elements off, first at "
                             f"flat {k}: got {got.flat[k]!r}, expected {ref.flat[k]!r} "
                             f"+- {bound.flat[k]:.3g}")
-        pad = (ref == 0) & (bound == 0)
+        pad = (bound == 0) & np.signbit(bound)
         if (bits(got)[pad] != 0).any():
             failures.append(f"parameter {i}: padding rows are not exactly +0.0")
     return failures

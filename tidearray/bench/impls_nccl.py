@@ -219,36 +219,49 @@ class NcclBf16(Stock):
     do_ag = False
     ops = ("rs",)
 
+    #: Whether the collective receives every rank's block (all-to-all) or only ours.
+    recv_all = False
+
     def _setup_rs(self, data: UnitData, lay: pack.FlatLayout, bufs: _Buffers,
                   prep: Prepared) -> None:
+        """bf16 chunk-cat into the flat buffer, the collective, then the fp32 finish."""
         dev, xp = self.ctx.dev, self.ctx.dev.xp
         _, rs_in = bufs.get(lay.total_numel * 2, "rs_in")
-        out16_arr, rs_out = bufs.get(lay.block_numel * 2, "rs_out")
+        recv_numel = lay.total_numel if self.recv_all else lay.block_numel
+        recv_arr, recv = bufs.get(recv_numel * 2, "rs_out")
         out32 = xp.empty(lay.block_numel, float32)
         bufs.nbytes += out32.nbytes
         chunk_cat = pack.make_copy(dev, pack.to_bytes(pack.chunk_cat_segs(
             lay, [g.data.ptr for g in data.grads], rs_in, 2, 2), 2), "bytes")
-        s, comm = dev.stream, self.rs_comm
-        out16 = out16_arr.view(bfloat16)
-
-        def reduce() -> None:
-            nccl.reduce_scatter_avg(comm, rs_in, rs_out, lay.block_numel, "bfloat16", s.ptr)
-
-        def upcast() -> None:
-            with s:
-                xp.copyto(out32, out16, casting="unsafe")
+        s = dev.stream
+        collective, finish, finish_phase = self._finish(data, lay, rs_in, recv_arr, recv,
+                                                        out32, s)
 
         def rs() -> None:
             chunk_cat(s)
-            reduce()
-            upcast()
+            collective()
+            finish()
 
         outs = as_f32_shards(xp, out32, lay.offsets, data.specs)
         prep.rs, prep.rs_out = rs, lambda: outs
         prep.phases.update({
             "rs.pack": Phase(lambda: chunk_cat(s), "kernel", chunk_cat.ctas),
-            "rs.collective": Phase(reduce, "nccl"),
-            "rs.upcast": Phase(upcast, "kernel", None, "CuPy elementwise cast")})
+            "rs.collective": Phase(collective, "nccl"), **finish_phase})
+
+    def _finish(self, data: UnitData, lay: pack.FlatLayout, rs_in: int, recv_arr: Any,
+                recv: int, out32: Any, s: Any) -> tuple:
+        """NCCL's bf16 reduce-scatter (avg), then a cast of the shard to fp32."""
+        xp, comm, out16 = self.ctx.dev.xp, self.rs_comm, recv_arr.view(bfloat16)
+
+        def reduce() -> None:
+            nccl.reduce_scatter_avg(comm, rs_in, recv, lay.block_numel, "bfloat16", s.ptr)
+
+        def upcast() -> None:
+            with s:
+                xp.copyto(out32, out16, casting="unsafe")
+
+        return reduce, upcast, {"rs.upcast": Phase(upcast, "kernel", None,
+                                                   "CuPy elementwise cast")}
 
 
 @register
@@ -257,19 +270,14 @@ class NcclA2a(NcclBf16):
 
     name = "nccl-a2a"
     rs_tolerance = 1e-5  # fp32 sums of the bf16 terms, as TIDE-RS
+    recv_all = True
     description = "fused bf16 chunk-cat + NCCL bf16 all-to-all (grouped send/recv) + fp32 " \
                   "accumulate of the W blocks in rank order, 1/W fused (TIDE-RS's kernel)"
 
-    def _setup_rs(self, data: UnitData, lay: pack.FlatLayout, bufs: _Buffers,
-                  prep: Prepared) -> None:
-        dev, xp, W = self.ctx.dev, self.ctx.dev.xp, data.world
-        _, rs_in = bufs.get(lay.total_numel * 2, "rs_in")
-        _, recv = bufs.get(lay.total_numel * 2, "rs_out")
-        out32 = xp.empty(lay.block_numel, float32)
-        bufs.nbytes += out32.nbytes
-        chunk_cat = pack.make_copy(dev, pack.to_bytes(pack.chunk_cat_segs(
-            lay, [g.data.ptr for g in data.grads], rs_in, 2, 2), 2), "bytes")
-        s, comm = dev.stream, self.rs_comm
+    def _finish(self, data: UnitData, lay: pack.FlatLayout, rs_in: int, recv_arr: Any,
+                recv: int, out32: Any, s: Any) -> tuple:
+        """NCCL's bf16 all-to-all, then the fp32 sum of the W blocks, scale fused."""
+        W, comm = data.world, self.rs_comm
         accumulator = self.ctx.group.backend.accumulator
         pieces = (AccumPiece(int(out32.data.ptr), tuple(
             recv + r * lay.block_numel * 2 for r in range(W)), lay.block_numel),)
@@ -280,15 +288,5 @@ class NcclA2a(NcclBf16):
         def accumulate() -> None:
             accumulator.launch(s, pieces, bfloat16, 1.0 / W)
 
-        def rs() -> None:
-            chunk_cat(s)
-            exchange()
-            accumulate()
-
-        outs = as_f32_shards(xp, out32, lay.offsets, data.specs)
-        prep.rs, prep.rs_out = rs, lambda: outs
-        prep.phases.update({
-            "rs.pack": Phase(lambda: chunk_cat(s), "kernel", chunk_cat.ctas),
-            "rs.collective": Phase(exchange, "nccl"),
-            "rs.accumulate": Phase(accumulate, "kernel", accumulator.max_grid,
-                                   "TIDE-RS accumulate kernel")})
+        return exchange, accumulate, {"rs.accumulate": Phase(
+            accumulate, "kernel", accumulator.max_grid, "TIDE-RS accumulate kernel")}
