@@ -87,6 +87,18 @@ class Group:
         if self.backend is not None:
             self.backend.check()
 
+    def synchronize(self) -> None:
+        """Wait for all of this process's device work, then :meth:`check`.
+
+        The way to wait before reading results on the host: the wait releases the
+        GIL, so the cuda backend's watchdog (a Python thread) can still release a
+        collective whose peer died; a blocking copy that holds the GIL while it waits
+        would keep it from running (docs/reliability.md).
+        """
+        if self.backend is not None:
+            self.backend.synchronize()
+        self.check()
+
     def close(self) -> None:
         """Free symmetric memory and communicators (collective)."""
         global _default

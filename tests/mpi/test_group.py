@@ -132,3 +132,25 @@ def test_first_collective_of_a_new_group_needs_no_barrier(comm):
             agree(comm, compare_bits(out[0], full, f"round {k}"))
         finally:
             g.close()
+
+
+def test_synchronize_waits_then_checks(group, xp, monkeypatch):
+    """``group.synchronize()`` returns once the device work is done (the gathered values
+    are then readable) and raises what ``check`` raises on a broken group."""
+    full = np.arange(4 * group.size * 3, dtype=np.float32).reshape(4 * group.size, 3)
+    shard = xp.asarray(tidearray.shard(full, group=group))
+    got = tidearray.all_gather([shard], [full.shape], group=group, async_op=True).wait()
+    group.synchronize()
+    ok = bool(np.array_equal(to_numpy(got[0]), full))
+
+    def broken():
+        raise tidearray.TideBackendError("collective #1 did not complete")
+
+    monkeypatch.setattr(group.backend, "check", broken)
+    try:
+        group.synchronize()
+        raised = False
+    except tidearray.TideBackendError:
+        raised = True
+    monkeypatch.undo()
+    assert group.comm.allreduce(ok and raised, op=MPI.LAND)
