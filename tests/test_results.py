@@ -1,0 +1,32 @@
+"""The README's Results section is exactly what the records say.
+
+``python -m tidearray.bench results`` writes the section from the records under
+docs/benchmarks; a figure edited by hand, or a record replaced without rewriting the
+section, fails here.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tidearray.bench import results
+from tidearray.bench.__main__ import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_readme_section_is_generated_from_the_records():
+    assert results.current(str(ROOT / "README.md")) == results.render(str(ROOT))
+
+
+def test_a_figure_edited_by_hand_is_caught(tmp_path):
+    readme = tmp_path / "README.md"
+    shutil.copy(ROOT / "README.md", readme)
+    text = readme.read_text()
+    section = results.current(str(readme))
+    readme.write_text(text.replace(section, section.replace("1.90x", "1.99x", 1)))
+    assert main(["results", "--readme", str(readme), "--root", str(ROOT), "--check"]) == 1
+    assert main(["results", "--readme", str(readme), "--root", str(ROOT)]) == 0
+    assert main(["results", "--readme", str(readme), "--root", str(ROOT), "--check"]) == 0
+    assert readme.read_text() == text
