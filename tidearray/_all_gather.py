@@ -89,6 +89,31 @@ def check_call(group: Group, shards: list, shapes: tuple, slot: Optional[Region]
     return _AgCall(unit, dtype, signature, digest, {})
 
 
+def _validated(group: Group, shards: Any, shapes: Any, slot: Optional[Region]) -> tuple:
+    """The shards' (address, size, dtype, contiguity) and the validated call, found in the
+    group's cache or made (collectively)."""
+    be = group.backend
+    arrays = be.fingerprint(shards)  # the backend's own arrays: no resolving on a repeat
+    resolved = None
+    if arrays is None:
+        resolved = _resolve(group, shards)
+        arrays = tuple((s.ptr, s.nbytes, s.dtype, s.contiguous) for s in resolved)
+    try:  # int shapes equal to a validated call's find its entry; 5.0 == 5 must not
+        key = ("all_gather", tuple(tuple(map(operator.index, s)) for s in shapes),
+               None if slot is None else slot.id, arrays)
+        call = group.calls.get(key)
+    except TypeError:  # not a list of sequences, or unhashable
+        key, call = None, None
+    if call is None:
+        resolved = _resolve(group, shards) if resolved is None else resolved
+        call = check_call(group, resolved, _shapes(group, shapes), slot)
+        if key is not None:
+            group.calls.put(key, call)
+    else:
+        _validate.check(group, "all_gather", call.signature, (), known_digest=call.digest)
+    return arrays, call
+
+
 def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
                group: Optional[Group] = None, slot: Optional[Region] = None,
                stream: Any = None, async_op: bool = False) -> Any:
@@ -117,24 +142,7 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
     """
     group = group or default_group()
     be = group.backend
-    arrays = be.fingerprint(shards)  # the backend's own arrays: no resolving on a repeat
-    resolved = None
-    if arrays is None:
-        resolved = _resolve(group, shards)
-        arrays = tuple((s.ptr, s.nbytes, s.dtype, s.contiguous) for s in resolved)
-    try:  # int shapes equal to a validated call's find its entry; 5.0 == 5 must not
-        key = ("all_gather", tuple(tuple(map(operator.index, s)) for s in shapes),
-               None if slot is None else slot.id, arrays)
-        call = group.calls.get(key)
-    except TypeError:  # not a list of sequences, or unhashable
-        key, call = None, None
-    if call is None:
-        resolved = _resolve(group, shards) if resolved is None else resolved
-        call = check_call(group, resolved, _shapes(group, shapes), slot)
-        if key is not None:
-            group.calls.put(key, call)
-    else:
-        _validate.check(group, "all_gather", call.signature, (), known_digest=call.digest)
+    arrays, call = _validated(group, shards, shapes, slot)
     if slot is None:
         slot = default_region(group, "slot", call.unit.nbytes, ring=2)
     program = call.programs.get(slot.id)

@@ -122,22 +122,7 @@ def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Seque
     """
     group = group or default_group()
     be = group.backend
-    grads, errors = _validate.resolve_all(be, grads, "gradient")
-    outs = None
-    if out is not None:
-        outs, out_errors = _validate.resolve_all(be, out, "output")
-        errors += out_errors
-    if errors:
-        _validate.check(group, "reduce_scatter", (("inputs", "unresolvable"),), errors)
-    key = ("reduce_scatter", op, None if staging is None else staging.id,
-           tuple((g.ptr, g.nbytes, g.dtype, g.contiguous, g.shape) for g in grads),
-           None if outs is None else
-           tuple((o.ptr, o.nbytes, o.dtype, o.contiguous, o.shape) for o in outs))
-    call = group.calls.get(key)
-    if call is None:
-        call = group.calls.put(key, check_call(group, grads, outs, op, staging))
-    else:
-        _validate.check(group, "reduce_scatter", call.signature, (), known_digest=call.digest)
+    grads, outs, call = _validated(group, grads, out, op, staging)
     unit, plan = call.unit, call.plan
     if staging is None:
         staging = default_region(group, "staging", plan.staging_nbytes)
@@ -170,6 +155,29 @@ def start_stamps(group: Group, call: _RsCall) -> Optional[_stamps.Stamps]:
     """Debug stamps for one call: one per peer and chunk ([Note: stamps])."""
     return _stamps.start(group, "reduce_scatter",
                          len(call.plan.chunks) * (group.local_size - 1))
+
+
+def _validated(group: Group, grads: Sequence[Any], out: Optional[Sequence[Any]], op: str,
+               staging: Optional[Region]) -> tuple:
+    """Resolve the arrays and find (or make, collectively) the validated call."""
+    be = group.backend
+    grads, errors = _validate.resolve_all(be, grads, "gradient")
+    outs = None
+    if out is not None:
+        outs, out_errors = _validate.resolve_all(be, out, "output")
+        errors += out_errors
+    if errors:
+        _validate.check(group, "reduce_scatter", (("inputs", "unresolvable"),), errors)
+    key = ("reduce_scatter", op, None if staging is None else staging.id,
+           tuple((g.ptr, g.nbytes, g.dtype, g.contiguous, g.shape) for g in grads),
+           None if outs is None else
+           tuple((o.ptr, o.nbytes, o.dtype, o.contiguous, o.shape) for o in outs))
+    call = group.calls.get(key)
+    if call is None:
+        call = group.calls.put(key, check_call(group, grads, outs, op, staging))
+    else:
+        _validate.check(group, "reduce_scatter", call.signature, (), known_digest=call.digest)
+    return grads, outs, call
 
 
 @dataclass(frozen=True)
