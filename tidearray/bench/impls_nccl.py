@@ -26,7 +26,7 @@ from .._dtypes import bfloat16, float32
 from ..backends._base import AccumPiece
 from . import nccl, pack
 from .data import UnitData, as_f32_shards
-from .impls import Impl, Phase, Prepared, Skip, register
+from .impl import Impl, Phase, Prepared, Skip, register
 
 
 class _Buffers:

@@ -18,7 +18,7 @@ import socket
 from typing import Any, Optional
 
 from .data import UnitData
-from .impls import Impl, Phase, Prepared, register
+from .impl import Impl, Phase, Prepared, register
 
 
 def _torch() -> tuple[Any, str]:

@@ -18,7 +18,8 @@ from typing import Any, Optional
 import numpy as np
 
 from .data import UnitData
-from .harness import Suite, guarded, prepare, release
+from .guard import guarded
+from .harness import Suite, prepare, release
 from .timing import measure
 
 GEMMS = {"gemm-1024x2048x16384": (1024, 2048, 16384), "gemm-8192^3": (8192, 8192, 8192)}

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from .data import UnitData
-from .harness import Suite, guarded, prepare, release
+from .guard import guarded
+from .harness import Suite, prepare, release
 
 
 def run(ctx: Any, workloads: list) -> None:

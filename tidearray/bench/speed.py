@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 from . import nccl
 from .data import UnitData, recv_nbytes
-from .harness import Suite, guarded, prepare, release
+from .guard import guarded
+from .harness import Suite, prepare, release
 from .timing import measure
 
 OPS = ("ag", "rs")

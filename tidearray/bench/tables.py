@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
-from .impls import ORDER
+from .impl import ORDER
 
 Table = tuple[list[str], list[list[str]]]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from .impls import Phase
+from .impl import Phase
 
 #: Executor/backend attributes that may list kernel launches (newest first wins).
 LAUNCH_ATTRS = ("launches", "last_launches", "kernel_launches")

@@ -29,7 +29,6 @@ import numpy as np
 
 from .. import _dtypes
 from .._arena import SlotArena
-from .._errors import TideInvalid
 from .._layout import UnitLayout, cached_unit
 from .._plan import Unit, slot_chunk_nbytes
 from .._work import Work
@@ -164,20 +163,6 @@ def on_stream(stream: Any) -> Any:
     """A ``with`` context making ``stream`` current (a CuPy stream is one); nothing for
     None (the host backend, or CuPy's current stream)."""
     return contextlib.nullcontext() if stream is None else stream
-
-
-def make_comm(kind: str, group: Any, shapes: Sequence, dtype: Any, arena: ShardArena,
-              num_slots: int) -> UnitComm:
-    """The implementation called ``kind`` (one of :data:`KINDS`)."""
-    if kind == "tide":
-        return TideComm(group, shapes, dtype, arena, num_slots)
-    if kind == "local":
-        return LocalComm(group, shapes, dtype, arena, num_slots)
-    if kind == "stock":
-        from ._stock import StockComm
-
-        return StockComm(group, shapes, dtype, arena, num_slots)
-    raise TideInvalid(f"comm: expected one of {KINDS}, got {kind!r}")
 
 
 def world_of(kind: str, group: Any) -> int:

@@ -51,11 +51,26 @@ import numpy as np
 from .. import _dtypes
 from .._errors import TideInvalid
 from .._group import Group, default_group
-from ._comm import make_comm, on_stream, world_of
+from ._comm import KINDS, LocalComm, TideComm, UnitComm, on_stream, world_of
 from ._optim import AdamW, FusedAdamW, clip_scale
 from ._shards import ShardArena, arena_layout
 
 Init = Callable[[str, tuple], Any]
+
+
+def make_comm(kind: str, group: Any, shapes: Sequence, dtype: Any, arena: Any,
+              num_slots: int) -> UnitComm:
+    """The communication called ``kind`` (one of :data:`KINDS`); ``stock`` (which needs
+    the benchmark's packing kernels) is imported only when asked for."""
+    if kind == "tide":
+        return TideComm(group, shapes, dtype, arena, num_slots)
+    if kind == "local":
+        return LocalComm(group, shapes, dtype, arena, num_slots)
+    if kind == "stock":
+        from ._stock import StockComm
+
+        return StockComm(group, shapes, dtype, arena, num_slots)
+    raise TideInvalid(f"comm: expected one of {KINDS}, got {kind!r}")
 
 
 class ShardedModel:
