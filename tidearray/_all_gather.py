@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import _dtypes, _stamps, _validate
 from ._arena import AG_CHANNEL, ARRIVED, DONE, FREE, READY, STAMP, Region, default_region
@@ -25,6 +25,9 @@ from ._errors import TideInvalid
 from ._group import Group, default_group
 from ._layout import UnitLayout, ag_pieces, cached_unit, internode_ag_steps, split_copies
 from ._work import Work
+
+if TYPE_CHECKING:
+    from .backends._base import Executor
 
 #: Parts of a pull gather, and the unit size below which it uses one part.
 PULL_PARTS = 2
@@ -242,7 +245,7 @@ def _transport(group: Group, slot: Region) -> str:
     return "multicast" if slot.buffer.multicast else group.config.ag_transport
 
 
-def grant(group: Group, ex: Any, slot: Region) -> None:
+def grant(group: Group, ex: Executor, slot: Region) -> None:
     """Tell every node-local peer that our slot may take its next gather.
 
     A grant moves no data: it lets peers write our slot once our stream's
@@ -262,7 +265,7 @@ def grant(group: Group, ex: Any, slot: Region) -> None:
         ex.signal(ex.COMPUTE, slot.flag((me + k) % L, AG_CHANNEL, FREE, me), use)
 
 
-def issue(group: Group, ex: Any, program: _Program, slot: Region,
+def issue(group: Group, ex: Executor, program: _Program, slot: Region,
           stamps: Optional[_stamps.Stamps] = None) -> None:
     """Everything after the grants (issued first, by :func:`grant`: no rank
     waits before it has granted). ``stamps``: debug mode's ([Note: stamps])."""
@@ -284,7 +287,7 @@ def issue(group: Group, ex: Any, program: _Program, slot: Region,
         stamps.snapshot(ex, ex.COMPUTE, slot, AG_CHANNEL, peers, use, f"slot {slot.id}")
 
 
-def _start(ex: Any, lane: int, after_net: bool) -> None:
+def _start(ex: Executor, lane: int, after_net: bool) -> None:
     # After COMPUTE's earlier work: a reduce-scatter may still be reading
     # staging that lives in this slot (Slot-Reuse); after NET: the column's
     # shards from other nodes must have landed.
@@ -293,7 +296,7 @@ def _start(ex: Any, lane: int, after_net: bool) -> None:
         ex.depend(lane, ex.NET)
 
 
-def _pull(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: int,
+def _pull(ex: Executor, slot: Region, program: _Program, me: int, peers: list, use: int,
           after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
     """Stage own shards in our slot part by part; read each peer's parts from its slot.
 
@@ -322,7 +325,7 @@ def _pull(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: i
         ex.wait(ex.COMPUTE, slot.flag(me, AG_CHANNEL, DONE, q), use)
 
 
-def _push_per_peer(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: int,
+def _push_per_peer(ex: Executor, slot: Region, program: _Program, me: int, peers: list, use: int,
                    after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
     """One copy-engine batch per peer, each on that peer's lane; then our own copy.
 
@@ -341,7 +344,7 @@ def _push_per_peer(ex: Any, slot: Region, program: _Program, me: int, peers: lis
     ex.copy(me, program.own)
 
 
-def _push_single_batch(ex: Any, slot: Region, program: _Program, me: int, peers: list,
+def _push_single_batch(ex: Executor, slot: Region, program: _Program, me: int, peers: list,
                        use: int, after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
     """Own copy and every peer's push in one copy-engine batch, once all peers granted.
 
@@ -355,7 +358,7 @@ def _push_single_batch(ex: Any, slot: Region, program: _Program, me: int, peers:
     _arrive(ex, me, slot, peers, use, stamps)
 
 
-def _push_multicast(ex: Any, slot: Region, program: _Program, me: int, peers: list, use: int,
+def _push_multicast(ex: Executor, slot: Region, program: _Program, me: int, peers: list, use: int,
                     after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
     """Each piece written once, to the multicast address: every peer's slot gets it."""
     _start(ex, me, after_net)
@@ -368,7 +371,7 @@ def _push_multicast(ex: Any, slot: Region, program: _Program, me: int, peers: li
     _arrive(ex, me, slot, peers, use, stamps)
 
 
-def _arrive(ex: Any, me: int, slot: Region, peers: list, use: int,
+def _arrive(ex: Executor, me: int, slot: Region, peers: list, use: int,
             stamps: Optional[_stamps.Stamps]) -> None:
     """After lane ``me``'s write reached every peer: stamp it (debug), signal arrival."""
     for p in peers:

@@ -31,10 +31,13 @@ same lane as the data they follow: zero SMs on the cuda backend.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from ._errors import TideInvalid
 from ._layout import align_up
+
+if TYPE_CHECKING:
+    from ._group import Group
 
 FREE, ARRIVED = 0, 1
 #: Pull all-gather: the owner's part k is in its slot (READY, a running count of
@@ -57,12 +60,9 @@ class Region:
     reduce-scatter's staging (Slot-Reuse).
     """
 
-    def __init__(self, group: Any, nbytes: int, multicast: bool = False) -> None:
+    def __init__(self, group: Group, nbytes: int, multicast: bool = False) -> None:
         self.group = group
-        # Numbered in the order the group made its regions, which every rank shares
-        # (regions are made collectively), so the number names the same slot everywhere.
-        group.regions_made = getattr(group, "regions_made", 0) + 1
-        self.id = group.regions_made
+        self.id = group.next_region_id()
         self.nbytes = align_up(nbytes)
         L = group.local_size
         self._flag_words = NUM_CHANNELS * NUM_KINDS * L
@@ -130,7 +130,7 @@ class SlotArena:
             (TideInvalid) where the machine does not allow it.
     """
 
-    def __init__(self, slot_nbytes: int, num_slots: int = 2, group: Any = None,
+    def __init__(self, slot_nbytes: int, num_slots: int = 2, group: Optional[Group] = None,
                  multicast: Any = None) -> None:
         from ._group import default_group
 
@@ -143,7 +143,7 @@ class SlotArena:
             multicast = group.config.multicast
         self.slots = [Region(group, slot_nbytes, bool(multicast)) for _ in range(num_slots)]
         for s in self.slots:
-            group._resources[("slot", s.id)] = s
+            group.keep(("slot", s.id), s)
 
     def __getitem__(self, i: int) -> Region:
         return self.slots[i]
@@ -152,7 +152,7 @@ class SlotArena:
         return len(self.slots)
 
 
-def default_region(group: Any, kind: str, nbytes: int, ring: int = 1) -> Region:
+def default_region(group: Group, kind: str, nbytes: int, ring: int = 1) -> Region:
     """The group's own region(s) of ``kind``, grown (collectively) when too small.
 
     Callers pass ``nbytes`` that every rank agrees on (validated), so growth
@@ -160,17 +160,17 @@ def default_region(group: Any, kind: str, nbytes: int, ring: int = 1) -> Region:
     user still holds may point into them.
     """
     key = ("default", kind)
-    state = group._resources.get(key)
+    state = group.kept(key)
     if state is None or state.nbytes < nbytes:
         if state is not None:
-            group._resources[("retired", kind, state.nbytes)] = state
+            group.keep(("retired", kind, state.nbytes), state)
         state = _Ring(group, nbytes, ring, kind == "slot" and group.config.multicast)
-        group._resources[key] = state
+        group.keep(key, state)
     return state.next()
 
 
 class _Ring:
-    def __init__(self, group: Any, nbytes: int, count: int, multicast: bool) -> None:
+    def __init__(self, group: Group, nbytes: int, count: int, multicast: bool) -> None:
         self.nbytes = nbytes
         self.regions = [Region(group, nbytes, multicast) for _ in range(count)]
         self._next = 0

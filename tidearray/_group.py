@@ -8,13 +8,17 @@ nodes on one host) and inter-node ranks, then starts the backend.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from ._config import Config
 from ._errors import TideInvalid
 from ._layout import Topology
+
+if TYPE_CHECKING:
+    from ._board import HostBoard
+    from .backends._base import Backend
 
 _default: Optional[Group] = None
 
@@ -41,9 +45,9 @@ class Group:
         self.node_comm = node_comm
         self.inter_comm = inter_comm
         self.config = config
-        self.backend: Any = None
+        self.backend: Optional[Backend] = None
         #: Shared-memory agreement when the group is one node (see ``_board``).
-        self.board: Any = None
+        self.board: Optional[HostBoard] = None
         self.closed = False
         #: Symmetric regions made so far (each region's ``id`` is its number).
         self.regions_made = 0
@@ -72,6 +76,20 @@ class Group:
         t = self.topology
         return (f"Group(rank={t.rank}, size={t.world}, nodes={t.num_nodes}, "
                 f"local_size={t.local_size}, backend={getattr(self.backend, 'name', None)!r})")
+
+    def next_region_id(self) -> int:
+        """Number the next symmetric region. Regions are made collectively, in the same
+        order on every rank, so a number names the same region everywhere."""
+        self.regions_made += 1
+        return self.regions_made
+
+    def keep(self, key: tuple, resource: Any) -> None:
+        """Hold ``resource`` (anything with ``free()``) until :meth:`close` frees it."""
+        self._resources[key] = resource
+
+    def kept(self, key: tuple) -> Any:
+        """The resource kept under ``key``, or None."""
+        return self._resources.get(key)
 
     def agree_max(self, values: list[int]) -> list[int]:
         """Elementwise max of ``values`` over the group (collective): over the

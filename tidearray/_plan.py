@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import _all_gather as ag
 from . import _dtypes, _stamps, _validate
@@ -28,6 +28,9 @@ from ._errors import TideInvalid
 from ._group import Group, default_group
 from ._layout import RsPlan, UnitLayout, cached_unit, plan_reduce_scatter
 from ._work import Work
+
+if TYPE_CHECKING:
+    from .backends._base import Executor
 
 
 class Unit:
@@ -146,7 +149,7 @@ def slot_chunk_nbytes(slot_nbytes: int, group: Optional[Group] = None,
 _build_numbers = itertools.count(1)
 
 
-def _finish(ex: Any, result: list, stamps: Any, stream: Any, async_op: bool) -> Any:
+def _finish(ex: Executor, result: list, stamps: Any, stream: Any, async_op: bool) -> Any:
     work = Work(ex.finish(), result)
     if stamps is not None:  # debug mode: every peer's bytes arrived ([Note: stamps])
         stamps.check()

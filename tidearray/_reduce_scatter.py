@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import _dtypes, _stamps, _validate
 from ._arena import ARRIVED, FREE, RS_CHANNEL0, Region, default_region
@@ -27,6 +27,9 @@ from ._layout import RsPlan, Topology, UnitLayout, cached_unit, plan_reduce_scat
 from ._validate import overlaps
 from ._work import Work
 from .backends._base import AccumPiece
+
+if TYPE_CHECKING:
+    from .backends._base import Executor
 
 OPS = ("sum", "avg")
 
@@ -239,7 +242,7 @@ def _partial_ptrs(base: int, plan: RsPlan, topo: Topology) -> list[list[int]]:
             for m in range(topo.num_nodes)]
 
 
-def issue(group: Group, ex: Any, call: _RsCall, program: _Program, staging: Region,
+def issue(group: Group, ex: Executor, call: _RsCall, program: _Program, staging: Region,
           scale: float, stamps: Optional[_stamps.Stamps] = None) -> None:
     """CE pushes into peers' staging, accumulate from ours; then across nodes.
     ``stamps``: debug mode's ([Note: stamps])."""

@@ -20,12 +20,16 @@ bugs, not for timing. Inter-node transfers (NCCL, MPI) are not stamped.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._arena import OUTBOX, STAMP, Region
 from ._errors import TideBackendError
+
+if TYPE_CHECKING:
+    from ._group import Group
+    from .backends._base import Executor
 
 
 class Stamps:
@@ -37,7 +41,7 @@ class Stamps:
         capacity: the most snapshot words the call will take.
     """
 
-    def __init__(self, group: Any, what: str, capacity: int) -> None:
+    def __init__(self, group: Group, what: str, capacity: int) -> None:
         self.group = group
         self.what = what
         self._snap = group.backend.empty((max(capacity, 1),), np.int32)
@@ -46,7 +50,7 @@ class Stamps:
         self._snap_ptr = group.backend.resolve(self._snap).ptr
         self._expect: list[tuple[str, int, int]] = []  # (where, writer's rank, use)
 
-    def send(self, ex: Any, lane: int, region: Region, channel: int, reader: int,
+    def send(self, ex: Executor, lane: int, region: Region, channel: int, reader: int,
              use: int) -> None:
         """After ``lane``'s data copies into ``reader``'s ``region``: stamp them ``use``."""
         me = self.group.topology.local_rank
@@ -55,7 +59,7 @@ class Stamps:
         # A list, not a tuple: copy plans are cached by a tuple's identity.
         ex.copy(lane, [(region.flag(reader, channel, STAMP, me), outbox, 4)])
 
-    def fetch(self, ex: Any, lane: int, src_addr: int, writer: int, use: int,
+    def fetch(self, ex: Executor, lane: int, src_addr: int, writer: int, use: int,
               where: str) -> None:
         """Copy one stamp word (ours, or a peer's) into the snapshot, on ``lane``."""
         k = len(self._expect)
@@ -63,7 +67,7 @@ class Stamps:
             self.group.topology.node, writer), use))
         ex.copy(lane, [(self._snap_ptr + 4 * k, src_addr, 4)])
 
-    def snapshot(self, ex: Any, lane: int, region: Region, channel: int, writers: list,
+    def snapshot(self, ex: Executor, lane: int, region: Region, channel: int, writers: list,
                  use: int, where: str) -> None:
         """Before ``lane`` reads ``region``: snapshot every writer's stamp."""
         me = self.group.topology.local_rank
@@ -86,6 +90,6 @@ class Stamps:
                 f"stamps]): " + "; ".join(lines))
 
 
-def start(group: Any, what: str, capacity: int) -> Any:
+def start(group: Group, what: str, capacity: int) -> Any:
     """A :class:`Stamps` for this call if ``Config.debug`` is on, else None."""
     return Stamps(group, what, capacity) if group.config.debug else None

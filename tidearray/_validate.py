@@ -9,10 +9,13 @@ found an error do ranks exchange descriptions, to name the rank and parameter.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import _dtypes
 from ._errors import TideInvalid
+
+if TYPE_CHECKING:
+    from ._group import Group
 
 
 def digest(signature: tuple) -> int:
@@ -31,7 +34,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def check(group: Any, what: str, signature: tuple, errors: Sequence[str],
+def check(group: Group, what: str, signature: tuple, errors: Sequence[str],
           known_digest: Optional[int] = None) -> None:
     """Raise :class:`TideInvalid` on every rank if any rank's input is bad.
 

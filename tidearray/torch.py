@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
 from . import _dtypes
 from ._errors import TideInvalid
 from .fsdp import AdamW, ShardedModel
+
+if TYPE_CHECKING:
+    from ._group import Group
 
 _TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
@@ -42,7 +45,7 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
                         "computed with respect to module outputs", category=UserWarning)
 
 
-def shard_module(module: Any, units: Sequence[Any], *, group: Any = None,
+def shard_module(module: Any, units: Sequence[Any], *, group: Optional[Group] = None,
                  param_dtype: Any = None, optimizer: Optional[AdamW] = None,
                  prefetch: int = 1, comm: str = "tide") -> ShardedModule:
     """Shard ``module``'s parameters by ``units`` (submodules, in execution order).
@@ -71,7 +74,7 @@ def shard_module(module: Any, units: Sequence[Any], *, group: Any = None,
 class ShardedModule:
     """A module whose units are sharded by tidearray. Made by :func:`shard_module`."""
 
-    def __init__(self, module: Any, units: Sequence[Any], *, group: Any, param_dtype: Any,
+    def __init__(self, module: Any, units: Sequence[Any], *, group: Group, param_dtype: Any,
                  optimizer: Optional[AdamW], prefetch: int, comm: str) -> None:
         self.module = module
         self.units = list(units)

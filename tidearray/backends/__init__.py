@@ -6,10 +6,13 @@ and nccl4py only when it is chosen.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import TideInvalid
 from ._base import AccumPiece, Backend, Completion, Executor, Resolved, SymmetricBuffer
+
+if TYPE_CHECKING:
+    from .._group import Group
 
 __all__ = ["AccumPiece", "Backend", "Completion", "Executor", "Resolved", "SymmetricBuffer",
            "cuda_usable", "make_backend"]
@@ -30,7 +33,7 @@ def cuda_usable() -> tuple[bool, str]:
     return True, f"{n} CUDA device(s)"
 
 
-def make_backend(name: str, group: Any) -> Backend:
+def make_backend(name: str, group: Group) -> Backend:
     """Pick and construct the backend (no side effects until ``setup``).
 
     Every rank must agree, so the choice is made collectively: ``auto`` picks

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
 from .._errors import TideBackendError, TideInvalid
 from .._layout import Copy
+
+if TYPE_CHECKING:
+    from .._group import Group
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,7 @@ class Backend(abc.ABC):
     #: The array module (numpy or cupy).
     xp: Any = None
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Group) -> None:
         self.group = group
 
     def setup(self) -> None:

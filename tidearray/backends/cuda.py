@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import socket
 import weakref
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .._cache import CallCache
 from .._dtypes import normalize
@@ -37,6 +37,9 @@ from ._cuda_flags import FlagOps
 from ._cuda_memory import IpcSymmetricBuffer
 from ._cuda_nccl import NcclLink, put_signal_capability
 from ._cuda_watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from .._group import Group
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types addressable as device memory
 _DL_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 13: "cuda_managed", 10: "rocm"}
@@ -114,7 +117,7 @@ class CudaBackend(Backend):
 
     name = "cuda"
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Group) -> None:
         super().__init__(group)
         self.device = -1
         self.streams: list = []

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from .._dtypes import float32, normalize
 from .._errors import TideBackendError, TideInvalid
 from .._layout import coalesce
 from ._base import Backend, Completion, Executor, Resolved, SymmetricBuffer
+
+if TYPE_CHECKING:
+    from .._group import Group
 
 
 def _bytes_at(addr: int, nbytes: int) -> np.ndarray:
@@ -160,7 +163,7 @@ class HostBackend(Backend):
     name = "host"
     xp = np
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Group) -> None:
         super().__init__(group)
         self._fence_win: Any = None
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from .._plan import Unit, slot_chunk_nbytes
 from .._work import Work
 from ..backends._base import Completion
 from ._shards import ShardArena
+
+if TYPE_CHECKING:
+    from .._group import Group
 
 KINDS = ("tide", "stock", "local")
 
@@ -62,7 +65,7 @@ class UnitComm(abc.ABC):
     #: Ranks a parameter is sharded over (1 for the floor).
     world: int
 
-    def __init__(self, group: Any, shapes: Sequence[Sequence[tuple[int, ...]]], dtype: Any,
+    def __init__(self, group: Group, shapes: Sequence[Sequence[tuple[int, ...]]], dtype: Any,
                  arena: ShardArena, num_slots: int) -> None:
         self.group = group
         self.xp = group.backend.xp
@@ -109,7 +112,7 @@ def _views(buf: Any, layout: UnitLayout, dtype: Any) -> list:
 class TideComm(UnitComm):
     """Persistent TIDE plans, built on first use (every rank uses them in the same order)."""
 
-    def __init__(self, group: Any, shapes: Sequence, dtype: Any, arena: ShardArena,
+    def __init__(self, group: Group, shapes: Sequence, dtype: Any, arena: ShardArena,
                  num_slots: int) -> None:
         self.world = group.size
         super().__init__(group, shapes, dtype, arena, num_slots)
@@ -165,7 +168,7 @@ def on_stream(stream: Any) -> Any:
     return contextlib.nullcontext() if stream is None else stream
 
 
-def world_of(kind: str, group: Any) -> int:
+def world_of(kind: str, group: Group) -> int:
     """Ranks parameters are sharded over for ``kind``."""
     return 1 if kind == "local" else group.size
 

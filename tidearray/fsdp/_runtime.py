@@ -58,7 +58,7 @@ from ._shards import ShardArena, arena_layout
 Init = Callable[[str, tuple], Any]
 
 
-def make_comm(kind: str, group: Any, shapes: Sequence, dtype: Any, arena: Any,
+def make_comm(kind: str, group: Group, shapes: Sequence, dtype: Any, arena: Any,
               num_slots: int) -> UnitComm:
     """The communication called ``kind`` (one of :data:`KINDS`); ``stock`` (which needs
     the benchmark's packing kernels) is imported only when asked for."""

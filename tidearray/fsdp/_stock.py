@@ -19,7 +19,7 @@ and MPI collectives.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -31,11 +31,14 @@ from ..bench import pack
 from ._comm import UnitComm, _Ready, _views
 from ._shards import ShardArena
 
+if TYPE_CHECKING:
+    from .._group import Group
+
 
 class StockComm(UnitComm):
     """Flat buffers per slot, conversion tables per (unit, slot), made on first use."""
 
-    def __init__(self, group: Any, shapes: Sequence, dtype: Any, arena: ShardArena,
+    def __init__(self, group: Group, shapes: Sequence, dtype: Any, arena: ShardArena,
                  num_slots: int) -> None:
         self.world = group.size
         super().__init__(group, shapes, dtype, arena, num_slots)
@@ -127,7 +130,7 @@ class _HostLanes:
 
     num_sms = None
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Group) -> None:
         self.comm = group.comm.Dup()
 
     def run(self, kind: str, fn: Callable[[Any], None], stream: Any) -> _Ready:
@@ -159,7 +162,7 @@ class _CudaLanes:
     the gradient buffer.
     """
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Group) -> None:
         import cupy
 
         from ..bench import nccl
