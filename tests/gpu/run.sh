@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU entry point: run on the GPU machine from the repo root.
 #
-#   bash tests/gpu/run.sh                      # every step
-#   TIDE_GPU_STEPS="np2 bench" bash tests/gpu/run.sh   # some steps: info np2 np1 nodes bench
+#   bash tests/gpu/run.sh                      # the default steps: info np2 np1 nodes
+#   TIDE_GPU_STEPS="np2 benchall" bash tests/gpu/run.sh  # some steps: info np2 np1 nodes
 #                                                      # np3 np4 (ranks sharing GPUs)
 #                                                      # benchall (python -m tidearray.bench all)
 #                                                      # launches (benchall 3 times, one report)
@@ -16,13 +16,11 @@
 #                                                      # shape: FSDP2 vs shard_module vs the floor)
 #   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
 #   TIDE_MPI_ARGS="--bind-to none" bash tests/gpu/run.sh  # extra mpirun options
-#   TIDE_QUICK_UNITS="llama3.1-8b qwen3-30b-a3b" TIDE_QUICK_ARGS="--iters 20 --parts 1 2 8
-#       --ctas 16 32" TIDE_GPU_STEPS=bench bash tests/gpu/run.sh   # quick bench variants
 #
 # Installs the carried wheels (.whl/: nccl4py, pytest-mpi) into /tmp/site, then
 # runs the generic suite (tests/) and the GPU tests (tests/gpu) on the cuda
 # backend under mpirun -n 2 and -n 1, the GPU tests once more with
-# TIDE_LOCAL_SIZE=1 (two emulated nodes: the NCCL path), and the quick bench.
+# TIDE_LOCAL_SIZE=1 (two emulated nodes: the NCCL path). Benchmarks: python -m tidearray.bench.
 # Logs go to $OUT (or ./gpu-logs), step logs to $TIDE_GPU_LOGS if set. Every multi-rank command runs under timeout.
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-logs}
@@ -105,13 +103,6 @@ run_fsdp2() {  # real FSDP2 against shard_module, one run (TIDE_FSDP2_ARGS adds 
         --tokens 8192 --steps "${TIDE_FSDP2_STEPS:-50}" --lr-warmup 10 --profile \
         --out "$OUT/fsdp2" ${TIDE_FSDP2_ARGS:-}
 }
-run_bench() {  # TIDE_QUICK_UNITS (llama3.1-8b), TIDE_QUICK_ARGS (--iters 30 --splits 1 2 3)
-    for unit in ${TIDE_QUICK_UNITS:-llama3.1-8b}; do
-        step "bench_$unit" "${MPI[@]}" -n 2 python3 tests/gpu/quick_bench.py --unit "$unit" \
-            --json "$LOGS/quick_bench_$unit.json" --profile "$LOGS/host_profile_$unit.txt" \
-            ${TIDE_QUICK_ARGS:---iters 30 --splits 1 2 3}
-    done
-}
 
-for s in ${TIDE_GPU_STEPS:-info np2 np1 nodes bench}; do "run_$s"; done
+for s in ${TIDE_GPU_STEPS:-info np2 np1 nodes}; do "run_$s"; done
 exit $status
