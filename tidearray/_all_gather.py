@@ -24,7 +24,7 @@ from ._arena import AG_CHANNEL, ARRIVED, DONE, FREE, READY, STAMP, Region, defau
 from ._errors import TideInvalid
 from ._group import Group, default_group
 from ._layout import UnitLayout, ag_pieces, cached_unit, internode_ag_steps, split_copies
-from ._work import Work
+from ._work import finish
 
 if TYPE_CHECKING:
     from .backends._base import Executor
@@ -47,10 +47,13 @@ def unit_nbytes(shapes: Sequence[Sequence[int]], dtype: Any, group: Optional[Gro
     return cached_unit(shapes, _dtypes.normalize(dtype).itemsize, world).nbytes
 
 
-def _resolve(group: Group, shards: Any) -> list:
-    shards, errors = _validate.resolve_all(group.backend, shards, "shard")
+def resolve(group: Group, shards: Any, what: str = "all_gather",
+            errors: Sequence[str] = ()) -> list:
+    """Resolve the shards; on any rank's failure (or ``errors``) raise on every rank."""
+    shards, more = _validate.resolve_all(group.backend, shards, "shard")
+    errors = [*errors, *more]
     if errors:
-        _validate.check(group, "all_gather", (("inputs", "unresolvable"),), errors)
+        _validate.check(group, what, (("inputs", "unresolvable"),), errors)
     return shards
 
 
@@ -99,7 +102,7 @@ def _validated(group: Group, shards: Any, shapes: Any, slot: Optional[Region]) -
     arrays = be.fingerprint(shards)  # the backend's own arrays: no resolving on a repeat
     resolved = None
     if arrays is None:
-        resolved = _resolve(group, shards)
+        resolved = resolve(group, shards)
         arrays = tuple((s.ptr, s.nbytes, s.dtype, s.contiguous) for s in resolved)
     try:  # int shapes equal to a validated call's find its entry; 5.0 == 5 must not
         key = ("all_gather", tuple(tuple(map(operator.index, s)) for s in shapes),
@@ -108,7 +111,7 @@ def _validated(group: Group, shards: Any, shapes: Any, slot: Optional[Region]) -
     except TypeError:  # not a list of sequences, or unhashable
         key, call = None, None
     if call is None:
-        resolved = _resolve(group, shards) if resolved is None else resolved
+        resolved = resolve(group, shards) if resolved is None else resolved
         call = check_call(group, resolved, _shapes(group, shapes), slot)
         if key is not None:
             group.calls.put(key, call)
@@ -158,10 +161,7 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
     stamps = _stamps.start(group, "all_gather", group.local_size)
     grant(group, ex, slot)
     issue(group, ex, program, slot, stamps)
-    work = Work(ex.finish(), slot.views(call.unit, call.dtype))
-    if stamps is not None:
-        stamps.check()
-    return work if async_op else work.wait(stream)
+    return finish(ex, slot.views(call.unit, call.dtype), stream, async_op, stamps)
 
 
 @dataclass

@@ -27,10 +27,10 @@ from ._arena import Region, default_region
 from ._errors import TideInvalid
 from ._group import Group, default_group
 from ._layout import RsPlan, UnitLayout, cached_unit, plan_reduce_scatter
-from ._work import Work
+from ._work import finish
 
 if TYPE_CHECKING:
-    from .backends._base import Executor
+    pass
 
 
 class Unit:
@@ -149,13 +149,6 @@ def slot_chunk_nbytes(slot_nbytes: int, group: Optional[Group] = None,
 _build_numbers = itertools.count(1)
 
 
-def _finish(ex: Executor, result: list, stamps: Any, stream: Any, async_op: bool) -> Any:
-    work = Work(ex.finish(), result)
-    if stamps is not None:  # debug mode: every peer's bytes arrived ([Note: stamps])
-        stamps.check()
-    return work if async_op else work.wait(stream)
-
-
 class _Plan:
     """What both plans share: the group, a build number and the debug re-check."""
 
@@ -187,14 +180,9 @@ class GatherPlan(_Plan):
 
     def __init__(self, unit: Unit, shards: Sequence[Any], slot: Region) -> None:
         group = unit.group
-        errors: list[str] = []
-        if not isinstance(slot, Region):
-            errors.append(f"slot: expected a Region (a SlotArena entry), got "
-                          f"{type(slot).__name__}")
-        resolved, more = _validate.resolve_all(group.backend, shards, "shard")
-        errors += more
-        if errors:
-            _validate.check(group, "all_gather plan", (("inputs", "unresolvable"),), errors)
+        errors = [] if isinstance(slot, Region) else [
+            f"slot: expected a Region (a SlotArena entry), got {type(slot).__name__}"]
+        resolved = ag.resolve(group, shards, self.what, errors)
         call = ag.check_call(group, resolved, unit.shapes, slot)
         if call.dtype != unit.dtype:
             _validate.check(group, "all_gather plan", (), [
@@ -219,7 +207,7 @@ class GatherPlan(_Plan):
         stamps = _stamps.start(group, self.what, group.local_size)
         ag.grant(group, ex, self.slot)
         ag.issue(group, ex, self._program, self.slot, stamps)
-        return _finish(ex, self.params, stamps, stream, async_op)
+        return finish(ex, self.params, stream, async_op, stamps)
 
     def __repr__(self) -> str:
         return f"GatherPlan({self.unit!r}, slot={self.slot.id})"
@@ -239,15 +227,9 @@ class ReducePlan(_Plan):
     def __init__(self, unit: Unit, grads: Sequence[Any], out: Optional[Sequence[Any]],
                  op: str, staging: Optional[Region]) -> None:
         group, be = unit.group, unit.group.backend
-        grads_r, errors = _validate.resolve_all(be, grads, "gradient")
-        outs = None
-        if out is not None:
-            outs, more = _validate.resolve_all(be, out, "output")
-            errors += more
-        if staging is not None and not isinstance(staging, Region):
-            errors.append(f"staging: expected a Region, got {type(staging).__name__}")
-        if errors:
-            _validate.check(group, "reduce_scatter plan", (("inputs", "unresolvable"),), errors)
+        errors = [] if staging is None or isinstance(staging, Region) else [
+            f"staging: expected a Region, got {type(staging).__name__}"]
+        grads_r, outs = rs.resolve(group, grads, out, self.what, errors)
         call = rs.check_call(group, grads_r, outs, op, staging, unit.chunk_nbytes)
         if call.dtype != unit.dtype or call.unit != unit.layout:
             _validate.check(group, "reduce_scatter plan", (), [
@@ -260,13 +242,9 @@ class ReducePlan(_Plan):
         if outs is None:
             outs = [be.resolve(be.empty(s.shard_shape, _dtypes.float32))
                     for s in unit.layout.specs]
-        nodes = group.topology.num_nodes
-        plan = call.plan
         # Across nodes the node partial sums and the inter-node result need
         # buffers of their own, made once, here.
-        self._final = be.empty((plan.block_numel,), _dtypes.float32) if nodes > 1 else None
-        self._partial = (be.empty((nodes * plan.block_numel,), _dtypes.float32)
-                         if nodes > 1 else None)
+        self._final, self._partial = rs.receive_buffers(group, call.plan, own=False)
         final_ptr = None if self._final is None else be.resolve(self._final).ptr
         partial_ptr = None if self._partial is None else be.resolve(self._partial).ptr
         self._call = call
@@ -288,7 +266,7 @@ class ReducePlan(_Plan):
         ex = self.group.backend.executor(stream)
         stamps = rs.start_stamps(self.group, self._call)
         rs.issue(self.group, ex, self._call, self._program, self.staging, self.scale, stamps)
-        return _finish(ex, self.out, stamps, stream, async_op)
+        return finish(ex, self.out, stream, async_op, stamps)
 
     def __repr__(self) -> str:
         return f"ReducePlan({self.unit!r}, staging={self.staging.id})"

@@ -25,7 +25,7 @@ from ._errors import TideInvalid
 from ._group import Group, default_group
 from ._layout import RsPlan, Topology, UnitLayout, cached_unit, plan_reduce_scatter
 from ._validate import overlaps
-from ._work import Work
+from ._work import finish
 from .backends._base import AccumPiece
 
 if TYPE_CHECKING:
@@ -129,10 +129,7 @@ def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Seque
     unit, plan = call.unit, call.plan
     if staging is None:
         staging = default_region(group, "staging", plan.staging_nbytes)
-    nodes = group.topology.num_nodes
-    # Our own receive buffer unless the outputs can take the sums directly.
-    final = be.empty((plan.block_numel,), _dtypes.float32) if outs is None or nodes > 1 else None
-    partial = be.empty((nodes * plan.block_numel,), _dtypes.float32) if nodes > 1 else None
+    final, partial = receive_buffers(group, plan, own=outs is None)
     final_ptr = None if final is None else be.resolve(final).ptr
     partial_ptr = None if partial is None else be.resolve(partial).ptr
     dst_key = (tuple(o.ptr for o in outs) if final is None else final_ptr, partial_ptr)
@@ -148,10 +145,34 @@ def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Seque
     else:  # views of the receive buffer, built only when they are the result
         results = [final[o:o + s.shard_numel].reshape(s.shard_shape)
                    for o, s in zip(plan.out_offsets, unit.specs)]
-    work = Work(ex.finish(), results)
-    if stamps is not None:
-        stamps.check()
-    return work if async_op else work.wait(stream)
+    return finish(ex, results, stream, async_op, stamps)
+
+
+def receive_buffers(group: Group, plan: RsPlan, own: bool) -> tuple:
+    """fp32 ``(final, partial)`` buffers, each None where not needed: our own receive
+    buffer (``own``: the outputs cannot take the sums directly; always across nodes,
+    where it is the inter-node reduce-scatter's output) and the node partial sums
+    (across nodes)."""
+    be, nodes = group.backend, group.topology.num_nodes
+    final = be.empty((plan.block_numel,), _dtypes.float32) if own or nodes > 1 else None
+    partial = be.empty((nodes * plan.block_numel,), _dtypes.float32) if nodes > 1 else None
+    return final, partial
+
+
+def resolve(group: Group, grads: Sequence[Any], out: Optional[Sequence[Any]],
+            what: str = "reduce_scatter", errors: Sequence[str] = ()) -> tuple:
+    """Resolve the gradients and outputs; on any rank's failure (or ``errors``) raise on
+    every rank."""
+    be = group.backend
+    grads, more = _validate.resolve_all(be, grads, "gradient")
+    errors = [*errors, *more]
+    outs = None
+    if out is not None:
+        outs, more = _validate.resolve_all(be, out, "output")
+        errors += more
+    if errors:
+        _validate.check(group, what, (("inputs", "unresolvable"),), errors)
+    return grads, outs
 
 
 def start_stamps(group: Group, call: _RsCall) -> Optional[_stamps.Stamps]:
@@ -163,14 +184,7 @@ def start_stamps(group: Group, call: _RsCall) -> Optional[_stamps.Stamps]:
 def _validated(group: Group, grads: Sequence[Any], out: Optional[Sequence[Any]], op: str,
                staging: Optional[Region]) -> tuple:
     """Resolve the arrays and find (or make, collectively) the validated call."""
-    be = group.backend
-    grads, errors = _validate.resolve_all(be, grads, "gradient")
-    outs = None
-    if out is not None:
-        outs, out_errors = _validate.resolve_all(be, out, "output")
-        errors += out_errors
-    if errors:
-        _validate.check(group, "reduce_scatter", (("inputs", "unresolvable"),), errors)
+    grads, outs = resolve(group, grads, out)
     key = ("reduce_scatter", op, None if staging is None else staging.id,
            tuple((g.ptr, g.nbytes, g.dtype, g.contiguous, g.shape) for g in grads),
            None if outs is None else

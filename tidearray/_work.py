@@ -25,3 +25,12 @@ class Work(Generic[T]):
 
     def is_completed(self) -> bool:
         return self._completion.query()
+
+
+def finish(ex: Any, result: T, stream: Any, async_op: bool, stamps: Any = None) -> Any:
+    """End one issued collective: its :class:`Work`, checked first in debug mode (``stamps``,
+    [Note: stamps] in ``_stamps``), returned as is if ``async_op``, else waited on."""
+    work = Work(ex.finish(), result)
+    if stamps is not None:
+        stamps.check()
+    return work if async_op else work.wait(stream)
