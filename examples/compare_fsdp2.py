@@ -44,6 +44,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import llama  # noqa: E402
+from train import learning_rate, plot_steps, plot_timelines  # noqa: E402
 
 import tidearray as ta  # noqa: E402
 from tidearray.bench.records import git_commit  # noqa: E402
@@ -261,12 +262,6 @@ def _release(torch: Any, g: Any, cuda: bool) -> None:
         g.backend.xp.get_default_memory_pool().free_all_blocks()
 
 
-def learning_rate(args: argparse.Namespace, step: int) -> float:
-    if args.lr_warmup and step < args.lr_warmup:
-        return args.lr * (step + 1) / args.lr_warmup
-    return args.lr
-
-
 def profile(kind: str, torch: Any, impl: Impl, batch: tuple, device: Any,
             args: argparse.Namespace, g: Any, log: Any) -> Optional[dict]:
     """One more step under CUPTI: device time per role, and the trace for the timeline."""
@@ -347,30 +342,8 @@ def report(path: str) -> str:
 
 
 def _plots(rec: dict, out: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from tidearray.bench import timeline
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
-    for r in rec["runs"]:
-        steps = range(1, len(r["step_s"]) + 1)
-        a.plot(steps, [t * 1e3 for t in r["step_s"]], label=r["impl"])
-        b.plot(steps, r["losses"], label=r["impl"])
-    a.set(xlabel="step", ylabel="step time (ms)", title=f"{rec['model']}: step time")
-    b.set(xlabel="step", ylabel="loss (mean over ranks)", title="loss")
-    a.legend(), b.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "compare_steps.png"), dpi=110)
-    plt.close(fig)
-    for r in rec["runs"]:
-        for name in (f"{r['impl']}_step_trace.json", f"{r['impl']}_step_trace.json.gz"):
-            if os.path.exists(os.path.join(out, name)):
-                timeline.plot(timeline.load(os.path.join(out, name)),
-                              os.path.join(out, f"{r['impl']}_step_timeline.png"),
-                              f"{r['impl']}: one training step, rank 0 ({rec['model']})")
+    plot_steps(rec["runs"], os.path.join(out, "compare_steps.png"), rec["model"])
+    plot_timelines(rec, out)
 
 
 def init_torch(torch: Any, g: Any, cuda: bool) -> None:

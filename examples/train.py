@@ -323,14 +323,14 @@ def report(path: str) -> str:
     with open(table, "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
-        _plot_steps(runs, os.path.join(out, "train_steps.png"), rec["model"])
-        _plot_timelines(rec, out)
+        plot_steps(runs, os.path.join(out, "train_steps.png"), rec["model"])
+        plot_timelines(rec, out)
     except ImportError:
         pass  # matplotlib is the optional 'bench' extra
     return table
 
 
-def _plot_timelines(rec: dict, out: str) -> None:
+def plot_timelines(rec: dict, out: str) -> None:
     """A timeline PNG per saved CUPTI trace next to the record (``<impl>_step_trace.json``,
     gzipped or not)."""
     from tidearray.bench import timeline
@@ -345,7 +345,7 @@ def _plot_timelines(rec: dict, out: str) -> None:
                               f"{rec['world']} ranks)")
 
 
-def _plot_steps(runs: list, path: str, model: str) -> None:
+def plot_steps(runs: list, path: str, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

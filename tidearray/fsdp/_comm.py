@@ -118,8 +118,7 @@ class TideComm(UnitComm):
         super().__init__(group, shapes, dtype, arena, num_slots)
         # Reductions stage in the slot their unit vacated (Slot-Reuse): chunks sized to
         # the slot keep the calls per reduction few.
-        layouts = [cached_unit(s, self.dtype.itemsize, group.size) for s in self.shapes]
-        chunk = slot_chunk_nbytes(max(lay.nbytes for lay in layouts), group)
+        chunk = slot_chunk_nbytes(max(lay.nbytes for lay in self.layouts), group)
         self.units = [Unit(s, self.dtype, group, chunk_nbytes=chunk) for s in self.shapes]
         slot_nbytes = max(max(u.nbytes, u.staging_nbytes) for u in self.units)
         self.slots = SlotArena(slot_nbytes, num_slots, group=group)
