@@ -44,7 +44,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import llama  # noqa: E402
-from train import learning_rate, plot_steps, plot_timelines  # noqa: E402
+from train import learning_rate, plot_steps, plot_timelines, run_as_group  # noqa: E402
 
 import tidearray as ta  # noqa: E402
 from tidearray.bench.records import git_commit  # noqa: E402
@@ -423,15 +423,4 @@ def main(argv: Optional[list] = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException as e:  # fail as a group: never leave peers hanging
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.size > 1 and not isinstance(e, SystemExit):
-            import traceback
-
-            traceback.print_exc()
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
-        raise
+    run_as_group(main)

@@ -404,10 +404,12 @@ def main(argv: Optional[list] = None) -> None:
     g.close()
 
 
-if __name__ == "__main__":
+def run_as_group(main: Any) -> None:
+    """Run ``main``; on an error, abort every rank (as ``python -m mpi4py`` does), so a
+    failed rank never leaves its peers waiting in a collective."""
     try:
         main()
-    except BaseException as e:  # fail as a group, like mpi4py.run: never leave peers hanging
+    except BaseException as e:
         from mpi4py import MPI
 
         if MPI.COMM_WORLD.size > 1 and not isinstance(e, SystemExit):
@@ -417,3 +419,7 @@ if __name__ == "__main__":
             sys.stderr.flush()
             MPI.COMM_WORLD.Abort(1)
         raise
+
+
+if __name__ == "__main__":
+    run_as_group(main)
