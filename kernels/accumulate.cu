@@ -78,9 +78,18 @@ __device__ __forceinline__ void store8(float* out, const float acc[8], float sca
     store4(out + 4, hi);
 }
 
-// Vector steps per thread per iteration: UNROLL independent 16-byte loads per
-// source are in flight before the first add, so a small grid still streams.
+// Vector steps per thread per iteration. Sources are read two at a time, so
+// 2 * UNROLL independent 16-byte loads are in flight before the first add:
+// a CTA's bandwidth is its bytes in flight over the memory latency, and a
+// small grid (few SMs) still has to keep pace with the copy engines.
 #define UNROLL 4
+
+__device__ __forceinline__ void add8(float acc[8], uint4 q, int is_bf16) {
+    float v[8];
+    widen8(q, is_bf16, v);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+}
 
 // 16-bit sources: 8 elements per vector step.
 __device__ void tile_16(const i64* srcs, int n_src, float* out, i64 a, i64 b, int vec,
@@ -90,22 +99,34 @@ __device__ void tile_16(const i64* srcs, int n_src, float* out, i64 a, i64 b, in
     i64 i = a + 8 * (i64)threadIdx.x;
     for (; i + (UNROLL - 1) * step < vend; i += UNROLL * step) {
         float acc[UNROLL][8];
-        uint4 q[UNROLL];
+        uint4 q[UNROLL], r[UNROLL];
         const u16* s0 = reinterpret_cast<const u16*>(srcs[0]);
+        const u16* s1 = reinterpret_cast<const u16*>(srcs[n_src > 1 ? 1 : 0]);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) q[u] = load16(s0 + i + u * step);
+        if (n_src > 1) {
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) widen8(q[u], is_bf16, acc[u]);
-        for (int s = 1; s < n_src; ++s) {
+            for (int u = 0; u < UNROLL; ++u) r[u] = load16(s1 + i + u * step);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            widen8(q[u], is_bf16, acc[u]);
+            if (n_src > 1) add8(acc[u], r[u], is_bf16);
+        }
+        for (int s = 2; s < n_src; s += 2) {  // the same order: acc += s, then s + 1
+            const int pair = s + 1 < n_src;
             const u16* sp = reinterpret_cast<const u16*>(srcs[s]);
+            const u16* sq = reinterpret_cast<const u16*>(srcs[pair ? s + 1 : s]);
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) q[u] = load16(sp + i + u * step);
+            if (pair) {
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) r[u] = load16(sq + i + u * step);
+            }
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
-                float v[8];
-                widen8(q[u], is_bf16, v);
-#pragma unroll
-                for (int k = 0; k < 8; ++k) acc[u][k] = __fadd_rn(acc[u][k], v[k]);
+                add8(acc[u], q[u], is_bf16);
+                if (pair) add8(acc[u], r[u], is_bf16);
             }
         }
 #pragma unroll
@@ -115,10 +136,7 @@ __device__ void tile_16(const i64* srcs, int n_src, float* out, i64 a, i64 b, in
         float acc[8];
         widen8(load16(reinterpret_cast<const u16*>(srcs[0]) + i), is_bf16, acc);
         for (int s = 1; s < n_src; ++s) {
-            float v[8];
-            widen8(load16(reinterpret_cast<const u16*>(srcs[s]) + i), is_bf16, v);
-#pragma unroll
-            for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+            add8(acc, load16(reinterpret_cast<const u16*>(srcs[s]) + i), is_bf16);
         }
         store8(out + i, acc, scale, do_scale);
     }
