@@ -6,6 +6,8 @@
 #                                                      # np3 np4 (ranks sharing GPUs)
 #                                                      # benchall (python -m tidearray.bench all)
 #                                                      # launches (benchall 3 times, one report)
+#                                                      # ctas (TIDE-RS and GEMM interference at
+#                                                      # each accumulate grid of TIDE_CTAS)
 #                                                      # plans, train (small model), train8b
 #                                                      # (Llama-8B shape, tide/stock/local)
 #                                                      # suites (each suite alone; TIDE_BENCH_SUITES)
@@ -82,6 +84,14 @@ run_suites() {  # the same suites as benchall, each under its own timeout, one r
     for suite in ${TIDE_BENCH_SUITES:-interference memory ag rs}; do
         step "bench_$suite" timeout "${TIDE_BENCH_TIMEOUT:-150}" "${MPIRUN[@]}" -n 2 \
             python3 -m tidearray.bench "$suite" --out "$OUT/b" ${TIDE_BENCH_ARGS:-}
+    done
+}
+run_ctas() {  # TIDE-RS and the GEMM beside it at each accumulate grid (TIDE_CTAS)
+    for c in ${TIDE_CTAS:-66 33 16 8}; do
+        step "rs_ctas$c" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 python3 -m tidearray.bench rs \
+            --impls tide --workloads units --out "$OUT/ctas$c"
+        step "interference_ctas$c" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 python3 -m \
+            tidearray.bench interference --impls tide --out "$OUT/ctas$c"
     done
 }
 run_plans() {  # plan tests on cuda at 2 ranks, then host time per plan call
