@@ -87,9 +87,9 @@ class ShardedModule:
         named = [[(f"{i}.{name}", _host_or_device(p)) for name, p in u.named_parameters()]
                  for i, u in enumerate(self.units)]
         # autograd may start unit i-1's backward before unit i's gradients are all in:
-        # one more slot than the prefetch needs keeps unit i-2's gather off unit i's slot.
+        # the runtime then defers unit i-2's prefetch until unit i's slot is free.
         self.model = ShardedModel(named, group=group, param_dtype=dtype, optimizer=optimizer,
-                                  prefetch=prefetch, comm=comm, num_slots=prefetch + 2)
+                                  prefetch=prefetch, comm=comm)
         self.device = first.device
         self._empty = [[_placeholder(p, dtype) for p in ps] for ps in self.params]
         self._grads: dict[int, list] = {}

@@ -25,6 +25,13 @@ gather was issued, so it never overwrites parameters still in use; on the tide
 path its grant also follows the reduce-scatter that staged in that slot
 (Slot-Reuse).
 
+A backward prefetch whose slot still holds a unit (autograd may start unit
+``i-1``'s backward before unit ``i``'s gradients are all in, and unit ``i-2``
+shares unit ``i``'s slot) is deferred: it is issued when that slot is released
+(``post_backward``), so ``prefetch + 1`` slots suffice for autograd too. Every
+rank defers the same prefetches, since every rank runs the same hooks in the
+same order.
+
 [Note: gradient buffers]
 Unit ``i`` in slot ``k`` writes its gradients into gradient buffer ``k``
 (``num_slots`` of them, each as big as the largest unit). The reduction of
@@ -87,9 +94,8 @@ class ShardedModel:
             (bf16 default; fp32 masters are kept either way).
         optimizer: AdamW hyper-parameters (defaults of :class:`AdamW`).
         prefetch: units gathered ahead of the one running (1).
-        num_slots: slots (and gradient buffers); ``prefetch + 1`` if None. A front
-            end whose backward may start unit ``i-1`` before unit ``i``'s
-            gradients are all in (autograd) needs one more.
+        num_slots: slots (and gradient buffers); ``prefetch + 1`` if None (more
+            only spread the gathers further apart; see [Note: slots]).
         comm: ``"tide"`` (default), ``"stock"`` (FSDP2's flat path, the
             baseline) or ``"local"`` (no communication: every rank holds the
             whole model; the floor a step is measured against).
@@ -128,6 +134,7 @@ class ShardedModel:
         self._free = list(range(self.num_slots))
         self._gathered: dict[int, tuple[int, Any]] = {}
         self._pending: dict[int, tuple[Any, int, bool]] = {}
+        self._deferred: list[int] = []  # backward prefetches waiting for their slot
         self._micro = 0
         self._scratch: Any = None
 
@@ -155,7 +162,7 @@ class ShardedModel:
         """Unit ``i``'s parameters and the gradient arrays its backward must write."""
         self._ensure(i)
         for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
-            self._ensure(j)
+            self._prefetch(j)
         k = self._gathered[i][0]
         self._retire(k)  # [Note: gradient buffers]
         return self._params(i), self.comm.grads(i, k)
@@ -188,6 +195,7 @@ class ShardedModel:
         """
         for k in list(self._pending):
             self._retire(k)
+        self._deferred.clear()  # a backward's prefetches end with it
         if self._micro == 0:
             raise TideInvalid("step: expected a backward since the last step, got none")
         scale = 1.0 / (self.world * self._micro)
@@ -208,6 +216,8 @@ class ShardedModel:
     def _ensure(self, i: int) -> None:
         if i in self._gathered:
             return
+        if i in self._deferred:
+            self._deferred.remove(i)
         k = i % self.num_slots  # [Note: slots]: the same slot every time
         if k not in self._free:
             raise TideInvalid(f"unit {i}: expected its slot {k} to be free, got it holding unit "
@@ -217,11 +227,26 @@ class ShardedModel:
         self._free.remove(k)
         self._gathered[i] = (k, self.comm.gather(i, k, self.stream))
 
+    def _prefetch(self, i: int) -> None:
+        """Gather ``i`` ahead now if its slot is free, else when the slot is released."""
+        if i in self._gathered or i in self._deferred:
+            return
+        if i % self.num_slots in self._free:
+            self._ensure(i)
+        else:
+            self._deferred.append(i)
+
     def _params(self, i: int) -> list:
         return self._gathered[i][1].wait(self.stream)
 
     def _release(self, i: int) -> None:
-        self._free.append(self._gathered.pop(i)[0])
+        k = self._gathered.pop(i)[0]
+        self._free.append(k)
+        for j in self._deferred:
+            if j % self.num_slots == k:
+                self._deferred.remove(j)
+                self._ensure(j)
+                return
 
     def _retire(self, k: int) -> None:
         entry = self._pending.pop(k, None)
