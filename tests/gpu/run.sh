@@ -8,6 +8,7 @@
 #                                                      # launches (benchall 3 times, one report)
 #                                                      # ctas (TIDE-RS and GEMM interference at
 #                                                      # each accumulate grid of TIDE_CTAS)
+#                                                      # jax (examples/jax_train.py on cuda)
 #                                                      # plans, train (small model), train8b
 #                                                      # (Llama-8B shape, tide/stock/local)
 #                                                      # suites (each suite alone; TIDE_BENCH_SUITES)
@@ -102,6 +103,9 @@ run_plans() {  # plan tests on cuda at 2 ranks, then host time per plan call
 run_train() {  # the trainer on cuda: small model, tide vs stock vs the floor (correctness)
     step train_small "${MPI[@]}" -n 2 python3 examples/train.py --model small --steps 20 \
         --impl all
+}
+run_jax() {  # the JAX example on the cuda backend (XLA's stream joined on the host)
+    step jax_np2 "${MPI[@]}" -n 2 python3 examples/jax_train.py
 }
 run_train8b() {  # the step-time comparison (TIDE_TRAIN_ARGS adds flags)
     step train8b "${MPI[@]}" -n 2 python3 examples/train.py --model llama3-8b-8l \
