@@ -2,7 +2,7 @@
 //
 // One launch covers a whole chunk of a reduce-scatter: many pieces (one per
 // parameter slice), each with the same number of sources. The host builds a
-// table of int64 words (tidearray/backends/_cuda_accum.py, build_table):
+// table of int64 words (tidearray/backends/cuda/accumulate.py, build_table):
 //
 //   pieces[4 * n_pieces] : out pointer, numel, vector flag (1 = every pointer
 //                          of the piece is 16-byte aligned), first tile

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tidearray.backends._cuda_copy import Copier
+from tidearray.backends.cuda.copies import Copier
 
 
 def _copies(n: int, size: int) -> tuple:

@@ -113,7 +113,7 @@ def _group_report() -> tuple[list[str], Any]:
 
 def nccl_lines() -> list[str]:
     """nccl4py and libnccl versions, and whether one-sided put/signal is there."""
-    from .backends._cuda_nccl import put_signal_capability, versions
+    from .backends.cuda.nccl import put_signal_capability, versions
 
     v = versions()
     ok, why = put_signal_capability()

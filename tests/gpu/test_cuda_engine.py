@@ -59,7 +59,7 @@ def test_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, scale):
 
 @pytest.mark.parametrize("batched", [True, False])
 def test_copier_many_small_segments(cuda_group, cp, batched):
-    from tidearray.backends._cuda_copy import Copier
+    from tidearray.backends.cuda.copies import Copier
 
     be = cuda_group.backend
     c = Copier(None if batched else False)

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tidearray.backends._base import AccumPiece
-from tidearray.backends._cuda_accum import TILE, build_table, choose_tile
+from tidearray.backends.cuda.accumulate import TILE, build_table, choose_tile
 
 piece = st.tuples(st.integers(1, 3 * 64), st.integers(0, 40), st.integers(0, 40))
 

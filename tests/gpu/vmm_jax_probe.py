@@ -2,7 +2,7 @@
 starts (diagnostic: ``mpirun -n 2 python tests/gpu/vmm_jax_probe.py [own]``; ``own``
 limits JAX to the rank's GPU). They faulted once JAX (seeing every GPU) was in the
 process while only our device had access to the mapping; every line prints True
-since mappings grant every peer-capable device (``_cuda_vmm.peer_devices``)."""
+since mappings grant every peer-capable device (``tidearray.backends.cuda.vmm.peer_devices``)."""
 import os
 import sys
 
@@ -11,7 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.getcwd())
-from tidearray.backends._cuda_vmm import VmmSymmetricBuffer  # noqa: E402
+from tidearray.backends.cuda.vmm import VmmSymmetricBuffer  # noqa: E402
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 comm = MPI.COMM_WORLD

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.mpi
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs os.memfd_create (Linux)")
 def test_exchange_fds_routes_each_rank_descriptors(group):
-    from tidearray.backends._cuda_vmm import exchange_fds
+    from tidearray.backends.cuda.vmm import exchange_fds
 
     comm = group.node_comm
     token = os.urandom(8).hex()
@@ -61,7 +61,7 @@ def test_exchange_fds_failure_raises_on_every_rank(group, monkeypatch):
     import socket
 
     from tidearray import TideBackendError
-    from tidearray.backends._cuda_vmm import exchange_fds
+    from tidearray.backends.cuda.vmm import exchange_fds
 
     comm = group.node_comm
     if comm.size < 2:
@@ -102,7 +102,7 @@ def test_exchange_fds_refuses_a_process_that_is_not_a_peer(group, monkeypatch):
     import sys
     import warnings
 
-    from tidearray.backends import _cuda_vmm
+    from tidearray.backends.cuda import vmm
 
     comm = group.node_comm
     if comm.size < 2:
@@ -120,14 +120,14 @@ def test_exchange_fds_refuses_a_process_that_is_not_a_peer(group, monkeypatch):
             except (OSError, subprocess.SubprocessError) as e:
                 intruder.append(f"the intruder did not run: {e}")
 
-        monkeypatch.setattr(_cuda_vmm, "before_connect", run_intruder)
+        monkeypatch.setattr(vmm, "before_connect", run_intruder)
     token = os.urandom(8).hex()
     fd = os.memfd_create("tide-test")
     os.write(fd, f"{token}:{comm.rank}".encode())
     tokens = comm.allgather(token)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = _cuda_vmm.exchange_fds(comm, [fd])
+        got = vmm.exchange_fds(comm, [fd])
     failures = list(intruder)
     for r, fds in enumerate(got):
         text = os.pread(fds[0], 64, 0).decode()

@@ -134,6 +134,6 @@ def _function(name: str) -> Any:
     """A kernel of ``kernels/pack.cu``, compiled once per device by tidearray's loader."""
     import cupy
 
-    from .. import _kernels
+    from ..backends.cuda import kernels as _kernels
 
     return _kernels.function("pack.cu", name, cupy.cuda.Device().id)

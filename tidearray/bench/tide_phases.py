@@ -100,7 +100,7 @@ def accumulator_ctas(be: Any, per_chunk: list) -> Optional[int]:
     (``min(tiles of the launch's table, Accumulator.max_grid)``, tiles sized by its
     ``choose_tile`` where it has one), or None if that rule is not there."""
     try:
-        from ..backends import _cuda_accum as ca
+        from ..backends.cuda import accumulate as ca
 
         acc = be.accumulator
         grids = []

@@ -53,8 +53,9 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from .. import _dtypes, _kernels
+from .. import _dtypes
 from .._errors import TideInvalid
+from ..backends.cuda import kernels as _kernels
 
 #: An array of the optimizer's array module (numpy.ndarray or cupy.ndarray).
 Array = Any

@@ -179,7 +179,7 @@ class _CudaLanes:
     def run(self, kind: str, fn: Callable[[Any], None], stream: Any) -> Any:
         import cupy
 
-        from ..backends._cuda_exec import CudaCompletion, stream_ptr
+        from ..backends.cuda.executor import CudaCompletion, stream_ptr
 
         side = self.streams[kind]
         ready = cupy.cuda.Event(block=False, disable_timing=True)

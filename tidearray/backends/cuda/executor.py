@@ -34,7 +34,7 @@ partial sums and results) are held by the backend, with the events of the
 collective that follows their allocation, until those events have fired: so
 CuPy's pool cannot recycle them while a lane still writes them, even when the
 caller drops them at once or waits on a stream other than the one they were
-allocated on. Accumulate tables live in their own ring (``_cuda_accum``).
+allocated on. Accumulate tables live in their own ring (``accumulate``).
 The caller's inputs must stay alive until the work is waited on, as with any
 asynchronous CUDA call.
 """
@@ -43,8 +43,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._errors import TideInvalid
-from ._base import Completion, Executor
+from ..._errors import TideInvalid
+from .._base import Completion, Executor
 
 #: Pushes smaller than this stay on one stream (the split's events cost more).
 SPLIT_MIN_BYTES = 8 << 20

@@ -30,8 +30,8 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from .._errors import TideBackendError
-from . import _cuda_driver
+from ..._errors import TideBackendError
+from . import driver
 
 #: Seconds between polls of the registered collectives' events.
 POLL_S = 0.05
@@ -86,7 +86,7 @@ class Watchdog:
 
         with cupy.cuda.Device(self.device):
             self._stream = cupy.cuda.Stream(non_blocking=True)
-        self._memset = _cuda_driver.memset_d32_async()
+        self._memset = driver.memset_d32_async()
         self._thread = threading.Thread(target=self._run, name="tidearray-watchdog",
                                         daemon=True)
         self._thread.start()

@@ -4,10 +4,10 @@ Each node-local rank creates the same number of bytes with ``cuMemCreate``,
 exports a POSIX file descriptor, and hands it to every peer over an abstract
 Unix socket (:func:`exchange_fds`); each rank then imports and maps every
 peer's memory once, at allocation. Used for multicast slots, which only VMM
-memory can be bound to (``_cuda_multicast``), and for ordinary symmetric
+memory can be bound to (``multicast``), and for ordinary symmetric
 memory by default (``Config.symmetric_memory``): peers write VMM memory at the
 link's rate (388 GB/s on 2xH200, against 273 GB/s into legacy-IPC memory).
-See ``_cuda_memory`` for where legacy IPC is still needed.
+See ``memory`` for where legacy IPC is still needed.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import uuid
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
-from .._errors import TideBackendError
-from ._base import SymmetricBuffer
-from ._cuda_memory import device_view
+from ..._errors import TideBackendError
+from .._base import SymmetricBuffer
+from .memory import device_view
 
 #: Called (tests only) once every listener is up, before this rank connects to its peers.
 before_connect: Optional[Callable[[str], None]] = None

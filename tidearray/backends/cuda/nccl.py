@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .._errors import TideBackendError
+from ..._errors import TideBackendError
 
 #: First libnccl release with ncclPutSignal / ncclWaitSignal.
 PUT_SIGNAL_VERSION = (2, 29)

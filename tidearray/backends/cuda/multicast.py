@@ -1,6 +1,6 @@
 """NVSwitch multicast slots: VMM memory bound to a multicast object. Opt-in only.
 
-A multicast slot is ordinary symmetric VMM memory (``_cuda_vmm``: every
+A multicast slot is ordinary symmetric VMM memory (``vmm``: every
 node-local rank's copy is mapped by every peer, for flags and unicast pushes)
 whose physical pages are also bound to one multicast object. A copy-engine
 write to the multicast address lands in every rank's copy at the same offset,
@@ -12,14 +12,14 @@ operator's statement that multicast must stay off), nor on a device without
 ``CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED``. On our test machines it is off,
 so this module is exercised only through the host backend's emulation of the
 same addressing; the VMM memory and descriptor exchange under it
-(``_cuda_vmm``) run on every VMM allocation.
+(``vmm``) run on every VMM allocation.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._cuda_vmm import FD_HANDLE, VmmSymmetricBuffer, agree, check
+from .vmm import FD_HANDLE, VmmSymmetricBuffer, agree, check
 
 __all__ = ["MulticastSymmetricBuffer"]
 

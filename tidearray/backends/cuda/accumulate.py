@@ -19,9 +19,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .._cache import IdentityCache
-from .._dtypes import normalize
-from ._base import AccumPiece
+from ..._cache import IdentityCache
+from ..._dtypes import normalize
+from .._base import AccumPiece
 
 #: Smallest tile, in elements: one block's unit of work (a multiple of every vector width).
 TILE = 8192
@@ -167,7 +167,7 @@ class Accumulator:
 
     def _kernel(self, dtype_name: str) -> Any:
         if dtype_name not in self._kernels:
-            from .. import _kernels
+            from . import kernels as _kernels
 
             self._kernels[dtype_name] = _kernels.function("accumulate.cu", KERNELS[dtype_name],
                                                           self.device)

@@ -19,7 +19,7 @@ cached program; the tuple is held so its id is not reused):
   (``cuMemGetAddressRange``), become one ``cudaMemcpy2DAsync`` each: the pieces
   of repeated shapes, e.g. experts;
 * the rest go in one ``cuMemcpyBatchAsync``, its addresses packed once into
-  ``uint64`` arrays and passed through ctypes (``_cuda_driver``): cuda-python
+  ``uint64`` arrays and passed through ctypes (``driver``): cuda-python
   converts list arguments element by element on every call. Large copies too:
   on 2xH200 the Llama-3.1-8B gather's pushes as one batch took 586 us back to
   back, against 599 us with each large copy alone and pairs of equal ones as
@@ -38,10 +38,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .._cache import IdentityCache
-from .._errors import TideBackendError
-from .._layout import Strided, split_copies, strided_runs
-from . import _cuda_driver
+from ..._cache import IdentityCache
+from ..._errors import TideBackendError
+from ..._layout import Strided, split_copies, strided_runs
+from . import driver
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the (unified) addresses
 #: CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: sources are read in stream order.
@@ -55,7 +55,7 @@ class _DriverBatch:
     """``cuMemcpyBatchAsync`` (CUDA 12.8 ABI) through ctypes, on packed address arrays."""
 
     def __init__(self) -> None:
-        self._fn = _cuda_driver.memcpy_batch_async()
+        self._fn = driver.memcpy_batch_async()
         # CUmemcpyAttributes: srcAccessOrder, srcLocHint{type,id}, dstLocHint{type,id}, flags
         self._attrs = (ctypes.c_uint32 * 6)(_SRC_ORDER_STREAM, 0, 0, 0, 0, 0)
         self._idx = (ctypes.c_size_t * 1)(0)
@@ -222,7 +222,7 @@ class Copier:
         allocation (a 2D copy may not cross allocations)."""
         if self._range is None:
             try:
-                self._range = _cuda_driver.address_range()
+                self._range = driver.address_range()
             except (OSError, RuntimeError):
                 self._range = lambda ptr: (0, 0)
         for first, pitch in ((r.dst, r.dpitch), (r.src, r.spitch)):

@@ -7,13 +7,13 @@ handle once (``cudaIpcOpenMemHandle``), at allocation, never per step, since
 an import costs milliseconds (22 ms measured on 2xH200).
 
 Legacy IPC is the fallback of ``Config.symmetric_memory="auto"`` (the
-default prefers VMM, ``_cuda_vmm``, which peers write faster) and the route
+default prefers VMM, ``vmm``, which peers write faster) and the route
 of ``"ipc"``, because it works where VMM's handle passing does not:
 
 * a VMM handle is a file descriptor, which has to cross processes over a Unix
   domain socket with ``SCM_RIGHTS`` (or be fetched with ``pidfd_getfd``). In
   containers both are fragile: the socket needs a shared path or, for an
-  abstract socket (what ``_cuda_vmm`` uses), a shared network namespace,
+  abstract socket (what ``vmm`` uses), a shared network namespace,
   ``pidfd_getfd`` needs ``PTRACE_MODE_ATTACH`` rights, often denied, and each
   rank may sit in its own PID namespace;
 * a legacy IPC handle is 64 opaque bytes that any transport carries, here the
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import normalize
-from .._errors import TideBackendError
-from ._base import SymmetricBuffer
+from ..._dtypes import normalize
+from ..._errors import TideBackendError
+from .._base import SymmetricBuffer
 
 #: cudaIpcMemLazyEnablePeerAccess: enable peer access on first use of the mapping.
 _LAZY_PEER = 1

@@ -13,7 +13,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from ._errors import TideBackendError
+from ..._errors import TideBackendError
 
 
 def source(name: str) -> str:
@@ -30,7 +30,7 @@ def source(name: str) -> str:
             return path.read_text()
     except (ImportError, ModuleNotFoundError, OSError, TypeError):
         pass  # not installed as a package: try the checkout below
-    local = Path(__file__).resolve().parent.parent / "kernels" / name
+    local = Path(__file__).resolve().parents[3] / "kernels" / name
     if local.is_file():
         return local.read_text()
     raise TideBackendError(f"kernel source {name!r}: expected it in the package "

@@ -1,20 +1,20 @@
 """The cuda backend: CuPy arrays, symmetric memory, copy engines, stream flags, NCCL.
 
 How each primitive runs (all asynchronous, on the lane streams of
-``_cuda_exec``, [Note: streams]):
+``executor``, [Note: streams]):
 
-* symmetric memory: VMM where descriptors pass (``_cuda_vmm``), else legacy
-  CUDA IPC (``_cuda_memory``, which says when), mapped once per allocation;
+* symmetric memory: VMM where descriptors pass (``vmm``), else legacy
+  CUDA IPC (``memory``, which says when), mapped once per allocation;
 * ``copy``: each call's batch planned once into 2D copies and one
-  ``cuMemcpyBatchAsync``, copy engines only (``_cuda_copy``);
+  ``cuMemcpyBatchAsync``, copy engines only (``copies``);
 * ``signal`` / ``wait``: ``cuStreamWriteValue32`` / ``cuStreamWaitValue32``,
-  zero SMs (``_cuda_flags``);
+  zero SMs (``flags``);
 * ``accumulate``: one short kernel per call (``kernels/accumulate.cu``,
-  ``_cuda_accum``);
-* ``exchange`` / ``reduce_scatter_f32``: NCCL through nccl4py (``_cuda_nccl``).
+  ``accumulate``);
+* ``exchange`` / ``reduce_scatter_f32``: NCCL through nccl4py (``nccl``).
 
 So TIDE-AG uses no SM at all, and TIDE-RS only the accumulate's CTAs.
-Multicast (NVSwitch) slots are opt-in (``_cuda_multicast``): :func:`multicast_capability`
+Multicast (NVSwitch) slots are opt-in (``multicast``): :func:`multicast_capability`
 refuses them while ``NCCL_NVLS_ENABLE=0`` or without device support.
 """
 
@@ -25,21 +25,21 @@ import socket
 import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
-from .._cache import CallCache
-from .._dtypes import normalize
-from .._errors import TideBackendError, TideInvalid
-from .._layout import shared_devices
-from ._base import Backend, Resolved, SymmetricBuffer
-from ._cuda_accum import Accumulator
-from ._cuda_copy import Copier
-from ._cuda_exec import CudaExecutor, EventRing
-from ._cuda_flags import FlagOps
-from ._cuda_memory import IpcSymmetricBuffer
-from ._cuda_nccl import NcclLink, put_signal_capability
-from ._cuda_watchdog import Watchdog
+from ..._cache import CallCache
+from ..._dtypes import normalize
+from ..._errors import TideBackendError, TideInvalid
+from ..._layout import shared_devices
+from .._base import Backend, Resolved, SymmetricBuffer
+from .accumulate import Accumulator
+from .copies import Copier
+from .executor import CudaExecutor, EventRing
+from .flags import FlagOps
+from .memory import IpcSymmetricBuffer
+from .nccl import NcclLink, put_signal_capability
+from .watchdog import Watchdog
 
 if TYPE_CHECKING:
-    from .._group import Group
+    from ..._group import Group
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types addressable as device memory
 _DL_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 13: "cuda_managed", 10: "rocm"}
@@ -201,7 +201,7 @@ class CudaBackend(Backend):
                              for _ in range(self.push_split - 1)]
                             for _ in range(self.group.local_size)]
         self.events = EventRing()
-        self.fork_events: list = []  # see [Note: streams] in _cuda_exec
+        self.fork_events: list = []  # see [Note: streams] in executor
         self._fingerprints = CallCache(64)
         self.copier = Copier(self.group.config.batch_copies)
         self.flags = FlagOps(self.device)
@@ -226,7 +226,7 @@ class CudaBackend(Backend):
         rank's failure (no descriptor passing between these processes, say)
         is learnt by all, which then use legacy IPC.
         """
-        from ._cuda_vmm import VmmSymmetricBuffer
+        from .vmm import VmmSymmetricBuffer
 
         want = self.group.config.symmetric_memory
         ipc = "legacy CUDA IPC (cudaIpcGetMemHandle / cudaIpcOpenMemHandle), handles over MPI"
@@ -251,7 +251,7 @@ class CudaBackend(Backend):
     def _alloc_multicast(self, nbytes: int) -> Any:
         import cupy
 
-        from ._cuda_multicast import MulticastSymmetricBuffer
+        from .multicast import MulticastSymmetricBuffer
 
         with cupy.cuda.Device(self.device):
             return MulticastSymmetricBuffer(self.group.node_comm, nbytes, self.device)
@@ -347,7 +347,7 @@ class CudaBackend(Backend):
     def alloc_symmetric(self, nbytes: int) -> SymmetricBuffer:
         import cupy
 
-        from ._cuda_vmm import VmmSymmetricBuffer
+        from .vmm import VmmSymmetricBuffer
 
         kind = VmmSymmetricBuffer if self.vmm else IpcSymmetricBuffer
         with cupy.cuda.Device(self.device):
@@ -365,7 +365,7 @@ class CudaBackend(Backend):
     def retire(self, events: list) -> None:
         """Hold buffers allocated since the last collective until ``events`` fire.
 
-        See [Note: buffer lifetimes] in ``_cuda_exec``.
+        See [Note: buffer lifetimes] in ``executor``.
         """
         self._inflight = [(evs, bufs) for evs, bufs in self._inflight
                           if not all(ev.done for ev in evs)]

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import TideBackendError
-from . import _cuda_driver
+from ..._errors import TideBackendError
+from . import driver
 
 #: CU_STREAM_WRITE_VALUE_DEFAULT (with a memory barrier) and CU_STREAM_WAIT_VALUE_GEQ.
 _WRITE_DEFAULT = 0
@@ -43,8 +43,8 @@ class FlagOps:
         word = cupy.zeros(1, cupy.int32)
         cupy.cuda.get_current_stream().synchronize()
         try:
-            self._write = _cuda_driver.stream_value32("Write")
-            self._wait = _cuda_driver.stream_value32("Wait")
+            self._write = driver.stream_value32("Write")
+            self._wait = driver.stream_value32("Wait")
             self.memops = True
             self.signal(stream, word.data.ptr, 7)
             self.wait(stream, word.data.ptr, 7)
@@ -81,7 +81,7 @@ class FlagOps:
             raise TideBackendError(f"cuStream{op}Value32 failed: CUresult {err}")
 
     def _kernel(self, name: str, stream: Any, addr: int, value: int) -> None:
-        from .. import _kernels
+        from . import kernels as _kernels
 
         k = _kernels.function("flags.cu", name, self.device)
         with stream:
