@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._arena import OUTBOX, STAMP, Region
-from ._errors import TideBackendError
+from ._errors import agree
 
 if TYPE_CHECKING:
     from ._group import Group
@@ -82,12 +82,8 @@ class Stamps:
         got = np.asarray(be.xp.asnumpy(self._snap) if be.xp is not np else self._snap)
         bad = [f"{where}: rank {writer}'s stamp was {int(v)}, expected {use}"
                for (where, writer, use), v in zip(self._expect, got) if v != use]
-        everyone = self.group.comm.allgather(bad[:4])
-        if any(everyone):
-            lines = [f"rank {r}: {b}" for r, bs in enumerate(everyone) for b in bs]
-            raise TideBackendError(
-                f"{self.what}: data was read before it arrived (debug stamps, [Note: "
-                f"stamps]): " + "; ".join(lines))
+        agree(self.group.comm, "; ".join(bad[:4]) or None,
+              f"{self.what}: data was read before it arrived (debug stamps, [Note: stamps])")
 
 
 def start(group: Group, what: str, capacity: int) -> Any:

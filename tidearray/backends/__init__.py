@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .._errors import TideInvalid
+from .._errors import TideInvalid, agree
 from ._base import AccumPiece, Backend, Completion, Executor, Resolved, SymmetricBuffer
 
 if TYPE_CHECKING:
@@ -48,10 +48,8 @@ def make_backend(name: str, group: Group) -> Backend:
         return HostBackend(group)
     if name == "cuda":
         ok, why = cuda_usable()
-        oks = group.comm.allgather((ok, why))
-        bad = [(r, w) for r, (o, w) in enumerate(oks) if not o]
-        if bad:
-            raise TideInvalid(f"backend 'cuda': expected a usable GPU on every rank, got {bad}")
+        agree(group.comm, None if ok else why,
+              "backend 'cuda': expected a usable GPU on every rank, got", TideInvalid)
         from .cuda import CudaBackend
 
         return CudaBackend(group)

@@ -15,7 +15,7 @@ import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
-from .._errors import TideBackendError, TideInvalid
+from .._errors import TideBackendError, TideInvalid, agree
 from .._layout import Copy
 
 if TYPE_CHECKING:
@@ -238,11 +238,9 @@ class Backend(abc.ABC):
         Raises:
             TideInvalid: multicast is not allowed or not supported here.
         """
-        # Collective: every rank learns of any rank's refusal, none waits alone.
-        answers = self.group.node_comm.allgather(self.multicast_capability())
-        refused = [(r, why) for r, (ok, why) in enumerate(answers) if not ok]
-        if refused:
-            raise TideInvalid(f"multicast: expected a machine that allows it, got: {refused}")
+        ok, why = self.multicast_capability()  # every rank learns of any rank's refusal
+        agree(self.group.node_comm, None if ok else why,
+              "multicast: expected a machine that allows it, got", TideInvalid)
         return self._alloc_multicast(nbytes)
 
     def multicast_capability(self) -> tuple[bool, str]:

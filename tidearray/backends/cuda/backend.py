@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ..._cache import CallCache
 from ..._dtypes import normalize
-from ..._errors import TideBackendError, TideInvalid
+from ..._errors import TideBackendError, TideInvalid, fail_together
 from ..._layout import shared_devices
 from .._base import Backend, Resolved, SymmetricBuffer
 from .accumulate import Accumulator
@@ -143,15 +143,8 @@ class CudaBackend(Backend):
 
         self.xp = cupy
         local = physical_local_rank(self.group.comm)  # collective: before anything can fail
-        err = None
-        try:
+        with fail_together(self.group.comm, "cuda backend setup failed"):
             self._setup_device(local)
-        except Exception as e:  # noqa: BLE001 - fail together: every rank learns of any rank's failure
-            err = f"{type(e).__name__}: {e}"
-        errs = self.group.comm.allgather(err)
-        if any(errs):
-            raise TideBackendError("cuda backend setup failed: " + "; ".join(
-                f"rank {r}: {e}" for r, e in enumerate(errs) if e))
         self.capabilities["symmetric memory"] = self._choose_memory()
         if self.group.topology.num_nodes > 1:
             self._check_nccl_layout()

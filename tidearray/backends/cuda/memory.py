@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..._dtypes import normalize
-from ..._errors import TideBackendError
+from ..._errors import TideBackendError, fail_together
 from .._base import SymmetricBuffer
 
 #: cudaIpcMemLazyEnablePeerAccess: enable peer access on first use of the mapping.
@@ -69,30 +69,21 @@ class IpcSymmetricBuffer(SymmetricBuffer):
         self._node_comm = node_comm
         size = max(-(-nbytes // 4096) * 4096, 4096)
         self._local = rt.malloc(size)
-        err = None
-        try:
-            handle = rt.ipcGetMemHandle(self._local)
-        except Exception as e:  # noqa: BLE001 - export failed: still join the allgather, then fail together
-            handle, err = None, f"{type(e).__name__}: {e}"
-        handles = node_comm.allgather((handle, err))
-        bad = [(r, e) for r, (_, e) in enumerate(handles) if e]
-        if bad:
-            rt.free(self._local)
-            raise TideBackendError(f"cudaIpcGetMemHandle failed on node-local ranks {bad}")
-        me = node_comm.rank
         self._ptrs, self._opened = [], []
-        for r, (h, _) in enumerate(handles):
-            if r == me:
-                self._ptrs.append(self._local)
-                continue
-            try:
-                p = rt.ipcOpenMemHandle(h, _LAZY_PEER)
-            except Exception as e:
-                self._close_peers()
-                raise TideBackendError(f"cudaIpcOpenMemHandle of node-local rank {r}'s "
-                                       f"memory failed on rank {me}: {e}") from e
-            self._ptrs.append(p)
-            self._opened.append(p)
+        try:
+            with fail_together(node_comm, "cudaIpcGetMemHandle failed"):
+                handle = rt.ipcGetMemHandle(self._local)
+            handles = node_comm.allgather(handle)
+            with fail_together(node_comm, "cudaIpcOpenMemHandle of a peer's memory failed"):
+                for r, h in enumerate(handles):
+                    p = self._local if r == node_comm.rank else rt.ipcOpenMemHandle(h, _LAZY_PEER)
+                    self._ptrs.append(p)
+                    if p != self._local:
+                        self._opened.append(p)
+        except TideBackendError:
+            self._close_peers()
+            rt.free(self._local)
+            raise
         self._mem = cupy.cuda.UnownedMemory(self._local, size, self, device)
 
     def ptr(self, local_rank: int) -> int:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .vmm import FD_HANDLE, VmmSymmetricBuffer, agree, check
+from ..._errors import fail_together
+from .vmm import FD_HANDLE, VmmSymmetricBuffer, check
 
 __all__ = ["MulticastSymmetricBuffer"]
 
@@ -60,16 +61,12 @@ class MulticastSymmetricBuffer(VmmSymmetricBuffer):
     def _bind(self, fds: list[list[int]]) -> None:
         from cuda.bindings import driver as cu
 
-        err = None
-        try:
+        with fail_together(self._comm, "multicast join failed"):  # all joined before any bind
             if not self._mc_rank0:
                 self._mc = check(cu.cuMemImportFromShareableHandle(
                     fds[0][1], self._mc_prop.handleTypes), "cuMemImportFromShareableHandle")
             dev = check(cu.cuDeviceGet(self.device), "cuDeviceGet")
             check(cu.cuMulticastAddDevice(self._mc, dev), "cuMulticastAddDevice")
-        except Exception as e:  # noqa: BLE001 - fail together: a lone raise would hang the rest
-            err = f"{type(e).__name__}: {e}"
-        agree(self._comm, err, "multicast join")  # every device joined before any bind
         check(cu.cuMulticastBindMem(self._mc, 0, self._mem, 0, self._size, 0),
               "cuMulticastBindMem")
 

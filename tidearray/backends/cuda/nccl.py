@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..._errors import TideBackendError
+from ..._errors import TideBackendError, fail_together
 
 #: First libnccl release with ncclPutSignal / ncclWaitSignal.
 PUT_SIGNAL_VERSION = (2, 29)
@@ -72,19 +72,14 @@ class NcclLink:
 
     def setup(self, inter_comm: Any) -> None:
         """Collective over ``inter_comm``; the current CUDA device must be set."""
-        uid, err = None, None
-        try:
+        uid = None
+        with fail_together(inter_comm, "NCCL bootstrap failed"):  # before anyone waits in init
             import nccl.core as nccl
             from nccl.bindings import nccl as nb
 
             self._nccl, self._nb = nccl, nb
             if inter_comm.rank == 0:
                 uid = nccl.get_unique_id()
-        except Exception as e:  # noqa: BLE001 - import or id failure: tell every rank before anyone waits
-            err = f"{type(e).__name__}: {e}"
-        errs = inter_comm.allgather(err)
-        if any(errs):
-            raise TideBackendError(f"NCCL bootstrap failed: {errs}")
         uid = inter_comm.bcast(uid, root=0)
         try:
             self.comm = self._nccl.Communicator.init(inter_comm.size, inter_comm.rank, uid)

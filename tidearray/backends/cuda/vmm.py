@@ -19,7 +19,7 @@ import uuid
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
-from ..._errors import TideBackendError
+from ..._errors import TideBackendError, agree, fail_together
 from .._base import SymmetricBuffer
 from .memory import device_view
 
@@ -77,13 +77,13 @@ def exchange_fds(node_comm: Any, fds: Sequence[int], timeout: float = 30.0) -> l
         err = f"{type(e).__name__}: {e}"
     finally:
         listener.close()
-    errors = node_comm.allgather(err)
-    if any(errors):
+    try:
+        agree(node_comm, err, "passing VMM file descriptors over Unix sockets failed")
+    except TideBackendError:
         for r, group in enumerate(got):
             for fd in group if r != me else ():
                 os.close(fd)
-        raise TideBackendError("passing VMM file descriptors over Unix sockets failed: " +
-                               "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+        raise
     return got
 
 
@@ -116,14 +116,6 @@ def _receive(listener: socket.socket, got: list, pids: list, me: int, count: int
                               f"{int.from_bytes(data, 'little')}")
             got[rank] = list(received)
             arrived.add(rank)
-
-
-def agree(node_comm: Any, err: Optional[str], what: str) -> None:
-    """Raise TideBackendError on every rank if ``err`` is set on any."""
-    errors = node_comm.allgather(err)
-    if any(errors):
-        raise TideBackendError(f"{what} failed: " + "; ".join(
-            f"rank {r}: {e}" for r, e in enumerate(errors) if e))
 
 
 def check(res: Any, what: str) -> Any:
@@ -197,22 +189,19 @@ class VmmSymmetricBuffer(SymmetricBuffer):
     def __init__(self, node_comm: Any, nbytes: int, device: int, gran: int = 0) -> None:
         self.nbytes, self.device, self._comm = nbytes, device, node_comm
         self._ptrs: Any = None
-        own, err = [], None
+        own: list[int] = []
         try:  # local steps first, then agree: no rank enters the exchange alone
-            from cuda.bindings import driver as cu
+            with fail_together(node_comm, "VMM allocation failed"):
+                from cuda.bindings import driver as cu
 
-            fd_type = getattr(cu.CUmemAllocationHandleType, FD_HANDLE)
-            prop = alloc_prop(device)
-            self._gran = gran = max(gran, granularity(prop))
-            self._size = size = -(-max(nbytes, 1) // gran) * gran
-            self._mem = check(cu.cuMemCreate(size, prop, 0), "cuMemCreate")
-            own = [check(cu.cuMemExportToShareableHandle(self._mem, fd_type, 0),
-                         "cuMemExportToShareableHandle")]
-            own += self._extra_fds()
-        except Exception as e:  # noqa: BLE001 - fail together
-            err = f"{type(e).__name__}: {e}"
-        try:
-            agree(node_comm, err, "VMM allocation")
+                fd_type = getattr(cu.CUmemAllocationHandleType, FD_HANDLE)
+                prop = alloc_prop(device)
+                self._gran = gran = max(gran, granularity(prop))
+                self._size = size = -(-max(nbytes, 1) // gran) * gran
+                self._mem = check(cu.cuMemCreate(size, prop, 0), "cuMemCreate")
+                own.append(check(cu.cuMemExportToShareableHandle(self._mem, fd_type, 0),
+                                 "cuMemExportToShareableHandle"))
+                own += self._extra_fds()
             fds = exchange_fds(node_comm, own)
         except TideBackendError:
             for fd in own:
@@ -220,18 +209,16 @@ class VmmSymmetricBuffer(SymmetricBuffer):
             raise
         me = node_comm.rank
         try:
-            self._bind(fds)
-            handles = [self._mem if r == me else check(
-                cu.cuMemImportFromShareableHandle(fds[r][0], fd_type),
-                "cuMemImportFromShareableHandle") for r in range(node_comm.size)]
-            self._imported = [h for r, h in enumerate(handles) if r != me]
-            self._ptrs = [self._map(h) for h in handles]
-        except Exception as e:  # noqa: BLE001 - fail together
-            err = f"{type(e).__name__}: {e}"
+            with fail_together(node_comm, "VMM import and mapping failed"):
+                self._bind(fds)
+                handles = [self._mem if r == me else check(
+                    cu.cuMemImportFromShareableHandle(fds[r][0], fd_type),
+                    "cuMemImportFromShareableHandle") for r in range(node_comm.size)]
+                self._imported = [h for r, h in enumerate(handles) if r != me]
+                self._ptrs = [self._map(h) for h in handles]
         finally:
             for fd in (fd for group in fds for fd in group):  # the handles hold the memory
                 os.close(fd)
-        agree(node_comm, err, "VMM import and mapping")
 
     def _extra_fds(self) -> list[int]:
         return []
