@@ -46,7 +46,7 @@ def test_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, scale):
     pieces = [AccumPiece(outs[k].data.ptr + 4 * offs[k],
                          tuple(dev_srcs[s][k].data.ptr + dt.itemsize * offs[k]
                                for s in range(n_src)), sizes[k]) for k in range(len(sizes))]
-    be = cuda_group.backend
+    be = cuda_group.backend.lanes
     cp.cuda.runtime.deviceSynchronize()
     be.accumulator.launch(be.streams[-2], pieces, dt, scale)
     be.streams[-2].synchronize()
@@ -61,7 +61,7 @@ def test_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, scale):
 def test_copier_many_small_segments(cuda_group, cp, batched):
     from tidearray.backends.cuda.copies import Copier
 
-    be = cuda_group.backend
+    be = cuda_group.backend.lanes
     c = Copier(None if batched else False)
     on, why = c.probe(be.streams[0].ptr)
     if batched and not on:

@@ -278,7 +278,7 @@ class NcclA2a(NcclBf16):
                 recv: int, out32: Any, s: Any) -> tuple:
         """NCCL's bf16 all-to-all, then the fp32 sum of the W blocks, scale fused."""
         W, comm = data.world, self.rs_comm
-        accumulator = self.ctx.group.backend.accumulator
+        accumulator = self.ctx.group.backend.lanes.accumulator
         pieces = (AccumPiece(int(out32.data.ptr), tuple(
             recv + r * lay.block_numel * 2 for r in range(W)), lay.block_numel),)
 

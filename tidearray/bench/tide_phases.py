@@ -102,7 +102,7 @@ def accumulator_ctas(be: Any, per_chunk: list) -> Optional[int]:
     try:
         from ..backends.cuda import accumulate as ca
 
-        acc = be.accumulator
+        acc = be.lanes.accumulator
         grids = []
         for pieces in per_chunk:
             if not pieces:

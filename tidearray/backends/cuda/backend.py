@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -32,7 +33,7 @@ from ..._layout import shared_devices
 from .._base import Backend, Resolved, SymmetricBuffer
 from .accumulate import Accumulator
 from .copies import Copier
-from .executor import CudaExecutor, EventRing
+from .executor import CudaExecutor, Lanes
 from .flags import FlagOps
 from .memory import IpcSymmetricBuffer
 from .nccl import NcclLink, put_signal_capability
@@ -120,18 +121,10 @@ class CudaBackend(Backend):
     def __init__(self, group: Group) -> None:
         super().__init__(group)
         self.device = -1
-        self.streams: list = []
-        self.aux_streams: list = []
-        self.push_split = 1
-        self.local_rank = group.topology.local_rank
-        self.copier: Any = None
-        self.events: Any = None
-        self.flags: Any = None
-        self.accumulator: Any = None
-        self.nccl: Any = None
+        self.lanes: Optional[Lanes] = None  # the streams and engines, made by setup
         self.vmm = False
-        self.watchdog: Any = None
         self.capabilities: dict[str, tuple[bool, str]] = {}
+        self._fingerprints = CallCache(64)
         self._allocs: list = []
         self._inflight: list = []
 
@@ -148,11 +141,11 @@ class CudaBackend(Backend):
         self.capabilities["symmetric memory"] = self._choose_memory()
         if self.group.topology.num_nodes > 1:
             self._check_nccl_layout()
-            self.nccl = NcclLink()
-            self.nccl.setup(self.group.inter_comm)
+            self.lanes.nccl = NcclLink()
+            self.lanes.nccl.setup(self.group.inter_comm)
             cupy.cuda.Device(self.device).use()  # whatever NCCL's start-up made current
         self.capabilities["nccl"] = ((True, "inter-node communicator over nccl4py")
-                                     if self.nccl else (False, "single node: not needed"))
+                                     if self.lanes.nccl else (False, "single node: not needed"))
 
     def _check_nccl_layout(self) -> None:
         """Refuse, on every rank, an inter-node communicator with two ranks on one device.
@@ -185,32 +178,31 @@ class CudaBackend(Backend):
             cudart.cudaSetDevice(self.device)
         except ImportError:
             pass
-        # One non-blocking stream per lane: peers 0..L-1, COMPUTE, NET ([Note: streams]).
-        self.streams = [cupy.cuda.Stream(non_blocking=True)
-                        for _ in range(self.group.local_size + 2)]
-        # Extra streams per peer lane, for pushes split over copy engines.
-        self.push_split = self.group.config.ce_split
-        self.aux_streams = [[cupy.cuda.Stream(non_blocking=True)
-                             for _ in range(self.push_split - 1)]
-                            for _ in range(self.group.local_size)]
-        self.events = EventRing()
-        self.fork_events: list = []  # see [Note: streams] in executor
-        self._fingerprints = CallCache(64)
-        self.copier = Copier(self.group.config.batch_copies)
-        self.flags = FlagOps(self.device)
+        config, local_size = self.group.config, self.group.local_size
+        split = config.ce_split
         sms = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
-        self.accumulator = Accumulator(self.device, sms, self.group.config.accum_ctas)
-        self.watchdog = Watchdog(self.device, self.group.config.timeout)
-        probe_stream = self.streams[-1]
+
+        def stream() -> Any:
+            return cupy.cuda.Stream(non_blocking=True)
+
+        self.lanes = lanes = Lanes(
+            device=self.device, local_rank=self.group.local_rank,
+            # One non-blocking stream per lane: peers 0..L-1, COMPUTE, NET ([Note: streams]),
+            # and split - 1 more per peer lane for pushes split over copy engines.
+            streams=[stream() for _ in range(local_size + 2)],
+            aux_streams=[[stream() for _ in range(split - 1)] for _ in range(local_size)],
+            push_split=split, copier=Copier(config.batch_copies), flags=FlagOps(self.device),
+            accumulator=Accumulator(self.device, sms, config.accum_ctas),
+            watchdog=Watchdog(self.device, config.timeout), retire=self.retire)
+        probe_stream = lanes.streams[-1]
         self.capabilities = {
-            "batched copies": self.copier.probe(probe_stream.ptr),
-            "stream memory operations": self.flags.probe(probe_stream),
+            "batched copies": lanes.copier.probe(probe_stream.ptr),
+            "stream memory operations": lanes.flags.probe(probe_stream),
             "multicast": multicast_capability(self.device),
             "NCCL put/signal": put_signal_capability(),
+            "split pushes": (split > 1, f"{split} copy-engine stream(s) per peer push "
+                             "(TIDE_CE_SPLIT)"),
         }
-        self.capabilities["split pushes"] = (
-            self.push_split > 1, f"{self.push_split} copy-engine stream(s) per peer push "
-            "(TIDE_CE_SPLIT)")
 
     def _choose_memory(self) -> tuple[bool, str]:
         """The symmetric-memory route (``Config.symmetric_memory``). Collective over the node.
@@ -232,6 +224,9 @@ class CudaBackend(Backend):
             if want == "vmm":
                 raise
             self.vmm = False
+            # Said once, and in tidearray.info: legacy IPC maps every allocation eagerly.
+            warnings.warn(f"tidearray: VMM symmetric memory is unavailable here, so legacy "
+                          f"CUDA IPC is used: {e}", RuntimeWarning, stacklevel=2)
             return True, f"{ipc}; VMM is unavailable here: {e}"
         self.vmm = True
         return True, ("VMM (cuMemCreate, POSIX file descriptors over Unix sockets, "
@@ -250,17 +245,19 @@ class CudaBackend(Backend):
             return MulticastSymmetricBuffer(self.group.node_comm, nbytes, self.device)
 
     def close(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.close()
-        if self.nccl is not None:
+        self._allocs, self._inflight = [], []
+        lanes = self.lanes
+        if lanes is None:
+            return
+        lanes.watchdog.close()
+        if lanes.nccl is not None:
             import cupy
 
             prev = cupy.cuda.runtime.getDevice()
             self.synchronize()
-            self.nccl.close()
-            self.nccl = None
+            lanes.nccl.close()
+            lanes.nccl = None
             cupy.cuda.runtime.setDevice(prev)
-        self._allocs, self._inflight = [], []
 
     # -- arrays and memory ----------------------------------------------------
 
@@ -347,13 +344,13 @@ class CudaBackend(Backend):
             return kind(self.group.node_comm, nbytes, self.device)
 
     def executor(self, stream: Any = None) -> CudaExecutor:
-        self.watchdog.check()  # a timed-out collective broke the group ([Note: watchdog])
-        return CudaExecutor(self, stream)
+        self.check()  # a timed-out collective broke the group ([Note: watchdog])
+        return CudaExecutor(self.lanes, self.group.local_size, stream)
 
     def check(self) -> None:
         """Raise TideBackendError if a collective timed out ([Note: watchdog])."""
-        if self.watchdog is not None:
-            self.watchdog.check()
+        if self.lanes is not None:
+            self.lanes.watchdog.check()
 
     def retire(self, events: list) -> None:
         """Hold buffers allocated since the last collective until ``events`` fire.

@@ -41,10 +41,18 @@ asynchronous CUDA call.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..._errors import TideInvalid
 from .._base import Completion, Executor
+
+if TYPE_CHECKING:
+    from .accumulate import Accumulator
+    from .copies import Copier
+    from .flags import FlagOps
+    from .nccl import NcclLink
+    from .watchdog import Watchdog
 
 #: Pushes smaller than this stay on one stream (the split's events cost more).
 SPLIT_MIN_BYTES = 8 << 20
@@ -84,6 +92,27 @@ def _event() -> Any:
     return cupy.cuda.Event(block=False, disable_timing=True)
 
 
+@dataclass
+class Lanes:
+    """Everything an executor issues onto: this rank's device, one stream per lane
+    ([Note: streams]) and the engines behind the primitives. ``CudaBackend.setup``
+    makes it once; an executor reads nothing else of the backend."""
+
+    device: int
+    local_rank: int
+    streams: list  # lanes 0..L-1 (node-local peers), then COMPUTE and NET
+    aux_streams: list  # per peer lane, push_split - 1 more ([Note: split pushes])
+    push_split: int
+    copier: Copier
+    flags: FlagOps
+    accumulator: Accumulator
+    watchdog: Watchdog
+    retire: Callable[[list], None]  # holds the call's buffers ([Note: buffer lifetimes])
+    nccl: Optional[NcclLink] = None  # between nodes only
+    events: EventRing = field(default_factory=lambda: EventRing())
+    fork_events: list = field(default_factory=list)  # spare fork events, reused
+
+
 class EventRing:
     """Events for orderings that are waited on right after they are recorded
     (split forks and joins, lane dependencies), reused in turn rather than
@@ -118,18 +147,18 @@ class CudaCompletion(Completion):
 
 
 class CudaExecutor(Executor):
-    """Issues one collective's primitives onto the backend's lane streams."""
+    """Issues one collective's primitives onto the lane streams of ``lanes``."""
 
-    def __init__(self, backend: Any, stream: Any) -> None:
-        super().__init__(backend.group.local_size)
+    def __init__(self, lanes: Lanes, local_size: int, stream: Any) -> None:
+        super().__init__(local_size)
         import cupy
 
-        self.be = backend
+        self.lanes = lanes
         rt = cupy.cuda.runtime
         self._prev_device = rt.getDevice()
-        if self._prev_device != backend.device:  # another library moved the current device
-            rt.setDevice(backend.device)
-        forks = backend.fork_events
+        if self._prev_device != lanes.device:  # another library moved the current device
+            rt.setDevice(lanes.device)
+        forks = lanes.fork_events
         self._fork = forks.pop() if forks else _event()
         rt.eventRecord(self._fork.ptr, stream_ptr(stream))
         self._started: set[int] = set()
@@ -138,7 +167,7 @@ class CudaExecutor(Executor):
 
     def _lane(self, lane: int) -> Any:
         """Lane ``lane``'s stream, made to wait for the fork on first use."""
-        s = self.be.streams[lane]
+        s = self.lanes.streams[lane]
         if lane not in self._started:
             s.wait_event(self._fork)
             self._started.add(lane)
@@ -147,38 +176,39 @@ class CudaExecutor(Executor):
     def _copy(self, lane: int, copies: Any) -> None:
         """One batch; to a peer, split over ``push_split`` streams ([Note: split pushes])."""
         s = self._lane(lane)
-        split = self.be.push_split if lane < self.COMPUTE and lane != self.be.local_rank else 1
-        runs = self.be.copier.runs(copies, split, SPLIT_MIN_BYTES)
+        to_peer = lane < self.COMPUTE and lane != self.lanes.local_rank
+        runs = self.lanes.copier.runs(copies, self.lanes.push_split if to_peer else 1,
+                                      SPLIT_MIN_BYTES)
         if len(runs) == 1:
-            self.be.copier.copy(s.ptr, runs[0])
+            self.lanes.copier.copy(s.ptr, runs[0])
             return
-        fork, joins = self.be.events.take(), []
+        fork, joins = self.lanes.events.take(), []
         fork.record(s)
         for k, run in enumerate(runs):
-            aux = s if k == 0 else self.be.aux_streams[lane][k - 1]
+            aux = s if k == 0 else self.lanes.aux_streams[lane][k - 1]
             if k:
                 aux.wait_event(fork)
-            self.be.copier.copy(aux.ptr, run)
+            self.lanes.copier.copy(aux.ptr, run)
             if k:
-                joins.append(self.be.events.take())
+                joins.append(self.lanes.events.take())
                 joins[-1].record(aux)
         for ev in joins:  # the lane's next op (the arrival signal) follows every run
             s.wait_event(ev)
 
     def _multicast_copy(self, lane: int, buffer: Any, copies: list) -> None:
         # One write per piece, to the multicast mapping: the switch fans it out.
-        self.be.copier.copy(self._lane(lane).ptr,
+        self.lanes.copier.copy(self._lane(lane).ptr,
                             [(buffer.mc_ptr + off, src, n) for off, src, n in copies])
 
     def _signal(self, lane: int, addr: int, value: int) -> None:
-        self.be.flags.signal(self._lane(lane), addr, value)
+        self.lanes.flags.signal(self._lane(lane), addr, value)
 
     def _wait(self, lane: int, addr: int, value: int) -> None:
-        self.be.flags.wait(self._lane(lane), addr, value)
+        self.lanes.flags.wait(self._lane(lane), addr, value)
         self._waits.append((addr, value))
 
     def _accumulate(self, lane: int, pieces: list, src_dtype: Any, scale: float) -> None:
-        self.be.accumulator.launch(self._lane(lane), pieces, src_dtype, scale)
+        self.lanes.accumulator.launch(self._lane(lane), pieces, src_dtype, scale)
 
     def _zero(self, lane: int, addr: int, nbytes: int) -> None:
         import cupy
@@ -187,14 +217,14 @@ class CudaExecutor(Executor):
 
     def _exchange(self, lane: int, sends: list, recvs: list) -> None:
         self._uses_nccl = True
-        self.be.nccl.exchange(self._lane(lane).ptr, sends, recvs)
+        self.lanes.nccl.exchange(self._lane(lane).ptr, sends, recvs)
 
     def _reduce_scatter_f32(self, lane: int, send: int, recv: int, count: int) -> None:
         self._uses_nccl = True
-        self.be.nccl.reduce_scatter_f32(self._lane(lane).ptr, send, recv, count)
+        self.lanes.nccl.reduce_scatter_f32(self._lane(lane).ptr, send, recv, count)
 
     def _depend(self, lane: int, on: int) -> None:
-        ev = self.be.events.take()
+        ev = self.lanes.events.take()
         ev.record(self._lane(on))
         self._lane(lane).wait_event(ev)
 
@@ -202,16 +232,17 @@ class CudaExecutor(Executor):
         events = []
         for lane in sorted(self._started):
             ev = _event()
-            ev.record(self.be.streams[lane])
+            ev.record(self.lanes.streams[lane])
             events.append(ev)
         if events:  # every lane's wait on the fork is issued: it can be re-recorded
-            self.be.fork_events.append(self._fork)
+            self.lanes.fork_events.append(self._fork)
         else:  # nothing issued: completion is the fork itself
             events.append(self._fork)
-        self.be.retire(events)
-        self.be.watchdog.watch("collective", events, self._waits,
-                               self.be.nccl.abort if self._uses_nccl else None)
-        if self._prev_device != self.be.device:
+        self.lanes.retire(events)
+        nccl = self.lanes.nccl
+        self.lanes.watchdog.watch("collective", events, self._waits,
+                                  nccl.abort if self._uses_nccl and nccl else None)
+        if self._prev_device != self.lanes.device:
             import cupy
 
             cupy.cuda.runtime.setDevice(self._prev_device)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..._errors import fail_together
-from .vmm import FD_HANDLE, VmmSymmetricBuffer, check
+from .vmm import FD_HANDLE, VmmSymmetricBuffer, check, go_on
 
 __all__ = ["MulticastSymmetricBuffer"]
 
@@ -70,11 +70,12 @@ class MulticastSymmetricBuffer(VmmSymmetricBuffer):
         check(cu.cuMulticastBindMem(self._mc, 0, self._mem, 0, self._size, 0),
               "cuMulticastBindMem")
 
-    def _unmap(self) -> list:
+    def _unmap(self, errors: list[str]) -> list:
         from cuda.bindings import driver as cu
 
-        cu.cuMemUnmap(self.mc_ptr, self._size)
-        cu.cuMemAddressFree(self.mc_ptr, self._size)
-        cu.cuMulticastUnbind(self._mc, check(cu.cuDeviceGet(self.device), "cuDeviceGet"), 0,
-                             self._size)
-        return [*super()._unmap(), self._mc]
+        go_on(errors, cu.cuMemUnmap(self.mc_ptr, self._size), "cuMemUnmap(multicast)")
+        go_on(errors, cu.cuMemAddressFree(self.mc_ptr, self._size), "cuMemAddressFree(multicast)")
+        err, dev = cu.cuDeviceGet(self.device)
+        go_on(errors, err, "cuDeviceGet")
+        go_on(errors, cu.cuMulticastUnbind(self._mc, dev, 0, self._size), "cuMulticastUnbind")
+        return [*super()._unmap(errors), self._mc]

@@ -128,6 +128,16 @@ def check(res: Any, what: str) -> Any:
     return res[1] if isinstance(res, tuple) and len(res) == 2 else res
 
 
+def go_on(errors: list[str], res: Any, what: str) -> None:
+    """Check a driver call made while freeing: a failure goes into ``errors`` and the
+    caller goes on, since a free that stops half-way leaks everything after it."""
+    from cuda.bindings import driver as cu
+
+    err = res[0] if isinstance(res, tuple) else res
+    if err != cu.CUresult.CUDA_SUCCESS:
+        errors.append(f"{what}: {err}")
+
+
 FD_HANDLE = "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"
 
 
@@ -248,17 +258,18 @@ class VmmSymmetricBuffer(SymmetricBuffer):
                                       self.device)
         return device_view(mem, offset, shape, dtype)
 
-    def _unmap(self) -> list:
-        """Unmap every mapping; the handles still to release."""
+    def _unmap(self, errors: list[str]) -> list:
+        """Unmap every mapping (failures into ``errors``); the handles still to release."""
         from cuda.bindings import driver as cu
 
         for ptr in self._ptrs:
-            cu.cuMemUnmap(ptr, self._size)
-            cu.cuMemAddressFree(ptr, self._size)
+            go_on(errors, cu.cuMemUnmap(ptr, self._size), "cuMemUnmap")
+            go_on(errors, cu.cuMemAddressFree(ptr, self._size), "cuMemAddressFree")
         return [*self._imported, self._mem]
 
     def free(self) -> None:
-        """Unmap everything and release. Collective."""
+        """Unmap everything and release. Collective: a failed driver call raises
+        TideBackendError on every rank, after everything else was released."""
         if self._ptrs is None:
             return
         import cupy
@@ -266,7 +277,8 @@ class VmmSymmetricBuffer(SymmetricBuffer):
 
         cupy.cuda.runtime.deviceSynchronize()
         self._comm.Barrier()
-        for h in self._unmap():
-            cu.cuMemRelease(h)
+        errors: list[str] = []
+        for h in self._unmap(errors):
+            go_on(errors, cu.cuMemRelease(h), "cuMemRelease")
         self._ptrs = None
-        self._comm.Barrier()
+        agree(self._comm, "; ".join(errors) or None, "freeing symmetric memory failed")
