@@ -104,7 +104,7 @@ def make_ctx(args: Any) -> Ctx:
 
     import tidearray as ta
 
-    from . import nccl
+    from ..baseline import nccl
 
     comm = MPI.COMM_WORLD.Dup()
     if args.out and comm.rank == 0:
@@ -136,7 +136,7 @@ def environment(ctx: Ctx) -> dict:
 
     import tidearray
 
-    from . import nccl
+    from ..baseline import nccl
 
     env = {"argv": " ".join(["python -m tidearray.bench"] + sys.argv[1:]),
            "world": ctx.size, "host": platform.node(), "python": platform.python_version(),

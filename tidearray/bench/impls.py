@@ -12,7 +12,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .._dtypes import bfloat16, float32
-from . import pack
+from ..baseline import pack
 from .data import UnitData, as_f32_shards
 from .guard import guarded
 from .impl import Impl, Phase, Prepared, register

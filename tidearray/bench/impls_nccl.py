@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 from .._dtypes import bfloat16, float32
 from ..backends._base import AccumPiece
-from . import nccl, pack
+from ..baseline import nccl, pack
 from .data import UnitData, as_f32_shards
 from .impl import Impl, Phase, Prepared, Skip, register
 

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import nccl
+from ..baseline import nccl
 from .data import UnitData, recv_nbytes
 from .guard import guarded
 from .harness import Suite, prepare, release

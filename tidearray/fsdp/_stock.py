@@ -27,7 +27,7 @@ from .. import _dtypes
 from .._errors import TideInvalid
 from .._layout import FlatLayout, flat_layout
 from .._work import Work
-from ..bench import pack
+from ..baseline import pack
 from ._comm import UnitComm, _Ready, _views
 from ._shards import ShardArena
 
@@ -165,7 +165,7 @@ class _CudaLanes:
     def __init__(self, group: Group) -> None:
         import cupy
 
-        from ..bench import nccl
+        from ..baseline import nccl
 
         ok, why = nccl.available()
         if not ok:

@@ -224,7 +224,7 @@ class CudaBackend(Backend):
             if want == "vmm":
                 raise
             self.vmm = False
-            # Said once, and in tidearray.info: legacy IPC maps every allocation eagerly.
+            # Said once here, and listed by tidearray.info with the other capabilities.
             warnings.warn(f"tidearray: VMM symmetric memory is unavailable here, so legacy "
                           f"CUDA IPC is used: {e}", RuntimeWarning, stacklevel=2)
             return True, f"{ipc}; VMM is unavailable here: {e}"
