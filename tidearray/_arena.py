@@ -38,6 +38,7 @@ from ._layout import align_up
 
 if TYPE_CHECKING:
     from ._group import Group
+    from ._layout import UnitLayout
 
 FREE, ARRIVED = 0, 1
 #: Pull all-gather: the owner's part k is in its slot (READY, a running count of
@@ -88,7 +89,7 @@ class Region:
     def view(self, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
         return self.buffer.view(offset, shape, dtype)
 
-    def views(self, unit: Any, dtype: Any) -> list:
+    def views(self, unit: UnitLayout, dtype: Any) -> list:
         """Arrays over ``unit``'s parameters in this region, made once and reused.
 
         Building hundreds of device-array views costs milliseconds per call;
@@ -131,7 +132,7 @@ class SlotArena:
     """
 
     def __init__(self, slot_nbytes: int, num_slots: int = 2, group: Optional[Group] = None,
-                 multicast: Any = None) -> None:
+                 multicast: Optional[bool] = None) -> None:
         from ._group import default_group
 
         group = group or default_group()

@@ -22,9 +22,12 @@ from __future__ import annotations
 import os
 import platform
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ._errors import TideBackendError
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 #: Spins before a waiting rank starts yielding its CPU.
 _SPINS = 1024
@@ -37,7 +40,7 @@ class HostBoard:
     the same number of times, in the same order (as with any collective).
     """
 
-    def __init__(self, node_comm: Any, width: int, timeout: float) -> None:
+    def __init__(self, node_comm: MPI.Comm, width: int, timeout: float) -> None:
         from mpi4py import MPI
 
         size, me = node_comm.size, node_comm.rank

@@ -9,7 +9,10 @@ an error on every rank.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 
 class TideError(RuntimeError):
@@ -28,7 +31,7 @@ class TideBackendError(TideError):
     """A CUDA, NCCL or MPI call failed, or a peer stopped answering."""
 
 
-def agree(comm: Any, err: Optional[str], what: str,
+def agree(comm: MPI.Comm, err: Optional[str], what: str,
           error: type[TideError] = TideBackendError) -> None:
     """Raise ``error`` on every rank of ``comm`` if any rank's ``err`` is set. Collective.
 
@@ -47,7 +50,7 @@ class fail_together:
     every rank raises ``error`` if any rank failed. Collective, even on failure.
     """
 
-    def __init__(self, comm: Any, what: str, error: type[TideError] = TideBackendError):
+    def __init__(self, comm: MPI.Comm, what: str, error: type[TideError] = TideBackendError):
         self.comm, self.what, self.error = comm, what, error
 
     def __enter__(self) -> fail_together:

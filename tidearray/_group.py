@@ -17,6 +17,8 @@ from ._errors import TideInvalid
 from ._layout import Topology
 
 if TYPE_CHECKING:
+    from mpi4py import MPI
+
     from ._board import HostBoard
     from .backends._base import Backend
 
@@ -38,8 +40,8 @@ class Group:
         config: the settings in force.
     """
 
-    def __init__(self, comm: Any, topology: Topology, node_comm: Any, inter_comm: Any,
-                 config: Config) -> None:
+    def __init__(self, comm: MPI.Comm, topology: Topology, node_comm: MPI.Comm,
+                 inter_comm: MPI.Comm, config: Config) -> None:
         self.comm = comm
         self.topology = topology
         self.node_comm = node_comm
@@ -142,7 +144,7 @@ class Group:
         self.close()
 
 
-def _split(comm: Any, local_size: Optional[int]) -> tuple[Any, int]:
+def _split(comm: MPI.Comm, local_size: Optional[int]) -> tuple[Any, int]:
     from mpi4py import MPI
 
     if local_size is not None:
@@ -163,7 +165,7 @@ def _split(comm: Any, local_size: Optional[int]) -> tuple[Any, int]:
     return node, L
 
 
-def init(comm: Any = None, *, backend: Optional[str] = None,
+def init(comm: Optional[MPI.Comm] = None, *, backend: Optional[str] = None,
          local_size: Optional[int] = None, **settings: Any) -> Group:
     """Start a group over ``comm`` (``MPI.COMM_WORLD`` by default). Collective.
 
@@ -207,7 +209,7 @@ def default_group() -> Group:
     return _default
 
 
-def allreduce_max(comm: Any, values: list[int]) -> list[int]:
+def allreduce_max(comm: MPI.Comm, values: list[int]) -> list[int]:
     from mpi4py import MPI
 
     buf = np.asarray(values, dtype=np.int64)

@@ -23,7 +23,15 @@ from ._arena import ARRIVED, FREE, RS_CHANNEL0, Region, default_region
 from ._cache import CallCache
 from ._errors import TideInvalid
 from ._group import Group, default_group
-from ._layout import RsPlan, Topology, UnitLayout, cached_unit, plan_reduce_scatter
+from ._layout import (
+    RsChunk,
+    RsPlan,
+    ShardSpec,
+    Topology,
+    UnitLayout,
+    cached_unit,
+    plan_reduce_scatter,
+)
 from ._validate import overlaps
 from ._work import finish
 from .backends._base import AccumPiece
@@ -296,14 +304,14 @@ def issue(group: Group, ex: Executor, call: _RsCall, program: _Program, staging:
         ex.zero(lane, addr, nbytes)
 
 
-def _slice(spec: Any, target: int, a: int, b: int) -> tuple[int, int]:
+def _slice(spec: ShardSpec, target: int, a: int, b: int) -> tuple[int, int]:
     """Rows ``[a, b)`` of ``target``'s shard clipped to real rows: (first full row, count)."""
     start, stop = spec.rows(target)
     n = max(0, min(b, stop - start) - a)
     return start + a, n
 
 
-def _push_copies(unit: UnitLayout, chunk: Any, topo: Topology, p: int, grad_ptrs: list[int],
+def _push_copies(unit: UnitLayout, chunk: RsChunk, topo: Topology, p: int, grad_ptrs: list[int],
                  base: int) -> tuple:
     copies = []
     for m in range(topo.num_nodes):
@@ -316,7 +324,7 @@ def _push_copies(unit: UnitLayout, chunk: Any, topo: Topology, p: int, grad_ptrs
     return tuple(copies)  # the copier keeps packed batches by this tuple's identity
 
 
-def _accum_pieces(unit: UnitLayout, chunk: Any, topo: Topology, grad_ptrs: list[int], dst: list,
+def _accum_pieces(unit: UnitLayout, chunk: RsChunk, topo: Topology, grad_ptrs: list[int], dst: list,
                   src_base: dict) -> list[AccumPiece]:
     me, L = topo.local_rank, topo.local_size
     pieces = []

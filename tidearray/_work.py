@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Optional, TypeVar
+
+if TYPE_CHECKING:
+    from ._stamps import Stamps
+    from .backends._base import Completion, Executor
 
 T = TypeVar("T")
 
@@ -15,7 +19,7 @@ class Work(Generic[T]):
     host backend the work is already complete when the handle is returned.
     """
 
-    def __init__(self, completion: Any, result: T) -> None:
+    def __init__(self, completion: Completion, result: T) -> None:
         self._completion = completion
         self._result = result
 
@@ -27,7 +31,8 @@ class Work(Generic[T]):
         return self._completion.query()
 
 
-def finish(ex: Any, result: T, stream: Any, async_op: bool, stamps: Any = None) -> Any:
+def finish(ex: Executor, result: T, stream: Any, async_op: bool,
+           stamps: Optional[Stamps] = None) -> Any:
     """End one issued collective: its :class:`Work`, checked first in debug mode (``stamps``,
     [Note: stamps] in ``_stamps``), returned as is if ``async_op``, else waited on."""
     work = Work(ex.finish(), result)

@@ -27,6 +27,8 @@ from .._layout import coalesce
 from ._base import Backend, Completion, Executor, Resolved, SymmetricBuffer
 
 if TYPE_CHECKING:
+    from mpi4py import MPI
+
     from .._group import Group
 
 
@@ -43,7 +45,7 @@ def _array_at(addr: int, numel: int, dtype: Any) -> np.ndarray:
 
 
 class HostSymmetricBuffer(SymmetricBuffer):
-    def __init__(self, node_comm: Any, nbytes: int, multicast: bool = False) -> None:
+    def __init__(self, node_comm: MPI.Comm, nbytes: int, multicast: bool = False) -> None:
         from mpi4py import MPI
 
         self.nbytes = nbytes

@@ -40,6 +40,8 @@ from .nccl import NcclLink, put_signal_capability
 from .watchdog import Watchdog
 
 if TYPE_CHECKING:
+    from mpi4py import MPI
+
     from ..._group import Group
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types addressable as device memory
@@ -98,7 +100,7 @@ def process_device(split_rank: int, count: int) -> int:
     return _process_device
 
 
-def physical_local_rank(comm: Any) -> int:
+def physical_local_rank(comm: MPI.Comm) -> int:
     """This process's rank among the ranks on its host (ignores emulated topologies)."""
     from mpi4py import MPI
 

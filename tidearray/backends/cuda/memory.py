@@ -26,13 +26,16 @@ IPC handle maps a whole allocation from its base.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..._dtypes import normalize
 from ..._errors import TideBackendError, fail_together
 from .._base import SymmetricBuffer
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 #: cudaIpcMemLazyEnablePeerAccess: enable peer access on first use of the mapping.
 _LAZY_PEER = 1
@@ -60,7 +63,7 @@ class IpcSymmetricBuffer(SymmetricBuffer):
     Collective over ``node_comm``: every rank must allocate (and free) together.
     """
 
-    def __init__(self, node_comm: Any, nbytes: int, device: int) -> None:
+    def __init__(self, node_comm: MPI.Comm, nbytes: int, device: int) -> None:
         import cupy
 
         rt = cupy.cuda.runtime

@@ -17,10 +17,13 @@ same addressing; the VMM memory and descriptor exchange under it
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..._errors import fail_together
 from .vmm import FD_HANDLE, VmmSymmetricBuffer, check, go_on
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 __all__ = ["MulticastSymmetricBuffer"]
 
@@ -34,7 +37,7 @@ class MulticastSymmetricBuffer(VmmSymmetricBuffer):
 
     multicast = True
 
-    def __init__(self, node_comm: Any, nbytes: int, device: int) -> None:
+    def __init__(self, node_comm: MPI.Comm, nbytes: int, device: int) -> None:
         from cuda.bindings import driver as cu
 
         self._mc_prop = prop = cu.CUmulticastObjectProp()

@@ -18,9 +18,12 @@ newer and nccl4py exposes ``put_signal``, that is recorded as a capability
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..._errors import TideBackendError, fail_together
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 #: First libnccl release with ncclPutSignal / ncclWaitSignal.
 PUT_SIGNAL_VERSION = (2, 29)
@@ -65,12 +68,12 @@ class NcclLink:
     """One NCCL communicator over the inter-node communicator."""
 
     def __init__(self) -> None:
-        self.comm: Any = None
+        self.comm: MPI.Comm = None
         self._raw: Any = None
         self._nb: Any = None
         self._nccl: Any = None
 
-    def setup(self, inter_comm: Any) -> None:
+    def setup(self, inter_comm: MPI.Comm) -> None:
         """Collective over ``inter_comm``; the current CUDA device must be set."""
         uid = None
         with fail_together(inter_comm, "NCCL bootstrap failed"):  # before anyone waits in init

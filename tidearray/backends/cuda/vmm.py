@@ -17,17 +17,20 @@ import socket
 import struct
 import uuid
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ..._errors import TideBackendError, agree, fail_together
 from .._base import SymmetricBuffer
 from .memory import device_view
 
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 #: Called (tests only) once every listener is up, before this rank connects to its peers.
 before_connect: Optional[Callable[[str], None]] = None
 
 
-def exchange_fds(node_comm: Any, fds: Sequence[int], timeout: float = 30.0) -> list[list[int]]:
+def exchange_fds(node_comm: MPI.Comm, fds: Sequence[int], timeout: float = 30.0) -> list[list[int]]:
     """Send ``fds`` to every node-local peer; return every rank's fds (ours as given).
 
     Collective over ``node_comm``. Each rank listens on an abstract Unix socket
@@ -196,7 +199,7 @@ class VmmSymmetricBuffer(SymmetricBuffer):
     (``_bind``).
     """
 
-    def __init__(self, node_comm: Any, nbytes: int, device: int, gran: int = 0) -> None:
+    def __init__(self, node_comm: MPI.Comm, nbytes: int, device: int, gran: int = 0) -> None:
         self.nbytes, self.device, self._comm = nbytes, device, node_comm
         self._ptrs: Any = None
         own: list[int] = []
