@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ._errors import TideInvalid
 
@@ -86,20 +86,8 @@ class Config:
     read ([Note: stamps] in ``_stamps``). Synchronizes every call: for finding
     bugs, not for timing. Env: ``TIDE_DEBUG``."""
 
-    _ENV = {
-        "TIDE_BACKEND": ("backend", str),
-        "TIDE_LOCAL_SIZE": ("local_size", int),
-        "TIDE_CHUNK_BYTES": ("chunk_nbytes", int),
-        "TIDE_DEPTH": ("depth", int),
-        "TIDE_TIMEOUT": ("timeout", float),
-        "TIDE_MULTICAST": ("multicast", _flag),
-        "TIDE_AG_TRANSPORT": ("ag_transport", str),
-        "TIDE_ACCUM_CTAS": ("accum_ctas", int),
-        "TIDE_CE_SPLIT": ("ce_split", int),
-        "TIDE_SYMMETRIC_MEMORY": ("symmetric_memory", str),
-        "TIDE_BATCH_COPIES": ("batch_copies", _flag),
-        "TIDE_DEBUG": ("debug", _flag),
-    }
+    #: Where a field's environment variable is not ``TIDE_<FIELD>``.
+    _ENV_NAMES = {"chunk_nbytes": "TIDE_CHUNK_BYTES"}
 
     @classmethod
     def make(cls, env: Optional[dict] = None, **kwargs: Any) -> Config:
@@ -110,7 +98,7 @@ class Config:
         if unknown:
             raise TideInvalid(f"expected settings among {sorted(names)}, got {unknown}")
         values: dict[str, Any] = {}
-        for var, (name, parse) in cls._ENV.items():
+        for var, (name, parse) in env_table(cls).items():
             if env.get(var, "") != "":
                 try:
                     values[name] = parse(env[var])
@@ -143,3 +131,15 @@ class Config:
             raise TideInvalid(f"depth: expected 1..4, got {self.depth}")
         if self.timeout <= 0:
             raise TideInvalid(f"timeout: expected > 0 seconds, got {self.timeout}")
+
+
+def env_table(cls: type[Config]) -> dict[str, tuple[str, Callable[[str], Any]]]:
+    """``TIDE_*`` variable -> (field, parser), one per field; the parser follows the
+    field's type (a bool is on for 1, true, yes or on)."""
+    table = {}
+    for f in dataclasses.fields(cls):
+        kind = str(f.type)
+        parse = (_flag if "bool" in kind else int if "int" in kind
+                 else float if "float" in kind else str)
+        table[cls._ENV_NAMES.get(f.name, f"TIDE_{f.name.upper()}")] = (f.name, parse)
+    return table

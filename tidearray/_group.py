@@ -36,6 +36,8 @@ class Group:
         node_comm: node-local ranks, in rank order.
         inter_comm: one rank per node with the same local rank, in node order.
         topology: world size, rank and local size.
+        rank, size, local_rank, local_size: this rank, the group's size, this
+            rank on its node and the ranks per node (from ``topology``).
         backend: the engine (``"cuda"`` or ``"host"``).
         config: the settings in force.
     """
@@ -43,7 +45,11 @@ class Group:
     def __init__(self, comm: MPI.Comm, topology: Topology, node_comm: MPI.Comm,
                  inter_comm: MPI.Comm, config: Config) -> None:
         self.comm = comm
-        self.topology = topology
+        self.topology = topology  # frozen: these four never change
+        self.rank: int = topology.rank
+        self.size: int = topology.world
+        self.local_rank: int = topology.local_rank
+        self.local_size: int = topology.local_size
         self.node_comm = node_comm
         self.inter_comm = inter_comm
         self.config = config
@@ -57,22 +63,6 @@ class Group:
         from ._cache import CallCache
 
         self.calls = CallCache()
-
-    @property
-    def rank(self) -> int:
-        return self.topology.rank
-
-    @property
-    def size(self) -> int:
-        return self.topology.world
-
-    @property
-    def local_rank(self) -> int:
-        return self.topology.local_rank
-
-    @property
-    def local_size(self) -> int:
-        return self.topology.local_size
 
     def __repr__(self) -> str:
         t = self.topology

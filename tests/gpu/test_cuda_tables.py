@@ -76,7 +76,7 @@ def test_split_copies_keeps_every_byte_in_order(sizes, parts):
 
 
 def test_process_device_prefers_the_launcher_and_sticks(monkeypatch):
-    from tidearray.backends import cuda
+    from tidearray.backends.cuda import backend as cuda
 
     monkeypatch.setattr(cuda, "_process_device", None)
     for var in cuda._LOCAL_RANK_VARS:
