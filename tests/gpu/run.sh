@@ -72,11 +72,13 @@ run_soak() {  # TIDE_SOAK_STEPS (2000); before/after figures in $OUT/soak.jsonl
 }
 run_benchall() { step benchall "${MPI[@]}" -n 2 python3 -m tidearray.bench all \
     --out "$OUT/b" ${TIDE_BENCH_DOCS:+--docs "$TIDE_BENCH_DOCS"}; }
-run_launches() {  # the whole suite in 3 separate launches, one report of the spread
-    local jsons=()
+run_launches() {  # 3 separate launches, one report of the spread (TIDE_LAUNCH_SUITES: all;
+    local jsons=()  # TIDE_LAUNCH_ARGS, e.g. "--workloads units", goes to each suite)
     for k in 1 2 3; do
-        step "benchall_launch$k" "${MPI[@]}" -n 2 python3 -m tidearray.bench all \
-            --out "$OUT/launch$k"
+        for suite in ${TIDE_LAUNCH_SUITES:-all}; do
+            step "bench_${suite}_launch$k" "${MPI[@]}" -n 2 python3 -m tidearray.bench "$suite" \
+                --out "$OUT/launch$k" ${TIDE_LAUNCH_ARGS:-}
+        done
         jsons+=(--json "$OUT/launch$k/bench.jsonl")
     done
     step launches_report python3 -m tidearray.bench report "${jsons[@]}" --docs "$OUT/report3"

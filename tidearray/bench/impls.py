@@ -84,6 +84,38 @@ class Tide(Impl):
 
 
 @register
+class TidePlan(Tide):
+    """TIDE-AG / TIDE-RS through persistent plans: the path ``tidearray.fsdp`` takes."""
+
+    name = "tide-plan"
+    description = ("TIDE-AG / TIDE-RS as persistent plans (Unit.gather_plan / reduce_plan, "
+                   "validated once), as the FSDP runtime calls them")
+
+    def setup(self, data: UnitData) -> Prepared:
+        import tidearray as ta
+
+        g, stream = self.ctx.group, self.ctx.dev.stream
+        unit = ta.Unit(data.unit.shapes, bfloat16, group=g)
+        slot, staging = ta.Region(g, unit.nbytes), ta.Region(g, unit.staging_nbytes)
+        outs = [self.ctx.dev.xp.empty(s.shard_shape, float32) for s in data.specs]
+        gather = unit.gather_plan(data.shards, slot)
+        reduce = unit.reduce_plan(data.grads, outs, op="avg", staging=staging)
+        last: dict[str, Any] = {}
+
+        def ag() -> None:
+            last["ag"] = gather(stream=stream)
+
+        def release() -> None:
+            last.clear()
+            slot.free()
+            staging.free()
+
+        return Prepared(ag, lambda: reduce(stream=stream), lambda: last["ag"], lambda: outs,
+                        {}, slot.nbytes + staging.nbytes + sum(o.nbytes for o in outs),
+                        release)
+
+
+@register
 class TidePull(Tide):
     """TIDE-AG over copy-engine pulls instead of pushes, in the same run as ``tide``."""
 
