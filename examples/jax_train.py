@@ -178,7 +178,9 @@ def main() -> None:
     if g.backend.name == "cuda" and not _has_gpu(jax):
         sys.exit("jax_train.py: the cuda backend needs a CUDA JAX (pip install 'jax[cuda12]'); "
                  "TIDE_BACKEND=host runs it on the CPU")
-    if g.backend.name != "cuda":
+    if g.backend.name == "cuda":  # JAX's start-up leaves another GPU current: ours back
+        g.backend.xp.cuda.Device(g.backend.device).use()
+    else:
         jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_default_matmul_precision", "highest")  # fp32, not TF32, on GPUs
     losses, bridge = train_sharded(jax, g)

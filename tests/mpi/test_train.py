@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 import llama  # noqa: E402
 import train  # noqa: E402
 
+import tidearray  # noqa: E402
 from tidearray.fsdp import AdamW  # noqa: E402
 from tidearray.fsdp._optim import adamw_numpy, clip_scale, coefficients  # noqa: E402
 
@@ -130,7 +131,12 @@ def _autograd_order_step(sm, net, tokens, targets):
 @pytest.mark.parametrize("impl", ["tide", "stock"])
 def test_autograd_order_on_two_slots_gives_the_same_losses(group, impl, monkeypatch):
     """Two slots (prefetch 1) and the interleaved hook order: bit for bit the in-order run."""
-    want = _train(group, "--impl", impl, "--steps", "4")
+    try:
+        want = _train(group, "--impl", impl, "--steps", "4")
+    except tidearray.TideInvalid as e:  # raised on every rank, so all skip together
+        if "one rank per GPU" in str(e):
+            pytest.skip(f"stock needs one rank per GPU: {e}")
+        raise
     monkeypatch.setattr(train, "train_step", _autograd_order_step)
     got = _train(group, "--impl", impl, "--steps", "4")
     ok = got == want if group.backend.name == "host" else not _close(got, want, impl)

@@ -18,14 +18,15 @@ and MPI collectives.
 
 from __future__ import annotations
 
+import socket
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from .. import _dtypes
-from .._errors import TideInvalid
-from .._layout import FlatLayout, flat_layout
+from .._errors import TideInvalid, agree
+from .._layout import FlatLayout, flat_layout, shared_devices
 from .._work import Work
 from ..baseline import pack
 from ._comm import UnitComm, _Ready, _views
@@ -168,8 +169,16 @@ class _CudaLanes:
         from ..baseline import nccl
 
         ok, why = nccl.available()
-        if not ok:
-            raise TideInvalid(f"comm='stock' on cuda needs nccl4py: {why}")
+        agree(group.comm, None if ok else why, "comm='stock' on cuda needs nccl4py", TideInvalid)
+        # NCCL refuses (one rank) or hangs (the others) on two ranks of a GPU: say so first.
+        places = group.comm.allgather((0, socket.gethostname(), group.backend.device))
+        pairs = shared_devices(places)
+        if pairs:
+            a, b = pairs[0]
+            raise TideInvalid(f"comm='stock' on cuda: expected one rank per GPU (NCCL's "
+                              f"communicators refuse two), got ranks {a} and {b} on device "
+                              f"{places[a][2]} of {places[a][1]}; use comm='tide' or 'local', "
+                              "or one rank per GPU")
         self.nccl = nccl
         self.rank = group.comm.rank
         self.num_sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
