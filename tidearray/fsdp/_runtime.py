@@ -137,8 +137,6 @@ class ShardedModel:
         self._deferred: list[int] = []  # backward prefetches waiting for their slot
         self._micro = 0
         self._scratch: Any = None
-        if self.xp is not np:  # start-up temporaries (full parameters, casts) back to the
-            self.xp.get_default_memory_pool().free_all_blocks()  # device, for other allocators
 
     @property
     def num_units(self) -> int:

@@ -57,8 +57,7 @@ class ShardArena:
     def refresh_send(self) -> None:
         """The send shards from the masters, rounded to nearest as the optimizer writes
         them (after initialisation or a checkpoint load)."""
-        for u in range(len(self.layout.units)):  # a unit at a time: small temporaries
-            self.block(self.send, u)[...] = self.block(self.master, u).astype(self.send.dtype)
+        self.send[...] = self.master.astype(self.send.dtype)
 
     def views(self, flat: Any, unit: int) -> list:
         """Per-parameter padded shard views of ``flat`` for ``unit``."""
