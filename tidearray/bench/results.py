@@ -5,10 +5,10 @@
 
 The section sits between ``<!-- results:begin -->`` and ``<!-- results:end -->``. Every
 figure in it comes from a record kept under ``docs/benchmarks/``: the FSDP2 comparison
-(``fsdp2/compare.json``), the training step (``train/train.json``), and the latest
-collective suite (``run8.jsonl``, with ``run8-rs.jsonl`` for the Megatron-style
-baseline, measured in a run of its own). A test checks that the README's section is
-what this module writes, so a figure cannot be edited by hand or left behind.
+(``fsdp2/compare.json``), the training step (``train/train.json``), the latest
+collective suite (``run9.jsonl``) and three separate launches of its headline units
+(``run9-launches/``). A test checks that the README's section is what this module
+writes, so a figure cannot be edited by hand or left behind.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
 DOCS = "docs/benchmarks"
 SOURCES = {"fsdp2": f"{DOCS}/fsdp2/compare.json", "train": f"{DOCS}/train/train.json",
-           "collectives": f"{DOCS}/run8.jsonl", "a2a": f"{DOCS}/run8-rs.jsonl"}
+           "collectives": f"{DOCS}/run9.jsonl"}
+LAUNCHES = [f"{DOCS}/run9-launches/launch{k}.jsonl" for k in (1, 2, 3)]
 U = "llama3.1-8b"
 
 
@@ -37,8 +38,8 @@ def render(root: str = ".") -> str:
     with open(path["train"]) as f:
         train = json.load(f)
     res = Results(load([path["collectives"]]))
-    a2a = Results(load([path["a2a"]]))
-    parts = [BEGIN, _note(), _fsdp2(fsdp2), _train(train), _collectives(res, a2a), END]
+    launches = [Results(load([os.path.join(root, p)])) for p in LAUNCHES]
+    parts = [BEGIN, _note(), _fsdp2(fsdp2), _train(train), _collectives(res, launches), END]
     return "\n\n".join(parts) + "\n"
 
 
@@ -112,7 +113,7 @@ def _x(a: Optional[float], b: Optional[float]) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}x"
 
 
-def _collectives(res: Results, a2a: Results) -> str:
+def _collectives(res: Results, launches: list[Results]) -> str:
     def t(suite: str, impl: str, w: str = U) -> Optional[float]:
         return res.value(suite, impl, w, "time")
 
@@ -120,6 +121,8 @@ def _collectives(res: Results, a2a: Results) -> str:
     rows = {r.target + r.workload: r for r in targets.evaluate(res)}
     bound = rows.get(f"TIDE-AG speed / CE push bound (within 3%){U}")
     ce = rows.get(f"TIDE-AG vs NCCL CE all-gather in place{U}")
+    plan_bound = rows.get(f"TIDE-AG as a plan speed / CE push bound (within 3%){U}")
+    plan_ce = rows.get(f"TIDE-AG as a plan vs NCCL CE all-gather in place{U}")
     sm = rows.get(f"RS SM time (CUPTI), stock / tide{U}")
     gemm = {(impl, op): res.value("interference", impl, U, f"{op}:gemm-1024x2048x16384")
             for impl in ("tide", "stock") for op in ("ag", "rs")}
@@ -129,7 +132,6 @@ def _collectives(res: Results, a2a: Results) -> str:
     peaks = [p for p in peaks if p is not None]
     q = "qwen3-30b-a3b"
     err = res.value("rs", "tide", U, "rs_error")
-    a2a_tide = a2a.value("rs", "tide", U, "time")
     lines = [
         f"**Collectives** ([docs/benchmarks/README.md](docs/benchmarks/README.md), commit "
         f"{_commit(env.get('commit', '?'))}; `mpirun --bind-to none -n 2 python -m "
@@ -143,14 +145,17 @@ def _collectives(res: Results, a2a: Results) -> str:
         f"kernel at all; **{res.value('ag', 'tide', U, 'bandwidth'):.0f} GB/s** per rank "
         f"({res.value('ag', 'tide', U, 'bandwidth_back_to_back'):.0f} GB/s issued back "
         f"to back). It runs at {_row(bound)} the speed of its own push timed alone and "
-        f"{_row(ce)} of NCCL's copy-engine all-gather alone, in place (goals 0.97x and 1x).",
+        f"{_row(ce)} of NCCL's copy-engine all-gather alone, in place (goals 0.97x and 1x). "
+        f"As a persistent plan (`tide-plan`, the path `tidearray.fsdp` takes): "
+        f"{_ms(t('ag', 'tide-plan'))} us, {_row(plan_bound)} and {_row(plan_ce)}.",
         f"- `reduce_scatter`, bf16 gradients to fp32 shards: {_ms(t('rs', 'tide'))} us, "
         f"**{_x(t('rs', 'stock'), t('rs', 'tide'))}** faster than an fp32 pack plus NCCL's "
         f"fp32 reduce-scatter, {_x(t('rs', 'fsdp2'), t('rs', 'tide'))} faster than FSDP2's "
-        f"own unit, {_x(a2a.value('rs', 'nccl-a2a', U, 'time'), a2a_tide)}"
-        f" faster than a Megatron-style bf16 all-to-all plus the same fp32 accumulate (run "
-        f"of its own), with error {err:.1e} (normwise) against fp64, as fp32 NCCL's; SM time "
+        f"own unit, {_x(t('rs', 'nccl-a2a'), t('rs', 'tide'))}"
+        f" faster than a Megatron-style bf16 all-to-all plus the same fp32 accumulate, "
+        f"with error {err:.1e} (normwise) against fp64, as fp32 NCCL's; SM time "
         f"(CUPTI) {_row(sm)} lower than `stock`'s (goal 12.5x).",
+        _spread(launches),
         f"- A concurrent single-wave GEMM slowed by {_pct(gemm['tide', 'ag'])} under "
         f"`all_gather` ({_pct(gemm['stock', 'ag'])} under `stock`) and by "
         f"{_pct(gemm['tide', 'rs'])} under `reduce_scatter` ({_pct(gemm['stock', 'rs'])} "
@@ -160,6 +165,19 @@ def _collectives(res: Results, a2a: Results) -> str:
         f"{_x(t('rs', 'stock', q), t('rs', 'tide', q))} and `all_gather` "
         f"{_x(t('ag', 'stock', q), t('ag', 'tide', q))} faster than `stock`."]
     return "\n".join(lines)
+
+
+def _spread(launches: list[Results]) -> str:
+    """Median time of each launch; the median of those and their range."""
+    def span(op: str, impl: str) -> str:
+        ts = sorted(v for v in (r.value(op, impl, U, "time") for r in launches) if v)
+        if not ts:
+            return "-"
+        return f"{ts[len(ts) // 2] * 1e6:,.0f} us [{ts[0] * 1e6:,.0f}, {ts[-1] * 1e6:,.0f}]"
+    return (f"- Across {len(launches)} separate launches (docs/benchmarks/run9-launches), "
+            f"median [min, max] of each launch's median: `all_gather` {span('ag', 'tide')} "
+            f"against `stock` {span('ag', 'stock')}; `reduce_scatter` {span('rs', 'tide')} "
+            f"against {span('rs', 'stock')}.")
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
