@@ -9,7 +9,8 @@ so launch gaps are excluded from both), run again right before each "beside" loo
 so that both see the same clocks and power state (an alone figure taken once, at
 the start, let a full-device GEMM look faster beside a collective than alone).
 Slowdown = median GEMM time under the collective / that adjacent median alone - 1;
-the start-of-suite figure is kept in the record too. GEMMs (M x N x K): the
+the start-of-suite figure is kept in the record too, with the SM and memory clocks
+and the power read after each loop (``nvidia-smi``, where it answers). GEMMs (M x N x K): the
 single-wave 1024x2048x16384 and 8192^3.
 """
 
@@ -75,9 +76,14 @@ def run(ctx: Any, unit: Any) -> None:
 
 def _one(ctx: Any, impl: str, op: str, unit: Any, coll: Any, coll_t: float, gname: str,
          gemm: Any, first_alone: float) -> None:
+    clocks = {}
+
     def adjacent() -> tuple:  # alone, then beside: the same clocks for both
         alone = gemm_loop(ctx, None, 0.0, gemm, 1.0)[0]
-        return alone, gemm_loop(ctx, coll, coll_t, gemm, first_alone)
+        clocks["after_alone"] = ctx.dev.clocks()
+        beside = gemm_loop(ctx, coll, coll_t, gemm, first_alone)
+        clocks["after_beside"] = ctx.dev.clocks()
+        return alone, beside
 
     ok, res = guarded(ctx, "interference", impl, unit.name, f"{op} + {gname}", adjacent)
     if not ok:
@@ -94,9 +100,11 @@ def _one(ctx: Any, impl: str, op: str, unit: Any, coll: Any, coll_t: float, gnam
     slow = under / alone - 1.0
     ctx.sink.add("interference", impl, unit.name, metric, slow, "fraction", alone_s=alone,
                  alone_at_start_s=first_alone, under_s=under, gemms_overlapped=min(counts),
-                 gemms=n_total, collective_alone_s=coll_t)
+                 gemms=n_total, collective_alone_s=coll_t, clocks=clocks)
+    sm = [clocks.get(k, {}).get("sm_mhz") for k in ("after_alone", "after_beside")]
     ctx.log(f"  {impl:<12} {op} + {gname}: {alone * 1e6:.1f} -> {under * 1e6:.1f} us "
-            f"({slow * 100:+.1f}%)")
+            f"({slow * 100:+.1f}%)" + (f"; SM clock {sm[0]:.0f} -> {sm[1]:.0f} MHz"
+                                       if None not in sm else ""))
 
 
 def gemm_loop(ctx: Any, coll: Any, coll_t: float, gemm: Any, gemm_t: float,
