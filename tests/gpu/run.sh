@@ -17,6 +17,8 @@
 #                                                      # debug (np2 with TIDE_DEBUG=1: stamps)
 #                                                      # fsdp2 (examples/compare_fsdp2.py, Llama-8B
 #                                                      # shape: FSDP2 vs shard_module vs the floor)
+#   TIDE_GPU_PIPELINES="info np2 jax|np3 faults|np4 debug|nodes np1 soak" bash tests/gpu/run.sh
+#                                              # those step lists side by side (correctness only)
 #   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
 #   TIDE_MPI_ARGS="--bind-to none" bash tests/gpu/run.sh  # extra mpirun options
 #
@@ -120,5 +122,25 @@ run_fsdp2() {  # real FSDP2 against shard_module, one run (TIDE_FSDP2_ARGS adds 
         --out "$OUT/fsdp2" ${TIDE_FSDP2_ARGS:-}
 }
 
-for s in ${TIDE_GPU_STEPS:-info np2 np1 nodes}; do "run_$s"; done
+run_pipelines() {  # TIDE_GPU_PIPELINES="np2 jax|np3 faults|...": side by side (correctness
+    local p pipes  # only: they share the GPUs); a summary line per pipeline and step
+    IFS='|' read -ra pipes <<< "$TIDE_GPU_PIPELINES"
+    : > "$LOGS/pipelines.txt"
+    for p in "${pipes[@]}"; do
+        (TIDE_GPU_PIPELINES="" TIDE_GPU_STEPS="$p" bash "$0" > "$LOGS/pipeline_${p// /_}.txt" 2>&1
+         echo "pipeline '$p': exit $?" >> "$LOGS/pipelines.txt") &
+    done
+    wait
+    grep -ah "^== .*: exit" "$LOGS"/pipeline_*.txt
+    cat "$LOGS/pipelines.txt"
+    ! grep -q "exit [1-9]" "$LOGS/pipelines.txt"
+}
+
+if [ -n "${TIDE_GPU_PIPELINES:-}" ]; then
+    run_pipelines
+    exit $?
+fi
+for s in ${TIDE_GPU_STEPS:-info np2 np1 nodes}; do
+    if declare -F "run_$s" > /dev/null; then "run_$s"; else echo "== $s: no such step"; status=1; fi
+done
 exit $status
