@@ -7,7 +7,7 @@ Registered here: ``tide`` (both backends) and the host-backend ``stock``
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -16,6 +16,15 @@ from ..baseline import pack
 from .data import UnitData, as_f32_shards
 from .guard import guarded
 from .impl import Impl, Phase, Prepared, register
+
+
+def _release(last: dict, *regions: Any) -> Callable[[], None]:
+    """Drop the kept results, then free the regions (the order the harness needs)."""
+    def release() -> None:
+        last.clear()
+        for r in regions:
+            r.free()
+    return release
 
 
 @register
@@ -53,12 +62,8 @@ class Tide(Impl):
             ta.reduce_scatter(data.grads, op="avg", out=outs, group=g, staging=staging,
                               stream=stream)
 
-        def release() -> None:
-            last.clear()
-            slot.free()
-            staging.free()
-
         phases = self._phases(data, rs_plan, slot, staging, outs)
+        release = _release(last, slot, staging)
         return Prepared(ag, rs, lambda: last["ag"], lambda: outs, phases,
                         slot.nbytes + staging.nbytes + sum(o.nbytes for o in outs), release)
 
@@ -105,14 +110,9 @@ class TidePlan(Tide):
         def ag() -> None:
             last["ag"] = gather(stream=stream)
 
-        def release() -> None:
-            last.clear()
-            slot.free()
-            staging.free()
-
         return Prepared(ag, lambda: reduce(stream=stream), lambda: last["ag"], lambda: outs,
                         {}, slot.nbytes + staging.nbytes + sum(o.nbytes for o in outs),
-                        release)
+                        _release(last, slot, staging))
 
 
 @register
