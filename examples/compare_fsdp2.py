@@ -216,6 +216,19 @@ def device_used(torch: Any, cuda: bool) -> int:
     return total - free
 
 
+def memory_parts(torch: Any, g: Any, cuda: bool) -> dict:
+    """Where device memory sits (bytes): torch's allocator (in use, its peak, held) and
+    CuPy's pool (in use, held), so a peak can be traced to an owner."""
+    if not cuda:
+        return {}
+    pool = g.backend.xp.get_default_memory_pool() if g.backend.name == "cuda" else None
+    return {"torch_allocated": torch.cuda.memory_allocated(),
+            "torch_max_allocated": torch.cuda.max_memory_allocated(),
+            "torch_reserved": torch.cuda.memory_reserved(),
+            "cupy_used": pool.used_bytes() if pool else 0,
+            "cupy_held": pool.total_bytes() if pool else 0}
+
+
 def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.ModelConfig,
         B: int, device: Any, log: Any) -> dict:
     cuda = device.type == "cuda"
@@ -225,7 +238,7 @@ def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.Mode
     impl = Impl(kind, torch, build(torch, cfg, device, args.seed), g, args, dtype)
     data = [llama.batch(cfg, step=s, batch_size=B, seed=args.seed, first_sample=g.rank * B)
             for s in range(args.steps)]
-    losses, times, peak = [], [], 0
+    losses, times, peak, parts = [], [], 0, {}
     for s, (tokens, targets) in enumerate(data):
         tokens = torch.from_numpy(tokens.astype(np.int64)).to(device)
         targets = torch.from_numpy(targets.astype(np.int64)).to(device)
@@ -235,7 +248,9 @@ def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.Mode
         impl.step(learning_rate(args, s))
         _sync(torch, cuda)
         times.append(time.perf_counter() - t0)
-        peak = max(peak, device_used(torch, cuda) - base)
+        used = device_used(torch, cuda) - base
+        if used > peak or not parts:
+            peak, parts = max(peak, used), memory_parts(torch, g, cuda)
         losses.append(g.comm.allreduce(float(loss)) / g.size)
         log(f"[{kind}] step {s + 1:4d}  loss {losses[-1]:.6f}  {times[-1] * 1e3:9.2f} ms  "
             f"mem {peak / 2**30:6.2f} GiB")
@@ -243,6 +258,7 @@ def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.Mode
     impl.close()
     del impl
     return {"impl": kind, "losses": losses, "step_s": times, "peak_bytes": peak,
+            "peak_parts": parts,
             "median_step_s": float(np.median(times[args.warmup:] or times)), "profile": prof}
 
 
@@ -259,6 +275,7 @@ def _release(torch: Any, g: Any, cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
         g.backend.xp.get_default_memory_pool().free_all_blocks()
 
 
@@ -323,6 +340,15 @@ def table(rec: dict) -> str:
                   f"- losses: largest relative difference {c['loss_max_rel_diff']:.2e} (step "
                   f"{c['loss_step_of_max']}), tolerance {c['loss_rtol']:g}: "
                   + ("agree" if c["losses_agree"] else "**differ**")]
+    parts = [(r["impl"], r.get("peak_parts")) for r in rec["runs"] if r.get("peak_parts")]
+    if parts:
+        lines += ["", "Memory at each impl's peak sample (GiB): torch's allocator in use (its "
+                  "own peak) and held; CuPy's pool in use and held.", ""]
+        for impl, p in parts:
+            lines.append(f"- {impl}: torch {p['torch_allocated'] / 2**30:.2f} "
+                         f"({p['torch_max_allocated'] / 2**30:.2f}) / "
+                         f"{p['torch_reserved'] / 2**30:.2f}; CuPy {p['cupy_used'] / 2**30:.2f}"
+                         f" / {p['cupy_held'] / 2**30:.2f}")
     return "\n".join(lines) + "\n"
 
 

@@ -1,6 +1,9 @@
-"""The cuda copier's cutting of a batch into runs (pure Python: no GPU needed)."""
+"""The cuda copier's cutting of a batch into runs (pure Python: no GPU needed), and the
+attributes its batch call passes (cuda.bindings, where installed; no GPU needed either)."""
 
 from __future__ import annotations
+
+import pytest
 
 from tidearray.backends.cuda.copies import Copier
 
@@ -30,3 +33,16 @@ def test_small_batches_stay_whole():
     copies = _copies(4, 4096)
     runs = Copier(None).runs(copies, 3, min_bytes=1 << 20)
     assert len(runs) == 1 and runs[0] is copies
+
+
+def test_batch_attributes_come_from_cuda_bindings():
+    """The struct the ctypes batch call gets: stream-ordered sources, everything else zero,
+    24 bytes (CUDA's ``CUmemcpyAttributes``), as cuda.bindings lays it out."""
+    import ctypes
+
+    pytest.importorskip("cuda.bindings.driver")
+    from tidearray.backends.cuda.copies import stream_order_attrs
+
+    attrs = stream_order_attrs()
+    raw = bytes((ctypes.c_uint8 * 24).from_address(attrs.getPtr()))
+    assert raw == (1).to_bytes(4, "little") + bytes(20)

@@ -5,9 +5,13 @@ the timing stream (every rank does the same). Each GEMM and each group of
 collectives is bracketed by CUDA events; a GEMM counts as "under the
 collective" when at least 95% of it overlaps the union of the collectives'
 intervals. "Alone" is the same loop without the collective (back-to-back GEMMs,
-so launch gaps are excluded from both). Slowdown = median GEMM time under the
-collective / median GEMM time alone - 1. GEMMs (M x N x K): the single-wave
-1024x2048x16384 and 8192^3.
+so launch gaps are excluded from both), run again right before each "beside" loop,
+so that both see the same clocks and power state (an alone figure taken once, at
+the start, let a full-device GEMM look faster beside a collective than alone).
+Slowdown = median GEMM time under the collective / that adjacent median alone - 1;
+the start-of-suite figure is kept in the record too, with the SM and memory clocks
+and the power read after each loop (``nvidia-smi``, where it answers). GEMMs (M x N x K): the
+single-wave 1024x2048x16384 and 8192^3.
 """
 
 from __future__ import annotations
@@ -71,12 +75,21 @@ def run(ctx: Any, unit: Any) -> None:
 
 
 def _one(ctx: Any, impl: str, op: str, unit: Any, coll: Any, coll_t: float, gname: str,
-         gemm: Any, alone: float) -> None:
-    ok, res = guarded(ctx, "interference", impl, unit.name, f"{op} + {gname}",
-                      lambda: gemm_loop(ctx, coll, coll_t, gemm, alone))
+         gemm: Any, first_alone: float) -> None:
+    clocks = {}
+
+    def adjacent() -> tuple:  # alone, then beside: the same clocks for both
+        alone = gemm_loop(ctx, None, 0.0, gemm, 1.0)[0]
+        clocks["after_alone"] = ctx.dev.clocks()
+        beside = gemm_loop(ctx, coll, coll_t, gemm, first_alone)
+        clocks["after_beside"] = ctx.dev.clocks()
+        return alone, beside
+
+    ok, res = guarded(ctx, "interference", impl, unit.name, f"{op} + {gname}", adjacent)
     if not ok:
         return
-    under, n_under, n_total = res
+    alone, (under, n_under, n_total) = res
+    alone = float(np.max(ctx.comm.allgather(alone)))
     counts = ctx.comm.allgather(n_under)
     metric = f"{op}:{gname}"
     if under is None or min(counts) < 3:
@@ -86,10 +99,12 @@ def _one(ctx: Any, impl: str, op: str, unit: Any, coll: Any, coll_t: float, gnam
     under = float(np.max(ctx.comm.allgather(under)))
     slow = under / alone - 1.0
     ctx.sink.add("interference", impl, unit.name, metric, slow, "fraction", alone_s=alone,
-                 under_s=under, gemms_overlapped=min(counts), gemms=n_total,
-                 collective_alone_s=coll_t)
+                 alone_at_start_s=first_alone, under_s=under, gemms_overlapped=min(counts),
+                 gemms=n_total, collective_alone_s=coll_t, clocks=clocks)
+    sm = [clocks.get(k, {}).get("sm_mhz") for k in ("after_alone", "after_beside")]
     ctx.log(f"  {impl:<12} {op} + {gname}: {alone * 1e6:.1f} -> {under * 1e6:.1f} us "
-            f"({slow * 100:+.1f}%)")
+            f"({slow * 100:+.1f}%)" + (f"; SM clock {sm[0]:.0f} -> {sm[1]:.0f} MHz"
+                                       if None not in sm else ""))
 
 
 def gemm_loop(ctx: Any, coll: Any, coll_t: float, gemm: Any, gemm_t: float,

@@ -43,12 +43,19 @@ from ..._errors import TideBackendError
 from ..._layout import Strided, split_copies, strided_runs
 from . import driver
 
-_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the (unified) addresses
-#: CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: sources are read in stream order.
-_SRC_ORDER_STREAM = 1
 #: Runs of at least this many equal, evenly spaced copies become one 2D copy:
 #: a pair is cheaper as two batch entries.
 STRIDED_MIN_ROWS = 3
+
+
+def stream_order_attrs() -> Any:
+    """``CUmemcpyAttributes`` asking for sources read in stream order, laid out by
+    cuda.bindings (its ``getPtr()`` is what the ctypes call passes)."""
+    from cuda.bindings import driver as cu
+
+    attrs = cu.CUmemcpyAttributes()
+    attrs.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    return attrs
 
 
 class _DriverBatch:
@@ -56,11 +63,10 @@ class _DriverBatch:
 
     def __init__(self) -> None:
         self._fn = driver.memcpy_batch_async()
-        # CUmemcpyAttributes: srcAccessOrder, srcLocHint{type,id}, dstLocHint{type,id}, flags
-        self._attrs = (ctypes.c_uint32 * 6)(_SRC_ORDER_STREAM, 0, 0, 0, 0, 0)
+        self._attrs = stream_order_attrs()  # kept: the call takes its address
         self._idx = (ctypes.c_size_t * 1)(0)
         self._fail = ctypes.c_size_t(0)
-        self._args = (ctypes.addressof(self._attrs), ctypes.addressof(self._idx), 1,
+        self._args = (self._attrs.getPtr(), ctypes.addressof(self._idx), 1,
                       ctypes.addressof(self._fail))
 
     @staticmethod
@@ -192,16 +198,16 @@ class Copier:
         strided, large, rest, packed = self._plans.get(copies, self._plan)
         for r in strided:
             rt.memcpy2DAsync(r.dst, r.dpitch, r.src, r.spitch, r.width, r.height,
-                             _MEMCPY_DEFAULT, stream_ptr)
+                             rt.memcpyDefault, stream_ptr)
         for dst, src, n in large:
-            rt.memcpyAsync(dst, src, n, _MEMCPY_DEFAULT, stream_ptr)
+            rt.memcpyAsync(dst, src, n, rt.memcpyDefault, stream_ptr)
         if not rest:
             return
         if self.batched:
             self._batch(stream_ptr, rest, packed)
             return
         for dst, src, n in rest:
-            rt.memcpyAsync(dst, src, n, _MEMCPY_DEFAULT, stream_ptr)
+            rt.memcpyAsync(dst, src, n, rt.memcpyDefault, stream_ptr)
 
     def _plan(self, copies: Sequence[tuple[int, int, int]]) -> tuple:
         """(2D runs, large copies, the rest, the rest packed for the driver or None)."""

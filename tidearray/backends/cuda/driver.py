@@ -5,6 +5,10 @@ element by element, about 2 us per copy); a collective issues tens of these
 calls per step. Taking the C entry points with ``cuGetProcAddress`` at a
 fixed ABI version and calling them through ctypes costs about a microsecond
 per call, whatever the batch length. Everything else stays with cuda-python.
+
+Only the calls are ctypes: the structs they take and the enum and flag values
+they pass come from cuda.bindings (``copies.stream_order_attrs``, the flags in
+``flags.FlagOps.probe``), so no layout or number is copied here by hand.
 """
 
 from __future__ import annotations

@@ -21,10 +21,6 @@ import numpy as np
 from ..._errors import TideBackendError
 from . import driver
 
-#: CU_STREAM_WRITE_VALUE_DEFAULT (with a memory barrier) and CU_STREAM_WAIT_VALUE_GEQ.
-_WRITE_DEFAULT = 0
-_WAIT_GEQ = 0
-
 
 class FlagOps:
     """Signal and wait on int32 flag words, on a given stream."""
@@ -35,6 +31,7 @@ class FlagOps:
         self.reason = "not probed yet"
         self._write: Any = None
         self._wait: Any = None
+        self._flags: dict[str, int] = {}
 
     def probe(self, stream: Any) -> tuple[bool, str]:
         """Try a write and a wait on a scratch word; fall back to kernels on failure."""
@@ -43,6 +40,12 @@ class FlagOps:
         word = cupy.zeros(1, cupy.int32)
         cupy.cuda.get_current_stream().synchronize()
         try:
+            from cuda.bindings import driver as cu
+
+            # CU_STREAM_WRITE_VALUE_DEFAULT writes after a memory barrier; GEQ waits cyclically.
+            self._flags = {
+                "Write": int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
+                "Wait": int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)}
             self._write = driver.stream_value32("Write")
             self._wait = driver.stream_value32("Wait")
             self.memops = True
@@ -65,18 +68,18 @@ class FlagOps:
 
     def signal(self, stream: Any, addr: int, value: int) -> None:
         """After ``stream``'s earlier work, write ``value`` to the int32 at ``addr``."""
-        self._op("Write", _WRITE_DEFAULT, "tide_signal", stream, addr, value)
+        self._op("Write", "tide_signal", stream, addr, value)
 
     def wait(self, stream: Any, addr: int, value: int) -> None:
         """Hold ``stream`` until the int32 at ``addr`` is >= ``value`` (cyclically)."""
-        self._op("Wait", _WAIT_GEQ, "tide_wait", stream, addr, value)
+        self._op("Wait", "tide_wait", stream, addr, value)
 
-    def _op(self, op: str, flags: int, kernel: str, stream: Any, addr: int, value: int) -> None:
+    def _op(self, op: str, kernel: str, stream: Any, addr: int, value: int) -> None:
         if not self.memops:
             self._kernel(kernel, stream, addr, value)
             return
         memop = self._write if op == "Write" else self._wait
-        err = memop(stream.ptr, addr, value & 0xFFFFFFFF, flags)
+        err = memop(stream.ptr, addr, value & 0xFFFFFFFF, self._flags[op])
         if err:
             raise TideBackendError(f"cuStream{op}Value32 failed: CUresult {err}")
 

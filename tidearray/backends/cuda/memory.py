@@ -37,9 +37,6 @@ from .._base import SymmetricBuffer
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-#: cudaIpcMemLazyEnablePeerAccess: enable peer access on first use of the mapping.
-_LAZY_PEER = 1
-
 
 def device_view(mem: Any, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
     """A CuPy array over the CuPy memory object ``mem`` at byte ``offset``.
@@ -78,8 +75,11 @@ class IpcSymmetricBuffer(SymmetricBuffer):
                 handle = rt.ipcGetMemHandle(self._local)
             handles = node_comm.allgather(handle)
             with fail_together(node_comm, "cudaIpcOpenMemHandle of a peer's memory failed"):
+                from cuda.bindings import runtime as cudart
+
+                lazy = int(cudart.cudaIpcMemLazyEnablePeerAccess)  # peer access on first use
                 for r, h in enumerate(handles):
-                    p = self._local if r == node_comm.rank else rt.ipcOpenMemHandle(h, _LAZY_PEER)
+                    p = self._local if r == node_comm.rank else rt.ipcOpenMemHandle(h, lazy)
                     self._ptrs.append(p)
                     if p != self._local:
                         self._opened.append(p)
