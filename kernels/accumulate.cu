@@ -1,4 +1,6 @@
-// Multi-source accumulate for TIDE-RS: bf16 / fp16 / fp32 in, fp32 out.
+// Multi-source accumulate for TIDE-RS: bf16 / fp16 / fp32 in, fp32 out; and,
+// for fp32 sources, bf16 / fp16 out (a gather's cast of fp32 masters into its
+// slot is an accumulate of one source: tide_cast_bf16, tide_cast_fp16).
 //
 // One launch covers a whole chunk of a reduce-scatter: many pieces (one per
 // parameter slice), each with the same number of sources. The host builds a
@@ -13,14 +15,16 @@
 // default, Config.accum_ctas) and find a tile's piece by binary search over
 // the first tiles. For each element: acc = s0; acc += s1; ...;
 // out = acc * scale, in fp32 with round-to-nearest and no contraction, which
-// is bitwise what the host backend computes. The multiply is skipped when
-// do_scale is 0 (scale == 1).
+// is bitwise what the host backend computes; a 16-bit out is then rounded to
+// nearest even (round.cuh), as ml_dtypes' and NumPy's astype do. The multiply
+// is skipped when do_scale is 0 (scale == 1).
 //
-// No headers: bf16 -> fp32 is a shift, fp16 -> fp32 is one cvt instruction,
-// so NVRTC needs no include path.
+// No system headers: bf16 -> fp32 is a shift, fp16 -> fp32 is one cvt
+// instruction, and round.cuh is inlined by the loader.
+
+#include "round.cuh"
 
 typedef long long i64;
-typedef unsigned short u16;
 
 __device__ __forceinline__ float load_one(const u16* p, int is_bf16) {
     u16 h = *p;
@@ -149,8 +153,30 @@ __device__ void tile_16(const i64* srcs, int n_src, float* out, i64 a, i64 b, in
     }
 }
 
+// Where an fp32 result goes: one type per output dtype (so the loop is one template).
+struct OutF32 {
+    float* p;
+    __device__ __forceinline__ void store4(i64 i, float4 v) const {
+        *reinterpret_cast<float4*>(p + i) = v;
+    }
+    __device__ __forceinline__ void store1(i64 i, float v) const { p[i] = v; }
+};
+
+template <u16 (*Round)(float)>
+struct Out16 {
+    u16* p;
+    __device__ __forceinline__ void store4(i64 i, float4 v) const {  // 8 bytes, aligned
+        uint2 w;
+        w.x = (unsigned int)Round(v.x) | ((unsigned int)Round(v.y) << 16);
+        w.y = (unsigned int)Round(v.z) | ((unsigned int)Round(v.w) << 16);
+        *reinterpret_cast<uint2*>(p + i) = w;
+    }
+    __device__ __forceinline__ void store1(i64 i, float v) const { p[i] = Round(v); }
+};
+
 // fp32 sources: 4 elements per vector step.
-__device__ void tile_32(const i64* srcs, int n_src, float* out, i64 a, i64 b, int vec,
+template <typename Out>
+__device__ void tile_32(const i64* srcs, int n_src, Out out, i64 a, i64 b, int vec,
                         float scale, int do_scale) {
     i64 vend = vec ? a + ((b - a) / 4) * 4 : a;
     for (i64 i = a + 4 * (i64)threadIdx.x; i < vend; i += 4 * (i64)blockDim.x) {
@@ -166,40 +192,62 @@ __device__ void tile_32(const i64* srcs, int n_src, float* out, i64 a, i64 b, in
         acc.y = finish(acc.y, scale, do_scale);
         acc.z = finish(acc.z, scale, do_scale);
         acc.w = finish(acc.w, scale, do_scale);
-        *reinterpret_cast<float4*>(out + i) = acc;
+        out.store4(i, acc);
     }
     for (i64 i = vend + threadIdx.x; i < b; i += blockDim.x) {
         float acc = reinterpret_cast<const float*>(srcs[0])[i];
         for (int s = 1; s < n_src; ++s) {
             acc = __fadd_rn(acc, reinterpret_cast<const float*>(srcs[s])[i]);
         }
-        out[i] = finish(acc, scale, do_scale);
+        out.store1(i, finish(acc, scale, do_scale));
     }
 }
 
-// kind: 0 = bf16, 1 = fp16, 2 = fp32 sources.
+// Tile t of a launch: its piece's entry, and its element range [a, b) in that piece.
+struct TileAt {
+    i64 p, a, b;
+};
+
+__device__ __forceinline__ TileAt locate(const i64* pieces, int n_pieces, i64 t, i64 tile) {
+    int lo = 0, hi = n_pieces - 1;  // the last piece whose first tile is <= t
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (pieces[4 * mid + 3] <= t) lo = mid; else hi = mid - 1;
+    }
+    i64 a = (t - pieces[4 * lo + 3]) * tile;
+    i64 numel = pieces[4 * lo + 1];
+    return {lo, a, a + tile < numel ? a + tile : numel};
+}
+
+// kind: 0 = bf16, 1 = fp16, 2 = fp32 sources; fp32 out.
 __device__ void accumulate(const i64* table, int n_pieces, int n_src, i64 n_tiles, i64 tile,
                            float scale, int do_scale, int kind) {
     const i64* pieces = table;
     const i64* srcs = table + 4 * (i64)n_pieces;
     for (i64 t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-        int lo = 0, hi = n_pieces - 1;  // the last piece whose first tile is <= t
-        while (lo < hi) {
-            int mid = (lo + hi + 1) / 2;
-            if (pieces[4 * mid + 3] <= t) lo = mid; else hi = mid - 1;
-        }
-        i64 p = lo;
-        i64 a = (t - pieces[4 * p + 3]) * tile;
-        float* out = reinterpret_cast<float*>(pieces[4 * p]);
-        i64 numel = pieces[4 * p + 1];
-        int vec = (int)pieces[4 * p + 2];
-        i64 b = a + tile < numel ? a + tile : numel;
-        const i64* ps = srcs + p * n_src;
+        TileAt at = locate(pieces, n_pieces, t, tile);
+        float* out = reinterpret_cast<float*>(pieces[4 * at.p]);
+        int vec = (int)pieces[4 * at.p + 2];
+        const i64* ps = srcs + at.p * n_src;
         if (kind == 2) {
-            tile_32(ps, n_src, out, a, b, vec, scale, do_scale);
+            tile_32(ps, n_src, OutF32{out}, at.a, at.b, vec, scale, do_scale);
         } else {
-            tile_16(ps, n_src, out, a, b, vec, kind == 0, scale, do_scale);
+            tile_16(ps, n_src, out, at.a, at.b, vec, kind == 0, scale, do_scale);
         }
+    }
+}
+
+// fp32 sources, 16-bit out.
+template <typename Out>
+__device__ void accumulate_to_16(const i64* table, int n_pieces, int n_src, i64 n_tiles,
+                                 i64 tile, float scale, int do_scale) {
+    const i64* pieces = table;
+    const i64* srcs = table + 4 * (i64)n_pieces;
+    for (i64 t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+        TileAt at = locate(pieces, n_pieces, t, tile);
+        Out out{reinterpret_cast<u16*>(pieces[4 * at.p])};
+        tile_32(srcs + at.p * n_src, n_src, out, at.a, at.b, (int)pieces[4 * at.p + 2],
+                scale, do_scale);
     }
 }
 
@@ -219,4 +267,14 @@ extern "C" __global__ void tide_accumulate_fp32(const i64* table, int n_pieces, 
                                                 i64 n_tiles, i64 tile, float scale,
                                                 int do_scale) {
     accumulate(table, n_pieces, n_src, n_tiles, tile, scale, do_scale, 2);
+}
+
+extern "C" __global__ void tide_cast_bf16(const i64* table, int n_pieces, int n_src,
+                                          i64 n_tiles, i64 tile, float scale, int do_scale) {
+    accumulate_to_16<Out16<to_bf16>>(table, n_pieces, n_src, n_tiles, tile, scale, do_scale);
+}
+
+extern "C" __global__ void tide_cast_fp16(const i64* table, int n_pieces, int n_src,
+                                          i64 n_tiles, i64 tile, float scale, int do_scale) {
+    accumulate_to_16<Out16<to_f16>>(table, n_pieces, n_src, n_tiles, tile, scale, do_scale);
 }

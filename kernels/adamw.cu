@@ -3,9 +3,10 @@
 // in the same pass (no separate cast kernel).
 //
 // Launched by tidearray/fsdp/_optim.py (FusedAdamW._step_cupy), one kernel per
-// send dtype: adamw_bf16, adamw_f16, adamw_f32. The host folds the
-// hyper-parameters and the step into float32 coefficients (_optim.coefficients),
-// so the kernel and the NumPy path read the very same float32 values.
+// send dtype: adamw_bf16, adamw_f16, adamw_f32, or adamw_none when there is no
+// send copy (the gathers cast the masters). The host folds the hyper-parameters
+// and the step into float32 coefficients (_optim.coefficients), so the kernel
+// and the NumPy path read the very same float32 values.
 //
 // Per element, in float32, each operation rounded to nearest even:
 //
@@ -23,39 +24,16 @@
 // a * b + c by default), and division and sqrt are IEEE-exact whatever the
 // compile flags, so the result is bitwise what NumPy's float32 ufuncs give.
 //
-// No headers: bf16 rounding is integer arithmetic on the float's bits, fp16
-// is one cvt instruction, so NVRTC needs no include path.
+// No system headers: the rounding (round.cuh, inlined by the loader) is integer
+// arithmetic on the float's bits or one cvt instruction.
+
+#include "round.cuh"
 
 typedef long long i64;
-typedef unsigned short u16;
 
 struct Coeffs {
     float decay, beta1, omb1, beta2, omb2, eps, step_size, bc2_sqrt, grad_scale;
 };
-
-// fp32 -> bf16, round to nearest even (what ml_dtypes' astype does). Adding
-// 0x7fff plus the lowest kept bit carries into the kept half exactly when the
-// dropped half is above one half, or equal to it with an odd kept half;
-// overflow carries into the exponent and gives inf, as it should. NaN would
-// carry into the sign or become inf, so it becomes the signed quiet NaN that
-// ml_dtypes gives (0x7fc0 or 0xffc0): bitwise equal to astype there too.
-__device__ __forceinline__ u16 to_bf16(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        return (u16)(((u >> 16) & 0x8000u) | 0x7fc0u);
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (u16)(u >> 16);
-}
-
-// fp32 -> fp16, round to nearest even (cvt.rn; NumPy's astype rounds the same).
-// Only NaN differs from NumPy: cvt gives the canonical 0x7fff, NumPy keeps the
-// sign and the payload's top bits. Both are NaN.
-__device__ __forceinline__ u16 to_f16(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
 
 // Where the send copy goes, one type per send dtype (so the loop is one template).
 struct SendBf16 {
@@ -71,6 +49,12 @@ struct SendF16 {
 struct SendF32 {
     float* p;
     __device__ __forceinline__ void store(i64 i, float v) const { p[i] = v; }
+};
+
+// No send copy: the gathers cast the masters themselves (GatherPlan's cast).
+struct SendNone {
+    float* p;  // unused (null)
+    __device__ __forceinline__ void store(i64, float) const {}
 };
 
 // One element's update; returns the new master value. Order as in the header.
@@ -102,7 +86,8 @@ __device__ __forceinline__ void adamw_loop(float* master, float* exp_avg, float*
     }
 }
 
-// The three entry points differ only in the send pointer's type. Arguments,
+// The entry points differ only in the send pointer's type (adamw_none: no send
+// copy, the pointer is ignored). Arguments,
 // in order: master, exp_avg, exp_avg_sq, grad, send, n, then the float32
 // coefficients decay, beta1, omb1, beta2, omb2, eps, step_size, bc2_sqrt,
 // grad_scale (their meaning is in the header).
@@ -120,3 +105,4 @@ __device__ __forceinline__ void adamw_loop(float* master, float* exp_avg, float*
 ADAMW_KERNEL(adamw_bf16, SendBf16, u16)
 ADAMW_KERNEL(adamw_f16, SendF16, u16)
 ADAMW_KERNEL(adamw_f32, SendF32, float)
+ADAMW_KERNEL(adamw_none, SendNone, float)

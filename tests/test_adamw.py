@@ -159,6 +159,22 @@ def test_send_is_the_rounded_master(rng, dtype: np.dtype) -> None:
         assert (bits(send) == bits(want)).all(), f"{dtype} send at step {t} (seed {seed})"
 
 
+def test_no_send_shard_updates_the_same_master(rng) -> None:
+    """``send=None`` (gathers that cast the masters) changes nothing but the send write."""
+    gen, seed = rng
+    n = 1000
+    master, send = _shards(gen, n)
+    with_send = FusedAdamW(AdamW(lr=1e-2, weight_decay=0.01), master.copy(), send, np)
+    without = FusedAdamW(AdamW(lr=1e-2, weight_decay=0.01), master.copy(), None, np)
+    for g in _grads(gen, n, 3):
+        with_send.step(g)
+        without.step(g)
+    for a, b, what in ((with_send._master, without._master, "master"),
+                       (with_send.exp_avg_sq, without.exp_avg_sq, "exp_avg_sq")):
+        assert (bits(a) == bits(b)).all(), f"{what} (seed {seed})"
+    assert not (bits(master) == bits(without._master)).all(), "the step did nothing"
+
+
 def test_bf16_cast_rounds_to_nearest_even() -> None:
     """The cast the NumPy path relies on (and the kernel copies) is RNE, ties to even."""
     u = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x7F7FFFFF], np.uint32)

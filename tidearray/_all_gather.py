@@ -25,6 +25,7 @@ from ._errors import TideInvalid
 from ._group import Group, default_group
 from ._layout import UnitLayout, ag_pieces, cached_unit, internode_ag_steps, split_copies
 from ._work import finish
+from .backends._base import AccumPiece
 
 if TYPE_CHECKING:
     from .backends._base import Executor
@@ -66,12 +67,16 @@ def _shapes(group: Group, shapes: Any) -> tuple:
         raise AssertionError("check raises on errors") from None
 
 
-def check_call(group: Group, shards: list, shapes: tuple, slot: Optional[Region]) -> _AgCall:
+def check_call(group: Group, shards: list, shapes: tuple, slot: Optional[Region],
+               out_dtype: Any = None) -> _AgCall:
+    """Validate a gather of ``shards`` into ``slot`` on every rank (raise on every rank).
+    ``out_dtype``: the slot's dtype when the shards are cast into it (a cast plan)."""
     dtype, errors = _validate.check_arrays(shards, "shard")
     if len(shards) != len(shapes):
         errors.insert(0, f"expected one shard per shape ({len(shapes)}), got {len(shards)}")
+    out = dtype if out_dtype is None else _dtypes.normalize(out_dtype)
     try:
-        unit = cached_unit(shapes, dtype.itemsize, group.size)
+        unit = cached_unit(shapes, out.itemsize, group.size)
     except TideInvalid as e:
         errors.append(str(e))
         unit = None
@@ -89,7 +94,7 @@ def check_call(group: Group, shards: list, shapes: tuple, slot: Optional[Region]
                     errors.append(f"parameter {i}: expected a shard outside the output slot, "
                                   "got one that aliases it")
     signature = (("shapes", shapes), ("dtype", str(dtype)),
-                 ("slot", None if slot is None else slot.id))
+                 ("slot", None if slot is None else slot.id), ("out", str(out)))
     digest = _validate.digest(signature)
     _validate.check(group, "all_gather", signature, errors, known_digest=digest)
     return _AgCall(unit, dtype, signature, digest, {})
@@ -190,6 +195,10 @@ class _Program:
         own_parts: the own copies cut into the pull transport's parts.
         pulls: per node-local peer, that peer's slot cut into the same parts,
             as copies into this rank's slot.
+        cast: for a cast plan, the pieces that round this rank's fp32 shards
+            into its rows of the slot (then the gather runs in place: no own
+            copies); empty otherwise.
+        out_dtype: the slot's dtype (what ``cast`` rounds to).
     """
 
     exchanges: tuple
@@ -199,6 +208,8 @@ class _Program:
     column: tuple
     own_parts: tuple
     pulls: dict
+    cast: tuple = ()
+    out_dtype: Any = None
 
 
 def pull_parts(unit: UnitLayout) -> int:
@@ -208,10 +219,20 @@ def pull_parts(unit: UnitLayout) -> int:
 
 
 def build_program(group: Group, unit: UnitLayout, shard_ptrs: list[int],
-                  slot: Region) -> _Program:
+                  slot: Region, cast_to: Any = None) -> _Program:
+    """Every copy of a gather into ``slot``. With ``cast_to`` (the slot's dtype),
+    ``shard_ptrs`` are fp32 shards, rounded into this rank's rows of the slot
+    first; every copy then reads those rows (an in-place gather)."""
     topo = group.topology
     me, L = topo.local_rank, topo.local_size
     base = slot.ptr(me)
+    cast = ()
+    if cast_to is not None:
+        cast = tuple(AccumPiece(base + pc.offset, (shard_ptrs[pc.param],),
+                                pc.nbytes // cast_to.itemsize)
+                     for pc in _pieces(unit, (topo.rank,)))
+        shard_ptrs = [base + off + spec.byte_range(topo.rank)[0]
+                      for spec, off in zip(unit.specs, unit.offsets)]
 
     def src(piece: Any) -> int:
         return shard_ptrs[piece.param] if piece.rank == topo.rank else base + piece.offset
@@ -224,7 +245,8 @@ def build_program(group: Group, unit: UnitLayout, shard_ptrs: list[int],
             ([(step.send_peer, src(pc), pc.nbytes) for pc in _pieces(unit, col_s)],
              [(step.recv_peer, base + pc.offset, pc.nbytes) for pc in _pieces(unit, col_r)]))
     column = _pieces(unit, topo.column(me))
-    own = tuple((base + pc.offset, src(pc), pc.nbytes) for pc in column if pc.rank == topo.rank)
+    own = tuple((base + pc.offset, src(pc), pc.nbytes) for pc in column
+                if pc.rank == topo.rank and base + pc.offset != src(pc))
     pushes = {p: tuple((slot.ptr(p) + pc.offset, src(pc), pc.nbytes) for pc in column)
               for p in range(L) if p != me}
     # Cut points depend only on piece sizes and order, so an owner and its
@@ -238,7 +260,8 @@ def build_program(group: Group, unit: UnitLayout, shard_ptrs: list[int],
     # The copier keeps its plans by a batch's identity: built once, here.
     batch = own + tuple(c for k in range(1, L) for c in pushes[(me + k) % L])
     return _Program(tuple(exchanges), own, pushes, batch,
-                    tuple((pc.offset, src(pc), pc.nbytes) for pc in column), own_parts, pulls)
+                    tuple((pc.offset, src(pc), pc.nbytes) for pc in column), own_parts, pulls,
+                    cast, cast_to)
 
 
 def _transport(group: Group, slot: Region) -> str:
@@ -275,6 +298,13 @@ def issue(group: Group, ex: Executor, program: _Program, slot: Region,
     peers = [(me + k) % L for k in range(1, L)]
     after_net = topo.num_nodes > 1
     transport = _transport(group, slot)
+    if program.cast:
+        # On COMPUTE, after its earlier work: our rows may hold staging that a
+        # reduce-scatter still reads (Slot-Reuse). Every copy that reads them
+        # depends on COMPUTE from here on.
+        ex.accumulate(ex.COMPUTE, program.cast, _dtypes.float32, 1.0, program.out_dtype)
+        if program.exchanges:
+            ex.depend(ex.NET, ex.COMPUTE)
     for sends, recvs in program.exchanges:
         ex.exchange(ex.NET, sends, recvs)
     if transport == "pull":
@@ -335,13 +365,16 @@ def _push_per_peer(ex: Executor, slot: Region, program: _Program, me: int, peers
     for p in peers:
         if after_net:
             ex.depend(p, ex.NET)
+        if program.cast:
+            ex.depend(p, ex.COMPUTE)
         ex.wait(p, slot.flag(me, AG_CHANNEL, FREE, p), use)
         ex.copy(p, program.pushes[p])
         if stamps is not None:
             stamps.send(ex, p, slot, AG_CHANNEL, p, use)
         ex.signal(p, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
-    _start(ex, me, after_net)
-    ex.copy(me, program.own)
+    if program.own:  # none when the shards were cast into the slot
+        _start(ex, me, after_net)
+        ex.copy(me, program.own)
 
 
 def _push_single_batch(ex: Executor, slot: Region, program: _Program, me: int, peers: list,

@@ -101,16 +101,23 @@ class Unit:
         """This group's padded shard shape of each parameter."""
         return [s.shard_shape for s in self.layout.specs]
 
-    def gather_plan(self, shards: Sequence[Any], slot: Region) -> GatherPlan:
+    def gather_plan(self, shards: Sequence[Any], slot: Region, *,
+                    cast: bool = False) -> GatherPlan:
         """A plan that gathers ``shards`` into ``slot`` (collective).
 
         Args:
             shards: this rank's padded shard of each parameter, in the unit's
-                dtype; they must stay alive and in place while the plan lives
-                (the plan keeps a reference).
+                dtype (float32 with ``cast``); they must stay alive and in place
+                while the plan lives (the plan keeps a reference), and are read
+                at every call.
             slot: the symmetric slot to gather into (a :class:`SlotArena` entry).
+            cast: the shards are float32 (an optimizer's masters, say): each call
+                first rounds them to nearest even into this rank's rows of the
+                slot, then gathers from there, so no param-dtype copy of the
+                shards needs to be kept (FSDP2's mixed precision casts the same
+                way, in its copy-in). The cast is one kernel on the cuda backend.
         """
-        return GatherPlan(self, shards, slot)
+        return GatherPlan(self, shards, slot, cast)
 
     def reduce_plan(self, grads: Sequence[Any], out: Optional[Sequence[Any]] = None, *,
                     op: str = "avg", staging: Optional[Region] = None) -> ReducePlan:
@@ -178,18 +185,23 @@ class GatherPlan(_Plan):
 
     what = "all_gather plan"
 
-    def __init__(self, unit: Unit, shards: Sequence[Any], slot: Region) -> None:
+    def __init__(self, unit: Unit, shards: Sequence[Any], slot: Region,
+                 cast: bool = False) -> None:
         group = unit.group
         errors = [] if isinstance(slot, Region) else [
             f"slot: expected a Region (a SlotArena entry), got {type(slot).__name__}"]
         resolved = ag.resolve(group, shards, self.what, errors)
-        call = ag.check_call(group, resolved, unit.shapes, slot)
-        if call.dtype != unit.dtype:
+        call = ag.check_call(group, resolved, unit.shapes, slot,
+                             unit.dtype if cast else None)
+        want = _dtypes.float32 if cast else unit.dtype
+        if call.dtype != want:
+            what = "float32 shards to cast" if cast else f"shards of the unit's dtype {want}"
             _validate.check(group, "all_gather plan", (), [
-                f"expected shards of the unit's dtype {unit.dtype}, got {call.dtype}"])
+                f"expected {what}, got {call.dtype}"])
         super().__init__(unit, call.signature)
         self.slot = slot
-        self._program = ag.build_program(group, unit.layout, [s.ptr for s in resolved], slot)
+        self._program = ag.build_program(group, unit.layout, [s.ptr for s in resolved], slot,
+                                         unit.dtype if cast else None)
         self._shards = [s.array for s in resolved]  # kept alive: the program holds addresses
         self.params = slot.views(unit.layout, unit.dtype)
 

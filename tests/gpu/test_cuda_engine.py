@@ -57,6 +57,30 @@ def test_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, scale):
         assert (got[o:].view(np.uint32) == want.view(np.uint32)).all(), f"piece {k} differs"
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cast_bitwise_as_astype(cuda_group, cp, dtype):
+    """fp32 in, 16-bit out (a cast plan's kernel): round to nearest even, as astype does,
+    on values with bits below the 16-bit mantissa, at vector and scalar offsets."""
+    dt = tidearray._dtypes.normalize(dtype)
+    rng = np.random.default_rng(len(dtype))
+    sizes, offs = [1, 7, 8, 4099, 8192, 40_001], [0, 3, 8, 1, 16, 5]
+    host = [rng.standard_normal(n + o).astype(np.float32) for n, o in zip(sizes, offs)]
+    host[3][5:9] = [65504.0, 1e30, np.float32(1.00390625), np.float32(-2.0**-20)]  # overflow, ties
+    srcs = [cp.asarray(a) for a in host]
+    outs = [cp.full(n + o, 0x7E7E, cp.uint16) for n, o in zip(sizes, offs)]
+    pieces = tuple(AccumPiece(outs[k].data.ptr + 2 * offs[k], (srcs[k].data.ptr + 4 * offs[k],),
+                              sizes[k]) for k in range(len(sizes)))
+    be = cuda_group.backend.lanes
+    cp.cuda.runtime.deviceSynchronize()
+    be.accumulator.launch(be.streams[-2], pieces, np.float32, 1.0, dt)
+    be.streams[-2].synchronize()
+    for k, o in enumerate(offs):
+        got = cp.asnumpy(outs[k])
+        assert (got[:o] == 0x7E7E).all(), "wrote before the piece"
+        want = host[k][o:].astype(dt).view(np.uint16)
+        assert (got[o:] == want).all(), f"piece {k} differs from astype"
+
+
 @pytest.mark.parametrize("batched", [True, False])
 def test_copier_many_small_segments(cuda_group, cp, batched):
     from tidearray.backends.cuda.copies import Copier

@@ -63,6 +63,34 @@ def test_gather_plan_repeats_with_new_data(group, xp, shapes, dtype, seed):
 
 
 @given(shapes=shapes(WORLD, max_count=8, min_count=1), dtype=st.sampled_from(DTYPES),
+       seed=seeds)
+def test_cast_gather_plan_rounds_masters_into_the_slot(group, xp, shapes, dtype, seed):
+    """fp32 masters with values no 16-bit dtype holds exactly, cast on every call:
+    the slot holds each full parameter rounded to nearest even (bitwise what
+    NumPy and ml_dtypes' astype give), after a reduction staged in that slot."""
+    unit = ta.Unit(shapes, dtype, group=group)
+    arena = _arena(group, unit)
+    masters = [xp.zeros(s, FP32) for s in unit.shard_shapes]
+    plans = [unit.gather_plan(masters, arena[k], cast=True) for k in range(2)]
+    reduce = unit.reduce_plan([xp.zeros(s, dtype) for s in shapes], op="sum", staging=arena[1])
+    failures = []
+    for call in range(3):
+        full = full_params(shapes, FP32, seed + call)
+        full = [f + np.float32(2.0**-20) * np.sign(f) for f in full]  # inexact below fp32's
+        for m, f in zip(masters, full):
+            m[...] = to_xp(xp, padded_shard(f, group.size, group.rank))
+        if call == 1:
+            reduce()  # stages in slot 1: the cast must not write it before the reduction is done
+        poison(arena[call % 2])
+        got = plans[call % 2]()
+        for i, (g, f) in enumerate(zip(got, full)):
+            failures += compare_bits(g, f.astype(dtype), f"call {call}: parameter {i}")
+    agree(group.comm, failures, "cast gather plan")
+    for s in arena.slots:
+        s.free()
+
+
+@given(shapes=shapes(WORLD, max_count=8, min_count=1), dtype=st.sampled_from(DTYPES),
        op=st.sampled_from(["sum", "avg"]), seed=seeds)
 def test_reduce_plan_repeats_with_new_data(group, xp, shapes, dtype, op, seed):
     """Slot-Reuse staging; new gradients and poisoned outputs before each of three calls."""
@@ -128,6 +156,9 @@ def test_bad_plan_input_raises_on_every_rank(group, xp):
             unit.reduce_plan([xp.zeros((2 * WORLD + 1, 3), FP32)], staging=small[0])
     with pytest.raises(ta.TideInvalid, match="dtype"):
         unit.gather_plan([xp.zeros(unit.shard_shapes[0], np.float16)], arena[0])
+    with pytest.raises(ta.TideInvalid, match="float32 shards to cast"):
+        ta.Unit([(2 * WORLD + 1, 3)], np.float16, group=group).gather_plan(
+            [xp.zeros(unit.shard_shapes[0], np.float16)], arena[0], cast=True)
     for r in (*arena.slots, *small.slots):
         r.free()
 

@@ -15,6 +15,8 @@ import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
+from .. import _dtypes
+from .._dtypes import float32
 from .._errors import TideBackendError, TideInvalid, agree
 from .._layout import Copy
 
@@ -109,12 +111,20 @@ class Executor(abc.ABC):
         self._wait(lane, addr, value)
 
     def accumulate(self, lane: int, pieces: Sequence[AccumPiece], src_dtype: Any,
-                   scale: float) -> None:
-        """fp32 ``out = scale * sum(srcs)`` per piece, sources summed in the given order."""
+                   scale: float, out_dtype: Any = float32) -> None:
+        """``out = scale * sum(srcs)`` per piece, in fp32, sources summed in the given order.
+
+        ``out_dtype`` bf16 or fp16 (fp32 sources only) rounds the fp32 result to
+        nearest even: one fp32 source with scale 1 is a cast.
+        """
+        out_dtype = _dtypes.normalize(out_dtype)
+        if out_dtype != float32 and _dtypes.normalize(src_dtype) != float32:
+            raise TideBackendError(f"accumulate: a {out_dtype} output takes float32 sources, "
+                                   f"got {src_dtype}")
         if not all(p.numel for p in pieces):  # keeps a cached program's tuple as it is
             pieces = tuple(p for p in pieces if p.numel)
         if pieces:
-            self._accumulate(lane, pieces, src_dtype, scale)
+            self._accumulate(lane, pieces, src_dtype, scale, out_dtype)
 
     def zero(self, lane: int, addr: int, nbytes: int) -> None:
         if nbytes:
@@ -153,7 +163,7 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def _accumulate(self, lane: int, pieces: list[AccumPiece], src_dtype: Any,
-                    scale: float) -> None: ...
+                    scale: float, out_dtype: Any) -> None: ...
 
     @abc.abstractmethod
     def _zero(self, lane: int, addr: int, nbytes: int) -> None: ...

@@ -123,16 +123,20 @@ class HostExecutor(Executor):
             pause = min(pause * 2 or 1e-6, 1e-3)
         self.backend.fence()  # flag before data
 
-    def _accumulate(self, lane: int, pieces: list, src_dtype: Any, scale: float) -> None:
+    def _accumulate(self, lane: int, pieces: list, src_dtype: Any, scale: float,
+                    out_dtype: Any) -> None:
         scale32 = np.float32(scale)
         for p in pieces:
-            out = _array_at(p.out, p.numel, float32)
             srcs = [_array_at(s, p.numel, src_dtype) for s in p.srcs]
+            out = _array_at(p.out, p.numel, float32) if out_dtype == float32 else \
+                np.empty(p.numel, float32)
             out[...] = srcs[0]
             for s in srcs[1:]:
                 np.add(out, s.astype(float32), out=out)
             if scale32 != 1:
                 np.multiply(out, scale32, out=out)
+            if out_dtype != float32:  # rounds to nearest even, as the kernel does
+                _array_at(p.out, p.numel, out_dtype)[...] = out
 
     def _zero(self, lane: int, addr: int, nbytes: int) -> None:
         ctypes.memset(addr, 0, nbytes)

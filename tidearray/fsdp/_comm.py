@@ -4,8 +4,11 @@ Three implementations, chosen by ``ShardedModel(comm=...)``, run the same
 trainer so their step times compare like for like:
 
 * ``tide``: persistent TIDE plans (``Unit.gather_plan`` / ``reduce_plan``).
-  The gathered parameters are views into symmetric slots; a unit's gradients
-  are reduced with their staging in the slot the unit just vacated (Slot-Reuse).
+  Each gather casts this rank's fp32 masters into its rows of the slot (one
+  kernel) and sends them from there, so no param-dtype send shards are kept
+  (FSDP2 casts in its copy-in the same way). The gathered parameters are views
+  into symmetric slots; a unit's gradients are reduced with their staging in
+  the slot the unit just vacated (Slot-Reuse).
 * ``stock``: FSDP2's path: fused copy-in, flat all-gather, fused copy-out; fused
   fp32 chunk-cat, flat fp32 reduce-scatter (NCCL on cuda, MPI on host), each
   on a side stream (all-gather, reduce-scatter), as FSDP2 does.
@@ -58,7 +61,7 @@ class UnitComm(abc.ABC):
         group: the tidearray group (its backend gives the array module).
         shapes: per unit, the parameters' full shapes.
         dtype: the param dtype (gathered parameters, gradients).
-        arena: the shard arena (send shards in, fp32 gradients out).
+        arena: the shard arena (masters or send shards in, fp32 gradients out).
         num_slots: slots, and gradient buffers (prefetch depth + 1).
     """
 
@@ -133,7 +136,7 @@ class TideComm(UnitComm):
         plan = self._gather_plans.get((unit, k))
         if plan is None:
             plan = self._gather_plans[(unit, k)] = self.units[unit].gather_plan(
-                self.arena.views(self.arena.send, unit), self.slots[k])
+                self.arena.views(self.arena.master, unit), self.slots[k], cast=True)
         return plan(stream=stream, async_op=True)
 
     def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:

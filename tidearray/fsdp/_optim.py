@@ -2,7 +2,9 @@
 
 One pass per step reads the fp32 gradient shard and updates the fp32 master
 shard and both moments in place, and writes the send shard (bf16, fp16 or
-fp32) that the next all-gather sends: no separate cast. CuPy arrays run
+fp32) that the next all-gather sends: no separate cast. Without a send shard
+(``send=None``: the gathers cast the masters themselves, as the ``tide``
+runtime does) it writes master and moments only. CuPy arrays run
 ``kernels/adamw.cu``; NumPy arrays run the same float32 operations with
 NumPy's ufuncs.
 
@@ -68,7 +70,8 @@ MAX_BLOCKS = 65535
 #: Elements per pass of the NumPy path: its temporaries stay in cache.
 HOST_CHUNK = 1 << 16
 #: Kernel per send dtype.
-KERNELS = {"bfloat16": "adamw_bf16", "float16": "adamw_f16", "float32": "adamw_f32"}
+KERNELS = {"bfloat16": "adamw_bf16", "float16": "adamw_f16", "float32": "adamw_f32",
+           None: "adamw_none"}
 
 
 def _is_real(value: Any) -> bool:
@@ -162,7 +165,7 @@ def clip_scale(total_norm: float, max_norm: Optional[float]) -> float:
 
 
 def adamw_numpy(master: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray,
-                grad: np.ndarray, send: np.ndarray, c: Coefficients) -> None:
+                grad: np.ndarray, send: Optional[np.ndarray], c: Coefficients) -> None:
     """One step on NumPy arrays, in place, in [Note: AdamW math]'s order.
 
     Every ufunc has float32 operands and a float32 ``out``, so no intermediate
@@ -184,7 +187,8 @@ def adamw_numpy(master: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray,
         np.add(np.divide(np.sqrt(v, out=tk), c.bc2_sqrt, out=tk), c.eps, out=tk)  # denom
         np.multiply(np.divide(m, tk, out=tk), c.step_size, out=tk)
         np.subtract(p, tk, out=p)
-        send[lo:hi] = p  # the cast rounds to nearest even (ml_dtypes and NumPy alike)
+        if send is not None:
+            send[lo:hi] = p  # the cast rounds to nearest even (ml_dtypes and NumPy alike)
 
 
 @functools.cache
@@ -203,7 +207,8 @@ class FusedAdamW:
         hp: the hyper-parameters.
         master: the 1-D, contiguous float32 master shard; updated in place.
         send: the 1-D, contiguous send shard of the same length (bfloat16,
-            float16 or float32), a separate array; overwritten each step.
+            float16 or float32), a separate array, overwritten each step; or
+            None for no send shard (gathers that cast the masters).
         xp: the array module of both, ``numpy`` or ``cupy``.
 
     Raises:
@@ -213,7 +218,7 @@ class FusedAdamW:
     device) and does nothing else; the kernel is compiled at the first step.
     """
 
-    def __init__(self, hp: AdamW, master: Array, send: Array, xp: Any) -> None:
+    def __init__(self, hp: AdamW, master: Array, send: Optional[Array], xp: Any) -> None:
         if not isinstance(hp, AdamW):
             raise TideInvalid(f"hp: expected an AdamW, got {type(hp).__name__}")
         if xp is not np and getattr(xp, "__name__", None) != "cupy":
@@ -221,9 +226,10 @@ class FusedAdamW:
         self._hp, self._xp = hp, xp
         self._check_vector("master", master, getattr(master, "size", 0))
         self._master = master
-        self._check_send(send)
+        if send is not None:
+            self._check_send(send)
         self._send = send
-        self._kind = _dtypes.normalize(send.dtype).name
+        self._kind = None if send is None else _dtypes.normalize(send.dtype).name
         with self._device():
             self._exp_avg = xp.zeros(master.size, dtype=np.float32)
             self._exp_avg_sq = xp.zeros(master.size, dtype=np.float32)
@@ -341,7 +347,12 @@ class FusedAdamW:
         if self._kernel is None:
             self._kernel = _kernels.function("adamw.cu", KERNELS[self._kind], dev)
         # bf16 and fp16 travel as raw 16-bit words: the kernel rounds them itself.
-        send = self._send if self._kind == "float32" else self._send.view(cupy.uint16)
+        if self._send is None:  # adamw_none ignores it: any float32 array will do
+            send = self._master
+        elif self._kind == "float32":
+            send = self._send
+        else:
+            send = self._send.view(cupy.uint16)
         blocks = min(-(-n // BLOCK), MAX_BLOCKS)
         with self._device(), _on_stream(stream):
             self._kernel((blocks,), (BLOCK,), (self._master, self._exp_avg, self._exp_avg_sq,

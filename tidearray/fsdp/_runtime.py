@@ -124,7 +124,9 @@ class ShardedModel:
         self.xp = group.backend.xp
         self.world = world_of(comm, group)
         self.rank = group.rank if self.world > 1 else 0
-        self.arena = ShardArena(arena_layout(shapes, self.world), self.xp, self.param_dtype)
+        # tide's gathers cast the masters into the slots: no send shards to keep.
+        self.arena = ShardArena(arena_layout(shapes, self.world), self.xp, self.param_dtype,
+                                send=comm != "tide")
         self._fill_masters(values, init)
         self.optimizer = FusedAdamW(optimizer or AdamW(), self.arena.master, self.arena.send,
                                     self.xp)

@@ -40,24 +40,34 @@ def arena_layout(unit_shapes: Sequence[Sequence[Sequence[int]]], world: int) -> 
 class ShardArena:
     """The flat arrays of one rank's shards (persistent for the whole run).
 
+    Args:
+        layout: where each unit's shards sit.
+        xp: the array module.
+        param_dtype: the send shards' dtype.
+        send: keep send shards; without them (``tide``: its gathers cast the
+            masters into the slots) the arena is a fifth smaller in bf16.
+
     Attributes:
         master: fp32 master shards, updated by the optimizer.
         grad: fp32 gradient shards, written by the reduce-scatters.
-        send: param-dtype shards, written by the optimizer, read by the all-gathers.
+        send: param-dtype shards, written by the optimizer, read by the
+            all-gathers; None without send shards.
     """
 
-    def __init__(self, layout: ArenaLayout, xp: Any, param_dtype: Any) -> None:
+    def __init__(self, layout: ArenaLayout, xp: Any, param_dtype: Any,
+                 send: bool = True) -> None:
         self.layout = layout
         self.xp = xp
         n = max(layout.numel, 1)
         self.master = xp.zeros(n, float32)
         self.grad = xp.zeros(n, float32)
-        self.send = xp.zeros(n, param_dtype)
+        self.send = xp.zeros(n, param_dtype) if send else None
 
     def refresh_send(self) -> None:
         """The send shards from the masters, rounded to nearest as the optimizer writes
-        them (after initialisation or a checkpoint load)."""
-        self.send[...] = self.master.astype(self.send.dtype)
+        them (after initialisation or a checkpoint load); nothing without send shards."""
+        if self.send is not None:
+            self.send[...] = self.master.astype(self.send.dtype)
 
     def views(self, flat: Any, unit: int) -> list:
         """Per-parameter padded shard views of ``flat`` for ``unit``."""
@@ -72,4 +82,4 @@ class ShardArena:
 
     @property
     def nbytes(self) -> int:
-        return self.master.nbytes + self.grad.nbytes + self.send.nbytes
+        return sum(a.nbytes for a in (self.master, self.grad, self.send) if a is not None)

@@ -34,9 +34,12 @@ BLOCK = 512
 RING = 16
 #: Device tables kept for cached programs.
 TABLES = 256
-#: Kernel name per source dtype.
-KERNELS = {"bfloat16": "tide_accumulate_bf16", "float16": "tide_accumulate_fp16",
-           "float32": "tide_accumulate_fp32"}
+#: Kernel name per (source dtype, output dtype).
+KERNELS = {("bfloat16", "float32"): "tide_accumulate_bf16",
+           ("float16", "float32"): "tide_accumulate_fp16",
+           ("float32", "float32"): "tide_accumulate_fp32",
+           ("float32", "bfloat16"): "tide_cast_bf16",
+           ("float32", "float16"): "tide_cast_fp16"}
 
 
 def choose_tile(total: int, max_grid: int) -> int:
@@ -130,10 +133,10 @@ class Accumulator:
         self._tables.clear()
 
     def launch(self, stream: Any, pieces: Sequence[AccumPiece], src_dtype: Any,
-               scale: float) -> None:
-        """fp32 ``out = scale * sum(srcs)`` per piece, one launch on ``stream`` (a cupy Stream)."""
-
-        kernel = self._kernel(normalize(src_dtype).name)
+               scale: float, out_dtype: Any = "float32") -> None:
+        """``out = scale * sum(srcs)`` per piece, one launch on ``stream`` (a cupy Stream):
+        fp32, rounded to ``out_dtype`` (bf16 or fp16 for fp32 sources only)."""
+        kernel = self._kernel(normalize(src_dtype).name, normalize(out_dtype).name)
         dev, n_tiles, tile, event = self._tables.get(pieces, lambda p: self._upload(stream, p))
         grid = min(n_tiles, self.max_grid)
         with stream:
@@ -165,10 +168,10 @@ class Accumulator:
             slot.event = cupy.cuda.Event(block=False, disable_timing=True)
         return slot.dev, n_tiles, tile, slot.event
 
-    def _kernel(self, dtype_name: str) -> Any:
-        if dtype_name not in self._kernels:
+    def _kernel(self, src: str, out: str) -> Any:
+        if (src, out) not in self._kernels:
             from . import kernels as _kernels
 
-            self._kernels[dtype_name] = _kernels.function("accumulate.cu", KERNELS[dtype_name],
+            self._kernels[(src, out)] = _kernels.function("accumulate.cu", KERNELS[(src, out)],
                                                           self.device)
-        return self._kernels[dtype_name]
+        return self._kernels[(src, out)]

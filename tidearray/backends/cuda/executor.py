@@ -207,8 +207,9 @@ class CudaExecutor(Executor):
         self.lanes.flags.wait(self._lane(lane), addr, value)
         self._waits.append((addr, value))
 
-    def _accumulate(self, lane: int, pieces: list, src_dtype: Any, scale: float) -> None:
-        self.lanes.accumulator.launch(self._lane(lane), pieces, src_dtype, scale)
+    def _accumulate(self, lane: int, pieces: list, src_dtype: Any, scale: float,
+                    out_dtype: Any) -> None:
+        self.lanes.accumulator.launch(self._lane(lane), pieces, src_dtype, scale, out_dtype)
 
     def _zero(self, lane: int, addr: int, nbytes: int) -> None:
         import cupy

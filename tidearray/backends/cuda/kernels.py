@@ -5,23 +5,43 @@ top-level ``kernels/`` directory onto it). In a source checkout that is not
 installed, they are read from ``kernels/`` next to the ``tidearray`` package.
 Compiled modules are cached per (file, device), so each process compiles a
 file once (CuPy also caches the binary on disk across processes).
+
+A line ``#include "name.cuh"`` is replaced by that file's text (once per
+source), so shared device helpers need no include path, installed or not.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
 from ..._errors import TideBackendError
 
+_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"[ \t]*$', re.M)
+
 
 def source(name: str) -> str:
-    """The text of ``kernels/<name>``.
+    """The text of ``kernels/<name>``, with its ``#include "x.cuh"`` lines inlined.
 
     Raises:
-        TideBackendError: the file is neither package data nor in the checkout.
+        TideBackendError: the file (or a header) is neither package data nor
+            in the checkout.
     """
+    seen: set[str] = set()
+
+    def inline(match: re.Match) -> str:
+        header = match.group(1)
+        if header in seen:  # #pragma once, for a text include
+            return ""
+        seen.add(header)
+        return _INCLUDE.sub(inline, _read(header))
+
+    return _INCLUDE.sub(inline, _read(name))
+
+
+def _read(name: str) -> str:
     try:
         from importlib import resources
 
