@@ -20,35 +20,11 @@
 // is skipped when do_scale is 0 (scale == 1).
 //
 // No system headers: bf16 -> fp32 is a shift, fp16 -> fp32 is one cvt
-// instruction, and round.cuh is inlined by the loader.
+// instruction, and round.cuh and accumulate_common.cuh are inlined by the
+// loader.
 
 #include "round.cuh"
-
-typedef long long i64;
-
-__device__ __forceinline__ float load_one(const u16* p, int is_bf16) {
-    u16 h = *p;
-    if (is_bf16) {
-        return __uint_as_float(((unsigned int)h) << 16);
-    }
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-__device__ __forceinline__ float half_bits_to_float(unsigned int h16, int is_bf16) {
-    if (is_bf16) {
-        return __uint_as_float(h16 << 16);
-    }
-    float f;
-    unsigned short h = (unsigned short)h16;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-__device__ __forceinline__ float finish(float acc, float scale, int do_scale) {
-    return do_scale ? __fmul_rn(acc, scale) : acc;
-}
+#include "accumulate_common.cuh"
 
 // Streaming 16-byte load: every byte is read once, so do not keep it in L1.
 __device__ __forceinline__ uint4 load16(const u16* p) {
@@ -56,11 +32,6 @@ __device__ __forceinline__ uint4 load16(const u16* p) {
     asm("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
-}
-
-__device__ __forceinline__ void store4(float* p, float4 v) {
-    asm volatile("st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};"
-                 :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
 }
 
 __device__ __forceinline__ void widen8(uint4 q, int is_bf16, float v[8]) {
@@ -201,22 +172,6 @@ __device__ void tile_32(const i64* srcs, int n_src, Out out, i64 a, i64 b, int v
         }
         out.store1(i, finish(acc, scale, do_scale));
     }
-}
-
-// Tile t of a launch: its piece's entry, and its element range [a, b) in that piece.
-struct TileAt {
-    i64 p, a, b;
-};
-
-__device__ __forceinline__ TileAt locate(const i64* pieces, int n_pieces, i64 t, i64 tile) {
-    int lo = 0, hi = n_pieces - 1;  // the last piece whose first tile is <= t
-    while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (pieces[4 * mid + 3] <= t) lo = mid; else hi = mid - 1;
-    }
-    i64 a = (t - pieces[4 * lo + 3]) * tile;
-    i64 numel = pieces[4 * lo + 1];
-    return {lo, a, a + tile < numel ? a + tile : numel};
 }
 
 // kind: 0 = bf16, 1 = fp16, 2 = fp32 sources; fp32 out.

@@ -49,6 +49,7 @@ def test_rejects_unknown_keys():
     ("timeout", -1.0, "timeout"),
     ("ag_transport", "double", "ag_transport"),
     ("symmetric_memory", "shm", "symmetric_memory"),
+    ("accum_kernel", "tma", "accum_kernel"),
 ])
 def test_rejects_bad_values(key, value, word):
     with pytest.raises(tidearray.TideInvalid, match=word) as info:
@@ -58,10 +59,20 @@ def test_rejects_bad_values(key, value, word):
 
 @pytest.mark.parametrize("var,value", [("TIDE_LOCAL_SIZE", "two"), ("TIDE_CHUNK_BYTES", "1.5x"),
                                        ("TIDE_DEPTH", "0"), ("TIDE_BACKEND", "tpu"),
-                                       ("TIDE_SYMMETRIC_MEMORY", "posix")])
+                                       ("TIDE_SYMMETRIC_MEMORY", "posix"),
+                                       ("TIDE_ACCUM_KERNEL", "Bulk")])
 def test_rejects_bad_environment(var, value):
     with pytest.raises(tidearray.TideInvalid):
         Config.make(env={var: value})
+
+
+def test_accum_kernel_from_environment_and_keywords():
+    assert Config.make(env={}).accum_kernel == "vector"
+    assert Config.make(env={"TIDE_ACCUM_KERNEL": "bulk"}).accum_kernel == "bulk"
+    assert Config.make(env={"TIDE_ACCUM_KERNEL": "bulk"}, accum_kernel="vector").accum_kernel \
+        == "vector"
+    assert Config.make(env={"TIDE_ACCUM_KERNEL": ""}).accum_kernel == "vector"
+    assert env_table(Config)["TIDE_ACCUM_KERNEL"] == ("accum_kernel", str)
 
 
 def test_config_is_frozen():

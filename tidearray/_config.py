@@ -11,6 +11,7 @@ from ._errors import TideInvalid
 
 AG_TRANSPORTS = ("pull", "push", "push-batch")
 SYMMETRIC_MEMORY = ("auto", "vmm", "ipc")
+ACCUM_KERNELS = ("vector", "bulk")
 
 
 def _flag(text: str) -> bool:
@@ -58,6 +59,14 @@ class Config:
     accum_ctas: Optional[int] = None
     """CTAs of the reduce-scatter's accumulate kernel; None means half the SMs.
     Env: ``TIDE_ACCUM_CTAS``."""
+
+    accum_kernel: str = "vector"
+    """Which accumulate kernel reduces 16-bit gradients into fp32 (cuda):
+    ``"vector"`` (default: ``kernels/accumulate.cu``, 16-byte streaming loads from
+    every thread) or ``"bulk"`` (opt-in: ``kernels/accumulate_bulk.cu``, Hopper bulk
+    async copies stream the sources through shared memory, up to 192 KB in flight per
+    CTA; sm_90 or newer). Both give the same bits; fp32 sources and casts always use
+    the vector kernels. Env: ``TIDE_ACCUM_KERNEL``."""
 
     ce_split: int = 1
     """Copy-engine streams per peer lane: a copy batch of 8 MiB or more to or from
@@ -116,6 +125,9 @@ class Config:
         if self.ag_transport not in AG_TRANSPORTS:
             raise TideInvalid(f"ag_transport: expected one of {AG_TRANSPORTS}, got "
                               f"{self.ag_transport!r}")
+        if self.accum_kernel not in ACCUM_KERNELS:
+            raise TideInvalid(f"accum_kernel: expected one of {ACCUM_KERNELS}, got "
+                              f"{self.accum_kernel!r}")
         if self.symmetric_memory not in SYMMETRIC_MEMORY:
             raise TideInvalid(f"symmetric_memory: expected one of {SYMMETRIC_MEMORY}, got "
                               f"{self.symmetric_memory!r}")

@@ -30,15 +30,12 @@ def _host_accumulate(srcs: list, scale: float) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("n_src", [1, 2, 3, 5])
-@pytest.mark.parametrize("scale", [1.0, 0.25, 1 / 3])
-def test_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, scale):
+def _check_accumulate(cp, accumulator, stream, dtype: str, n_src: int, scale: float,
+                      sizes: list, offs: list) -> None:
+    """Accumulate pieces of ``sizes`` elements at element offsets ``offs`` (16-byte
+    aligned or not: vector and scalar paths) and compare bitwise with the host formula."""
     dt = tidearray._dtypes.normalize(dtype)
     rng = np.random.default_rng(n_src * 7 + len(dtype))
-    # Pieces of awkward sizes at awkward (element-aligned) offsets: vector and scalar paths.
-    sizes = [1, 7, 8, 15, 8192, 8193, 40_000, 3]
-    offs = [0, 3, 16, 1, 64, 5, 128, 9]
     host_srcs = [[rng.standard_normal(n + o).astype(np.float32).astype(dt) for n, o in
                   zip(sizes, offs)] for _ in range(n_src)]
     dev_srcs = [[cp.asarray(a.view(f"u{dt.itemsize}")).view(dt) for a in per] for per in host_srcs]
@@ -46,15 +43,45 @@ def test_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, scale):
     pieces = [AccumPiece(outs[k].data.ptr + 4 * offs[k],
                          tuple(dev_srcs[s][k].data.ptr + dt.itemsize * offs[k]
                                for s in range(n_src)), sizes[k]) for k in range(len(sizes))]
-    be = cuda_group.backend.lanes
     cp.cuda.runtime.deviceSynchronize()
-    be.accumulator.launch(be.streams[-2], pieces, dt, scale)
-    be.streams[-2].synchronize()
+    accumulator.launch(stream, pieces, dt, scale)
+    stream.synchronize()
     for k, o in enumerate(offs):
         want = _host_accumulate([host_srcs[s][k][o:] for s in range(n_src)], scale)
         got = cp.asnumpy(outs[k])
         assert np.isnan(got[:o]).all(), "wrote before the piece"
         assert (got[o:].view(np.uint32) == want.view(np.uint32)).all(), f"piece {k} differs"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("n_src", [1, 2, 3, 5])
+@pytest.mark.parametrize("scale", [1.0, 0.25, 1 / 3])
+def test_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, scale):
+    be = cuda_group.backend.lanes
+    _check_accumulate(cp, be.accumulator, be.streams[-2], dtype, n_src, scale,
+                      sizes=[1, 7, 8, 15, 8192, 8193, 40_000, 3],
+                      offs=[0, 3, 16, 1, 64, 5, 128, 9])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("n_src", [1, 2, 3, 5])
+@pytest.mark.parametrize("ctas", [2, None])
+def test_bulk_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, ctas):
+    """The opt-in bulk kernel gives the vector kernel's bits (fp32 sources keep the
+    vector kernel): on awkward pieces; on a piece of many stages and tiles with a
+    ragged tail, aligned and not; on one that ends in an 8-element sub-chunk; and
+    with 2 CTAs, each walking many tiles through its ring of stages."""
+    from tidearray.backends.cuda.accumulate import Accumulator
+
+    be = cuda_group.backend.lanes
+    acc = Accumulator(be.accumulator.device, be.accumulator.sm_count, ctas, kernel="bulk")
+    name = acc._kernel(tidearray._dtypes.normalize(dtype).name, "float32")[0].name
+    assert name.endswith("_bulk") == (dtype != "float32"), name
+    for scale in (1.0, 1 / 3):
+        _check_accumulate(cp, acc, be.streams[-2], dtype, n_src, scale,
+                          sizes=[1, 7, 8, 15, 8192, 8193, 40_000, 3, 3_000_001, 16_392,
+                                 100_003],
+                          offs=[0, 3, 16, 1, 64, 5, 128, 9, 0, 8, 3])
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -1,4 +1,5 @@
-"""Host-side tables of the cuda backend (accumulate table, split pushes): CPU only.
+"""Host-side tables of the cuda backend (accumulate table, split pushes) and the bulk
+accumulate kernel's launch constants: CPU only.
 
 Walks the table the way ``kernels/accumulate.cu`` does and checks that every
 element of every piece is covered by exactly one tile, that tiles never cross
@@ -13,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tidearray.backends._base import AccumPiece
+from tidearray.backends.cuda import accumulate
 from tidearray.backends.cuda.accumulate import TILE, build_table, choose_tile
 
 piece = st.tuples(st.integers(1, 3 * 64), st.integers(0, 40), st.integers(0, 40))
@@ -50,6 +52,23 @@ def test_tile_size_bounds_the_table(total, grid):
     tile = choose_tile(total, grid)
     assert tile % TILE == 0 and tile >= TILE
     assert -(-total // tile) <= max(4 * grid, -(-total // TILE))
+
+
+def test_bulk_kernel_constants_match_the_host():
+    """The bulk kernel's block and shared memory, as ``kernels/accumulate_bulk.cu``
+    defines them, are what the host launches with; its sub-chunk divides a tile."""
+    import re
+
+    from tidearray.backends.cuda.kernels import source
+
+    text = source("accumulate_bulk.cu")
+    assert text.count("TileAt locate(") == 1  # accumulate_common.cuh, inlined once
+    k = {name: int(v) for name, v in re.findall(r"^#define (\w+) (\d+)$", text, re.M)}
+    assert k["THREADS"] == accumulate.BULK_BLOCK
+    # SMEM_BYTES: the stages' source slots (16-bit elements), then an mbarrier per stage.
+    smem = k["STAGES"] * k["GROUP"] * 2 * k["CHUNK"] + 8 * k["STAGES"]
+    assert smem == accumulate.BULK_SMEM <= 227 * 1024
+    assert TILE % k["CHUNK"] == 0 and k["CHUNK"] % (4 * k["THREADS"]) == 0
 
 
 @given(st.lists(st.integers(0, 5 << 17), min_size=1, max_size=8), st.integers(1, 4))

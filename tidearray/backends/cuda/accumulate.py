@@ -1,7 +1,10 @@
 """The reduce-scatter's accumulate: one kernel launch per chunk, tables built on the host.
 
 :func:`build_table` is pure NumPy (tested on CPU); :class:`Accumulator` uploads
-a table and launches ``kernels/accumulate.cu`` on a lane stream.
+a table and launches ``kernels/accumulate.cu`` on a lane stream, or, for 16-bit
+sources into fp32 with ``Config.accum_kernel == "bulk"``, ``kernels/accumulate_bulk.cu``
+(the same table and arguments, the same bits; sources streamed through shared memory
+by bulk async copies).
 
 [Note: table lifetime]
 A launch reads its table from device memory that an async H2D copy filled
@@ -20,6 +23,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..._cache import IdentityCache
+from ..._config import ACCUM_KERNELS
 from ..._dtypes import normalize
 from .._base import AccumPiece
 
@@ -34,6 +38,14 @@ BLOCK = 512
 RING = 16
 #: Device tables kept for cached programs.
 TABLES = 256
+#: Threads per block of the bulk kernel (``THREADS`` in ``kernels/accumulate_bulk.cu``).
+BULK_BLOCK = 256
+#: Dynamic shared memory of the bulk kernel (``SMEM_BYTES`` there): 6 stages of two
+#: 16 KB source slots, then an 8-byte mbarrier per stage. The kernel traps on less.
+BULK_SMEM = 6 * 2 * 16384 + 6 * 8
+#: Bulk kernel name per 16-bit source dtype; its output is fp32.
+BULK_KERNELS = {"bfloat16": "tide_accumulate_bf16_bulk",
+                "float16": "tide_accumulate_fp16_bulk"}
 #: Kernel name per (source dtype, output dtype).
 KERNELS = {("bfloat16", "float32"): "tide_accumulate_bf16",
            ("float16", "float32"): "tide_accumulate_fp16",
@@ -115,11 +127,17 @@ class Accumulator:
             accumulate of chunk k runs while chunk k+1 is still on the copy
             engines, so it needs to keep pace with them, not to fill the GPU:
             a small grid leaves the other SMs to concurrent compute.
+        kernel: ``"vector"`` (``kernels/accumulate.cu``) or ``"bulk"``
+            (``kernels/accumulate_bulk.cu``, for 16-bit sources into fp32; other
+            dtype pairs keep the vector kernels). See ``Config.accum_kernel``.
     """
 
-    def __init__(self, device: int, sm_count: int, ctas: Optional[int] = None) -> None:
+    def __init__(self, device: int, sm_count: int, ctas: Optional[int] = None,
+                 kernel: str = "vector") -> None:
+        assert kernel in ACCUM_KERNELS, kernel  # Config.check refuses others
         self.device = device
         self.sm_count = sm_count
+        self.kernel = kernel
         self.max_grid = max(1, ctas if ctas else sm_count // 2)
         self._ring = [_Slot() for _ in range(RING)]
         self._next = 0
@@ -136,14 +154,14 @@ class Accumulator:
                scale: float, out_dtype: Any = "float32") -> None:
         """``out = scale * sum(srcs)`` per piece, one launch on ``stream`` (a cupy Stream):
         fp32, rounded to ``out_dtype`` (bf16 or fp16 for fp32 sources only)."""
-        kernel = self._kernel(normalize(src_dtype).name, normalize(out_dtype).name)
+        kernel, block, smem = self._kernel(normalize(src_dtype).name, normalize(out_dtype).name)
         dev, n_tiles, tile, event = self._tables.get(pieces, lambda p: self._upload(stream, p))
         grid = min(n_tiles, self.max_grid)
         with stream:
-            kernel((grid,), (BLOCK,), (dev, np.int32(len(pieces)),
+            kernel((grid,), (block,), (dev, np.int32(len(pieces)),
                                        np.int32(len(pieces[0].srcs)), np.int64(n_tiles),
                                        np.int64(tile), np.float32(scale),
-                                       np.int32(np.float32(scale) != 1)))
+                                       np.int32(np.float32(scale) != 1)), shared_mem=smem)
         event.record(stream)
 
     def _upload(self, stream: Any, pieces: Sequence[AccumPiece]) -> tuple:
@@ -168,10 +186,18 @@ class Accumulator:
             slot.event = cupy.cuda.Event(block=False, disable_timing=True)
         return slot.dev, n_tiles, tile, slot.event
 
-    def _kernel(self, src: str, out: str) -> Any:
-        if (src, out) not in self._kernels:
+    def _kernel(self, src: str, out: str) -> tuple[Any, int, int]:
+        """The RawKernel for (source, output) dtype names, its block and its dynamic
+        shared memory in bytes."""
+        key = (src, out)
+        if key not in self._kernels:
             from . import kernels as _kernels
 
-            self._kernels[(src, out)] = _kernels.function("accumulate.cu", KERNELS[(src, out)],
-                                                          self.device)
-        return self._kernels[(src, out)]
+            if self.kernel == "bulk" and out == "float32" and src in BULK_KERNELS:
+                fn = _kernels.function("accumulate_bulk.cu", BULK_KERNELS[src], self.device)
+                fn.max_dynamic_shared_size_bytes = BULK_SMEM  # above the 48 KB default
+                self._kernels[key] = (fn, BULK_BLOCK, BULK_SMEM)
+            else:
+                fn = _kernels.function("accumulate.cu", KERNELS[key], self.device)
+                self._kernels[key] = (fn, BLOCK, 0)
+        return self._kernels[key]

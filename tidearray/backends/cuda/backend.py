@@ -182,7 +182,12 @@ class CudaBackend(Backend):
             pass
         config, local_size = self.group.config, self.group.local_size
         split = config.ce_split
-        sms = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
+        props = cupy.cuda.runtime.getDeviceProperties(self.device)
+        sms = props["multiProcessorCount"]
+        if config.accum_kernel == "bulk" and props["major"] < 9:  # cp.async.bulk is sm_90
+            raise TideInvalid(f"accum_kernel: expected a device of compute capability 9.0 or "
+                              f"newer for 'bulk', got {props['major']}.{props['minor']} on "
+                              f"cuda:{self.device}")
 
         def stream() -> Any:
             return cupy.cuda.Stream(non_blocking=True)
@@ -194,7 +199,8 @@ class CudaBackend(Backend):
             streams=[stream() for _ in range(local_size + 2)],
             aux_streams=[[stream() for _ in range(split - 1)] for _ in range(local_size)],
             push_split=split, copier=Copier(config.batch_copies), flags=FlagOps(self.device),
-            accumulator=Accumulator(self.device, sms, config.accum_ctas),
+            accumulator=Accumulator(self.device, sms, config.accum_ctas,
+                                    kernel=config.accum_kernel),
             watchdog=Watchdog(self.device, config.timeout), retire=self.retire)
         probe_stream = lanes.streams[-1]
         self.capabilities = {
@@ -204,6 +210,9 @@ class CudaBackend(Backend):
             "NCCL put/signal": put_signal_capability(),
             "split pushes": (split > 1, f"{split} copy-engine stream(s) per peer push "
                              "(TIDE_CE_SPLIT)"),
+            "bulk accumulate": (config.accum_kernel == "bulk",
+                                "16-bit sources into fp32 by kernels/accumulate_bulk.cu, else "
+                                "kernels/accumulate.cu (TIDE_ACCUM_KERNEL)"),
         }
 
     def _choose_memory(self) -> tuple[bool, str]:
