@@ -8,6 +8,8 @@ For the Llama-3.1-8B unit it prints, per rank, medians over timed calls of:
   the kernel's end, so the host's issue is hidden: what the device itself takes;
 * ``push``: one plain ``cudaMemcpyAsync`` of this rank's share to the peer, the
   benchmark's copy-engine bound, also pre-issued;
+* ``push+own``: that push, and beside it (another stream) the local copy of the
+  same share into this rank's own slot, as an out-of-place gather must do;
 * ``host``: the call's host time, and each primitive's share of it (wrapped
   executor methods), plus the top of a cProfile of the calls on rank 0;
 * with ``TIDE_PROFILE_CAST=1``, the same for a cast plan (fp32 masters).
@@ -97,6 +99,20 @@ def push() -> None:
         cp.cuda.runtime.memcpyAsync(arena[0].ptr(p), arena[0].ptr(me), nbytes, 4, stream.ptr)
 
 
+side = cp.cuda.Stream(non_blocking=True)
+fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+own = cp.zeros(nbytes, cp.uint8)
+
+
+def push_and_own() -> None:
+    fork.record(stream)
+    side.wait_event(fork)
+    cp.cuda.runtime.memcpyAsync(arena[0].ptr(me), own.data.ptr, nbytes, 3, side.ptr)
+    push()
+    join.record(side)
+    stream.wait_event(join)
+
+
 def call() -> None:
     plan(stream=stream)
 
@@ -106,7 +122,7 @@ for _ in range(5):
 spent.clear()
 rows = {}
 for label, pre, fn in (("call", False, call), ("pre-issued", True, call),
-                       ("push", True, push)):
+                       ("push", True, push), ("push+own", True, push_and_own)):
     samples = [one(pre, fn) for _ in range(ITERS)]
     dev = comm.allreduce(np.median([s[0] for s in samples]), op=MPI.MAX)
     rows[label] = (dev, np.median([s[1] for s in samples]))

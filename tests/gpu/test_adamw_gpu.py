@@ -76,6 +76,7 @@ def _pair(cp: Any, master: np.ndarray, dtype: np.dtype, offset: int = 0):
     big_m[offset:offset + n] = cp.asarray(master)
     send = None if dtype is None else cp.zeros(n + 2 * offset, dtype)[offset:offset + n]
     dev = FusedAdamW(HP, big_m[offset:offset + n], send, cp)
+    cp.cuda.get_current_stream().synchronize()  # a side stream's step must see these writes
     return host, dev
 
 
@@ -90,6 +91,7 @@ def _steps(host: FusedAdamW, dev: FusedAdamW, cp: Any, grads: list[np.ndarray],
         scale_h = clip_scale(math.sqrt(host.sum_squares(g)), HP.max_grad_norm)
         host.step(g, grad_scale=scale_h, lr=lr)
         # The same scale on both, so that any difference is the kernel's own.
+        cp.cuda.get_current_stream().synchronize()  # g_dev, written on the current stream
         dev.step(g_dev, grad_scale=scale_h, lr=lr, stream=stream)
     (stream or cp.cuda.get_current_stream()).synchronize()
 
