@@ -145,32 +145,60 @@ struct Out16 {
     __device__ __forceinline__ void store1(i64 i, float v) const { p[i] = Round(v); }
 };
 
-// fp32 sources: 4 elements per vector step.
+__device__ __forceinline__ float4 load16f(const float* p) {  // streaming, as load16
+    float4 r;
+    asm("ld.global.cs.v4.f32 {%0, %1, %2, %3}, [%4];"
+        : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void add4(float4& acc, float4 v) {
+    acc.x = __fadd_rn(acc.x, v.x);
+    acc.y = __fadd_rn(acc.y, v.y);
+    acc.z = __fadd_rn(acc.z, v.z);
+    acc.w = __fadd_rn(acc.w, v.w);
+}
+
+__device__ __forceinline__ float4 finish4(float4 acc, float scale, int do_scale) {
+    return make_float4(finish(acc.x, scale, do_scale), finish(acc.y, scale, do_scale),
+                       finish(acc.z, scale, do_scale), finish(acc.w, scale, do_scale));
+}
+
+// fp32 sources: 4 elements per vector step, UNROLL steps per thread in flight
+// (a cast of masters into a slot reads one source and must keep pace with HBM).
 template <typename Out>
 __device__ void tile_32(const i64* srcs, int n_src, Out out, i64 a, i64 b, int vec,
                         float scale, int do_scale) {
     i64 vend = vec ? a + ((b - a) / 4) * 4 : a;
-    for (i64 i = a + 4 * (i64)threadIdx.x; i < vend; i += 4 * (i64)blockDim.x) {
-        float4 acc = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(srcs[0]) + i);
+    const i64 step = 4 * (i64)blockDim.x;
+    const float* s0 = reinterpret_cast<const float*>(srcs[0]);
+    i64 i = a + 4 * (i64)threadIdx.x;
+    for (; i + (UNROLL - 1) * step < vend; i += UNROLL * step) {
+        float4 acc[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) acc[u] = load16f(s0 + i + u * step);
         for (int s = 1; s < n_src; ++s) {
-            float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(srcs[s]) + i);
-            acc.x = __fadd_rn(acc.x, v.x);
-            acc.y = __fadd_rn(acc.y, v.y);
-            acc.z = __fadd_rn(acc.z, v.z);
-            acc.w = __fadd_rn(acc.w, v.w);
+            const float* sp = reinterpret_cast<const float*>(srcs[s]);
+            float4 v[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) v[u] = load16f(sp + i + u * step);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) add4(acc[u], v[u]);
         }
-        acc.x = finish(acc.x, scale, do_scale);
-        acc.y = finish(acc.y, scale, do_scale);
-        acc.z = finish(acc.z, scale, do_scale);
-        acc.w = finish(acc.w, scale, do_scale);
-        out.store4(i, acc);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) out.store4(i + u * step, finish4(acc[u], scale, do_scale));
     }
-    for (i64 i = vend + threadIdx.x; i < b; i += blockDim.x) {
-        float acc = reinterpret_cast<const float*>(srcs[0])[i];
+    for (; i < vend; i += step) {
+        float4 acc = load16f(s0 + i);
+        for (int s = 1; s < n_src; ++s) add4(acc, load16f(reinterpret_cast<const float*>(srcs[s]) + i));
+        out.store4(i, finish4(acc, scale, do_scale));
+    }
+    for (i64 j = vend + threadIdx.x; j < b; j += blockDim.x) {
+        float acc = s0[j];
         for (int s = 1; s < n_src; ++s) {
-            acc = __fadd_rn(acc, reinterpret_cast<const float*>(srcs[s])[i]);
+            acc = __fadd_rn(acc, reinterpret_cast<const float*>(srcs[s])[j]);
         }
-        out.store1(i, finish(acc, scale, do_scale));
+        out.store1(j, finish(acc, scale, do_scale));
     }
 }
 
