@@ -10,6 +10,9 @@ For the Llama-3.1-8B unit it prints, per rank, medians over timed calls of:
   benchmark's copy-engine bound, also pre-issued;
 * ``push+own``: that push, and beside it (another stream) the local copy of the
   same share into this rank's own slot, as an out-of-place gather must do;
+* ``pieces``: the plan's own pushes (one copy per parameter, as the slot layout
+  puts each parameter's rows apart), as plain ``cudaMemcpyAsync`` calls, and
+  ``batch``: the same copies as the plan's one batch, both without flags;
 * ``host``: the call's host time, and each primitive's share of it (wrapped
   executor methods), plus the top of a cProfile of the calls on rank 0;
 * with ``TIDE_PROFILE_CAST=1``, the same for a cast plan (fp32 masters).
@@ -113,6 +116,18 @@ def push_and_own() -> None:
     stream.wait_event(join)
 
 
+pieces = plan._program.pushes[(me + 1) % L] if L > 1 else ()
+
+
+def plain_pieces() -> None:
+    for dst, src, n in pieces:
+        cp.cuda.runtime.memcpyAsync(dst, src, n, 4, stream.ptr)
+
+
+def batch() -> None:
+    g.backend.lanes.copier.copy(stream.ptr, pieces)
+
+
 def call() -> None:
     plan(stream=stream)
 
@@ -122,7 +137,8 @@ for _ in range(5):
 spent.clear()
 rows = {}
 for label, pre, fn in (("call", False, call), ("pre-issued", True, call),
-                       ("push", True, push), ("push+own", True, push_and_own)):
+                       ("push", True, push), ("push+own", True, push_and_own),
+                       ("pieces", True, plain_pieces), ("batch", True, batch)):
     samples = [one(pre, fn) for _ in range(ITERS)]
     dev = comm.allreduce(np.median([s[0] for s in samples]), op=MPI.MAX)
     rows[label] = (dev, np.median([s[1] for s in samples]))
