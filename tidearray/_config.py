@@ -65,8 +65,8 @@ class Config:
     ``"vector"`` (default: ``kernels/accumulate.cu``, 16-byte streaming loads from
     every thread) or ``"bulk"`` (opt-in: ``kernels/accumulate_bulk.cu``, Hopper bulk
     async copies stream the sources through shared memory, up to 192 KB in flight per
-    CTA; sm_90 or newer). Both give the same bits; fp32 sources and casts always use
-    the vector kernels. Env: ``TIDE_ACCUM_KERNEL``."""
+    CTA; sm_90 or newer; measured no faster on 2xH200). Both give the same bits; fp32
+    sources and casts always use the vector kernels. Env: ``TIDE_ACCUM_KERNEL``."""
 
     ce_split: int = 1
     """Copy-engine streams per peer lane: a copy batch of 8 MiB or more to or from

@@ -24,8 +24,8 @@ def cell(v, scale, fmt):
     return "-" if v is None else format(v * scale, fmt)
 
 
-print(f"| accumulate CTAs | RS time (us) | RS SM time, CUPTI (us) | single-wave GEMM beside "
-      f"RS | beside AG | commit | record |\n| ---: | ---: | ---: | ---: | ---: | --- | --- |")
+print("| accumulate CTAs | RS time (us) | RS SM time, CUPTI (us) | single-wave GEMM beside "
+      "RS | beside AG | commit | record |\n| ---: | ---: | ---: | ---: | ---: | --- | --- |")
 for ctas, g, commit, name in sorted(rows):
     print(f"| {ctas} | {cell(g.get(('rs', 'time')), 1e6, ',.0f')} | "
           f"{cell(g.get(('rs', 'sm_time_cupti')), 1e6, ',.1f')} | "
