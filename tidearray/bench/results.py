@@ -6,7 +6,7 @@
 The section sits between ``<!-- results:begin -->`` and ``<!-- results:end -->``. Every
 figure in it comes from a record kept under ``docs/benchmarks/``: the FSDP2 comparison
 (``fsdp2/compare.json``), the training step (``train/train.json``), the latest
-collective suite (``run10.jsonl``) and three separate launches of its headline units
+collective suite (``run11.jsonl``) and three separate launches of its headline units
 (``run9-launches/``). A test checks that the README's section is what this module
 writes, so a figure cannot be edited by hand or left behind.
 """
@@ -25,7 +25,7 @@ BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
 DOCS = "docs/benchmarks"
 SOURCES = {"fsdp2": f"{DOCS}/fsdp2/compare.json", "train": f"{DOCS}/train/train.json",
-           "collectives": f"{DOCS}/run10.jsonl"}
+           "collectives": f"{DOCS}/run11.jsonl"}
 LAUNCHES = [f"{DOCS}/run9-launches/launch{k}.jsonl" for k in (1, 2, 3)]
 U = "llama3.1-8b"
 
