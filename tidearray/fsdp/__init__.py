@@ -2,8 +2,9 @@
 
 :class:`ShardedModel` shards a model's units over the group, gathers each unit
 before it runs and reduces its gradients as soon as its backward is done, and
-steps a fused AdamW on the fp32 master shards (which also writes the bf16
-shards the next gather sends). It knows nothing of autograd: a front end
+steps a fused AdamW on the fp32 master shards (the ``tide`` gathers cast them
+into the slots; the baselines keep bf16 send shards, which the AdamW writes
+too). It knows nothing of autograd: a front end
 calls its hooks (see ``docs/fsdp.md``).
 """
 

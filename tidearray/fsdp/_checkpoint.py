@@ -8,9 +8,10 @@ A checkpoint directory holds:
   and the step.
 
 Loading needs the same world size and the same units (checked on every rank,
-which raise together). The send shards are rebuilt from the masters by the
-same round-to-nearest cast the optimizer uses, so a resumed run continues
-bit for bit.
+which raise together). Send shards, where the path keeps them, are rebuilt
+from the masters by the same round-to-nearest cast the optimizer uses (the
+``tide`` gathers cast the masters themselves), so a resumed run continues bit
+for bit.
 """
 
 from __future__ import annotations
