@@ -146,7 +146,7 @@ def _collectives(res: Results, launches: list[Results]) -> str:
         f"({res.value('ag', 'tide', U, 'bandwidth_back_to_back'):.0f} GB/s issued back "
         f"to back). It runs at {_row(bound)} the speed of its own push timed alone and "
         f"{_row(ce)} of NCCL's copy-engine all-gather alone, in place (goals 0.97x and 1x). "
-        f"As a persistent plan (`tide-plan`; `tidearray.fsdp` uses plans that also cast its masters): "
+        f"As a persistent plan (`tide-plan`; `tidearray.fsdp`'s plans also cast its masters): "
         f"{_ms(t('ag', 'tide-plan'))} us, {_row(plan_bound)} and {_row(plan_ce)}.",
         f"- `reduce_scatter`, bf16 gradients to fp32 shards: {_ms(t('rs', 'tide'))} us, "
         f"**{_x(t('rs', 'stock'), t('rs', 'tide'))}** faster than an fp32 pack plus NCCL's "
