@@ -15,8 +15,20 @@ from mpi4py import MPI
 
 import tidearray
 
-from .._util import BF16, DTYPES, FP16, FP32, agree, dtypes, seeds, shapes
-from ._cases import check_gathered, run_all_gather
+from .._util import (
+    BF16,
+    DTYPES,
+    FP16,
+    FP32,
+    agree,
+    compare_bits,
+    dtypes,
+    padded_shard,
+    seeds,
+    shapes,
+    to_xp,
+)
+from ._cases import _stray_writes, check_gathered, poison, run_all_gather
 
 WORLD = MPI.COMM_WORLD.Get_size()
 SLOT_BYTES = 256 << 10
@@ -76,6 +88,27 @@ def test_all_gather_is_bitwise_exact(arena, unit, dtype, seed, which, async_op):
         failures, _ = run_all_gather(arena.group, unit, dtype, seed, slot=arena[which],
                                      async_op=async_op)
     agree(arena.group.comm, failures, f"unit {unit} {dtype}")
+
+
+@given(shapes(WORLD, min_count=1), dtypes, seeds)
+def test_cast_plan_is_astype_on_every_transport(arena, unit, dtype, seed):
+    """fp32 masters cast into the slot and gathered in place, on every transport (and
+    across emulated nodes in the CI matrix): every output equals the full fp32 values
+    rounded by astype, and no byte outside the parameters is written."""
+    g = arena.group
+    failures = _fits(g, unit, dtype)
+    if not failures:
+        rng = np.random.default_rng(seed)
+        full = [(rng.standard_normal(s) * 2.0 ** rng.integers(-12, 12, s)).astype(FP32)
+                for s in unit]
+        masters = [to_xp(g.backend.xp, padded_shard(f, g.size, g.rank)) for f in full]
+        plan = tidearray.Unit(unit, dtype, group=g).gather_plan(masters, arena[0], cast=True)
+        poison(arena[0])
+        got = plan()
+        for i, (o, f) in enumerate(zip(got, full)):
+            failures += compare_bits(o, f.astype(dtype), f"parameter {i}")
+        failures += _stray_writes(g, arena[0], got)
+    agree(arena.group.comm, failures, f"cast plan, unit {unit} {dtype}")
 
 
 @given(shapes(WORLD, min_count=1), shapes(WORLD, min_count=1), dtypes, seeds)
