@@ -30,7 +30,8 @@ class Row:
     why: str = ""
 
 
-def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """``a / b``, or None where either is missing (or ``b`` is 0)."""
     return a / b if a is not None and b not in (None, 0) else None
 
 
@@ -72,7 +73,7 @@ def ag_rows(res: Results, base: str, goal: float, units: tuple = LLAMA) -> list[
                + (f"; tide AG of a 1 MiB unit {us(small)} us (fixed cost per call)"
                   if small is not None else "")
                + f"; {base} AG {us(b)} us = {_phases(res, 'ag', base, w)}")
-        rows.append(_at_least(f"TIDE-AG vs {base}", w, _ratio(b, t), goal, why))
+        rows.append(_at_least(f"TIDE-AG vs {base}", w, ratio(b, t), goal, why))
     return rows
 
 
@@ -93,10 +94,10 @@ def bound_rows(res: Results) -> list[Row]:
                    f"{us(pc)} us; NCCL CE all-gather in place {us(ce)} us")
             slack = 1.10 if w.startswith("qwen") else 1.03
             rows.append(_at_least(f"{label} speed / CE push bound (within {slack - 1:.0%})",
-                                  w, _ratio(pc, t), round(1 / slack, 3), why))
+                                  w, ratio(pc, t), round(1 / slack, 3), why))
             if w in LLAMA:
                 rows.append(_at_least(f"{label} vs NCCL CE all-gather in place", w,
-                                      _ratio(ce, t), 1.0, why))
+                                      ratio(ce, t), 1.0, why))
     return rows
 
 
@@ -124,7 +125,7 @@ def bandwidth_rows(res: Results, w: str = "llama3.1-8b") -> list[Row]:
 
 
 def _pct(a: Optional[float], b: Optional[float]) -> str:
-    r = _ratio(a, b)
+    r = ratio(a, b)
     return "-" if r is None else f"{r * 100:.0f}%"
 
 
@@ -136,7 +137,7 @@ def rs_rows(res: Results) -> list[Row]:
                f"traffic alone = tide AG of the unit, "
                f"{us(_time(res, 'ag', 'tide', w))} us; {_phases(res, 'rs', 'tide', w)}); "
                f"stock RS {us(b)} us = {_phases(res, 'rs', 'stock', w)}")
-        rows.append(_at_least("TIDE-RS (bf16 -> fp32) vs stock", w, _ratio(b, t), 2.0, why))
+        rows.append(_at_least("TIDE-RS (bf16 -> fp32) vs stock", w, ratio(b, t), 2.0, why))
     return rows
 
 
@@ -155,9 +156,9 @@ def sm_rows(res: Results) -> list[Row]:
                 if cupti else "no CUPTI record; model: ")
                + f"tide {us(tv)} us ({_parts(t)}{_accum_rate(res, w)}); stock "
                f"{us(bv)} us ({_parts(b)})" + (f"; {notes}" if notes else ""))
-        ratio = _ratio(bc, tc) if cupti else _ratio(bv, tv)
+        sm = ratio(bc, tc) if cupti else ratio(bv, tv)
         rows.append(_at_least("RS SM time (CUPTI), stock / tide" if cupti else
-                              "RS SM time (model), stock / tide", w, ratio, 12.5, why))
+                              "RS SM time (model), stock / tide", w, sm, 12.5, why))
     return rows
 
 
