@@ -203,7 +203,7 @@ class Impl:
 
     def close(self) -> None:
         if self.sm is not None:
-            self.sm.model.close()
+            self.sm.close()
 
 
 def device_used(torch: Any, cuda: bool) -> int:

@@ -37,8 +37,6 @@ from .fsdp import AdamW, ShardedModel
 if TYPE_CHECKING:
     from ._group import Group
 
-_TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
-
 # The first unit's backward pre-hook fires with no input gradients (its inputs are data):
 # that is the point of the hook here, not a surprise worth a warning every step.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are "
@@ -84,15 +82,20 @@ class ShardedModule:
         self._index = {id(p): k for ps in self.params for k, p in enumerate(ps)}
         first = self.params[0][0]
         dtype = _numpy_dtype(param_dtype if param_dtype is not None else first.dtype)
-        named = [[(f"{i}.{name}", _host_or_device(p)) for name, p in u.named_parameters()]
+        by_name = {f"{i}.{name}": p for i, u in enumerate(self.units)
+                   for name, p in u.named_parameters()}
+        named = [[(f"{i}.{name}", tuple(p.shape)) for name, p in u.named_parameters()]
                  for i, u in enumerate(self.units)]
-        # autograd may start unit i-1's backward before unit i's gradients are all in:
+        # One fp32 copy of one parameter at a time (``init``), not of the whole model.
+        # Autograd may start unit i-1's backward before unit i's gradients are all in:
         # the runtime then defers unit i-2's prefetch until unit i's slot is free.
-        self.model = ShardedModel(named, group=group, param_dtype=dtype, optimizer=optimizer,
+        self.model = ShardedModel(named, init=lambda name, shape: _host_or_device(by_name[name]),
+                                  group=group, param_dtype=dtype, optimizer=optimizer,
                                   prefetch=prefetch, comm=comm)
         self.device = first.device
         self._empty = [[_placeholder(p, dtype) for p in ps] for ps in self.params]
         self._grads: dict[int, list] = {}
+        self._views: dict[tuple[str, int], tuple[list, list]] = {}
         self._pending: dict[int, int] = {}
         for i, ps in enumerate(self.params):
             for p, e in zip(ps, self._empty[i]):
@@ -113,9 +116,19 @@ class ShardedModule:
 
     # -- hooks --------------------------------------------------------------------
 
+    def _torch_views(self, what: str, i: int, arrays: list) -> list:
+        """Torch views of unit ``i``'s ``arrays``, made again only when the runtime hands
+        out other arrays: its gathers and gradient buffers are the same lists step after
+        step (unit ``i`` always takes the same slot)."""
+        hit = self._views.get((what, i))
+        if hit is None or hit[0] is not arrays:
+            hit = self._views[(what, i)] = (arrays, [_tensor(a, s) for a, s in
+                                                     zip(arrays, self.shapes[i])])
+        return hit[1]
+
     def _point(self, i: int, arrays: list) -> None:
-        for p, a, shape in zip(self.params[i], arrays, self.shapes[i]):
-            p.data = _tensor(a, shape)
+        for p, t in zip(self.params[i], self._torch_views("params", i, arrays)):
+            p.data = t
 
     def _pre_forward(self, i: int, module: Any, args: Any) -> None:
         if _in_backward():  # activation checkpointing recomputes the forward in backward:
@@ -133,7 +146,7 @@ class ShardedModule:
     def _pre_backward(self, i: int, module: Any, grad_output: Any) -> None:
         params, grads = self.model.pre_backward(i)
         self._point(i, params)
-        self._grads[i] = [_tensor(g, shape) for g, shape in zip(grads, self.shapes[i])]
+        self._grads[i] = self._torch_views("grads", i, grads)
         self._pending[i] = len(self.params[i])
 
     def _grad_ready(self, i: int, param: Any) -> None:
@@ -159,6 +172,11 @@ class ShardedModule:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    def close(self) -> None:
+        """Remove the hooks and release the runtime's communicators (collective)."""
+        self.remove()
+        self.model.close()
 
 
 def _in_backward() -> bool:
@@ -186,9 +204,9 @@ def _check_cover(module: Any, params: list) -> None:
 
 def _numpy_dtype(dtype: Any) -> np.dtype:
     name = str(dtype).replace("torch.", "")
-    if name not in _TORCH_DTYPES:
+    if name not in _dtypes.SUPPORTED:
         raise TideInvalid(f"param_dtype: expected bfloat16, float16 or float32, got {dtype}")
-    return _dtypes.normalize(name)
+    return _dtypes.SUPPORTED[name]
 
 
 def _host_or_device(p: Any) -> Any:
