@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from . import _all_gather as ag
 from . import _dtypes, _stamps, _validate
@@ -28,9 +28,6 @@ from ._errors import TideInvalid
 from ._group import Group, default_group
 from ._layout import RsPlan, UnitLayout, cached_unit, plan_reduce_scatter
 from ._work import finish
-
-if TYPE_CHECKING:
-    pass
 
 
 class Unit:
@@ -191,8 +188,8 @@ class GatherPlan(_Plan):
         errors = [] if isinstance(slot, Region) else [
             f"slot: expected a Region (a SlotArena entry), got {type(slot).__name__}"]
         resolved = ag.resolve(group, shards, self.what, errors)
-        call = ag.check_call(group, resolved, unit.shapes, slot,
-                             unit.dtype if cast else None)
+        cast_to = unit.dtype if cast else None
+        call = ag.check_call(group, resolved, unit.shapes, slot, cast_to)
         want = _dtypes.float32 if cast else unit.dtype
         if call.dtype != want:
             what = "float32 shards to cast" if cast else f"shards of the unit's dtype {want}"
@@ -201,7 +198,7 @@ class GatherPlan(_Plan):
         super().__init__(unit, call.signature)
         self.slot = slot
         self._program = ag.build_program(group, unit.layout, [s.ptr for s in resolved], slot,
-                                         unit.dtype if cast else None)
+                                         cast_to)
         self._shards = [s.array for s in resolved]  # kept alive: the program holds addresses
         self.params = slot.views(unit.layout, unit.dtype)
 

@@ -117,10 +117,11 @@ class Executor(abc.ABC):
         ``out_dtype`` bf16 or fp16 (fp32 sources only) rounds the fp32 result to
         nearest even: one fp32 source with scale 1 is a cast.
         """
-        out_dtype = _dtypes.normalize(out_dtype)
-        if out_dtype != float32 and _dtypes.normalize(src_dtype) != float32:
-            raise TideBackendError(f"accumulate: a {out_dtype} output takes float32 sources, "
-                                   f"got {src_dtype}")
+        if out_dtype is not float32:  # checked for casts only: the default runs per chunk
+            out_dtype = _dtypes.normalize(out_dtype)
+            if out_dtype != float32 and _dtypes.normalize(src_dtype) != float32:
+                raise TideBackendError(f"accumulate: a {out_dtype} output takes float32 "
+                                       f"sources, got {src_dtype}")
         if not all(p.numel for p in pieces):  # keeps a cached program's tuple as it is
             pieces = tuple(p for p in pieces if p.numel)
         if pieces:

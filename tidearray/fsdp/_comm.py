@@ -25,7 +25,6 @@ again ([Note: gradient buffers] in ``_runtime``).
 from __future__ import annotations
 
 import abc
-import contextlib
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -36,6 +35,7 @@ from .._layout import UnitLayout, cached_unit
 from .._plan import Unit, slot_chunk_nbytes
 from .._work import Work
 from ..backends._base import Completion
+from ._optim import on_stream
 from ._shards import ShardArena
 
 if TYPE_CHECKING:
@@ -162,12 +162,6 @@ class LocalComm(UnitComm):
             for o, g in zip(self.arena.views(out, unit), self.grads(unit, k)):
                 self.xp.copyto(o, g, casting="unsafe")
         return Work(_Ready(), None)
-
-
-def on_stream(stream: Any) -> Any:
-    """A ``with`` context making ``stream`` current (a CuPy stream is one); nothing for
-    None (the host backend, or CuPy's current stream)."""
-    return contextlib.nullcontext() if stream is None else stream
 
 
 def world_of(kind: str, group: Group) -> int:

@@ -272,7 +272,7 @@ class FusedAdamW:
                 g = grad[lo:lo + HOST_CHUNK].astype(np.float64)
                 total += float(np.dot(g, g))
             return total
-        with self._device(), _on_stream(stream):
+        with self._device(), on_stream(stream):
             return float(_sum_squares_kernel()(grad))
 
     def step(self, grad: Array, *, grad_scale: float = 1.0, lr: Optional[float] = None,
@@ -354,7 +354,7 @@ class FusedAdamW:
         else:
             send = self._send.view(cupy.uint16)
         blocks = min(-(-n // BLOCK), MAX_BLOCKS)
-        with self._device(), _on_stream(stream):
+        with self._device(), on_stream(stream):
             self._kernel((blocks,), (BLOCK,), (self._master, self._exp_avg, self._exp_avg_sq,
                                                grad, send, np.int64(n), *c))
 
@@ -403,6 +403,7 @@ def _is_array(a: Any) -> bool:
     return all(hasattr(a, k) for k in ("dtype", "ndim", "size", "flags"))
 
 
-def _on_stream(stream: Any) -> Any:
-    """Context making ``stream`` current (a cupy Stream), or nothing for None."""
+def on_stream(stream: Any) -> Any:
+    """A ``with`` context making ``stream`` current (a CuPy stream is one); nothing for
+    None (the host backend, or CuPy's current stream)."""
     return contextlib.nullcontext() if stream is None else stream

@@ -58,8 +58,8 @@ import numpy as np
 from .. import _dtypes
 from .._errors import TideInvalid
 from .._group import Group, default_group
-from ._comm import KINDS, LocalComm, TideComm, UnitComm, on_stream, world_of
-from ._optim import AdamW, FusedAdamW, clip_scale
+from ._comm import KINDS, LocalComm, TideComm, UnitComm, world_of
+from ._optim import AdamW, FusedAdamW, clip_scale, on_stream
 from ._shards import ShardArena, arena_layout
 
 Init = Callable[[str, tuple], Any]
