@@ -67,6 +67,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="CUPTI timeline of one step each")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block's forward, in every impl alike")
     p.add_argument("--out", default=None)
     p.add_argument("--report", default=None, metavar="COMPARE_JSON")
     return p.parse_args(argv)
@@ -172,6 +174,8 @@ class Impl:
         from tidearray.fsdp import AdamW
 
         self.kind, self.torch, self.model = kind, torch, model
+        if args.compile:
+            compile_blocks(torch, model)
         hyper = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
         if kind == "fsdp2":
             mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -204,6 +208,18 @@ class Impl:
     def close(self) -> None:
         if self.sm is not None:
             self.sm.close()
+
+
+def compile_blocks(torch: Any, model: Any) -> None:
+    """``torch.compile`` each block's forward, as torchtitan does: the module's hooks
+    (FSDP2's or ``shard_module``'s) run in ``Module.__call__``, outside the graph; the
+    compiled forward and backward read the parameters those hooks put in place."""
+    # One graph serves every block (parameters are graph inputs); the limit only
+    # guards against a recompile per block should a guard tell them apart.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                4 * len(model.blocks))
+    for b in model.blocks:
+        b.forward = torch.compile(b.forward)
 
 
 def device_used(torch: Any, cuda: bool) -> int:
@@ -323,7 +339,8 @@ def compare(records: list) -> dict:
 def table(rec: dict) -> str:
     c = rec["comparison"]
     lines = [f"# FSDP2 vs tidearray.torch.shard_module: {rec['model']}, {rec['world']} ranks, "
-             f"{rec['tokens_per_rank']} tokens per rank", "",
+             f"{rec['tokens_per_rank']} tokens per rank"
+             + (", blocks under torch.compile" if rec.get("compiled") else ""), "",
              f"Commit `{rec['commit']}`, {rec['time']}, device: {rec['device']}. Command: "
              f"`{' '.join(rec['argv'])}`.", "",
              "| impl | median step (ms) | vs floor | peak memory per rank (GiB) | "
@@ -422,11 +439,13 @@ def main(argv: Optional[list] = None) -> None:
     if set(impls) - set(IMPLS):
         raise SystemExit(f"--impls: expected some of {IMPLS}, got {impls}")
     log(f"compare: {args.model}, {tokens} tokens/rank, {g.size} ranks, "
-        f"{'cuda bf16' if cuda else 'cpu fp32'}, impls {impls}, {args.steps} steps")
+        f"{'cuda bf16' if cuda else 'cpu fp32'}, impls {impls}, {args.steps} steps"
+        + (", blocks compiled" if args.compile else ""))
     records = [run(k, torch, g, args, cfg, tokens // cfg.seq, device, log) for k in impls]
     rec = {"commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "argv": ["python", *sys.argv], "model": args.model, "config": cfg.__dict__,
            "tokens_per_rank": tokens, "world": g.size, "torch": torch.__version__,
+           "compiled": args.compile,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "runs": records}
     rec["comparison"] = compare(records)
