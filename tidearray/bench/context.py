@@ -12,7 +12,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from .device import StartLine, make_device
+from .device import make_device
 from .records import Sink, git_commit
 
 
@@ -28,9 +28,6 @@ class Ctx:
         #: Failures of the run (errors, not skips): any makes the command exit nonzero.
         self.errors: list[str] = []
         self.t0 = time.perf_counter()
-        #: Lines the node's ranks up on the timing stream (a no-op where the group's
-        #: backend is not the device's: then the barrier alone starts an iteration).
-        self.start_line = StartLine(group, dev.stream, enabled=group.backend.name == dev.name)
         self._log = None
         if self.rank == 0 and args.out:
             self._log = open(os.path.join(args.out, "bench.log"), "a")
@@ -55,7 +52,6 @@ class Ctx:
             self._log.flush()
 
     def close(self) -> None:
-        self.start_line.free()
         if self._log:
             self._log.close()
             self._log = None
@@ -146,9 +142,7 @@ def environment(ctx: Ctx) -> dict:
            "world": ctx.size, "host": platform.node(), "python": platform.python_version(),
            "numpy": numpy.__version__, "tidearray": tidearray.__version__,
            "group": repr(ctx.group), "group_note": ctx.group_note,
-           "commit": git_commit(),
-           "timing_start": "barrier, then a rendezvous on the timing stream"
-           if ctx.start_line.buffer is not None else "barrier"}
+           "commit": git_commit()}
     env.update(ctx.dev.describe())
     try:
         from mpi4py import MPI

@@ -212,45 +212,5 @@ class CudaDevice:
         return run
 
 
-class StartLine:
-    """Holds the timing stream until every node-local rank's stream has reached it.
-
-    After an MPI barrier, ranks go on tens of microseconds apart; a collective
-    that waits for its peers would wait out that skew inside its timed window,
-    and a one-sided copy would not. Each rank writes its arrival into every
-    peer's flag word and waits for theirs, on the device (the backend's zero-SM
-    flags), so timed windows open together. Collective to make, to call and to
-    :meth:`free`; a group with one rank per node has nothing to line up.
-    """
-
-    def __init__(self, group: Any, stream: Any, enabled: bool = True) -> None:
-        self.group, self.stream, self.round = group, stream, 0
-        n, me = group.local_size, group.local_rank
-        self.peers = [p for p in range(n) if p != me] if enabled else []
-        self.buffer = group.backend.alloc_symmetric(4 * n) if self.peers else None
-        if self.buffer is not None:
-            self.buffer.view(0, (n,), np.int32)[...] = 0
-            group.synchronize()
-            group.node_comm.Barrier()  # no peer signals before our words are zero
-
-    def __call__(self) -> None:
-        if self.buffer is None:
-            return
-        self.round += 1
-        ex = self.group.backend.executor(self.stream)
-        me, ptr = self.group.local_rank, self.buffer.ptr
-        for p in self.peers:
-            ex.signal(ex.COMPUTE, ptr(p) + 4 * me, self.round)
-        for p in self.peers:
-            ex.wait(ex.COMPUTE, ptr(me) + 4 * p, self.round)
-        ex.finish().wait(self.stream)
-
-    def free(self) -> None:
-        if self.buffer is not None:
-            self.group.synchronize()
-            self.buffer.free()
-            self.buffer = None
-
-
 def make_device(backend_name: str) -> Any:
     return CudaDevice() if backend_name == "cuda" else HostDevice()

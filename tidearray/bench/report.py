@@ -18,10 +18,7 @@ from .tables import Results, back_to_back, gbs, grid, markdown, mib, num, phase_
 DEFINITIONS = """\
 * **time**: median over the timed iterations of the per-iteration maximum over
   ranks; each iteration starts after a barrier, with the timing stream idle, and is timed with
-  CUDA events on the issuing stream (wall clock on the host backend). From run 12 on
-  (`timing_start` in the run's record), the node's ranks also meet on the timing stream
-  (each writes a flag into every peer's memory and waits for theirs, no SM) before the
-  start event, so the barrier's skew between ranks is not timed.
+  CUDA events on the issuing stream (wall clock on the host backend).
 * **bandwidth**: per rank, `(W-1)/W` of the unit's bf16 bytes divided by the time
   (the same numerator for every implementation, so ratios of bandwidths are ratios
   of times; a baseline's fp32 traffic is part of its cost).

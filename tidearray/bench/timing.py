@@ -1,10 +1,8 @@
-"""Timing: untimed warm-up, a common start before every timed iteration, medians.
+"""Timing: untimed warm-up, a barrier before every timed iteration, medians.
 
-Each iteration starts after an MPI barrier and a rendezvous of the node's
-ranks on the timing stream (:class:`~tidearray.bench.device.StartLine`), and is
-timed on every rank (CUDA events on the timing stream, or the wall clock on
-the host); a collective's time for that iteration is the maximum over ranks,
-and the reported time is the median over iterations.
+Each iteration is timed on every rank (CUDA events on the timing stream, or
+the wall clock on the host); a collective's time for that iteration is the
+maximum over ranks, and the reported time is the median over iterations.
 """
 
 from __future__ import annotations
@@ -79,7 +77,6 @@ def measure(ctx: Any, fn: Callable[[], Any], *, iters: int = MIN_ITERS, warmup: 
             pre()
             dev.sync()
         ctx.comm.Barrier()
-        ctx.start_line()
         t = dev.timer()
         t.start()
         h0 = time.perf_counter()
@@ -90,7 +87,6 @@ def measure(ctx: Any, fn: Callable[[], Any], *, iters: int = MIN_ITERS, warmup: 
     laps: tuple = ()
     if pre is None and back_to_back:
         ctx.comm.Barrier()
-        ctx.start_line()
         t = dev.timer(laps=iters)
         t.start()
         for _ in range(iters):
