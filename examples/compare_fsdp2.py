@@ -67,6 +67,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="CUPTI timeline of one step each")
+    p.add_argument("--passes", type=int, default=1,
+                   help="run the impls this many times, every other pass in reverse order "
+                        "(so no impl always runs on the warmest GPU); medians pool the passes")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each block's forward, in every impl alike")
     p.add_argument("--out", default=None)
@@ -245,8 +248,12 @@ def memory_parts(torch: Any, g: Any, cuda: bool) -> dict:
             "cupy_held": pool.total_bytes() if pool else 0}
 
 
+#: Steps between GPU clock samples (``nvidia-smi``, outside the timed steps).
+CLOCK_EVERY = 10
+
+
 def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.ModelConfig,
-        B: int, device: Any, log: Any) -> dict:
+        B: int, device: Any, log: Any, with_profile: bool = True) -> dict:
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     _release(torch, g, cuda)
@@ -254,7 +261,7 @@ def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.Mode
     impl = Impl(kind, torch, build(torch, cfg, device, args.seed), g, args, dtype)
     data = [llama.batch(cfg, step=s, batch_size=B, seed=args.seed, first_sample=g.rank * B)
             for s in range(args.steps)]
-    losses, times, peak, parts = [], [], 0, {}
+    losses, times, peak, parts, clocks = [], [], 0, {}, []
     for s, (tokens, targets) in enumerate(data):
         tokens = torch.from_numpy(tokens.astype(np.int64)).to(device)
         targets = torch.from_numpy(targets.astype(np.int64)).to(device)
@@ -268,14 +275,33 @@ def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.Mode
         if used > peak or not parts:
             peak, parts = max(peak, used), memory_parts(torch, g, cuda)
         losses.append(g.comm.allreduce(float(loss)) / g.size)
+        if cuda and (s + 1) % CLOCK_EVERY == 0:
+            from tidearray.bench.device import gpu_clocks
+
+            clocks.append(gpu_clocks(device.index))
         log(f"[{kind}] step {s + 1:4d}  loss {losses[-1]:.6f}  {times[-1] * 1e3:9.2f} ms  "
             f"mem {peak / 2**30:6.2f} GiB")
-    prof = profile(kind, torch, impl, data[-1], device, args, g, log) if args.profile else None
+    prof = (profile(kind, torch, impl, data[-1], device, args, g, log)
+            if args.profile and with_profile else None)
     impl.close()
     del impl
     return {"impl": kind, "losses": losses, "step_s": times, "peak_bytes": peak,
-            "peak_parts": parts,
+            "peak_parts": parts, "clocks": clocks,
             "median_step_s": float(np.median(times[args.warmup:] or times)), "profile": prof}
+
+
+def pooled(passes: list, warmup: int) -> dict:
+    """One impl's record over its passes: the first pass's losses, steps and profile;
+    the median over every pass's timed steps; the highest peak."""
+    first = dict(passes[0])
+    if len(passes) > 1:
+        first["passes"] = [{"step_s": r["step_s"], "median_step_s": r["median_step_s"],
+                            "peak_bytes": r["peak_bytes"], "clocks": r["clocks"]}
+                           for r in passes]
+        first["median_step_s"] = float(np.median(
+            [t for r in passes for t in (r["step_s"][warmup:] or r["step_s"])]))
+        first["peak_bytes"] = max(r["peak_bytes"] for r in passes)
+    return first
 
 
 def _sync(torch: Any, cuda: bool) -> None:
@@ -366,6 +392,23 @@ def table(rec: dict) -> str:
                          f"({p['torch_max_allocated'] / 2**30:.2f}) / "
                          f"{p['torch_reserved'] / 2**30:.2f}; CuPy {p['cupy_used'] / 2**30:.2f}"
                          f" / {p['cupy_held'] / 2**30:.2f}")
+    if any(r.get("passes") for r in rec["runs"]):
+        lines += ["", f"Passes ({rec['passes']}, every other one in reverse order; the "
+                  "table's medians pool them): each pass's median step (ms).", ""]
+        for r in rec["runs"]:
+            lines.append(f"- {r['impl']}: " + ", ".join(
+                f"{p['median_step_s'] * 1e3:.2f}" for p in r.get("passes", [])))
+    samples = [(r["impl"], [k for p in r.get("passes") or [r] for k in p.get("clocks", [])])
+               for r in rec["runs"]]
+    if any(k for _, k in samples):
+        lines += ["", f"GPU clocks (`nvidia-smi`, every {CLOCK_EVERY} steps, between steps): "
+                  "median SM clock, power and temperature.", ""]
+        for impl, ks in samples:
+            if ks:
+                med = {f: float(np.median([k[f] for k in ks if f in k] or [float("nan")]))
+                       for f in ("sm_mhz", "power_w", "temp_c")}
+                lines.append(f"- {impl}: {med['sm_mhz']:.0f} MHz, {med['power_w']:.0f} W, "
+                             f"{med['temp_c']:.0f} C ({len(ks)} samples)")
     return "\n".join(lines) + "\n"
 
 
@@ -441,11 +484,18 @@ def main(argv: Optional[list] = None) -> None:
     log(f"compare: {args.model}, {tokens} tokens/rank, {g.size} ranks, "
         f"{'cuda bf16' if cuda else 'cpu fp32'}, impls {impls}, {args.steps} steps"
         + (", blocks compiled" if args.compile else ""))
-    records = [run(k, torch, g, args, cfg, tokens // cfg.seq, device, log) for k in impls]
+    if args.passes < 1:
+        raise SystemExit(f"--passes: expected >= 1, got {args.passes}")
+    by_impl: dict = {k: [] for k in impls}
+    for n in range(args.passes):
+        for k in (impls if n % 2 == 0 else impls[::-1]):
+            by_impl[k].append(run(k, torch, g, args, cfg, tokens // cfg.seq, device, log,
+                                  with_profile=n == 0))
+    records = [pooled(by_impl[k], args.warmup) for k in impls]
     rec = {"commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "argv": ["python", *sys.argv], "model": args.model, "config": cfg.__dict__,
            "tokens_per_rank": tokens, "world": g.size, "torch": torch.__version__,
-           "compiled": args.compile,
+           "compiled": args.compile, "passes": args.passes,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "runs": records}
     rec["comparison"] = compare(records)

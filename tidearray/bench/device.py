@@ -165,26 +165,8 @@ class CudaDevice:
         return int(cupy.get_default_memory_pool().total_bytes())
 
     def clocks(self) -> dict:
-        """This GPU's SM and memory clocks (MHz) and power (W) now, from ``nvidia-smi``;
-        empty where it cannot be asked. Best effort: a figure beside a timing, never a
-        reason to fail one."""
-        import subprocess
-
-        try:
-            out = subprocess.run(
-                ["nvidia-smi", "-i", str(self._pci_bus_id()), "--query-gpu=clocks.sm,"
-                 "clocks.mem,power.draw", "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, timeout=10, check=True).stdout
-            sm, mem, power = (float(v) for v in out.strip().split(","))
-        except Exception:  # noqa: BLE001 - no nvidia-smi, no permission, odd output: no figure
-            return {}
-        return {"sm_mhz": sm, "mem_mhz": mem, "power_w": power}
-
-    def _pci_bus_id(self) -> str:
-        import cupy
-
-        bus = cupy.cuda.runtime.deviceGetPCIBusId(self.dev.id)  # CUDA's and nvidia-smi's
-        return bus.decode() if isinstance(bus, bytes) else str(bus)
+        """This GPU's clocks, power and temperature now (see :func:`gpu_clocks`)."""
+        return gpu_clocks(self.dev.id)
 
     def gemm(self, m: int, n: int, k: int) -> Callable[[], None]:
         """A bf16 ``(m, k) @ (k, n)`` product on the side stream (cuBLAS via CuPy)."""
@@ -210,6 +192,27 @@ class CudaDevice:
         except (TypeError, ValueError, NotImplementedError):
             return run_alloc
         return run
+
+
+def gpu_clocks(device: int) -> dict:
+    """CUDA device ``device``'s SM and memory clocks (MHz), power (W) and temperature (C)
+    now, from ``nvidia-smi``; empty where it cannot be asked. Best effort: a figure
+    beside a timing, never a reason to fail one."""
+    import subprocess
+
+    try:
+        import cupy
+
+        bus = cupy.cuda.runtime.deviceGetPCIBusId(device)  # CUDA's and nvidia-smi's
+        bus = bus.decode() if isinstance(bus, bytes) else str(bus)
+        out = subprocess.run(
+            ["nvidia-smi", "-i", bus, "--query-gpu=clocks.sm,clocks.mem,power.draw,"
+             "temperature.gpu", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True).stdout
+        sm, mem, power, temp = (float(v) for v in out.strip().split(","))
+    except Exception:  # noqa: BLE001 - no nvidia-smi, no permission, odd output: no figure
+        return {}
+    return {"sm_mhz": sm, "mem_mhz": mem, "power_w": power, "temp_c": temp}
 
 
 def make_device(backend_name: str) -> Any:
