@@ -154,7 +154,10 @@ class Accumulator:
                scale: float, out_dtype: Any = "float32") -> None:
         """``out = scale * sum(srcs)`` per piece, one launch on ``stream`` (a cupy Stream):
         fp32, rounded to ``out_dtype`` (bf16 or fp16 for fp32 sources only)."""
-        kernel, block, smem = self._kernel(normalize(src_dtype).name, normalize(out_dtype).name)
+        try:  # keyed by the dtypes as given: no normalizing on the hot path
+            kernel, block, smem = self._kernels[src_dtype, out_dtype]
+        except (KeyError, TypeError):
+            kernel, block, smem = self._kernel(src_dtype, out_dtype)
         dev, n_tiles, tile, event = self._tables.get(pieces, lambda p: self._upload(stream, p))
         grid = min(n_tiles, self.max_grid)
         with stream:
@@ -186,9 +189,10 @@ class Accumulator:
             slot.event = cupy.cuda.Event(block=False, disable_timing=True)
         return slot.dev, n_tiles, tile, slot.event
 
-    def _kernel(self, src: str, out: str) -> tuple[Any, int, int]:
-        """The RawKernel for (source, output) dtype names, its block and its dynamic
-        shared memory in bytes."""
+    def _kernel(self, src_dtype: Any, out_dtype: Any) -> tuple[Any, int, int]:
+        """The RawKernel for (source, output) dtypes, its block and its dynamic shared
+        memory in bytes; kept under the dtypes as given too (when hashable)."""
+        src, out = normalize(src_dtype).name, normalize(out_dtype).name
         key = (src, out)
         if key not in self._kernels:
             from . import kernels as _kernels
@@ -200,4 +204,9 @@ class Accumulator:
             else:
                 fn = _kernels.function("accumulate.cu", KERNELS[key], self.device)
                 self._kernels[key] = (fn, BLOCK, 0)
-        return self._kernels[key]
+        found = self._kernels[key]
+        try:
+            self._kernels[src_dtype, out_dtype] = found
+        except TypeError:  # an unhashable spelling: normalized every time
+            pass
+        return found
