@@ -340,7 +340,46 @@ def profile(kind: str, torch: Any, impl: Impl, batch: tuple, device: Any,
     if g.rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         cupti.save(events, os.path.join(args.out, f"{kind}_step_trace.json"))
-    return {"ms_per_role": {r: us / 1e3 for r, us in timeline.roles(events).items()}}
+    kernels: dict = {}
+    for e in events:
+        if e["cat"] == "kernel":
+            kernels.setdefault(e["name"][:KERNEL_NAME], []).append(e["dur_us"])
+    return {"ms_per_role": {r: us / 1e3 for r, us in timeline.roles(events).items()},
+            "kernels": {n: {"count": len(d), "total_us": float(sum(d)),
+                            "median_us": float(np.median(d))} for n, d in kernels.items()}}
+
+
+#: Kernel names are kept to this many characters (templates make them long).
+KERNEL_NAME = 60
+#: Kernels listed in the table: the floor's largest by total time.
+TOP_KERNELS = 8
+
+
+def kernel_lines(runs: list) -> list:
+    """The floor's largest compute kernels that every impl runs, and their median
+    duration in each: the same kernels running slower beside communication (or on a
+    hotter GPU)."""
+    kern = {r["impl"]: (r.get("profile") or {}).get("kernels") for r in runs}
+    base = kern.get("floor")
+    if not base or not all(kern.values()):
+        return []
+    from tidearray.bench import timeline
+
+    common = [n for n in base if timeline.role({"cat": "kernel", "name": n}) == "compute"
+              and all(n in k for k in kern.values())]  # the model's own, not an impl's
+    top = sorted(common, key=lambda n: -base[n]["total_us"])[:TOP_KERNELS]
+    impls = list(kern)
+    lines = ["", "The floor's largest compute kernels in the profiled step: median duration "
+             "(us) in each impl, and its ratio to the floor's.", "",
+             "| kernel | calls | " + " | ".join(impls) + " |",
+             "| --- | ---: |" + " ---: |" * len(impls)]
+    for n in top:
+        cells = []
+        for k in impls:
+            m, m0 = kern[k][n]["median_us"], base[n]["median_us"]
+            cells.append(f"{m:.1f}" if k == "floor" else f"{m:.1f} ({m / m0:.2f}x)")
+        lines.append(f"| `{n}` | {base[n]['count']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def compare(records: list) -> dict:
@@ -392,6 +431,7 @@ def table(rec: dict) -> str:
                          f"({p['torch_max_allocated'] / 2**30:.2f}) / "
                          f"{p['torch_reserved'] / 2**30:.2f}; CuPy {p['cupy_used'] / 2**30:.2f}"
                          f" / {p['cupy_held'] / 2**30:.2f}")
+    lines += kernel_lines(rec["runs"])
     if any(r.get("passes") for r in rec["runs"]):
         lines += ["", f"Passes ({rec['passes']}, every other one in reverse order; the "
                   "table's medians pool them): each pass's median step (ms).", ""]
