@@ -49,7 +49,10 @@ from train import learning_rate, plot_steps, plot_timelines, run_as_group  # noq
 import tidearray as ta  # noqa: E402
 from tidearray.bench.records import git_commit  # noqa: E402
 
-IMPLS = ("floor", "fsdp2", "tide")
+IMPLS = ("floor", "fsdp2", "tide", "tide-kept")
+#: ``shard_module`` impls, each compared with ``fsdp2``: ``tide-kept`` keeps bf16 shards
+#: (``keep_param_shards``) instead of casting the fp32 masters at every gather.
+TIDE_IMPLS = ("tide", "tide-kept")
 #: Largest relative loss difference between fsdp2 and tide accepted as agreement:
 #: both compute in bf16 (fp32 on CPU), reduce in fp32 and step fp32 masters, but sum
 #: in different orders and run different AdamW kernels.
@@ -190,7 +193,8 @@ class Impl:
         else:
             self.sm = tt.shard_module(model, model.units(), group=g, param_dtype=dtype,
                                       optimizer=AdamW(**hyper),
-                                      comm="tide" if kind == "tide" else "local")
+                                      comm="local" if kind == "floor" else "tide",
+                                      keep_param_shards=kind == "tide-kept")
 
     def forward_backward(self, tokens: Any, targets: Any) -> Any:
         logits = self.model(tokens)
@@ -389,16 +393,34 @@ def compare(records: list) -> dict:
     if "floor" in by:
         floor = by["floor"]["median_step_s"]
         out["vs_floor"] = {k: r["median_step_s"] / floor for k, r in by.items()}
-    if "fsdp2" in by and "tide" in by:
-        a, b = np.array(by["fsdp2"]["losses"]), np.array(by["tide"]["losses"])
-        rel = np.abs(a - b) / np.abs(a)
-        out["tide_vs_fsdp2_step"] = by["tide"]["median_step_s"] / by["fsdp2"]["median_step_s"]
-        out["tide_vs_fsdp2_peak"] = by["tide"]["peak_bytes"] / max(by["fsdp2"]["peak_bytes"], 1)
-        out["loss_max_rel_diff"] = float(rel.max())
-        out["loss_step_of_max"] = int(rel.argmax()) + 1
-        out["loss_rtol"] = LOSS_RTOL
-        out["losses_agree"] = bool(rel.max() <= LOSS_RTOL)
+    if "fsdp2" in by:  # tide's figures at the top level, each other variant's under its name
+        for k in TIDE_IMPLS:
+            if k in by:
+                v = versus(by["fsdp2"], by[k])
+                if k == "tide":
+                    out.update(v)
+                else:
+                    out[k] = v
     return out
+
+
+def versus(fsdp2: dict, r: dict) -> dict:
+    """Step time, peak memory and losses of one ``shard_module`` record against FSDP2's."""
+    a, b = np.array(fsdp2["losses"]), np.array(r["losses"])
+    rel = np.abs(a - b) / np.abs(a)
+    return {"tide_vs_fsdp2_step": r["median_step_s"] / fsdp2["median_step_s"],
+            "tide_vs_fsdp2_peak": r["peak_bytes"] / max(fsdp2["peak_bytes"], 1),
+            "loss_max_rel_diff": float(rel.max()), "loss_step_of_max": int(rel.argmax()) + 1,
+            "loss_rtol": LOSS_RTOL, "losses_agree": bool(rel.max() <= LOSS_RTOL)}
+
+
+def versus_lines(name: str, c: dict) -> list:
+    return ["", f"- {name} step time / fsdp2's: **{c['tide_vs_fsdp2_step']:.3f}x** "
+            f"({(1 - c['tide_vs_fsdp2_step']) * 100:.1f}% below)",
+            f"- {name} peak memory / fsdp2's: **{c['tide_vs_fsdp2_peak']:.3f}x**",
+            f"- {name} losses: largest relative difference {c['loss_max_rel_diff']:.2e} (step "
+            f"{c['loss_step_of_max']}), tolerance {c['loss_rtol']:g}: "
+            + ("agree" if c["losses_agree"] else "**differ**")]
 
 
 def table(rec: dict) -> str:
@@ -416,12 +438,10 @@ def table(rec: dict) -> str:
                      f"{'-' if vs is None else f'{vs:.3f}x'} | {r['peak_bytes'] / 2**30:.2f} | "
                      f"{r['losses'][0]:.4f} | {r['losses'][-1]:.4f} |")
     if "tide_vs_fsdp2_step" in c:
-        lines += ["", f"- tide step time / fsdp2's: **{c['tide_vs_fsdp2_step']:.3f}x** "
-                  f"({(1 - c['tide_vs_fsdp2_step']) * 100:.1f}% below)",
-                  f"- tide peak memory / fsdp2's: **{c['tide_vs_fsdp2_peak']:.3f}x**",
-                  f"- losses: largest relative difference {c['loss_max_rel_diff']:.2e} (step "
-                  f"{c['loss_step_of_max']}), tolerance {c['loss_rtol']:g}: "
-                  + ("agree" if c["losses_agree"] else "**differ**")]
+        lines += versus_lines("tide", c)
+    for k in TIDE_IMPLS[1:]:
+        if k in c:
+            lines += versus_lines(k, c[k])
     parts = [(r["impl"], r.get("peak_parts")) for r in rec["runs"] if r.get("peak_parts")]
     if parts:
         lines += ["", "Memory at each impl's peak sample (GiB): torch's allocator in use (its "
@@ -552,9 +572,10 @@ def main(argv: Optional[list] = None) -> None:
     dist.destroy_process_group()
     g.close()
     c = rec["comparison"]
-    if "losses_agree" in c and not c["losses_agree"]:
-        raise SystemExit(f"compare_fsdp2.py: fsdp2 and tide losses differ by "
-                         f"{c['loss_max_rel_diff']:.2e} (> {LOSS_RTOL:g})")
+    for name, v in [("tide", c), *((k, c[k]) for k in TIDE_IMPLS[1:] if k in c)]:
+        if "losses_agree" in v and not v["losses_agree"]:
+            raise SystemExit(f"compare_fsdp2.py: fsdp2 and {name} losses differ by "
+                             f"{v['loss_max_rel_diff']:.2e} (> {LOSS_RTOL:g})")
 
 
 if __name__ == "__main__":

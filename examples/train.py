@@ -58,6 +58,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=None, help="global grad-norm clip")
     p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--keep-param-shards", action="store_true",
+                   help="tide: gather from param-dtype shards the optimizer keeps, no casts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
     p.add_argument("--save", default=None, help="save a sharded checkpoint here at the end")
@@ -104,7 +106,7 @@ def build(args: argparse.Namespace, g: Any, kind: str, cfg: llama.ModelConfig,
     named = [[(f"{u}.{name}", shape) for name, shape in unit] for u, unit in enumerate(specs)]
     opt = AdamW(lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.clip)
     common = dict(group=g, param_dtype=args.param_dtype, optimizer=opt, prefetch=args.prefetch,
-                  comm=kind, stream=stream)
+                  comm=kind, stream=stream, keep_param_shards=args.keep_param_shards)
     if g.backend.name == "cuda":
         return ShardedModel(named, init=device_init(g.backend.xp, args.seed, cfg), **common)
     full = llama.init_params(cfg, args.seed)

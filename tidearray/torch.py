@@ -45,7 +45,8 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
 
 def shard_module(module: Any, units: Sequence[Any], *, group: Optional[Group] = None,
                  param_dtype: Any = None, optimizer: Optional[AdamW] = None,
-                 prefetch: int = 1, comm: str = "tide") -> ShardedModule:
+                 prefetch: int = 1, comm: str = "tide",
+                 keep_param_shards: bool = False) -> ShardedModule:
     """Shard ``module``'s parameters by ``units`` (submodules, in execution order).
 
     Args:
@@ -58,6 +59,8 @@ def shard_module(module: Any, units: Sequence[Any], *, group: Optional[Group] = 
         optimizer: AdamW hyper-parameters for the fused optimizer.
         prefetch: units gathered ahead (1).
         comm: ``"tide"``, ``"stock"`` or ``"local"`` (see ``ShardedModel``).
+        keep_param_shards: keep param-dtype shards instead of casting the fp32
+            masters at every gather: faster, more memory (see ``ShardedModel``).
 
     Returns:
         The :class:`ShardedModule`; call the module as before, then ``.step()``.
@@ -66,14 +69,16 @@ def shard_module(module: Any, units: Sequence[Any], *, group: Optional[Group] = 
         TideInvalid: a parameter in no unit or in two, or an unsupported dtype.
     """
     return ShardedModule(module, units, group=group, param_dtype=param_dtype,
-                         optimizer=optimizer, prefetch=prefetch, comm=comm)
+                         optimizer=optimizer, prefetch=prefetch, comm=comm,
+                         keep_param_shards=keep_param_shards)
 
 
 class ShardedModule:
     """A module whose units are sharded by tidearray. Made by :func:`shard_module`."""
 
     def __init__(self, module: Any, units: Sequence[Any], *, group: Group, param_dtype: Any,
-                 optimizer: Optional[AdamW], prefetch: int, comm: str) -> None:
+                 optimizer: Optional[AdamW], prefetch: int, comm: str,
+                 keep_param_shards: bool = False) -> None:
         self.module = module
         self.units = list(units)
         self.params = [list(u.parameters()) for u in self.units]
@@ -91,7 +96,8 @@ class ShardedModule:
         # the runtime then defers unit i-2's prefetch until unit i's slot is free.
         self.model = ShardedModel(named, init=lambda name, shape: _host_or_device(by_name[name]),
                                   group=group, param_dtype=dtype, optimizer=optimizer,
-                                  prefetch=prefetch, comm=comm)
+                                  prefetch=prefetch, comm=comm,
+                                  keep_param_shards=keep_param_shards)
         self.device = first.device
         self._empty = [[_placeholder(p, dtype) for p in ps] for ps in self.params]
         self._grads: dict[int, list] = {}

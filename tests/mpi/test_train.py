@@ -107,6 +107,18 @@ def test_tide_and_stock_agree_bitwise_at_two_ranks(group):
     agree(group.comm, [] if a == b else [f"tide {a} != stock {b}"], "tide vs stock")
 
 
+def test_kept_param_shards_give_the_casting_gathers_losses_bitwise(group):
+    """The optimizer's bf16 shards and the gathers' casts round the same masters to
+    nearest even: the same parameters, so the same losses, bit for bit."""
+    bf16 = ("--param-dtype", "bfloat16", "--steps", "6")
+    cast = _train(group, "--impl", "tide", *bf16)
+    kept = _train(group, "--impl", "tide", "--keep-param-shards", *bf16)
+    failures = [] if cast == kept else [f"casting gathers {cast} != kept shards {kept}"]
+    if not kept[-1] < kept[0]:
+        failures.append(f"loss did not go down: {kept[0]:.4f} -> {kept[-1]:.4f}")
+    agree(group.comm, failures, "kept param shards")
+
+
 def _autograd_order_step(sm, net, tokens, targets):
     """``train.train_step``, but as autograd may run it: unit ``i``'s backward starts
     before unit ``i+1``'s reduction is issued (the prefetch of ``i-1`` must then wait

@@ -6,7 +6,8 @@ trainer so their step times compare like for like:
 * ``tide``: persistent TIDE plans (``Unit.gather_plan`` / ``reduce_plan``).
   Each gather casts this rank's fp32 masters into its rows of the slot (one
   kernel) and sends them from there, so no param-dtype send shards are kept
-  (FSDP2 casts in its copy-in the same way). The gathered parameters are views
+  (FSDP2 casts in its copy-in the same way); or, where the arena keeps send
+  shards (``keep_param_shards``), gathers those with no cast. The gathered parameters are views
   into symmetric slots; a unit's gradients are reduced with their staging in
   the slot the unit just vacated (Slot-Reuse).
 * ``stock``: FSDP2's path: fused copy-in, flat all-gather, fused copy-out; fused
@@ -135,8 +136,10 @@ class TideComm(UnitComm):
     def gather(self, unit: int, k: int, stream: Any) -> Work:
         plan = self._gather_plans.get((unit, k))
         if plan is None:
+            cast = self.arena.send is None  # else the optimizer keeps param-dtype shards
+            shards = self.arena.views(self.arena.master if cast else self.arena.send, unit)
             plan = self._gather_plans[(unit, k)] = self.units[unit].gather_plan(
-                self.arena.views(self.arena.master, unit), self.slots[k], cast=True)
+                shards, self.slots[k], cast=cast)
         return plan(stream=stream, async_op=True)
 
     def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
