@@ -47,6 +47,7 @@ import llama  # noqa: E402
 from train import learning_rate, plot_steps, plot_timelines, run_as_group  # noqa: E402
 
 import tidearray as ta  # noqa: E402
+from tidearray.bench.device import ClockLog  # noqa: E402
 from tidearray.bench.records import git_commit  # noqa: E402
 
 IMPLS = ("floor", "fsdp2", "tide", "tide-kept")
@@ -252,10 +253,6 @@ def memory_parts(torch: Any, g: Any, cuda: bool) -> dict:
             "cupy_held": pool.total_bytes() if pool else 0}
 
 
-#: Steps between GPU clock samples (``nvidia-smi``, outside the timed steps).
-CLOCK_EVERY = 10
-
-
 def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.ModelConfig,
         B: int, device: Any, log: Any, with_profile: bool = True) -> dict:
     cuda = device.type == "cuda"
@@ -265,11 +262,13 @@ def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.Mode
     impl = Impl(kind, torch, build(torch, cfg, device, args.seed), g, args, dtype)
     data = [llama.batch(cfg, step=s, batch_size=B, seed=args.seed, first_sample=g.rank * B)
             for s in range(args.steps)]
-    losses, times, peak, parts, clocks = [], [], 0, {}, []
+    losses, times, peak, parts, clock_log = [], [], 0, {}, None
     for s, (tokens, targets) in enumerate(data):
         tokens = torch.from_numpy(tokens.astype(np.int64)).to(device)
         targets = torch.from_numpy(targets.astype(np.int64)).to(device)
         _sync(torch, cuda)
+        if cuda and s == args.warmup:  # the timed steps' clocks, not compilation's
+            clock_log = ClockLog(device.index)
         t0 = time.perf_counter()
         loss = impl.forward_backward(tokens, targets)
         impl.step(learning_rate(args, s))
@@ -279,12 +278,9 @@ def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.Mode
         if used > peak or not parts:
             peak, parts = max(peak, used), memory_parts(torch, g, cuda)
         losses.append(g.comm.allreduce(float(loss)) / g.size)
-        if cuda and (s + 1) % CLOCK_EVERY == 0:
-            from tidearray.bench.device import gpu_clocks
-
-            clocks.append(gpu_clocks(device.index))
         log(f"[{kind}] step {s + 1:4d}  loss {losses[-1]:.6f}  {times[-1] * 1e3:9.2f} ms  "
             f"mem {peak / 2**30:6.2f} GiB")
+    clocks = clock_log.close() if clock_log else []
     prof = (profile(kind, torch, impl, data[-1], device, args, g, log)
             if args.profile and with_profile else None)
     impl.close()
@@ -461,8 +457,8 @@ def table(rec: dict) -> str:
     samples = [(r["impl"], [k for p in r.get("passes") or [r] for k in p.get("clocks", [])])
                for r in rec["runs"]]
     if any(k for _, k in samples):
-        lines += ["", f"GPU clocks (`nvidia-smi`, every {CLOCK_EVERY} steps, between steps): "
-                  "median SM clock, power and temperature.", ""]
+        lines += ["", "GPU clocks during each impl's timed steps (`nvidia-smi` every 250 ms, "
+                  "rank 0's GPU): median SM clock, power and temperature.", ""]
         for impl, ks in samples:
             if ks:
                 med = {f: float(np.median([k[f] for k in ks if f in k] or [float("nan")]))

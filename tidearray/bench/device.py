@@ -194,6 +194,24 @@ class CudaDevice:
         return run
 
 
+#: What a clock reading holds, as ``nvidia-smi --query-gpu`` fields and record keys.
+CLOCK_FIELDS = (("clocks.sm", "sm_mhz"), ("clocks.mem", "mem_mhz"), ("power.draw", "power_w"),
+                ("temperature.gpu", "temp_c"))
+
+
+def _smi_args(device: int) -> list:
+    import cupy
+
+    bus = cupy.cuda.runtime.deviceGetPCIBusId(device)  # CUDA's and nvidia-smi's
+    bus = bus.decode() if isinstance(bus, bytes) else str(bus)
+    return ["nvidia-smi", "-i", bus, "--query-gpu=" + ",".join(f for f, _ in CLOCK_FIELDS),
+            "--format=csv,noheader,nounits"]
+
+
+def _reading(line: str) -> dict:
+    return {k: float(v) for (_, k), v in zip(CLOCK_FIELDS, line.strip().split(","))}
+
+
 def gpu_clocks(device: int) -> dict:
     """CUDA device ``device``'s SM and memory clocks (MHz), power (W) and temperature (C)
     now, from ``nvidia-smi``; empty where it cannot be asked. Best effort: a figure
@@ -201,18 +219,41 @@ def gpu_clocks(device: int) -> dict:
     import subprocess
 
     try:
-        import cupy
-
-        bus = cupy.cuda.runtime.deviceGetPCIBusId(device)  # CUDA's and nvidia-smi's
-        bus = bus.decode() if isinstance(bus, bytes) else str(bus)
-        out = subprocess.run(
-            ["nvidia-smi", "-i", bus, "--query-gpu=clocks.sm,clocks.mem,power.draw,"
-             "temperature.gpu", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10, check=True).stdout
-        sm, mem, power, temp = (float(v) for v in out.strip().split(","))
+        out = subprocess.run(_smi_args(device), capture_output=True, text=True, timeout=10,
+                             check=True).stdout
+        return _reading(out)
     except Exception:  # noqa: BLE001 - no nvidia-smi, no permission, odd output: no figure
         return {}
-    return {"sm_mhz": sm, "mem_mhz": mem, "power_w": power, "temp_c": temp}
+
+
+class ClockLog:
+    """Readings of :func:`gpu_clocks` every ``period_ms`` while it is open, from one
+    ``nvidia-smi`` process in the background (so the readings fall inside the work,
+    not between its pieces). Best effort: :meth:`close` returns what it got, maybe none.
+    """
+
+    def __init__(self, device: int, period_ms: int = 250) -> None:
+        import subprocess
+
+        try:
+            self._proc = subprocess.Popen(_smi_args(device) + ["-lms", str(period_ms)],
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                          text=True)
+        except Exception:  # noqa: BLE001 - no nvidia-smi: no readings
+            self._proc = None
+
+    def close(self) -> list[dict]:
+        if self._proc is None:
+            return []
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=10)
+        readings = []
+        for line in out.splitlines():
+            try:
+                readings.append(_reading(line))
+            except ValueError:  # a partial last line, or "[N/A]"
+                pass
+        return readings
 
 
 def make_device(backend_name: str) -> Any:
