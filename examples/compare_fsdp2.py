@@ -329,6 +329,10 @@ def profile(kind: str, torch: Any, impl: Impl, batch: tuple, device: Any,
     tokens, targets = (torch.from_numpy(a.astype(np.int64)).to(device) for a in batch)
 
     def step() -> None:
+        # The profiler starts on each rank in its own time: line the ranks up under it,
+        # or a collective's kernels would be timed waiting for the later rank.
+        _sync(torch, device.type == "cuda")
+        g.comm.Barrier()
         impl.forward_backward(tokens, targets)
         impl.step(args.lr)
         _sync(torch, device.type == "cuda")
