@@ -423,7 +423,8 @@ def versus_lines(name: str, c: dict) -> list:
             + ("agree" if c["losses_agree"] else "**differ**")]
 
 
-def table(rec: dict) -> str:
+def table(rec: dict, out: Optional[str] = None) -> str:
+    """The record as markdown; with ``out``, the saved traces there add the GEMM lines."""
     c = rec["comparison"]
     lines = [f"# FSDP2 vs tidearray.torch.shard_module: {rec['model']}, {rec['world']} ranks, "
              f"{rec['tokens_per_rank']} tokens per rank"
@@ -452,6 +453,8 @@ def table(rec: dict) -> str:
                          f"{p['torch_reserved'] / 2**30:.2f}; CuPy {p['cupy_used'] / 2**30:.2f}"
                          f" / {p['cupy_held'] / 2**30:.2f}")
     lines += kernel_lines(rec["runs"])
+    if out:
+        lines += gemm_lines(rec, out)
     if any(r.get("passes") for r in rec["runs"]):
         lines += ["", f"Passes ({rec['passes']}, every other one in reverse order; the "
                   "table's medians pool them): each pass's median step (ms).", ""]
@@ -472,12 +475,62 @@ def table(rec: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _trace(out: str, impl: str) -> Optional[list]:
+    from tidearray.bench import timeline
+
+    for name in (f"{impl}_step_trace.json", f"{impl}_step_trace.json.gz"):
+        if os.path.exists(os.path.join(out, name)):
+            return timeline.load(os.path.join(out, name))
+    return None
+
+
+def _is_gemm(e: dict) -> bool:
+    return e["cat"] == "kernel" and any(k in e["name"].lower() for k in GEMM_NAMES)
+
+
+#: Kernel-name fragments of cuBLAS's GEMMs on Hopper (nvjet), and of older ones.
+GEMM_NAMES = ("nvjet", "gemm", "cutlass")
+
+
+def gemm_lines(rec: dict, out: str) -> list:
+    """The profiled step's GEMMs against the same GEMMs in the floor's (matched in order),
+    split by whether any work the floor does not do (a copy, or a kernel the floor never
+    runs) overlapped them on this rank's GPU: median duration ratios."""
+    floor = _trace(out, "floor")
+    if floor is None:
+        return []
+    gf = sorted((e for e in floor if _is_gemm(e)), key=lambda e: e["ts_us"])
+    floor_names = {e["name"] for e in floor}
+    lines = ["", "The profiled step's GEMMs against the floor's, matched in order: median "
+             "duration ratio, alone (nothing else on rank 0's GPU) and beside a copy or a "
+             "kernel the floor never runs.", ""]
+    for r in rec["runs"]:
+        ev = _trace(out, r["impl"]) if r["impl"] != "floor" else None
+        if ev is None:
+            continue
+        g = sorted((e for e in ev if _is_gemm(e)), key=lambda e: e["ts_us"])
+        if [e["name"] for e in g] != [e["name"] for e in gf]:
+            lines.append(f"- {r['impl']}: its GEMMs differ from the floor's")
+            continue
+        own = [(e["ts_us"], e["ts_us"] + e["dur_us"]) for e in ev
+               if e["cat"] == "gpu_memcpy" or (e["cat"] == "kernel"
+                                               and e["name"] not in floor_names)]
+        split: dict = {False: [], True: []}
+        for a, b in zip(gf, g):
+            s, t = b["ts_us"], b["ts_us"] + b["dur_us"]
+            split[any(x < t and y > s for x, y in own)].append(b["dur_us"] / a["dur_us"])
+        lines.append(f"- {r['impl']}: " + "; ".join(
+            f"{len(v)} {'beside' if k else 'alone'}, {np.median(v):.3f}x"
+            for k, v in split.items() if v))
+    return lines
+
+
 def report(path: str) -> str:
     """Remake ``compare.md`` and the plots next to a ``compare.json``."""
     with open(path) as f:
         rec = json.load(f)
     out = os.path.dirname(os.path.abspath(path))
-    text = table(rec)
+    text = table(rec, out)
     with open(os.path.join(out, "compare.md"), "w") as f:
         f.write(text)
     try:

@@ -72,6 +72,10 @@ for _ in range(ROUNDS):
             times[where, name].append(start.elapsed_time(end) * 1e3 / ITERS)
 rows = comm.gather({k: float(np.median(v)) for k, v in times.items()})
 if g.rank == 0:
+    from tidearray.bench.records import git_commit
+
+    print(f"# commit {git_commit()}, {torch.cuda.get_device_name(dev)}: "
+          f"mpirun -n {g.size} python tests/gpu/gemm_memory.py")
     print(f"median us per GEMM ({ROUNDS} rounds x {ITERS}); weight in torch / cupy / slot memory")
     for r, row in enumerate(rows):
         for name, shape in SHAPES.items():

@@ -5,7 +5,8 @@
 
 The section sits between ``<!-- results:begin -->`` and ``<!-- results:end -->``. Every
 figure in it comes from a record kept under ``docs/benchmarks/``: the FSDP2 comparison
-(``fsdp2/compare.json``), the training step (``train/train.json``), the latest
+(``fsdp2/compare.json``; ``fsdp2-compile/`` under ``torch.compile``), the training step
+(``train/train.json``), the latest
 collective suite (``run11.jsonl``) and three separate launches of its headline units
 (``run9-launches/``). A test checks that the README's section is what this module
 writes, so a figure cannot be edited by hand or left behind.
@@ -24,8 +25,9 @@ from .tables import Results
 BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
 DOCS = "docs/benchmarks"
-SOURCES = {"fsdp2": f"{DOCS}/fsdp2/compare.json", "train": f"{DOCS}/train/train.json",
-           "collectives": f"{DOCS}/run11.jsonl"}
+SOURCES = {"fsdp2": f"{DOCS}/fsdp2/compare.json",
+           "fsdp2-compile": f"{DOCS}/fsdp2-compile/compare.json",
+           "train": f"{DOCS}/train/train.json", "collectives": f"{DOCS}/run11.jsonl"}
 LAUNCHES = [f"{DOCS}/run9-launches/launch{k}.jsonl" for k in (1, 2, 3)]
 U = "llama3.1-8b"
 
@@ -33,14 +35,32 @@ U = "llama3.1-8b"
 def render(root: str = ".") -> str:
     """The Results section (between the markers), from the records under ``root``."""
     path = {k: os.path.join(root, v) for k, v in SOURCES.items()}
-    with open(path["fsdp2"]) as f:
-        fsdp2 = json.load(f)
+    fsdp2, compiled = (_json(path[k]) for k in ("fsdp2", "fsdp2-compile"))
     with open(path["train"]) as f:
         train = json.load(f)
     res = Results(load([path["collectives"]]))
     launches = [Results(load([os.path.join(root, p)])) for p in LAUNCHES]
-    parts = [BEGIN, _note(), _fsdp2(fsdp2), _train(train), _collectives(res, launches), END]
+    parts = [BEGIN, _note(), _fsdp2(fsdp2, compiled), _train(train),
+             _collectives(res, launches), END]
     return "\n\n".join(parts) + "\n"
+
+
+def _json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _steps(rec: dict) -> dict:
+    """Median step time (ms) per impl."""
+    return {r["impl"]: r["median_step_s"] * 1e3 for r in rec["runs"]}
+
+
+def _clock(run: dict, key: str) -> Optional[float]:
+    """The median of ``key`` over a run's clock readings (every pass), or None."""
+    import numpy as np
+
+    vals = [k[key] for p in run.get("passes") or [run] for k in p.get("clocks", []) if key in k]
+    return float(np.median(vals)) if vals else None
 
 
 def _note() -> str:
@@ -53,19 +73,23 @@ def _commit(c: str) -> str:
     return f"`{c[:7]}`"
 
 
-def _fsdp2(rec: dict) -> str:
+def _fsdp2(rec: dict, compiled: dict) -> str:
     by = {r["impl"]: r for r in rec["runs"]}
     c, cfg = rec["comparison"], rec["config"]
     t, f, fl = (by[k]["median_step_s"] * 1e3 for k in ("tide", "fsdp2", "floor"))
     nccl = {k: (by[k].get("profile") or {}).get("ms_per_role", {}).get("nccl", 0.0)
             for k in ("tide", "fsdp2")}
-    return "\n".join([
+    cs, cc = _steps(compiled), compiled["comparison"]
+    passes = rec.get("passes", 1)
+    lines = [
         f"**Against PyTorch FSDP2** ([docs/benchmarks/fsdp2/compare.md]"
         f"(docs/benchmarks/fsdp2/compare.md), commit {_commit(rec['commit'])}): one "
         f"PyTorch Llama-style model ({rec['model']}: {cfg['layers']} layers, hidden "
         f"{cfg['hidden']}, {rec['tokens_per_rank']} tokens per GPU, bf16 compute, fp32 "
         f"reduction and masters) trained on {rec['world']} {rec['device']} by "
-        "`examples/compare_fsdp2.py`, in one run:", "",
+        "`examples/compare_fsdp2.py`, in one run"
+        + (f" ({passes} passes, every other one in reverse order)" if passes > 1 else "")
+        + ":", "",
         f"- `tidearray.torch.shard_module`: **{t:.1f} ms per step, "
         f"{(1 - t / f) * 100:.1f}% faster than FSDP2's `fully_shard`** ({f:.1f} ms) and "
         f"**{t / fl:.3f}x the no-communication floor** ({fl:.1f} ms; FSDP2 ran "
@@ -75,7 +99,29 @@ def _fsdp2(rec: dict) -> str:
         f"- losses agree with FSDP2's within {c['loss_max_rel_diff']:.1e} (relative) over "
         f"{len(by['tide']['losses'])} steps;",
         f"- in a CUPTI profile of one step, FSDP2 spends {nccl['fsdp2']:.1f} ms in NCCL "
-        "kernels, tide " + (f"{nccl['tide']:.1f} ms." if nccl["tide"] else "none.")])
+        "kernels, tide " + (f"{nccl['tide']:.1f} ms;" if nccl["tide"] else "none;"),
+        f"- with each block under `torch.compile` ([fsdp2-compile/compare.md]"
+        f"(docs/benchmarks/fsdp2-compile/compare.md), commit {_commit(compiled['commit'])}): "
+        f"tide {cs['tide']:.1f} ms, FSDP2 {cs['fsdp2']:.1f} ms "
+        f"({cc['tide_vs_fsdp2_step']:.3f}x), floor {cs['floor']:.1f} ms; peak memory "
+        f"{cc['tide_vs_fsdp2_peak']:.3f}x FSDP2's;"]
+    if "tide-kept" in by:
+        kept = by["tide-kept"]
+        lines.append(f"- `keep_param_shards=True` (bf16 shards kept, no cast per gather, "
+                     f"`tide-kept`): {kept['median_step_s'] * 1e3:.1f} ms and "
+                     f"{kept['peak_bytes'] / 2**30:.2f} GiB, "
+                     f"{kept['median_step_s'] / by['tide']['median_step_s']:.3f}x the casting "
+                     f"gathers' step and {kept['peak_bytes'] / by['tide']['peak_bytes']:.3f}x "
+                     "their memory;")
+    clocks = {k: (_clock(by[k], "sm_mhz"), _clock(by[k], "power_w")) for k in by}
+    if all(v[0] for v in clocks.values()):
+        lines.append("- every impl drew the same power, near the H200's 700 W limit (median "
+                     + ", ".join(f"{k} {w:.0f} W" for k, (_, w) in clocks.items())
+                     + "), while the median SM clock fell with the traffic ("
+                     + ", ".join(f"{k} {mhz:.0f} MHz" for k, (mhz, _) in clocks.items())
+                     + "; `nvidia-smi`, rank 0's GPU): communication's power comes out "
+                     "of the compute clock.")
+    return "\n".join(lines)
 
 
 def _train(rec: dict) -> str:
