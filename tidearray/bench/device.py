@@ -196,7 +196,7 @@ class CudaDevice:
 
 #: What a clock reading holds, as ``nvidia-smi --query-gpu`` fields and record keys.
 CLOCK_FIELDS = (("clocks.sm", "sm_mhz"), ("clocks.mem", "mem_mhz"), ("power.draw", "power_w"),
-                ("temperature.gpu", "temp_c"))
+                ("temperature.gpu", "temp_c"), ("power.limit", "power_limit_w"))
 
 
 def _smi_args(device: int) -> list:

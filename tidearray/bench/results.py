@@ -114,8 +114,12 @@ def _fsdp2(rec: dict, compiled: dict) -> str:
                      f"gathers' step and {kept['peak_bytes'] / by['tide']['peak_bytes']:.3f}x "
                      "their memory;")
     clocks = {k: (_clock(by[k], "sm_mhz"), _clock(by[k], "power_w")) for k in by}
+    limit = _clock(by["tide"], "power_limit_w")  # in records made after run 12
+    limit_text = (f"its {limit:.0f} W limit" if limit else
+                  "the 700 W an H200 SXM is rated for" if "H200" in rec["device"] else
+                  "its limit")
     if all(v[0] for v in clocks.values()):
-        lines.append("- every impl drew the same power, near the H200's 700 W limit (median "
+        lines.append(f"- every impl drew the same power, near {limit_text} (median "
                      + ", ".join(f"{k} {w:.0f} W" for k, (_, w) in clocks.items())
                      + "), while the median SM clock fell with the traffic ("
                      + ", ".join(f"{k} {mhz:.0f} MHz" for k, (mhz, _) in clocks.items())
