@@ -209,7 +209,18 @@ def _smi_args(device: int) -> list:
 
 
 def _reading(line: str) -> dict:
-    return {k: float(v) for (_, k), v in zip(CLOCK_FIELDS, line.strip().split(","))}
+    """One CSV line of :data:`CLOCK_FIELDS`; a field the GPU does not report ("[N/A]") is
+    left out. Raises ValueError for a line of another length (a cut-off last line)."""
+    parts = [v.strip() for v in line.strip().split(",")]
+    if len(parts) != len(CLOCK_FIELDS):
+        raise ValueError(f"expected {len(CLOCK_FIELDS)} fields, got {line!r}")
+    out = {}
+    for (_, key), v in zip(CLOCK_FIELDS, parts):
+        try:
+            out[key] = float(v)
+        except ValueError:  # "[N/A]", "[Not Supported]"
+            pass
+    return out
 
 
 def gpu_clocks(device: int) -> dict:
