@@ -601,7 +601,10 @@ def main(argv: Optional[list] = None) -> None:
         raise SystemExit(f"--passes: expected >= 1, got {args.passes}")
     by_impl: dict = {k: [] for k in impls}
     for n in range(args.passes):
-        for k in (impls if n % 2 == 0 else impls[::-1]):
+        order = impls if n % 2 == 0 else impls[::-1]
+        if args.passes > 1:
+            log(f"pass {n + 1} of {args.passes}: {', '.join(order)}")
+        for k in order:
             by_impl[k].append(run(k, torch, g, args, cfg, tokens // cfg.seq, device, log,
                                   with_profile=n == 0))
     records = [pooled(by_impl[k], args.warmup) for k in impls]
