@@ -2,10 +2,10 @@
 
     mpirun -n 2 python examples/compare_fsdp2.py                       # tiny model
     mpirun -n 2 python examples/compare_fsdp2.py --model llama3-8b-8l --tokens 8192 \\
-        --steps 50 --lr-warmup 10 --profile --out docs/benchmarks/fsdp2
+        --steps 50 --lr-warmup 10 --profile --passes 2 --out docs/benchmarks/fsdp2
 
 The same PyTorch Llama-style decoder (``TorchLlama`` below: RMSNorm, RoPE, grouped
-query attention through ``scaled_dot_product_attention``, SwiGLU), trained three ways
+query attention through ``scaled_dot_product_attention``, SwiGLU), trained four ways
 in turn, each from the same initial weights on the same batches:
 
 * ``fsdp2``: ``fully_shard`` on every block and on the root, with
@@ -14,6 +14,8 @@ in turn, each from the same initial weights on the same batches:
 * ``tide``: ``shard_module`` with units embedding, each block, head: bf16 parameters
   gathered by TIDE-AG, gradients reduced by TIDE-RS into fp32 shards, tidearray's
   fused AdamW with the same settings;
+* ``tide-kept``: the same with ``keep_param_shards=True`` (bf16 shards kept by the
+  optimizer, no cast kernel per gather);
 * ``floor``: the same ``shard_module`` code with ``comm="local"``: every rank holds the
   whole model and nothing is communicated (each rank trains on its own data).
 
@@ -23,8 +25,12 @@ memory in use, sampled after every step, minus what was in use before the model 
 built; PyTorch's and CuPy's caches keep what a step used, so a sample holds the step's
 peak), and the largest loss difference between ``fsdp2`` and ``tide``. ``--out DIR``
 writes ``compare.json`` (with the git commit), ``compare.md`` (the table) and a step
-plot; ``--profile`` adds a CUPTI timeline of one step of each. ``--report JSON`` remakes
-the table and plots from a record. On a machine without a GPU it runs on CPU (gloo and
+plot; ``--profile`` adds a CUPTI timeline of one step of each, its kernels' durations
+and, from the saved traces, the GEMMs against the floor's. ``--passes N`` repeats the
+impls, every other pass in reverse order, and pools the medians; ``--compile`` puts each
+block's forward under ``torch.compile`` in every impl; the GPU's clocks, power and
+temperature are read during the timed steps. ``--report JSON`` remakes the table and
+plots from a record. On a machine without a GPU it runs on CPU (gloo and
 the host backend, fp32) as a correctness check.
 """
 
@@ -263,24 +269,26 @@ def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.Mode
     data = [llama.batch(cfg, step=s, batch_size=B, seed=args.seed, first_sample=g.rank * B)
             for s in range(args.steps)]
     losses, times, peak, parts, clock_log = [], [], 0, {}, None
-    for s, (tokens, targets) in enumerate(data):
-        tokens = torch.from_numpy(tokens.astype(np.int64)).to(device)
-        targets = torch.from_numpy(targets.astype(np.int64)).to(device)
-        _sync(torch, cuda)
-        if cuda and s == args.warmup:  # the timed steps' clocks, not compilation's
-            clock_log = ClockLog(device.index)
-        t0 = time.perf_counter()
-        loss = impl.forward_backward(tokens, targets)
-        impl.step(learning_rate(args, s))
-        _sync(torch, cuda)
-        times.append(time.perf_counter() - t0)
-        used = device_used(torch, cuda) - base
-        if used > peak or not parts:
-            peak, parts = max(peak, used), memory_parts(torch, g, cuda)
-        losses.append(g.comm.allreduce(float(loss)) / g.size)
-        log(f"[{kind}] step {s + 1:4d}  loss {losses[-1]:.6f}  {times[-1] * 1e3:9.2f} ms  "
-            f"mem {peak / 2**30:6.2f} GiB")
-    clocks = clock_log.close() if clock_log else []
+    try:
+        for s, (tokens, targets) in enumerate(data):
+            tokens = torch.from_numpy(tokens.astype(np.int64)).to(device)
+            targets = torch.from_numpy(targets.astype(np.int64)).to(device)
+            _sync(torch, cuda)
+            if cuda and s == args.warmup:  # the timed steps' clocks, not compilation's
+                clock_log = ClockLog(device.index)
+            t0 = time.perf_counter()
+            loss = impl.forward_backward(tokens, targets)
+            impl.step(learning_rate(args, s))
+            _sync(torch, cuda)
+            times.append(time.perf_counter() - t0)
+            used = device_used(torch, cuda) - base
+            if used > peak or not parts:
+                peak, parts = max(peak, used), memory_parts(torch, g, cuda)
+            losses.append(g.comm.allreduce(float(loss)) / g.size)
+            log(f"[{kind}] step {s + 1:4d}  loss {losses[-1]:.6f}  {times[-1] * 1e3:9.2f} ms  "
+                f"mem {peak / 2**30:6.2f} GiB")
+    finally:  # never leave the background nvidia-smi running
+        clocks = clock_log.close() if clock_log else []
     prof = (profile(kind, torch, impl, data[-1], device, args, g, log)
             if args.profile and with_profile else None)
     impl.close()

@@ -23,3 +23,23 @@ def test_fields_not_reported_are_left_out():
 def test_a_cut_off_line_is_refused():
     with pytest.raises(ValueError):
         _reading("1980, 26")
+
+
+def test_a_clock_log_reads_lines_until_closed_and_stops_its_process(monkeypatch):
+    import sys
+    import time
+
+    from tidearray.bench import device
+
+    stand_in = ("import sys, time\n"
+                "while True:\n"
+                "    print('1980, 2619, 512.3, 45, 700.00', flush=True)\n"
+                "    time.sleep(0.02)\n")
+    monkeypatch.setattr(device, "_smi_args", lambda dev: [sys.executable, "-c", stand_in])
+    log = device.ClockLog(0, period_ms=20)
+    proc = log._proc
+    time.sleep(0.5)
+    readings = log.close()
+    assert readings and all(r["sm_mhz"] == 1980.0 for r in readings)
+    assert proc.poll() is not None  # the process is gone
+    assert log.close() == []

@@ -256,8 +256,15 @@ class ClockLog:
     def close(self) -> list[dict]:
         if self._proc is None:
             return []
+        import subprocess
+
         self._proc.terminate()
-        out, _ = self._proc.communicate(timeout=10)
+        try:
+            out, _ = self._proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out, _ = self._proc.communicate()
+        self._proc = None
         readings = []
         for line in out.splitlines():
             try:
