@@ -27,10 +27,10 @@ peak), and the largest loss difference between ``fsdp2`` and ``tide``. ``--out D
 writes ``compare.json`` (with the git commit), ``compare.md`` (the table) and a step
 plot; ``--profile`` adds a CUPTI timeline of one step of each, its kernels' durations
 and, from the saved traces, the GEMMs against the floor's. ``--passes N`` repeats the
-impls, every other pass in reverse order, and pools the medians; ``--compile`` puts each
-block's forward under ``torch.compile`` in every impl; the GPU's clocks, power and
-temperature are read during the timed steps. ``--report JSON`` remakes the table and
-plots from a record. On a machine without a GPU it runs on CPU (gloo and
+impls, every other pass in reverse order, each median over every pass's timed steps;
+``--compile`` puts each block's forward under ``torch.compile`` in every impl; the GPU's
+clocks, power and temperature are read during the timed steps. ``--report JSON``
+remakes the table and plots from a record. On a machine without a GPU it runs on CPU (gloo and
 the host backend, fp32) as a correctness check.
 """
 
@@ -300,7 +300,7 @@ def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.Mode
 
 def pooled(passes: list, warmup: int) -> dict:
     """One impl's record over its passes: the first pass's losses, steps and profile;
-    the median over every pass's timed steps; the highest peak."""
+    the median over every pass's timed steps; the highest peak and its memory parts."""
     first = dict(passes[0])
     if len(passes) > 1:
         first["passes"] = [{"step_s": r["step_s"], "median_step_s": r["median_step_s"],
@@ -308,7 +308,8 @@ def pooled(passes: list, warmup: int) -> dict:
                            for r in passes]
         first["median_step_s"] = float(np.median(
             [t for r in passes for t in (r["step_s"][warmup:] or r["step_s"])]))
-        first["peak_bytes"] = max(r["peak_bytes"] for r in passes)
+        top = max(passes, key=lambda r: r["peak_bytes"])
+        first["peak_bytes"], first["peak_parts"] = top["peak_bytes"], top["peak_parts"]
     return first
 
 
@@ -352,26 +353,36 @@ def profile(kind: str, torch: Any, impl: Impl, batch: tuple, device: Any,
     if g.rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         cupti.save(events, os.path.join(args.out, f"{kind}_step_trace.json"))
+    return {"ms_per_role": {r: us / 1e3 for r, us in timeline.roles(events).items()},
+            "kernels": kernel_stats(events)}
+
+
+def kernel_stats(events: list) -> dict:
+    """Per kernel name (in full): calls, total and median duration (us)."""
     kernels: dict = {}
     for e in events:
         if e["cat"] == "kernel":
-            kernels.setdefault(e["name"][:KERNEL_NAME], []).append(e["dur_us"])
-    return {"ms_per_role": {r: us / 1e3 for r, us in timeline.roles(events).items()},
-            "kernels": {n: {"count": len(d), "total_us": float(sum(d)),
-                            "median_us": float(np.median(d))} for n, d in kernels.items()}}
+            kernels.setdefault(e["name"], []).append(e["dur_us"])
+    return {n: {"count": len(d), "total_us": float(sum(d)), "median_us": float(np.median(d))}
+            for n, d in kernels.items()}
 
 
-#: Kernel names are kept to this many characters (templates make them long).
+#: Kernel names are printed to this many characters (templates make them long).
 KERNEL_NAME = 60
 #: Kernels listed in the table: the floor's largest by total time.
 TOP_KERNELS = 8
 
 
-def kernel_lines(runs: list) -> list:
+def kernel_lines(runs: list, out: Optional[str] = None) -> list:
     """The floor's largest compute kernels that every impl runs, and their median
     duration in each: the same kernels running slower beside communication (or on a
-    hotter GPU)."""
-    kern = {r["impl"]: (r.get("profile") or {}).get("kernels") for r in runs}
+    hotter GPU). From the traces saved in ``out`` where every impl has one (full
+    kernel names), else from the records."""
+    traces = {r["impl"]: _trace(out, r["impl"]) for r in runs} if out else {}
+    if traces and all(t is not None for t in traces.values()):
+        kern = {k: kernel_stats(t) for k, t in traces.items()}
+    else:
+        kern = {r["impl"]: (r.get("profile") or {}).get("kernels") for r in runs}
     base = kern.get("floor")
     if not base or not all(kern.values()):
         return []
@@ -390,7 +401,8 @@ def kernel_lines(runs: list) -> list:
         for k in impls:
             m, m0 = kern[k][n]["median_us"], base[n]["median_us"]
             cells.append(f"{m:.1f}" if k == "floor" else f"{m:.1f} ({m / m0:.2f}x)")
-        lines.append(f"| `{n}` | {base[n]['count']} | " + " | ".join(cells) + " |")
+        lines.append(f"| `{n[:KERNEL_NAME]}` | {base[n]['count']} | " + " | ".join(cells)
+                     + " |")
     return lines
 
 
@@ -460,7 +472,7 @@ def table(rec: dict, out: Optional[str] = None) -> str:
                          f"({p['torch_max_allocated'] / 2**30:.2f}) / "
                          f"{p['torch_reserved'] / 2**30:.2f}; CuPy {p['cupy_used'] / 2**30:.2f}"
                          f" / {p['cupy_held'] / 2**30:.2f}")
-    lines += kernel_lines(rec["runs"])
+    lines += kernel_lines(rec["runs"], out)
     if out:
         lines += gemm_lines(rec, out)
     if any(r.get("passes") for r in rec["runs"]):

@@ -43,3 +43,21 @@ def test_a_clock_log_reads_lines_until_closed_and_stops_its_process(monkeypatch)
     assert readings and all(r["sm_mhz"] == 1980.0 for r in readings)
     assert proc.poll() is not None  # the process is gone
     assert log.close() == []
+
+
+def test_a_clock_log_keeps_every_reading_of_a_long_run(monkeypatch):
+    """More output than a pipe buffer holds (64 KiB) must neither stall nor be lost."""
+    import sys
+    import time
+
+    from tidearray.bench import device
+
+    lines = 4000  # about 130 KB
+    stand_in = ("import sys, time\n"
+                f"sys.stdout.write('1980, 2619, 512.3, 45, 700.00\\n' * {lines})\n"
+                "sys.stdout.flush()\n"
+                "time.sleep(60)\n")
+    monkeypatch.setattr(device, "_smi_args", lambda dev: [sys.executable, "-c", stand_in])
+    log = device.ClockLog(0)
+    time.sleep(1.0)
+    assert len(log.close()) == lines

@@ -60,7 +60,7 @@ def shard_module(module: Any, units: Sequence[Any], *, group: Optional[Group] = 
         prefetch: units gathered ahead (1).
         comm: ``"tide"``, ``"stock"`` or ``"local"`` (see ``ShardedModel``).
         keep_param_shards: keep param-dtype shards instead of casting the fp32
-            masters at every gather: faster, more memory (see ``ShardedModel``).
+            masters at every gather: no cast kernels, more memory (see ``ShardedModel``).
 
     Returns:
         The :class:`ShardedModule`; call the module as before, then ``.step()``.

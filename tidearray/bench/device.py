@@ -245,13 +245,16 @@ class ClockLog:
 
     def __init__(self, device: int, period_ms: int = 250) -> None:
         import subprocess
+        import tempfile
 
+        # A file, not a pipe: nobody reads until close, and a full pipe would stop it.
+        self._file = tempfile.TemporaryFile(mode="w+")
         try:
             self._proc = subprocess.Popen(_smi_args(device) + ["-lms", str(period_ms)],
-                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                          text=True)
+                                          stdout=self._file, stderr=subprocess.DEVNULL)
         except Exception:  # noqa: BLE001 - no nvidia-smi: no readings
             self._proc = None
+            self._file.close()
 
     def close(self) -> list[dict]:
         if self._proc is None:
@@ -260,11 +263,14 @@ class ClockLog:
 
         self._proc.terminate()
         try:
-            out, _ = self._proc.communicate(timeout=10)
+            self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self._proc.kill()
-            out, _ = self._proc.communicate()
+            self._proc.wait()
         self._proc = None
+        self._file.seek(0)
+        out = self._file.read()
+        self._file.close()
         readings = []
         for line in out.splitlines():
             try:

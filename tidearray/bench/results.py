@@ -113,19 +113,27 @@ def _fsdp2(rec: dict, compiled: dict) -> str:
                      f"{kept['median_step_s'] / by['tide']['median_step_s']:.3f}x the casting "
                      f"gathers' step and {kept['peak_bytes'] / by['tide']['peak_bytes']:.3f}x "
                      "their memory;")
-    clocks = {k: (_clock(by[k], "sm_mhz"), _clock(by[k], "power_w")) for k in by}
-    limit = _clock(by["tide"], "power_limit_w")  # in records made after run 12
-    limit_text = (f"its {limit:.0f} W limit" if limit else
-                  "the 700 W an H200 SXM is rated for" if "H200" in rec["device"] else
-                  "its limit")
-    if all(v[0] for v in clocks.values()):
-        lines.append(f"- every impl drew the same power, near {limit_text} (median "
-                     + ", ".join(f"{k} {w:.0f} W" for k, (_, w) in clocks.items())
-                     + "), while the median SM clock fell with the traffic ("
-                     + ", ".join(f"{k} {mhz:.0f} MHz" for k, (mhz, _) in clocks.items())
-                     + "; `nvidia-smi`, rank 0's GPU): communication's power comes out "
-                     "of the compute clock.")
+    lines += _clock_line(by)
     return "\n".join(lines)
+
+
+def _clock_line(by: dict) -> list:
+    """Power and SM clock per impl during the timed steps, where the record has them."""
+    clocks = {k: (_clock(r, "sm_mhz"), _clock(r, "power_w")) for k, r in by.items()}
+    if not all(m is not None and w is not None for m, w in clocks.values()):
+        return []
+    limit = _clock(by["tide"], "power_limit_w")  # in records made after run 12
+    watts = [w for _, w in clocks.values()]
+    mhz = {k: m for k, (m, _) in clocks.items()}
+    text = ("- median power during the timed steps: "
+            + ", ".join(f"{k} {w:.0f} W" for k, (_, w) in clocks.items())
+            + (f" (limit {limit:.0f} W)" if limit else "") + "; median SM clock: "
+            + ", ".join(f"{k} {m:.0f} MHz" for k, m in mhz.items())
+            + " (`nvidia-smi`, rank 0's GPU)")
+    if max(watts) - min(watts) <= 0.02 * max(watts) and mhz.get("floor") == max(mhz.values()):
+        text += (": the same power in every impl, and the floor's clock the highest, so "
+                 "communication's power came out of the compute clock")
+    return [text + "."]
 
 
 def _train(rec: dict) -> str:

@@ -103,7 +103,7 @@ class ShardedModel:
             rank's shards, written by the optimizer, and gather from it, instead
             of casting the masters into the slot at every gather. Costs
             ``param_dtype.itemsize`` bytes per sharded parameter; saves the cast
-            kernels (two per unit and step) beside the compute. The other kinds
+            kernels (one per gather) beside the compute. The other kinds
             always keep them.
         stream: the compute stream (cuda; CuPy's current stream if None).
 
