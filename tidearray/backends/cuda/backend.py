@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ..._cache import CallCache
 from ..._dtypes import normalize
-from ..._errors import TideBackendError, TideInvalid, fail_together
+from ..._errors import TideBackendError, TideInvalid, agree, fail_together
 from ..._layout import shared_devices
 from .._base import Backend, Resolved, SymmetricBuffer
 from .accumulate import Accumulator
@@ -139,7 +139,9 @@ class CudaBackend(Backend):
         self.xp = cupy
         local = physical_local_rank(self.group.comm)  # collective: before anything can fail
         with fail_together(self.group.comm, "cuda backend setup failed"):
-            self._setup_device(local)
+            refusal = self._setup_device(local)
+        # A setting the device cannot honour is the caller's error, on every rank.
+        agree(self.group.comm, refusal, "accum_kernel", TideInvalid)
         self.capabilities["symmetric memory"] = self._choose_memory()
         if self.group.topology.num_nodes > 1:
             self._check_nccl_layout()
@@ -167,7 +169,9 @@ class CudaBackend(Backend):
                 f"{places[a][2]} of {places[a][1]} ({len(pairs)} such pair(s)); use fewer "
                 "ranks per GPU, or a local_size that keeps emulated nodes on their own GPUs")
 
-    def _setup_device(self, local_rank: int) -> None:
+    def _setup_device(self, local_rank: int) -> Optional[str]:
+        """Pick the device and build the lanes; returns why the settings cannot be
+        honoured on this device, or None."""
         import cupy
 
         # The host's rank, not the emulated topology's: TIDE_LOCAL_SIZE=1 must not
@@ -184,10 +188,10 @@ class CudaBackend(Backend):
         split = config.ce_split
         props = cupy.cuda.runtime.getDeviceProperties(self.device)
         sms = props["multiProcessorCount"]
+        refusal = None
         if config.accum_kernel == "bulk" and props["major"] < 9:  # cp.async.bulk is sm_90
-            raise TideInvalid(f"accum_kernel: expected a device of compute capability 9.0 or "
-                              f"newer for 'bulk', got {props['major']}.{props['minor']} on "
-                              f"cuda:{self.device}")
+            refusal = (f"expected a device of compute capability 9.0 or newer for 'bulk', got "
+                       f"{props['major']}.{props['minor']} on cuda:{self.device}")
 
         def stream() -> Any:
             return cupy.cuda.Stream(non_blocking=True)
@@ -214,6 +218,7 @@ class CudaBackend(Backend):
                                 "16-bit sources into fp32 by kernels/accumulate_bulk.cu, else "
                                 "kernels/accumulate.cu (TIDE_ACCUM_KERNEL)"),
         }
+        return refusal
 
     def _choose_memory(self) -> tuple[bool, str]:
         """The symmetric-memory route (``Config.symmetric_memory``). Collective over the node.
