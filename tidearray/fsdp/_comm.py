@@ -82,6 +82,7 @@ class UnitComm(abc.ABC):
         unit_nbytes = max(lay.nbytes for lay in self.layouts)
         self._grad_bufs = [self.xp.empty((unit_nbytes,), np.uint8) for _ in range(num_slots)]
         self._grad_views: dict = {}
+        self._param_views: dict = {}
 
     def grads(self, unit: int, k: int) -> list:
         """The gradient arrays unit ``unit``'s backward writes when it is in slot ``k``."""
@@ -158,7 +159,12 @@ class LocalComm(UnitComm):
     world = 1
 
     def gather(self, unit: int, k: int, stream: Any) -> Work:
-        return Work(_Ready(), self.arena.views(self.arena.send, unit))
+        # The same list every step, as the other kinds' gathers return (front ends
+        # keep what they build on it by the list's identity).
+        views = self._param_views.get(unit)
+        if views is None:
+            views = self._param_views[unit] = self.arena.views(self.arena.send, unit)
+        return Work(_Ready(), views)
 
     def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
         with on_stream(stream):

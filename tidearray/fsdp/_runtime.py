@@ -297,8 +297,7 @@ class ShardedModel:
         """Wait for every outstanding gather, reduction and optimizer step (host)."""
         for k in list(self._pending):
             self._retire(k)
-        if self.xp is not np:
-            self.xp.cuda.Device().synchronize()
+        self.group.synchronize()  # the group's device, not whichever is current
 
     def close(self) -> None:
         """Release communicators (collective). Slots go with the group."""
