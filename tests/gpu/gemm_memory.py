@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import zlib
 
 import numpy as np
 import torch
@@ -48,7 +49,7 @@ def weights(where: str) -> dict:
         else:
             raw = slot.view(off, (n,), np.uint8) if where == "slot" else pool[off:off + n]
             w = torch.from_dlpack(raw).view(torch.bfloat16).view(shape)
-        gen = torch.Generator(device=dev).manual_seed(hash(name) % 2**31)
+        gen = torch.Generator(device=dev).manual_seed(zlib.crc32(name.encode()))
         w.copy_(torch.randn(shape, device=dev, generator=gen).to(torch.bfloat16) * 0.02)
         out[name], off = w, off + n
     return out

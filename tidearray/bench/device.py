@@ -275,7 +275,7 @@ class ClockLog:
         for line in out.splitlines():
             try:
                 readings.append(_reading(line))
-            except ValueError:  # a partial last line, or "[N/A]"
+            except ValueError:  # a cut-off last line
                 pass
         return readings
 

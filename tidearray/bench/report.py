@@ -34,7 +34,9 @@ DEFINITIONS = """\
   the SM count). Our kernels: their grid. NCCL: one CTA per channel, the channel
   count read from NCCL's INIT log. Copy engines: zero.
 * **GEMM slowdown**: median time of the GEMMs that overlapped the looping
-  collective (>= 95% of their duration) over the GEMM's median time alone, minus 1.
+  collective (>= 95% of their duration) over the GEMM's median time in its alone loop
+  run right before, minus 1; the median of three such alone-then-beside pairs (one pair
+  in run 10; before it, against one alone figure from the start of the suite).
 * **memory**: largest rise of used device memory (`cudaMemGetInfo`) over the
   baseline taken after the inputs were made and pools emptied, with fresh NCCL
   communicators; includes NCCL's buffers, symmetric memory and the CuPy pool.
@@ -201,7 +203,8 @@ def _interference_section(res: Results) -> str:
             v = None if r is None else r.get("value")
             cells.append("-" if v is None else f"{v * 100:+.1f}%")
         rows.append(cells)
-    alone = [f"{k[3].split(':')[0]} alone {us(r['value'])} us" for k, r in res.by_key.items()
+    alone = [f"{k[3].split(':')[0]} alone {us(r['value'])} us at the start of the suite"
+             for k, r in res.by_key.items()
              if k[0] == "interference" and k[3].endswith(":alone")]
     return "\n".join([f"## GEMM slowdown while the collective loops ({unit})\n",
                       "; ".join(alone) + "\n", markdown((head, rows))])
