@@ -53,7 +53,7 @@ import llama  # noqa: E402
 from train import learning_rate, plot_steps, plot_timelines, run_as_group  # noqa: E402
 
 import tidearray as ta  # noqa: E402
-from tidearray.bench.device import ClockLog  # noqa: E402
+from tidearray.bench.device import ClockLog, clock_median, clock_readings  # noqa: E402
 from tidearray.bench.records import git_commit  # noqa: E402
 
 IMPLS = ("floor", "fsdp2", "tide", "tide-kept")
@@ -481,17 +481,15 @@ def table(rec: dict, out: Optional[str] = None) -> str:
         for r in rec["runs"]:
             lines.append(f"- {r['impl']}: " + ", ".join(
                 f"{p['median_step_s'] * 1e3:.2f}" for p in r.get("passes", [])))
-    samples = [(r["impl"], [k for p in r.get("passes") or [r] for k in p.get("clocks", [])])
-               for r in rec["runs"]]
-    if any(k for _, k in samples):
+    if any(clock_readings(r) for r in rec["runs"]):
         lines += ["", "GPU clocks during each impl's timed steps (`nvidia-smi` every 250 ms, "
                   "rank 0's GPU): median SM clock, power and temperature.", ""]
-        for impl, ks in samples:
-            if ks:
-                med = {f: float(np.median([k[f] for k in ks if f in k] or [float("nan")]))
+        for r in rec["runs"]:
+            if clock_readings(r):
+                med = {f: clock_median(r, f) or float("nan")
                        for f in ("sm_mhz", "power_w", "temp_c")}
-                lines.append(f"- {impl}: {med['sm_mhz']:.0f} MHz, {med['power_w']:.0f} W, "
-                             f"{med['temp_c']:.0f} C ({len(ks)} samples)")
+                lines.append(f"- {r['impl']}: {med['sm_mhz']:.0f} MHz, {med['power_w']:.0f} W, "
+                             f"{med['temp_c']:.0f} C ({len(clock_readings(r))} samples)")
     return "\n".join(lines) + "\n"
 
 

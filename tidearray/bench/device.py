@@ -223,6 +223,17 @@ def _reading(line: str) -> dict:
     return out
 
 
+def clock_readings(run: dict) -> list[dict]:
+    """Every clock reading of a training record's run, over its passes if it has any."""
+    return [k for p in run.get("passes") or [run] for k in p.get("clocks", [])]
+
+
+def clock_median(run: dict, key: str) -> Optional[float]:
+    """The median of ``key`` over :func:`clock_readings`, or None where none has it."""
+    vals = [k[key] for k in clock_readings(run) if key in k]
+    return float(np.median(vals)) if vals else None
+
+
 def gpu_clocks(device: int) -> dict:
     """CUDA device ``device``'s SM and memory clocks (MHz), power (W) and temperature (C)
     now, from ``nvidia-smi``; empty where it cannot be asked. Best effort: a figure
