@@ -363,9 +363,9 @@ def _push_per_peer(ex: Executor, slot: Region, program: _Program, me: int, peers
     local copy at several times the link's rate) overlaps them.
     """
     for p in peers:
-        if after_net:  # NET already waits for the cast (made to depend on COMPUTE above)
+        if after_net:
             ex.depend(p, ex.NET)
-        elif program.cast:
+        if program.cast:
             ex.depend(p, ex.COMPUTE)
         ex.wait(p, slot.flag(me, AG_CHANNEL, FREE, p), use)
         ex.copy(p, program.pushes[p])
