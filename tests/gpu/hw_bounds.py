@@ -1,0 +1,250 @@
+"""What the hardware leaves for two of the collectives' goals (diagnostic).
+
+    mpirun -n 2 python tests/gpu/hw_bounds.py [RECORD.json]
+
+Run on an otherwise idle pair of GPUs; prints a report from rank 0 and, with a path,
+writes the figures there as JSON (with the git commit).
+
+1. **Per-CTA streaming rate.** TIDE-RS's only SM work is its accumulate, and CUPTI's
+   SM time of a kernel is ``duration x CTAs / SMs``: its bytes over the rate one CTA
+   streams at, times ``1 / SMs``. This times the accumulate (both kernels: ``vector``,
+   ``bulk``) alone on one GPU at grids from 1 CTA to every SM, with a read-only and a
+   copy probe (16-byte streaming loads, eight in flight per thread, 1,024 threads per
+   CTA) beside it, and reports the best rate per CTA and the lowest SM time that rate
+   allows for the Llama-3.1-8B unit's accumulate.
+2. **A single-wave GEMM beside bare copies.** The GEMM of the interference suite
+   (1024x2048x16384, bf16) beside: the push alone (this rank's share to the peer, one
+   copy, no protocol: the push bound), the own copy alone (the share into this rank's
+   own memory), both together (an out-of-place all-gather with nothing else), and
+   TIDE-AG. Alone-then-beside pairs, as in ``tidearray.bench.interference``; the
+   slowdown is the median of three.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.getcwd())
+import tidearray as ta  # noqa: E402
+from tidearray._dtypes import bfloat16  # noqa: E402
+from tidearray.backends._base import AccumPiece  # noqa: E402
+from tidearray.backends.cuda.accumulate import Accumulator  # noqa: E402
+from tidearray.bench import interference  # noqa: E402
+from tidearray.bench.device import CudaDevice  # noqa: E402
+from tidearray.bench.records import git_commit  # noqa: E402
+from tidearray.bench.timing import measure  # noqa: E402
+from tidearray.bench.workloads import units  # noqa: E402
+
+GRIDS = (1, 2, 4, 8, 16, 33, 66, 132)
+#: Elements per source of the streaming runs: 2 x 192 MB in, 384 MB out (far past L2).
+N = 96 << 20
+PAIRS = 3
+GEMM = (1024, 2048, 16384)
+
+PROBES = r"""
+extern "C" __global__ void read_probe(const uint4* __restrict__ p, long long n,
+                                      unsigned* __restrict__ sink) {
+  unsigned acc = 0;
+  long long stride = (long long)gridDim.x * blockDim.x;
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + 7 * stride < n; i += 8 * stride) {
+    uint4 v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = __ldcs(p + i + k * stride);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+  }
+  for (; i < n; i += stride) { uint4 v = __ldcs(p + i); acc ^= v.x ^ v.y ^ v.z ^ v.w; }
+  if (acc == 0x9E3779B9u) sink[0] = acc;  // keeps the loads; almost never taken
+}
+
+extern "C" __global__ void copy_probe(const uint4* __restrict__ p, uint4* __restrict__ q,
+                                      long long n) {
+  long long stride = (long long)gridDim.x * blockDim.x;
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + 7 * stride < n; i += 8 * stride) {
+    uint4 v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = __ldcs(p + i + k * stride);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) __stcs(q + i + k * stride, v[k]);
+  }
+  for (; i < n; i += stride) __stcs(q + i, __ldcs(p + i));
+}
+"""
+
+comm = MPI.COMM_WORLD
+group = ta.init()
+import cupy as cp  # noqa: E402
+
+cp.cuda.Device(group.backend.device).use()
+dev = CudaDevice()
+ctx = SimpleNamespace(dev=dev, comm=comm)
+say = print if comm.rank == 0 else (lambda *a, **k: None)
+
+
+def timed(launch, reps: int = 5) -> float:
+    """Median seconds of ``launch()`` on the timing stream (two untimed first)."""
+    for _ in range(2):
+        launch()
+    times = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(dev.stream)
+        launch()
+        b.record(dev.stream)
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
+    return float(np.median(times))
+
+
+def streaming() -> dict:
+    """Per-CTA GB/s of each kernel at each grid, on this rank's GPU."""
+    src = [cp.random.standard_normal(N, dtype=cp.float32).astype(bfloat16) for _ in range(2)]
+    out = cp.empty(N, cp.float32)
+    pieces = (AccumPiece(out.data.ptr, tuple(s.data.ptr for s in src), N),)
+    mod = cp.RawModule(code=PROBES)
+    read, copy = mod.get_function("read_probe"), mod.get_function("copy_probe")
+    sink = cp.zeros(1, cp.uint32)
+    words = out.nbytes // 16
+    rows: dict = {}
+    for kernel in ("vector", "bulk"):
+        acc = Accumulator(dev.dev.id, dev.num_sms, kernel=kernel)
+        per = {}
+        for g in GRIDS:
+            acc.set_grid(g)
+            t = timed(lambda acc=acc: acc.launch(dev.stream, pieces, bfloat16, 0.5))
+            per[g] = (2 * src[0].nbytes + out.nbytes) / t / g
+        want = (src[0].astype(cp.float32) + src[1].astype(cp.float32)) * 0.5
+        assert bool(cp.array_equal(out, want)), f"{kernel}: the accumulate summed wrong"
+        rows[f"accumulate ({kernel})"] = per
+    for name, fn, args, nbytes in (
+            ("read probe", read, (out, np.int64(words), sink), out.nbytes),
+            ("copy probe", copy, (out, src[0], np.int64(src[0].nbytes // 16)),
+             2 * src[0].nbytes)):
+        per = {}
+        for g in GRIDS:
+            def launch(fn=fn, g=g, args=args) -> None:
+                with dev.stream:
+                    fn((g,), (1024,), args)
+            per[g] = nbytes / timed(launch) / g
+        rows[name] = per
+    return rows
+
+
+def accumulate_bytes() -> int:
+    """Bytes one rank's accumulate moves for the Llama-3.1-8B unit: two bf16 sources
+    read and one fp32 output written per element of its shard."""
+    unit = next(u for u in units() if u.name == "llama3.1-8b")
+    per_rank = sum(math.ceil(s[0] / group.size) * math.prod(s[1:]) for s in unit.shapes)
+    return per_rank * (group.size * 2 + 4)
+
+
+def stock_sm_time() -> float | None:
+    """``stock``'s CUPTI SM time per reduce-scatter of that unit, from run 11's records."""
+    path = os.path.join("docs", "benchmarks", "run11.jsonl")
+    if not os.path.exists(path):
+        return None
+    for line in open(path):
+        r = json.loads(line)
+        if (r["suite"], r["impl"], r["workload"], r["metric"]) == (
+                "rs", "stock", "llama3.1-8b", "sm_time_cupti"):
+            return r["value"]
+    return None
+
+
+def bare_copies() -> dict:
+    """The interference suite's single-wave GEMM beside each bare copy and TIDE-AG."""
+    unit = next(u for u in units() if u.name == "llama3.1-8b")
+    me, L = group.local_rank, group.local_size
+    if group.topology.num_nodes != 1 or L < 2:
+        return {}
+    shards = [cp.random.standard_normal(
+        (math.ceil(s[0] / L), *s[1:]), dtype=cp.float32).astype(bfloat16) for s in unit.shapes]
+    share = sum(s.nbytes for s in shards)
+    arena = ta.SlotArena(2 * share, num_slots=1)
+    slot = arena[0]
+    flat = cp.empty(share, cp.uint8)
+    own_stream = cp.cuda.Stream(non_blocking=True)
+    peer = (me + 1) % L
+    memcpy = cp.cuda.runtime.memcpyAsync
+
+    def push() -> None:  # into the peer's first half; the own copy writes our second
+        memcpy(slot.ptr(peer), flat.data.ptr, share, 4, dev.stream.ptr)
+
+    def own(stream=None) -> None:
+        memcpy(slot.ptr(me) + share, flat.data.ptr, share, 4, (stream or dev.stream).ptr)
+
+    def both() -> None:  # on two streams, as TIDE-AG's lanes run them
+        fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+        fork.record(dev.stream)
+        own_stream.wait_event(fork)
+        own(own_stream)
+        push()
+        join.record(own_stream)
+        dev.stream.wait_event(join)
+
+    def tide() -> None:
+        ta.all_gather(shards, unit.shapes, stream=dev.stream)
+
+    gemm = dev.gemm(*GEMM)
+    first_alone = float(np.max(comm.allgather(interference.gemm_loop(ctx, None, 0.0, gemm,
+                                                                      1.0)[0])))
+    rows = {}
+    for name, fn in (("push (the bound)", push), ("own copy", own),
+                     ("push + own copy", both), ("TIDE-AG", tide)):
+        coll_t = measure(ctx, fn, iters=5, warmup=2, back_to_back=False).median
+        pairs = [interference._pair(ctx, fn, coll_t, gemm, first_alone) for _ in range(PAIRS)]
+        slows = [p["under_s"] / p["alone_s"] - 1 for p in pairs if p]
+        rows[name] = {"collective_us": coll_t * 1e6, "slowdowns": slows,
+                      "median": float(np.median(slows)) if slows else None}
+        say(f"  {name:<18} alone {coll_t * 1e6:7.1f} us; GEMM "
+            + (f"{rows[name]['median'] * 100:+.1f}% (pairs "
+               + ", ".join(f"{s * 100:+.1f}%" for s in slows) + ")" if slows else "n/a"))
+    dev.sync()
+    slot.free()
+    return rows
+
+
+def main() -> None:
+    record = {"commit": git_commit(), "device": dev.describe(), "ranks": comm.size}
+    say(f"tests/gpu/hw_bounds.py at {record['commit']}, {comm.size} ranks, "
+        f"{record['device']['device']}, {dev.num_sms} SMs")
+    say("== per-CTA streaming rate, GB/s per CTA (each GPU alone; rank 0's)")
+    rates = streaming()
+    best_all = comm.allgather(max(max(v.values()) for k, v in rates.items()
+                                  if k.startswith("accumulate")))
+    say("  grid " + "".join(f"{g:>8d}" for g in GRIDS))
+    for name, per in rates.items():
+        say(f"  {name:<22}" + "".join(f"{per[g] / 1e9:8.1f}" for g in GRIDS))
+    nbytes = accumulate_bytes()
+    best = max(best_all)
+    floor = nbytes / (dev.num_sms * best)
+    stock = stock_sm_time()
+    say(f"  the Llama-3.1-8B unit's accumulate moves {nbytes / 1e6:.0f} MB per rank; at the "
+        f"best accumulate rate seen, {best / 1e9:.1f} GB/s per CTA, its SM time is at least "
+        f"{floor * 1e6:.1f} us")
+    if stock:
+        need = nbytes / (dev.num_sms * stock / 12.5)
+        say(f"  stock's SM time (run 11, CUPTI) {stock * 1e6:.1f} us: 12.5x below it is "
+            f"{stock / 12.5 * 1e6:.1f} us, which needs {need / 1e9:.1f} GB/s per CTA; "
+            f"the best rate allows {stock / floor:.1f}x")
+    record.update(rates={k: {str(g): v for g, v in per.items()} for k, per in rates.items()},
+                  accumulate_bytes=nbytes, best_accumulate_rate=best,
+                  sm_time_floor_s=floor, stock_sm_time_s=stock)
+    say("== single-wave GEMM {}x{}x{} beside bare copies (Llama-3.1-8B unit)".format(*GEMM))
+    record["gemm_beside"] = bare_copies()
+    if comm.rank == 0 and len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(record, f, indent=1)
+        say(f"wrote {sys.argv[1]}")
+
+
+main()
