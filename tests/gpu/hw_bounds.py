@@ -15,9 +15,11 @@ writes the figures there as JSON (with the git commit).
 2. **A single-wave GEMM beside bare copies.** The GEMM of the interference suite
    (1024x2048x16384, bf16) beside: the push alone (this rank's share to the peer, one
    copy, no protocol: the push bound), the own copy alone (the share into this rank's
-   own memory), both together (an out-of-place all-gather with nothing else), and
-   TIDE-AG. Alone-then-beside pairs, as in ``tidearray.bench.interference``; the
-   slowdown is the median of three.
+   own memory), both together (an out-of-place all-gather with nothing else), the
+   same bytes cut into TIDE-AG's per-parameter pieces (one batch per stream, still
+   no flags), TIDE-AG, and TIDE-AG with its large pieces sent as single copies.
+   Alone-then-beside pairs, as in ``tidearray.bench.interference``; the slowdown is
+   the median of three.
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.getcwd())
 import tidearray as ta  # noqa: E402
+from tidearray._all_gather import build_program  # noqa: E402
 from tidearray._dtypes import bfloat16  # noqa: E402
+from tidearray._layout import cached_unit  # noqa: E402
 from tidearray.backends._base import AccumPiece  # noqa: E402
 from tidearray.backends.cuda.accumulate import Accumulator  # noqa: E402
+from tidearray.backends.cuda.copies import Copier  # noqa: E402
 from tidearray.bench import interference  # noqa: E402
 from tidearray.bench.device import CudaDevice  # noqa: E402
 from tidearray.bench.records import git_commit  # noqa: E402
@@ -169,8 +174,12 @@ def bare_copies() -> dict:
     shards = [cp.random.standard_normal(
         (math.ceil(s[0] / L), *s[1:]), dtype=cp.float32).astype(bfloat16) for s in unit.shapes]
     share = sum(s.nbytes for s in shards)
-    arena = ta.SlotArena(2 * share, num_slots=1)
-    slot = arena[0]
+    layout = cached_unit(tuple(unit.shapes), 2, group.size)
+    slot = ta.SlotArena(max(2 * share, layout.nbytes), num_slots=1)[0]
+    # TIDE-AG's own copy list into this slot: its pieces, as its lanes issue them
+    program = build_program(group, layout, [s.data.ptr for s in shards], slot)
+    copier = Copier(None)
+    copier.probe(dev.stream.ptr)
     flat = cp.empty(share, cp.uint8)
     own_stream = cp.cuda.Stream(non_blocking=True)
     peer = (me + 1) % L
@@ -191,25 +200,47 @@ def bare_copies() -> dict:
         join.record(own_stream)
         dev.stream.wait_event(join)
 
-    def tide() -> None:
-        ta.all_gather(shards, unit.shapes, stream=dev.stream)
+    def pieces() -> None:  # the same bytes as TIDE-AG's pieces, batched, with no flags
+        fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+        fork.record(dev.stream)
+        own_stream.wait_event(fork)
+        copier.copy(own_stream.ptr, program.own)
+        copier.copy(dev.stream.ptr, program.pushes[peer])
+        join.record(own_stream)
+        dev.stream.wait_event(join)
+
+    tide_slot = ta.Region(group, layout.nbytes)
+
+    def tide() -> None:  # as the benchmark calls it: one slot, made once
+        ta.all_gather(shards, unit.shapes, slot=tide_slot, stream=dev.stream)
+
+    lanes_copier = group.backend.lanes.copier
+
+    def tide_large_alone() -> None:
+        lanes_copier.configure(large_min=1 << 20)
+        try:
+            tide()
+        finally:
+            lanes_copier.configure()
 
     gemm = dev.gemm(*GEMM)
     first_alone = float(np.max(comm.allgather(interference.gemm_loop(ctx, None, 0.0, gemm,
                                                                       1.0)[0])))
     rows = {}
     for name, fn in (("push (the bound)", push), ("own copy", own),
-                     ("push + own copy", both), ("TIDE-AG", tide)):
+                     ("push + own copy", both), ("the same, as pieces", pieces),
+                     ("TIDE-AG", tide), ("TIDE-AG, large pieces alone", tide_large_alone)):
         coll_t = measure(ctx, fn, iters=5, warmup=2, back_to_back=False).median
         pairs = [interference._pair(ctx, fn, coll_t, gemm, first_alone) for _ in range(PAIRS)]
         slows = [p["under_s"] / p["alone_s"] - 1 for p in pairs if p]
         rows[name] = {"collective_us": coll_t * 1e6, "slowdowns": slows,
                       "median": float(np.median(slows)) if slows else None}
-        say(f"  {name:<18} alone {coll_t * 1e6:7.1f} us; GEMM "
+        say(f"  {name:<28} alone {coll_t * 1e6:7.1f} us; GEMM "
             + (f"{rows[name]['median'] * 100:+.1f}% (pairs "
                + ", ".join(f"{s * 100:+.1f}%" for s in slows) + ")" if slows else "n/a"))
     dev.sync()
     slot.free()
+    tide_slot.free()
     return rows
 
 
