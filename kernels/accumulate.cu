@@ -66,37 +66,12 @@ __device__ __forceinline__ void add8(float acc[8], uint4 q, int is_bf16) {
     for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
 }
 
-// Vector steps per thread per iteration with exactly two sources (TIDE-RS on two
-// ranks): each step is summed and stored as soon as its loads land, so no
-// accumulators are held across steps and twice the bytes are in flight for the
-// same registers. An SM streams at its bytes in flight over the memory latency:
-// 128 KB per CTA reach about twice the rate of 64 KB on H200 (tests/gpu/hw_bounds.py).
-#define UNROLL_PAIR 8
-
 // 16-bit sources: 8 elements per vector step.
 __device__ void tile_16(const i64* srcs, int n_src, float* out, i64 a, i64 b, int vec,
                         int is_bf16, float scale, int do_scale) {
     i64 vend = vec ? a + ((b - a) / 8) * 8 : a;
     const i64 step = 8 * (i64)blockDim.x;
     i64 i = a + 8 * (i64)threadIdx.x;
-    if (n_src == 2) {
-        const u16* s0 = reinterpret_cast<const u16*>(srcs[0]);
-        const u16* s1 = reinterpret_cast<const u16*>(srcs[1]);
-        for (; i + (UNROLL_PAIR - 1) * step < vend; i += UNROLL_PAIR * step) {
-            uint4 q[UNROLL_PAIR], r[UNROLL_PAIR];
-#pragma unroll
-            for (int u = 0; u < UNROLL_PAIR; ++u) q[u] = load16(s0 + i + u * step);
-#pragma unroll
-            for (int u = 0; u < UNROLL_PAIR; ++u) r[u] = load16(s1 + i + u * step);
-#pragma unroll
-            for (int u = 0; u < UNROLL_PAIR; ++u) {
-                float acc[8];
-                widen8(q[u], is_bf16, acc);
-                add8(acc, r[u], is_bf16);
-                store8(out + i + u * step, acc, scale, do_scale);
-            }
-        }
-    }
     for (; i + (UNROLL - 1) * step < vend; i += UNROLL * step) {
         float acc[UNROLL][8];
         uint4 q[UNROLL], r[UNROLL];
@@ -259,34 +234,30 @@ __device__ void accumulate_to_16(const i64* table, int n_pieces, int n_src, i64 
     }
 }
 
-// Every kernel runs 512 threads per block (BLOCK in accumulate.py); the bound lets
-// each thread keep up to 128 registers.
-extern "C" __global__ void __launch_bounds__(512)
-tide_accumulate_bf16(const i64* table, int n_pieces, int n_src, i64 n_tiles, i64 tile,
-                     float scale, int do_scale) {
+extern "C" __global__ void tide_accumulate_bf16(const i64* table, int n_pieces, int n_src,
+                                                i64 n_tiles, i64 tile, float scale,
+                                                int do_scale) {
     accumulate(table, n_pieces, n_src, n_tiles, tile, scale, do_scale, 0);
 }
 
-extern "C" __global__ void __launch_bounds__(512)
-tide_accumulate_fp16(const i64* table, int n_pieces, int n_src, i64 n_tiles, i64 tile,
-                     float scale, int do_scale) {
+extern "C" __global__ void tide_accumulate_fp16(const i64* table, int n_pieces, int n_src,
+                                                i64 n_tiles, i64 tile, float scale,
+                                                int do_scale) {
     accumulate(table, n_pieces, n_src, n_tiles, tile, scale, do_scale, 1);
 }
 
-extern "C" __global__ void __launch_bounds__(512)
-tide_accumulate_fp32(const i64* table, int n_pieces, int n_src, i64 n_tiles, i64 tile,
-                     float scale, int do_scale) {
+extern "C" __global__ void tide_accumulate_fp32(const i64* table, int n_pieces, int n_src,
+                                                i64 n_tiles, i64 tile, float scale,
+                                                int do_scale) {
     accumulate(table, n_pieces, n_src, n_tiles, tile, scale, do_scale, 2);
 }
 
-extern "C" __global__ void __launch_bounds__(512)
-tide_cast_bf16(const i64* table, int n_pieces, int n_src, i64 n_tiles, i64 tile, float scale,
-               int do_scale) {
+extern "C" __global__ void tide_cast_bf16(const i64* table, int n_pieces, int n_src,
+                                          i64 n_tiles, i64 tile, float scale, int do_scale) {
     accumulate_to_16<Out16<to_bf16>>(table, n_pieces, n_src, n_tiles, tile, scale, do_scale);
 }
 
-extern "C" __global__ void __launch_bounds__(512)
-tide_cast_fp16(const i64* table, int n_pieces, int n_src, i64 n_tiles, i64 tile, float scale,
-               int do_scale) {
+extern "C" __global__ void tide_cast_fp16(const i64* table, int n_pieces, int n_src,
+                                          i64 n_tiles, i64 tile, float scale, int do_scale) {
     accumulate_to_16<Out16<to_f16>>(table, n_pieces, n_src, n_tiles, tile, scale, do_scale);
 }
