@@ -8,10 +8,12 @@ writes the figures there as JSON (with the git commit).
 1. **Per-CTA streaming rate.** TIDE-RS's only SM work is its accumulate, and CUPTI's
    SM time of a kernel is ``duration x CTAs / SMs``: its bytes over the rate one CTA
    streams at, times ``1 / SMs``. This times the accumulate (both kernels: ``vector``,
-   ``bulk``) alone on one GPU at grids from 1 CTA to every SM, with a read-only and a
-   copy probe (16-byte streaming loads, eight in flight per thread, 1,024 threads per
-   CTA) beside it, and reports the best rate per CTA and the lowest SM time that rate
-   allows for the Llama-3.1-8B unit's accumulate.
+   ``bulk``) alone on one GPU at grids from 1 CTA to every SM, with three probes
+   (16-byte streaming loads, eight in flight per thread, 1,024 threads per CTA): read
+   only; a copy (as many bytes written as read, as in the accumulate); and the
+   accumulate's own traffic, two bf16 sources summed into fp32. It reports the lowest
+   SM time for the Llama-3.1-8B unit's accumulate at the accumulate's best rate and at
+   the best rate of a probe with the accumulate's read/write mix.
 2. **A single-wave GEMM beside bare copies.** The GEMM of the interference suite
    (1024x2048x16384, bf16) beside: the push alone (this rank's share to the peer, one
    copy, no protocol: the push bound), the own copy alone (the share into this rank's
@@ -83,6 +85,36 @@ extern "C" __global__ void copy_probe(const uint4* __restrict__ p, uint4* __rest
   }
   for (; i < n; i += stride) __stcs(q + i, __ldcs(p + i));
 }
+
+// The accumulate's traffic in the copy probe's shape: two bf16 sources in, their fp32
+// sum out (32 bytes read, 32 written per 16-byte word of a source), four words of each
+// source in flight per thread.
+__device__ __forceinline__ float lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+
+extern "C" __global__ void pair_probe(const uint4* __restrict__ a, const uint4* __restrict__ b,
+                                      float4* __restrict__ out, long long n) {
+  long long stride = (long long)gridDim.x * blockDim.x;
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i < n; i += 4 * stride) {
+    uint4 q[4], r[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      long long j = i + k * stride;
+      q[k] = j < n ? __ldcs(a + j) : make_uint4(0, 0, 0, 0);
+      r[k] = j < n ? __ldcs(b + j) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      long long j = i + k * stride;
+      if (j >= n) break;
+      __stcs(out + 2 * j, make_float4(lo(q[k].x) + lo(r[k].x), hi(q[k].x) + hi(r[k].x),
+                                      lo(q[k].y) + lo(r[k].y), hi(q[k].y) + hi(r[k].y)));
+      __stcs(out + 2 * j + 1, make_float4(lo(q[k].z) + lo(r[k].z), hi(q[k].z) + hi(r[k].z),
+                                          lo(q[k].w) + lo(r[k].w), hi(q[k].w) + hi(r[k].w)));
+    }
+  }
+}
 """
 
 comm = MPI.COMM_WORLD
@@ -117,6 +149,7 @@ def streaming() -> dict:
     pieces = (AccumPiece(out.data.ptr, tuple(s.data.ptr for s in src), N),)
     mod = cp.RawModule(code=PROBES)
     read, copy = mod.get_function("read_probe"), mod.get_function("copy_probe")
+    pair = mod.get_function("pair_probe")
     sink = cp.zeros(1, cp.uint32)
     words = out.nbytes // 16
     rows: dict = {}
@@ -130,8 +163,11 @@ def streaming() -> dict:
         want = (src[0].astype(cp.float32) + src[1].astype(cp.float32)) * 0.5
         assert bool(cp.array_equal(out, want)), f"{kernel}: the accumulate summed wrong"
         rows[f"accumulate ({kernel})"] = per
-    for name, fn, args, nbytes in (
+    sums = src[0].astype(cp.float32) + src[1].astype(cp.float32)
+    for name, fn, args, nbytes in (  # the copy probe overwrites a source: last
             ("read probe", read, (out, np.int64(words), sink), out.nbytes),
+            ("pair probe", pair, (src[0], src[1], out, np.int64(src[0].nbytes // 16)),
+             2 * src[0].nbytes + out.nbytes),
             ("copy probe", copy, (out, src[0], np.int64(src[0].nbytes // 16)),
              2 * src[0].nbytes)):
         per = {}
@@ -140,6 +176,8 @@ def streaming() -> dict:
                 with dev.stream:
                     fn((g,), (1024,), args)
             per[g] = nbytes / timed(launch) / g
+        if name == "pair probe":
+            assert bool(cp.array_equal(out, sums)), "the pair probe summed wrong"
         rows[name] = per
     return rows
 
@@ -252,6 +290,8 @@ def main() -> None:
     rates = streaming()
     best_all = comm.allgather(max(max(v.values()) for k, v in rates.items()
                                   if k.startswith("accumulate")))
+    probe_all = comm.allgather(max(max(rates[k].values()) for k in ("copy probe",
+                                                                   "pair probe")))
     say("  grid " + "".join(f"{g:>8d}" for g in GRIDS))
     for name, per in rates.items():
         say(f"  {name:<22}" + "".join(f"{per[g] / 1e9:8.1f}" for g in GRIDS))
@@ -262,14 +302,20 @@ def main() -> None:
     say(f"  the Llama-3.1-8B unit's accumulate moves {nbytes / 1e6:.0f} MB per rank; at the "
         f"best accumulate rate seen, {best / 1e9:.1f} GB/s per CTA, its SM time is at least "
         f"{floor * 1e6:.1f} us")
+    probe = max(probe_all)
+    probe_floor = nbytes / (dev.num_sms * probe)
+    say(f"  at the best copy or pair probe rate, {probe / 1e9:.1f} GB/s per CTA (the same "
+        f"read/write mix), at least {probe_floor * 1e6:.1f} us")
     if stock:
         need = nbytes / (dev.num_sms * stock / 12.5)
         say(f"  stock's SM time (run 11, CUPTI) {stock * 1e6:.1f} us: 12.5x below it is "
             f"{stock / 12.5 * 1e6:.1f} us, which needs {need / 1e9:.1f} GB/s per CTA; "
-            f"the best rate allows {stock / floor:.1f}x")
+            f"the accumulate's best rate allows {stock / floor:.1f}x, the probes' "
+            f"{stock / probe_floor:.1f}x")
     record.update(rates={k: {str(g): v for g, v in per.items()} for k, per in rates.items()},
                   accumulate_bytes=nbytes, best_accumulate_rate=best,
-                  sm_time_floor_s=floor, stock_sm_time_s=stock)
+                  sm_time_floor_s=floor, best_probe_rate=probe,
+                  sm_time_probe_floor_s=probe_floor, stock_sm_time_s=stock)
     say("== single-wave GEMM {}x{}x{} beside bare copies (Llama-3.1-8B unit)".format(*GEMM))
     record["gemm_beside"] = bare_copies()
     if comm.rank == 0 and len(sys.argv) > 1:
