@@ -26,94 +26,84 @@
 #include "round.cuh"
 #include "accumulate_common.cuh"
 
-// Streaming 16-byte load: every byte is read once, so do not keep it in L1.
-__device__ __forceinline__ uint4 load16(const u16* p) {
-    uint4 r;
-    asm("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+// Streaming 8-byte load: every byte is read once, so do not keep it in L1.
+__device__ __forceinline__ uint2 load8(const u16* p) {
+    uint2 r;
+    asm("ld.global.cs.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
     return r;
 }
 
-__device__ __forceinline__ void widen8(uint4 q, int is_bf16, float v[8]) {
-    unsigned int w[4] = {q.x, q.y, q.z, q.w};
+__device__ __forceinline__ void store4f(float* out, const float acc[4], float scale,
+                                        int do_scale) {
+    store4(out, make_float4(finish(acc[0], scale, do_scale), finish(acc[1], scale, do_scale),
+                            finish(acc[2], scale, do_scale), finish(acc[3], scale, do_scale)));
+}
+
+__device__ __forceinline__ void add4h(float acc[4], uint2 q, int is_bf16) {
+    float v[4];
+    widen4(q, is_bf16, v);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        v[2 * k] = half_bits_to_float(w[k] & 0xffffu, is_bf16);
-        v[2 * k + 1] = half_bits_to_float(w[k] >> 16, is_bf16);
-    }
+    for (int k = 0; k < 4; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
 }
 
-__device__ __forceinline__ void store8(float* out, const float acc[8], float scale,
-                                       int do_scale) {
-    float4 lo = make_float4(finish(acc[0], scale, do_scale), finish(acc[1], scale, do_scale),
-                            finish(acc[2], scale, do_scale), finish(acc[3], scale, do_scale));
-    float4 hi = make_float4(finish(acc[4], scale, do_scale), finish(acc[5], scale, do_scale),
-                            finish(acc[6], scale, do_scale), finish(acc[7], scale, do_scale));
-    store4(out, lo);
-    store4(out + 4, hi);
-}
+// Vector steps per thread per iteration, for each 16-bit source: 2 * UNROLL_16
+// independent 8-byte loads are in flight before the first add. A CTA's bandwidth
+// is its bytes in flight over the memory latency, and a small grid (few SMs) still
+// has to keep pace with the copy engines.
+#define UNROLL_16 8
 
-// Vector steps per thread per iteration. Sources are read two at a time, so
-// 2 * UNROLL independent 16-byte loads are in flight before the first add:
-// a CTA's bandwidth is its bytes in flight over the memory latency, and a
-// small grid (few SMs) still has to keep pace with the copy engines.
-#define UNROLL 4
-
-__device__ __forceinline__ void add8(float acc[8], uint4 q, int is_bf16) {
-    float v[8];
-    widen8(q, is_bf16, v);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
-}
-
-// 16-bit sources: 8 elements per vector step.
+// 16-bit sources: 4 elements (8 bytes of each source, 16 of fp32 out) per vector
+// step, so that a warp's stores cover whole 32-byte sectors: with 8 elements per
+// step each store instruction wrote half of every sector it touched, and a CTA
+// streamed at half the rate (52 against 97 GB/s per CTA on H200,
+// tests/gpu/hw_bounds.py).
 __device__ void tile_16(const i64* srcs, int n_src, float* out, i64 a, i64 b, int vec,
                         int is_bf16, float scale, int do_scale) {
-    i64 vend = vec ? a + ((b - a) / 8) * 8 : a;
-    const i64 step = 8 * (i64)blockDim.x;
-    i64 i = a + 8 * (i64)threadIdx.x;
-    for (; i + (UNROLL - 1) * step < vend; i += UNROLL * step) {
-        float acc[UNROLL][8];
-        uint4 q[UNROLL], r[UNROLL];
+    i64 vend = vec ? a + ((b - a) / 4) * 4 : a;
+    const i64 step = 4 * (i64)blockDim.x;
+    i64 i = a + 4 * (i64)threadIdx.x;
+    for (; i + (UNROLL_16 - 1) * step < vend; i += UNROLL_16 * step) {
+        float acc[UNROLL_16][4];
+        uint2 q[UNROLL_16], r[UNROLL_16];
         const u16* s0 = reinterpret_cast<const u16*>(srcs[0]);
         const u16* s1 = reinterpret_cast<const u16*>(srcs[n_src > 1 ? 1 : 0]);
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) q[u] = load16(s0 + i + u * step);
+        for (int u = 0; u < UNROLL_16; ++u) q[u] = load8(s0 + i + u * step);
         if (n_src > 1) {
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) r[u] = load16(s1 + i + u * step);
+            for (int u = 0; u < UNROLL_16; ++u) r[u] = load8(s1 + i + u * step);
         }
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            widen8(q[u], is_bf16, acc[u]);
-            if (n_src > 1) add8(acc[u], r[u], is_bf16);
+        for (int u = 0; u < UNROLL_16; ++u) {
+            widen4(q[u], is_bf16, acc[u]);
+            if (n_src > 1) add4h(acc[u], r[u], is_bf16);
         }
         for (int s = 2; s < n_src; s += 2) {  // the same order: acc += s, then s + 1
             const int pair = s + 1 < n_src;
             const u16* sp = reinterpret_cast<const u16*>(srcs[s]);
             const u16* sq = reinterpret_cast<const u16*>(srcs[pair ? s + 1 : s]);
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) q[u] = load16(sp + i + u * step);
+            for (int u = 0; u < UNROLL_16; ++u) q[u] = load8(sp + i + u * step);
             if (pair) {
 #pragma unroll
-                for (int u = 0; u < UNROLL; ++u) r[u] = load16(sq + i + u * step);
+                for (int u = 0; u < UNROLL_16; ++u) r[u] = load8(sq + i + u * step);
             }
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                add8(acc[u], q[u], is_bf16);
-                if (pair) add8(acc[u], r[u], is_bf16);
+            for (int u = 0; u < UNROLL_16; ++u) {
+                add4h(acc[u], q[u], is_bf16);
+                if (pair) add4h(acc[u], r[u], is_bf16);
             }
         }
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) store8(out + i + u * step, acc[u], scale, do_scale);
+        for (int u = 0; u < UNROLL_16; ++u) store4f(out + i + u * step, acc[u], scale, do_scale);
     }
     for (; i < vend; i += step) {
-        float acc[8];
-        widen8(load16(reinterpret_cast<const u16*>(srcs[0]) + i), is_bf16, acc);
+        float acc[4];
+        widen4(load8(reinterpret_cast<const u16*>(srcs[0]) + i), is_bf16, acc);
         for (int s = 1; s < n_src; ++s) {
-            add8(acc, load16(reinterpret_cast<const u16*>(srcs[s]) + i), is_bf16);
+            add4h(acc, load8(reinterpret_cast<const u16*>(srcs[s]) + i), is_bf16);
         }
-        store8(out + i, acc, scale, do_scale);
+        store4f(out + i, acc, scale, do_scale);
     }
     for (i64 j = vend + threadIdx.x; j < b; j += blockDim.x) {
         float acc = load_one(reinterpret_cast<const u16*>(srcs[0]) + j, is_bf16);
@@ -163,6 +153,9 @@ __device__ __forceinline__ float4 finish4(float4 acc, float scale, int do_scale)
     return make_float4(finish(acc.x, scale, do_scale), finish(acc.y, scale, do_scale),
                        finish(acc.z, scale, do_scale), finish(acc.w, scale, do_scale));
 }
+
+// Vector steps per thread per iteration for fp32 sources (16-byte loads and stores).
+#define UNROLL 4
 
 // fp32 sources: 4 elements per vector step, UNROLL steps per thread in flight
 // (a cast of masters into a slot reads one source and must keep pace with HBM).

@@ -159,13 +159,6 @@ __device__ void feed_issue(const Feed& f, const Launch& l, unsigned data, unsign
     }
 }
 
-__device__ __forceinline__ void widen4(uint2 w, int is_bf16, float v[4]) {
-    v[0] = half_bits_to_float(w.x & 0xffffu, is_bf16);
-    v[1] = half_bits_to_float(w.x >> 16, is_bf16);
-    v[2] = half_bits_to_float(w.y & 0xffffu, is_bf16);
-    v[3] = half_bits_to_float(w.y >> 16, is_bf16);
-}
-
 // acc = the slot's source (first), or acc += it: this thread's units of the sub-chunk.
 __device__ __forceinline__ void add_slot(float acc[UNITS][4], const uint2* slot, int first,
                                          int units, int is_bf16) {

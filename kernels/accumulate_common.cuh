@@ -30,6 +30,14 @@ __device__ __forceinline__ float half_bits_to_float(unsigned int h16, int is_bf1
     return f;
 }
 
+// Four 16-bit values (an 8-byte word) as fp32.
+__device__ __forceinline__ void widen4(uint2 w, int is_bf16, float v[4]) {
+    v[0] = half_bits_to_float(w.x & 0xffffu, is_bf16);
+    v[1] = half_bits_to_float(w.x >> 16, is_bf16);
+    v[2] = half_bits_to_float(w.y & 0xffffu, is_bf16);
+    v[3] = half_bits_to_float(w.y >> 16, is_bf16);
+}
+
 __device__ __forceinline__ float finish(float acc, float scale, int do_scale) {
     return do_scale ? __fmul_rn(acc, scale) : acc;
 }

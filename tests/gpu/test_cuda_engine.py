@@ -63,6 +63,22 @@ def test_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, scale):
                       offs=[0, 3, 16, 1, 64, 5, 128, 9])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("n_src", [1, 2, 3, 5])
+def test_accumulate_long_tiles_bitwise_as_host(cuda_group, cp, dtype, n_src):
+    """Tiles long enough for the unrolled loop of 16-bit sources (eight vector steps of
+    four elements per thread: at least 16,384 elements, here 2 CTAs on large pieces),
+    with ragged ends, aligned and not."""
+    from tidearray.backends.cuda.accumulate import BLOCK, Accumulator, choose_tile
+
+    be = cuda_group.backend.lanes
+    acc = Accumulator(be.accumulator.device, be.accumulator.sm_count, 2)
+    sizes, offs = [3_000_001, 70_000, 16_384, 100_003], [0, 8, 64, 3]
+    assert choose_tile(sum(sizes), acc.max_grid) >= 8 * 4 * BLOCK  # the unrolled loop runs
+    for scale in (1.0, 1 / 3):
+        _check_accumulate(cp, acc, be.streams[-2], dtype, n_src, scale, sizes, offs)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("n_src", [1, 2, 3, 5])
 @pytest.mark.parametrize("ctas", [2, None])
