@@ -28,15 +28,16 @@
 
 // Streaming 8-byte load: every byte is read once, so do not keep it in L1.
 __device__ __forceinline__ uint2 load8(const u16* p) {
-    uint2 r;
-    asm("ld.global.cs.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
-    return r;
+    return __ldcs(reinterpret_cast<const uint2*>(p));
 }
 
+// Streaming store, ordered by the compiler like any store (no asm barrier), so the
+// loads of the next steps may be issued before it.
 __device__ __forceinline__ void store4f(float* out, const float acc[4], float scale,
                                         int do_scale) {
-    store4(out, make_float4(finish(acc[0], scale, do_scale), finish(acc[1], scale, do_scale),
-                            finish(acc[2], scale, do_scale), finish(acc[3], scale, do_scale)));
+    __stcs(reinterpret_cast<float4*>(out),
+           make_float4(finish(acc[0], scale, do_scale), finish(acc[1], scale, do_scale),
+                       finish(acc[2], scale, do_scale), finish(acc[3], scale, do_scale)));
 }
 
 __device__ __forceinline__ void add4h(float acc[4], uint2 q, int is_bf16) {
