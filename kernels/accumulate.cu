@@ -56,13 +56,33 @@ __device__ __forceinline__ void add4h(float acc[4], uint2 q, int is_bf16) {
 // 16-bit sources: 4 elements (8 bytes of each source, 16 of fp32 out) per vector
 // step, so that a warp's stores cover whole 32-byte sectors: with 8 elements per
 // step each store instruction wrote half of every sector it touched, and a CTA
-// streamed at half the rate (52 against 97 GB/s per CTA on H200,
-// tests/gpu/hw_bounds.py).
+// streamed at about half the rate. With two sources (two ranks) each step is summed
+// and stored as soon as its loads land: no accumulators held across steps, half the
+// registers, and a CTA streams as fast as a plain copy (about 97 GB/s per CTA on
+// H200, tests/gpu/hw_bounds.py).
 __device__ void tile_16(const i64* srcs, int n_src, float* out, i64 a, i64 b, int vec,
                         int is_bf16, float scale, int do_scale) {
     i64 vend = vec ? a + ((b - a) / 4) * 4 : a;
     const i64 step = 4 * (i64)blockDim.x;
     i64 i = a + 4 * (i64)threadIdx.x;
+    if (n_src == 2) {  // two ranks: each step summed and stored as its loads land
+        const u16* s0 = reinterpret_cast<const u16*>(srcs[0]);
+        const u16* s1 = reinterpret_cast<const u16*>(srcs[1]);
+        for (; i + (UNROLL_16 - 1) * step < vend; i += UNROLL_16 * step) {
+            uint2 q[UNROLL_16], r[UNROLL_16];
+#pragma unroll
+            for (int u = 0; u < UNROLL_16; ++u) q[u] = load8(s0 + i + u * step);
+#pragma unroll
+            for (int u = 0; u < UNROLL_16; ++u) r[u] = load8(s1 + i + u * step);
+#pragma unroll
+            for (int u = 0; u < UNROLL_16; ++u) {
+                float acc[4];
+                widen4(q[u], is_bf16, acc);
+                add4h(acc, r[u], is_bf16);
+                store4f(out + i + u * step, acc, scale, do_scale);
+            }
+        }
+    }
     for (; i + (UNROLL_16 - 1) * step < vend; i += UNROLL_16 * step) {
         float acc[UNROLL_16][4];
         uint2 q[UNROLL_16], r[UNROLL_16];
