@@ -62,10 +62,11 @@ class Config:
 
     accum_kernel: str = "vector"
     """Which accumulate kernel reduces 16-bit gradients into fp32 (cuda):
-    ``"vector"`` (default: ``kernels/accumulate.cu``, 16-byte streaming loads from
-    every thread) or ``"bulk"`` (opt-in: ``kernels/accumulate_bulk.cu``, Hopper bulk
-    async copies stream the sources through shared memory, up to 192 KB in flight per
-    CTA; sm_90 or newer; measured no faster on 2xH200). Both give the same bits; fp32
+    ``"vector"`` (default: ``kernels/accumulate.cu``, streaming loads from every
+    thread, sixteen in flight, and whole-sector stores) or ``"bulk"`` (opt-in:
+    ``kernels/accumulate_bulk.cu``, Hopper bulk async copies stream the sources through
+    shared memory, up to 192 KB in flight per CTA; sm_90 or newer; slower per CTA on
+    2xH200). Both give the same bits; fp32
     sources and casts always use the vector kernels. Env: ``TIDE_ACCUM_KERNEL``."""
 
     ce_split: int = 1

@@ -1,0 +1,135 @@
+"""This page, from the records here (run from the repo root):
+
+    python docs/benchmarks/run13-bounds/report.py > docs/benchmarks/run13-bounds/README.md
+
+Each record is the JSON that ``mpirun -n 2 python tests/gpu/hw_bounds.py RECORD`` wrote on
+nvidia-h200-x2 (``TIDE_GPU_STEPS=bounds bash tests/gpu/run.sh``).
+"""
+import glob
+import json
+import os
+
+HERE = "docs/benchmarks/run13-bounds"
+#: The record the conclusions quote: the final code's; the others are listed below it.
+MAIN = "hw_bounds-2122283.json"
+NOTES = {
+    "hw_bounds-6472342.json": "the earlier accumulate; the GEMM rows without the pieces",
+    "hw_bounds-9c75d40.json": ("a trial `vector` kernel (eight elements per step, eight "
+                               "steps per thread, each stored as it lands), reverted: "
+                               "slower"),
+    "hw_bounds-2122283.json": "the earlier accumulate, with the pair probe",
+}
+
+
+def load(name):
+    with open(os.path.join(HERE, name)) as f:
+        return json.load(f)
+
+
+def rate_table(rec):
+    grids = list(next(iter(rec["rates"].values())))
+    out = ["| GB/s per CTA, grid (CTAs) | " + " | ".join(grids) + " |",
+           "| --- |" + " ---: |" * len(grids)]
+    for name, per in rec["rates"].items():
+        out.append(f"| {name} | " + " | ".join(f"{per[g] / 1e9:.1f}" for g in grids) + " |")
+    return "\n".join(out)
+
+
+def gemm_table(rec):
+    out = ["| beside | collective alone (us) | single-wave GEMM slowdown (median) | pairs |",
+           "| --- | ---: | ---: | --- |"]
+    for name, r in rec["gemm_beside"].items():
+        pairs = ", ".join(f"{s * 100:+.1f}%" for s in r["slowdowns"])
+        out.append(f"| {name} | {r['collective_us']:.1f} | {r['median'] * 100:+.1f}% | {pairs} |")
+    return "\n".join(out)
+
+
+def best(rec, names):
+    return max(max(rec["rates"][n].values()) for n in names if n in rec["rates"])
+
+
+def main():
+    m = load(MAIN)
+    nbytes, stock, sms = m["accumulate_bytes"], m["stock_sm_time_s"], m["device"]["sms"]
+    acc = best(m, ("accumulate (vector)", "accumulate (bulk)"))
+    probe = best(m, ("copy probe", "pair probe"))
+    need = nbytes / (sms * stock / 12.5)
+    g = m["gemm_beside"]
+
+    def slow(name):
+        return f"{g[name]['median'] * 100:+.1f}%"
+
+    print(f"""# What the hardware leaves for two goals (2xH200)
+
+Machine: `nvidia-h200-x2`. Command: `mpirun -n 2 python tests/gpu/hw_bounds.py RECORD`
+(`TIDE_GPU_STEPS=bounds bash tests/gpu/run.sh`), on an otherwise idle pair of GPUs. This
+page is made from the records here by `python {HERE}/report.py`. The figures quoted
+are from `{MAIN}` (commit `{m['commit']}`).
+
+## RS SM time: the goal is past what one SM can stream
+
+CUPTI's SM time of a kernel is `duration x CTAs / SMs`, so for a kernel that streams
+its bytes it is those bytes over the rate one CTA moves them at, divided by the SMs
+({sms}). The accumulate is TIDE-RS's only kernel; on the Llama-3.1-8B unit it moves
+{nbytes / 1e6:.0f} MB per rank (two bf16 sources read, one fp32 sum written per
+element). `stock`'s SM time there is {stock * 1e6:.1f} us (run 11, CUPTI), so 12.5x
+below it is {stock / 12.5 * 1e6:.1f} us, which needs {need / 1e9:.1f} GB/s per CTA.
+
+- No kernel with this read/write mix streams that fast on one SM: the copy probe and
+  the pair probe (the accumulate's own traffic, 16-byte streaming loads, 1,024
+  threads per CTA) reach at most {probe / 1e9:.1f} GB/s per CTA, an SM time of at
+  least {nbytes / (sms * probe) * 1e6:.1f} us, {stock / (nbytes / (sms * probe)):.1f}x
+  below `stock`'s. Only reading, with nothing written, goes faster (the read probe).
+  So 12.5x is out of reach of any kernel that moves these bytes on the SMs of an H200.
+- The accumulate now streams at the probes' rate: at most {acc / 1e9:.1f} GB/s per CTA,
+  an SM time of at least {nbytes / (sms * acc) * 1e6:.1f} us,
+  {stock / (nbytes / (sms * acc)):.1f}x below `stock`'s. Until `2122283` it ran at about
+  half that rate (the `2122283` record below). It read eight elements of each source per
+  step, and each thread then stored 32 bytes as two 16-byte stores, so every store
+  instruction of a warp wrote half of each 32-byte sector it touched. Now a step is four
+  elements, so each store covers whole sectors; with two sources each step is summed
+  and stored as its loads land. A first trial that kept eight elements per step and
+  only added steps in flight was slower (the `9c75d40` record) and was reverted.
+- The rate per CTA falls as the grid grows past about 33 CTAs, where the HBM is
+  shared. In TIDE-RS the copy engines use the HBM too, so its accumulate runs below
+  these rates, and a smaller grid costs less SM time.
+
+{rate_table(m)}
+
+## A single-wave GEMM beside TIDE-AG: the pieces, not the protocol
+
+The interference suite's single-wave GEMM (1024x2048x16384, bf16) beside bare
+copy-engine copies of the Llama-3.1-8B unit's bytes, with no flags and no protocol,
+and beside TIDE-AG. Alone-then-beside pairs, median of three.
+
+- The push alone, the bound TIDE-AG is timed against: {slow('push (the bound)')}.
+- The own copy alone: {slow('own copy')}. It is a local copy at HBM speed, so the GEMM
+  runs at about half speed while it lasts.
+- Both, each as one copy on its own stream (an out-of-place all-gather with nothing
+  else): {slow('push + own copy')}, within the 10% goal.
+- The same bytes, cut into TIDE-AG's per-parameter pieces (one batch per stream, still
+  no flags): {slow('the same, as pieces')}.
+- TIDE-AG: {slow('TIDE-AG')}; with its large pieces sent as single copies rather than
+  in the batch: {slow('TIDE-AG, large pieces alone')}.
+
+So what slows the GEMM past 10% is the per-parameter pieces. Each parameter's rows sit
+at their own offset in the full parameter, and that is what makes the gather
+zero-copy. Bare copies cut into those pieces slow the GEMM as much as TIDE-AG does
+(more, in this run). The flags, the lanes and the batch are not the cause: sending the
+large pieces as single copies changes nothing. The goal could be met only by copying
+each rank's share as one block into a flat buffer, which is the layout conversion
+TIDE-AG exists to remove.
+
+{gemm_table(m)}
+
+## Every record here
+""")
+    for path in sorted(glob.glob(os.path.join(HERE, "hw_bounds-*.json"))):
+        name = os.path.basename(path)
+        rec = load(name)
+        print(f"### `{name}`: commit `{rec['commit']}`, {NOTES.get(name, '')}\n")
+        print(rate_table(rec) + "\n")
+        print(gemm_table(rec) + "\n")
+
+
+main()
