@@ -93,10 +93,11 @@ run_suites() {  # the same suites as benchall, each under its own timeout, one r
             python3 -m tidearray.bench "$suite" --out "$OUT/b" ${TIDE_BENCH_ARGS:-}
     done
 }
-run_ctas() {  # TIDE-RS and the GEMM beside it at each accumulate grid (TIDE_CTAS)
+run_ctas() {  # TIDE-RS and the GEMM beside it at each accumulate grid (TIDE_CTAS;
+              # TIDE_CTAS_IMPLS: the reduce-scatters timed beside tide's, e.g. tide,stock)
     for c in ${TIDE_CTAS:-66 33 16 8}; do
         step "rs_ctas$c" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 python3 -m tidearray.bench rs \
-            --impls tide --workloads units --out "$OUT/ctas$c"
+            --impls "${TIDE_CTAS_IMPLS:-tide}" --workloads units --out "$OUT/ctas$c"
         step "interference_ctas$c" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 python3 -m \
             tidearray.bench interference --impls tide --out "$OUT/ctas$c"
     done
