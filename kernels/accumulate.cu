@@ -58,8 +58,7 @@ __device__ __forceinline__ void add4h(float acc[4], uint2 q, int is_bf16) {
 // step each store instruction wrote half of every sector it touched, and a CTA
 // streamed at about half the rate. With two sources (two ranks) each step is summed
 // and stored as soon as its loads land: no accumulators held across steps, half the
-// registers, and a CTA streams as fast as a plain copy (about 97 GB/s per CTA on
-// H200, tests/gpu/hw_bounds.py).
+// registers, and a CTA streams about as fast as a plain copy (tests/gpu/hw_bounds.py).
 __device__ void tile_16(const i64* srcs, int n_src, float* out, i64 a, i64 b, int vec,
                         int is_bf16, float scale, int do_scale) {
     i64 vend = vec ? a + ((b - a) / 4) * 4 : a;

@@ -65,8 +65,8 @@ class Config:
     ``"vector"`` (default: ``kernels/accumulate.cu``, streaming loads from every
     thread, sixteen in flight, and whole-sector stores) or ``"bulk"`` (opt-in:
     ``kernels/accumulate_bulk.cu``, Hopper bulk async copies stream the sources through
-    shared memory, up to 192 KB in flight per CTA; sm_90 or newer; slower per CTA on
-    2xH200). Both give the same bits; fp32
+    shared memory, up to 192 KB in flight per CTA; sm_90 or newer; no faster than the
+    earlier vector kernel on 2xH200). Both give the same bits; fp32
     sources and casts always use the vector kernels. Env: ``TIDE_ACCUM_KERNEL``."""
 
     ce_split: int = 1
