@@ -152,6 +152,7 @@ def streaming() -> dict:
     pair = mod.get_function("pair_probe")
     sink = cp.zeros(1, cp.uint32)
     words = out.nbytes // 16
+    sums = src[0].astype(cp.float32) + src[1].astype(cp.float32)
     rows: dict = {}
     for kernel in ("vector", "bulk"):
         acc = Accumulator(dev.dev.id, dev.num_sms, kernel=kernel)
@@ -160,10 +161,8 @@ def streaming() -> dict:
             acc.set_grid(g)
             t = timed(lambda acc=acc: acc.launch(dev.stream, pieces, bfloat16, 0.5))
             per[g] = (2 * src[0].nbytes + out.nbytes) / t / g
-        want = (src[0].astype(cp.float32) + src[1].astype(cp.float32)) * 0.5
-        assert bool(cp.array_equal(out, want)), f"{kernel}: the accumulate summed wrong"
+        assert bool(cp.array_equal(out, sums * 0.5)), f"{kernel}: the accumulate summed wrong"
         rows[f"accumulate ({kernel})"] = per
-    sums = src[0].astype(cp.float32) + src[1].astype(cp.float32)
     for name, fn, args, nbytes in (  # the copy probe overwrites a source: last
             ("read probe", read, (out, np.int64(words), sink), out.nbytes),
             ("pair probe", pair, (src[0], src[1], out, np.int64(src[0].nbytes // 16)),

@@ -49,50 +49,6 @@ def best(rec, names):
     return max(max(rec["rates"][n].values()) for n in names if n in rec["rates"])
 
 
-SWEEP_UNITS = ("llama3.1-8b", "llama3.1-70b")
-GEMM1 = "gemm-1024x2048x16384"
-
-
-def sweep():
-    """Per accumulate grid (the ``ctas<N>.jsonl`` records): TIDE-RS's time and CUPTI SM
-    time, ``stock``'s where it ran beside, and the single-wave GEMM beside each collective."""
-    rows = []
-    for path in glob.glob(os.path.join(HERE, "ctas*.jsonl")):
-        got, commit = {}, "?"
-        for line in open(path):
-            r = json.loads(line)
-            got[(r["suite"], r["impl"], r.get("workload"), r["metric"])] = r["value"]
-            if r.get("metric") == "env":
-                commit = (r.get("extra") or {}).get("commit", "?")[:7]
-        ctas = int(os.path.basename(path)[4:-6])
-        rows.append((ctas, got, commit, os.path.basename(path)))
-    return sorted(rows, reverse=True)
-
-
-def sweep_table(rows):
-    def v(g, *key, scale=1e6, fmt=",.1f"):
-        x = g.get(key)
-        return "-" if x is None else format(x * scale, fmt)
-
-    out = ["| CTAs | unit | TIDE-RS (us) | SM time, CUPTI (us) | stock SM time (us) | "
-           "stock / TIDE-RS SM time | accumulate alone (us) | GEMM beside TIDE-RS | "
-           "GEMM beside TIDE-AG | commit | record |",
-           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
-    for ctas, g, commit, name in rows:
-        for w in SWEEP_UNITS:
-            t, s = g.get(("rs", "tide", w, "sm_time_cupti")), g.get(("rs", "stock", w,
-                                                                      "sm_time_cupti"))
-            ratio = f"{s / t:.1f}x" if s and t else "-"
-            gemm = [v(g, "interference", "tide", "llama3.1-8b", f"{op}:{GEMM1}", scale=100,
-                      fmt="+.1f") + "%" if w == "llama3.1-8b" else "" for op in ("rs", "ag")]
-            out.append(f"| {ctas} | {w} | {v(g, 'rs', 'tide', w, 'time', fmt=',.0f')} | "
-                       f"{v(g, 'rs', 'tide', w, 'sm_time_cupti')} | "
-                       f"{v(g, 'rs', 'stock', w, 'sm_time_cupti')} | {ratio} | "
-                       f"{v(g, 'rs', 'tide', w, 'phase:accumulate', fmt=',.0f')} | "
-                       f"{gemm[0]} | {gemm[1]} | `{commit}` | {name} |")
-    return "\n".join(out)
-
-
 def main():
     m, gm = load(RATES), load(GEMMS)
     nbytes, stock, sms = m["accumulate_bytes"], m["stock_sm_time_s"], m["device"]["sms"]
@@ -179,10 +135,6 @@ conversion TIDE-AG exists to remove.
         print(f"### `{name}`: commit `{rec['commit']}`, {NOTES.get(name, '')}\n")
         print(rate_table(rec) + "\n")
         print(gemm_table(rec) + "\n")
-    rows = sweep()
-    if rows:
-        print("## TIDE-RS at each accumulate grid\n")
-        print(sweep_table(rows) + "\n")
 
 
 main()
