@@ -50,6 +50,7 @@ def test_rejects_unknown_keys():
     ("ag_transport", "double", "ag_transport"),
     ("symmetric_memory", "shm", "symmetric_memory"),
     ("accum_kernel", "tma", "accum_kernel"),
+    ("local_copy_max", -1, "local_copy_max"),
 ])
 def test_rejects_bad_values(key, value, word):
     with pytest.raises(tidearray.TideInvalid, match=word) as info:
@@ -60,7 +61,8 @@ def test_rejects_bad_values(key, value, word):
 @pytest.mark.parametrize("var,value", [("TIDE_LOCAL_SIZE", "two"), ("TIDE_CHUNK_BYTES", "1.5x"),
                                        ("TIDE_DEPTH", "0"), ("TIDE_BACKEND", "tpu"),
                                        ("TIDE_SYMMETRIC_MEMORY", "posix"),
-                                       ("TIDE_ACCUM_KERNEL", "Bulk")])
+                                       ("TIDE_ACCUM_KERNEL", "Bulk"),
+                                       ("TIDE_LOCAL_COPY_MAX", "8MiB")])
 def test_rejects_bad_environment(var, value):
     with pytest.raises(tidearray.TideInvalid):
         Config.make(env={var: value})

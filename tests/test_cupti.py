@@ -40,3 +40,14 @@ def test_roles_name_collective_and_layout_kernels():
     assert roles["accumulate"] == 50.0 and roles["compute"] == 20.0 and roles["copy"] == 400.0
     assert timeline.role({"cat": "kernel", "name": "pack_bf16_f32"}) == "layout"
     assert timeline.role({"cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL"}) == "nccl"
+
+
+def test_same_device_copies_are_told_from_peer_copies():
+    raw = _trace()
+    raw["traceEvents"].append({"ph": "X", "cat": "gpu_memcpy",
+                               "name": "Memcpy DtoD (Device -> Device)", "ts": 3.0, "dur": 70.0,
+                               "args": {"stream": 15, "bytes": 1 << 20}})
+    events = cupti.events_from_chrome(raw)
+    local = cupti.same_device_copies(events)
+    assert [e["dur_us"] for e in local] == [70.0]  # not the PtoP copy, not the kernels
+    assert cupti.sm_seconds(events, 132) == pytest.approx(25e-6 + 20e-6)  # grid unknown

@@ -337,7 +337,7 @@ def _pull(ex: Executor, slot: Region, program: _Program, me: int, peers: list, u
     slot.parts_ready += len(program.own_parts)
     _start(ex, me, after_net)
     for k, part in enumerate(program.own_parts):
-        ex.copy(me, part)
+        ex.copy(me, part, local=True)
         if stamps is not None and k == len(program.own_parts) - 1:
             stamps.send(ex, me, slot, AG_CHANNEL, me, use)  # before the last READY
         for p in peers:
@@ -374,7 +374,7 @@ def _push_per_peer(ex: Executor, slot: Region, program: _Program, me: int, peers
         ex.signal(p, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
     if program.own:  # none when the shards were cast into the slot
         _start(ex, me, after_net)
-        ex.copy(me, program.own)
+        ex.copy(me, program.own, local=True)
 
 
 def _push_single_batch(ex: Executor, slot: Region, program: _Program, me: int, peers: list,

@@ -270,6 +270,17 @@ def split_copies(copies: Sequence[tuple[int, int, int]], parts: int) -> list[lis
     return runs
 
 
+def cut_copies(copies: Sequence[tuple[int, int, int]], max_bytes: int) -> tuple:
+    """Every copy longer than ``max_bytes`` cut into pieces of at most that many
+    bytes, in order (each cut at a multiple of ``max_bytes`` from the copy's start,
+    so a piece keeps its copy's alignment when ``max_bytes`` is a multiple of
+    :data:`SPLIT_ALIGN`); ``max_bytes`` of 0 leaves them whole."""
+    if max_bytes <= 0:
+        return tuple(copies)
+    return tuple((dst + o, src + o, min(max_bytes, n - o)) for dst, src, n in copies
+                 for o in range(0, n, max_bytes) or (0,))
+
+
 class Strided(NamedTuple):
     """``height`` rows of ``width`` bytes: row ``k`` from ``src + k*spitch`` to
     ``dst + k*dpitch`` (one 2D copy; ``height`` 1 is a plain copy)."""

@@ -299,7 +299,7 @@ def issue(group: Group, ex: Executor, call: _RsCall, program: _Program, staging:
         lane = ex.NET
         ex.depend(lane, ex.COMPUTE)
         ex.reduce_scatter_f32(lane, *program.reduce)
-        ex.copy(lane, program.copy_out)
+        ex.copy(lane, program.copy_out, local=True)
     for addr, nbytes in program.zeros:
         ex.zero(lane, addr, nbytes)
 

@@ -21,7 +21,15 @@ writes the figures there as JSON (with the git commit).
    same bytes cut into TIDE-AG's per-parameter pieces (one batch per stream, still
    no flags), TIDE-AG, and TIDE-AG with its large pieces sent as single copies.
    Alone-then-beside pairs, as in ``tidearray.bench.interference``; the slowdown is
-   the median of three.
+   the median of three. Also: the own copy and the pieces with the own copy cut into
+   ``Config.local_copy_max`` pieces, and TIDE-AG with its own copy left whole. Then the
+   GEMM beside the own copy alone (any rank count, each rank its own copy): as one
+   copy, as one copy per parameter in a batch, and cut, as 2D copies and in a batch.
+3. **Which copies need SMs.** Each kind of copy issued while a kernel holds every SM
+   (two 1,024-thread CTAs per SM) for milliseconds: a copy engine's copy runs beside
+   it; a copy the driver runs on the SMs waits until it ends. Kinds: host to device
+   (a copy engine's, the reference), within the device (one copy, a batch, a 2D
+   copy), and to the peer's memory (the push).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import math
 import os
 import sys
 from types import SimpleNamespace
+from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -39,7 +48,7 @@ sys.path.insert(0, os.getcwd())
 import tidearray as ta  # noqa: E402
 from tidearray._all_gather import build_program  # noqa: E402
 from tidearray._dtypes import bfloat16  # noqa: E402
-from tidearray._layout import cached_unit  # noqa: E402
+from tidearray._layout import cached_unit, cut_copies  # noqa: E402
 from tidearray.backends._base import AccumPiece  # noqa: E402
 from tidearray.backends.cuda.accumulate import Accumulator  # noqa: E402
 from tidearray.backends.cuda.copies import Copier  # noqa: E402
@@ -54,6 +63,8 @@ GRIDS = (1, 2, 4, 8, 16, 33, 66, 132)
 N = 96 << 20
 PAIRS = 3
 GEMM = (1024, 2048, 16384)
+#: The default cut of same-device copies (``Config.local_copy_max``).
+LOCAL_MAX = ta.Config().local_copy_max
 
 PROBES = r"""
 extern "C" __global__ void read_probe(const uint4* __restrict__ p, long long n,
@@ -70,6 +81,13 @@ extern "C" __global__ void read_probe(const uint4* __restrict__ p, long long n,
   }
   for (; i < n; i += stride) { uint4 v = __ldcs(p + i); acc ^= v.x ^ v.y ^ v.z ^ v.w; }
   if (acc == 0x9E3779B9u) sink[0] = acc;  // keeps the loads; almost never taken
+}
+
+// Holds every SM: two 1,024-thread CTAs per SM fill its thread slots.
+extern "C" __global__ void __launch_bounds__(1024, 2) hold_sms(float* out, int iters) {
+  float a = threadIdx.x * 1e-3f, b = 1.0001f;
+  for (int i = 0; i < iters; ++i) { a = a * b + 1e-7f; b = b * 0.99999f + 1e-6f; }
+  if (a == 12345.f) out[0] = a;  // keeps the loop; never taken
 }
 
 extern "C" __global__ void copy_probe(const uint4* __restrict__ p, uint4* __restrict__ q,
@@ -217,6 +235,8 @@ def bare_copies() -> dict:
     program = build_program(group, layout, [s.data.ptr for s in shards], slot)
     copier = Copier(None)
     copier.probe(dev.stream.ptr)
+    cut_copier = Copier(None, local_max=LOCAL_MAX)
+    cut_copier.probe(dev.stream.ptr)
     flat = cp.empty(share, cp.uint8)
     own_stream = cp.cuda.Stream(non_blocking=True)
     peer = (me + 1) % L
@@ -237,11 +257,14 @@ def bare_copies() -> dict:
         join.record(own_stream)
         dev.stream.wait_event(join)
 
-    def pieces() -> None:  # the same bytes as TIDE-AG's pieces, batched, with no flags
+    def own_cut() -> None:  # the own copy as TIDE-AG now issues it
+        cut_copier.copy(dev.stream.ptr, program.own, local=True)
+
+    def pieces(own_copier=copier) -> None:  # TIDE-AG's pieces, batched, with no flags
         fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
         fork.record(dev.stream)
         own_stream.wait_event(fork)
-        copier.copy(own_stream.ptr, program.own)
+        own_copier.copy(own_stream.ptr, program.own, local=own_copier is cut_copier)
         copier.copy(dev.stream.ptr, program.pushes[peer])
         join.record(own_stream)
         dev.stream.wait_event(join)
@@ -253,20 +276,27 @@ def bare_copies() -> dict:
 
     lanes_copier = group.backend.lanes.copier
 
-    def tide_large_alone() -> None:
-        lanes_copier.configure(large_min=1 << 20)
-        try:
-            tide()
-        finally:
-            lanes_copier.configure()
+    def tide_configured(**how) -> Callable[[], None]:
+        def run() -> None:
+            lanes_copier.configure(**how)
+            try:
+                tide()
+            finally:
+                lanes_copier.configure()
+        return run
 
     gemm = dev.gemm(*GEMM)
     first_alone = float(np.max(comm.allgather(interference.gemm_loop(ctx, None, 0.0, gemm,
                                                                       1.0)[0])))
     rows = {}
+    cut_mib = f"{LOCAL_MAX >> 20} MiB"
     for name, fn in (("push (the bound)", push), ("own copy", own),
+                     (f"own copy, cut to {cut_mib}", own_cut),
                      ("push + own copy", both), ("the same, as pieces", pieces),
-                     ("TIDE-AG", tide), ("TIDE-AG, large pieces alone", tide_large_alone)):
+                     (f"the same, own pieces cut to {cut_mib}", lambda: pieces(cut_copier)),
+                     ("TIDE-AG", tide),
+                     ("TIDE-AG, own copy whole", tide_configured(local_max=0)),
+                     ("TIDE-AG, large pieces alone", tide_configured(large_min=1 << 20))):
         coll_t = measure(ctx, fn, iters=5, warmup=2, back_to_back=False).median
         pairs = [interference._pair(ctx, fn, coll_t, gemm, first_alone) for _ in range(PAIRS)]
         slows = [p["under_s"] / p["alone_s"] - 1 for p in pairs if p]
@@ -278,6 +308,125 @@ def bare_copies() -> dict:
     dev.sync()
     slot.free()
     tide_slot.free()
+    return rows
+
+
+def own_copy_beside_gemm() -> dict:
+    """The single-wave GEMM beside the own copy alone (no peer), cut four ways."""
+    unit = next(u for u in units() if u.name == "llama3.1-8b")
+    world = max(group.size, 2)
+    me = group.rank % world
+    layout = cached_unit(tuple(unit.shapes), 2, world)
+    shards = [cp.random.standard_normal(spec.byte_range(me)[1] // 2, dtype=cp.float32)
+              .astype(bfloat16) for spec in layout.specs]
+    full = cp.empty(layout.nbytes, cp.uint8)
+    own = tuple((full.data.ptr + off + spec.byte_range(me)[0], sh.data.ptr, sh.nbytes)
+                for spec, off, sh in zip(layout.specs, layout.offsets, shards))
+    share = sum(sh.nbytes for sh in shards)
+    flat = cp.empty(share, cp.uint8)
+    whole, cut = Copier(None), Copier(None, local_max=LOCAL_MAX)
+    for c in (whole, cut):
+        c.probe(dev.stream.ptr)
+    cut_list = cut_copies(own, LOCAL_MAX)
+    stream, rt = dev.stream.ptr, cp.cuda.runtime
+    mib = f"{LOCAL_MAX >> 20} MiB"
+    ways = {
+        "one copy": lambda: rt.memcpyAsync(full.data.ptr, flat.data.ptr, share,
+                                           rt.memcpyDefault, stream),
+        "one copy per parameter, one batch": lambda: whole.copy(stream, own),
+        f"cut to {mib}, as 2D copies": lambda: whole.copy(stream, cut_list),
+        f"cut to {mib}, one batch (shipped)": lambda: cut.copy(stream, own, local=True),
+    }
+    gemm = dev.gemm(*GEMM)
+    first_alone = float(np.max(comm.allgather(interference.gemm_loop(ctx, None, 0.0, gemm,
+                                                                      1.0)[0])))
+    rows = {}
+    for name, fn in ways.items():
+        full.fill(0x7E)
+        fn()
+        dev.sync()
+        if name != "one copy":
+            got = [full[d - full.data.ptr: d - full.data.ptr + n] for d, _, n in own]
+            assert all(bool(cp.array_equal(g, sh.view(cp.uint8))) for g, sh in
+                       zip(got, shards)), f"own copy, {name}: wrong bytes"
+        coll_t = measure(ctx, fn, iters=5, warmup=2, back_to_back=False).median
+        pairs = [interference._pair(ctx, fn, coll_t, gemm, first_alone) for _ in range(PAIRS)]
+        slows = [q["under_s"] / q["alone_s"] - 1 for q in pairs if q]
+        rows[name] = {"collective_us": coll_t * 1e6, "slowdowns": slows,
+                      "median": float(np.median(slows)) if slows else None}
+        say(f"  {name:<34} alone {coll_t * 1e6:7.1f} us; GEMM "
+            + (f"{rows[name]['median'] * 100:+.1f}% (pairs "
+               + ", ".join(f"{x * 100:+.1f}%" for x in slows) + ")" if slows else "n/a"))
+    dev.sync()
+    return rows
+
+
+def copies_beside_held_sms() -> dict:
+    """Each kind of copy alone, then issued while a kernel holds every SM."""
+    me, L = group.local_rank, group.local_size
+    nbytes = 64 << 20
+    src, dst = cp.empty(nbytes, cp.uint8), cp.empty(nbytes, cp.uint8)
+    host = cp.cuda.alloc_pinned_memory(nbytes)
+    rt, stream = cp.cuda.runtime, dev.stream.ptr
+    copier = Copier(None)
+    copier.probe(stream)
+    eighth = nbytes // 8
+    batch = tuple((dst.data.ptr + k * eighth, src.data.ptr + k * eighth, eighth)
+                  for k in range(8))
+    kinds = {
+        "host to device (copy engine)": lambda: rt.memcpyAsync(
+            dst.data.ptr, host.ptr, nbytes, rt.memcpyHostToDevice, stream),
+        "within the device, one copy": lambda: rt.memcpyAsync(
+            dst.data.ptr, src.data.ptr, nbytes, rt.memcpyDefault, stream),
+        "within the device, a batch of 8": lambda: copier.copy(stream, batch, local=True),
+        "within the device, one 2D copy": lambda: rt.memcpy2DAsync(
+            dst.data.ptr, eighth, src.data.ptr, eighth, eighth, 8, rt.memcpyDefault, stream),
+    }
+    slot = None
+    if L >= 2 and group.topology.num_nodes == 1:
+        slot = ta.SlotArena(nbytes, num_slots=1)[0]
+        peer = slot.ptr((me + 1) % L)
+        kinds["to the peer's memory (the push)"] = lambda: rt.memcpyAsync(
+            peer, src.data.ptr, nbytes, rt.memcpyDefault, stream)
+    hold = cp.RawModule(code=PROBES).get_function("hold_sms")
+    sink = cp.zeros(1, cp.float32)
+    side = dev.side_stream
+
+    def held(iters: int) -> tuple:
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(side)
+        hold((2 * dev.num_sms,), (1024,), (sink, np.int32(iters)), stream=side)
+        b.record(side)
+        return a, b
+
+    def us(a, b) -> float:
+        return cp.cuda.get_elapsed_time(a, b) * 1e-3
+
+    held(10)
+    dev.sync()
+    a, b = held(20000)
+    dev.sync()
+    iters = max(20000, int(20000 * 4e-3 / us(a, b)))  # about 4 ms
+    rows = {}
+    for name, fn in kinds.items():
+        alone = timed(fn)
+        comm.Barrier()
+        ha, hb = held(iters)
+        ca, cb = cp.cuda.Event(), cp.cuda.Event()
+        ca.record(dev.stream)
+        fn()
+        cb.record(dev.stream)
+        dev.sync()
+        beside, hold_s = us(ca, cb), us(ha, hb)
+        waited = beside > 0.5 * hold_s
+        rows[name] = {"alone_s": alone, "beside_s": beside, "held_s": hold_s,
+                      "waited": waited}
+        say(f"  {name:<34} alone {alone * 1e6:7.1f} us; issued while every SM is held for "
+            f"{hold_s * 1e3:.1f} ms: {beside * 1e6:7.1f} us "
+            f"({'waited for the SMs' if waited else 'ran beside'})")
+    dev.sync()
+    if slot is not None:
+        slot.free()
     return rows
 
 
@@ -317,6 +466,11 @@ def main() -> None:
                   sm_time_probe_floor_s=probe_floor, stock_sm_time_s=stock)
     say("== single-wave GEMM {}x{}x{} beside bare copies (Llama-3.1-8B unit)".format(*GEMM))
     record["gemm_beside"] = bare_copies()
+    say(f"== the same GEMM beside the own copy alone ({group.size} ranks, each its own)")
+    record["own_copy_beside"] = own_copy_beside_gemm()
+    say("== copies issued while a kernel holds every SM (rank 0's)")
+    record["held_sms"] = copies_beside_held_sms()
+    record["local_copy_max"] = LOCAL_MAX
     if comm.rank == 0 and len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(record, f, indent=1)

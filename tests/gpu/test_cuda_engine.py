@@ -146,6 +146,43 @@ def test_copier_many_small_segments(cuda_group, cp, batched):
     assert bool((dst == want).all())
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_copier_local_copies_cut_and_exact(cuda_group, cp, batched):
+    """Same-device copies go cut to ``local_max`` and never as 2D copies, and land
+    bitwise; equal, evenly spaced copies (a 2D run otherwise) included."""
+    from tidearray.backends.cuda.copies import Copier
+
+    be = cuda_group.backend.lanes
+    cap = 64 << 10
+    c = Copier(None if batched else False, local_max=cap)
+    on, why = c.probe(be.streams[0].ptr)
+    if batched and not on:
+        pytest.skip(f"batched copies unavailable: {why}")
+    rng = np.random.default_rng()
+    src = cp.asarray(rng.integers(0, 256, 4 << 20, dtype=np.uint8))
+    dst = cp.full_like(src, 0xA5)
+    sizes = [int(n) for n in rng.integers(1, 5 * cap, 12)] + [3 * cap + 17]
+    copies, at = [], 0
+    for n in sizes:
+        copies.append((dst.data.ptr + at + 3, src.data.ptr + at + 1, n))
+        at += n + 4099
+    copies += [(dst.data.ptr + at + k * 8192, src.data.ptr + at + k * 8192, 5000)
+               for k in range(4)]
+    copies = tuple(copies)
+    cp.cuda.runtime.deviceSynchronize()
+    c.copy(be.streams[0].ptr, copies, local=True)
+    be.streams[0].synchronize()
+    strided, large, rest, _ = c._local_plans.get(copies, c._local_plan)
+    assert not strided and not large
+    assert max(n for _, _, n in rest) <= cap and sum(n for _, _, n in rest) == sum(
+        n for _, _, n in copies)
+    want = cp.full_like(src, 0xA5)
+    base_d, base_s = dst.data.ptr, src.data.ptr
+    for d, s_, n in copies:
+        want[d - base_d: d - base_d + n] = src[s_ - base_s: s_ - base_s + n]
+    assert bool((dst == want).all())
+
+
 def test_capabilities_reported(cuda_group):
     caps = cuda_group.backend.capabilities
     for name in ("batched copies", "stream memory operations", "symmetric memory", "multicast",

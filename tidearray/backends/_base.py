@@ -72,7 +72,7 @@ class Executor(abc.ABC):
         self.COMPUTE = local_size
         self.NET = local_size + 1
 
-    def copy(self, lane: int, copies: Sequence[Copy]) -> None:
+    def copy(self, lane: int, copies: Sequence[Copy], local: bool = False) -> None:
         """Copy-engine batch: ``(dst, src, nbytes)`` address triples, any peer.
 
         Copies are passed on as given, the same object each call for a cached
@@ -80,9 +80,12 @@ class Executor(abc.ABC):
         arrays can be adjacent without being one allocation, and a device copy
         must not span allocations, so merging neighbours is left to backends
         where it is safe (host memory). Zero-byte copies are allowed.
+        ``local`` says every copy is within this rank's device, which a device
+        backend may issue differently (the cuda backend's driver runs those on
+        the SMs: [Note: same-device copies]).
         """
         if copies:
-            self._copy(lane, copies)
+            self._copy(lane, copies, local)
 
     def multicast_copy(self, lane: int, buffer: SymmetricBuffer,
                        copies: Sequence[tuple[int, int, int]]) -> None:
@@ -154,7 +157,7 @@ class Executor(abc.ABC):
         """Join every lane; the returned completion orders the caller's stream."""
 
     @abc.abstractmethod
-    def _copy(self, lane: int, copies: list[Copy]) -> None: ...
+    def _copy(self, lane: int, copies: list[Copy], local: bool) -> None: ...
 
     @abc.abstractmethod
     def _signal(self, lane: int, addr: int, value: int) -> None: ...

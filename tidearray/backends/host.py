@@ -92,7 +92,7 @@ class HostExecutor(Executor):
         super().__init__(backend.group.local_size)
         self.backend = backend
 
-    def _copy(self, lane: int, copies: list) -> None:
+    def _copy(self, lane: int, copies: list, local: bool) -> None:
         for dst, src, n in coalesce(copies):  # plain host memory: neighbours may merge
             ctypes.memmove(dst, src, n)
 

@@ -9,6 +9,12 @@ Without torch (or a GPU) :func:`trace` returns None and callers say so.
 
 SM time of a kernel is ``duration x min(1, blocks / SMs)``: the fraction of
 the device its grid can occupy, times how long it ran, measured, not modelled.
+
+A copy between two buffers of one device ("Memcpy DtoD") is run by the driver
+on the SMs, not by a copy engine, though CUPTI reports it as a memcpy and gives
+no grid ([Note: same-device copies] in the cuda backend's ``copies``). Those
+copies are counted apart (:func:`same_device_copies`); a peer's copy over NVLink
+is "Memcpy PtoP".
 """
 
 from __future__ import annotations
@@ -83,6 +89,11 @@ def sm_seconds(events: list[dict], num_sms: int) -> float:
             share = min(1.0, (e["blocks"] or num_sms) / num_sms)
             total += e["dur_us"] * 1e-6 * share
     return total
+
+
+def same_device_copies(events: list[dict]) -> list[dict]:
+    """The copies within one device: run on the SMs by the driver, grid unknown."""
+    return [e for e in events if e["cat"] == "gpu_memcpy" and "DtoD" in e["name"]]
 
 
 def by_name(events: list[dict]) -> dict[str, dict]:

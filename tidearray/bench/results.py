@@ -163,6 +163,24 @@ def _train(rec: dict) -> str:
         f"fused AdamW {roles.get('optimizer', 0.0):.1f} ms."])
 
 
+def _ag_kernels(ag_sm: dict, launches: float) -> str:
+    """What CUPTI saw TIDE-AG run on the SMs: kernels, and same-device copies (the
+    driver's, on the SMs) where the record counts them."""
+    if not ag_sm:
+        return "with its SM use not measured"
+    if launches:
+        return f"with {launches:g} kernel launches per call (CUPTI)"
+    local = ag_sm.get("same_device_copies")
+    if local is None:
+        return ("with no kernel launched (CUPTI; this record does not count its own copy, "
+                "a same-device copy, which the driver runs on the SMs)")
+    if not local:
+        return "with no kernel and no same-device copy (CUPTI)"
+    return (f"with no kernel launched, but {local:g} same-device copies per call "
+            f"({ag_sm.get('same_device_copy_us', 0):.0f} us), which the driver runs on the "
+            "SMs (CUPTI)")
+
+
 def _ms(v: Optional[float]) -> str:
     return "-" if v is None else f"{v * 1e6:,.0f}"
 
@@ -205,8 +223,7 @@ def _collectives(res: Results, launches: list[Results]) -> str:
         f"** faster than `stock`, {_x(t('ag', 'symm'), t('ag', 'tide'))} faster than `symm` "
         f"(NCCL's copy-engine all-gather with copy-in/out) and "
         f"{_x(t('ag', 'fsdp2'), t('ag', 'tide'))} faster than FSDP2's own unit, "
-        + ("with no kernel at all (CUPTI)" if ag_sm and not ag_kernels else
-           f"with {ag_kernels:g} kernel launches per call (CUPTI)") + "; "
+        + _ag_kernels(ag_sm, ag_kernels) + "; "
         f"**{res.value('ag', 'tide', U, 'bandwidth'):.0f} GB/s** per rank "
         f"({res.value('ag', 'tide', U, 'bandwidth_back_to_back'):.0f} GB/s issued back "
         f"to back). It runs at {_row(bound)} the speed of its own push timed alone and "

@@ -192,11 +192,16 @@ def _cupti_sm_time(ctx: Any, op: str, impl: Any, data: UnitData, fn: Any, prep: 
         return
     kernels = sorted({e["name"] for e in events if e["cat"] == "kernel"})
     value = cupti.sm_seconds(events, ctx.dev.num_sms) / CUPTI_CALLS
+    local = cupti.same_device_copies(events)
+    local_us = sum(e["dur_us"] for e in local) / CUPTI_CALLS
     ctx.sink.add(op, impl.name, data.unit.name, "sm_time_cupti", value, "s",
                  kernels=[k[:120] for k in kernels[:24]], calls=CUPTI_CALLS,
-                 kernel_launches=sum(e["cat"] == "kernel" for e in events) / CUPTI_CALLS)
+                 kernel_launches=sum(e["cat"] == "kernel" for e in events) / CUPTI_CALLS,
+                 same_device_copies=len(local) / CUPTI_CALLS, same_device_copy_us=local_us)
     ctx.log(f"  {impl.name:<12} SM time (CUPTI) {value * 1e6:8.1f} us per call; kernels: "
-            + (", ".join(k[:40] for k in kernels[:6]) or "none"))
+            + (", ".join(k[:40] for k in kernels[:6]) or "none")
+            + (f"; same-device copies (on the SMs, grid unknown): {len(local) / CUPTI_CALLS:g} "
+               f"per call, {local_us:.1f} us" if local else ""))
 
 
 def sm_time(ctx: Any, impl: Any, op: str, timed: dict) -> tuple[Optional[float], dict]:
@@ -228,7 +233,8 @@ def sm_time(ctx: Any, impl: Any, op: str, timed: dict) -> tuple[Optional[float],
         total += t * frac
         parts.append({"phase": name, "time_s": t, "sm_fraction": frac})
     if impl.name == "tide" and op == "ag":
-        notes.append("TIDE-AG launches no kernels (copy engines only)")
+        notes.append("TIDE-AG launches no kernels; its own copy is a same-device copy, "
+                     "which the driver runs on the SMs (not in this model; see CUPTI)")
     return total, {"parts": parts, "sms": sms, "nccl_channels": ch, "channels_from": ch_src,
                    "notes": notes}
 

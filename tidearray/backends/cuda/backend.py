@@ -6,14 +6,16 @@ How each primitive runs (all asynchronous, on the lane streams of
 * symmetric memory: VMM where descriptors pass (``vmm``), else legacy
   CUDA IPC (``memory``, which says when), mapped once per allocation;
 * ``copy``: each call's batch planned once into 2D copies and one
-  ``cuMemcpyBatchAsync``, copy engines only (``copies``);
+  ``cuMemcpyBatchAsync`` (``copies``): copy engines between devices; the driver
+  runs a copy within one device on the SMs ([Note: same-device copies]);
 * ``signal`` / ``wait``: ``cuStreamWriteValue32`` / ``cuStreamWaitValue32``,
   zero SMs (``flags``);
 * ``accumulate``: one short kernel per call (``kernels/accumulate.cu``,
   ``accumulate``);
 * ``exchange`` / ``reduce_scatter_f32``: NCCL through nccl4py (``nccl``).
 
-So TIDE-AG uses no SM at all, and TIDE-RS only the accumulate's CTAs.
+So TIDE-AG launches no kernel (only its own copy, within the device, runs on the
+SMs), and TIDE-RS only the accumulate's CTAs.
 Multicast (NVSwitch) slots are opt-in (``multicast``): :func:`multicast_capability`
 refuses them while ``NCCL_NVLS_ENABLE=0`` or without device support.
 """
@@ -202,7 +204,8 @@ class CudaBackend(Backend):
             # and split - 1 more per peer lane for pushes split over copy engines.
             streams=[stream() for _ in range(local_size + 2)],
             aux_streams=[[stream() for _ in range(split - 1)] for _ in range(local_size)],
-            push_split=split, copier=Copier(config.batch_copies), flags=FlagOps(self.device),
+            push_split=split, copier=Copier(config.batch_copies, config.local_copy_max),
+            flags=FlagOps(self.device),
             accumulator=Accumulator(self.device, sms, config.accum_ctas,
                                     kernel=config.accum_kernel),
             watchdog=Watchdog(self.device, config.timeout), retire=self.retire)

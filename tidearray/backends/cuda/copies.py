@@ -27,7 +27,21 @@ cached program; the tuple is held so its id is not reused):
   ``tide_ag`` against ``tide_ag_singles``). ``configure(large_min=...)`` sends
   large copies alone.
 
-All of these are copy-engine copies: no SM is used.
+[Note: same-device copies]
+A copy between two buffers of one device is not done by a copy engine: the
+driver runs it on the SMs. On H200 (driver 580) every same-device copy, one
+``cudaMemcpyAsync``, a batch or a 2D copy, waited for a kernel that held every
+SM and ran as soon as it ended, while a host-to-device copy ran beside it; CUPTI
+still reports such copies as memcpys ("Memcpy DtoD"), not as kernels
+(``tests/gpu/hw_bounds.py``). How they are cut decides what they cost a
+concurrent kernel: a single-wave GEMM beside the Llama-3.1-8B unit's own copy
+(218 MB) ran about 2.05x as long as alone with it as one copy, 1.18x with its
+per-parameter pieces in one batch, 1.04x with them cut into 8 MiB pieces, and
+2.5-3.7x beside 2D copies of the same bytes (single GPU, development runs). So
+copies a caller marks ``local`` are cut into pieces of at most
+``Config.local_copy_max`` bytes and go in the batch, never as 2D copies.
+
+Copies to and from a peer's memory go over NVLink by copy engine.
 """
 
 from __future__ import annotations
@@ -40,7 +54,7 @@ import numpy as np
 
 from ..._cache import IdentityCache
 from ..._errors import TideBackendError
-from ..._layout import Strided, split_copies, strided_runs
+from ..._layout import Strided, cut_copies, split_copies, strided_runs
 from . import driver
 
 #: Runs of at least this many equal, evenly spaced copies become one 2D copy:
@@ -93,16 +107,20 @@ class Copier:
     Args:
         want_batch: ``Config.batch_copies``: False forces one memcpy per copy,
             None means batch where the probe succeeds.
+        local_max: ``Config.local_copy_max``: same-device copies are cut into
+            pieces of at most this many bytes (0: left whole).
 
     Attributes:
         large_min: copies of at least this many bytes go alone (None: none do).
         strided: merge strided runs within one allocation into 2D copies.
         min_rows: the fewest rows a run needs to become a 2D copy.
+        local_max: the largest piece of a same-device copy (0: none cut).
         (All through :meth:`configure`, which drops the plans made so far.)
     """
 
-    def __init__(self, want_batch: Optional[bool]) -> None:
+    def __init__(self, want_batch: Optional[bool], local_max: int = 0) -> None:
         self.want_batch = want_batch
+        self.local_max = self._local_max_made = local_max
         self.batched = False
         self.reason = "not probed yet"
         self.large_min: Optional[int] = None
@@ -113,6 +131,7 @@ class Copier:
         self._cudart: Any = None
         self._range: Any = None
         self._plans = IdentityCache()
+        self._local_plans = IdentityCache()
         self._runs = IdentityCache()
 
     def probe(self, stream_ptr: int) -> tuple[bool, str]:
@@ -169,10 +188,13 @@ class Copier:
             raise RuntimeError("a trial batch copied the wrong bytes")
 
     def configure(self, large_min: Optional[int] = None, strided: bool = True,
-                  min_rows: int = STRIDED_MIN_ROWS) -> None:
-        """Set how batches are planned ([Note: copy plans]); later calls re-plan."""
+                  min_rows: int = STRIDED_MIN_ROWS, local_max: Optional[int] = None) -> None:
+        """Set how batches are planned ([Note: copy plans]); later calls re-plan.
+        ``local_max`` None restores the value the copier was made with."""
         self.large_min, self.strided, self.min_rows = large_min, strided, min_rows
+        self.local_max = self._local_max_made if local_max is None else local_max
         self._plans = IdentityCache()
+        self._local_plans = IdentityCache()
 
     def runs(self, copies: Sequence[tuple[int, int, int]], parts: int,
              min_bytes: int = 0) -> tuple:
@@ -187,15 +209,21 @@ class Copier:
             by_parts[parts] = tuple(tuple(run) for run in split_copies(copies, parts) if run)
         return by_parts[parts]
 
-    def copy(self, stream_ptr: int, copies: Sequence[tuple[int, int, int]]) -> None:
+    def copy(self, stream_ptr: int, copies: Sequence[tuple[int, int, int]],
+             local: bool = False) -> None:
         """Issue ``copies`` on the stream: 2D runs, then the rest in one batch
-        (large copies alone where ``configure`` asks; [Note: copy plans])."""
+        (large copies alone where ``configure`` asks; [Note: copy plans]).
+        ``local``: every copy is within this device, so it is cut and batched
+        instead ([Note: same-device copies])."""
         if not copies:
             return
         import cupy
 
         rt = cupy.cuda.runtime
-        strided, large, rest, packed = self._plans.get(copies, self._plan)
+        if local:
+            strided, large, rest, packed = self._local_plans.get(copies, self._local_plan)
+        else:
+            strided, large, rest, packed = self._plans.get(copies, self._plan)
         for r in strided:
             rt.memcpy2DAsync(r.dst, r.dpitch, r.src, r.spitch, r.width, r.height,
                              rt.memcpyDefault, stream_ptr)
@@ -220,8 +248,15 @@ class Copier:
             for k in range(r.height):
                 c = (r.dst + k * r.dpitch, r.src + k * r.spitch, r.width)
                 (large if alone is not None and r.width >= alone else rest).append(c)
+        return self._packed(tuple(strided), tuple(large), tuple(rest))
+
+    def _local_plan(self, copies: Sequence[tuple[int, int, int]]) -> tuple:
+        """Same-device copies: cut, all in the batch ([Note: same-device copies])."""
+        return self._packed((), (), tuple(c for c in cut_copies(copies, self.local_max) if c[2]))
+
+    def _packed(self, strided: tuple, large: tuple, rest: tuple) -> tuple:
         packed = _DriverBatch.pack(rest) if rest and self._driver is not None else None
-        return tuple(strided), tuple(large), tuple(rest), packed
+        return strided, large, rest, packed
 
     def _one_allocation(self, r: Strided) -> bool:
         """Whether every row's source, and every row's destination, lies in one

@@ -173,9 +173,12 @@ class CudaExecutor(Executor):
             self._started.add(lane)
         return s
 
-    def _copy(self, lane: int, copies: Any) -> None:
+    def _copy(self, lane: int, copies: Any, local: bool) -> None:
         """One batch; to a peer, split over ``push_split`` streams ([Note: split pushes])."""
         s = self._lane(lane)
+        if local:
+            self.lanes.copier.copy(s.ptr, copies, local=True)
+            return
         to_peer = lane < self.COMPUTE and lane != self.lanes.local_rank
         runs = self.lanes.copier.runs(copies, self.lanes.push_split if to_peer else 1,
                                       SPLIT_MIN_BYTES)
