@@ -431,7 +431,8 @@ def copies_beside_held_sms() -> dict:
 
 
 def main() -> None:
-    record = {"commit": git_commit(), "device": dev.describe(), "ranks": comm.size}
+    record = {"commit": git_commit(), "device": dev.describe(), "ranks": comm.size,
+              "gpus": cp.cuda.runtime.getDeviceCount()}
     say(f"tests/gpu/hw_bounds.py at {record['commit']}, {comm.size} ranks, "
         f"{record['device']['device']}, {dev.num_sms} SMs")
     say("== per-CTA streaming rate, GB/s per CTA (each GPU alone; rank 0's)")

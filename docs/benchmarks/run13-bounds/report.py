@@ -2,8 +2,9 @@
 
     python docs/benchmarks/run13-bounds/report.py > docs/benchmarks/run13-bounds/README.md
 
-Each record is the JSON that ``mpirun -n 2 python tests/gpu/hw_bounds.py RECORD`` wrote on
-nvidia-h200-x2 (``TIDE_GPU_STEPS=bounds bash tests/gpu/run.sh``).
+Each record is the JSON that ``mpirun -n N python tests/gpu/hw_bounds.py RECORD`` wrote
+(``TIDE_GPU_STEPS=bounds bash tests/gpu/run.sh``): on nvidia-h200-x2 with N = 2, unless
+the record's ``gpus`` is 1 (nvidia-h200, one GPU, N = 1: development figures).
 """
 import glob
 import json
@@ -13,6 +14,8 @@ HERE = "docs/benchmarks/run13-bounds"
 #: The records the conclusions quote (rates, GEMMs); every record is listed below them.
 RATES = "hw_bounds-6472342.json"
 GEMMS = "hw_bounds-9c75d40.json"
+#: The record the same-device copies section quotes.
+HELD = None
 NOTES = {
     "hw_bounds-6472342.json": "the earlier accumulate; the GEMM rows without the pieces",
     "hw_bounds-9c75d40.json": ("a trial `vector` kernel (eight elements per step, eight "
@@ -45,8 +48,78 @@ def gemm_table(rec):
     return "\n".join(out)
 
 
+def own_table(rec):
+    out = ["| the own copy (Llama-3.1-8B unit, one rank's share) | copy alone (us) | "
+           "single-wave GEMM slowdown (median) | pairs |", "| --- | ---: | ---: | --- |"]
+    for name, r in rec["own_copy_beside"].items():
+        pairs = ", ".join(f"{s * 100:+.1f}%" for s in r["slowdowns"])
+        out.append(f"| {name} | {r['collective_us']:.1f} | {r['median'] * 100:+.1f}% | {pairs} |")
+    return "\n".join(out)
+
+
+def held_table(rec):
+    out = ["| copy (64 MiB) | alone (us) | issued while every SM is held (us) | "
+           "SMs held for (ms) | |", "| --- | ---: | ---: | ---: | --- |"]
+    for name, r in rec["held_sms"].items():
+        out.append(f"| {name} | {r['alone_s'] * 1e6:.1f} | {r['beside_s'] * 1e6:.1f} | "
+                   f"{r['held_s'] * 1e3:.1f} | "
+                   f"{'waited for the SMs' if r['waited'] else 'ran beside'} |")
+    return "\n".join(out)
+
+
+def machine(rec):
+    return ("nvidia-h200 (one GPU): development figures" if rec.get("gpus") == 1
+            else "nvidia-h200-x2")
+
+
 def best(rec, names):
     return max(max(rec["rates"][n].values()) for n in names if n in rec["rates"])
+
+
+def held_section():
+    """Which copies need the SMs, and the own copy's cut, from ``HELD``."""
+    if HELD is None:
+        return ""
+    h = load(HELD)
+    held, own = h["held_sms"], h["own_copy_beside"]
+    ce = next(n for n in held if "host" in n)
+    local = [n for n in held if n.startswith("within")]
+    peer = [n for n in held if "peer" in n]
+    mib = f"{h['local_copy_max'] >> 20} MiB"
+
+    def slow(name):
+        return f"{own[name]['median'] * 100:+.1f}%"
+
+    def t(name):
+        return f"{own[name]['collective_us']:.0f} us"
+    names = list(own)
+    one, per_param, twod, shipped = names[0], names[1], names[2], names[3]
+    peer_line = (f"A push into the peer's memory {'waited' if held[peer[0]]['waited'] else 'ran beside'}"
+                 f" ({held[peer[0]]['beside_s'] * 1e6:.0f} us against {held[peer[0]]['alone_s'] * 1e6:.0f}"
+                 " us alone): copies between GPUs are the copy engines'." if peer else
+                 "This record has no peer, so the push was not measured here.")
+    return f"""## The own copy runs on the SMs
+
+From `{HELD}` (commit `{h['commit']}`, {machine(h)}). Each copy was issued while a
+kernel held every SM (two 1,024-thread CTAs per SM, for milliseconds). A copy-engine
+copy, host to device, ran beside it ({held[ce]['beside_s'] * 1e6:.0f} us against
+{held[ce]['alone_s'] * 1e6:.0f} us alone). Every copy within the device, whether one copy,
+a batch or a 2D copy, waited until the kernel ended. So the driver runs a copy between
+two buffers of one GPU on the SMs, and CUPTI reports it as a memcpy (`Memcpy DtoD`), not
+a kernel. {peer_line}
+
+{held_table(h)}
+
+TIDE-AG's own copy (its shards into its own slot) is such a copy. Beside it alone, with
+no peer and no protocol, the single-wave GEMM slowed by {slow(one)} with it as one copy,
+{slow(per_param)} as one copy per parameter in one batch (what TIDE-AG issued),
+{slow(twod)} with each parameter cut to {mib} and the cuts sent as 2D copies, and
+{slow(shipped)} with the cuts in one batch, which took {t(shipped)} against {t(one)} as
+one copy, a small part of the push's time. Same-device copies are now cut that way
+(`local_copy_max`, {mib} by default) and never sent as 2D copies.
+
+{own_table(h)}
+"""
 
 
 def main():
@@ -119,22 +192,26 @@ and beside TIDE-AG. Alone-then-beside pairs, median of three.
 - TIDE-AG: {slow('TIDE-AG')}; with its large pieces sent as single copies rather than
   in the batch: {slow('TIDE-AG, large pieces alone')}.
 
-So what slows the GEMM past 10% is the per-parameter pieces, not the flags, the lanes or
-the batch. Each parameter's rows go to their own offset in the full parameter, and that
-is what makes the gather zero-copy. The one-copy variant that stays within 10% needs
-each rank's share contiguous at its destination: a flat buffer and a copy-out, the
-conversion TIDE-AG exists to remove.
+So what slows the GEMM past 10% is in the pieces, not in the flags, the lanes or the
+batch. Why the pieces cost more is the next section: the own copy is not a copy-engine
+copy at all.
 
 {gemm_table(gm)}
 
+{held_section()}
 ## Every record here
 """)
     for path in sorted(glob.glob(os.path.join(HERE, "hw_bounds-*.json"))):
         name = os.path.basename(path)
         rec = load(name)
-        print(f"### `{name}`: commit `{rec['commit']}`, {NOTES.get(name, '')}\n")
-        print(rate_table(rec) + "\n")
-        print(gemm_table(rec) + "\n")
+        print(f"### `{name}`: commit `{rec['commit']}`, {machine(rec)}; "
+              f"{NOTES.get(name, '')}\n")
+        if rec.get("ranks", 2) >= 2:  # one rank's rates and floors count one rank's bytes
+            print(rate_table(rec) + "\n")
+        for key, table in (("gemm_beside", gemm_table), ("own_copy_beside", own_table),
+                           ("held_sms", held_table)):
+            if rec.get(key):
+                print(table(rec) + "\n")
 
 
 main()
