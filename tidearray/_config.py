@@ -94,8 +94,8 @@ class Config:
     most this many bytes (8 MiB), all in one batch, never merged into 2D copies.
     The driver runs such copies on the SMs, and large ones slow a concurrent
     kernel most: on H200 a single-wave GEMM beside the Llama-3.1-8B unit's own
-    copy ran 2.05x its time alone with one copy, 1.18x with one copy per
-    parameter and 1.04x with 8 MiB pieces ([Note: same-device copies] in the
+    copy ran 2.04x its time alone with one copy, 1.18x with one copy per
+    parameter and 1.06x with 8 MiB pieces ([Note: same-device copies] in the
     cuda backend's ``copies``). 0 leaves them whole. Env: ``TIDE_LOCAL_COPY_MAX``."""
 
     debug: bool = False

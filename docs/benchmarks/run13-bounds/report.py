@@ -15,13 +15,15 @@ HERE = "docs/benchmarks/run13-bounds"
 RATES = "hw_bounds-6472342.json"
 GEMMS = "hw_bounds-9c75d40.json"
 #: The record the same-device copies section quotes.
-HELD = None
+HELD = "hw_bounds-8aaf12d-h200x1.json"
 NOTES = {
     "hw_bounds-6472342.json": "the earlier accumulate; the GEMM rows without the pieces",
     "hw_bounds-9c75d40.json": ("a trial `vector` kernel (eight elements per step, eight "
                                "steps per thread, each stored as it lands), reverted: "
                                "slower"),
     "hw_bounds-2122283.json": "the earlier accumulate, with the pair probe",
+    "hw_bounds-8aaf12d-h200x1.json": ("one rank on one GPU: no peer, so no push and no "
+                                      "gather; the same-device copies"),
 }
 
 
@@ -136,10 +138,12 @@ def main():
     def floor(rate):
         return nbytes / (sms * rate)
 
-    print(f"""# What the hardware leaves for two goals (2xH200)
+    print(f"""# What the hardware leaves for two goals (2xH200), and copies within a GPU
 
 Machine: `nvidia-h200-x2`. Command: `mpirun -n 2 python tests/gpu/hw_bounds.py RECORD`
-(`TIDE_GPU_STEPS=bounds bash tests/gpu/run.sh`), on an otherwise idle pair of GPUs. This
+(`TIDE_GPU_STEPS=bounds bash tests/gpu/run.sh`), on an otherwise idle pair of GPUs; the
+section on the own copy quotes a development record from `nvidia-h200` (one GPU, `mpirun
+-n 1`), as each record below says. This
 page is made from the records here by `python {HERE}/report.py`. The streaming rates
 quoted are from `{RATES}` (commit `{m['commit']}`), the GEMM figures from `{GEMMS}`
 (commit `{gm['commit']}`, whose all-gather code is the shipped one).
