@@ -382,7 +382,8 @@ def _push_single_batch(ex: Executor, slot: Region, program: _Program, me: int, p
     """Own copy and every peer's push in one copy-engine batch, once all peers granted.
 
     One batch lets the driver spread the copies over the copy engines itself
-    (NCCL's CE all-gather does the same).
+    (NCCL's CE all-gather does the same). The own copies go whole in it, not cut
+    as the other transports' same-device copies are ([Note: same-device copies]).
     """
     _start(ex, me, after_net)
     for p in peers:

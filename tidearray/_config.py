@@ -89,9 +89,10 @@ class Config:
     Env: ``TIDE_BATCH_COPIES``."""
 
     local_copy_max: int = 8 << 20
-    """Same-device copies (the all-gather's own copy, the pull transport's
-    staging, the copy out of NCCL's buffer across nodes) are cut into pieces of at
-    most this many bytes (8 MiB), all in one batch, never merged into 2D copies.
+    """Same-device copies (the all-gather's own copy, except in ``push-batch``;
+    the pull transport's staging; the copy out of NCCL's buffer across nodes) are
+    cut into pieces of at most this many bytes (8 MiB), all in one batch, never
+    merged into 2D copies.
     The driver runs such copies on the SMs, and large ones slow a concurrent
     kernel most: on H200 a single-wave GEMM beside the Llama-3.1-8B unit's own
     copy ran 2.04x its time alone with one copy, 1.18x with one copy per
