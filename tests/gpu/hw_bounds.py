@@ -29,7 +29,7 @@ writes the figures there as JSON (with the git commit).
    (two 1,024-thread CTAs per SM) for milliseconds: a copy engine's copy runs beside
    it; a copy the driver runs on the SMs waits until it ends. Kinds: host to device
    (a copy engine's, the reference), within the device (one copy, a batch, a 2D
-   copy), and to the peer's memory (the push).
+   copy), to the peer's memory (the push), and the protocol's flag write and wait.
 """
 
 from __future__ import annotations
@@ -382,6 +382,10 @@ def copies_beside_held_sms() -> dict:
         "within the device, one 2D copy": lambda: rt.memcpy2DAsync(
             dst.data.ptr, eighth, src.data.ptr, eighth, eighth, 8, rt.memcpyDefault, stream),
     }
+    flags, word = group.backend.lanes.flags, cp.zeros(1, cp.int32)
+    if flags.memops:  # the protocol's flags: stream memory operations, where the driver has them
+        kinds["a flag write, then a wait on it"] = lambda: (
+            flags.signal(dev.stream, word.data.ptr, 1), flags.wait(dev.stream, word.data.ptr, 1))
     slot = None
     if L >= 2 and group.topology.num_nodes == 1:
         slot = ta.SlotArena(nbytes, num_slots=1)[0]

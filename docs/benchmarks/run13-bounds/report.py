@@ -85,7 +85,6 @@ def held_section():
     h = load(HELD)
     held, own = h["held_sms"], h["own_copy_beside"]
     ce = next(n for n in held if "host" in n)
-    local = [n for n in held if n.startswith("within")]
     peer = [n for n in held if "peer" in n]
     mib = f"{h['local_copy_max'] >> 20} MiB"
 
@@ -100,6 +99,11 @@ def held_section():
                  f" ({held[peer[0]]['beside_s'] * 1e6:.0f} us against {held[peer[0]]['alone_s'] * 1e6:.0f}"
                  " us alone): copies between GPUs are the copy engines'." if peer else
                  "This record has no peer, so the push was not measured here.")
+    flag = next((n for n in held if "flag" in n), None)
+    if flag:
+        peer_line += (" The protocol's flag write and wait (stream memory operations) "
+                      + ("waited for the SMs too." if held[flag]["waited"] else
+                         "ran beside the kernel: the handshake needs no SM."))
     return f"""## The own copy runs on the SMs
 
 From `{HELD}` (commit `{h['commit']}`, {machine(h)}). Each copy was issued while a
