@@ -95,7 +95,7 @@ class Config:
     merged into 2D copies.
     The driver runs such copies on the SMs, and large ones slow a concurrent
     kernel most: on H200 a single-wave GEMM beside the Llama-3.1-8B unit's own
-    copy ran 2.04x its time alone with one copy, 1.18x with one copy per
+    copy ran 2.03x its time alone with one copy, 1.20x with one copy per
     parameter and 1.06x with 8 MiB pieces ([Note: same-device copies] in the
     cuda backend's ``copies``). 0 leaves them whole. Env: ``TIDE_LOCAL_COPY_MAX``."""
 

@@ -15,7 +15,7 @@ HERE = "docs/benchmarks/run13-bounds"
 RATES = "hw_bounds-6472342.json"
 GEMMS = "hw_bounds-9c75d40.json"
 #: The record the same-device copies section quotes.
-HELD = "hw_bounds-8aaf12d-h200x1.json"
+HELD = "hw_bounds-afe172a-h200x1.json"
 NOTES = {
     "hw_bounds-6472342.json": "the earlier accumulate; the GEMM rows without the pieces",
     "hw_bounds-9c75d40.json": ("a trial `vector` kernel (eight elements per step, eight "
@@ -24,6 +24,8 @@ NOTES = {
     "hw_bounds-2122283.json": "the earlier accumulate, with the pair probe",
     "hw_bounds-8aaf12d-h200x1.json": ("one rank on one GPU: no peer, so no push and no "
                                       "gather; the same-device copies"),
+    "hw_bounds-afe172a-h200x1.json": ("one rank on one GPU, as the record above, with the "
+                                      "protocol's flags beside the held SMs"),
 }
 
 

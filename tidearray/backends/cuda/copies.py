@@ -35,8 +35,8 @@ SM and ran as soon as it ended, while a host-to-device copy ran beside it; CUPTI
 still reports such copies as memcpys ("Memcpy DtoD"), not as kernels
 (``tests/gpu/hw_bounds.py``). How they are cut decides what they cost a
 concurrent kernel: a single-wave GEMM beside the Llama-3.1-8B unit's own copy
-(218 MB) ran 2.04x as long as alone with it as one copy, 1.18x with its
-per-parameter pieces in one batch, 1.66x with them cut into 8 MiB pieces sent
+(218 MB) ran 2.03x as long as alone with it as one copy, 1.20x with its
+per-parameter pieces in one batch, 1.67x with them cut into 8 MiB pieces sent
 as 2D copies, and 1.06x with those pieces in one batch (one H200; the
 development record in docs/benchmarks/run13-bounds). So copies a caller marks
 ``local`` are cut into pieces of at most ``Config.local_copy_max`` bytes and go
