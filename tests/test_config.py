@@ -51,6 +51,7 @@ def test_rejects_unknown_keys():
     ("symmetric_memory", "shm", "symmetric_memory"),
     ("accum_kernel", "tma", "accum_kernel"),
     ("local_copy_max", -1, "local_copy_max"),
+    ("local_copy_max", 1000, "local_copy_max"),
 ])
 def test_rejects_bad_values(key, value, word):
     with pytest.raises(tidearray.TideInvalid, match=word) as info:
@@ -95,3 +96,14 @@ def test_every_field_has_its_environment_variable():
     assert all(var.startswith("TIDE_") for var in table)
     assert table["TIDE_CHUNK_BYTES"][0] == "chunk_nbytes" and table["TIDE_DEBUG"][1]("on")
     assert table["TIDE_ACCUM_CTAS"][1]("16") == 16 and table["TIDE_TIMEOUT"][1]("2.5") == 2.5
+
+
+def test_local_copy_max_default_environment_and_keyword():
+    from tidearray._config import LOCAL_COPY_ALIGN
+    from tidearray._layout import SPLIT_ALIGN
+
+    assert LOCAL_COPY_ALIGN == SPLIT_ALIGN  # cut pieces keep the split cuts' alignment
+    assert Config.make(env={}).local_copy_max == 8 << 20
+    assert Config.make(env={"TIDE_LOCAL_COPY_MAX": "0"}).local_copy_max == 0
+    assert Config.make(env={"TIDE_LOCAL_COPY_MAX": "0"}, local_copy_max=1 << 20).local_copy_max \
+        == 1 << 20

@@ -1,8 +1,9 @@
 """TIDE-AG: each rank's shard lands straight in every peer's parameter storage.
 
 Every byte goes to the offset it occupies in the full parameter inside a
-slot; no flat buffer, no copy-out. Node-local transports, all by copy engine
-(``Config.ag_transport``): ``push`` (default: one batch per peer, straight
+slot; no flat buffer, no copy-out. Node-local transports, by copy engine
+between GPUs (``Config.ag_transport``; the own copy, within the GPU, the driver
+runs on the SMs: [Note: same-device copies]): ``push`` (default: one batch per peer, straight
 from the shards into its slot), ``pull`` (each rank stages its shards in its
 own slot, in parts, and peers read them from there), ``push-batch`` (all
 pushes in one batch), and
@@ -383,7 +384,8 @@ def _push_single_batch(ex: Executor, slot: Region, program: _Program, me: int, p
 
     One batch lets the driver spread the copies over the copy engines itself
     (NCCL's CE all-gather does the same). The own copies go whole in it, not cut
-    as the other transports' same-device copies are ([Note: same-device copies]).
+    as the other transports' same-device copies are, and runs of equal ones may
+    become 2D copies ([Note: same-device copies]).
     """
     _start(ex, me, after_net)
     for p in peers:

@@ -12,6 +12,9 @@ from ._errors import TideInvalid
 AG_TRANSPORTS = ("pull", "push", "push-batch")
 SYMMETRIC_MEMORY = ("auto", "vmm", "ipc")
 ACCUM_KERNELS = ("vector", "bulk")
+#: ``local_copy_max`` is a multiple of this (``_layout.SPLIT_ALIGN``): pieces keep their
+#: copy's vector alignment, and a tiny value cannot make millions of pieces.
+LOCAL_COPY_ALIGN = 1 << 16
 
 
 def _flag(text: str) -> bool:
@@ -47,7 +50,8 @@ class Config:
     ``NCCL_NVLS_ENABLE=0`` or without device support. Env: ``TIDE_MULTICAST``."""
 
     ag_transport: str = "push"
-    """How the node-local all-gather moves data, all by copy engine:
+    """How the node-local all-gather moves data, by copy engine between GPUs (the
+    own copy, within the GPU, the driver runs on the SMs: ``local_copy_max``):
     ``"push"`` (default: one batch per peer, each on its own lane, straight from
     the shards into the peer's slot, and our own copy beside them; on 2xH200 a
     copy-engine write into a peer's VMM memory ran at 388 GB/s), ``"pull"``
@@ -90,14 +94,16 @@ class Config:
 
     local_copy_max: int = 8 << 20
     """Same-device copies (the all-gather's own copy, except in ``push-batch``;
-    the pull transport's staging; the copy out of NCCL's buffer across nodes) are
-    cut into pieces of at most this many bytes (8 MiB), all in one batch, never
+    the pull transport's staging; the reduce-scatter's copy from NCCL's buffer
+    into ``out`` across nodes) are cut into pieces of at most this many bytes
+    (8 MiB), in the call's batch (one memcpy each where batches are off), never
     merged into 2D copies.
     The driver runs such copies on the SMs, and large ones slow a concurrent
     kernel most: on H200 a single-wave GEMM beside the Llama-3.1-8B unit's own
     copy ran 2.03x its time alone with one copy, 1.20x with one copy per
     parameter and 1.06x with 8 MiB pieces ([Note: same-device copies] in the
-    cuda backend's ``copies``). 0 leaves them whole. Env: ``TIDE_LOCAL_COPY_MAX``."""
+    cuda backend's ``copies``). 0 leaves them whole; otherwise a multiple of 64 KiB.
+    Env: ``TIDE_LOCAL_COPY_MAX``."""
 
     debug: bool = False
     """Debug mode (False): re-check every plan call across ranks (one small
@@ -149,8 +155,9 @@ class Config:
             raise TideInvalid(f"ce_split: expected >= 1, got {self.ce_split}")
         if self.accum_ctas is not None and self.accum_ctas < 1:
             raise TideInvalid(f"accum_ctas: expected >= 1, got {self.accum_ctas}")
-        if self.local_copy_max < 0:
-            raise TideInvalid(f"local_copy_max: expected >= 0 bytes, got {self.local_copy_max}")
+        if self.local_copy_max < 0 or self.local_copy_max % LOCAL_COPY_ALIGN:
+            raise TideInvalid(f"local_copy_max: expected 0 or a positive multiple of "
+                              f"{LOCAL_COPY_ALIGN} bytes, got {self.local_copy_max}")
         if self.chunk_nbytes < 4096:
             raise TideInvalid(f"chunk_nbytes: expected >= 4096, got {self.chunk_nbytes}")
         if not 1 <= self.depth <= 4:

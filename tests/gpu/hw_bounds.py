@@ -295,7 +295,7 @@ def bare_copies() -> dict:
                      ("push + own copy", both), ("the same, as pieces", pieces),
                      (f"the same, own pieces cut to {cut_mib}", lambda: pieces(cut_copier)),
                      ("TIDE-AG", tide),
-                     ("TIDE-AG, own copy whole", tide_configured(local_max=0)),
+                     ("TIDE-AG, own copy uncut", tide_configured(local_max=0)),
                      ("TIDE-AG, large pieces alone", tide_configured(large_min=1 << 20))):
         coll_t = measure(ctx, fn, iters=5, warmup=2, back_to_back=False).median
         pairs = [interference._pair(ctx, fn, coll_t, gemm, first_alone) for _ in range(PAIRS)]

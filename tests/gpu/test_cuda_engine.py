@@ -172,7 +172,9 @@ def test_copier_local_copies_cut_and_exact(cuda_group, cp, batched):
     cp.cuda.runtime.deviceSynchronize()
     c.copy(be.streams[0].ptr, copies, local=True)
     be.streams[0].synchronize()
-    strided, large, rest, _ = c._local_plans.get(copies, c._local_plan)
+    plans = []  # the plan the call made, not one made here: a miss raises
+    strided, large, rest, _ = c._local_plans.get(copies, lambda _: plans.pop())
+    assert not c._plans.get(copies, lambda _: None), "planned as copies between devices"
     assert not strided and not large
     assert max(n for _, _, n in rest) <= cap and sum(n for _, _, n in rest) == sum(
         n for _, _, n in copies)

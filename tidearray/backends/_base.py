@@ -73,7 +73,7 @@ class Executor(abc.ABC):
         self.NET = local_size + 1
 
     def copy(self, lane: int, copies: Sequence[Copy], local: bool = False) -> None:
-        """Copy-engine batch: ``(dst, src, nbytes)`` address triples, any peer.
+        """A batch of ``(dst, src, nbytes)`` address triples, any peer.
 
         Copies are passed on as given, the same object each call for a cached
         program (device backends keep per-batch state by its identity): two

@@ -168,9 +168,11 @@ def _ag_kernels(ag_sm: dict, launches: float) -> str:
     driver's, on the SMs) where the record counts them."""
     if not ag_sm:
         return "with its SM use not measured"
-    if launches:
-        return f"with {launches:g} kernel launches per call (CUPTI)"
     local = ag_sm.get("same_device_copies")
+    if launches:
+        return (f"with {launches:g} kernel launches per call (CUPTI)"
+                + (f" and {local:g} same-device copies, which the driver runs on the SMs"
+                   if local else ""))
     if local is None:
         return ("with no kernel launched (CUPTI; this record does not count its own copy, "
                 "a same-device copy, which the driver runs on the SMs)")
@@ -211,7 +213,7 @@ def _collectives(res: Results, launches: list[Results]) -> str:
     q = "qwen3-30b-a3b"
     err, stock_err = (res.value("rs", k, U, "rs_error") for k in ("tide", "stock"))
     ag_sm = (res.get("ag", "tide", U, "sm_time_cupti") or {}).get("extra", {})
-    ag_kernels = (ag_sm.get("kernel_launches") or 0) / max(ag_sm.get("calls") or 1, 1)
+    ag_kernels = ag_sm.get("kernel_launches") or 0  # per call already
     q_params = ((res.get("rs", "tide", q, "time") or {}).get("extra", {})).get("nparams")
     lines = [
         f"**Collectives** ([docs/benchmarks/README.md](docs/benchmarks/README.md), commit "

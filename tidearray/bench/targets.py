@@ -186,7 +186,9 @@ def ag_sm_rows(res: Results) -> list[Row]:
                f"({ex.get('same_device_copy_us', 0):.0f} us: the own copy, which the driver "
                "runs on the SMs)")
         rows.append(Row("TIDE-AG work on the SMs (CUPTI)", w, "none", n, met,
-                        f"{n:g} per call", "" if met else why))
+                        f"{launches:g} kernels, {local:g} same-device copies "
+                        f"({ex.get('same_device_copy_us', 0):.0f} us) per call",
+                        "" if met else why))
     return rows
 
 

@@ -97,10 +97,14 @@ def held_section():
         return f"{own[name]['collective_us']:.0f} us"
     names = list(own)
     one, per_param, twod, shipped = names[0], names[1], names[2], names[3]
-    peer_line = (f"A push into the peer's memory {'waited' if held[peer[0]]['waited'] else 'ran beside'}"
-                 f" ({held[peer[0]]['beside_s'] * 1e6:.0f} us against {held[peer[0]]['alone_s'] * 1e6:.0f}"
-                 " us alone): copies between GPUs are the copy engines'." if peer else
-                 "This record has no peer, so the push was not measured here.")
+    if peer:
+        pr = held[peer[0]]
+        peer_line = (f"A push into the peer's memory "
+                     f"{'waited' if pr['waited'] else 'ran beside'} ({pr['beside_s'] * 1e6:.0f} "
+                     f"us against {pr['alone_s'] * 1e6:.0f} us alone): copies between GPUs "
+                     + ("need the SMs too." if pr["waited"] else "are the copy engines'."))
+    else:
+        peer_line = "This record has no peer, so the push was not measured here."
     flag = next((n for n in held if "flag" in n), None)
     if flag:
         peer_line += (" The protocol's flag write and wait (stream memory operations) "
@@ -152,7 +156,8 @@ section on the own copy quotes a development record from `nvidia-h200` (one GPU,
 -n 1`), as each record below says. This
 page is made from the records here by `python {HERE}/report.py`. The streaming rates
 quoted are from `{RATES}` (commit `{m['commit']}`), the GEMM figures from `{GEMMS}`
-(commit `{gm['commit']}`, whose all-gather code is the shipped one).
+(commit `{gm['commit']}`, whose all-gather code was the shipped one until the own
+copy was cut, at `5219c71`).
 
 ## RS SM time: the goal is past what one SM can stream
 
@@ -189,7 +194,7 @@ below it is {stock / 12.5 * 1e6:.1f} us, which needs {need / 1e9:.1f} GB/s per C
 ## A single-wave GEMM beside TIDE-AG: the pieces, not the protocol
 
 The interference suite's single-wave GEMM (1024x2048x16384, bf16) beside bare
-copy-engine copies of the Llama-3.1-8B unit's bytes, with no flags and no protocol,
+copies of the Llama-3.1-8B unit's bytes, with no flags and no protocol,
 and beside TIDE-AG. Alone-then-beside pairs, median of three.
 
 - The push alone, the bound TIDE-AG is timed against: {slow('push (the bound)')}.

@@ -1,4 +1,4 @@
-"""Copy-engine transfers: one batched memcpy per call, or one memcpy per copy.
+"""Device copies: one batched memcpy per call, or one memcpy per copy.
 
 A separate ``cudaMemcpyAsync`` costs about 3.5 us to issue, which caps a unit of
 small parameters at a fraction of the link; a batch is one call for any
