@@ -195,3 +195,55 @@ def test_multicast_group_default_slots(group):
     f2, _ = run_all_gather(g, unit, FP32, 42)
     g.close()
     agree(group.comm, failures + f2)
+
+
+def test_only_own_copies_are_marked_local(arena, monkeypatch):
+    """The copies a gather marks ``local`` (which the cuda backend cuts: [Note: same-device
+    copies]) are exactly this rank's shards into its own slot: on the push and pull
+    transports there is one per non-empty local parameter, and every other copy
+    reads or writes a peer's slot."""
+    from tidearray._layout import shard_spec
+    from tidearray.backends.host import HostExecutor
+
+    g = arena.group
+    if g.backend.name != "host":
+        pytest.skip("records the host executor's copies")
+    seen = []
+    copy = HostExecutor._copy
+
+    def spy(self, lane, copies, local):
+        seen.append((bool(local), tuple(copies)))
+        return copy(self, lane, copies, local)
+
+    monkeypatch.setattr(HostExecutor, "_copy", spy)
+    unit = [(2 * WORLD + 1, 3), (WORLD,), (0, 4)]
+    rng = np.random.default_rng(g.comm.bcast(int(np.random.SeedSequence().entropy) % 2**63))
+    fulls = [rng.standard_normal(s).astype(np.float32) for s in unit]
+    shards = [tidearray.shard(f, rank=g.rank, world=g.size) for f in fulls]
+    slot = arena[0]
+    me = g.topology.local_rank
+    poison(slot)
+    out = tidearray.all_gather(shards, unit, group=g, slot=slot)
+    monkeypatch.undo()
+    failures = [f"parameter {i} differs" for i, (o, f) in enumerate(zip(out, fulls))
+                if not np.array_equal(np.asarray(o), f)]
+
+    def inside(ptr, n, base, size):
+        return base <= ptr and ptr + n <= base + size
+    own = [(s.ctypes.data, s.nbytes) for s in shards if s.nbytes]
+    mine = slot.ptr(me), slot.nbytes
+    local = [c for flag, cs in seen if flag for c in cs if c[2]]
+    other = [c for flag, cs in seen if not flag for c in cs if c[2]]
+    for dst, src, n in local:
+        if not inside(dst, n, *mine) or not any(inside(src, n, *s) for s in own):
+            failures.append(f"a local copy ({dst:#x} <- {src:#x}, {n} B) leaves this rank")
+    transport = g.config.ag_transport
+    cut = transport in ("push", "pull") and not slot.buffer.multicast  # push-batch: whole
+    for dst, src, n in other:
+        if cut and inside(dst, n, *mine) and any(inside(src, n, *s) for s in own):
+            failures.append(f"an own copy ({n} B) not marked local")
+    real = sum(shard_spec(s, 4, g.size).byte_range(g.rank)[1] for s in unit)  # no padding
+    if cut and sum(n for _, _, n in local) != real:
+        failures.append(f"{transport}: local copies hold {sum(n for *_, n in local)} B, "
+                        f"this rank's rows {real} B")
+    agree(g.comm, failures, f"transport {transport}")
