@@ -220,6 +220,20 @@ def stock_sm_time() -> float | None:
     return None
 
 
+def gemm_beside(name: str, fn: Callable[[], None], gemm, first_alone: float) -> dict:
+    """``fn`` timed alone, then the GEMM's slowdown beside it: PAIRS alone-then-beside
+    pairs, as in ``tidearray.bench.interference``; printed and returned."""
+    coll_t = measure(ctx, fn, iters=5, warmup=2, back_to_back=False).median
+    pairs = [interference._pair(ctx, fn, coll_t, gemm, first_alone) for _ in range(PAIRS)]
+    slows = [q["under_s"] / q["alone_s"] - 1 for q in pairs if q]
+    row = {"collective_us": coll_t * 1e6, "slowdowns": slows,
+           "median": float(np.median(slows)) if slows else None}
+    say(f"  {name:<34} alone {coll_t * 1e6:7.1f} us; GEMM "
+        + (f"{row['median'] * 100:+.1f}% (pairs "
+           + ", ".join(f"{x * 100:+.1f}%" for x in slows) + ")" if slows else "n/a"))
+    return row
+
+
 def bare_copies() -> dict:
     """The interference suite's single-wave GEMM beside each bare copy and TIDE-AG."""
     unit = next(u for u in units() if u.name == "llama3.1-8b")
@@ -288,23 +302,15 @@ def bare_copies() -> dict:
     gemm = dev.gemm(*GEMM)
     first_alone = float(np.max(comm.allgather(interference.gemm_loop(ctx, None, 0.0, gemm,
                                                                       1.0)[0])))
-    rows = {}
     cut_mib = f"{LOCAL_MAX >> 20} MiB"
-    for name, fn in (("push (the bound)", push), ("own copy", own),
-                     (f"own copy, cut to {cut_mib}", own_cut),
-                     ("push + own copy", both), ("the same, as pieces", pieces),
-                     (f"the same, own pieces cut to {cut_mib}", lambda: pieces(cut_copier)),
-                     ("TIDE-AG", tide),
-                     ("TIDE-AG, own copy uncut", tide_configured(local_max=0)),
-                     ("TIDE-AG, large pieces alone", tide_configured(large_min=1 << 20))):
-        coll_t = measure(ctx, fn, iters=5, warmup=2, back_to_back=False).median
-        pairs = [interference._pair(ctx, fn, coll_t, gemm, first_alone) for _ in range(PAIRS)]
-        slows = [p["under_s"] / p["alone_s"] - 1 for p in pairs if p]
-        rows[name] = {"collective_us": coll_t * 1e6, "slowdowns": slows,
-                      "median": float(np.median(slows)) if slows else None}
-        say(f"  {name:<28} alone {coll_t * 1e6:7.1f} us; GEMM "
-            + (f"{rows[name]['median'] * 100:+.1f}% (pairs "
-               + ", ".join(f"{s * 100:+.1f}%" for s in slows) + ")" if slows else "n/a"))
+    rows = {name: gemm_beside(name, fn, gemm, first_alone) for name, fn in (
+        ("push (the bound)", push), ("own copy", own),
+        (f"own copy, cut to {cut_mib}", own_cut),
+        ("push + own copy", both), ("the same, as pieces", pieces),
+        (f"the same, own pieces cut to {cut_mib}", lambda: pieces(cut_copier)),
+        ("TIDE-AG", tide),
+        ("TIDE-AG, own copy uncut", tide_configured(local_max=0)),
+        ("TIDE-AG, large pieces alone", tide_configured(large_min=1 << 20)))}
     dev.sync()
     slot.free()
     tide_slot.free()
@@ -349,14 +355,7 @@ def own_copy_beside_gemm() -> dict:
             got = [full[d - full.data.ptr: d - full.data.ptr + n] for d, _, n in own]
             assert all(bool(cp.array_equal(g, sh.view(cp.uint8))) for g, sh in
                        zip(got, shards)), f"own copy, {name}: wrong bytes"
-        coll_t = measure(ctx, fn, iters=5, warmup=2, back_to_back=False).median
-        pairs = [interference._pair(ctx, fn, coll_t, gemm, first_alone) for _ in range(PAIRS)]
-        slows = [q["under_s"] / q["alone_s"] - 1 for q in pairs if q]
-        rows[name] = {"collective_us": coll_t * 1e6, "slowdowns": slows,
-                      "median": float(np.median(slows)) if slows else None}
-        say(f"  {name:<34} alone {coll_t * 1e6:7.1f} us; GEMM "
-            + (f"{rows[name]['median'] * 100:+.1f}% (pairs "
-               + ", ".join(f"{x * 100:+.1f}%" for x in slows) + ")" if slows else "n/a"))
+        rows[name] = gemm_beside(name, fn, gemm, first_alone)
     dev.sync()
     return rows
 

@@ -43,22 +43,23 @@ def rate_table(rec):
     return "\n".join(out)
 
 
-def gemm_table(rec):
-    out = ["| beside | collective alone (us) | single-wave GEMM slowdown (median) | pairs |",
+def slowdown_table(rows, what, alone):
+    """The GEMM's slowdown beside each of ``rows`` (``hw_bounds.gemm_beside``'s rows)."""
+    out = [f"| {what} | {alone} | single-wave GEMM slowdown (median) | pairs |",
            "| --- | ---: | ---: | --- |"]
-    for name, r in rec["gemm_beside"].items():
+    for name, r in rows.items():
         pairs = ", ".join(f"{s * 100:+.1f}%" for s in r["slowdowns"])
         out.append(f"| {name} | {r['collective_us']:.1f} | {r['median'] * 100:+.1f}% | {pairs} |")
     return "\n".join(out)
+
+
+def gemm_table(rec):
+    return slowdown_table(rec["gemm_beside"], "beside", "collective alone (us)")
 
 
 def own_table(rec):
-    out = ["| the own copy (Llama-3.1-8B unit, one rank's share) | copy alone (us) | "
-           "single-wave GEMM slowdown (median) | pairs |", "| --- | ---: | ---: | --- |"]
-    for name, r in rec["own_copy_beside"].items():
-        pairs = ", ".join(f"{s * 100:+.1f}%" for s in r["slowdowns"])
-        out.append(f"| {name} | {r['collective_us']:.1f} | {r['median'] * 100:+.1f}% | {pairs} |")
-    return "\n".join(out)
+    return slowdown_table(rec["own_copy_beside"],
+                          "the own copy (Llama-3.1-8B unit, one rank's share)", "copy alone (us)")
 
 
 def held_table(rec):
