@@ -34,6 +34,28 @@ if TYPE_CHECKING:
 #: Parts of a pull gather, and the unit size below which it uses one part.
 PULL_PARTS = 2
 PULL_SPLIT_MIN = 32 << 20
+#: A relayed push ([Note: relay]): bytes per part, the most parts, and the copies per
+#: peer it must save over pushing straight from the shards (``ag_relay`` None).
+RELAY_PART_NBYTES = 32 << 20
+RELAY_PARTS_MAX = 16
+RELAY_MIN_SAVED = 64
+
+# [Note: relay]
+# A push copies each piece of our column from wherever it lives: for our own
+# shards, the caller's arrays. Held as separate arrays, N parameters cost N copies
+# per peer, and the driver spends microseconds of host time on each (a batch
+# entry as much as a copy: on one H200, 393 copies of 1.5 MiB took 1.7 ms to
+# issue in one batch or in ten), so a unit of many small parameters is bound by
+# its issue, not by the link (Qwen3-30B-A3B's layer: 393 parameters). The same
+# rows in our slot lie at fixed strides, and equal parameters (the experts) at
+# equal ones, so pushed from there they make a few 2D copies. A relayed push
+# copies our own shards into our slot first, in parts, and pushes each part from
+# there once it has landed (lane p depends on lane me, part by part). The
+# protocol is unchanged (grant, write, arrive); only the pushes' sources and that
+# ordering differ. The first push waits for the first part's own copy, so parts
+# are small (RELAY_PART_NBYTES), and a relay is chosen only where it saves
+# RELAY_MIN_SAVED copies per peer, as the backend counts them (copy_calls: its
+# 2D runs need both sides in one allocation, which only it can tell).
 
 
 @functools.lru_cache(maxsize=1024)
@@ -196,6 +218,9 @@ class _Program:
         own_parts: the own copies cut into the pull transport's parts.
         pulls: per node-local peer, that peer's slot cut into the same parts,
             as copies into this rank's slot.
+        relay: for a relayed push ([Note: relay]), its parts: the own copies
+            of each, and per peer its pushes from this rank's slot; empty to
+            push straight from the shards.
         cast: for a cast plan, the pieces that round this rank's fp32 shards
             into its rows of the slot (then the gather runs in place: no own
             copies); empty otherwise.
@@ -209,6 +234,7 @@ class _Program:
     column: tuple
     own_parts: tuple
     pulls: dict
+    relay: tuple = ()
     cast: tuple = ()
     out_dtype: Any = None
 
@@ -260,9 +286,34 @@ def build_program(group: Group, unit: UnitLayout, shard_ptrs: list[int],
          for pc in _pieces(unit, topo.column(q))], parts)) for q in range(L) if q != me}
     # The copier keeps its plans by a batch's identity: built once, here.
     batch = own + tuple(c for k in range(1, L) for c in pushes[(me + k) % L])
+    relay = _relay_parts(group, slot, [(base + pc.offset, src(pc), pc.nbytes) for pc in column],
+                         pushes) if own else ()
     return _Program(tuple(exchanges), own, pushes, batch,
                     tuple((pc.offset, src(pc), pc.nbytes) for pc in column), own_parts, pulls,
-                    cast, cast_to)
+                    relay, cast, cast_to)
+
+
+def _relay_parts(group: Group, slot: Region, column: list, pushes: dict) -> tuple:
+    """A relayed push's parts, ``(own copies, {peer: pushes from our slot})`` each,
+    or () to push straight from the shards ([Note: relay])."""
+    relay = group.config.ag_relay
+    if relay is False or _transport(group, slot) != "push" or not pushes:
+        return ()
+    base = slot.ptr(group.topology.local_rank)
+    nbytes = sum(n for _, _, n in column)
+    runs = [run for run in split_copies(
+        column, max(1, min(RELAY_PARTS_MAX, -(-nbytes // RELAY_PART_NBYTES)))) if run]
+    parts = tuple((tuple(c for c in run if c[0] != c[1]),
+                   {p: tuple((slot.ptr(p) + dst - base, dst, n) for dst, _, n in run)
+                    for p in pushes})
+                  for run in runs)
+    if relay is None:
+        peer, calls = next(iter(pushes)), group.backend.copy_calls
+        # Each part adds one cross-lane dependency per peer: count it as a call.
+        saved = calls(pushes[peer]) - sum(calls(to[peer]) + 1 for _, to in parts)
+        if saved < RELAY_MIN_SAVED:
+            return ()
+    return parts
 
 
 def _transport(group: Group, slot: Region) -> str:
@@ -361,7 +412,8 @@ def _push_per_peer(ex: Executor, slot: Region, program: _Program, me: int, peers
     """One copy-engine batch per peer, each on that peer's lane; then our own copy.
 
     The pushes are issued first: they are the long pole, and the own copy (a
-    local copy at several times the link's rate) overlaps them.
+    local copy at several times the link's rate) overlaps them. A relayed push
+    ([Note: relay]) copies each part into our slot first and pushes it from there.
     """
     for p in peers:
         if after_net:
@@ -369,13 +421,30 @@ def _push_per_peer(ex: Executor, slot: Region, program: _Program, me: int, peers
         if program.cast:
             ex.depend(p, ex.COMPUTE)
         ex.wait(p, slot.flag(me, AG_CHANNEL, FREE, p), use)
-        ex.copy(p, program.pushes[p])
-        if stamps is not None:
-            stamps.send(ex, p, slot, AG_CHANNEL, p, use)
-        ex.signal(p, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
-    if program.own:  # none when the shards were cast into the slot
+        if not program.relay:
+            _pushed(ex, slot, p, me, use, program.pushes[p], stamps)
+    if program.relay:
+        _start(ex, me, after_net)
+        for k, (own, pushes) in enumerate(program.relay):
+            ex.copy(me, own, local=True)
+            for p in peers:
+                ex.depend(p, me)  # the part has landed in our slot
+                if k < len(program.relay) - 1:
+                    ex.copy(p, pushes[p])
+                else:
+                    _pushed(ex, slot, p, me, use, pushes[p], stamps)
+    elif program.own:  # none when the shards were cast into the slot
         _start(ex, me, after_net)
         ex.copy(me, program.own, local=True)
+
+
+def _pushed(ex: Executor, slot: Region, p: int, me: int, use: int, copies: tuple,
+            stamps: Optional[_stamps.Stamps]) -> None:
+    """The last copies into peer ``p``'s slot, then its arrival signal (lane ``p``)."""
+    ex.copy(p, copies)
+    if stamps is not None:
+        stamps.send(ex, p, slot, AG_CHANNEL, p, use)
+    ex.signal(p, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
 
 
 def _push_single_batch(ex: Executor, slot: Region, program: _Program, me: int, peers: list,

@@ -60,6 +60,16 @@ class Config:
     ``"push-batch"`` (own copy and every push in one batch on one lane, like
     NCCL's CE all-gather). Env: ``TIDE_AG_TRANSPORT``."""
 
+    ag_relay: Optional[bool] = None
+    """Whether the ``push`` all-gather relays: copies its own shards into its slot
+    first, in parts of about 32 MiB, and pushes each part from there once it has
+    landed, instead of straight from the shards. From the slot, a parameter's rows
+    lie at fixed strides, so the pushes of many equal parameters (a layer's
+    experts) become a few 2D copies, where shards held as separate arrays take
+    one copy each, and each copy costs the host microseconds to issue. None
+    (default): relay where that saves at least 64 copies per peer; True: always
+    (push transport only); False: never. Env: ``TIDE_AG_RELAY``."""
+
     accum_ctas: Optional[int] = None
     """CTAs of the reduce-scatter's accumulate kernel; None means half the SMs.
     Env: ``TIDE_ACCUM_CTAS``."""
@@ -149,6 +159,9 @@ class Config:
         if self.symmetric_memory not in SYMMETRIC_MEMORY:
             raise TideInvalid(f"symmetric_memory: expected one of {SYMMETRIC_MEMORY}, got "
                               f"{self.symmetric_memory!r}")
+        if self.ag_relay and self.ag_transport != "push":
+            raise TideInvalid(f"ag_relay: expected ag_transport 'push' to relay, got "
+                              f"{self.ag_transport!r}")
         if self.local_size is not None and self.local_size < 1:
             raise TideInvalid(f"local_size: expected >= 1, got {self.local_size}")
         if self.ce_split < 1:

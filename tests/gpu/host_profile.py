@@ -1,6 +1,7 @@
 """Where a gather plan's time goes (diagnostic): ``mpirun -n 2 python tests/gpu/host_profile.py``.
 
-For the Llama-3.1-8B unit it prints, per rank, medians over timed calls of:
+For the Llama-3.1-8B unit (or the unit named by ``TIDE_PROFILE_UNIT``, e.g.
+``qwen3-30b-a3b``) it prints, per rank, medians over timed calls of:
 
 * ``call``: the plan call as the benchmark times it (events around the call on an
   idle stream: host issue included);
@@ -46,7 +47,7 @@ extern "C" __global__ void spin(long long cycles) {
 
 comm = MPI.COMM_WORLD
 g = ta.init()
-shapes = units()[0].shapes
+shapes = {u.name: u for u in units()}[os.environ.get("TIDE_PROFILE_UNIT", "llama3.1-8b")].shapes
 cast = os.environ.get("TIDE_PROFILE_CAST") == "1"
 unit = ta.Unit(shapes, ta.bfloat16)
 arena = ta.SlotArena(max(unit.nbytes, unit.staging_nbytes), num_slots=1)

@@ -24,10 +24,11 @@ pytestmark = pytest.mark.mpi
 SHAPES = [(6 * WORLD + 1, 40), (5,), (2 * WORLD, 3, 7)]
 
 
-@pytest.fixture(scope="module", params=["push", "push-batch", "pull"])
+@pytest.fixture(scope="module", params=["push", "push-relay", "push-batch", "pull"])
 def debug_group(request, group):
-    g = ta.init(backend=group.backend.name, debug=True, ag_transport=request.param,
-                chunk_nbytes=4096)
+    relay = request.param == "push-relay"  # [Note: relay]
+    g = ta.init(backend=group.backend.name, debug=True, chunk_nbytes=4096,
+                ag_transport="push" if relay else request.param, ag_relay=relay or None)
     yield g
     g.comm.Barrier()
     g.close()
