@@ -107,3 +107,16 @@ def test_local_copy_max_default_environment_and_keyword():
     assert Config.make(env={"TIDE_LOCAL_COPY_MAX": "0"}).local_copy_max == 0
     assert Config.make(env={"TIDE_LOCAL_COPY_MAX": "0"}, local_copy_max=1 << 20).local_copy_max \
         == 1 << 20
+
+
+def test_ag_relay_from_environment_and_keywords():
+    """None by default (relay where it saves copies), a flag from TIDE_AG_RELAY, and
+    refused with a transport other than push, whose pushes it reorders."""
+    assert Config.make(env={}).ag_relay is None
+    assert Config.make(env={"TIDE_AG_RELAY": "1"}).ag_relay is True
+    assert Config.make(env={"TIDE_AG_RELAY": "0"}).ag_relay is False
+    assert Config.make(env={"TIDE_AG_RELAY": "0"}, ag_relay=True).ag_relay is True
+    assert Config.make(env={"TIDE_AG_TRANSPORT": "pull"}, ag_relay=False).ag_relay is False
+    for transport in ("pull", "push-batch"):
+        with pytest.raises(tidearray.TideInvalid, match=f"ag_relay.*'{transport}'"):
+            Config.make(env={}, ag_transport=transport, ag_relay=True)

@@ -218,9 +218,10 @@ class _Program:
         own_parts: the own copies cut into the pull transport's parts.
         pulls: per node-local peer, that peer's slot cut into the same parts,
             as copies into this rank's slot.
-        relay: for a relayed push ([Note: relay]), its parts: the own copies
-            of each, and per peer its pushes from this rank's slot; empty to
-            push straight from the shards.
+        relay: a relayed push's parts ([Note: relay]): the own copies of
+            each, and per peer its pushes from this rank's slot (empty without
+            own copies or peers).
+        relay_saved: the copies per peer that relaying saves (:func:`relays`).
         cast: for a cast plan, the pieces that round this rank's fp32 shards
             into its rows of the slot (then the gather runs in place: no own
             copies); empty otherwise.
@@ -235,6 +236,7 @@ class _Program:
     own_parts: tuple
     pulls: dict
     relay: tuple = ()
+    relay_saved: int = 0
     cast: tuple = ()
     out_dtype: Any = None
 
@@ -286,19 +288,18 @@ def build_program(group: Group, unit: UnitLayout, shard_ptrs: list[int],
          for pc in _pieces(unit, topo.column(q))], parts)) for q in range(L) if q != me}
     # The copier keeps its plans by a batch's identity: built once, here.
     batch = own + tuple(c for k in range(1, L) for c in pushes[(me + k) % L])
-    relay = _relay_parts(group, slot, [(base + pc.offset, src(pc), pc.nbytes) for pc in column],
-                         pushes) if own else ()
+    relay, saved = _relay_parts(group, slot, [(base + pc.offset, src(pc), pc.nbytes)
+                                              for pc in column], pushes) if own else ((), 0)
     return _Program(tuple(exchanges), own, pushes, batch,
                     tuple((pc.offset, src(pc), pc.nbytes) for pc in column), own_parts, pulls,
-                    relay, cast, cast_to)
+                    relay, saved, cast, cast_to)
 
 
-def _relay_parts(group: Group, slot: Region, column: list, pushes: dict) -> tuple:
+def _relay_parts(group: Group, slot: Region, column: list, pushes: dict) -> tuple[tuple, int]:
     """A relayed push's parts, ``(own copies, {peer: pushes from our slot})`` each,
-    or () to push straight from the shards ([Note: relay])."""
-    relay = group.config.ag_relay
-    if relay is False or _transport(group, slot) != "push" or not pushes:
-        return ()
+    and the copies per peer it saves, as the backend counts them ([Note: relay])."""
+    if not pushes:
+        return (), 0
     base = slot.ptr(group.topology.local_rank)
     nbytes = sum(n for _, _, n in column)
     runs = [run for run in split_copies(
@@ -307,13 +308,16 @@ def _relay_parts(group: Group, slot: Region, column: list, pushes: dict) -> tupl
                    {p: tuple((slot.ptr(p) + dst - base, dst, n) for dst, _, n in run)
                     for p in pushes})
                   for run in runs)
-    if relay is None:
-        peer, calls = next(iter(pushes)), group.backend.copy_calls
-        # Each part adds one cross-lane dependency per peer: count it as a call.
-        saved = calls(pushes[peer]) - sum(calls(to[peer]) + 1 for _, to in parts)
-        if saved < RELAY_MIN_SAVED:
-            return ()
-    return parts
+    peer, calls = next(iter(pushes)), group.backend.copy_calls
+    # Each part adds one cross-lane dependency per peer: count it as a call.
+    return parts, calls(pushes[peer]) - sum(calls(to[peer]) + 1 for _, to in parts)
+
+
+def relays(group: Group, program: _Program) -> bool:
+    """Whether a push gather of ``program`` relays (``Config.ag_relay``; [Note: relay])."""
+    choice = group.config.ag_relay
+    return bool(program.relay) and choice is not False and (
+        choice is True or program.relay_saved >= RELAY_MIN_SAVED)
 
 
 def _transport(group: Group, slot: Region) -> str:
@@ -362,6 +366,8 @@ def issue(group: Group, ex: Executor, program: _Program, slot: Region,
     if transport == "pull":
         _pull(ex, slot, program, me, peers, use, after_net, stamps)
         return
+    if transport == "push" and relays(group, program):
+        transport = "push-relayed"
     _PUSHES[transport](ex, slot, program, me, peers, use, after_net, stamps)
     for q in peers:
         ex.wait(ex.COMPUTE, slot.flag(me, AG_CHANNEL, ARRIVED, q), use)
@@ -412,30 +418,42 @@ def _push_per_peer(ex: Executor, slot: Region, program: _Program, me: int, peers
     """One copy-engine batch per peer, each on that peer's lane; then our own copy.
 
     The pushes are issued first: they are the long pole, and the own copy (a
-    local copy at several times the link's rate) overlaps them. A relayed push
-    ([Note: relay]) copies each part into our slot first and pushes it from there.
+    local copy at several times the link's rate) overlaps them.
     """
     for p in peers:
-        if after_net:
-            ex.depend(p, ex.NET)
-        if program.cast:
-            ex.depend(p, ex.COMPUTE)
-        ex.wait(p, slot.flag(me, AG_CHANNEL, FREE, p), use)
-        if not program.relay:
-            _pushed(ex, slot, p, me, use, program.pushes[p], stamps)
-    if program.relay:
-        _start(ex, me, after_net)
-        for k, (own, pushes) in enumerate(program.relay):
-            ex.copy(me, own, local=True)
-            for p in peers:
-                ex.depend(p, me)  # the part has landed in our slot
-                if k < len(program.relay) - 1:
-                    ex.copy(p, pushes[p])
-                else:
-                    _pushed(ex, slot, p, me, use, pushes[p], stamps)
-    elif program.own:  # none when the shards were cast into the slot
+        _await_grant(ex, slot, program, me, p, use, after_net)
+        _pushed(ex, slot, p, me, use, program.pushes[p], stamps)
+    if program.own:  # none when the shards were cast into the slot
         _start(ex, me, after_net)
         ex.copy(me, program.own, local=True)
+
+
+def _push_relayed(ex: Executor, slot: Region, program: _Program, me: int, peers: list, use: int,
+                  after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
+    """Our own copy part by part, each part pushed from our slot once it has landed
+    ([Note: relay]): lane p depends on lane me before each part's pushes."""
+    for p in peers:
+        _await_grant(ex, slot, program, me, p, use, after_net)
+    _start(ex, me, after_net)
+    last = len(program.relay) - 1
+    for k, (own, pushes) in enumerate(program.relay):
+        ex.copy(me, own, local=True)
+        for p in peers:
+            ex.depend(p, me)
+            if k < last:
+                ex.copy(p, pushes[p])
+            else:
+                _pushed(ex, slot, p, me, use, pushes[p], stamps)
+
+
+def _await_grant(ex: Executor, slot: Region, program: _Program, me: int, p: int, use: int,
+                 after_net: bool) -> None:
+    """Hold lane ``p`` until peer ``p`` granted this use of its slot (and our column is in)."""
+    if after_net:
+        ex.depend(p, ex.NET)
+    if program.cast:
+        ex.depend(p, ex.COMPUTE)
+    ex.wait(p, slot.flag(me, AG_CHANNEL, FREE, p), use)
 
 
 def _pushed(ex: Executor, slot: Region, p: int, me: int, use: int, copies: tuple,
@@ -485,5 +503,6 @@ def _arrive(ex: Executor, me: int, slot: Region, peers: list, use: int,
         ex.signal(me, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
 
 
-_PUSHES = {"push": _push_per_peer, "push-batch": _push_single_batch,
+_PUSHES = {"push": _push_per_peer, "push-relayed": _push_relayed,
+           "push-batch": _push_single_batch,
            "multicast": _push_multicast}

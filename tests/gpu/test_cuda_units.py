@@ -145,42 +145,48 @@ def test_repeated_calls_reuse_slots(cuda_group, cp):
 
 
 
-def _relay_case(group, cp, shapes, one_buffer: bool, relays: bool) -> list[str]:
-    """Gather ``shapes`` through a plan, shards as separate arrays or as views of one
-    buffer, into a poisoned slot; bitwise failures, and one if the plan does not
-    relay as ``relays`` says ([Note: relay])."""
+def _relay_case(group, cp, shapes, gaps: bool, relays: bool) -> list[str]:
+    """Gather ``shapes`` through a plan, from shards that are views of one buffer, end
+    to end or with uneven gaps between them (no constant strides to merge), into a
+    poisoned slot; bitwise failures, and one if the plan does not relay as ``relays``
+    says ([Note: relay])."""
+    import tidearray._all_gather as ag
+
     seed = _seed(group)
     W, r = group.size, group.rank
     full = [bf16_normal(cp, seed + i, s) for i, s in enumerate(shapes)]
     shards = [padded_shard(cp, f, W, r) for f in full]
-    if one_buffer:
-        flat = cp.concatenate([s.view(cp.uint16).ravel() for s in shards])
-        ends = np.cumsum([s.size for s in shards])
-        shards = [flat[end - s.size:end].view(BF16).reshape(s.shape)
-                  for s, end in zip(shards, ends)]
+    gap = [256 * (i % 5) if gaps else 0 for i in range(len(shards))]  # elements
+    starts = np.cumsum([0] + [s.size + g for s, g in zip(shards, gap)])
+    flat = cp.zeros(int(starts[-1]), cp.uint16)
+    views = []
+    for s, at in zip(shards, starts):
+        views.append(flat[at:at + s.size].view(BF16).reshape(s.shape))
+        views[-1][...] = s
     unit = tidearray.Unit(shapes, tidearray.bfloat16, group=group)
     slot = tidearray.SlotArena(unit.nbytes, 1, group=group)[0]
     slot.view(0, (slot.nbytes,), np.uint8).fill(0xFF)
-    plan = unit.gather_plan(shards, slot)
+    plan = unit.gather_plan(views, slot)
     cp.cuda.runtime.deviceSynchronize()
     outs = plan()
     _sync(cp)
-    where = "in one buffer" if one_buffer else "apart"
+    where = "with gaps" if gaps else "end to end"
     bad = [f"shards {where}, parameter {i}: differs" for i, (o, f) in enumerate(zip(outs, full))
            if not bool((o.view(cp.uint16) == f.view(cp.uint16)).all())]
-    if bool(plan._program.relay) != relays:
-        bad.append(f"shards {where}: relayed {bool(plan._program.relay)}, expected {relays}")
+    relayed = ag.relays(group, plan._program)
+    if relayed != relays:
+        bad.append(f"shards {where}: relayed {relayed}, expected {relays}")
     return bad
 
 
 def test_push_relays_only_where_it_saves_copies(cuda_group, cp):
-    """With ``ag_relay`` None, Qwen3's unit (393 parameters) relays when its shards are
-    separate arrays (one copy each per peer, against a few 2D copies from the slot),
-    and pushes straight when they are views of one buffer (2D copies either way).
-    Both gather bitwise into a poisoned slot."""
+    """With ``ag_relay`` None, Qwen3's unit (393 parameters) relays when its shards lie
+    at uneven distances (one copy each per peer, as for separate arrays, against a
+    few 2D copies from the slot), and pushes straight when they lie end to end in one
+    buffer (2D copies either way). Both gather bitwise into a poisoned slot."""
     if cuda_group.local_size < 2 or cuda_group.config.ag_transport != "push":
         pytest.skip("a relay needs node-local peers and the push transport")
     shapes = UNITS["qwen3-30b-a3b"]()
-    bad = _guarded(_relay_case, cuda_group, cp, shapes, False, True)
-    bad += _guarded(_relay_case, cuda_group, cp, shapes, True, False)
+    bad = _guarded(_relay_case, cuda_group, cp, shapes, True, True)
+    bad += _guarded(_relay_case, cuda_group, cp, shapes, False, False)
     _agree(cuda_group, bad, "relay choice")

@@ -293,15 +293,14 @@ def test_relay_pushes_each_byte_from_our_slot(group, monkeypatch):
         ptrs = [s.ctypes.data for s in shards]
         program = ag.build_program(g, layout, ptrs, slot)
         if relay is None:
-            if program.relay and g.backend.name == "host":
-                failures.append("relayed on the host backend, which merges no rows")
+            if ag.relays(g, program) and g.backend.name == "host":
+                failures.append("relays on the host backend, which merges no rows")
             monkeypatch.setattr(g.backend, "copy_calls", functools.partial(
                 _one_call_from, slot.ptr(me), slot.ptr(me) + slot.nbytes))
             program = ag.build_program(g, layout, ptrs, slot)
-            if (L > 1) != bool(program.relay):
-                failures.append(f"auto relay with {L} local ranks: {len(program.relay)} parts")
-        elif (L > 1) != bool(program.relay):
-            failures.append(f"ag_relay=True with {L} local ranks: {len(program.relay)} parts")
+        if (L > 1) != ag.relays(g, program):
+            failures.append(f"ag_relay={relay} with {L} local ranks: relays "
+                            f"{ag.relays(g, program)}")
         parts = program.relay
         if parts and len(parts) < 2:
             failures.append(f"expected several 4 KiB parts, got {len(parts)}")

@@ -115,30 +115,48 @@ class TidePlan(Tide):
                         _release(last, slot, staging))
 
 
-@register
-class TidePull(Tide):
-    """TIDE-AG over copy-engine pulls instead of pushes, in the same run as ``tide``."""
+class _TideAs(Tide):
+    """TIDE-AG with other settings (``settings``), in the same run as ``tide``."""
 
-    name = "tide-pull"
-    description = ("TIDE-AG with ag_transport='pull' (own shards staged in our slot, "
-                   "read by each peer)")
     ops = ("ag",)
+    settings: dict = {}
 
     def setup(self, data: UnitData) -> Prepared:
         import dataclasses
 
         prep = super().setup(data)
         g = self.ctx.group
-        pull, gather = dataclasses.replace(g.config, ag_transport="pull"), prep.ag
+        other, gather = dataclasses.replace(g.config, **self.settings), prep.ag
 
         def ag() -> None:
-            saved, g.config = g.config, pull
+            saved, g.config = g.config, other
             try:
                 gather()
             finally:
                 g.config = saved
 
         return dataclasses.replace(prep, ag=ag, rs=None, rs_out=None, phases={})
+
+
+@register
+class TidePull(_TideAs):
+    """TIDE-AG over copy-engine pulls instead of pushes, in the same run as ``tide``."""
+
+    name = "tide-pull"
+    description = ("TIDE-AG with ag_transport='pull' (own shards staged in our slot, "
+                   "read by each peer)")
+    settings = {"ag_transport": "pull"}
+
+
+@register
+class TideDirect(_TideAs):
+    """TIDE-AG pushing straight from the shards, never relayed ([Note: relay]): what
+    ``tide`` did before relays, where a unit relays."""
+
+    name = "tide-direct"
+    description = ("TIDE-AG with ag_relay=False (every push straight from the shards, "
+                   "one copy per parameter held apart)")
+    settings = {"ag_relay": False}
 
 
 @register
