@@ -59,6 +59,8 @@ class Group:
         self.closed = False
         #: Symmetric regions made so far (each region's ``id`` is its number).
         self.regions_made = 0
+        #: Plans built on this group so far (each plan's build number: [Note: plan order]).
+        self.plans_built = 0
         self._resources: dict = {}
         from ._cache import CallCache
 

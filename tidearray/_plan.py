@@ -16,7 +16,6 @@ agrees on the plan's build number and raises on every rank if they differ.
 
 from __future__ import annotations
 
-import itertools
 import operator
 from typing import Any, Optional, Sequence
 
@@ -150,9 +149,6 @@ def slot_chunk_nbytes(slot_nbytes: int, group: Optional[Group] = None,
     return max(cfg.chunk_nbytes, fit // 4096 * 4096)
 
 
-_build_numbers = itertools.count(1)
-
-
 class _Plan:
     """What both plans share: the group, a build number and the debug re-check."""
 
@@ -161,8 +157,10 @@ class _Plan:
     def __init__(self, unit: Unit, signature: tuple) -> None:
         self.unit = unit
         self.group = unit.group
-        # Every rank builds plans in the same order, so numbers agree ([Note: plan order]).
-        self.number = next(_build_numbers)
+        # Every rank of the group builds its plans in the same order, so numbers agree
+        # ([Note: plan order]); per group, as other groups' plans are built on other ranks.
+        self.group.plans_built += 1
+        self.number = self.group.plans_built
         self._signature = (("plan", self.number), *signature)
         self._digest = _validate.digest(self._signature)
 

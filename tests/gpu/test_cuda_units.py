@@ -180,13 +180,15 @@ def _relay_case(group, cp, shapes, gaps: bool, relays: bool) -> list[str]:
 
 
 def test_push_relays_only_where_it_saves_copies(cuda_group, cp):
-    """With ``ag_relay`` None, Qwen3's unit (393 parameters) relays when its shards lie
-    at uneven distances (one copy each per peer, as for separate arrays, against a
-    few 2D copies from the slot), and pushes straight when they lie end to end in one
-    buffer (2D copies either way). Both gather bitwise into a poisoned slot."""
+    """With ``ag_relay`` None, a unit of 384 equal experts (Qwen3-30B-A3B's per layer,
+    as one shape, so that every rank's rows of them are equal at any world size) and
+    two other parameters relays when its shards lie at uneven distances (one copy
+    each per peer, as for separate arrays, against a few 2D copies from the slot),
+    and pushes straight when they lie end to end in one buffer (2D copies either
+    way). Both gather bitwise into a poisoned slot."""
     if cuda_group.local_size < 2 or cuda_group.config.ag_transport != "push":
         pytest.skip("a relay needs node-local peers and the push transport")
-    shapes = UNITS["qwen3-30b-a3b"]()
+    shapes = [(4096, 2048), (2048,)] + [(768, 2048)] * 384
     bad = _guarded(_relay_case, cuda_group, cp, shapes, True, True)
     bad += _guarded(_relay_case, cuda_group, cp, shapes, False, False)
     _agree(cuda_group, bad, "relay choice")

@@ -191,6 +191,33 @@ def test_debug_mode_catches_plans_called_out_of_order(comm):
         g.close()
 
 
+def test_plans_on_some_ranks_leave_other_groups_in_step(comm):
+    """Plans are numbered per group: rank 0 building plans on a group of its own does
+    not put a debug-mode group of every rank out of step."""
+    sub = comm.Split(0 if comm.rank == 0 else 1, comm.rank)
+    alone = ta.init(sub, backend="host")
+    if comm.rank == 0:
+        unit = ta.Unit([(4, 2)], FP32, group=alone)
+        slot = ta.SlotArena(unit.nbytes, num_slots=1, group=alone)[0]
+        for _ in range(2):
+            unit.gather_plan([np.zeros(unit.shard_shapes[0], FP32)], slot)
+    g = ta.init(comm, backend="host", debug=True)
+    try:
+        unit = ta.Unit([(2 * g.size, 2)], FP32, group=g)
+        full = np.random.default_rng().standard_normal((2 * g.size, 2)).astype(FP32)
+        full = g.comm.bcast(full)
+        slot = ta.SlotArena(unit.nbytes, num_slots=1, group=g)[0]
+        poison(slot)
+        plan = unit.gather_plan([padded_shard(full, g.size, g.rank)], slot)
+        failures = compare_bits(plan()[0], full, "debug-mode plan")
+        agree(comm, failures, "plan numbers per group")
+    finally:
+        comm.Barrier()
+        g.close()
+        alone.close()
+        sub.Free()
+
+
 def test_reduce_plan_uses_the_units_chunks(group, xp):
     """A unit's ``chunk_nbytes`` decides the plan's chunks (and so its staging), not the
     group's: 4 KiB chunks over a 64 KiB parameter need several, and still sum right."""
