@@ -110,13 +110,17 @@ def test_local_copy_max_default_environment_and_keyword():
 
 
 def test_ag_relay_from_environment_and_keywords():
-    """None by default (relay where it saves copies), a flag from TIDE_AG_RELAY, and
-    refused with a transport other than push, whose pushes it reorders."""
-    assert Config.make(env={}).ag_relay is None
-    assert Config.make(env={"TIDE_AG_RELAY": "1"}).ag_relay is True
-    assert Config.make(env={"TIDE_AG_RELAY": "0"}).ag_relay is False
-    assert Config.make(env={"TIDE_AG_RELAY": "0"}, ag_relay=True).ag_relay is True
-    assert Config.make(env={"TIDE_AG_TRANSPORT": "pull"}, ag_relay=False).ag_relay is False
+    """Off by default; ``on`` or ``auto`` (relay where it saves copies) from
+    TIDE_AG_RELAY or a keyword; anything else refused, and ``on`` refused with a
+    transport other than push, whose pushes it reorders."""
+    assert Config.make(env={}).ag_relay == "off"
+    assert Config.make(env={"TIDE_AG_RELAY": "auto"}).ag_relay == "auto"
+    assert Config.make(env={"TIDE_AG_RELAY": "auto"}, ag_relay="on").ag_relay == "on"
+    assert Config.make(env={"TIDE_AG_TRANSPORT": "pull", "TIDE_AG_RELAY": "auto"}).ag_relay \
+        == "auto"
+    for bad in ("1", "yes", "Auto"):
+        with pytest.raises(tidearray.TideInvalid, match=f"ag_relay.*'{bad}'"):
+            Config.make(env={"TIDE_AG_RELAY": bad})
     for transport in ("pull", "push-batch"):
         with pytest.raises(tidearray.TideInvalid, match=f"ag_relay.*'{transport}'"):
-            Config.make(env={}, ag_transport=transport, ag_relay=True)
+            Config.make(env={}, ag_transport=transport, ag_relay="on")

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 PULL_PARTS = 2
 PULL_SPLIT_MIN = 32 << 20
 #: A relayed push ([Note: relay]): bytes per part, the most parts, and the copies per
-#: peer it must save over pushing straight from the shards (``ag_relay`` None).
+#: peer it must save over pushing straight from the shards (``ag_relay="auto"``).
 RELAY_PART_NBYTES = 32 << 20
 RELAY_PARTS_MAX = 16
 RELAY_MIN_SAVED = 64
@@ -316,8 +316,8 @@ def _relay_parts(group: Group, slot: Region, column: list, pushes: dict) -> tupl
 def relays(group: Group, program: _Program) -> bool:
     """Whether a push gather of ``program`` relays (``Config.ag_relay``; [Note: relay])."""
     choice = group.config.ag_relay
-    return bool(program.relay) and choice is not False and (
-        choice is True or program.relay_saved >= RELAY_MIN_SAVED)
+    return bool(program.relay) and (choice == "on" or (
+        choice == "auto" and program.relay_saved >= RELAY_MIN_SAVED))
 
 
 def _transport(group: Group, slot: Region) -> str:

@@ -180,15 +180,22 @@ def _relay_case(group, cp, shapes, gaps: bool, relays: bool) -> list[str]:
 
 
 def test_push_relays_only_where_it_saves_copies(cuda_group, cp):
-    """With ``ag_relay`` None, a unit of 384 equal experts (Qwen3-30B-A3B's per layer,
+    """With ``ag_relay="auto"``, a unit of 384 equal experts (Qwen3-30B-A3B's per layer,
     as one shape, so that every rank's rows of them are equal at any world size) and
     two other parameters relays when its shards lie at uneven distances (one copy
     each per peer, as for separate arrays, against a few 2D copies from the slot),
     and pushes straight when they lie end to end in one buffer (2D copies either
     way). Both gather bitwise into a poisoned slot."""
-    if cuda_group.local_size < 2 or cuda_group.config.ag_transport != "push":
+    import dataclasses
+
+    g = cuda_group
+    if g.local_size < 2 or g.config.ag_transport != "push":
         pytest.skip("a relay needs node-local peers and the push transport")
     shapes = [(4096, 2048), (2048,)] + [(768, 2048)] * 384
-    bad = _guarded(_relay_case, cuda_group, cp, shapes, True, True)
-    bad += _guarded(_relay_case, cuda_group, cp, shapes, False, False)
-    _agree(cuda_group, bad, "relay choice")
+    saved, g.config = g.config, dataclasses.replace(g.config, ag_relay="auto")
+    try:
+        bad = _guarded(_relay_case, g, cp, shapes, True, True)
+        bad += _guarded(_relay_case, g, cp, shapes, False, False)
+    finally:
+        g.config = saved
+    _agree(g, bad, "relay choice")

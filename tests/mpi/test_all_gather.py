@@ -60,7 +60,7 @@ def arena(request, group):
     if request.param == "multicast":
         _skip_without_multicast(group)
     elif request.param == "push-relay":
-        g = tidearray.init(backend=group.backend.name, ag_transport="push", ag_relay=True)
+        g = tidearray.init(backend=group.backend.name, ag_transport="push", ag_relay="on")
         patch.setattr(ag, "RELAY_PART_NBYTES", 4096)
     elif request.param != group.config.ag_transport:
         transport = request.param.replace("-parts", "")
@@ -274,7 +274,7 @@ def _one_call_from(lo, hi, copies):
 def test_relay_pushes_each_byte_from_our_slot(group, monkeypatch):
     """A relayed push ([Note: relay]): its parts' own copies are exactly the direct own
     copies, and per peer its parts' pushes write exactly the direct pushes' bytes,
-    each read from the same offset in our slot. With ``ag_relay`` None a gather relays
+    each read from the same offset in our slot. With ``ag_relay="auto"`` a gather relays
     only where the backend counts fewer copies for it: never on the host backend
     (which merges no strided rows), and, with a count that merges rows read from our
     slot (as the cuda backend's 2D copies do), for a unit of many parameters."""
@@ -285,14 +285,14 @@ def test_relay_pushes_each_byte_from_our_slot(group, monkeypatch):
     unit = [(3 * WORLD, 40)] * 120 + [(WORLD,), (0, 4), (3 * WORLD, 50)]
     layout = cached_unit(tuple(unit), 4, WORLD)
     failures = []
-    for relay in (True, None):
+    for relay in ("on", "auto"):
         g = tidearray.init(backend=group.backend.name, ag_transport="push", ag_relay=relay)
         arena = tidearray.SlotArena(layout.nbytes, num_slots=1, group=g)
         slot, me, L = arena[0], g.topology.local_rank, g.local_size
         shards = [np.zeros(s.shard_numel, np.float32) for s in layout.specs]
         ptrs = [s.ctypes.data for s in shards]
         program = ag.build_program(g, layout, ptrs, slot)
-        if relay is None:
+        if relay == "auto":
             if ag.relays(g, program) and g.backend.name == "host":
                 failures.append("relays on the host backend, which merges no rows")
             monkeypatch.setattr(g.backend, "copy_calls", functools.partial(

@@ -28,7 +28,7 @@ SHAPES = [(6 * WORLD + 1, 40), (5,), (2 * WORLD, 3, 7)]
 def debug_group(request, group):
     relay = request.param == "push-relay"  # [Note: relay]
     g = ta.init(backend=group.backend.name, debug=True, chunk_nbytes=4096,
-                ag_transport="push" if relay else request.param, ag_relay=relay or None)
+                ag_transport="push" if relay else request.param, ag_relay="on" if relay else "off")
     yield g
     g.comm.Barrier()
     g.close()

@@ -149,14 +149,14 @@ class TidePull(_TideAs):
 
 
 @register
-class TideDirect(_TideAs):
-    """TIDE-AG pushing straight from the shards, never relayed ([Note: relay]): what
-    ``tide`` did before relays, where a unit relays."""
+class TideRelay(_TideAs):
+    """TIDE-AG with ``ag_relay="auto"`` ([Note: relay]): a unit whose pushes from its slot
+    take far fewer copies relays; the others gather exactly as ``tide``."""
 
-    name = "tide-direct"
-    description = ("TIDE-AG with ag_relay=False (every push straight from the shards, "
-                   "one copy per parameter held apart)")
-    settings = {"ag_relay": False}
+    name = "tide-relay"
+    description = ("TIDE-AG with ag_relay='auto' (own shards copied into our slot in parts, "
+                   "each part pushed from there, where that saves copies)")
+    settings = {"ag_relay": "auto"}
 
 
 @register
