@@ -43,9 +43,9 @@ RELAY_MIN_SAVED = 64
 # [Note: relay]
 # A push copies each piece of our column from wherever it lives: for our own
 # shards, the caller's arrays. Held as separate arrays, N parameters cost N copies
-# per peer, and the driver spends microseconds of host time on each (a batch
-# entry as much as a copy: on one H200, 393 copies of 1.5 MiB took 1.7 ms to
-# issue in one batch or in ten), so a unit of many small parameters is bound by
+# per peer, and the driver spends microseconds of host time on each, batched or
+# not (on one H200, 393 copies in one batch took 1.6-2.0 ms to issue:
+# docs/benchmarks/run13-relay), so a unit of many small parameters is bound by
 # its issue, not by the link (Qwen3-30B-A3B's layer: 393 parameters). The same
 # rows in our slot lie at fixed strides, and equal parameters (the experts) at
 # equal ones, so pushed from there they make a few 2D copies. A relayed push
@@ -55,7 +55,8 @@ RELAY_MIN_SAVED = 64
 # ordering differ. The first push waits for the first part's own copy, so parts
 # are small (RELAY_PART_NBYTES), and a relay is chosen only where it saves
 # RELAY_MIN_SAVED copies per peer, as the backend counts them (copy_calls: its
-# 2D runs need both sides in one allocation, which only it can tell).
+# 2D runs need both sides in one allocation, which only it can tell). Off by
+# default (Config.ag_relay) until relays are timed between GPUs.
 
 
 @functools.lru_cache(maxsize=1024)

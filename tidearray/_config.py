@@ -21,6 +21,7 @@ LOCAL_COPY_ALIGN = 1 << 16
 def _flag(text: str) -> bool:
     return text.lower() in ("1", "true", "yes", "on")
 
+
 @dataclass(frozen=True)
 class Config:
     """Settings of one group. Unknown keys are rejected, like mpi4py's ``rc``."""
