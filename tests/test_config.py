@@ -124,3 +124,13 @@ def test_ag_relay_from_environment_and_keywords():
     for transport in ("pull", "push-batch"):
         with pytest.raises(tidearray.TideInvalid, match=f"ag_relay.*'{transport}'"):
             Config.make(env={}, ag_transport=transport, ag_relay="on")
+
+
+def test_info_names_the_settings_not_at_their_defaults():
+    """``python -m tidearray.info`` lists exactly the settings that differ from the defaults."""
+    from tidearray.info import settings_changed
+
+    assert settings_changed(Config.make(env={})) == []
+    changed = settings_changed(Config.make(env={"TIDE_AG_RELAY": "auto", "TIDE_DEPTH": "2"},
+                                           chunk_nbytes=8192))
+    assert changed == ["chunk_nbytes=8192", "ag_relay='auto'"]

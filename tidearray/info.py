@@ -9,6 +9,7 @@ why, and still prints the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 from typing import Any, Optional
@@ -104,11 +105,19 @@ def _group_report() -> tuple[list[str], Any]:
     lines = [f"world {t.world}, {t.num_nodes} node(s) x {t.local_size} local rank(s); "
              f"backend {g.backend.name!r}; chunk {g.config.chunk_nbytes >> 20} MiB, "
              f"depth {g.config.depth}"]
+    lines.append("settings not at their defaults: " + (", ".join(settings_changed(g.config))
+                                                       or "none"))
     devices = g.comm.gather(getattr(g.backend, "device", None), root=0)
     if g.rank == 0 and devices and devices[0] is not None:
         lines.append("rank -> device: " + ", ".join(f"{r}->cuda:{d}" for r, d in
                                                     enumerate(devices)))
     return lines, g
+
+
+def settings_changed(config: Any) -> list[str]:
+    """``name=value`` of each setting not at its default (from ``TIDE_*`` or ``init``)."""
+    return [f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)
+            if getattr(config, f.name) != f.default]
 
 
 def nccl_lines() -> list[str]:
