@@ -15,6 +15,8 @@ not 2D copies) it prints, per rank, medians over timed calls of:
 * ``pieces``: the plan's own pushes (one copy per parameter, as the slot layout
   puts each parameter's rows apart), as plain ``cudaMemcpyAsync`` calls, and
   ``batch``: the same copies as the plan's one batch, both without flags;
+* ``own batch``: the plan's own copies (within the GPU, cut) as one batch, without
+  flags: what such copies cost to issue;
 * ``host``: the call's host time, and each primitive's share of it (wrapped
   executor methods), plus the top of a cProfile of the calls on rank 0;
 * with ``TIDE_PROFILE_CAST=1``, the same for a cast plan (fp32 masters).
@@ -132,6 +134,10 @@ def batch() -> None:
     g.backend.lanes.copier.copy(stream.ptr, pieces)
 
 
+def own_batch() -> None:
+    g.backend.lanes.copier.copy(stream.ptr, plan._program.own, local=True)
+
+
 def call() -> None:
     plan(stream=stream)
 
@@ -142,7 +148,8 @@ spent.clear()
 rows = {}
 for label, pre, fn in (("call", False, call), ("pre-issued", True, call),
                        ("push", True, push), ("push+own", True, push_and_own),
-                       ("pieces", True, plain_pieces), ("batch", True, batch)):
+                       ("pieces", True, plain_pieces), ("batch", True, batch),
+                       ("own batch", True, own_batch)):
     samples = [one(pre, fn) for _ in range(ITERS)]
     dev = comm.allreduce(np.median([s[0] for s in samples]), op=MPI.MAX)
     rows[label] = (dev, np.median([s[1] for s in samples]))
