@@ -5,7 +5,6 @@ GPU and CuPy, host otherwise)::
 
     mpiexec -n 2 python examples/quickstart.py
     TIDE_LOCAL_SIZE=1 mpiexec -n 4 python examples/quickstart.py   # 4 emulated nodes
-    TIDE_AG_RELAY=on mpiexec -n 2 python examples/quickstart.py    # relayed pushes
 
 What it does, on every rank:
 

@@ -109,28 +109,11 @@ def test_local_copy_max_default_environment_and_keyword():
         == 1 << 20
 
 
-def test_ag_relay_from_environment_and_keywords():
-    """Off by default; ``on`` or ``auto`` (relay where it saves copies) from
-    TIDE_AG_RELAY or a keyword; anything else refused, and ``on`` refused with a
-    transport other than push, whose pushes it reorders."""
-    assert Config.make(env={}).ag_relay == "off"
-    assert Config.make(env={"TIDE_AG_RELAY": "auto"}).ag_relay == "auto"
-    assert Config.make(env={"TIDE_AG_RELAY": "auto"}, ag_relay="on").ag_relay == "on"
-    assert Config.make(env={"TIDE_AG_TRANSPORT": "pull", "TIDE_AG_RELAY": "auto"}).ag_relay \
-        == "auto"
-    for bad in ("1", "yes", "Auto"):
-        with pytest.raises(tidearray.TideInvalid, match=f"ag_relay.*'{bad}'"):
-            Config.make(env={"TIDE_AG_RELAY": bad})
-    for transport in ("pull", "push-batch"):
-        with pytest.raises(tidearray.TideInvalid, match=f"ag_relay.*'{transport}'"):
-            Config.make(env={}, ag_transport=transport, ag_relay="on")
-
-
 def test_info_names_the_settings_not_at_their_defaults():
     """``python -m tidearray.info`` lists exactly the settings that differ from the defaults."""
     from tidearray.info import settings_changed
 
     assert settings_changed(Config.make(env={})) == []
-    changed = settings_changed(Config.make(env={"TIDE_AG_RELAY": "auto", "TIDE_DEPTH": "2"},
+    changed = settings_changed(Config.make(env={"TIDE_AG_TRANSPORT": "pull", "TIDE_DEPTH": "2"},
                                            chunk_nbytes=8192))
-    assert changed == ["chunk_nbytes=8192", "ag_relay='auto'"]
+    assert changed == ["chunk_nbytes=8192", "ag_transport='pull'"]

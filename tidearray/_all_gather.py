@@ -34,29 +34,6 @@ if TYPE_CHECKING:
 #: Parts of a pull gather, and the unit size below which it uses one part.
 PULL_PARTS = 2
 PULL_SPLIT_MIN = 32 << 20
-#: A relayed push ([Note: relay]): bytes per part, the most parts, and the copies per
-#: peer it must save over pushing straight from the shards (``ag_relay="auto"``).
-RELAY_PART_NBYTES = 32 << 20
-RELAY_PARTS_MAX = 16
-RELAY_MIN_SAVED = 64
-
-# [Note: relay]
-# A push copies each piece of our column from wherever it lives: for our own
-# shards, the caller's arrays. Held as separate arrays, N parameters cost N copies
-# per peer, and the driver spends microseconds of host time on each, batched or
-# not (on one H200, 393 copies in one batch took 1.6-2.0 ms to issue:
-# docs/benchmarks/run13-relay), so a unit of many small parameters is bound by
-# its issue, not by the link (Qwen3-30B-A3B's layer: 393 parameters). The same
-# rows in our slot lie at fixed strides, and equal parameters (the experts) at
-# equal ones, so pushed from there they make a few 2D copies. A relayed push
-# copies our own shards into our slot first, in parts, and pushes each part from
-# there once it has landed (lane p depends on lane me, part by part). The
-# protocol is unchanged (grant, write, arrive); only the pushes' sources and that
-# ordering differ. The first push waits for the first part's own copy, so parts
-# are small (RELAY_PART_NBYTES), and a relay is chosen only where it saves
-# RELAY_MIN_SAVED copies per peer, as the backend counts them (copy_calls: its
-# 2D runs need both sides in one allocation, which only it can tell). Off by
-# default (Config.ag_relay) until relays are timed between GPUs.
 
 
 @functools.lru_cache(maxsize=1024)
@@ -219,10 +196,6 @@ class _Program:
         own_parts: the own copies cut into the pull transport's parts.
         pulls: per node-local peer, that peer's slot cut into the same parts,
             as copies into this rank's slot.
-        relay: a relayed push's parts ([Note: relay]): the own copies of
-            each, and per peer its pushes from this rank's slot (empty without
-            own copies or peers).
-        relay_saved: the copies per peer that relaying saves (:func:`relays`).
         cast: for a cast plan, the pieces that round this rank's fp32 shards
             into its rows of the slot (then the gather runs in place: no own
             copies); empty otherwise.
@@ -236,8 +209,6 @@ class _Program:
     column: tuple
     own_parts: tuple
     pulls: dict
-    relay: tuple = ()
-    relay_saved: int = 0
     cast: tuple = ()
     out_dtype: Any = None
 
@@ -289,36 +260,9 @@ def build_program(group: Group, unit: UnitLayout, shard_ptrs: list[int],
          for pc in _pieces(unit, topo.column(q))], parts)) for q in range(L) if q != me}
     # The copier keeps its plans by a batch's identity: built once, here.
     batch = own + tuple(c for k in range(1, L) for c in pushes[(me + k) % L])
-    relay, saved = _relay_parts(group, slot, [(base + pc.offset, src(pc), pc.nbytes)
-                                              for pc in column], pushes) if own else ((), 0)
     return _Program(tuple(exchanges), own, pushes, batch,
                     tuple((pc.offset, src(pc), pc.nbytes) for pc in column), own_parts, pulls,
-                    relay, saved, cast, cast_to)
-
-
-def _relay_parts(group: Group, slot: Region, column: list, pushes: dict) -> tuple[tuple, int]:
-    """A relayed push's parts, ``(own copies, {peer: pushes from our slot})`` each,
-    and the copies per peer it saves, as the backend counts them ([Note: relay])."""
-    if not pushes:
-        return (), 0
-    base = slot.ptr(group.topology.local_rank)
-    nbytes = sum(n for _, _, n in column)
-    runs = [run for run in split_copies(
-        column, max(1, min(RELAY_PARTS_MAX, -(-nbytes // RELAY_PART_NBYTES)))) if run]
-    parts = tuple((tuple(c for c in run if c[0] != c[1]),
-                   {p: tuple((slot.ptr(p) + dst - base, dst, n) for dst, _, n in run)
-                    for p in pushes})
-                  for run in runs)
-    peer, calls = next(iter(pushes)), group.backend.copy_calls
-    # Each part adds one cross-lane dependency per peer: count it as a call.
-    return parts, calls(pushes[peer]) - sum(calls(to[peer]) + 1 for _, to in parts)
-
-
-def relays(group: Group, program: _Program) -> bool:
-    """Whether a push gather of ``program`` relays (``Config.ag_relay``; [Note: relay])."""
-    choice = group.config.ag_relay
-    return bool(program.relay) and (choice == "on" or (
-        choice == "auto" and program.relay_saved >= RELAY_MIN_SAVED))
+                    cast, cast_to)
 
 
 def _transport(group: Group, slot: Region) -> str:
@@ -367,8 +311,6 @@ def issue(group: Group, ex: Executor, program: _Program, slot: Region,
     if transport == "pull":
         _pull(ex, slot, program, me, peers, use, after_net, stamps)
         return
-    if transport == "push" and relays(group, program):
-        transport = "push-relayed"
     _PUSHES[transport](ex, slot, program, me, peers, use, after_net, stamps)
     for q in peers:
         ex.wait(ex.COMPUTE, slot.flag(me, AG_CHANNEL, ARRIVED, q), use)
@@ -422,48 +364,18 @@ def _push_per_peer(ex: Executor, slot: Region, program: _Program, me: int, peers
     local copy at several times the link's rate) overlaps them.
     """
     for p in peers:
-        _await_grant(ex, slot, program, me, p, use, after_net)
-        _pushed(ex, slot, p, me, use, program.pushes[p], stamps)
+        if after_net:
+            ex.depend(p, ex.NET)
+        if program.cast:
+            ex.depend(p, ex.COMPUTE)
+        ex.wait(p, slot.flag(me, AG_CHANNEL, FREE, p), use)
+        ex.copy(p, program.pushes[p])
+        if stamps is not None:
+            stamps.send(ex, p, slot, AG_CHANNEL, p, use)
+        ex.signal(p, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
     if program.own:  # none when the shards were cast into the slot
         _start(ex, me, after_net)
         ex.copy(me, program.own, local=True)
-
-
-def _push_relayed(ex: Executor, slot: Region, program: _Program, me: int, peers: list, use: int,
-                  after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
-    """Our own copy part by part, each part pushed from our slot once it has landed
-    ([Note: relay]): lane p depends on lane me before each part's pushes."""
-    for p in peers:
-        _await_grant(ex, slot, program, me, p, use, after_net)
-    _start(ex, me, after_net)
-    last = len(program.relay) - 1
-    for k, (own, pushes) in enumerate(program.relay):
-        ex.copy(me, own, local=True)
-        for p in peers:
-            ex.depend(p, me)
-            if k < last:
-                ex.copy(p, pushes[p])
-            else:
-                _pushed(ex, slot, p, me, use, pushes[p], stamps)
-
-
-def _await_grant(ex: Executor, slot: Region, program: _Program, me: int, p: int, use: int,
-                 after_net: bool) -> None:
-    """Hold lane ``p`` until peer ``p`` granted this use of its slot (and our column is in)."""
-    if after_net:
-        ex.depend(p, ex.NET)
-    if program.cast:
-        ex.depend(p, ex.COMPUTE)
-    ex.wait(p, slot.flag(me, AG_CHANNEL, FREE, p), use)
-
-
-def _pushed(ex: Executor, slot: Region, p: int, me: int, use: int, copies: tuple,
-            stamps: Optional[_stamps.Stamps]) -> None:
-    """The last copies into peer ``p``'s slot, then its arrival signal (lane ``p``)."""
-    ex.copy(p, copies)
-    if stamps is not None:
-        stamps.send(ex, p, slot, AG_CHANNEL, p, use)
-    ex.signal(p, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
 
 
 def _push_single_batch(ex: Executor, slot: Region, program: _Program, me: int, peers: list,
@@ -504,6 +416,5 @@ def _arrive(ex: Executor, me: int, slot: Region, peers: list, use: int,
         ex.signal(me, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
 
 
-_PUSHES = {"push": _push_per_peer, "push-relayed": _push_relayed,
-           "push-batch": _push_single_batch,
+_PUSHES = {"push": _push_per_peer, "push-batch": _push_single_batch,
            "multicast": _push_multicast}

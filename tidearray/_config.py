@@ -12,7 +12,6 @@ from ._errors import TideInvalid
 AG_TRANSPORTS = ("pull", "push", "push-batch")
 SYMMETRIC_MEMORY = ("auto", "vmm", "ipc")
 ACCUM_KERNELS = ("vector", "bulk")
-AG_RELAYS = ("off", "auto", "on")
 #: ``local_copy_max`` is a multiple of this (``_layout.SPLIT_ALIGN``): pieces keep their
 #: copy's vector alignment, and a tiny value cannot make millions of pieces.
 LOCAL_COPY_ALIGN = 1 << 16
@@ -60,17 +59,6 @@ class Config:
     them from there: reads ran at 369 GB/s, and the staging copy slows them), or
     ``"push-batch"`` (own copy and every push in one batch on one lane, like
     NCCL's CE all-gather). Env: ``TIDE_AG_TRANSPORT``."""
-
-    ag_relay: str = "off"
-    """Whether the ``push`` all-gather relays: copies its own shards into its slot
-    first, in parts of about 32 MiB, and pushes each part from there once it has
-    landed, instead of straight from the shards. From the slot, a parameter's rows
-    lie at fixed strides, so the pushes of many equal parameters (a layer's
-    experts) become a few 2D copies, where shards held as separate arrays take
-    one copy each, and each copy costs the host microseconds to issue.
-    ``"off"`` (default, until relays are timed between GPUs): never; ``"auto"``:
-    where that saves at least 64 copies per peer; ``"on"``: always (push
-    transport only). Env: ``TIDE_AG_RELAY``."""
 
     accum_ctas: Optional[int] = None
     """CTAs of the reduce-scatter's accumulate kernel; None means half the SMs.
@@ -161,11 +149,6 @@ class Config:
         if self.symmetric_memory not in SYMMETRIC_MEMORY:
             raise TideInvalid(f"symmetric_memory: expected one of {SYMMETRIC_MEMORY}, got "
                               f"{self.symmetric_memory!r}")
-        if self.ag_relay not in AG_RELAYS:
-            raise TideInvalid(f"ag_relay: expected one of {AG_RELAYS}, got {self.ag_relay!r}")
-        if self.ag_relay == "on" and self.ag_transport != "push":
-            raise TideInvalid(f"ag_relay: expected ag_transport 'push' to relay, got "
-                              f"{self.ag_transport!r}")
         if self.local_size is not None and self.local_size < 1:
             raise TideInvalid(f"local_size: expected >= 1, got {self.local_size}")
         if self.ce_split < 1:

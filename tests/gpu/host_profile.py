@@ -1,8 +1,7 @@
 """Where a gather plan's time goes (diagnostic): ``mpirun -n 2 python tests/gpu/host_profile.py``.
 
 For the Llama-3.1-8B unit (or the unit named by ``TIDE_PROFILE_UNIT``, e.g.
-``qwen3-30b-a3b``; ``TIDE_PROFILE_NO_2D=1`` sends strided runs as batch entries,
-not 2D copies) it prints, per rank, medians over timed calls of:
+``qwen3-30b-a3b``) it prints, per rank, medians over timed calls of:
 
 * ``call``: the plan call as the benchmark times it (events around the call on an
   idle stream: host issue included);
@@ -56,8 +55,6 @@ unit = ta.Unit(shapes, ta.bfloat16)
 arena = ta.SlotArena(max(unit.nbytes, unit.staging_nbytes), num_slots=1)
 dtype = np.float32 if cast else ta.bfloat16
 shards = [cp.zeros(s, dtype) for s in unit.shard_shapes]
-if os.environ.get("TIDE_PROFILE_NO_2D") == "1":  # strided runs as batch entries instead
-    g.backend.lanes.copier.configure(strided=False)
 plan = unit.gather_plan(shards, arena[0], cast=cast)
 stream = cp.cuda.Stream(non_blocking=True)
 spent: dict = defaultdict(float)

@@ -7,8 +7,6 @@ gathers, and compares bits; failures are collective (``agree``).
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 from hypothesis import example, given
@@ -45,27 +43,23 @@ def _skip_without_multicast(group) -> None:
 
 
 @pytest.fixture(scope="module",
-                params=["push", "push-relay", "pull", "pull-parts", "push-batch", "multicast"])
+                params=["push", "pull", "pull-parts", "push-batch", "multicast"])
 def arena(request, group):
     """Two slots, made once (mapping is the expensive part), for each transport: push
-    (the default: one batch per peer; "push-relay" relays every gather, in parts of
-    4 KiB: [Note: relay]), pull ("pull-parts" also cuts small units into parts, as
-    large ones are) and one batch for all peers (each on a second group with that
-    ``ag_transport``), and multicast slots (on host: the emulation that checks
-    multicast addressing). Tests use ``arena.group``."""
-    import tidearray._all_gather as ag
-
+    (the default: one batch per peer), pull ("pull-parts" also cuts small units into
+    parts, as large ones are) and one batch for all peers (each on a second group
+    with that ``ag_transport``), and multicast slots (on host: the emulation that
+    checks multicast addressing). Tests use ``arena.group``."""
     g = group
     patch = pytest.MonkeyPatch()
     if request.param == "multicast":
         _skip_without_multicast(group)
-    elif request.param == "push-relay":
-        g = tidearray.init(backend=group.backend.name, ag_transport="push", ag_relay="on")
-        patch.setattr(ag, "RELAY_PART_NBYTES", 4096)
     elif request.param != group.config.ag_transport:
         transport = request.param.replace("-parts", "")
         g = tidearray.init(backend=group.backend.name, ag_transport=transport)
     if request.param == "pull-parts":
+        import tidearray._all_gather as ag
+
         patch.setattr(ag, "PULL_SPLIT_MIN", 0)
     yield tidearray.SlotArena(SLOT_BYTES, num_slots=2, group=g,
                               multicast=request.param == "multicast")
@@ -253,66 +247,3 @@ def test_only_own_copies_are_marked_local(arena, monkeypatch):
         failures.append(f"{transport}: local copies hold {sum(n for *_, n in local)} B, "
                         f"this rank's rows {real} B")
     agree(g.comm, failures, f"transport {transport}")
-
-
-def _ranges(copies, side):
-    """``copies``' (start, length) on one side (0: destinations, 1: sources), merged."""
-    merged = []
-    for start, n in sorted((c[side], c[2]) for c in copies if c[2]):
-        if merged and merged[-1][0] + merged[-1][1] == start:
-            merged[-1] = (merged[-1][0], merged[-1][1] + n)
-        else:
-            merged.append((start, n))
-    return merged
-
-
-def _one_call_from(lo, hi, copies):
-    """A copy count that merges every batch read from ``[lo, hi)`` into one call."""
-    return 1 if copies and all(lo <= c[1] < hi for c in copies) else len(copies)
-
-
-def test_relay_pushes_each_byte_from_our_slot(group, monkeypatch):
-    """A relayed push ([Note: relay]): its parts' own copies are exactly the direct own
-    copies, and per peer its parts' pushes write exactly the direct pushes' bytes,
-    each read from the same offset in our slot. With ``ag_relay="auto"`` a gather relays
-    only where the backend counts fewer copies for it: never on the host backend
-    (which merges no strided rows), and, with a count that merges rows read from our
-    slot (as the cuda backend's 2D copies do), for a unit of many parameters."""
-    import tidearray._all_gather as ag
-    from tidearray._layout import cached_unit
-
-    monkeypatch.setattr(ag, "RELAY_PART_NBYTES", 4096)
-    unit = [(3 * WORLD, 40)] * 120 + [(WORLD,), (0, 4), (3 * WORLD, 50)]
-    layout = cached_unit(tuple(unit), 4, WORLD)
-    failures = []
-    for relay in ("on", "auto"):
-        g = tidearray.init(backend=group.backend.name, ag_transport="push", ag_relay=relay)
-        arena = tidearray.SlotArena(layout.nbytes, num_slots=1, group=g)
-        slot, me, L = arena[0], g.topology.local_rank, g.local_size
-        shards = [np.zeros(s.shard_numel, np.float32) for s in layout.specs]
-        ptrs = [s.ctypes.data for s in shards]
-        program = ag.build_program(g, layout, ptrs, slot)
-        if relay == "auto":
-            if ag.relays(g, program) and g.backend.name == "host":
-                failures.append("relays on the host backend, which merges no rows")
-            monkeypatch.setattr(g.backend, "copy_calls", functools.partial(
-                _one_call_from, slot.ptr(me), slot.ptr(me) + slot.nbytes))
-            program = ag.build_program(g, layout, ptrs, slot)
-        if (L > 1) != ag.relays(g, program):
-            failures.append(f"ag_relay={relay} with {L} local ranks: relays "
-                            f"{ag.relays(g, program)}")
-        parts = program.relay
-        if parts and len(parts) < 2:
-            failures.append(f"expected several 4 KiB parts, got {len(parts)}")
-        if parts and _ranges([c for own, _ in parts for c in own], 0) != _ranges(program.own, 0):
-            failures.append(f"ag_relay={relay}: own copies differ from the direct ones")
-        for p in (program.pushes if parts else ()):
-            relayed = [c for _, to in parts for c in to[p]]
-            if _ranges(relayed, 0) != _ranges(program.pushes[p], 0):
-                failures.append(f"ag_relay={relay}: pushes to {p} write other bytes")
-            if any(src - slot.ptr(me) != dst - slot.ptr(p) for dst, src, _ in relayed):
-                failures.append(f"ag_relay={relay}: a push to {p} reads another offset")
-        slot.free()
-        g.comm.Barrier()
-        g.close()
-    agree(group.comm, failures, "relay plan")

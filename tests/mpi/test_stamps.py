@@ -24,11 +24,10 @@ pytestmark = pytest.mark.mpi
 SHAPES = [(6 * WORLD + 1, 40), (5,), (2 * WORLD, 3, 7)]
 
 
-@pytest.fixture(scope="module", params=["push", "push-relay", "push-batch", "pull"])
+@pytest.fixture(scope="module", params=["push", "push-batch", "pull"])
 def debug_group(request, group):
-    relay = request.param == "push-relay"  # [Note: relay]
-    g = ta.init(backend=group.backend.name, debug=True, chunk_nbytes=4096,
-                ag_transport="push" if relay else request.param, ag_relay="on" if relay else "off")
+    g = ta.init(backend=group.backend.name, debug=True, ag_transport=request.param,
+                chunk_nbytes=4096)
     yield g
     g.comm.Barrier()
     g.close()

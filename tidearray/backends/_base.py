@@ -264,11 +264,6 @@ class Backend(abc.ABC):
     def _alloc_multicast(self, nbytes: int) -> SymmetricBuffer:
         raise NotImplementedError
 
-    def copy_calls(self, copies: Sequence[Copy]) -> int:
-        """How many copy calls (or batch entries) :meth:`Executor.copy` would spend
-        on ``copies``: what a batch costs the host, for choosing between plans."""
-        return sum(1 for c in copies if c[2])
-
     @abc.abstractmethod
     def executor(self, stream: Any = None) -> Executor:
         """Start one collective, its lanes ordered after ``stream``."""

@@ -220,8 +220,5 @@ class HostBackend(Backend):
     def _alloc_multicast(self, nbytes: int) -> HostSymmetricBuffer:
         return HostSymmetricBuffer(self.group.node_comm, nbytes, multicast=True)
 
-    def copy_calls(self, copies: Any) -> int:
-        return len(coalesce(copies))
-
     def executor(self, stream: Any = None) -> HostExecutor:
         return HostExecutor(self)

@@ -115,48 +115,30 @@ class TidePlan(Tide):
                         _release(last, slot, staging))
 
 
-class _TideAs(Tide):
-    """TIDE-AG with other settings (``settings``), in the same run as ``tide``."""
+@register
+class TidePull(Tide):
+    """TIDE-AG over copy-engine pulls instead of pushes, in the same run as ``tide``."""
 
+    name = "tide-pull"
+    description = ("TIDE-AG with ag_transport='pull' (own shards staged in our slot, "
+                   "read by each peer)")
     ops = ("ag",)
-    settings: dict = {}
 
     def setup(self, data: UnitData) -> Prepared:
         import dataclasses
 
         prep = super().setup(data)
         g = self.ctx.group
-        other, gather = dataclasses.replace(g.config, **self.settings), prep.ag
+        pull, gather = dataclasses.replace(g.config, ag_transport="pull"), prep.ag
 
         def ag() -> None:
-            saved, g.config = g.config, other
+            saved, g.config = g.config, pull
             try:
                 gather()
             finally:
                 g.config = saved
 
         return dataclasses.replace(prep, ag=ag, rs=None, rs_out=None, phases={})
-
-
-@register
-class TidePull(_TideAs):
-    """TIDE-AG over copy-engine pulls instead of pushes, in the same run as ``tide``."""
-
-    name = "tide-pull"
-    description = ("TIDE-AG with ag_transport='pull' (own shards staged in our slot, "
-                   "read by each peer)")
-    settings = {"ag_transport": "pull"}
-
-
-@register
-class TideRelay(_TideAs):
-    """TIDE-AG with ``ag_relay="auto"`` ([Note: relay]): a unit whose pushes from its slot
-    take far fewer copies relays; the others gather exactly as ``tide``."""
-
-    name = "tide-relay"
-    description = ("TIDE-AG with ag_relay='auto' (own shards copied into our slot in parts, "
-                   "each part pushed from there, where that saves copies)")
-    settings = {"ag_relay": "auto"}
 
 
 @register

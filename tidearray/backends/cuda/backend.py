@@ -362,9 +362,6 @@ class CudaBackend(Backend):
         with cupy.cuda.Device(self.device):
             return kind(self.group.node_comm, nbytes, self.device)
 
-    def copy_calls(self, copies: Any) -> int:
-        return self.lanes.copier.calls(copies)
-
     def executor(self, stream: Any = None) -> CudaExecutor:
         self.check()  # a timed-out collective broke the group ([Note: watchdog])
         return CudaExecutor(self.lanes, self.group.local_size, stream)

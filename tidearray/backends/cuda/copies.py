@@ -238,13 +238,7 @@ class Copier:
         for dst, src, n in rest:
             rt.memcpyAsync(dst, src, n, rt.memcpyDefault, stream_ptr)
 
-    def calls(self, copies: Sequence[tuple[int, int, int]]) -> int:
-        """Driver calls and batch entries :meth:`copy` spends on ``copies``, each a
-        few microseconds of host time (planned afresh: for choosing between plans)."""
-        strided, large, rest, _ = self._plan(copies, pack=False)
-        return len(strided) + len(large) + sum(1 for c in rest if c[2])
-
-    def _plan(self, copies: Sequence[tuple[int, int, int]], pack: bool = True) -> tuple:
+    def _plan(self, copies: Sequence[tuple[int, int, int]]) -> tuple:
         """(2D runs, large copies, the rest, the rest packed for the driver or None)."""
         strided, large, rest = [], [], []
         alone = self.large_min
@@ -255,8 +249,6 @@ class Copier:
             for k in range(r.height):
                 c = (r.dst + k * r.dpitch, r.src + k * r.spitch, r.width)
                 (large if alone is not None and r.width >= alone else rest).append(c)
-        if not pack:
-            return strided, large, rest, None
         return self._packed(tuple(strided), tuple(large), tuple(rest))
 
     def _local_plan(self, copies: Sequence[tuple[int, int, int]]) -> tuple:
