@@ -52,6 +52,7 @@ def test_rejects_unknown_keys():
     ("accum_kernel", "tma", "accum_kernel"),
     ("local_copy_max", -1, "local_copy_max"),
     ("local_copy_max", 1000, "local_copy_max"),
+    ("local_copy_kernel_min", -1, "local_copy_kernel_min"),
 ])
 def test_rejects_bad_values(key, value, word):
     with pytest.raises(tidearray.TideInvalid, match=word) as info:

@@ -105,6 +105,16 @@ class Config:
     cuda backend's ``copies``). 0 leaves them whole; otherwise a multiple of 64 KiB.
     Env: ``TIDE_LOCAL_COPY_MAX``."""
 
+    local_copy_kernel_min: int = 64
+    """A cached batch of at least this many same-device copies (64; the all-gather's
+    own copy, the pull transport's staging, the reduce-scatter's copy out of
+    NCCL's buffer across nodes) goes as one copy kernel (``kernels/pack.cu``, on
+    an eighth of the SMs) instead of the driver's batch: the driver spends microseconds of host time
+    on each same-device copy (on H200, 1,500 us for 393 in one batch), so a unit
+    of many parameters held as separate arrays was bound by that issue. The
+    driver runs such copies on the SMs either way. 0: never (TIDE-AG then
+    launches no kernel). Env: ``TIDE_LOCAL_COPY_KERNEL_MIN``."""
+
     debug: bool = False
     """Debug mode (False): re-check every plan call across ranks (one small
     agreement per call), so ranks that call plans in different orders raise;
@@ -158,6 +168,9 @@ class Config:
         if self.local_copy_max < 0 or self.local_copy_max % LOCAL_COPY_ALIGN:
             raise TideInvalid(f"local_copy_max: expected 0 or a positive multiple of "
                               f"{LOCAL_COPY_ALIGN} bytes, got {self.local_copy_max}")
+        if self.local_copy_kernel_min < 0:
+            raise TideInvalid(f"local_copy_kernel_min: expected >= 0, got "
+                              f"{self.local_copy_kernel_min}")
         if self.chunk_nbytes < 4096:
             raise TideInvalid(f"chunk_nbytes: expected >= 4096, got {self.chunk_nbytes}")
         if not 1 <= self.depth <= 4:

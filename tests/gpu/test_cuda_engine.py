@@ -185,6 +185,43 @@ def test_copier_local_copies_cut_and_exact(cuda_group, cp, batched):
     assert bool((dst == want).all())
 
 
+def test_copier_many_local_copies_go_as_one_kernel(cuda_group, cp):
+    """A cached tuple of at least ``kernel_min`` same-device copies goes as one copy
+    kernel (``pack_bytes``) and lands bitwise into a poisoned buffer, odd sizes and
+    unaligned addresses included, call after call with new data; fewer copies go in
+    the batch."""
+    from tidearray.backends.cuda.copies import Copier, _KernelCopy
+
+    be = cuda_group.backend.lanes
+    c = Copier(None, local_max=64 << 10, kernel_min=8, device=be.device, ctas=3)
+    c.probe(be.streams[0].ptr)
+    rng = np.random.default_rng()
+    src = cp.zeros(8 << 20, cp.uint8)
+    dst = cp.zeros_like(src)
+    copies, at = [], 0
+    for n in [int(n) for n in rng.integers(1, 300_000, 20)] + [1 << 20, 16, 0]:
+        copies.append((dst.data.ptr + at + int(rng.integers(0, 16)), src.data.ptr + at + 5, n))
+        at += n + 4096 + 32
+    copies = tuple(copies)
+    for _ in range(2):  # the table is uploaded once, the data changes
+        src[...] = cp.asarray(rng.integers(0, 256, src.size, dtype=np.uint8))
+        dst.fill(0xA5)
+        cp.cuda.runtime.deviceSynchronize()
+        c.copy(be.streams[0].ptr, copies, local=True)
+        be.streams[0].synchronize()
+        want = cp.full_like(src, 0xA5)
+        base_d, base_s = dst.data.ptr, src.data.ptr
+        for d, s_, n in copies:
+            want[d - base_d: d - base_d + n] = src[s_ - base_s: s_ - base_s + n]
+        assert bool((dst == want).all())
+    plans = []  # the plan the call made: a miss raises
+    assert isinstance(c._local_plans.get(copies, lambda _: plans.pop()), _KernelCopy)
+    few = copies[:7]
+    c.copy(be.streams[0].ptr, few, local=True)
+    be.streams[0].synchronize()
+    assert isinstance(c._local_plans.get(few, lambda _: plans.pop()), tuple)
+
+
 def test_capabilities_reported(cuda_group):
     caps = cuda_group.backend.capabilities
     for name in ("batched copies", "stream memory operations", "symmetric memory", "multicast",

@@ -19,10 +19,10 @@ import numpy as np
 
 from .._layout import FLAT_ALIGN_BYTES as ALIGN_BYTES  # noqa: F401  (re-exported)
 from .._layout import FlatLayout, flat_layout  # noqa: F401  (re-exported)
+from ..backends.cuda.kernels import PACK_BYTES_TILE as BYTES_TILE
+from ..backends.cuda.kernels import PACK_CVT_TILE as CVT_TILE
+from ..backends.cuda.kernels import pack_table as seg_table
 
-#: Tile sizes; must match BYTES_TILE / CVT_TILE in kernels/pack.cu.
-BYTES_TILE = 65536
-CVT_TILE = 32768
 THREADS = 512
 MAX_GRID = 2**31 - 1
 
@@ -64,17 +64,6 @@ def chunk_cat_segs(lay: FlatLayout, grad_ptrs: Sequence[int], flat_ptr: int, in_
 
 def to_bytes(segs: list[Seg], itemsize: int) -> list[Seg]:
     return [(d, s, v * itemsize, t * itemsize) for d, s, v, t in segs]
-
-
-def seg_table(segs: list[Seg], tile: int) -> tuple[np.ndarray, int]:
-    """``(n, 5)`` int64 rows ``dst, src, valid, total, tile0`` and the tile count."""
-    segs = [s for s in segs if s[3] > 0]
-    table = np.zeros((len(segs), 5), np.int64)
-    t0 = 0
-    for i, (d, s, v, t) in enumerate(segs):
-        table[i] = (d, s, v, t, t0)  # user-space addresses fit in int64
-        t0 += -(-t // tile)
-    return table, t0
 
 
 class HostCopy:

@@ -204,7 +204,9 @@ class CudaBackend(Backend):
             # and split - 1 more per peer lane for pushes split over copy engines.
             streams=[stream() for _ in range(local_size + 2)],
             aux_streams=[[stream() for _ in range(split - 1)] for _ in range(local_size)],
-            push_split=split, copier=Copier(config.batch_copies, config.local_copy_max),
+            push_split=split, copier=Copier(config.batch_copies, config.local_copy_max,
+                                            config.local_copy_kernel_min, self.device,
+                                            max(1, sms // 8)),
             flags=FlagOps(self.device),
             accumulator=Accumulator(self.device, sms, config.accum_ctas,
                                     kernel=config.accum_kernel),

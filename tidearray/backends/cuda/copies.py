@@ -42,6 +42,16 @@ development record in docs/benchmarks/run13-bounds). So copies a caller marks
 ``local`` are cut into pieces of at most ``Config.local_copy_max`` bytes and go
 in the batch, never as 2D copies.
 
+Each such copy also costs the host microseconds to issue, in a batch or not:
+393 copies of 1 MiB within one H200 took 1,500 us in one batch, the same copies
+from pinned host memory 4 us, and into it 167 us (copy engines; the development
+record in docs/benchmarks/run13-issue). So an own copy of many separate arrays
+(Qwen3-30B-A3B's layer: 393) bound a gather by its issue, not by the link. A
+tuple of at least ``Config.local_copy_kernel_min`` such copies goes instead as
+one launch of ``pack_bytes`` (``kernels/pack.cu``) over a segment table
+uploaded once, on ``ctas`` CTAs (an eighth of the SMs): the same SM work the
+driver would do, in one launch.
+
 Copies to and from a peer's memory go over NVLink by copy engine.
 """
 
@@ -61,6 +71,8 @@ from . import driver
 #: Runs of at least this many equal, evenly spaced copies become one 2D copy:
 #: a pair is cheaper as two batch entries.
 STRIDED_MIN_ROWS = 3
+#: Threads per CTA of the same-device copy kernel (``pack_bytes``).
+KERNEL_THREADS = 512
 
 
 def stream_order_attrs() -> Any:
@@ -110,6 +122,10 @@ class Copier:
             None means batch where the probe succeeds.
         local_max: ``Config.local_copy_max``: same-device copies are cut into
             pieces of at most this many bytes (0: left whole).
+        kernel_min: ``Config.local_copy_kernel_min``: a tuple of at least this
+            many same-device copies goes as one copy kernel (0: never).
+        device: the CUDA device (for the copy kernel).
+        ctas: the copy kernel's grid.
 
     Attributes:
         large_min: copies of at least this many bytes go alone (None: none do).
@@ -119,9 +135,11 @@ class Copier:
         (All through :meth:`configure`, which drops the plans made so far.)
     """
 
-    def __init__(self, want_batch: Optional[bool], local_max: int = 0) -> None:
+    def __init__(self, want_batch: Optional[bool], local_max: int = 0, kernel_min: int = 0,
+                 device: int = 0, ctas: int = 16) -> None:
         self.want_batch = want_batch
         self.local_max = self._local_max_made = local_max
+        self.kernel_min, self.device, self.ctas = kernel_min, device, ctas
         self.batched = False
         self.reason = "not probed yet"
         self.large_min: Optional[int] = None
@@ -132,7 +150,7 @@ class Copier:
         self._cudart: Any = None
         self._range: Any = None
         self._plans = IdentityCache()
-        self._local_plans = IdentityCache()
+        self._local_plans = IdentityCache(evict=_KernelCopy.release)
         self._runs = IdentityCache()
 
     def probe(self, stream_ptr: int) -> tuple[bool, str]:
@@ -195,7 +213,7 @@ class Copier:
         self.large_min, self.strided, self.min_rows = large_min, strided, min_rows
         self.local_max = self._local_max_made if local_max is None else local_max
         self._plans = IdentityCache()
-        self._local_plans = IdentityCache()
+        self._local_plans.clear()  # waits for copy kernels still reading their tables
 
     def runs(self, copies: Sequence[tuple[int, int, int]], parts: int,
              min_bytes: int = 0) -> tuple:
@@ -222,7 +240,11 @@ class Copier:
 
         rt = cupy.cuda.runtime
         if local:
-            strided, large, rest, packed = self._local_plans.get(copies, self._local_plan)
+            plan = self._local_plans.get(copies, self._local_plan)
+            if isinstance(plan, _KernelCopy):
+                plan(stream_ptr)
+                return
+            strided, large, rest, packed = plan
         else:
             strided, large, rest, packed = self._plans.get(copies, self._plan)
         for r in strided:
@@ -251,8 +273,12 @@ class Copier:
                 (large if alone is not None and r.width >= alone else rest).append(c)
         return self._packed(tuple(strided), tuple(large), tuple(rest))
 
-    def _local_plan(self, copies: Sequence[tuple[int, int, int]]) -> tuple:
-        """Same-device copies: cut, all in the batch ([Note: same-device copies])."""
+    def _local_plan(self, copies: Sequence[tuple[int, int, int]]) -> Any:
+        """Same-device copies: one copy kernel for a cached tuple of many, else cut,
+        all in the batch ([Note: same-device copies])."""
+        live = [c for c in copies if c[2]]
+        if type(copies) is tuple and self.kernel_min and len(live) >= self.kernel_min:
+            return _KernelCopy(live, self.device, self.ctas)
         return self._packed((), (), tuple(c for c in cut_copies(copies, self.local_max) if c[2]))
 
     def _packed(self, strided: tuple, large: tuple, rest: tuple) -> tuple:
@@ -289,3 +315,37 @@ class Copier:
             fail = res[1] if len(res) > 1 else None
             raise TideBackendError(f"cudaMemcpyBatchAsync of {len(sizes)} copies failed: "
                                    f"{err} (failing copy index {fail})")
+
+
+class _KernelCopy:
+    """Same-device copies as one launch of ``pack_bytes`` (``kernels/pack.cu``), its
+    segment table uploaded at the first call, on the stream of that call
+    ([Note: same-device copies]). Kept by the copier for a cached tuple."""
+
+    def __init__(self, copies: Sequence[tuple[int, int, int]], device: int, ctas: int) -> None:
+        from . import kernels
+
+        self.table, self.ntiles = kernels.pack_table([(d, s, n, n) for d, s, n in copies],
+                                                     kernels.PACK_BYTES_TILE)
+        self.grid = max(1, min(self.ntiles, ctas))
+        self.fn = kernels.function("pack.cu", "pack_bytes", device)
+        self.dev: Any = None
+        self.event: Any = None
+
+    def __call__(self, stream_ptr: int) -> None:
+        import cupy
+
+        stream = cupy.cuda.ExternalStream(stream_ptr)
+        with stream:
+            if self.dev is None:  # uploaded in stream order, before the launch reads it
+                self.dev = cupy.asarray(self.table)
+                self.event = cupy.cuda.Event(block=False, disable_timing=True)
+            self.fn((self.grid,), (KERNEL_THREADS,),
+                    (self.dev, np.int32(len(self.table)), np.int64(self.ntiles)))
+        self.event.record(stream)
+
+    @staticmethod
+    def release(plan: Any) -> None:
+        """Before a plan is dropped: wait until its last launch has read its table."""
+        if isinstance(plan, _KernelCopy) and plan.event is not None and not plan.event.done:
+            plan.event.synchronize()

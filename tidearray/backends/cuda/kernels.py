@@ -17,7 +17,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..._errors import TideBackendError
+
+#: Tile sizes of ``kernels/pack.cu`` (``BYTES_TILE``, ``CVT_TILE`` there).
+PACK_BYTES_TILE = 65536
+PACK_CVT_TILE = 32768
 
 _INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"[ \t]*$', re.M)
 
@@ -76,3 +82,16 @@ def module(name: str, device: int) -> Any:
 def function(name: str, kernel: str, device: int) -> Any:
     """The ``cupy.RawKernel`` called ``kernel`` in ``kernels/<name>``."""
     return module(name, device).get_function(kernel)
+
+
+def pack_table(segs: list, tile: int) -> tuple[np.ndarray, int]:
+    """The segment table of ``kernels/pack.cu`` for ``(dst, src, valid, total)``
+    segments: ``(n, 5)`` int64 rows ``dst, src, valid, total, tile0`` (empty
+    segments left out), and the tile count."""
+    segs = [s for s in segs if s[3] > 0]
+    table = np.zeros((len(segs), 5), np.int64)
+    t0 = 0
+    for i, (d, s, v, t) in enumerate(segs):
+        table[i] = (d, s, v, t, t0)  # user-space addresses fit in int64
+        t0 += -(-t // tile)
+    return table, t0
