@@ -177,7 +177,7 @@ class CudaExecutor(Executor):
         """One batch; to a peer, split over ``push_split`` streams ([Note: split pushes])."""
         s = self._lane(lane)
         if local:
-            self.lanes.copier.copy(s.ptr, copies, local=True)
+            self.lanes.copier.copy(s.ptr, copies, local=True, stream=s)
             return
         to_peer = lane < self.COMPUTE and lane != self.lanes.local_rank
         runs = self.lanes.copier.runs(copies, self.lanes.push_split if to_peer else 1,
