@@ -110,7 +110,7 @@ class Config:
     own copy, the pull transport's staging, the reduce-scatter's copy out of
     NCCL's buffer across nodes) goes as one copy kernel (``kernels/pack.cu``, on
     a quarter of the SMs) instead of the driver's batch: the driver spends
-    microseconds of host time on each same-device copy (on H200, 1,500 us for
+    microseconds of host time on each same-device copy (on H200, 1,515 us for
     393 in one batch), so a unit of many parameters held as separate arrays was
     bound by that issue. The driver runs such copies on the SMs either way.
     0: never (TIDE-AG then launches no kernel). Env: ``TIDE_LOCAL_COPY_KERNEL_MIN``."""

@@ -43,14 +43,14 @@ development record in docs/benchmarks/run13-bounds). So copies a caller marks
 in the batch, never as 2D copies.
 
 Each such copy also costs the host microseconds to issue, in a batch or not:
-393 copies of 1 MiB within one H200 took 1,500 us in one batch, the same copies
-from pinned host memory 4 us, and into it 167 us (copy engines; the development
+393 copies of 1 MiB within one H200 took 1,515 us in one batch, the same copies
+from pinned host memory 6 us, and into it 195 us (copy engines; the development
 record in docs/benchmarks/run13-issue). So an own copy of many separate arrays
 (Qwen3-30B-A3B's layer: 393) bound a gather by its issue, not by the link. A
 tuple of at least ``Config.local_copy_kernel_min`` such copies goes instead as
 one launch of ``pack_bytes`` (``kernels/pack.cu``) over a segment table
 uploaded once, on ``ctas`` CTAs (a quarter of the SMs: on H200, 393 copies of
-1.5 MiB in 847 us on 33 CTAs, 1,562 us on 16; run13-issue): the same SM work
+1.5 MiB in 822 us on 33 CTAs, 1,529 us on 16; run13-issue): the same SM work
 the driver would do, in one launch.
 
 Copies to and from a peer's memory go over NVLink by copy engine.
