@@ -7,7 +7,9 @@ How each primitive runs (all asynchronous, on the lane streams of
   CUDA IPC (``memory``, which says when), mapped once per allocation;
 * ``copy``: each call's batch planned once into 2D copies and one
   ``cuMemcpyBatchAsync`` (``copies``): copy engines between devices; the driver
-  runs a copy within one device on the SMs ([Note: same-device copies]);
+  runs a copy within one device on the SMs, and a cached batch of many such
+  copies goes as one copy kernel (``kernels/pack.cu``) instead
+  ([Note: same-device copies]);
 * ``signal`` / ``wait``: ``cuStreamWriteValue32`` / ``cuStreamWaitValue32``,
   zero SMs (``flags``);
 * ``accumulate``: one short kernel per call (``kernels/accumulate.cu``,
@@ -15,7 +17,8 @@ How each primitive runs (all asynchronous, on the lane streams of
 * ``exchange`` / ``reduce_scatter_f32``: NCCL through nccl4py (``nccl``).
 
 So TIDE-AG launches no kernel (only its own copy, within the device, runs on the
-SMs), and TIDE-RS only the accumulate's CTAs.
+SMs; one copy kernel when it is ``Config.local_copy_kernel_min`` copies or more),
+and TIDE-RS only the accumulate's CTAs.
 Multicast (NVSwitch) slots are opt-in (``multicast``): :func:`multicast_capability`
 refuses them while ``NCCL_NVLS_ENABLE=0`` or without device support.
 """
