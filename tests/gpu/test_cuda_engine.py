@@ -1,7 +1,8 @@
 """The cuda backend's pieces, each on its own: accumulate kernel, copier, flags, capabilities.
 
-Also the claim that TIDE-AG launches no kernels, checked with CUPTI through
-``torch.profiler`` (skipped without PyTorch).
+Also the claim that TIDE-AG launches no kernels for a unit of fewer than
+``local_copy_kernel_min`` arrays, checked with CUPTI through ``torch.profiler``
+(skipped without PyTorch).
 """
 
 from __future__ import annotations

@@ -233,8 +233,9 @@ def sm_time(ctx: Any, impl: Any, op: str, timed: dict) -> tuple[Optional[float],
         total += t * frac
         parts.append({"phase": name, "time_s": t, "sm_fraction": frac})
     if impl.name == "tide" and op == "ag":
-        notes.append("TIDE-AG launches no kernels; its own copy is a same-device copy, "
-                     "which the driver runs on the SMs (not in this model; see CUPTI)")
+        notes.append("TIDE-AG's own copy runs on the SMs: as same-device copies by the "
+                     "driver, or as one copy kernel for 64 or more arrays "
+                     "(local_copy_kernel_min); not in this model, see CUPTI")
     return total, {"parts": parts, "sms": sms, "nccl_channels": ch, "channels_from": ch_src,
                    "notes": notes}
 
