@@ -22,14 +22,19 @@ writes the figures there as JSON (with the git commit).
    no flags), TIDE-AG, and TIDE-AG with its large pieces sent as single copies.
    Alone-then-beside pairs, as in ``tidearray.bench.interference``; the slowdown is
    the median of three. Also: the own copy and the pieces with the own copy cut into
-   ``Config.local_copy_max`` pieces, and TIDE-AG with its own copy left whole. Then the
-   GEMM beside the own copy alone (any rank count, each rank its own copy): as one
-   copy, as one copy per parameter in a batch, and cut, as 2D copies and in a batch.
+   ``Config.local_copy_max`` pieces or on a copy engine, and TIDE-AG with its own copy
+   left whole or on a copy engine. Then the GEMM beside the own copy alone (any rank
+   count, each rank its own copy): as one copy, as one copy per parameter in a batch,
+   cut, as 2D copies and in a batch, and in a batch that asks for a copy engine.
 3. **Which copies need SMs.** Each kind of copy issued while a kernel holds every SM
    (two 1,024-thread CTAs per SM) for milliseconds: a copy engine's copy runs beside
    it; a copy the driver runs on the SMs waits until it ends. Kinds: host to device
    (a copy engine's, the reference), within the device (one copy, a batch, a 2D
-   copy), to the peer's memory (the push), and the protocol's flag write and wait.
+   copy, a batch that asks for a copy engine), to the peer's memory (the push), and
+   the protocol's flag write and wait.
+
+``TIDE_BOUNDS_PARTS`` picks parts by name (default ``"rates gemm own held"``: 1, 2,
+the GEMM beside the own copy alone, 3).
 """
 
 from __future__ import annotations
@@ -251,6 +256,8 @@ def bare_copies() -> dict:
     copier.probe(dev.stream.ptr)
     cut_copier = Copier(None, local_max=LOCAL_MAX)
     cut_copier.probe(dev.stream.ptr)
+    engine_copier = Copier(None, engine=True)
+    engine_copier.probe(dev.stream.ptr)
     flat = cp.empty(share, cp.uint8)
     own_stream = cp.cuda.Stream(non_blocking=True)
     peer = (me + 1) % L
@@ -278,7 +285,7 @@ def bare_copies() -> dict:
         fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
         fork.record(dev.stream)
         own_stream.wait_event(fork)
-        own_copier.copy(own_stream.ptr, program.own, local=own_copier is cut_copier)
+        own_copier.copy(own_stream.ptr, program.own, local=own_copier is not copier)
         copier.copy(dev.stream.ptr, program.pushes[peer])
         join.record(own_stream)
         dev.stream.wait_event(join)
@@ -308,8 +315,10 @@ def bare_copies() -> dict:
         (f"own copy, cut to {cut_mib}", own_cut),
         ("push + own copy", both), ("the same, as pieces", pieces),
         (f"the same, own pieces cut to {cut_mib}", lambda: pieces(cut_copier)),
+        ("the same, own pieces on a copy engine", lambda: pieces(engine_copier)),
         ("TIDE-AG", tide),
         ("TIDE-AG, own copy uncut", tide_configured(local_max=0)),
+        ("TIDE-AG, own copy on a copy engine", tide_configured(engine=True)),
         ("TIDE-AG, large pieces alone", tide_configured(large_min=1 << 20)))}
     dev.sync()
     slot.free()
@@ -331,7 +340,8 @@ def own_copy_beside_gemm() -> dict:
     share = sum(sh.nbytes for sh in shards)
     flat = cp.empty(share, cp.uint8)
     whole, cut = Copier(None), Copier(None, local_max=LOCAL_MAX)
-    for c in (whole, cut):
+    engine = Copier(None, engine=True)
+    for c in (whole, cut, engine):
         c.probe(dev.stream.ptr)
     cut_list = cut_copies(own, LOCAL_MAX)
     stream, rt = dev.stream.ptr, cp.cuda.runtime
@@ -342,6 +352,7 @@ def own_copy_beside_gemm() -> dict:
         "one copy per parameter, one batch": lambda: whole.copy(stream, own),
         f"cut to {mib}, as 2D copies": lambda: whole.copy(stream, cut_list),
         f"cut to {mib}, one batch (shipped)": lambda: cut.copy(stream, own, local=True),
+        "one copy per parameter, on a copy engine": lambda: engine.copy(stream, own, local=True),
     }
     gemm = dev.gemm(*GEMM)
     first_alone = float(np.max(comm.allgather(interference.gemm_loop(ctx, None, 0.0, gemm,
@@ -369,6 +380,8 @@ def copies_beside_held_sms() -> dict:
     rt, stream = cp.cuda.runtime, dev.stream.ptr
     copier = Copier(None)
     copier.probe(stream)
+    engine = Copier(None, engine=True)
+    engine.probe(stream)
     eighth = nbytes // 8
     batch = tuple((dst.data.ptr + k * eighth, src.data.ptr + k * eighth, eighth)
                   for k in range(8))
@@ -380,6 +393,7 @@ def copies_beside_held_sms() -> dict:
         "within the device, a batch of 8": lambda: copier.copy(stream, batch, local=True),
         "within the device, one 2D copy": lambda: rt.memcpy2DAsync(
             dst.data.ptr, eighth, src.data.ptr, eighth, eighth, 8, rt.memcpyDefault, stream),
+        "within the device, on a copy engine": lambda: engine.copy(stream, batch, local=True),
     }
     flags, word = group.backend.lanes.flags, cp.zeros(1, cp.int32)
     if flags.memops:  # the protocol's flags: stream memory operations, where the driver has them
@@ -433,11 +447,7 @@ def copies_beside_held_sms() -> dict:
     return rows
 
 
-def main() -> None:
-    record = {"commit": git_commit(), "device": dev.describe(), "ranks": comm.size,
-              "gpus": cp.cuda.runtime.getDeviceCount()}
-    say(f"tests/gpu/hw_bounds.py at {record['commit']}, {comm.size} ranks, "
-        f"{record['device']['device']}, {dev.num_sms} SMs")
+def rates_part(record: dict) -> None:
     say("== per-CTA streaming rate, GB/s per CTA (each GPU alone; rank 0's)")
     rates = streaming()
     best_all = comm.allgather(max(max(v.values()) for k, v in rates.items()
@@ -468,12 +478,26 @@ def main() -> None:
                   accumulate_bytes=nbytes, best_accumulate_rate=best,
                   sm_time_floor_s=floor, best_probe_rate=probe,
                   sm_time_probe_floor_s=probe_floor, stock_sm_time_s=stock)
-    say("== single-wave GEMM {}x{}x{} beside bare copies (Llama-3.1-8B unit)".format(*GEMM))
-    record["gemm_beside"] = bare_copies()
-    say(f"== the same GEMM beside the own copy alone ({group.size} ranks, each its own)")
-    record["own_copy_beside"] = own_copy_beside_gemm()
-    say("== copies issued while a kernel holds every SM (rank 0's)")
-    record["held_sms"] = copies_beside_held_sms()
+
+
+def main() -> None:
+    record = {"commit": git_commit(), "device": dev.describe(), "ranks": comm.size,
+              "gpus": cp.cuda.runtime.getDeviceCount()}
+    parts = os.environ.get("TIDE_BOUNDS_PARTS", "rates gemm own held").split()
+    record["parts"] = parts
+    say(f"tests/gpu/hw_bounds.py at {record['commit']}, {comm.size} ranks, "
+        f"{record['device']['device']}, {dev.num_sms} SMs; parts: {' '.join(parts)}")
+    if "rates" in parts:
+        rates_part(record)
+    if "gemm" in parts:
+        say("== single-wave GEMM {}x{}x{} beside bare copies (Llama-3.1-8B unit)".format(*GEMM))
+        record["gemm_beside"] = bare_copies()
+    if "own" in parts:
+        say(f"== the same GEMM beside the own copy alone ({group.size} ranks, each its own)")
+        record["own_copy_beside"] = own_copy_beside_gemm()
+    if "held" in parts:
+        say("== copies issued while a kernel holds every SM (rank 0's)")
+        record["held_sms"] = copies_beside_held_sms()
     record["local_copy_max"] = LOCAL_MAX
     if comm.rank == 0 and len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:

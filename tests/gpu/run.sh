@@ -18,7 +18,8 @@
 #                                                      # fsdp2 (examples/compare_fsdp2.py, Llama-8B
 #                                                      # shape: FSDP2 vs shard_module vs the floor)
 #                                                      # bounds (tests/gpu/hw_bounds.py: per-CTA
-#                                                      # streaming rates, GEMM beside bare copies)
+#                                                      # streaming rates, GEMM beside bare copies;
+#                                                      # TIDE_BOUNDS_PARTS, TIDE_BOUNDS_RANKS)
 #   TIDE_GPU_PIPELINES="info np2 jax|np3 faults|np4 debug|nodes np1 soak" bash tests/gpu/run.sh
 #                                              # those step lists side by side (correctness only)
 #   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
@@ -102,7 +103,7 @@ run_ctas() {  # TIDE-RS and the GEMM beside it at each accumulate grid (TIDE_CTA
             tidearray.bench interference --impls tide --out "$OUT/ctas$c"
     done
 }
-run_bounds() { step hw_bounds "${MPI[@]}" -n 2 python3 tests/gpu/hw_bounds.py "$OUT/hw_bounds.json"; }
+run_bounds() { step hw_bounds "${MPI[@]}" -n "${TIDE_BOUNDS_RANKS:-2}" python3 tests/gpu/hw_bounds.py "$OUT/hw_bounds.json"; }
 run_plans() {  # plan tests on cuda at 2 ranks, then host time per plan call
     step plans_np2 "${MPI[@]}" -n 2 "${PYTEST[@]}" tests/mpi/test_plans.py tests/gpu/test_adamw_gpu.py
     step bench_plans "${MPI[@]}" -n 2 python3 -m tidearray.bench plans --workloads units \
