@@ -115,17 +115,6 @@ class Config:
     bound by that issue. The driver runs such copies on the SMs either way.
     0: never (TIDE-AG then launches no kernel). Env: ``TIDE_LOCAL_COPY_KERNEL_MIN``."""
 
-    local_copy_engine: bool = False
-    """Ask the driver to run same-device copies (those of ``local_copy_max``) on a
-    copy engine instead of the SMs (False): each cached batch of them goes whole
-    in one ``cuMemcpyBatchAsync`` with ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``,
-    and ``local_copy_max`` and ``local_copy_kernel_min`` no longer apply. A copy
-    engine moves such copies at a fraction of the SMs' rate, but holds no SM
-    while it does (see [Note: same-device copies] in the cuda backend's
-    ``copies``). Where the driver's batch does not take the flag, the copies stay
-    on the SMs, and ``python -m tidearray.info`` says why.
-    Env: ``TIDE_LOCAL_COPY_ENGINE``."""
-
     debug: bool = False
     """Debug mode (False): re-check every plan call across ranks (one small
     agreement per call), so ranks that call plans in different orders raise;

@@ -22,10 +22,11 @@ writes the figures there as JSON (with the git commit).
    no flags), TIDE-AG, and TIDE-AG with its large pieces sent as single copies.
    Alone-then-beside pairs, as in ``tidearray.bench.interference``; the slowdown is
    the median of three. Also: the own copy and the pieces with the own copy cut into
-   ``Config.local_copy_max`` pieces or on a copy engine, and TIDE-AG with its own copy
-   left whole or on a copy engine. Then the GEMM beside the own copy alone (any rank
+   ``Config.local_copy_max`` pieces or asking for a copy engine, and TIDE-AG with its
+   own copy left whole. Then the GEMM beside the own copy alone (any rank
    count, each rank its own copy): as one copy, as one copy per parameter in a batch,
-   cut, as 2D copies and in a batch, and in a batch that asks for a copy engine.
+   cut, as 2D copies and in a batch, and in a batch that asks for a copy engine
+   (``PREFER_OVERLAP_WITH_COMPUTE``).
 3. **Which copies need SMs.** Each kind of copy issued while a kernel holds every SM
    (two 1,024-thread CTAs per SM) for milliseconds: a copy engine's copy runs beside
    it; a copy the driver runs on the SMs waits until it ends. Kinds: host to device
@@ -51,6 +52,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.getcwd())
 import tidearray as ta  # noqa: E402
+from tests.gpu._copies import FlaggedBatch  # noqa: E402
 from tidearray._all_gather import build_program  # noqa: E402
 from tidearray._dtypes import bfloat16  # noqa: E402
 from tidearray._layout import cached_unit, cut_copies  # noqa: E402
@@ -256,8 +258,7 @@ def bare_copies() -> dict:
     copier.probe(dev.stream.ptr)
     cut_copier = Copier(None, local_max=LOCAL_MAX)
     cut_copier.probe(dev.stream.ptr)
-    engine_copier = Copier(None, engine=True)
-    engine_copier.probe(dev.stream.ptr)
+    engine_copier = FlaggedBatch()
     flat = cp.empty(share, cp.uint8)
     own_stream = cp.cuda.Stream(non_blocking=True)
     peer = (me + 1) % L
@@ -315,10 +316,9 @@ def bare_copies() -> dict:
         (f"own copy, cut to {cut_mib}", own_cut),
         ("push + own copy", both), ("the same, as pieces", pieces),
         (f"the same, own pieces cut to {cut_mib}", lambda: pieces(cut_copier)),
-        ("the same, own pieces on a copy engine", lambda: pieces(engine_copier)),
+        ("the same, own pieces asking for a copy engine", lambda: pieces(engine_copier)),
         ("TIDE-AG", tide),
         ("TIDE-AG, own copy uncut", tide_configured(local_max=0)),
-        ("TIDE-AG, own copy on a copy engine", tide_configured(engine=True)),
         ("TIDE-AG, large pieces alone", tide_configured(large_min=1 << 20)))}
     dev.sync()
     slot.free()
@@ -340,8 +340,8 @@ def own_copy_beside_gemm() -> dict:
     share = sum(sh.nbytes for sh in shards)
     flat = cp.empty(share, cp.uint8)
     whole, cut = Copier(None), Copier(None, local_max=LOCAL_MAX)
-    engine = Copier(None, engine=True)
-    for c in (whole, cut, engine):
+    engine = FlaggedBatch()
+    for c in (whole, cut):
         c.probe(dev.stream.ptr)
     cut_list = cut_copies(own, LOCAL_MAX)
     stream, rt = dev.stream.ptr, cp.cuda.runtime
@@ -352,7 +352,7 @@ def own_copy_beside_gemm() -> dict:
         "one copy per parameter, one batch": lambda: whole.copy(stream, own),
         f"cut to {mib}, as 2D copies": lambda: whole.copy(stream, cut_list),
         f"cut to {mib}, one batch (shipped)": lambda: cut.copy(stream, own, local=True),
-        "one copy per parameter, on a copy engine": lambda: engine.copy(stream, own, local=True),
+        "one copy per parameter, asking for a copy engine": lambda: engine.copy(stream, own),
     }
     gemm = dev.gemm(*GEMM)
     first_alone = float(np.max(comm.allgather(interference.gemm_loop(ctx, None, 0.0, gemm,
@@ -380,8 +380,7 @@ def copies_beside_held_sms() -> dict:
     rt, stream = cp.cuda.runtime, dev.stream.ptr
     copier = Copier(None)
     copier.probe(stream)
-    engine = Copier(None, engine=True)
-    engine.probe(stream)
+    engine = FlaggedBatch()
     eighth = nbytes // 8
     batch = tuple((dst.data.ptr + k * eighth, src.data.ptr + k * eighth, eighth)
                   for k in range(8))
@@ -393,7 +392,7 @@ def copies_beside_held_sms() -> dict:
         "within the device, a batch of 8": lambda: copier.copy(stream, batch, local=True),
         "within the device, one 2D copy": lambda: rt.memcpy2DAsync(
             dst.data.ptr, eighth, src.data.ptr, eighth, eighth, 8, rt.memcpyDefault, stream),
-        "within the device, on a copy engine": lambda: engine.copy(stream, batch, local=True),
+        "within the device, asking for a copy engine": lambda: engine.copy(stream, batch),
     }
     flags, word = group.backend.lanes.flags, cp.zeros(1, cp.int32)
     if flags.memops:  # the protocol's flags: stream memory operations, where the driver has them

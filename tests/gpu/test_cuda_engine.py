@@ -223,50 +223,10 @@ def test_copier_many_local_copies_go_as_one_kernel(cuda_group, cp):
     assert isinstance(c._local_plans.get(few, lambda _: plans.pop()), tuple)
 
 
-def test_copier_local_copies_on_a_copy_engine(cuda_group, cp):
-    """With ``engine``, same-device copies go whole (neither cut nor by the copy kernel)
-    in one batch that asks for a copy engine, and land bitwise into a poisoned buffer,
-    call after call with new data; ``configure(engine=False)`` goes back to the SMs."""
-    from tidearray.backends.cuda.copies import Copier, _EngineCopy, _KernelCopy
-
-    be = cuda_group.backend.lanes
-    c = Copier(None, local_max=64 << 10, kernel_min=8, device=be.device, ctas=3, engine=True)
-    c.probe(be.streams[0].ptr)
-    on, why = c.engine_capability()
-    if not on:
-        pytest.skip(why)
-    rng = np.random.default_rng()
-    src = cp.zeros(8 << 20, cp.uint8)
-    dst = cp.zeros_like(src)
-    copies, at = [], 0
-    for n in [int(n) for n in rng.integers(1, 300_000, 20)] + [1 << 20, 16, 0]:
-        copies.append((dst.data.ptr + at + int(rng.integers(0, 16)), src.data.ptr + at + 5, n))
-        at += n + 4096 + 32
-    copies = tuple(copies)
-    plans = []  # the plan the call made: a miss raises
-    for engine, kind in ((True, _EngineCopy), (False, _KernelCopy)):
-        c.configure(engine=engine)
-        for _ in range(2):
-            src[...] = cp.asarray(rng.integers(0, 256, src.size, dtype=np.uint8))
-            dst.fill(0xA5)
-            cp.cuda.runtime.deviceSynchronize()
-            c.copy(be.streams[0].ptr, copies, local=True)
-            be.streams[0].synchronize()
-            want = cp.full_like(src, 0xA5)
-            base_d, base_s = dst.data.ptr, src.data.ptr
-            for d, s_, n in copies:
-                want[d - base_d: d - base_d + n] = src[s_ - base_s: s_ - base_s + n]
-            assert bool((dst == want).all()), f"engine={engine}"
-        plan = c._local_plans.get(copies, lambda _: plans.pop())
-        assert isinstance(plan, kind), f"engine={engine}: {type(plan).__name__}"
-        if engine:
-            assert plan.packed[-1] == len(copies) - 1, "cut, or the empty copy kept"
-
-
 def test_capabilities_reported(cuda_group):
     caps = cuda_group.backend.capabilities
     for name in ("batched copies", "stream memory operations", "symmetric memory", "multicast",
-                 "NCCL put/signal", "nccl", "copy-engine local copies"):
+                 "NCCL put/signal", "nccl"):
         ok, why = caps[name]
         assert isinstance(ok, bool) and why, name
     assert not caps["multicast"][0] or os.environ.get("NCCL_NVLS_ENABLE") != "0"

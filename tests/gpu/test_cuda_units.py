@@ -121,21 +121,6 @@ def test_all_gather_unit_bitwise(cuda_group, cp, unit):
     _agree(cuda_group, _guarded(gather_and_check, cuda_group, cp, UNITS[unit]()), f"AG {unit}")
 
 
-@pytest.mark.parametrize("unit", ["llama3.1-8b", "qwen3-30b-a3b"])
-def test_all_gather_own_copy_on_a_copy_engine(cuda_group, cp, unit):
-    """``local_copy_engine``: the own copy goes in a batch that asks for a copy engine,
-    whole; the gather stays bitwise (the pull transport's staging too)."""
-    copier = cuda_group.backend.lanes.copier
-    if not copier._engine_driver:
-        pytest.skip(f"no copy-engine batch: {copier.engine_capability()[1]}")
-    copier.configure(engine=True)
-    try:
-        bad = _guarded(gather_and_check, cuda_group, cp, UNITS[unit]())
-    finally:
-        copier.configure()
-    _agree(cuda_group, bad, f"AG {unit}, own copy on a copy engine")
-
-
 @pytest.mark.parametrize("unit", sorted(UNITS))
 def test_reduce_scatter_unit_bf16_to_fp32(cuda_group, cp, unit):
     _agree(cuda_group, _guarded(reduce_and_check, cuda_group, cp, UNITS[unit]()), f"RS {unit}")

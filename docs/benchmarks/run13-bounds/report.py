@@ -16,6 +16,8 @@ RATES = "hw_bounds-6472342.json"
 GEMMS = "hw_bounds-9c75d40.json"
 #: The record the same-device copies section quotes.
 HELD = "hw_bounds-afe172a-h200x1.json"
+#: The record with a batch that asks the driver for a copy engine.
+FLAGGED = "hw_bounds-6e4c0c0-h200x1.json"
 NOTES = {
     "hw_bounds-6472342.json": "the earlier accumulate; the GEMM rows without the pieces",
     "hw_bounds-9c75d40.json": ("a trial `vector` kernel (eight elements per step, eight "
@@ -26,6 +28,10 @@ NOTES = {
                                       "gather; the same-device copies"),
     "hw_bounds-afe172a-h200x1.json": ("one rank on one GPU, as the record above, with the "
                                       "protocol's flags beside the held SMs"),
+    "hw_bounds-6e4c0c0-h200x1.json": ("one rank on one GPU: the same-device copies again, "
+                                      "with a batch that asks for a copy engine ("
+                                      "`PREFER_OVERLAP_WITH_COMPUTE`; the rows that say \"on a "
+                                      "copy engine\" only asked for one)"),
 }
 
 
@@ -135,6 +141,40 @@ one copy, a small part of the push's time. Same-device copies are now cut that w
 """
 
 
+def flagged_section():
+    """Whether asking the driver for a copy engine moves a same-device copy off the SMs."""
+    f = load(FLAGGED)
+    held, own = f["held_sms"], f["own_copy_beside"]
+    asked = next(n for n in held if "engine" in n and "host" not in n)
+    plain = next(n for n in held if "batch" in n)
+    per_param = next(n for n in own if n.startswith("one copy per parameter, one batch"))
+    flagged = next(n for n in own if "engine" in n)
+    r = held[asked]
+
+    def slow(name):
+        return f"{own[name]['median'] * 100:+.1f}%"
+
+    def pairs(name):
+        return ", ".join(f"{x * 100:+.1f}%" for x in own[name]["slowdowns"])
+    return f"""## Asking the driver for a copy engine does not move them
+
+A copy batch can carry `CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE`, a hint to run
+its copies beside kernels; NCCL's copy-engine collectives pass it. From `{FLAGGED}`
+(commit `{f['commit']}`, {machine(f)}): the 64 MiB batch with the hint, issued while a
+kernel held every SM, {'waited for the SMs' if r['waited'] else 'ran beside'}
+({r['beside_s'] * 1e6:.0f} us, against {r['alone_s'] * 1e6:.0f} us alone; the same batch
+without it: {held[plain]['beside_s'] * 1e6:.0f} us). The own copy as one copy per
+parameter took {own[flagged]['collective_us']:.1f} us with the hint and
+{own[per_param]['collective_us']:.1f} us without, and the single-wave GEMM beside it
+slowed by {slow(flagged)} and {slow(per_param)} (pairs {pairs(flagged)}; {pairs(per_param)}):
+the same copy on the SMs, within the spread of its pairs. On this GPU and driver the
+hint changes nothing for copies within one GPU (it is documented for Tegra), so no
+batch of the library passes it. The same record's rows are in its table below; its
+issue cost and rates are in [run13-issue](../run13-issue/README.md).
+
+"""
+
+
 def main():
     m, gm = load(RATES), load(GEMMS)
     nbytes, stock, sms = m["accumulate_bytes"], m["stock_sm_time_s"], m["device"]["sms"]
@@ -215,7 +255,7 @@ copy at all.
 {gemm_table(gm)}
 
 {held_section()}
-## Every record here
+{flagged_section()}## Every record here
 """)
     for path in sorted(glob.glob(os.path.join(HERE, "hw_bounds-*.json"))):
         name = os.path.basename(path)

@@ -4,11 +4,14 @@
 
 All records are from nvidia-h200 (one H200): development figures.
 """
+import json
 import os
 import re
 
 HERE = "docs/benchmarks/run13-issue"
 PROBE = "issue_probe-a95742c.txt"
+#: The same probe with a batch that asks the driver for a copy engine, and the rates.
+FLAGGED = "issue_probe-6e4c0c0.txt"
 #: host_profile.py records of Qwen3's unit, two ranks sharing the GPU: (record, own copy as).
 PROFILES = [("host_profile-qwen3-driver-97cc40e.txt", "the driver's batch "
              "(`TIDE_LOCAL_COPY_KERNEL_MIN=0`)"),
@@ -49,6 +52,51 @@ def probe_tables():
     return "\n".join(out)
 
 
+#: The record's labels for the hinted batch said where it was asked to run, not where it ran.
+ASKED = {"copy engine": "whole, hint (on the SMs all the same)",
+         "batch on a copy engine": "the same batch, with the hint"}
+
+
+def flagged_tables():
+    lines = text(FLAGGED).splitlines()
+    issue = [re.match(r"issue\s+(.+?)(?:,| +393 copies of 1 MiB,) one batch: +(\d+) us", x)
+             for x in lines]
+    own = [re.match(r"own copy\s+(.+?):\s+(\d+) us\s+(\d+) GB/s", x) for x in lines]
+    rate = [re.match(r"engine\s+(.+?)\s+(\d+) MB on (\d) stream\(s\), (.+?)\s*:\s+(\d+) us"
+                     r"\s+(\d+) GB/s", x) for x in lines]
+    out = ["| 393 copies of 1 MiB, one batch | host time (us) |", "| --- | ---: |"]
+    out += [f"| {m.group(1)} | {int(m.group(2)):,} |" for m in issue if m]
+    out += ["", "| 393 copies of 1.5 MiB within the GPU, as | device time (us) | GB/s |",
+            "| --- | ---: | ---: |"]
+    out += [f"| {ASKED.get(m.group(1), m.group(1))} | {int(m.group(2)):,} | "
+            f"{int(m.group(3)):,} |" for m in own if m and "kernel" not in m.group(1)]
+    out += ["", "| copies within the GPU | MB | streams | as | device time (us) | GB/s |",
+            "| --- | ---: | ---: | --- | ---: | ---: |"]
+    out += [f"| {m.group(1)} | {m.group(2)} | {m.group(3)} | {ASKED.get(m.group(4), m.group(4))} "
+            f"| {int(m.group(5)):,} | {int(m.group(6)):,} |" for m in rate if m]
+    return "\n".join(out)
+
+
+def cut_cost():
+    """The Llama-3.1-8B own copy on one stream, whole against cut, from ``FLAGGED``."""
+    us = {}
+    for x in text(FLAGGED).splitlines():
+        m = re.match(r"engine\s+Llama.* on 1 stream\(s\), (.+?)\s*:\s+(\d+) us", x)
+        if m:
+            us[m.group(1)] = int(m.group(2))
+    return f"{us['copy engine']} us whole against {us['SMs (driver, cut)']} us cut, here"
+
+
+def gemm_cost():
+    """The GEMM beside the own copy, cut against whole, from run13-bounds' record."""
+    path = os.path.join(os.path.dirname(HERE), "run13-bounds", "hw_bounds-6e4c0c0-h200x1.json")
+    with open(path) as f:
+        own = json.load(f)["own_copy_beside"]
+    cut = next(v for k, v in own.items() if "shipped" in k)["median"]
+    whole = own["one copy per parameter, one batch"]["median"]
+    return f"{cut * 100:+.1f}% against {whole * 100:+.1f}% for the whole copies"
+
+
 def profile_table(records, what):
     out = [f"| {what} | call device (us) | call host (us) | own copies alone, host (us) |",
            "| --- | ---: | ---: | ---: |"]
@@ -82,6 +130,31 @@ within one GPU run; they do not show the gathers between GPUs.
   with one call; on a quarter of the SMs (33 CTAs of 512 threads) in 822 us, against
   1,504 us for the driver's batch with its issue. The own copy of a cached batch of 64
   or more copies now goes that way (`local_copy_kernel_min`).
+
+## Asking the driver for a copy engine
+
+A copy batch can carry `CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE`, a hint to run its
+copies beside kernels. The same probe, on a later machine, with that hint on the
+copies within the GPU (`issue_probe.py`, [{FLAGGED}]({FLAGGED}); the copy kernel's
+rows, as before, are in the record):
+
+{flagged_tables()}
+
+- With the hint the batch cost the host as much to issue, and took as long, as
+  without it; issued while a kernel held every SM it waited for them
+  ([run13-bounds](../run13-bounds/README.md)). On H200 (driver 580) the hint leaves
+  copies within one GPU on the SMs, so it is no way around their issue cost or their
+  SM time, and no batch of the library passes it.
+- The record's labels said "copy engine" for what only asked for one; the tables
+  here say what ran. Whole copies run faster than the same copies cut to 8 MiB
+  (the Llama-3.1-8B unit's own copy: {cut_cost()}); the cut is what a
+  concurrent GEMM needs ({gemm_cost()} in run13-bounds'
+  record of the same commit), and the own copy runs beside the pushes, which take
+  longer (563 us between two H200s in run 6), so the cut costs the gather nothing
+  there. More streams helped the cut copies a little, so it stays one stream.
+- This machine's issue costs were higher than in the first record (for the same
+  393 copies within the GPU, host to device and device to host), so figures from
+  different records are not compared here.
 
 ## Qwen3's gather, two ranks on one GPU
 

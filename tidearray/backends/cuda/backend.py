@@ -209,7 +209,7 @@ class CudaBackend(Backend):
             aux_streams=[[stream() for _ in range(split - 1)] for _ in range(local_size)],
             push_split=split, copier=Copier(config.batch_copies, config.local_copy_max,
                                             config.local_copy_kernel_min, self.device,
-                                            max(1, sms // 4), config.local_copy_engine),
+                                            max(1, sms // 4)),
             flags=FlagOps(self.device),
             accumulator=Accumulator(self.device, sms, config.accum_ctas,
                                     kernel=config.accum_kernel),
@@ -218,7 +218,6 @@ class CudaBackend(Backend):
         self.capabilities = {
             "batched copies": lanes.copier.probe(probe_stream.ptr),
             "stream memory operations": lanes.flags.probe(probe_stream),
-            "copy-engine local copies": lanes.copier.engine_capability(),
             "multicast": multicast_capability(self.device),
             "NCCL put/signal": put_signal_capability(),
             "split pushes": (split > 1, f"{split} copy-engine stream(s) per peer push "

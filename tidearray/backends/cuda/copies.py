@@ -53,6 +53,10 @@ uploaded once, on ``ctas`` CTAs (a quarter of the SMs: on H200, 393 copies of
 1.5 MiB in 822 us on 33 CTAs, 1,529 us on 16; run13-issue): the same SM work
 the driver would do, in one launch.
 
+Asking for a copy engine does not help: a batch within one GPU with
+``PREFER_OVERLAP_WITH_COMPUTE`` still waited for a kernel that held every SM, ran
+as long and cost the host as much (H200, driver 580; run13-bounds, run13-issue).
+
 Copies to and from a peer's memory go over NVLink by copy engine.
 """
 
@@ -60,7 +64,7 @@ from __future__ import annotations
 
 import ctypes
 import warnings
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -74,8 +78,8 @@ from . import driver
 STRIDED_MIN_ROWS = 3
 #: Threads per CTA of the same-device copy kernel (``pack_bytes``).
 KERNEL_THREADS = 512
-#: ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``: asks the driver to run a batch's
-#: copies beside kernels, i.e. on a copy engine, not on the SMs.
+#: ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``: only the probes pass it, since it left
+#: same-device copies on the SMs ([Note: same-device copies]).
 PREFER_OVERLAP_WITH_COMPUTE = 1
 
 
@@ -132,24 +136,19 @@ class Copier:
             many same-device copies goes as one copy kernel (0: never).
         device: the CUDA device (for the copy kernel).
         ctas: the copy kernel's grid.
-        engine: ``Config.local_copy_engine``: same-device copies go whole, in a batch
-            that asks for a copy engine (``PREFER_OVERLAP_WITH_COMPUTE``), instead
-            of cut or by the copy kernel.
 
     Attributes:
         large_min: copies of at least this many bytes go alone (None: none do).
         strided: merge strided runs within one allocation into 2D copies.
         min_rows: the fewest rows a run needs to become a 2D copy.
         local_max: the largest piece of a same-device copy (0: none cut).
-        engine: same-device copies ask for a copy engine (where batches work).
         (All through :meth:`configure`, which drops the plans made so far.)
     """
 
     def __init__(self, want_batch: Optional[bool], local_max: int = 0, kernel_min: int = 0,
-                 device: int = 0, ctas: int = 16, engine: bool = False) -> None:
+                 device: int = 0, ctas: int = 16) -> None:
         self.want_batch = want_batch
         self.local_max = self._local_max_made = local_max
-        self.engine = self._engine_made = engine
         self.kernel_min, self.device, self.ctas = kernel_min, device, ctas
         self.batched = False
         self.reason = "not probed yet"
@@ -157,8 +156,6 @@ class Copier:
         self.strided = True
         self.min_rows = STRIDED_MIN_ROWS
         self._driver: Optional[_DriverBatch] = None
-        self._engine_driver: Optional[_DriverBatch] = None
-        self._engine_reason = "not probed yet"
         self._attrs: Any = None
         self._cudart: Any = None
         self._range: Any = None
@@ -181,7 +178,6 @@ class Copier:
             self._trial(stream_ptr)
             self.batched, self.reason = True, ("cuMemcpyBatchAsync (driver, packed addresses), "
                                                "one call per lane and step")
-            self._probe_engine(stream_ptr)
             return self.batched, self.reason
         except Exception as e:  # noqa: BLE001 - no symbol, old driver: try the runtime's
             self._driver, why = None, f"driver entry point: {type(e).__name__}: {e}; "
@@ -201,25 +197,6 @@ class Copier:
                           RuntimeWarning, stacklevel=2)
         return self.batched, self.reason
 
-    def _probe_engine(self, stream_ptr: int) -> None:
-        try:
-            self._engine_driver = _DriverBatch(PREFER_OVERLAP_WITH_COMPUTE)
-            self._trial(stream_ptr, self._engine_driver)
-            self._engine_reason = ""
-        except Exception as e:  # noqa: BLE001 - a driver that rejects the flag: say why
-            self._engine_driver = None
-            self._engine_reason = f"{type(e).__name__}: {e}"
-
-    def engine_capability(self) -> tuple[bool, str]:
-        """(on, reason) of same-device copies on a copy engine (after :meth:`probe`)."""
-        if not self.engine:
-            return False, "off: same-device copies run on the SMs (TIDE_LOCAL_COPY_ENGINE=1 asks)"
-        if self._engine_driver is None:
-            return False, ("off: the driver's batch did not take PREFER_OVERLAP_WITH_COMPUTE "
-                           f"({self._engine_reason or self.reason})")
-        return True, ("same-device copies in one cuMemcpyBatchAsync with "
-                      "PREFER_OVERLAP_WITH_COMPUTE, whole")
-
     def _setup_runtime(self) -> None:
         from cuda.bindings import runtime as cudart
 
@@ -227,29 +204,24 @@ class Copier:
         attrs.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
         self._cudart, self._attrs = cudart, attrs
 
-    def _trial(self, stream_ptr: int, batch: Optional[_DriverBatch] = None) -> None:
+    def _trial(self, stream_ptr: int) -> None:
         import cupy
 
         src = cupy.arange(64, dtype=cupy.int32)
         dst = cupy.zeros(64, dtype=cupy.int32)
         cupy.cuda.get_current_stream().synchronize()
-        copies = ((dst.data.ptr, src.data.ptr, 128), (dst.data.ptr + 128, src.data.ptr + 128, 128))
-        if batch is None:
-            self._batch(stream_ptr, copies)
-        else:
-            batch(stream_ptr, _DriverBatch.pack(copies))
+        self._batch(stream_ptr, ((dst.data.ptr, src.data.ptr, 128),
+                                 (dst.data.ptr + 128, src.data.ptr + 128, 128)))
         cupy.cuda.runtime.streamSynchronize(stream_ptr)
         if not bool((dst == src).all()):
             raise RuntimeError("a trial batch copied the wrong bytes")
 
     def configure(self, large_min: Optional[int] = None, strided: bool = True,
-                  min_rows: int = STRIDED_MIN_ROWS, local_max: Optional[int] = None,
-                  engine: Optional[bool] = None) -> None:
+                  min_rows: int = STRIDED_MIN_ROWS, local_max: Optional[int] = None) -> None:
         """Set how batches are planned ([Note: copy plans]); later calls re-plan.
-        ``local_max`` and ``engine`` None restore the values the copier was made with."""
+        ``local_max`` None restores the value the copier was made with."""
         self.large_min, self.strided, self.min_rows = large_min, strided, min_rows
         self.local_max = self._local_max_made if local_max is None else local_max
-        self.engine = self._engine_made if engine is None else engine
         self._plans = IdentityCache()
         self._local_plans.clear()  # waits for copy kernels still reading their tables
 
@@ -283,9 +255,6 @@ class Copier:
             if isinstance(plan, _KernelCopy):
                 plan(stream if stream is not None else _cupy_stream(stream_ptr))
                 return
-            if isinstance(plan, _EngineCopy):
-                plan.batch(stream_ptr, plan.packed)
-                return
             strided, large, rest, packed = plan
         else:
             strided, large, rest, packed = self._plans.get(copies, self._plan)
@@ -316,12 +285,9 @@ class Copier:
         return self._packed(tuple(strided), tuple(large), tuple(rest))
 
     def _local_plan(self, copies: Sequence[tuple[int, int, int]]) -> Any:
-        """Same-device copies: whole, in a batch that asks for a copy engine, where
-        ``engine`` is on; else one copy kernel for a cached tuple of many, else cut,
+        """Same-device copies: one copy kernel for a cached tuple of many, else cut,
         all in the batch ([Note: same-device copies])."""
         live = [c for c in copies if c[2]]
-        if self.engine and self._engine_driver is not None and live:
-            return _EngineCopy(self._engine_driver, _DriverBatch.pack(live))
         if type(copies) is tuple and self.kernel_min and len(live) >= self.kernel_min:
             return _KernelCopy(live, self.device, self.ctas)
         return self._packed((), (), tuple(c for c in cut_copies(copies, self.local_max) if c[2]))
@@ -360,13 +326,6 @@ class Copier:
             fail = res[1] if len(res) > 1 else None
             raise TideBackendError(f"cudaMemcpyBatchAsync of {len(sizes)} copies failed: "
                                    f"{err} (failing copy index {fail})")
-
-
-class _EngineCopy(NamedTuple):
-    """Same-device copies as one batch that asks for a copy engine."""
-
-    batch: _DriverBatch
-    packed: tuple
 
 
 class _KernelCopy:
