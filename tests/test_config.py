@@ -53,6 +53,7 @@ def test_rejects_unknown_keys():
     ("local_copy_max", -1, "local_copy_max"),
     ("local_copy_max", 1000, "local_copy_max"),
     ("local_copy_kernel_min", -1, "local_copy_kernel_min"),
+    ("copy_batch_max", -1, "copy_batch_max"),
 ])
 def test_rejects_bad_values(key, value, word):
     with pytest.raises(tidearray.TideInvalid, match=word) as info:

@@ -115,6 +115,14 @@ class Config:
     bound by that issue. The driver runs such copies on the SMs either way.
     0: never (TIDE-AG then launches no kernel). Env: ``TIDE_LOCAL_COPY_KERNEL_MIN``."""
 
+    copy_batch_max: int = 0
+    """The most copies in one batched-copy call (0: any number). A planned batch
+    of more goes as several calls in order, so the copy engines start on the
+    first part while the host issues the rest: on 2xH200 the pushes of a layer of
+    393 separate parameters cost the host 240 us as one batch, all before the
+    first byte moved ([Note: issue in parts] in the cuda backend's ``copies``).
+    Env: ``TIDE_COPY_BATCH_MAX``."""
+
     debug: bool = False
     """Debug mode (False): re-check every plan call across ranks (one small
     agreement per call), so ranks that call plans in different orders raise;
@@ -168,6 +176,8 @@ class Config:
         if self.local_copy_max < 0 or self.local_copy_max % LOCAL_COPY_ALIGN:
             raise TideInvalid(f"local_copy_max: expected 0 or a positive multiple of "
                               f"{LOCAL_COPY_ALIGN} bytes, got {self.local_copy_max}")
+        if self.copy_batch_max < 0:
+            raise TideInvalid(f"copy_batch_max: expected >= 0, got {self.copy_batch_max}")
         if self.local_copy_kernel_min < 0:
             raise TideInvalid(f"local_copy_kernel_min: expected >= 0, got "
                               f"{self.local_copy_kernel_min}")

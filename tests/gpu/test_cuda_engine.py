@@ -125,25 +125,32 @@ def test_cast_bitwise_as_astype(cuda_group, cp, dtype):
         assert (got[o:] == want).all(), f"piece {k} differs from astype"
 
 
-@pytest.mark.parametrize("batched", [True, False])
-def test_copier_many_small_segments(cuda_group, cp, batched):
+@pytest.mark.parametrize("batched,batch_max", [(True, 0), (True, 7), (False, 0)])
+def test_copier_many_small_segments(cuda_group, cp, batched, batch_max):
+    """200 small copies land exactly, in one batch, in batches of ``batch_max`` issued
+    in turn, or one by one."""
     from tidearray.backends.cuda.copies import Copier
 
     be = cuda_group.backend.lanes
-    c = Copier(None if batched else False)
+    c = Copier(None if batched else False, batch_max=batch_max)
     on, why = c.probe(be.streams[0].ptr)
     if batched and not on:
         pytest.skip(f"batched copies unavailable: {why}")
     src = cp.arange(1 << 20, dtype=cp.uint8)
     dst = cp.zeros_like(src)
     cp.cuda.runtime.deviceSynchronize()
-    copies = [(dst.data.ptr + k * 4096 + 1, src.data.ptr + k * 4096 + 1, 4000)
-              for k in range(200)]
+    copies = tuple((dst.data.ptr + k * 4096 + 1, src.data.ptr + k * 4096 + 1, 4000 - k % 3)
+                   for k in range(200))  # unequal sizes: no 2D runs, all in the batch
     c.copy(be.streams[0].ptr, copies)
     be.streams[0].synchronize()
+    if batched and c.batched:
+        plans = []  # the plan the call made: a miss raises
+        packs = c._plans.get(copies, lambda _: plans.pop())[3]
+        assert [p[-1] for p in packs] == ([200] if not batch_max else
+                                          [7] * (200 // 7) + [200 % 7])
     want = cp.zeros_like(src)
     for k in range(200):
-        want[k * 4096 + 1: k * 4096 + 4001] = src[k * 4096 + 1: k * 4096 + 4001]
+        want[k * 4096 + 1: k * 4096 + 4001 - k % 3] = src[k * 4096 + 1: k * 4096 + 4001 - k % 3]
     assert bool((dst == want).all())
 
 

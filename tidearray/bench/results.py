@@ -7,7 +7,7 @@ The section sits between ``<!-- results:begin -->`` and ``<!-- results:end -->``
 figure in it comes from a record kept under ``docs/benchmarks/``: the FSDP2 comparison
 (``fsdp2/compare.json``; ``fsdp2-compile/`` under ``torch.compile``), the training step
 (``train/train.json``), the latest
-collective suite (``run11.jsonl``) and three separate launches of its headline units
+collective suite (``run14.jsonl``) and three separate launches of its headline units
 (``run9-launches/``). A test checks that the README's section is what this module
 writes, so a figure cannot be edited by hand or left behind.
 """
@@ -28,7 +28,7 @@ END = "<!-- results:end -->"
 DOCS = "docs/benchmarks"
 SOURCES = {"fsdp2": f"{DOCS}/fsdp2/compare.json",
            "fsdp2-compile": f"{DOCS}/fsdp2-compile/compare.json",
-           "train": f"{DOCS}/train/train.json", "collectives": f"{DOCS}/run11.jsonl"}
+           "train": f"{DOCS}/train/train.json", "collectives": f"{DOCS}/run14.jsonl"}
 LAUNCHES = [f"{DOCS}/run9-launches/launch{k}.jsonl" for k in (1, 2, 3)]
 U = "llama3.1-8b"
 

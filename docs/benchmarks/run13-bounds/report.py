@@ -12,8 +12,10 @@ import os
 
 HERE = "docs/benchmarks/run13-bounds"
 #: The records the conclusions quote (rates, GEMMs); every record is listed below them.
-RATES = "hw_bounds-6472342.json"
-GEMMS = "hw_bounds-9c75d40.json"
+RATES = "hw_bounds-c184aa8.json"
+GEMMS = "hw_bounds-c184aa8.json"
+#: The record of the earlier accumulate kernel, for its rate.
+EARLIER = "hw_bounds-6472342.json"
 #: The record the same-device copies section quotes.
 HELD = "hw_bounds-afe172a-h200x1.json"
 #: The record with a batch that asks the driver for a copy engine.
@@ -28,6 +30,8 @@ NOTES = {
                                       "gather; the same-device copies"),
     "hw_bounds-afe172a-h200x1.json": ("one rank on one GPU, as the record above, with the "
                                       "protocol's flags beside the held SMs"),
+    "hw_bounds-c184aa8.json": ("the shipped accumulate and the own copy cut to 8 MiB: the "
+                               "rates and GEMM figures quoted above"),
     "hw_bounds-6e4c0c0-h200x1.json": ("one rank on one GPU: the same-device copies again, "
                                       "with a batch that asks for a copy engine ("
                                       "`PREFER_OVERLAP_WITH_COMPUTE`; the rows that say \"on a "
@@ -189,16 +193,16 @@ def main():
     def floor(rate):
         return nbytes / (sms * rate)
 
+    old = best(load(EARLIER), ("accumulate (vector)",))
     print(f"""# What the hardware leaves for two goals (2xH200), and copies within a GPU
 
 Machine: `nvidia-h200-x2`. Command: `mpirun -n 2 python tests/gpu/hw_bounds.py RECORD`
 (`TIDE_GPU_STEPS=bounds bash tests/gpu/run.sh`), on an otherwise idle pair of GPUs; the
-section on the own copy quotes a development record from `nvidia-h200` (one GPU, `mpirun
--n 1`), as each record below says. This
-page is made from the records here by `python {HERE}/report.py`. The streaming rates
-quoted are from `{RATES}` (commit `{m['commit']}`), the GEMM figures from `{GEMMS}`
-(commit `{gm['commit']}`, whose all-gather code was the shipped one until the own
-copy was cut, at `5219c71`).
+sections on copies within one GPU quote development records from `nvidia-h200` (one GPU,
+`mpirun -n 1`), as each record below says. This page is made from the records here by
+`python {HERE}/report.py`. The streaming rates and the GEMM figures quoted are from
+`{RATES}` (commit `{m['commit']}`: the shipped accumulate, and the own copy cut into
+`local_copy_max` pieces).
 
 ## RS SM time: the goal is past what one SM can stream
 
@@ -215,42 +219,41 @@ below it is {stock / 12.5 * 1e6:.1f} us, which needs {need / 1e9:.1f} GB/s per C
   least {floor(probe) * 1e6:.1f} us, {stock / floor(probe):.1f}x below `stock`'s. Only
   reading, with nothing written, goes faster (the read probe). So 12.5x is out of reach
   of any kernel that moves these bytes on the SMs of an H200.
-- The accumulate measured here streamed at most {acc / 1e9:.1f} GB/s per CTA: an SM
+- The shipped accumulate (`98087c9`: four elements a step, so each store covers whole
+  32-byte sectors, and with two sources each step summed and stored as its loads land)
+  streamed at most {acc / 1e9:.1f} GB/s per CTA, about the copy probe's rate: an SM
   time of at least {floor(acc) * 1e6:.1f} us, {stock / floor(acc):.1f}x below `stock`'s.
-  It read eight elements of each source per step, and each thread then stored 32 bytes
-  as two 16-byte stores, so every store instruction of a warp wrote half of each
-  32-byte sector it touched. A first trial that kept eight elements per step and only
-  added steps in flight was slower (the `9c75d40` record) and was reverted.
-- The shipped kernel (`98087c9`) steps four elements at a time, so each store covers
-  whole sectors, and with two sources it sums and stores each step as its loads land.
-  In development runs on the single-GPU machine it streamed about as fast as the copy
-  probe. Its figures on `nvidia-h200-x2` (this page's machine) are not taken yet. The
-  page will carry them as the next record here, from the same command.
+  The earlier kernel reached {old / 1e9:.1f} GB/s per CTA (`{EARLIER}`): it read
+  eight elements per step and stored them as two 16-byte stores per thread, so each
+  store instruction of a warp wrote half of each sector it touched.
 - The rate per CTA falls as the grid grows past about 33 CTAs, where the HBM is
-  shared. In TIDE-RS the copy engines use the HBM too, so its accumulate runs below
-  these rates.
+  shared, and TIDE-RS runs its accumulate on half the SMs (66) by default, beside the
+  copy engines' traffic. So its SM time in the suite stays well above this floor; fewer
+  CTAs bring it closer, at a cost in speed and in a concurrent GEMM's time
+  ([run14-sweeps](../run14-sweeps/README.md)).
 
 {rate_table(m)}
 
-## A single-wave GEMM beside TIDE-AG: the pieces, not the protocol
+## A single-wave GEMM beside TIDE-AG: the own copy's pieces
 
 The interference suite's single-wave GEMM (1024x2048x16384, bf16) beside bare
 copies of the Llama-3.1-8B unit's bytes, with no flags and no protocol,
 and beside TIDE-AG. Alone-then-beside pairs, median of three.
 
 - The push alone, the bound TIDE-AG is timed against: {slow('push (the bound)')}.
-- The own copy alone: {slow('own copy')}. It is a local copy at HBM speed, so the GEMM
-  runs at about half speed while it lasts.
-- Both, each as one copy on its own stream (an out-of-place all-gather with nothing
-  else): {slow('push + own copy')}, within the 10% goal.
-- The same bytes, cut into TIDE-AG's per-parameter pieces (one batch per stream, still
-  no flags): {slow('the same, as pieces')}.
-- TIDE-AG: {slow('TIDE-AG')}; with its large pieces sent as single copies rather than
-  in the batch: {slow('TIDE-AG, large pieces alone')}.
+- The own copy alone, as one copy: {slow('own copy')}; cut into 8 MiB pieces in one
+  batch, as TIDE-AG issues it: {slow('own copy, cut to 8 MiB')}.
+- Push and own copy, each as one copy on its own stream: {slow('push + own copy')}.
+- The same bytes as TIDE-AG's per-parameter pieces (one batch per stream, still no
+  flags): {slow('the same, as pieces')}; with the own pieces cut to 8 MiB:
+  {slow('the same, own pieces cut to 8 MiB')}.
+- TIDE-AG: {slow('TIDE-AG')}; with its own copy left whole (one copy per parameter):
+  {slow('TIDE-AG, own copy uncut')}; with its large pieces sent as single copies rather
+  than in the batch: {slow('TIDE-AG, large pieces alone')}.
 
-So what slows the GEMM past 10% is in the pieces, not in the flags, the lanes or the
-batch. Why the pieces cost more is the next section: the own copy is not a copy-engine
-copy at all.
+So the own copy's pieces decide it: cut to 8 MiB, TIDE-AG stays within the 10% goal;
+whole, it does not. Why a copy within one GPU weighs on a GEMM at all is the next
+section: it is not a copy-engine copy.
 
 {gemm_table(gm)}
 

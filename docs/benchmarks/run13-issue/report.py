@@ -17,6 +17,11 @@ PROFILES = [("host_profile-qwen3-driver-97cc40e.txt", "the driver's batch "
              "(`TIDE_LOCAL_COPY_KERNEL_MIN=0`)"),
             ("host_profile-qwen3-kernel-97cc40e.txt", "one copy kernel, 16 CTAs (the default "
              "then; a quarter of the SMs since)")]
+#: The same, on nvidia-h200-x2: between two GPUs, one rank each.
+PROFILES_X2 = [("host_profile-qwen3-driver-c184aa8-x2.txt", "the driver's batch "
+                "(`TIDE_LOCAL_COPY_KERNEL_MIN=0`)"),
+               ("host_profile-qwen3-kernel-c184aa8-x2.txt", "one copy kernel, 33 CTAs "
+                "(the default)")]
 #: The relayed push, tried and dropped: (record, settings at e07ffab).
 RELAY = [("relay-2d-1-e07ffab.txt", "relayed, pushes from the slot as 2D copies"),
          ("relay-no2d-e07ffab.txt", "relayed, the same pushes as batch entries"),
@@ -108,6 +113,16 @@ def profile_table(records, what):
     return "\n".join(out)
 
 
+def x2_call(kind):
+    name = next(n for n, _ in PROFILES_X2 if kind in n)
+    return f"{rows(name)['call'][0]:,.0f}"
+
+
+def x2_own(kind):
+    name = next(n for n, _ in PROFILES_X2 if kind in n)
+    return f"{rows(name)['own batch'][1]:,.0f}"
+
+
 def main():
     print(f"<!-- Generated: python {HERE}/report.py > {HERE}/README.md -->")
     print(f"""
@@ -172,6 +187,19 @@ too, issued at the same cost; between GPUs they run on copy engines.
   copy engines, and needs 822 us on 33 CTAs for the 1,597 us the pushes take there;
   the next 2xH200 run times it. `TIDE_LOCAL_COPY_KERNEL_MIN=0` restores the driver's
   batch.
+
+## Qwen3's gather between two H200s
+
+The same command on `nvidia-h200-x2` (two GPUs, one rank each), at `c184aa8`:
+
+{profile_table(PROFILES_X2, "own copy as")}
+
+- Between GPUs the copy kernel took the own copy's issue off the host
+  ({x2_own('driver')} us against {x2_own('kernel')} us for the own copies alone) and the
+  call's device time fell from {x2_call('driver')} to {x2_call('kernel')} us. The call is
+  no longer bound by its issue: its host time is now far below its device time.
+- The push alone takes about 1,600 us there (run 14's `phase:peer_copy`), so the call's
+  device time is still above it; run 14 has the gather back to back at the link's rate.
 
 ## Tried and dropped: a relayed push
 

@@ -209,7 +209,7 @@ class CudaBackend(Backend):
             aux_streams=[[stream() for _ in range(split - 1)] for _ in range(local_size)],
             push_split=split, copier=Copier(config.batch_copies, config.local_copy_max,
                                             config.local_copy_kernel_min, self.device,
-                                            max(1, sms // 4)),
+                                            max(1, sms // 4), config.copy_batch_max),
             flags=FlagOps(self.device),
             accumulator=Accumulator(self.device, sms, config.accum_ctas,
                                     kernel=config.accum_kernel),

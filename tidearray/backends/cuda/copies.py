@@ -58,6 +58,16 @@ Asking for a copy engine does not help: a batch within one GPU with
 as long and cost the host as much (H200, driver 580; run13-bounds, run13-issue).
 
 Copies to and from a peer's memory go over NVLink by copy engine.
+
+[Note: issue in parts]
+The driver starts a batch's copies only once the call that issues them returns,
+and a copy to a peer costs the host microseconds per entry: on 2xH200 the pushes
+of Qwen3-30B-A3B's layer (393 parameters held apart) took 240 us of host time as
+one batch, and the gather 1,980 us on the device against 1,614 us with the same
+work issued before the stream could start (``tests/gpu/host_profile.py``, run13-issue).
+So a planned batch of more than ``batch_max`` copies goes as several calls, in
+order on the same stream: the copy engines start on the first part while the host
+issues the next.
 """
 
 from __future__ import annotations
@@ -136,6 +146,8 @@ class Copier:
             many same-device copies goes as one copy kernel (0: never).
         device: the CUDA device (for the copy kernel).
         ctas: the copy kernel's grid.
+        batch_max: ``Config.copy_batch_max``: the most copies in one driver call
+            (0: any number).
 
     Attributes:
         large_min: copies of at least this many bytes go alone (None: none do).
@@ -146,8 +158,9 @@ class Copier:
     """
 
     def __init__(self, want_batch: Optional[bool], local_max: int = 0, kernel_min: int = 0,
-                 device: int = 0, ctas: int = 16) -> None:
+                 device: int = 0, ctas: int = 16, batch_max: int = 0) -> None:
         self.want_batch = want_batch
+        self.batch_max = batch_max
         self.local_max = self._local_max_made = local_max
         self.kernel_min, self.device, self.ctas = kernel_min, device, ctas
         self.batched = False
@@ -255,9 +268,9 @@ class Copier:
             if isinstance(plan, _KernelCopy):
                 plan(stream if stream is not None else _cupy_stream(stream_ptr))
                 return
-            strided, large, rest, packed = plan
+            strided, large, rest, packs = plan
         else:
-            strided, large, rest, packed = self._plans.get(copies, self._plan)
+            strided, large, rest, packs = self._plans.get(copies, self._plan)
         for r in strided:
             rt.memcpy2DAsync(r.dst, r.dpitch, r.src, r.spitch, r.width, r.height,
                              rt.memcpyDefault, stream_ptr)
@@ -266,7 +279,7 @@ class Copier:
         if not rest:
             return
         if self.batched:
-            self._batch(stream_ptr, rest, packed)
+            self._batch(stream_ptr, rest, packs)
             return
         for dst, src, n in rest:
             rt.memcpyAsync(dst, src, n, rt.memcpyDefault, stream_ptr)
@@ -293,8 +306,13 @@ class Copier:
         return self._packed((), (), tuple(c for c in cut_copies(copies, self.local_max) if c[2]))
 
     def _packed(self, strided: tuple, large: tuple, rest: tuple) -> tuple:
-        packed = _DriverBatch.pack(rest) if rest and self._driver is not None else None
-        return strided, large, rest, packed
+        """The plan, the rest packed for the driver: one array per call of at most
+        ``batch_max`` copies ([Note: issue in parts]), or None without the driver."""
+        packs = None
+        if rest and self._driver is not None:
+            m = self.batch_max or len(rest)
+            packs = tuple(_DriverBatch.pack(rest[i:i + m]) for i in range(0, len(rest), m))
+        return strided, large, rest, packs
 
     def _one_allocation(self, r: Strided) -> bool:
         """Whether every row's source, and every row's destination, lies in one
@@ -311,9 +329,10 @@ class Copier:
         return True
 
     def _batch(self, stream_ptr: int, copies: Sequence[tuple[int, int, int]],
-               packed: Optional[tuple] = None) -> None:
+               packs: Optional[tuple] = None) -> None:
         if self._driver is not None:
-            self._driver(stream_ptr, packed or _DriverBatch.pack(copies))
+            for packed in packs or (_DriverBatch.pack(copies),):
+                self._driver(stream_ptr, packed)
             return
         copies = [c for c in copies if c[2]]
         if not copies:
