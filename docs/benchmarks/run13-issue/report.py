@@ -21,7 +21,9 @@ PROFILES = [("host_profile-qwen3-driver-97cc40e.txt", "the driver's batch "
 PROFILES_X2 = [("host_profile-qwen3-driver-c184aa8-x2.txt", "the driver's batch "
                 "(`TIDE_LOCAL_COPY_KERNEL_MIN=0`)"),
                ("host_profile-qwen3-kernel-c184aa8-x2.txt", "one copy kernel, 33 CTAs "
-                "(the default)")]
+                "(the default)"),
+               ("host_profile-qwen3-kernel-batch32-a5bd203-x2.txt", "the same, each peer's "
+                "pushes in driver calls of 32 copies (`copy_batch_max`, at `a5bd203`)")]
 #: The relayed push, tried and dropped: (record, settings at e07ffab).
 RELAY = [("relay-2d-1-e07ffab.txt", "relayed, pushes from the slot as 2D copies"),
          ("relay-no2d-e07ffab.txt", "relayed, the same pushes as batch entries"),
@@ -114,8 +116,12 @@ def profile_table(records, what):
 
 
 def x2_call(kind):
+    return x2_row(kind, "call")
+
+
+def x2_row(kind, row, col=0):
     name = next(n for n, _ in PROFILES_X2 if kind in n)
-    return f"{rows(name)['call'][0]:,.0f}"
+    return f"{rows(name)[row][col]:,.0f}"
 
 
 def x2_own(kind):
@@ -184,8 +190,8 @@ too, issued at the same cost; between GPUs they run on copy engines.
   4,953 us). Both ranks are processes on one GPU, whose kernels (the driver's copies
   within the GPU among them) take turns on it; these records do not separate that
   from the kernel's own cost. Between GPUs the kernel runs beside the pushes on the
-  copy engines, and needs 822 us on 33 CTAs for the 1,597 us the pushes take there;
-  the next 2xH200 run times it. `TIDE_LOCAL_COPY_KERNEL_MIN=0` restores the driver's
+  copy engines, and needs 822 us on 33 CTAs for the 1,597 us the pushes take there
+  (timed between GPUs below). `TIDE_LOCAL_COPY_KERNEL_MIN=0` restores the driver's
   batch.
 
 ## Qwen3's gather between two H200s
@@ -195,11 +201,19 @@ The same command on `nvidia-h200-x2` (two GPUs, one rank each), at `c184aa8`:
 {profile_table(PROFILES_X2, "own copy as")}
 
 - Between GPUs the copy kernel took the own copy's issue off the host
-  ({x2_own('driver')} us against {x2_own('kernel')} us for the own copies alone) and the
-  call's device time fell from {x2_call('driver')} to {x2_call('kernel')} us. The call is
+  (the own copies alone: {x2_own('kernel-c184')} us of host time, against
+  {x2_own('driver')} us as the driver's batch) and the
+  call's device time fell from {x2_call('driver')} to {x2_call('kernel-c184')} us. The call is
   no longer bound by its issue: its host time is now far below its device time.
-- The push alone takes about 1,600 us there (run 14's `phase:peer_copy`), so the call's
-  device time is still above it; run 14 has the gather back to back at the link's rate.
+- What was left came from issuing each peer's 393 pushes in one driver call: the
+  copy engines start only when that call returns. Issued before the stream could
+  start ("pre-issued" in the records), the same call took
+  {x2_row('kernel-c184', 'pre-issued')} us on the device. With the pushes in calls of
+  32 copies, the engines start on the first part while the host issues the rest: the
+  call took {x2_call('batch32')} us on the device, against
+  {x2_row('batch32', 'batch')} us for the pushes alone as one batch issued ahead. The
+  host issues more calls ({x2_row('batch32', 'call', 1)} us of host time against
+  {x2_row('kernel-c184', 'call', 1)} us), out of the device's way.
 
 ## Tried and dropped: a relayed push
 

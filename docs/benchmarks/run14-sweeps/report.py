@@ -31,10 +31,14 @@ def runs(name):
 
 
 def variant(extra):
+    """(code, own copy [and copies per driver call, where set], accumulate grid)."""
     env = extra.get("env", {})
     code = extra["commit"] + (" (run 11's code)" if extra["commit"] == OLD else "")
     own = ("whole" if extra["commit"] == OLD or env.get("TIDE_LOCAL_COPY_MAX") == "0"
            else "cut to 8 MiB")
+    if "TIDE_COPY_BATCH_MAX" in env:
+        per_call = env["TIDE_COPY_BATCH_MAX"]
+        own += f"; copies per call: {'any' if per_call == '0' else per_call}"
     return code, own, env.get("TIDE_ACCUM_CTAS", "66")
 
 
@@ -152,15 +156,16 @@ def main():
 
     def t(code, own, u, plan=False):
         return med(ag.get((code, own, u), ([], []))[1 if plan else 0])
-    cur, base = "c184aa8", f"{OLD} (run 11's code)"
+    cur, base, parts = "c184aa8", f"{OLD} (run 11's code)", "a5bd203"
     print(f"""<!-- Generated: python {HERE}/report.py > {HERE}/README.md -->
 
 # Run 14, sweeps: what the cut own copy and the new accumulate cost and bought (2xH200)
 
 Machine: `nvidia-h200-x2`. Each series launched its variants in turn, so that each ran
 as often, and as late, as the others: run 11's code (`{OLD}`) against this code
-(`{cur}`), this code with the own copy left whole (`TIDE_LOCAL_COPY_MAX=0`), and the
-accumulate on other grids (`TIDE_ACCUM_CTAS`). Commands, from the repository root:
+(`{cur}`), this code with the own copy left whole (`TIDE_LOCAL_COPY_MAX=0`), the
+accumulate on other grids (`TIDE_ACCUM_CTAS`), and (`{parts}`) batches issued in one
+driver call or in calls of 32 copies (`TIDE_COPY_BATCH_MAX`). Commands, from the repository root:
 
 ```
 python -m tidearray.bench ag --impls tide,tide-plan --workloads units --units UNITS --out DIR
@@ -189,6 +194,15 @@ TIDE_GPU_STEPS=ctas bash tests/gpu/run.sh`.
 - **The copy kernel sped up Qwen3-30B-A3B's gather as a plan** (its own copy of 393
   arrays): {us(t(base, 'whole', 'qwen3-30b-a3b', True))} us with run 11's code against
   {us(t(cur, 'cut to 8 MiB', 'qwen3-30b-a3b', True))} us.
+- **Issuing the pushes in parts sped it up again** (`copy_batch_max`, `{parts}`):
+  as a plan {us(t(parts, 'cut to 8 MiB; copies per call: any', 'qwen3-30b-a3b', True))} us
+  with each peer's 393 pushes in one driver call, against
+  {us(t(parts, 'cut to 8 MiB; copies per call: 32', 'qwen3-30b-a3b', True))} us in calls
+  of 32, launched in turn; the Llama units (9 pushes per peer) issue as before. Called
+  without a plan, the gather took {us(t(parts, 'cut to 8 MiB; copies per call: any',
+  'qwen3-30b-a3b'))} and {us(t(parts, 'cut to 8 MiB; copies per call: 32', 'qwen3-30b-a3b'))}
+  us, within the spread of two launches; where that path's time goes is not yet
+  measured.
 - **The GEMM beside TIDE-RS is not within 10%, with either accumulate kernel:**
   {pct(rs_old)} with run 11's kernel and {pct(rs_new)} with this one (medians over
   launches); run 11's +9.1% was a low draw. By grid, with this kernel: """

@@ -5,8 +5,9 @@ How each primitive runs (all asynchronous, on the lane streams of
 
 * symmetric memory: VMM where descriptors pass (``vmm``), else legacy
   CUDA IPC (``memory``, which says when), mapped once per allocation;
-* ``copy``: each call's batch planned once into 2D copies and one
-  ``cuMemcpyBatchAsync`` (``copies``): copy engines between devices; the driver
+* ``copy``: each call's batch planned once into 2D copies and
+  ``cuMemcpyBatchAsync`` calls of at most ``Config.copy_batch_max`` copies
+  (``copies``, [Note: issue in parts]): copy engines between devices; the driver
   runs a copy within one device on the SMs, and a cached batch of many such
   copies goes as one copy kernel (``kernels/pack.cu``) instead
   ([Note: same-device copies]);

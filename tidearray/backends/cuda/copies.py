@@ -67,7 +67,8 @@ one batch, and the gather 1,980 us on the device against 1,614 us with the same
 work issued before the stream could start (``tests/gpu/host_profile.py``, run13-issue).
 So a planned batch of more than ``batch_max`` copies goes as several calls, in
 order on the same stream: the copy engines start on the first part while the host
-issues the next.
+issues the next. With calls of 32 the same gather took 1,731 us on the device, and
+its plan 1,722 us against 1,982 us in one call per peer (run14-sweeps).
 """
 
 from __future__ import annotations
