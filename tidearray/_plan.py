@@ -255,8 +255,9 @@ class ReducePlan(_Plan):
         final_ptr = None if self._final is None else be.resolve(self._final).ptr
         partial_ptr = None if self._partial is None else be.resolve(self._partial).ptr
         self._call = call
-        self._program = rs.build_program(group, call, [g.ptr for g in grads_r], outs,
-                                         final_ptr, partial_ptr, staging)
+        self._program = rs.build_program(group, call, [g.ptr for g in grads_r],
+                                         [o.ptr for o in outs], final_ptr, partial_ptr,
+                                         staging)
         self._grads = [g.array for g in grads_r]
         self.out = [o.array for o in outs]
         self.scale = 1.0 / group.size if op == "avg" else 1.0

@@ -133,23 +133,23 @@ def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Seque
     """
     group = group or default_group()
     be = group.backend
-    grads, outs, call = _validated(group, grads, out, op, staging)
+    grad_ptrs, out_ptrs, out_arrays, call = _validated(group, grads, out, op, staging)
     unit, plan = call.unit, call.plan
     if staging is None:
         staging = default_region(group, "staging", plan.staging_nbytes)
-    final, partial = receive_buffers(group, plan, own=outs is None)
+    final, partial = receive_buffers(group, plan, own=out_ptrs is None)
     final_ptr = None if final is None else be.resolve(final).ptr
     partial_ptr = None if partial is None else be.resolve(partial).ptr
-    dst_key = (tuple(o.ptr for o in outs) if final is None else final_ptr, partial_ptr)
+    dst_key = (out_ptrs if final is None else final_ptr, partial_ptr)
     program = call.programs.get((staging.id, dst_key))
     if program is None:
         program = call.programs.put((staging.id, dst_key), build_program(
-            group, call, [g.ptr for g in grads], outs, final_ptr, partial_ptr, staging))
+            group, call, grad_ptrs, out_ptrs, final_ptr, partial_ptr, staging))
     ex = be.executor(stream)
     stamps = start_stamps(group, call)
     issue(group, ex, call, program, staging, 1.0 / group.size if op == "avg" else 1.0, stamps)
-    if outs is not None:
-        results = [o.array for o in outs]
+    if out_arrays is not None:
+        results = out_arrays
     else:  # views of the receive buffer, built only when they are the result
         results = [final[o:o + s.shard_numel].reshape(s.shard_shape)
                    for o, s in zip(plan.out_offsets, unit.specs)]
@@ -191,18 +191,42 @@ def start_stamps(group: Group, call: _RsCall) -> Optional[_stamps.Stamps]:
 
 def _validated(group: Group, grads: Sequence[Any], out: Optional[Sequence[Any]], op: str,
                staging: Optional[Region]) -> tuple:
-    """Resolve the arrays and find (or make, collectively) the validated call."""
-    grads, outs = resolve(group, grads, out)
-    key = ("reduce_scatter", op, None if staging is None else staging.id,
-           tuple((g.ptr, g.nbytes, g.dtype, g.contiguous, g.shape) for g in grads),
-           None if outs is None else
-           tuple((o.ptr, o.nbytes, o.dtype, o.contiguous, o.shape) for o in outs))
+    """``(gradient addresses, output addresses or None, outputs or None, call)``: the
+    validated call found in the group's cache, or made (collectively).
+
+    A repeat with the same array objects (the backend's ``fingerprint``) and shapes
+    finds its entry without resolving each array again: a unit of hundreds of
+    parameters resolved its gradients and outputs for about a millisecond per call
+    (393 of each, host backend)."""
+    be = group.backend
+    sid = None if staging is None else staging.id
+    fg = be.fingerprint(grads)
+    fo = None if out is None else be.fingerprint(out)
+    repeat = None
+    if fg is not None and (out is None or fo is not None):
+        shapes = (tuple(a.shape for a in grads), None if out is None else
+                  tuple(o.shape for o in out))
+        repeat = ("reduce_scatter repeat", op, sid, id(fg), id(fo))
+        hit = group.calls.get(repeat)  # the entry keeps fg and fo alive: ids stay theirs
+        if hit is not None and hit[0] is fg and hit[1] is fo and hit[2] == shapes:
+            call = hit[3]
+            _validate.check(group, "reduce_scatter", call.signature, (), known_digest=call.digest)
+            return hit[4], hit[5], None if out is None else list(out), call
+    grads_r, outs_r = resolve(group, grads, out)
+    key = ("reduce_scatter", op, sid,
+           tuple((g.ptr, g.nbytes, g.dtype, g.contiguous, g.shape) for g in grads_r),
+           None if outs_r is None else
+           tuple((o.ptr, o.nbytes, o.dtype, o.contiguous, o.shape) for o in outs_r))
     call = group.calls.get(key)
     if call is None:
-        call = group.calls.put(key, check_call(group, grads, outs, op, staging))
+        call = group.calls.put(key, check_call(group, grads_r, outs_r, op, staging))
     else:
         _validate.check(group, "reduce_scatter", call.signature, (), known_digest=call.digest)
-    return grads, outs, call
+    grad_ptrs = tuple(g.ptr for g in grads_r)
+    out_ptrs = None if outs_r is None else tuple(o.ptr for o in outs_r)
+    if repeat is not None:
+        group.calls.put(repeat, (fg, fo, shapes, call, grad_ptrs, out_ptrs))
+    return grad_ptrs, out_ptrs, None if outs_r is None else [o.array for o in outs_r], call
 
 
 @dataclass(frozen=True)
@@ -223,13 +247,15 @@ class _Program:
     zeros: tuple
 
 
-def build_program(group: Group, call: _RsCall, grad_ptrs: list[int], outs: Optional[list],
-             final_ptr: Optional[int], partial_ptr: Optional[int],
-             staging: Region) -> _Program:
+def build_program(group: Group, call: _RsCall, grad_ptrs: Sequence[int],
+                  outs: Optional[Sequence[int]], final_ptr: Optional[int],
+                  partial_ptr: Optional[int], staging: Region) -> _Program:
+    """``outs``: the addresses of the caller's fp32 outputs (validated: each its shard's
+    shape), or None."""
     topo, unit, plan = group.topology, call.unit, call.plan
     me, L = topo.local_rank, topo.local_size
     if final_ptr is None:
-        out_ptrs = [o.ptr for o in outs]
+        out_ptrs = list(outs)
     else:
         out_ptrs = [final_ptr + o * 4 for o in plan.out_offsets]
     dst = out_ptrs if partial_ptr is None else _partial_ptrs(partial_ptr, plan, topo)
@@ -247,8 +273,9 @@ def build_program(group: Group, call: _RsCall, grad_ptrs: list[int], outs: Optio
     if partial_ptr is not None:
         reduce = (partial_ptr, final_ptr, plan.block_numel)
         if outs is not None:
-            copy_out = tuple((o.ptr, p, o.nbytes) for o, p in zip(outs, out_ptrs))
-            out_ptrs = [o.ptr for o in outs]
+            copy_out = tuple((o, p, s.shard_numel * 4)
+                             for o, p, s in zip(outs, out_ptrs, unit.specs))
+            out_ptrs = list(outs)
     zeros = []
     for spec, ptr in zip(unit.specs, out_ptrs):  # padding rows: nobody contributes
         v = spec.valid_rows(topo.rank)

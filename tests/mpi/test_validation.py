@@ -21,7 +21,16 @@ from mpi4py import MPI
 import tidearray
 
 from .._util import BF16, FP16, FP32, agree, compare_bits, to_numpy, to_xp
-from ._cases import POISON_BYTE, check_usable, full_params, poison, rank_grads, slot_bytes
+from ._cases import (
+    POISON_BYTE,
+    check_usable,
+    compare_rs,
+    full_params,
+    poison,
+    rank_grads,
+    rs_reference,
+    slot_bytes,
+)
 
 WORLD = MPI.COMM_WORLD.Get_size()
 BAD = WORLD - 1
@@ -341,6 +350,36 @@ def test_a_repeated_call_rejected_by_one_rank(group, slots):
         outs = tidearray.all_gather(shards, shapes, group=group, slot=slots[0])
         failures += [x for i, (o, f) in enumerate(zip(outs, fulls))
                      for x in compare_bits(o, f, f"call {k}: parameter {i}")]
+    agree(group.comm, failures)
+
+
+def test_a_repeated_reduce_scatter_sees_a_gradient_reshaped_in_place(group):
+    """A repeat of a validated reduce-scatter (the same arrays, found again without
+    resolving them) still sees a gradient reshaped in place on one rank (on every rank,
+    at 1 rank): every rank raises, naming the shape, and no output is written; undone,
+    the same call reduces right again."""
+    xp = group.backend.xp
+    shapes = unit()
+    seed = group.comm.bcast(int(np.random.default_rng().integers(1 << 30)))
+    grads = [to_xp(xp, g) for g in rank_grads(shapes, BF16, seed, group.rank)]
+    outs = [xp.full(tidearray.shard_shape(s, WORLD), np.nan, np.float32) for s in shapes]
+    for _ in range(2):  # validated, then found again as a repeat
+        tidearray.reduce_scatter(grads, out=outs, group=group)
+    bad = group.rank == BAD
+    for o in outs:
+        o[...] = np.nan
+    if bad:
+        grads[1].shape = (2, 3 * WORLD)  # the same bytes, another unit
+    try:
+        with pytest.raises(tidearray.TideInvalid, match=f"rank {BAD}.*parameter 1.*shape"):
+            tidearray.reduce_scatter(grads, out=outs, group=group)
+    finally:
+        if bad:
+            grads[1].shape = (3 * WORLD, 2)
+    failures = [f"output {i} was written before the error" for i, o in enumerate(outs)
+                if not np.isnan(to_numpy(o)).all()]
+    res = tidearray.reduce_scatter(grads, out=outs, group=group)
+    failures += compare_rs(res, *rs_reference(shapes, BF16, seed, WORLD, group.rank, "avg"))
     agree(group.comm, failures)
 
 

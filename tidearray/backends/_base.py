@@ -12,10 +12,12 @@ Public methods here are checked; backends implement the ``_`` hooks.
 from __future__ import annotations
 
 import abc
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
 from .. import _dtypes
+from .._cache import CallCache
 from .._dtypes import float32
 from .._errors import TideBackendError, TideInvalid, agree
 from .._layout import Copy
@@ -210,6 +212,7 @@ class Backend(abc.ABC):
 
     def __init__(self, group: Group) -> None:
         self.group = group
+        self._fingerprints = CallCache(64)
 
     def setup(self) -> None:
         """Collective start-up over the group (device choice, communicators)."""
@@ -235,8 +238,30 @@ class Backend(abc.ABC):
         One tuple per array, its address first, holding everything
         :meth:`resolve` would check (size, dtype, contiguity, device), so a
         repeated call can find its validated entry without resolving each
-        array. None (resolve them) for anything else.
+        array. None (resolve them) for anything else. The same array objects as
+        a recent call (checked through weak references, so ids cannot be stale
+        and nothing is kept alive) get that call's fingerprint back, the same
+        tuple object: an array's address, size, dtype and device never change,
+        and its contiguity only with its shape, which callers compare.
         """
+        if type(objs) not in (list, tuple):
+            return None
+        ids = tuple(map(id, objs))
+        seen = self._fingerprints.get(ids)
+        if seen is not None and all(r() is a for r, a in zip(seen[0], objs)):
+            return seen[1]
+        fp = self._fingerprint_of(objs)
+        if fp is None:
+            return None
+        try:
+            self._fingerprints.put(ids, ([weakref.ref(a) for a in objs], fp))
+        except TypeError:  # arrays without weak references: fingerprint every call
+            pass
+        return fp
+
+    def _fingerprint_of(self, objs: Any) -> Optional[tuple]:
+        """:meth:`fingerprint`'s tuple, made anew; None where ``objs`` are not all
+        this backend's own arrays."""
         return None
 
     @abc.abstractmethod

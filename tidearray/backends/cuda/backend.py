@@ -29,10 +29,8 @@ from __future__ import annotations
 import os
 import socket
 import warnings
-import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..._cache import CallCache
 from ..._dtypes import normalize
 from ..._errors import TideBackendError, TideInvalid, agree, fail_together
 from ..._layout import shared_devices
@@ -132,7 +130,6 @@ class CudaBackend(Backend):
         self.lanes: Optional[Lanes] = None  # the streams and engines, made by setup
         self.vmm = False
         self.capabilities: dict[str, tuple[bool, str]] = {}
-        self._fingerprints = CallCache(64)
         self._allocs: list = []
         self._inflight: list = []
 
@@ -303,30 +300,14 @@ class CudaBackend(Backend):
             dtype = _DTYPES.setdefault(arr.dtype, normalize(arr.dtype))
         return Resolved(arr, data.ptr, arr.nbytes, arr.shape, dtype, bool(contiguous))
 
-    def fingerprint(self, objs: Any) -> Optional[tuple]:
-        """See :meth:`Backend.fingerprint`. The same array objects as a recent
-        call (checked through weak references, so ids cannot be stale and
-        nothing is kept alive) get that call's fingerprint back: an array's
-        address, size, dtype and device never change, and its contiguity only
-        with its shape."""
-        if type(objs) not in (list, tuple):
-            return None
-        ids = tuple(map(id, objs))
-        seen = self._fingerprints.get(ids)
-        if seen is not None and all(r() is a for r, a in zip(seen[0], objs)):
-            return seen[1]
+    def _fingerprint_of(self, objs: Any) -> Optional[tuple]:
         if set(map(type, objs)) != {self.xp.ndarray}:
             return None
         try:
-            fp = tuple([(a.data.ptr, a.nbytes, a.dtype, a._c_contiguous, a.data.device_id)
-                        for a in objs])
+            return tuple([(a.data.ptr, a.nbytes, a.dtype, a._c_contiguous, a.data.device_id)
+                          for a in objs])
         except AttributeError:  # a CuPy without the flag attribute
             return None
-        try:
-            self._fingerprints.put(ids, ([weakref.ref(a) for a in objs], fp))
-        except TypeError:  # arrays without weak references: fingerprint every call
-            pass
-        return fp
 
     def _import(self, obj: Any) -> Any:
         import cupy
