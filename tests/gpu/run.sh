@@ -24,6 +24,8 @@
 #                                              # those step lists side by side (correctness only)
 #   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
 #   TIDE_MPI_ARGS="--bind-to none" bash tests/gpu/run.sh  # extra mpirun options
+#   TIDE_GPU_TAR=run bash tests/gpu/run.sh     # $OUT bundled into $OUT/run.tgz at the end
+#                                              # (reports left out: remade from the records)
 #
 # Installs the carried wheels (.whl/: nccl4py, pytest-mpi) into /tmp/site, then
 # runs the generic suite (tests/) and the GPU tests (tests/gpu) on the cuda
@@ -132,7 +134,7 @@ run_pipelines() {  # TIDE_GPU_PIPELINES="np2 jax|np3 faults|...": side by side (
     IFS='|' read -ra pipes <<< "$TIDE_GPU_PIPELINES"
     : > "$LOGS/pipelines.txt"
     for p in "${pipes[@]}"; do
-        (TIDE_GPU_PIPELINES="" TIDE_GPU_STEPS="$p" bash "$0" > "$LOGS/pipeline_${p// /_}.txt" 2>&1
+        (TIDE_GPU_TAR="" TIDE_GPU_PIPELINES="" TIDE_GPU_STEPS="$p" bash "$0" > "$LOGS/pipeline_${p// /_}.txt" 2>&1
          echo "pipeline '$p': exit $?" >> "$LOGS/pipelines.txt") &
     done
     wait
@@ -141,11 +143,21 @@ run_pipelines() {  # TIDE_GPU_PIPELINES="np2 jax|np3 faults|...": side by side (
     ! grep -q "exit [1-9]" "$LOGS/pipelines.txt"
 }
 
+bundle() {  # TIDE_GPU_TAR=NAME: everything under $OUT into $OUT/NAME.tgz (few files come back)
+    [ -n "${TIDE_GPU_TAR:-}" ] || return 0
+    local tmp; tmp=$(mktemp -d)
+    tar czf "$tmp/$TIDE_GPU_TAR.tgz" -C "$OUT" --exclude=report . && rm -rf "${OUT:?}"/* &&
+        mv "$tmp/$TIDE_GPU_TAR.tgz" "$OUT/" && echo "== bundled into $OUT/$TIDE_GPU_TAR.tgz"
+}
+
 if [ -n "${TIDE_GPU_PIPELINES:-}" ]; then
     run_pipelines
-    exit $?
+    rc=$?
+    bundle
+    exit $rc
 fi
 for s in ${TIDE_GPU_STEPS:-info np2 np1 nodes}; do
     if declare -F "run_$s" > /dev/null; then "run_$s"; else echo "== $s: no such step"; status=1; fi
 done
+bundle
 exit $status
