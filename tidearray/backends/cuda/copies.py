@@ -60,11 +60,11 @@ as long and cost the host as much (H200, driver 580; run13-bounds, run13-issue).
 Copies to and from a peer's memory go over NVLink by copy engine.
 
 [Note: issue in parts]
-The driver starts a batch's copies only once the call that issues them returns,
-and a copy to a peer costs the host microseconds per entry: on 2xH200 the pushes
-of Qwen3-30B-A3B's layer (393 parameters held apart) took 240 us of host time as
-one batch, and the gather 1,980 us on the device against 1,614 us with the same
-work issued before the stream could start (``tests/gpu/host_profile.py``, run13-issue).
+A copy to a peer costs the host microseconds per batch entry, and a batch's copies
+started only after the call that issued them returned: on 2xH200 the pushes of
+Qwen3-30B-A3B's layer (393 parameters held apart) took 240 us of host time as one
+batch, and the gather 1,980 us on the device against 1,614 us with the same work
+issued before the stream could start (``tests/gpu/host_profile.py``, run13-issue).
 So a planned batch of more than ``batch_max`` copies goes as several calls, in
 order on the same stream: the copy engines start on the first part while the host
 issues the next. With calls of 32 the same gather took 1,731 us on the device, and
