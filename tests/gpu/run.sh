@@ -8,6 +8,9 @@
 #                                                      # launches (benchall 3 times, one report)
 #                                                      # ctas (TIDE-RS and GEMM interference at
 #                                                      # each accumulate grid of TIDE_CTAS)
+#                                                      # priority (the interference GEMMs at the
+#                                                      # default and highest stream priority, at
+#                                                      # each grid of TIDE_PRIO_CTAS)
 #                                                      # jax (examples/jax_train.py on cuda)
 #                                                      # plans, train (small model), train8b
 #                                                      # (Llama-8B shape, tide/stock/local)
@@ -103,6 +106,24 @@ run_ctas() {  # TIDE-RS and the GEMM beside it at each accumulate grid (TIDE_CTA
             --impls "${TIDE_CTAS_IMPLS:-tide}" --workloads units --out "$OUT/ctas$c"
         step "interference_ctas$c" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 python3 -m \
             tidearray.bench interference --impls tide --out "$OUT/ctas$c"
+    done
+}
+run_priority() {  # the interference GEMMs at the default and the highest stream priority,
+                  # beside the accumulate at each grid of TIDE_PRIO_CTAS (a grid past the
+                  # tile count gives one short CTA per tile), two rounds; then TIDE-RS there
+    local k c p
+    for k in 1 2; do
+        for c in ${TIDE_PRIO_CTAS:-66 100000}; do
+            for p in default high; do
+                step "interference_ctas${c}_${p}_$k" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 \
+                    python3 -m tidearray.bench interference --impls tide --gemm-priority "$p" \
+                    --out "$OUT/prio/ctas$c-$p-$k"
+            done
+        done
+    done
+    for c in ${TIDE_PRIO_CTAS:-66 100000}; do
+        step "rs_ctas$c" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 python3 -m tidearray.bench rs \
+            --impls tide,stock --workloads units --units llama3.1-8b --out "$OUT/prio/rs-ctas$c"
     done
 }
 run_bounds() { step hw_bounds "${MPI[@]}" -n "${TIDE_BOUNDS_RANKS:-2}" python3 tests/gpu/hw_bounds.py "$OUT/hw_bounds.json"; }

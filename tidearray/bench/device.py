@@ -117,14 +117,22 @@ class CudaDevice:
 
     name = "cuda"
 
-    def __init__(self) -> None:
+    def __init__(self, side_priority: str = "default") -> None:
         import cupy
 
         self.xp = cupy
         self.dev = cupy.cuda.Device()
         self.num_sms = int(self.dev.attributes["MultiProcessorCount"])
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.side_stream = cupy.cuda.Stream(non_blocking=True)
+        # "high": the device's highest stream priority for the side stream (the
+        # interference GEMMs), so the block scheduler starts their CTAs before
+        # those of the collectives' lanes, which run at the default (lowest).
+        self.side_priority = side_priority
+        if side_priority == "high":
+            greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()[1]
+            self.side_stream = cupy.cuda.Stream(non_blocking=True, priority=greatest)
+        else:
+            self.side_stream = cupy.cuda.Stream(non_blocking=True)
 
     def describe(self) -> dict:
         import cupy
@@ -291,5 +299,7 @@ class ClockLog:
         return readings
 
 
-def make_device(backend_name: str) -> Any:
-    return CudaDevice() if backend_name == "cuda" else HostDevice()
+def make_device(backend_name: str, side_priority: str = "default") -> Any:
+    """The bench's device; ``side_priority`` ("default" or "high") is the cuda side
+    stream's priority (``--gemm-priority``)."""
+    return CudaDevice(side_priority) if backend_name == "cuda" else HostDevice()
