@@ -203,15 +203,14 @@ def _validated(group: Group, grads: Sequence[Any], out: Optional[Sequence[Any]],
     fg = be.fingerprint(grads)
     fo = None if out is None else be.fingerprint(out)
     repeat = None
-    if fg is not None and (out is None or fo is not None):
-        shapes = (tuple(a.shape for a in grads), None if out is None else
-                  tuple(o.shape for o in out))
-        repeat = ("reduce_scatter repeat", op, sid, id(fg), id(fo))
-        hit = group.calls.get(repeat)  # the entry keeps fg and fo alive: ids stay theirs
-        if hit is not None and hit[0] is fg and hit[1] is fo and hit[2] == shapes:
-            call = hit[3]
+    if fg is not None and (out is None or fo is not None):  # as all_gather's key, plus shapes
+        repeat = ("reduce_scatter", op, sid, fg, fo, tuple(a.shape for a in grads),
+                  None if out is None else tuple(o.shape for o in out))
+        hit = group.calls.get(repeat)
+        if hit is not None:
+            call, grad_ptrs, out_ptrs = hit
             _validate.check(group, "reduce_scatter", call.signature, (), known_digest=call.digest)
-            return hit[4], hit[5], None if out is None else list(out), call
+            return grad_ptrs, out_ptrs, None if out is None else list(out), call
     grads_r, outs_r = resolve(group, grads, out)
     key = ("reduce_scatter", op, sid,
            tuple((g.ptr, g.nbytes, g.dtype, g.contiguous, g.shape) for g in grads_r),
@@ -225,7 +224,7 @@ def _validated(group: Group, grads: Sequence[Any], out: Optional[Sequence[Any]],
     grad_ptrs = tuple(g.ptr for g in grads_r)
     out_ptrs = None if outs_r is None else tuple(o.ptr for o in outs_r)
     if repeat is not None:
-        group.calls.put(repeat, (fg, fo, shapes, call, grad_ptrs, out_ptrs))
+        group.calls.put(repeat, (call, grad_ptrs, out_ptrs))
     return grad_ptrs, out_ptrs, None if outs_r is None else [o.array for o in outs_r], call
 
 
