@@ -63,7 +63,9 @@ def trace(fn: Callable[[], Any]) -> Optional[list[dict]]:
 
 
 def events_from_chrome(raw: Any) -> list[dict]:
-    """Device events of a Chrome trace: name, category, stream, start and duration (us)."""
+    """Device events of a Chrome trace: name, category, stream, start and duration (us);
+    for kernels also blocks, threads per block, registers per thread and shared memory
+    per block (bytes), where the trace gives them."""
     items = raw.get("traceEvents", []) if isinstance(raw, dict) else raw
     out = []
     for e in items:
@@ -76,6 +78,10 @@ def events_from_chrome(raw: Any) -> list[dict]:
                     "ts_us": float(e["ts"]), "dur_us": float(e.get("dur", 0.0)),
                     "blocks": math.prod(grid) if grid else None,
                     "threads": math.prod(block) if block else None,
+                    # A kernel's footprint per CTA: what decides whether another
+                    # kernel's CTA fits on the same SM beside it.
+                    "registers": args.get("registers per thread"),
+                    "shared_bytes": args.get("shared memory"),
                     "bytes": args.get("bytes")})
     out.sort(key=lambda e: e["ts_us"])
     return out

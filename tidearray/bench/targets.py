@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from .interference import describe
 from .tables import Results, Table, back_to_back, us
 
 LLAMA = ("llama3.1-8b", "llama3.1-70b")
@@ -230,7 +231,8 @@ def gemm_rows(res: Results, unit: str = "llama3.1-8b") -> list[Row]:
         why = (f"GEMM {us(ex.get('alone_s'))} us alone, {us(ex.get('under_s'))} us under "
                f"tide {op.upper()} ({ex.get('gemms_overlapped')} GEMMs overlapped); under stock "
                f"{'-' if stock is None else f'{stock * 100:+.0f}%'}; tide {op.upper()} phases: "
-               f"{_phases(res, op, 'tide', unit)}")
+               f"{_phases(res, op, 'tide', unit)}"
+               + (f"; CUPTI: {describe(ex['cupti'])}" if ex.get("cupti") else ""))
         rows.append(Row(f"GEMM slowdown under TIDE-{op.upper()}", unit, "<= 10%", v, met,
                         f"{(v - 0.10) * 100:+.1f} points vs goal", "" if met else why))
     return rows
