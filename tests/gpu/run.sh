@@ -23,6 +23,8 @@
 #                                                      # bounds (tests/gpu/hw_bounds.py: per-CTA
 #                                                      # streaming rates, GEMM beside bare copies;
 #                                                      # TIDE_BOUNDS_PARTS, TIDE_BOUNDS_RANKS)
+#                                                      # footprints (tests/gpu/footprints.py: can
+#                                                      # a GEMM's CTA and ours share an SM)
 #   TIDE_GPU_PIPELINES="info np2 jax|np3 faults|np4 debug|nodes np1 soak" bash tests/gpu/run.sh
 #                                              # those step lists side by side (correctness only)
 #   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
@@ -126,6 +128,8 @@ run_priority() {  # the interference GEMMs at the default and the highest stream
             --impls tide,stock --workloads units --units llama3.1-8b --out "$OUT/prio/rs-ctas$c"
     done
 }
+run_footprints() {  # which CTAs can share an SM with the GEMMs' (one process, no timing)
+    step footprints timeout "$T" python3 tests/gpu/footprints.py "$OUT/footprints.json"; }
 run_bounds() { step hw_bounds "${MPI[@]}" -n "${TIDE_BOUNDS_RANKS:-2}" python3 tests/gpu/hw_bounds.py "$OUT/hw_bounds.json"; }
 run_plans() {  # plan tests on cuda at 2 ranks, then host time per plan call
     step plans_np2 "${MPI[@]}" -n 2 "${PYTEST[@]}" tests/mpi/test_plans.py tests/gpu/test_adamw_gpu.py
