@@ -129,7 +129,11 @@ class CudaDevice:
         # those of the collectives' lanes, which run at the default (lowest).
         self.side_priority = side_priority
         if side_priority == "high":
-            greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()[1]
+            from cuda.bindings import runtime as cudart  # CuPy does not expose the range
+
+            err, _least, greatest = cudart.cudaDeviceGetStreamPriorityRange()
+            if err != cudart.cudaError_t.cudaSuccess:
+                raise RuntimeError(f"cudaDeviceGetStreamPriorityRange: {err}")
             self.side_stream = cupy.cuda.Stream(non_blocking=True, priority=greatest)
         else:
             self.side_stream = cupy.cuda.Stream(non_blocking=True)
