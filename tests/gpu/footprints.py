@@ -30,8 +30,6 @@ from tidearray.bench.records import git_commit  # noqa: E402
 OURS = (("accumulate.cu", "tide_accumulate_bf16", accumulate.BLOCK, 0),
         ("accumulate_bulk.cu", "tide_accumulate_bf16_bulk", accumulate.BULK_BLOCK,
          accumulate.BULK_SMEM),
-        ("accumulate_narrow.cu", "tide_accumulate_bf16_narrow", accumulate.NARROW_BLOCK,
-         accumulate.NARROW_SMEM),
         ("pack.cu", "pack_bytes", copies.KERNEL_THREADS, 0))
 
 

@@ -23,8 +23,6 @@
 #                                                      # bounds (tests/gpu/hw_bounds.py: per-CTA
 #                                                      # streaming rates, GEMM beside bare copies;
 #                                                      # TIDE_BOUNDS_PARTS, TIDE_BOUNDS_RANKS)
-#                                                      # narrow (interference and TIDE-RS with the
-#                                                      # vector and narrow accumulates in turn)
 #                                                      # footprints (tests/gpu/footprints.py: can
 #                                                      # a GEMM's CTA and ours share an SM)
 #   TIDE_GPU_PIPELINES="info np2 jax|np3 faults|np4 debug|nodes np1 soak" bash tests/gpu/run.sh
@@ -128,18 +126,6 @@ run_priority() {  # the interference GEMMs at the default and the highest stream
     for c in ${TIDE_PRIO_CTAS:-66 100000}; do
         step "rs_ctas$c" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 python3 -m tidearray.bench rs \
             --impls tide,stock --workloads units --units llama3.1-8b --out "$OUT/prio/rs-ctas$c"
-    done
-}
-run_narrow() {  # the accumulate kernels in turn (TIDE_NARROW_KERNELS, "vector narrow"), two
-                # rounds: the interference suite (CUPTI groups) and TIDE-RS beside stock
-    local k a
-    for k in 1 2; do
-        for a in ${TIDE_NARROW_KERNELS:-vector narrow}; do
-            step "interference_${a}_$k" "${MPI[@]}" -x TIDE_ACCUM_KERNEL="$a" -n 2 \
-                python3 -m tidearray.bench interference --impls tide --out "$OUT/narrow/int-$a-$k"
-            step "rs_${a}_$k" "${MPI[@]}" -x TIDE_ACCUM_KERNEL="$a" -n 2 python3 -m tidearray.bench \
-                rs --impls tide,stock --workloads units --out "$OUT/narrow/rs-$a-$k"
-        done
     done
 }
 run_footprints() {  # which CTAs can share an SM with the GEMMs' (one process, no timing)

@@ -83,21 +83,17 @@ def test_accumulate_long_tiles_bitwise_as_host(cuda_group, cp, dtype, n_src):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("n_src", [1, 2, 3, 5])
 @pytest.mark.parametrize("ctas", [2, None])
-@pytest.mark.parametrize("kind", ["bulk", "narrow"])
-def test_bulk_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, ctas, kind):
-    """The opt-in bulk-copy kernels give the vector kernel's bits (fp32 sources keep the
+def test_bulk_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, ctas):
+    """The opt-in bulk kernel gives the vector kernel's bits (fp32 sources keep the
     vector kernel): on awkward pieces; on a piece of many stages and tiles with a
     ragged tail, aligned and not; on one that ends in an 8-element sub-chunk; and
     with 2 CTAs, each walking many tiles through its ring of stages."""
     from tidearray.backends.cuda.accumulate import Accumulator
 
     be = cuda_group.backend.lanes
-    acc = Accumulator(be.accumulator.device, be.accumulator.sm_count, ctas, kernel=kind)
-    fn = acc._kernel(tidearray._dtypes.normalize(dtype).name, "float32")[0]
-    assert fn.name.endswith(f"_{kind}") == (dtype != "float32"), fn.name
-    if kind == "narrow" and dtype != "float32":  # one warp at 32 registers: fits beside a GEMM
-        assert fn.num_regs <= 32 and fn.preferred_shared_memory_carveout == 100
-        assert acc.max_grid == (2 if ctas else acc.sm_count)
+    acc = Accumulator(be.accumulator.device, be.accumulator.sm_count, ctas, kernel="bulk")
+    name = acc._kernel(tidearray._dtypes.normalize(dtype).name, "float32")[0].name
+    assert name.endswith("_bulk") == (dtype != "float32"), name
     for scale in (1.0, 1 / 3):
         _check_accumulate(cp, acc, be.streams[-2], dtype, n_src, scale,
                           sizes=[1, 7, 8, 15, 8192, 8193, 40_000, 3, 3_000_001, 16_392,

@@ -10,7 +10,6 @@ pieces.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -55,33 +54,21 @@ def test_tile_size_bounds_the_table(total, grid):
     assert -(-total // tile) <= max(4 * grid, -(-total // TILE))
 
 
-@pytest.mark.parametrize("kind", sorted(accumulate.BULK_SHAPES))
-def test_bulk_kernel_constants_match_the_host(kind):
-    """Each bulk-copy kernel's block and shared memory, as its source defines them, are
-    what the host launches with; its sub-chunk divides a tile."""
+def test_bulk_kernel_constants_match_the_host():
+    """The bulk kernel's block and shared memory, as ``kernels/accumulate_bulk.cu``
+    defines them, are what the host launches with; its sub-chunk divides a tile."""
     import re
 
     from tidearray.backends.cuda.kernels import source
 
-    file, block, smem_host = accumulate.BULK_SHAPES[kind]
-    text = source(file)
+    text = source("accumulate_bulk.cu")
     assert text.count("TileAt locate(") == 1  # accumulate_common.cuh, inlined once
     k = {name: int(v) for name, v in re.findall(r"^#define (\w+) (\d+)$", text, re.M)}
-    assert k["THREADS"] == block
+    assert k["THREADS"] == accumulate.BULK_BLOCK
     # SMEM_BYTES: the stages' source slots (16-bit elements), then an mbarrier per stage.
     smem = k["STAGES"] * k["GROUP"] * 2 * k["CHUNK"] + 8 * k["STAGES"]
-    assert smem == smem_host <= 227 * 1024
+    assert smem == accumulate.BULK_SMEM <= 227 * 1024
     assert TILE % k["CHUNK"] == 0 and k["CHUNK"] % (4 * k["THREADS"]) == 0
-    assert re.search(rf"^#define NAME {kind}$", text, re.M)  # its entry points' suffix
-
-
-def test_a_narrow_cta_fits_where_a_gemm_cta_leaves_room():
-    """On H200 a cuBLAS GEMM CTA (384 threads at 168 registers, 213,220 bytes of shared
-    memory: docs/benchmarks/run15-footprints) leaves 1,024 registers and 19,228 bytes of
-    shared memory on its SM: the narrow kernel's one warp at 32 registers and its stages
-    with the driver's 1 KB per CTA fit there."""
-    assert accumulate.NARROW_BLOCK == 32
-    assert accumulate.NARROW_SMEM + 1024 <= 233_472 - 213_220 - 1024
 
 
 @given(st.lists(st.integers(0, 5 << 17), min_size=1, max_size=8), st.integers(1, 4))

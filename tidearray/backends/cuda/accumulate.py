@@ -2,9 +2,9 @@
 
 :func:`build_table` is pure NumPy (tested on CPU); :class:`Accumulator` uploads
 a table and launches ``kernels/accumulate.cu`` on a lane stream, or, for 16-bit
-sources into fp32 with ``Config.accum_kernel`` ``"bulk"`` or ``"narrow"``,
-``kernels/accumulate_bulk.cu`` or ``kernels/accumulate_narrow.cu`` (the same table and
-arguments, the same bits; sources streamed through shared memory by bulk async copies).
+sources into fp32 with ``Config.accum_kernel == "bulk"``, ``kernels/accumulate_bulk.cu``
+(the same table and arguments, the same bits; sources streamed through shared memory
+by bulk async copies).
 
 [Note: table lifetime]
 A launch reads its table from device memory that an async H2D copy filled
@@ -43,15 +43,9 @@ BULK_BLOCK = 256
 #: Dynamic shared memory of the bulk kernel (``SMEM_BYTES`` there): 6 stages of two
 #: 16 KB source slots, then an 8-byte mbarrier per stage. The kernel traps on less.
 BULK_SMEM = 6 * 2 * 16384 + 6 * 8
-#: The narrow kernel's (``kernels/accumulate_narrow.cu``): one warp, 8 stages of two
-#: 1 KB slots.
-NARROW_BLOCK = 32
-NARROW_SMEM = 8 * 2 * 1024 + 8 * 8
-#: Per bulk-copy kernel: its file, block and dynamic shared memory.
-BULK_SHAPES = {"bulk": ("accumulate_bulk.cu", BULK_BLOCK, BULK_SMEM),
-               "narrow": ("accumulate_narrow.cu", NARROW_BLOCK, NARROW_SMEM)}
-#: Bulk-copy kernel name per 16-bit source dtype (then ``_bulk`` or ``_narrow``); fp32 out.
-BULK_KERNELS = {"bfloat16": "tide_accumulate_bf16", "float16": "tide_accumulate_fp16"}
+#: Bulk kernel name per 16-bit source dtype; its output is fp32.
+BULK_KERNELS = {"bfloat16": "tide_accumulate_bf16_bulk",
+                "float16": "tide_accumulate_fp16_bulk"}
 #: Kernel name per (source dtype, output dtype).
 KERNELS = {("bfloat16", "float32"): "tide_accumulate_bf16",
            ("float16", "float32"): "tide_accumulate_fp16",
@@ -133,11 +127,9 @@ class Accumulator:
             accumulate of chunk k runs while chunk k+1 is still on the copy
             engines, so it needs to keep pace with them, not to fill the GPU:
             a small grid leaves the other SMs to concurrent compute.
-        kernel: ``"vector"`` (``kernels/accumulate.cu``), ``"bulk"``
-            (``kernels/accumulate_bulk.cu``) or ``"narrow"``
-            (``kernels/accumulate_narrow.cu``, one CTA per SM unless ``ctas``); the
-            last two for 16-bit sources into fp32, other dtype pairs keep the vector
-            kernels. See ``Config.accum_kernel``.
+        kernel: ``"vector"`` (``kernels/accumulate.cu``) or ``"bulk"``
+            (``kernels/accumulate_bulk.cu``, for 16-bit sources into fp32; other
+            dtype pairs keep the vector kernels). See ``Config.accum_kernel``.
     """
 
     def __init__(self, device: int, sm_count: int, ctas: Optional[int] = None,
@@ -146,7 +138,7 @@ class Accumulator:
         self.device = device
         self.sm_count = sm_count
         self.kernel = kernel
-        self.max_grid = self._grid(ctas)
+        self.max_grid = max(1, ctas if ctas else sm_count // 2)
         self._ring = [_Slot() for _ in range(RING)]
         self._next = 0
         self._kernels: dict = {}
@@ -154,15 +146,9 @@ class Accumulator:
         self._tables = IdentityCache(TABLES, evict=_release_table)
 
     def set_grid(self, ctas: Optional[int]) -> None:
-        """Cap the grid at ``ctas`` (None: the default); tables are tiled anew for it."""
-        self.max_grid = self._grid(ctas)
+        """Cap the grid at ``ctas`` (None: half the SMs); tables are tiled anew for it."""
+        self.max_grid = max(1, ctas if ctas else self.sm_count // 2)
         self._tables.clear()
-
-    def _grid(self, ctas: Optional[int]) -> int:
-        """The grid cap: ``ctas``, else one narrow CTA per SM or half the SMs."""
-        if ctas:
-            return max(1, ctas)
-        return self.sm_count if self.kernel == "narrow" else max(1, self.sm_count // 2)
 
     def launch(self, stream: Any, pieces: Sequence[AccumPiece], src_dtype: Any,
                scale: float, out_dtype: Any = "float32") -> None:
@@ -211,14 +197,10 @@ class Accumulator:
         if key not in self._kernels:
             from . import kernels as _kernels
 
-            if self.kernel in BULK_SHAPES and out == "float32" and src in BULK_KERNELS:
-                file, block, smem = BULK_SHAPES[self.kernel]
-                fn = _kernels.function(file, f"{BULK_KERNELS[src]}_{self.kernel}", self.device)
-                fn.max_dynamic_shared_size_bytes = smem  # the bulk kernel's: above 48 KB
-                # Shared memory as large as the SM's (the split is set per SM, when idle):
-                # a GEMM's CTA then fits beside a narrow one without a new split.
-                fn.preferred_shared_memory_carveout = 100
-                self._kernels[key] = (fn, block, smem)
+            if self.kernel == "bulk" and out == "float32" and src in BULK_KERNELS:
+                fn = _kernels.function("accumulate_bulk.cu", BULK_KERNELS[src], self.device)
+                fn.max_dynamic_shared_size_bytes = BULK_SMEM  # above the 48 KB default
+                self._kernels[key] = (fn, BULK_BLOCK, BULK_SMEM)
             else:
                 fn = _kernels.function("accumulate.cu", KERNELS[key], self.device)
                 self._kernels[key] = (fn, BLOCK, 0)
