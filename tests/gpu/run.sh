@@ -23,6 +23,8 @@
 #                                                      # bounds (tests/gpu/hw_bounds.py: per-CTA
 #                                                      # streaming rates, GEMM beside bare copies;
 #                                                      # TIDE_BOUNDS_PARTS, TIDE_BOUNDS_RANKS)
+#                                                      # calls (tests/gpu/call_profile.py: host
+#                                                      # time of repeated calls, and cProfiles)
 #                                                      # footprints (tests/gpu/footprints.py: can
 #                                                      # a GEMM's CTA and ours share an SM)
 #   TIDE_GPU_PIPELINES="info np2 jax|np3 faults|np4 debug|nodes np1 soak" bash tests/gpu/run.sh
@@ -128,6 +130,8 @@ run_priority() {  # the interference GEMMs at the default and the highest stream
             --impls tide,stock --workloads units --units llama3.1-8b --out "$OUT/prio/rs-ctas$c"
     done
 }
+run_calls() {  # host time of repeated calls with and without a plan, and their cProfiles
+    step call_profile "${MPI[@]}" -n 2 python3 tests/gpu/call_profile.py "${TIDE_PROFILE_UNIT:-qwen3-30b-a3b}"; }
 run_footprints() {  # which CTAs can share an SM with the GEMMs' (one process, no timing)
     step footprints timeout "$T" python3 tests/gpu/footprints.py "$OUT/footprints.json"; }
 run_bounds() { step hw_bounds "${MPI[@]}" -n "${TIDE_BOUNDS_RANKS:-2}" python3 tests/gpu/hw_bounds.py "$OUT/hw_bounds.json"; }
