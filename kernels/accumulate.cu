@@ -53,48 +53,49 @@ __device__ __forceinline__ void add4h(float acc[4], uint2 q, int is_bf16) {
 // has to keep pace with the copy engines.
 #define UNROLL_16 8
 
-// 16-bit sources: 4 elements (8 bytes of each source, 16 of fp32 out) per vector
-// step, so that a warp's stores cover whole 32-byte sectors: with 8 elements per
-// step each store instruction wrote half of every sector it touched, and a CTA
-// streamed at about half the rate. With two sources (two ranks) each step is summed
-// and stored as soon as its loads land: no accumulators held across steps, half the
-// registers, and a CTA streams about as fast as a plain copy (tests/gpu/hw_bounds.py).
-__device__ void tile_16(const i64* srcs, int n_src, float* out, i64 a, i64 b, int vec,
-                        int is_bf16, float scale, int do_scale) {
-    i64 vend = vec ? a + ((b - a) / 4) * 4 : a;
-    const i64 step = 4 * (i64)blockDim.x;
-    i64 i = a + 4 * (i64)threadIdx.x;
-    if (n_src == 2) {  // two ranks: each step summed and stored as its loads land
-        const u16* s0 = reinterpret_cast<const u16*>(srcs[0]);
-        const u16* s1 = reinterpret_cast<const u16*>(srcs[1]);
-        for (; i + (UNROLL_16 - 1) * step < vend; i += UNROLL_16 * step) {
-            uint2 q[UNROLL_16], r[UNROLL_16];
+// Two sources, U vector steps per thread per iteration from i while they fit before
+// vend: each step summed and stored as soon as its loads land (no accumulators held
+// across steps). Returns where it stopped.
+template <int U>
+__device__ __forceinline__ i64 pair_steps(const u16* s0, const u16* s1, float* out, i64 i,
+                                          i64 step, i64 vend, int is_bf16, float scale,
+                                          int do_scale) {
+    for (; i + (U - 1) * step < vend; i += U * step) {
+        uint2 q[U], r[U];
 #pragma unroll
-            for (int u = 0; u < UNROLL_16; ++u) q[u] = load8(s0 + i + u * step);
+        for (int u = 0; u < U; ++u) q[u] = load8(s0 + i + u * step);
 #pragma unroll
-            for (int u = 0; u < UNROLL_16; ++u) r[u] = load8(s1 + i + u * step);
+        for (int u = 0; u < U; ++u) r[u] = load8(s1 + i + u * step);
 #pragma unroll
-            for (int u = 0; u < UNROLL_16; ++u) {
-                float acc[4];
-                widen4(q[u], is_bf16, acc);
-                add4h(acc, r[u], is_bf16);
-                store4f(out + i + u * step, acc, scale, do_scale);
-            }
+        for (int u = 0; u < U; ++u) {
+            float acc[4];
+            widen4(q[u], is_bf16, acc);
+            add4h(acc, r[u], is_bf16);
+            store4f(out + i + u * step, acc, scale, do_scale);
         }
     }
-    for (; i + (UNROLL_16 - 1) * step < vend; i += UNROLL_16 * step) {
-        float acc[UNROLL_16][4];
-        uint2 q[UNROLL_16], r[UNROLL_16];
+    return i;
+}
+
+// Any number of sources, U vector steps per thread per iteration (as pair_steps):
+// acc = s0 + s1, then += s2, += s3 ..., in that order. Returns where it stopped.
+template <int U>
+__device__ __forceinline__ i64 many_steps(const i64* srcs, int n_src, float* out, i64 i,
+                                          i64 step, i64 vend, int is_bf16, float scale,
+                                          int do_scale) {
+    for (; i + (U - 1) * step < vend; i += U * step) {
+        float acc[U][4];
+        uint2 q[U], r[U];
         const u16* s0 = reinterpret_cast<const u16*>(srcs[0]);
         const u16* s1 = reinterpret_cast<const u16*>(srcs[n_src > 1 ? 1 : 0]);
 #pragma unroll
-        for (int u = 0; u < UNROLL_16; ++u) q[u] = load8(s0 + i + u * step);
+        for (int u = 0; u < U; ++u) q[u] = load8(s0 + i + u * step);
         if (n_src > 1) {
 #pragma unroll
-            for (int u = 0; u < UNROLL_16; ++u) r[u] = load8(s1 + i + u * step);
+            for (int u = 0; u < U; ++u) r[u] = load8(s1 + i + u * step);
         }
 #pragma unroll
-        for (int u = 0; u < UNROLL_16; ++u) {
+        for (int u = 0; u < U; ++u) {
             widen4(q[u], is_bf16, acc[u]);
             if (n_src > 1) add4h(acc[u], r[u], is_bf16);
         }
@@ -103,20 +104,46 @@ __device__ void tile_16(const i64* srcs, int n_src, float* out, i64 a, i64 b, in
             const u16* sp = reinterpret_cast<const u16*>(srcs[s]);
             const u16* sq = reinterpret_cast<const u16*>(srcs[pair ? s + 1 : s]);
 #pragma unroll
-            for (int u = 0; u < UNROLL_16; ++u) q[u] = load8(sp + i + u * step);
+            for (int u = 0; u < U; ++u) q[u] = load8(sp + i + u * step);
             if (pair) {
 #pragma unroll
-                for (int u = 0; u < UNROLL_16; ++u) r[u] = load8(sq + i + u * step);
+                for (int u = 0; u < U; ++u) r[u] = load8(sq + i + u * step);
             }
 #pragma unroll
-            for (int u = 0; u < UNROLL_16; ++u) {
+            for (int u = 0; u < U; ++u) {
                 add4h(acc[u], q[u], is_bf16);
                 if (pair) add4h(acc[u], r[u], is_bf16);
             }
         }
 #pragma unroll
-        for (int u = 0; u < UNROLL_16; ++u) store4f(out + i + u * step, acc[u], scale, do_scale);
+        for (int u = 0; u < U; ++u) store4f(out + i + u * step, acc[u], scale, do_scale);
     }
+    return i;
+}
+
+// 16-bit sources: 4 elements (8 bytes of each source, 16 of fp32 out) per vector
+// step, so that a warp's stores cover whole 32-byte sectors: with 8 elements per
+// step each store instruction wrote half of every sector it touched, and a CTA
+// streamed at about half the rate. With two sources (two ranks) each step is summed
+// and stored as soon as its loads land: half the registers, and a CTA streams about
+// as fast as a plain copy (tests/gpu/hw_bounds.py). What is left of a tile after the
+// full unroll goes 4 and then 2 steps at a time, not one: a short tile (a grid of one
+// CTA per tile, 8,192 elements: 4 steps per thread) still keeps several loads in flight.
+__device__ void tile_16(const i64* srcs, int n_src, float* out, i64 a, i64 b, int vec,
+                        int is_bf16, float scale, int do_scale) {
+    i64 vend = vec ? a + ((b - a) / 4) * 4 : a;
+    const i64 step = 4 * (i64)blockDim.x;
+    i64 i = a + 4 * (i64)threadIdx.x;
+    if (n_src == 2) {  // two ranks
+        const u16* s0 = reinterpret_cast<const u16*>(srcs[0]);
+        const u16* s1 = reinterpret_cast<const u16*>(srcs[1]);
+        i = pair_steps<UNROLL_16>(s0, s1, out, i, step, vend, is_bf16, scale, do_scale);
+        i = pair_steps<4>(s0, s1, out, i, step, vend, is_bf16, scale, do_scale);
+        i = pair_steps<2>(s0, s1, out, i, step, vend, is_bf16, scale, do_scale);
+    }  // what is left: three sources or more, or fewer than 2 steps
+    i = many_steps<UNROLL_16>(srcs, n_src, out, i, step, vend, is_bf16, scale, do_scale);
+    i = many_steps<4>(srcs, n_src, out, i, step, vend, is_bf16, scale, do_scale);
+    i = many_steps<2>(srcs, n_src, out, i, step, vend, is_bf16, scale, do_scale);
     for (; i < vend; i += step) {
         float acc[4];
         widen4(load8(reinterpret_cast<const u16*>(srcs[0]) + i), is_bf16, acc);
