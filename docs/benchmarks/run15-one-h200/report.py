@@ -114,15 +114,25 @@ def main():
     print("The GEMMs on the device's highest stream priority (`--gemm-priority high`) or "
           "the default, the accumulate on 66 persistent CTAs or one short CTA per tile "
           "(`TIDE_ACCUM_CTAS=100000`: the grid is the tile count), "
-          "`mpirun -n 1 python -m tidearray.bench interference --impls tide`:\n")
+          "`mpirun -n 1 python -m tidearray.bench interference --impls tide`, at `63a81b4`:\n")
     print(grouped([(f"priority/ctas{c}-{p}.jsonl", f"{'66 CTAs' if c == 66 else 'a CTA per tile'}, "
                     f"GEMM priority {p}") for c in (66, 100000) for p in ("default", "high")],
+                  "accumulate grid, GEMM stream"), end="\n\n")
+    print("Then (`c95989f`) the accumulate kernel runs what is left of a tile after its "
+          "full unroll 4 and then 2 vector steps at a time, not one at a time, so a tile of "
+          "8,192 elements (4 steps per thread) keeps several loads in flight. The same "
+          "commands, launched in turn (at one rank the accumulate has one source; between two "
+          "GPUs, two, and the same change applies):\n")
+    print(grouped([(f"priority-short/ctas{c}-{p}.jsonl",
+                    f"{'66 CTAs' if c == 66 else 'a CTA per tile'}, GEMM priority {p}")
+                   for c, p in ((66, "default"), (100000, "default"), (100000, "high"))],
                   "accumulate grid, GEMM stream"), end="\n\n")
     print("A persistent CTA holds its SM for the whole launch, so priority changes nothing "
           "at 66 CTAs. With a CTA per tile, SMs free up between tiles, and the block "
           "scheduler gives them to the higher-priority GEMM: half the slowdown. At the "
           "default priority the same short CTAs slow the GEMM most. Short CTAs cost the "
-          "accumulate itself: alone it took 768-800 us against 483-533 us on 66 CTAs. "
+          "accumulate itself 768-800 us against 483-533 us on 66 CTAs, until the short "
+          "tile kept its loads in flight: then 490-528 us against 477 us. "
           "Whether this holds "
           "between two GPUs, where the accumulate runs beside the copy engines, is what "
           "`TIDE_GPU_STEPS=priority bash tests/gpu/run.sh` measures on 2xH200.")
