@@ -7,7 +7,9 @@ collective" when at least 95% of it overlaps the union of the collectives'
 intervals. "Alone" is the same loop without the collective (back-to-back GEMMs,
 so launch gaps are excluded from both), run again right before each "beside" loop,
 so that both see the same clocks and power state (an alone figure taken once, at
-the start, let a full-device GEMM look faster beside a collective than alone).
+the start, let a full-device GEMM look faster beside a collective than alone). The
+collective's own time per call in that loop is kept too: a lever that spares the GEMM
+may slow the collective.
 Slowdown = median GEMM time under the collective / that adjacent median alone - 1,
 measured for :data:`PAIRS` alone-then-beside pairs in a row; the figure is the median
 of the pairs (the same code moved by about ten points between single runs), and the
@@ -115,13 +117,16 @@ def _one(ctx: Any, impl: str, op: str, unit: Any, coll: Any, coll_t: float, gnam
     ctx.sink.add("interference", impl, unit.name, metric, slow, "fraction",
                  alone_s=p["alone_s"], under_s=p["under_s"], alone_at_start_s=first_alone,
                  pairs=pairs, slowdowns=slows, gemms_overlapped=p["gemms_overlapped"],
-                 gemms=p["gemms"], collective_alone_s=coll_t, clocks=p["clocks"],
+                 gemms=p["gemms"], collective_alone_s=coll_t,
+                 collective_beside_s=p["collective_beside_s"], clocks=p["clocks"],
                  cupti=traced if ok else None)
     sm = [p["clocks"].get(k, {}).get("sm_mhz") for k in ("after_alone", "after_beside")]
     ctx.log(f"  {impl:<12} {op} + {gname}: {p['alone_s'] * 1e6:.1f} -> "
             f"{p['under_s'] * 1e6:.1f} us ({slow * 100:+.1f}%; pairs "
             + ", ".join(f"{s * 100:+.1f}%" for s in slows) + ")"
-            + (f"; SM clock {sm[0]:.0f} -> {sm[1]:.0f} MHz" if None not in sm else ""))
+            + (f"; SM clock {sm[0]:.0f} -> {sm[1]:.0f} MHz" if None not in sm else "")
+            + f"; {op} {coll_t * 1e6:.0f} us alone, {p['collective_beside_s'] * 1e6:.0f} us "
+              "beside the GEMMs")
     if ok and traced:
         ctx.log(f"  {'':<12} CUPTI: {describe(traced)}")
 
@@ -132,7 +137,7 @@ def _pair(ctx: Any, coll: Any, coll_t: float, gemm: Any, first_alone: float) -> 
     clocks = {}
     alone = gemm_loop(ctx, None, 0.0, gemm, 1.0)[0]
     clocks["after_alone"] = ctx.dev.clocks()
-    under, n_under, n_total = gemm_loop(ctx, coll, coll_t, gemm, first_alone)
+    under, n_under, n_total, coll_beside = gemm_loop(ctx, coll, coll_t, gemm, first_alone)
     clocks["after_beside"] = ctx.dev.clocks()
     counts = ctx.comm.allgather(n_under)
     unders = ctx.comm.allgather(under)
@@ -140,14 +145,16 @@ def _pair(ctx: Any, coll: Any, coll_t: float, gemm: Any, first_alone: float) -> 
         return None
     return {"alone_s": float(np.max(ctx.comm.allgather(alone))),
             "under_s": float(np.max(unders)), "gemms_overlapped": min(counts),
-            "gemms": n_total, "clocks": clocks}
+            "gemms": n_total, "clocks": clocks,
+            "collective_beside_s": float(np.max(ctx.comm.allgather(coll_beside)))}
 
 
 def gemm_loop(ctx: Any, coll: Any, coll_t: float, gemm: Any, gemm_t: float,
-              rounds: int = 24) -> tuple[Optional[float], int, int]:
+              rounds: int = 24) -> tuple[Optional[float], int, int, Optional[float]]:
     """Median GEMM time while ``coll`` loops (or alone if ``coll`` is None).
 
-    Returns (median, GEMMs counted, GEMMs run).
+    Returns (median, GEMMs counted, GEMMs run, the collective's median time per call
+    in the loop, beside the GEMMs; None alone).
     """
     import cupy
 
@@ -191,7 +198,9 @@ def gemm_loop(ctx: Any, coll: Any, coll_t: float, gemm: Any, gemm_t: float,
         elif e > s and _covered(s, e, busy) >= OVERLAP * (e - s):
             durations.append(e - s)
     med = float(np.median(durations)) if durations else None
-    return med, len(durations), len(marks_g)
+    per_call = (float(np.median([(t(b) - t(a)) / n_coll for a, b in marks_c]))
+                if coll else None)
+    return med, len(durations), len(marks_g), per_call
 
 
 def _union(iv: list) -> list:

@@ -209,6 +209,13 @@ def _interference_section(res: Results) -> str:
              if k[0] == "interference" and k[3].endswith(":alone")]
     out = [f"## GEMM slowdown while the collective loops ({unit})\n",
            "; ".join(alone) + "\n", markdown((head, rows))]
+    times = [[impl, m, f"{us(ex['collective_alone_s'])} -> {us(ex['collective_beside_s'])}"]
+             for impl in res.impls("interference") for m in metrics
+             if (r := res.get("interference", impl, unit, m))
+             and (ex := r.get("extra") or {}).get("collective_beside_s") is not None]
+    if times:
+        out += ["### The collective's own time per call, alone -> beside the GEMMs (us)\n",
+                markdown((["impl", "collective + GEMM", "time"], times))]
     traced = [(impl, m, r["extra"]["cupti"]) for impl in res.impls("interference")
               for m in metrics if (r := res.get("interference", impl, unit, m))
               and (r.get("extra") or {}).get("cupti")]
