@@ -137,4 +137,4 @@ def test_the_report_gives_the_gemm_groups_and_the_targets_cite_them():
     assert "CUPTI: GEMM kernel nvjet_gemm (132 CTAs x 384 threads, 168 registers" in why
     assert "half or more 180.0 us (n=1)" in why
     assert "### The collective's own time per call" in text and "| 785 -> 900" in text
-    assert "tide RS 785 us alone, 900 us beside the GEMMs" in why
+    assert "tide RS per call 785 us timed alone, 900 us in the loop beside the GEMMs" in why

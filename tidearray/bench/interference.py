@@ -8,8 +8,9 @@ intervals. "Alone" is the same loop without the collective (back-to-back GEMMs,
 so launch gaps are excluded from both), run again right before each "beside" loop,
 so that both see the same clocks and power state (an alone figure taken once, at
 the start, let a full-device GEMM look faster beside a collective than alone). The
-collective's own time per call in that loop is kept too: a lever that spares the GEMM
-may slow the collective.
+collective's own time per call in the beside loop is kept too (issued back to back
+there, so not the same measure as its time alone, one call after a barrier): levers
+that spare the GEMM may slow the collective, and this compares them.
 Slowdown = median GEMM time under the collective / that adjacent median alone - 1,
 measured for :data:`PAIRS` alone-then-beside pairs in a row; the figure is the median
 of the pairs (the same code moved by about ten points between single runs), and the
@@ -125,8 +126,8 @@ def _one(ctx: Any, impl: str, op: str, unit: Any, coll: Any, coll_t: float, gnam
             f"{p['under_s'] * 1e6:.1f} us ({slow * 100:+.1f}%; pairs "
             + ", ".join(f"{s * 100:+.1f}%" for s in slows) + ")"
             + (f"; SM clock {sm[0]:.0f} -> {sm[1]:.0f} MHz" if None not in sm else "")
-            + f"; {op} {coll_t * 1e6:.0f} us alone, {p['collective_beside_s'] * 1e6:.0f} us "
-              "beside the GEMMs")
+            + f"; {op} per call {coll_t * 1e6:.0f} us timed alone, "
+              f"{p['collective_beside_s'] * 1e6:.0f} us in the loop beside the GEMMs")
     if ok and traced:
         ctx.log(f"  {'':<12} CUPTI: {describe(traced)}")
 

@@ -214,7 +214,8 @@ def _interference_section(res: Results) -> str:
              if (r := res.get("interference", impl, unit, m))
              and (ex := r.get("extra") or {}).get("collective_beside_s") is not None]
     if times:
-        out += ["### The collective's own time per call, alone -> beside the GEMMs (us)\n",
+        out += ["### The collective's own time per call (us): timed alone (one call after a "
+                "barrier) -> in the loop beside the GEMMs (issued back to back)\n",
                 markdown((["impl", "collective + GEMM", "time"], times))]
     traced = [(impl, m, r["extra"]["cupti"]) for impl in res.impls("interference")
               for m in metrics if (r := res.get("interference", impl, unit, m))

@@ -231,8 +231,9 @@ def gemm_rows(res: Results, unit: str = "llama3.1-8b") -> list[Row]:
         beside = ex.get("collective_beside_s")
         why = (f"GEMM {us(ex.get('alone_s'))} us alone, {us(ex.get('under_s'))} us under "
                f"tide {op.upper()} ({ex.get('gemms_overlapped')} GEMMs overlapped"
-               + (f"; tide {op.upper()} {us(ex.get('collective_alone_s'))} us alone, "
-                  f"{us(beside)} us beside the GEMMs" if beside is not None else "")
+               + (f"; tide {op.upper()} per call {us(ex.get('collective_alone_s'))} us timed "
+                  f"alone, {us(beside)} us in the loop beside the GEMMs"
+                  if beside is not None else "")
                + "); under stock "
                f"{'-' if stock is None else f'{stock * 100:+.0f}%'}; tide {op.upper()} phases: "
                f"{_phases(res, op, 'tide', unit)}"
