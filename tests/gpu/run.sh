@@ -114,9 +114,10 @@ run_ctas() {  # TIDE-RS and the GEMM beside it at each accumulate grid (TIDE_CTA
 }
 run_priority() {  # the interference GEMMs at the default and the highest stream priority,
                   # beside the accumulate at each grid of TIDE_PRIO_CTAS (a grid past the
-                  # tile count gives one short CTA per tile), two rounds; then TIDE-RS there
+                  # tile count gives one short CTA per tile), TIDE_PRIO_ROUNDS rounds (2);
+                  # then TIDE-RS there
     local k c p
-    for k in 1 2; do
+    for k in $(seq "${TIDE_PRIO_ROUNDS:-2}"); do
         for c in ${TIDE_PRIO_CTAS:-66 100000}; do
             for p in default high; do
                 step "interference_ctas${c}_${p}_$k" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 \
