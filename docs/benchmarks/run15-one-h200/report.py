@@ -107,7 +107,8 @@ def main():
     print(grouped([("narrow/vector.jsonl", "vector (default), 66 CTAs"),
                    ("narrow/narrow.jsonl", "narrow, 132 CTAs")], "accumulate"), end="\n\n")
     print("The GEMMs it held ran about as fast as alone, but one warp issues at most one "
-          "instruction per cycle, and the accumulate needs about three per element: "
+          "instruction per cycle, and the accumulate needs a few per element (a widening per "
+          "source, the adds, its share of loads and stores): "
           "TIDE-RS took about nine times as long. Between two GPUs it would have to keep "
           "pace with the copy engines, so it was dropped.\n")
     print("## Stream priority and short CTAs\n")
