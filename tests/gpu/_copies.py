@@ -6,13 +6,17 @@ from typing import Sequence
 
 from tidearray.backends.cuda import copies
 
+#: ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``: the library does not pass it, since it
+#: left same-device copies on the SMs ([Note: same-device copies] in its ``copies``).
+PREFER_OVERLAP_WITH_COMPUTE = 1
+
 
 class FlaggedBatch:
     """``cuMemcpyBatchAsync`` with ``PREFER_OVERLAP_WITH_COMPUTE``, copies packed once
     per tuple (as the copier packs its cached batches)."""
 
     def __init__(self) -> None:
-        self.batch = copies._DriverBatch(copies.PREFER_OVERLAP_WITH_COMPUTE)
+        self.batch = copies._DriverBatch(PREFER_OVERLAP_WITH_COMPUTE)
         self._packed: dict = {}
 
     def copy(self, stream_ptr: int, batch: Sequence[tuple[int, int, int]],

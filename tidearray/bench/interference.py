@@ -260,14 +260,14 @@ def split_gemms(alone: list[dict], beside: list[dict]) -> dict:
     kernels: dict = {}
     for e in work:
         if e["cat"] == "kernel":
-            k = kernels.setdefault(e["name"], dict(_footprint(e), count=0))
+            k = kernels.setdefault(e["name"], dict(_per_cta(e), count=0))
             k["count"] += 1
     first = next(e for e in alone if e["name"] == main)
-    return dict(groups, gemm=dict(_footprint(first), name=main), kernels=kernels,
+    return dict(groups, gemm=dict(_per_cta(first), name=main), kernels=kernels,
                 same_device_copies=len(local))
 
 
-def _footprint(e: dict) -> dict:
+def _per_cta(e: dict) -> dict:
     return {k: e.get(k) for k in ("blocks", "threads", "registers", "shared_bytes")}
 
 

@@ -234,7 +234,8 @@ def sm_time(ctx: Any, impl: Any, op: str, timed: dict) -> tuple[Optional[float],
         parts.append({"phase": name, "time_s": t, "sm_fraction": frac})
     if impl.name == "tide" and op == "ag":
         notes.append("TIDE-AG's own copy runs on the SMs: as same-device copies by the "
-                     "driver, or as one copy kernel for 64 or more arrays "
+                     "driver, or as one copy kernel for "
+                     f"{ctx.group.config.local_copy_kernel_min} or more arrays "
                      "(local_copy_kernel_min); not in this model, see CUPTI")
     return total, {"parts": parts, "sms": sms, "nccl_channels": ch, "channels_from": ch_src,
                    "notes": notes}

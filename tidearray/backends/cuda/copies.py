@@ -89,9 +89,6 @@ from . import driver
 STRIDED_MIN_ROWS = 3
 #: Threads per CTA of the same-device copy kernel (``pack_bytes``).
 KERNEL_THREADS = 512
-#: ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``: only the probes pass it, since it left
-#: same-device copies on the SMs ([Note: same-device copies]).
-PREFER_OVERLAP_WITH_COMPUTE = 1
 
 
 def stream_order_attrs(flags: int = 0) -> Any:
