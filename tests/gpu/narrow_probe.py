@@ -1,0 +1,255 @@
+"""Can one warp per SM keep pace as the accumulate? (diagnostic)
+
+    mpirun -n 1 python tests/gpu/narrow_probe.py [RECORD.json]
+
+A Hopper GEMM's CTA leaves 1,024 registers and about 19 KB of shared memory on its SM
+(``tests/gpu/footprints.py``): room for one warp at 32 registers. An accumulate of that
+shape shares every SM with a GEMM instead of holding SMs a GEMM waits for. This times
+such kernels on flat arrays (no piece table, one CTA per SM, the sources streamed into
+shared memory by bulk async copies), at one and two sources, against the library's
+vector accumulate on its default grid, and then the interference suite's single-wave
+GEMM beside each (alone-then-beside pairs, as in ``tidearray.bench.interference``).
+
+Per kernel it reports the per-SM rate (elements per us per SM), its registers and
+local memory per thread (spills), and checks the output bitwise against the same sum
+on the host side of CuPy. One GPU: the sources are local, so it says what the kernel
+can do, not TIDE-RS's time between two GPUs. Between two H200s the accumulate must
+keep pace with the copy engines: about 1.2 elements per ns per SM for the Llama-3.1-8B
+unit (run 14: 109M elements per rank in 711 us).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import cupy as cp
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.getcwd())
+from tidearray._dtypes import bfloat16  # noqa: E402
+from tidearray.backends._base import AccumPiece  # noqa: E402
+from tidearray.backends.cuda.accumulate import Accumulator  # noqa: E402
+from tidearray.bench import interference  # noqa: E402
+from tidearray.bench.device import CudaDevice  # noqa: E402
+from tidearray.bench.records import git_commit  # noqa: E402
+
+#: Elements per source: the Llama-3.1-8B unit's shard per rank at two ranks.
+N = 109 * (1 << 20)
+PAIRS = 3
+GEMM = (1024, 2048, 16384)
+
+SOURCE = r"""
+typedef unsigned short u16;
+typedef long long i64;
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void bar_init(unsigned bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void bar_expect(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_wait(unsigned bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile("{\n\t.reg .pred p;\n\t"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes,
+                                          unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];" :: "r"(dst), "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void store4(float* p, float a, float b, float c, float d) {
+    asm volatile("st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+__device__ __forceinline__ float lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+
+// Lane 0 loads chunk c of every source into stage s.
+__device__ __forceinline__ void issue(const u16* const* srcs, i64 c, unsigned data,
+                                      unsigned bars, int s) {
+    const unsigned bar = bars + 8 * s;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    bar_expect(bar, NSRC * CHUNK * 2);
+#pragma unroll
+    for (int k = 0; k < NSRC; ++k)
+        bulk_load(data + (s * NSRC + k) * CHUNK * 2, srcs[k] + c * CHUNK, CHUNK * 2, bar);
+}
+
+constexpr int kUnroll = UNROLL;
+
+// s1 is read only with two sources.
+extern "C" __global__ void BOUNDS
+narrow(const u16* s0, const u16* s1, float* __restrict__ out, i64 n_chunks, float scale) {
+    const u16* const srcs[2] = {s0, s1};
+    extern __shared__ __align__(128) unsigned char smem[];
+    const unsigned data = smem_addr(smem), bars = data + STAGES * NSRC * CHUNK * 2;
+    const int lane = threadIdx.x;
+    i64 next = blockIdx.x;
+    if (lane == 0) {
+        for (int s = 0; s < STAGES; ++s) bar_init(bars + 8 * s);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (int s = 0; s < STAGES && next < n_chunks; ++s, next += gridDim.x)
+            issue(srcs, next, data, bars, s);
+    }
+    __syncwarp();
+    int stage = 0;
+    unsigned parity = 0;
+    for (i64 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        bar_wait(bars + 8 * stage, parity);
+        const uint4* slot = reinterpret_cast<const uint4*>(smem + stage * NSRC * CHUNK * 2);
+        float* o = out + c * CHUNK;
+#pragma unroll (kUnroll)
+        for (int u = lane; u < CHUNK / 8; u += 32) {
+            uint4 x = slot[u];
+            float v[8] = {lo(x.x), hi(x.x), lo(x.y), hi(x.y), lo(x.z), hi(x.z), lo(x.w), hi(x.w)};
+#pragma unroll
+            for (int k = 1; k < NSRC; ++k) {
+                uint4 y = slot[k * CHUNK / 8 + u];
+                v[0] = __fadd_rn(v[0], lo(y.x)); v[1] = __fadd_rn(v[1], hi(y.x));
+                v[2] = __fadd_rn(v[2], lo(y.y)); v[3] = __fadd_rn(v[3], hi(y.y));
+                v[4] = __fadd_rn(v[4], lo(y.z)); v[5] = __fadd_rn(v[5], hi(y.z));
+                v[6] = __fadd_rn(v[6], lo(y.w)); v[7] = __fadd_rn(v[7], hi(y.w));
+            }
+            store4(o + 8 * u, __fmul_rn(v[0], scale), __fmul_rn(v[1], scale),
+                   __fmul_rn(v[2], scale), __fmul_rn(v[3], scale));
+            store4(o + 8 * u + 4, __fmul_rn(v[4], scale), __fmul_rn(v[5], scale),
+                   __fmul_rn(v[6], scale), __fmul_rn(v[7], scale));
+        }
+        __syncwarp();  // every lane has read the stage: refill it
+        if (lane == 0 && next < n_chunks) {
+            issue(srcs, next, data, bars, stage);
+            next += gridDim.x;
+        }
+        if (++stage == STAGES) {
+            stage = 0;
+            parity ^= 1;
+        }
+    }
+}
+"""
+
+#: (name, CHUNK elements per source per stage, STAGES, UNROLL, register bound).
+#: The first four fit beside the GEMM's CTA (at most 16 KB of stages at two sources);
+#: the last is unbounded, to show what the 32-register cap costs.
+SHAPES = (("c512x8", 512, 8, 2, "__maxnreg__(32)"),
+          ("c1024x4", 1024, 4, 2, "__maxnreg__(32)"),
+          ("c2048x2", 2048, 2, 2, "__maxnreg__(32)"),
+          ("c1024x4u1", 1024, 4, 1, "__maxnreg__(32)"),
+          ("c1024x4free", 1024, 4, 2, "__launch_bounds__(32, 1)"))
+
+comm = MPI.COMM_WORLD
+dev = CudaDevice()
+ctx = SimpleNamespace(dev=dev, comm=comm)
+
+
+def timed(launch, reps: int = 7) -> float:
+    """Median seconds of ``launch()`` on the timing stream (two untimed first)."""
+    for _ in range(2):
+        launch()
+    times = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(dev.stream)
+        launch()
+        b.record(dev.stream)
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
+    return float(np.median(times))
+
+
+def narrow_kernel(n_src: int, chunk: int, stages: int, unroll: int, bounds: str):
+    opts = tuple(f"-D{k}={v}" for k, v in (("NSRC", n_src), ("CHUNK", chunk),
+                                           ("STAGES", stages), ("UNROLL", unroll)))
+    src = SOURCE.replace("BOUNDS", bounds)
+    fn = cp.RawModule(code=src, options=("-std=c++17", "-arch=sm_90") + opts).get_function("narrow")
+    smem = stages * n_src * chunk * 2 + 8 * stages
+    fn.max_dynamic_shared_size_bytes = smem
+    fn.preferred_shared_memory_carveout = 100  # leave the GEMM's CTA its shared memory
+    return fn, smem
+
+
+def main() -> None:
+    sms = dev.num_sms
+    gemm = dev.gemm(*GEMM)
+    first_alone = interference.gemm_loop(ctx, None, 0.0, gemm, 1.0)[0]
+    record = {"commit": git_commit(), "device": cp.cuda.runtime.getDeviceProperties(
+        dev.dev.id)["name"].decode(), "n": N, "gemm": GEMM, "gemm_alone_s": first_alone,
+        "rows": []}
+    print(f"{record['device']}: {sms} SMs; {N:,} elements per source; GEMM "
+          f"{'x'.join(map(str, GEMM))} alone {first_alone * 1e6:.1f} us", flush=True)
+    scale = np.float32(0.5)
+    for n_src in (2, 1):
+        srcs = [cp.random.standard_normal(N, dtype=cp.float32).astype(bfloat16)
+                for _ in range(n_src)]
+        want = srcs[0].astype(cp.float32)
+        for s in srcs[1:]:
+            want = want + s.astype(cp.float32)
+        want = want * scale
+        out = cp.empty(N, cp.float32)
+        cases = []
+        vec = Accumulator(dev.dev.id, sms)
+        pieces = (AccumPiece(out.data.ptr, tuple(s.data.ptr for s in srcs), N),)
+        cases.append(("vector (library default)", vec.max_grid, 512, None,
+                      lambda vec=vec, pieces=pieces: vec.launch(dev.stream, pieces, bfloat16,
+                                                             float(scale))))
+        for name, chunk, stages, unroll, bounds in SHAPES:
+            fn, smem = narrow_kernel(n_src, chunk, stages, unroll, bounds)
+            args = (srcs[0], srcs[-1], out, np.int64(N // chunk), scale)
+
+            def launch(fn=fn, smem=smem, args=args) -> None:
+                with dev.stream:
+                    fn((sms,), (32,), args, shared_mem=smem)
+            cases.append((f"narrow {name}", sms, 32, fn, launch))
+        for name, grid, threads, fn, launch in cases:
+            out.fill(np.nan)
+            try:
+                t = timed(launch)
+            except cp.cuda.driver.CUDADriverError as e:  # refused: say so, go on
+                print(f"  {n_src} src  {name:<26} failed: {type(e).__name__}: {e}", flush=True)
+                continue
+            ok = bool(cp.array_equal(out, want))
+            rate = N / t / sms * 1e-9  # elements per ns per SM (1e3 per us)
+            row = {"sources": n_src, "kernel": name, "grid": grid, "threads": threads,
+                   "time_s": t, "per_sm_elems_per_ns": rate, "bitwise": ok}
+            if fn is not None:
+                row.update(registers=fn.num_regs, local_bytes=fn.local_size_bytes)
+            pairs = [interference._pair(ctx, launch, t, gemm, first_alone)
+                     for _ in range(PAIRS)]
+            slows = [p["under_s"] / p["alone_s"] - 1 for p in pairs if p]
+            row["gemm_slowdowns"] = slows
+            row["gemm_slowdown"] = float(np.median(slows)) if slows else None
+            row["beside_s"] = [p["collective_beside_s"] for p in pairs if p]
+            record["rows"].append(row)
+            regs = (f"; {row['registers']} regs, {row['local_bytes']} B local"
+                    if fn is not None else "")
+            print(f"  {n_src} src  {name:<26} {grid:>3} x {threads:<3} {t * 1e6:8.1f} us  "
+                  f"{rate:5.2f} elem/ns/SM  bitwise {ok}{regs};  GEMM "
+                  + (f"{row['gemm_slowdown'] * 100:+.1f}% (pairs "
+                     + ", ".join(f"{x * 100:+.1f}%" for x in slows) + "), "
+                     f"beside {np.median(row['beside_s']) * 1e6:.0f} us/call"
+                     if slows else "n/a"), flush=True)
+            if not ok:
+                record["failed"] = True
+        del srcs, want, out
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(record, f, indent=1)
+    sys.exit(1 if record.get("failed") else 0)
+
+
+if __name__ == "__main__":
+    main()
