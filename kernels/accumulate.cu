@@ -152,13 +152,7 @@ __device__ void tile_16(const i64* srcs, int n_src, float* out, i64 a, i64 b, in
         }
         store4f(out + i, acc, scale, do_scale);
     }
-    for (i64 j = vend + threadIdx.x; j < b; j += blockDim.x) {
-        float acc = load_one(reinterpret_cast<const u16*>(srcs[0]) + j, is_bf16);
-        for (int s = 1; s < n_src; ++s) {
-            acc = __fadd_rn(acc, load_one(reinterpret_cast<const u16*>(srcs[s]) + j, is_bf16));
-        }
-        out[j] = finish(acc, scale, do_scale);
-    }
+    scalar_range(srcs, n_src, out, vend, b, is_bf16, scale, do_scale);
 }
 
 // Where an fp32 result goes: one type per output dtype (so the loop is one template).

@@ -34,6 +34,7 @@
 // would take the shared memory that keeps the loads in flight.
 
 #include "accumulate_common.cuh"
+#include "bulk_copy.cuh"
 
 // Threads per block: Accumulator's BULK_BLOCK (checked at entry).
 #define THREADS 256
@@ -55,38 +56,6 @@
 #define UNITS (CHUNK / 4 / THREADS)
 
 __device__ __forceinline__ int groups_of(int n_src) { return (n_src + GROUP - 1) / GROUP; }
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void barrier_init(unsigned bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
-}
-
-// One arrival (thread 0's), and the bytes the stage's copies will complete.
-__device__ __forceinline__ void barrier_expect(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 :: "r"(bar), "r"(bytes) : "memory");
-}
-
-// Until the phase of parity `parity` has completed (acquire: the copied bytes are visible).
-__device__ __forceinline__ void barrier_wait(unsigned bar, unsigned parity) {
-    unsigned done;
-    do {
-        asm volatile("{\n\t.reg .pred p;\n\t"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                     "selp.u32 %0, 1, 0, p;\n\t}"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-
-__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes,
-                                          unsigned bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                 "[%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
 
 // Tile t: its piece's sources and output, and its range [a, b), of which [a, vend)
 // goes in bulk.
@@ -186,18 +155,6 @@ __device__ __forceinline__ void store_units(float* out, const float acc[UNITS][4
                                finish(acc[k][2], scale, do_scale),
                                finish(acc[k][3], scale, do_scale)));
         }
-    }
-}
-
-// Elements [lo, hi) of a piece, one at a time (unaligned pieces, ragged tails).
-__device__ void scalar_range(const i64* srcs, int n_src, float* out, i64 lo, i64 hi,
-                             int is_bf16, float scale, int do_scale) {
-    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
-        float acc = load_one(reinterpret_cast<const u16*>(srcs[0]) + j, is_bf16);
-        for (int s = 1; s < n_src; ++s) {
-            acc = __fadd_rn(acc, load_one(reinterpret_cast<const u16*>(srcs[s]) + j, is_bf16));
-        }
-        out[j] = finish(acc, scale, do_scale);
     }
 }
 

@@ -62,3 +62,15 @@ __device__ __forceinline__ TileAt locate(const i64* pieces, int n_pieces, i64 t,
     i64 numel = pieces[4 * lo + 1];
     return {lo, a, a + tile < numel ? a + tile : numel};
 }
+
+// Elements [lo, hi) of a piece, one at a time (unaligned pieces, ragged tails).
+__device__ void scalar_range(const i64* srcs, int n_src, float* out, i64 lo, i64 hi,
+                             int is_bf16, float scale, int do_scale) {
+    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+        float acc = load_one(reinterpret_cast<const u16*>(srcs[0]) + j, is_bf16);
+        for (int s = 1; s < n_src; ++s) {
+            acc = __fadd_rn(acc, load_one(reinterpret_cast<const u16*>(srcs[s]) + j, is_bf16));
+        }
+        out[j] = finish(acc, scale, do_scale);
+    }
+}

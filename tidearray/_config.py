@@ -11,7 +11,7 @@ from ._errors import TideInvalid
 
 AG_TRANSPORTS = ("pull", "push", "push-batch")
 SYMMETRIC_MEMORY = ("auto", "vmm", "ipc")
-ACCUM_KERNELS = ("vector", "bulk")
+ACCUM_KERNELS = ("vector", "bulk", "narrow")
 #: ``local_copy_max`` is a multiple of this (``_layout.SPLIT_ALIGN``): pieces keep their
 #: copy's vector alignment, and a tiny value cannot make millions of pieces.
 LOCAL_COPY_ALIGN = 1 << 16
@@ -61,8 +61,8 @@ class Config:
     NCCL's CE all-gather). Env: ``TIDE_AG_TRANSPORT``."""
 
     accum_ctas: Optional[int] = None
-    """CTAs of the reduce-scatter's accumulate kernel; None means half the SMs.
-    Env: ``TIDE_ACCUM_CTAS``."""
+    """CTAs of the reduce-scatter's accumulate kernel; None means half the SMs (one
+    per SM for ``accum_kernel="narrow"``). Env: ``TIDE_ACCUM_CTAS``."""
 
     accum_kernel: str = "vector"
     """Which accumulate kernel reduces 16-bit gradients into fp32 (cuda):
@@ -70,8 +70,13 @@ class Config:
     thread, sixteen in flight, and whole-sector stores) or ``"bulk"`` (opt-in:
     ``kernels/accumulate_bulk.cu``, Hopper bulk async copies stream the sources through
     shared memory, up to 192 KB in flight per CTA; sm_90 or newer; no faster than the
-    earlier vector kernel on 2xH200). Both give the same bits; fp32
-    sources and casts always use the vector kernels. Env: ``TIDE_ACCUM_KERNEL``."""
+    earlier vector kernel on 2xH200) or ``"narrow"`` (opt-in:
+    ``kernels/accumulate_narrow.cu``, the sources streamed by bulk copies into one warp
+    per CTA at 32 registers with 16 KB of shared memory, one CTA per SM: small enough to
+    share every SM with a Hopper GEMM's CTA instead of holding SMs the GEMM waits for;
+    sm_90 or newer; up to 16 sources, more use the vector kernel). All give the same
+    bits; fp32 sources and casts always use the vector kernels.
+    Env: ``TIDE_ACCUM_KERNEL``."""
 
     ce_split: int = 1
     """Copy-engine streams per peer lane: a copy batch of 8 MiB or more to or from

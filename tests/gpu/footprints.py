@@ -30,6 +30,8 @@ from tidearray.bench.records import git_commit  # noqa: E402
 OURS = (("accumulate.cu", "tide_accumulate_bf16", accumulate.BLOCK, 0),
         ("accumulate_bulk.cu", "tide_accumulate_bf16_bulk", accumulate.BULK_BLOCK,
          accumulate.BULK_SMEM),
+        ("accumulate_narrow.cu", "tide_accumulate_bf16_narrow", accumulate.NARROW_BLOCK,
+         accumulate.NARROW_SMEM),
         ("pack.cu", "pack_bytes", copies.KERNEL_THREADS, 0))
 
 
@@ -72,7 +74,8 @@ def main() -> None:
     for file, kernel, threads, dynamic in OURS:
         fn = kernels.function(file, kernel, dev.id)
         record["ours"][kernel] = {"threads": threads, "registers": fn.num_regs,
-                                  "shared_bytes": fn.shared_size_bytes + dynamic}
+                                  "shared_bytes": fn.shared_size_bytes + dynamic,
+                                  "local_bytes": fn.local_size_bytes}  # spills
 
     def need(k: dict) -> dict:
         return {"registers": regs_per_cta(k["registers"], k["threads"]),
@@ -91,7 +94,7 @@ def main() -> None:
             record["fits"].append({"gemm": gname, "kernel": kname, "fits": not short,
                                    "short_of": short, "needs": want, "left": left})
             print(f"  {kname} ({o['threads']} threads, {o['registers']} registers, "
-                  f"{o['shared_bytes'] / 1024:.0f} KiB shared): "
+                  f"{o['shared_bytes'] / 1024:.0f} KiB shared, {o['local_bytes']} B local): "
                   + ("fits beside it" if not short else
                      "does not fit beside it (" + ", ".join(
                          f"{key}: needs {want[key]:,}, {left[key]:,} left" for key in short)

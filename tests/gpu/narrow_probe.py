@@ -7,10 +7,11 @@ A Hopper GEMM's CTA leaves 1,024 registers and about 19 KB of shared memory on i
 shape shares every SM with a GEMM instead of holding SMs a GEMM waits for. This times
 such kernels on flat arrays (no piece table, one CTA per SM, the sources streamed into
 shared memory by bulk async copies), at one and two sources, against the library's
-vector accumulate on its default grid, and then the interference suite's single-wave
-GEMM beside each (alone-then-beside pairs, as in ``tidearray.bench.interference``).
+vector accumulate on its default grid and its narrow one (which walks the piece
+table), and then the interference suite's single-wave GEMM beside each
+(alone-then-beside pairs, as in ``tidearray.bench.interference``).
 
-Per kernel it reports the per-SM rate (elements per us per SM), its registers and
+Per kernel it reports the per-SM rate (elements per ns per SM), its registers and
 local memory per thread (spills), and checks the output bitwise against the same sum
 on the host side of CuPy. One GPU: the sources are local, so it says what the kernel
 can do, not TIDE-RS's time between two GPUs. Between two H200s the accumulate must
@@ -201,11 +202,13 @@ def main() -> None:
         want = want * scale
         out = cp.empty(N, cp.float32)
         cases = []
-        vec = Accumulator(dev.dev.id, sms)
         pieces = (AccumPiece(out.data.ptr, tuple(s.data.ptr for s in srcs), N),)
-        cases.append(("vector (library default)", vec.max_grid, 512, None,
-                      lambda vec=vec, pieces=pieces: vec.launch(dev.stream, pieces, bfloat16,
-                                                             float(scale))))
+        for kernel in ("vector", "narrow"):
+            acc = Accumulator(dev.dev.id, sms, kernel=kernel)
+            fn = acc._kernel(bfloat16, "float32")[0] if kernel == "narrow" else None
+            cases.append((f"{kernel} (library)", acc.max_grid, acc._kernel(
+                bfloat16, "float32")[1], fn, lambda acc=acc, pieces=pieces: acc.launch(
+                    dev.stream, pieces, bfloat16, float(scale))))
         for name, chunk, stages, unroll, bounds in SHAPES:
             fn, smem = narrow_kernel(n_src, chunk, stages, unroll, bounds)
             args = (srcs[0], srcs[-1], out, np.int64(N // chunk), scale)

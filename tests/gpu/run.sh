@@ -25,6 +25,8 @@
 #                                                      # TIDE_BOUNDS_PARTS, TIDE_BOUNDS_RANKS)
 #                                                      # calls (tests/gpu/call_profile.py: host
 #                                                      # time of repeated calls, and cProfiles)
+#                                                      # narrow (the narrow accumulate against
+#                                                      # the default: probe, interference, RS)
 #                                                      # footprints (tests/gpu/footprints.py: can
 #                                                      # a GEMM's CTA and ours share an SM)
 #   TIDE_GPU_PIPELINES="info np2 jax|np3 faults|np4 debug|nodes np1 soak" bash tests/gpu/run.sh
@@ -129,6 +131,22 @@ run_priority() {  # the interference GEMMs at the default and the highest stream
     for c in ${TIDE_PRIO_CTAS:-66 100000}; do
         step "rs_ctas$c" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 python3 -m tidearray.bench rs \
             --impls tide,stock --workloads units --units llama3.1-8b --out "$OUT/prio/rs-ctas$c"
+    done
+}
+run_narrow() {  # the narrow accumulate against the default: tests/gpu/narrow_probe.py (one
+                # process), then the interference GEMMs (TIDE_NARROW_ROUNDS rounds, 2) and
+                # TIDE-RS with each kernel, launched in turn, at TIDE_NARROW_RANKS ranks (2)
+    local k a n=${TIDE_NARROW_RANKS:-2}
+    step narrow_probe timeout "$T" python3 tests/gpu/narrow_probe.py "$OUT/narrow_probe.json"
+    for k in $(seq "${TIDE_NARROW_ROUNDS:-2}"); do
+        for a in vector narrow; do
+            step "interference_${a}_$k" "${MPI[@]}" -x TIDE_ACCUM_KERNEL="$a" -n "$n" \
+                python3 -m tidearray.bench interference --impls tide --out "$OUT/narrow/$a-$k"
+        done
+    done
+    for a in vector narrow; do
+        step "rs_$a" "${MPI[@]}" -x TIDE_ACCUM_KERNEL="$a" -n "$n" python3 -m tidearray.bench rs \
+            --impls tide,stock --workloads units --out "$OUT/narrow/rs-$a"
     done
 }
 run_calls() {  # host time of repeated calls with and without a plan, and their cProfiles

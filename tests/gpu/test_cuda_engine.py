@@ -83,22 +83,41 @@ def test_accumulate_long_tiles_bitwise_as_host(cuda_group, cp, dtype, n_src):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("n_src", [1, 2, 3, 5])
 @pytest.mark.parametrize("ctas", [2, None])
-def test_bulk_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, ctas):
-    """The opt-in bulk kernel gives the vector kernel's bits (fp32 sources keep the
-    vector kernel): on awkward pieces; on a piece of many stages and tiles with a
-    ragged tail, aligned and not; on one that ends in an 8-element sub-chunk; and
-    with 2 CTAs, each walking many tiles through its ring of stages."""
+@pytest.mark.parametrize("kernel", ["bulk", "narrow"])
+def test_streamed_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, ctas, kernel):
+    """The opt-in bulk and narrow kernels give the vector kernel's bits (fp32 sources
+    keep the vector kernel): on awkward pieces; on a piece of many stages and tiles with
+    a ragged tail, aligned and not; on one that ends in an 8-element sub-chunk; with 2
+    CTAs, each walking many tiles through its ring of stages; and on every SM, where
+    most CTAs' runs start and end inside a piece."""
     from tidearray.backends.cuda.accumulate import Accumulator
 
     be = cuda_group.backend.lanes
-    acc = Accumulator(be.accumulator.device, be.accumulator.sm_count, ctas, kernel="bulk")
+    acc = Accumulator(be.accumulator.device, be.accumulator.sm_count, ctas, kernel=kernel)
     name = acc._kernel(tidearray._dtypes.normalize(dtype).name, "float32")[0].name
-    assert name.endswith("_bulk") == (dtype != "float32"), name
+    assert name.endswith(f"_{kernel}") == (dtype != "float32"), name
     for scale in (1.0, 1 / 3):
         _check_accumulate(cp, acc, be.streams[-2], dtype, n_src, scale,
                           sizes=[1, 7, 8, 15, 8192, 8193, 40_000, 3, 3_000_001, 16_392,
                                  100_003],
                           offs=[0, 3, 16, 1, 64, 5, 128, 9, 0, 8, 3])
+
+
+@pytest.mark.parametrize("n_src", [2, 4, 17])
+def test_narrow_accumulate_many_pieces_bitwise_as_host(cuda_group, cp, n_src):
+    """The narrow kernel walks its run piece by piece: 300 pieces of 1 to 50,000
+    elements, aligned and not, on every SM (runs start and end inside pieces, and
+    cross many); 17 sources take the vector kernel."""
+    from tidearray.backends.cuda.accumulate import NARROW_MAX_SOURCES, Accumulator
+
+    be = cuda_group.backend.lanes
+    acc = Accumulator(be.accumulator.device, be.accumulator.sm_count, kernel="narrow")
+    rng = np.random.default_rng()
+    sizes = [int(n) for n in rng.integers(1, 50_000, 300)]
+    offs = [int(o) for o in rng.choice([0, 8, 16, 3], 300)]
+    _check_accumulate(cp, acc, be.streams[-2], "bfloat16", n_src, 0.5, sizes, offs)
+    used = [k for k in acc._kernels if len(k) == 3]  # launches that took another kernel
+    assert bool(used) == (n_src > NARROW_MAX_SOURCES), used
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

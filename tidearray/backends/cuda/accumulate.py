@@ -2,9 +2,9 @@
 
 :func:`build_table` is pure NumPy (tested on CPU); :class:`Accumulator` uploads
 a table and launches ``kernels/accumulate.cu`` on a lane stream, or, for 16-bit
-sources into fp32 with ``Config.accum_kernel == "bulk"``, ``kernels/accumulate_bulk.cu``
-(the same table and arguments, the same bits; sources streamed through shared memory
-by bulk async copies).
+sources into fp32 with ``Config.accum_kernel`` ``"bulk"`` or ``"narrow"``,
+``kernels/accumulate_bulk.cu`` or ``kernels/accumulate_narrow.cu`` (the same table and
+arguments, the same bits; sources streamed through shared memory by bulk async copies).
 
 [Note: table lifetime]
 A launch reads its table from device memory that an async H2D copy filled
@@ -43,9 +43,18 @@ BULK_BLOCK = 256
 #: Dynamic shared memory of the bulk kernel (``SMEM_BYTES`` there): 6 stages of two
 #: 16 KB source slots, then an 8-byte mbarrier per stage. The kernel traps on less.
 BULK_SMEM = 6 * 2 * 16384 + 6 * 8
-#: Bulk kernel name per 16-bit source dtype; its output is fp32.
-BULK_KERNELS = {"bfloat16": "tide_accumulate_bf16_bulk",
-                "float16": "tide_accumulate_fp16_bulk"}
+#: The narrow kernel's (``kernels/accumulate_narrow.cu``): one warp, two stages of
+#: 8 KB, then 256 bytes for the mbarriers, the stages' items and the walk's cursor.
+NARROW_BLOCK = 32
+NARROW_SMEM = 2 * 8192 + 256
+#: Sources the narrow kernel takes (every source of a chunk in one 8 KB stage, at
+#: least 256 elements each); a launch with more uses the vector kernel.
+NARROW_MAX_SOURCES = 16
+#: Per streaming kernel: its file, block and dynamic shared memory.
+STREAMED = {"bulk": ("accumulate_bulk.cu", BULK_BLOCK, BULK_SMEM),
+            "narrow": ("accumulate_narrow.cu", NARROW_BLOCK, NARROW_SMEM)}
+#: Streaming kernel name per 16-bit source dtype (then ``_bulk`` or ``_narrow``); fp32 out.
+STREAMED_KERNELS = {"bfloat16": "tide_accumulate_bf16", "float16": "tide_accumulate_fp16"}
 #: Kernel name per (source dtype, output dtype).
 KERNELS = {("bfloat16", "float32"): "tide_accumulate_bf16",
            ("float16", "float32"): "tide_accumulate_fp16",
@@ -123,13 +132,16 @@ class Accumulator:
     Args:
         device: the CUDA device id.
         sm_count: multiprocessors.
-        ctas: grid cap (``Config.accum_ctas``); None means half the SMs. The
-            accumulate of chunk k runs while chunk k+1 is still on the copy
-            engines, so it needs to keep pace with them, not to fill the GPU:
-            a small grid leaves the other SMs to concurrent compute.
-        kernel: ``"vector"`` (``kernels/accumulate.cu``) or ``"bulk"``
-            (``kernels/accumulate_bulk.cu``, for 16-bit sources into fp32; other
-            dtype pairs keep the vector kernels). See ``Config.accum_kernel``.
+        ctas: grid cap (``Config.accum_ctas``); None means half the SMs (one CTA per
+            SM for ``"narrow"``). The accumulate of chunk k runs while chunk k+1 is
+            still on the copy engines, so it needs to keep pace with them, not to
+            fill the GPU: a small grid leaves the other SMs to concurrent compute.
+        kernel: ``"vector"`` (``kernels/accumulate.cu``), ``"bulk"``
+            (``kernels/accumulate_bulk.cu``) or ``"narrow"``
+            (``kernels/accumulate_narrow.cu``); the last two for 16-bit sources into
+            fp32, other dtype pairs keep the vector kernels, and so do narrow
+            launches of more than :data:`NARROW_MAX_SOURCES` sources. See
+            ``Config.accum_kernel``.
     """
 
     def __init__(self, device: int, sm_count: int, ctas: Optional[int] = None,
@@ -138,7 +150,7 @@ class Accumulator:
         self.device = device
         self.sm_count = sm_count
         self.kernel = kernel
-        self.max_grid = max(1, ctas if ctas else sm_count // 2)
+        self.max_grid = self._grid(ctas)
         self._ring = [_Slot() for _ in range(RING)]
         self._next = 0
         self._kernels: dict = {}
@@ -146,9 +158,15 @@ class Accumulator:
         self._tables = IdentityCache(TABLES, evict=_release_table)
 
     def set_grid(self, ctas: Optional[int]) -> None:
-        """Cap the grid at ``ctas`` (None: half the SMs); tables are tiled anew for it."""
-        self.max_grid = max(1, ctas if ctas else self.sm_count // 2)
+        """Cap the grid at ``ctas`` (None: the default); tables are tiled anew for it."""
+        self.max_grid = self._grid(ctas)
         self._tables.clear()
+
+    def _grid(self, ctas: Optional[int]) -> int:
+        """The grid cap: ``ctas``, else one narrow CTA per SM or half the SMs."""
+        if ctas:
+            return max(1, ctas)
+        return self.sm_count if self.kernel == "narrow" else max(1, self.sm_count // 2)
 
     def launch(self, stream: Any, pieces: Sequence[AccumPiece], src_dtype: Any,
                scale: float, out_dtype: Any = "float32") -> None:
@@ -158,6 +176,8 @@ class Accumulator:
             kernel, block, smem = self._kernels[src_dtype, out_dtype]
         except (KeyError, TypeError):
             kernel, block, smem = self._kernel(src_dtype, out_dtype)
+        if block == NARROW_BLOCK and len(pieces[0].srcs) > NARROW_MAX_SOURCES:
+            kernel, block, smem = self._kernel(src_dtype, out_dtype, "vector")
         dev, n_tiles, tile, event = self._tables.get(pieces, lambda p: self._upload(stream, p))
         grid = min(n_tiles, self.max_grid)
         with stream:
@@ -189,24 +209,32 @@ class Accumulator:
             slot.event = cupy.cuda.Event(block=False, disable_timing=True)
         return slot.dev, n_tiles, tile, slot.event
 
-    def _kernel(self, src_dtype: Any, out_dtype: Any) -> tuple[Any, int, int]:
+    def _kernel(self, src_dtype: Any, out_dtype: Any,
+                which: Optional[str] = None) -> tuple[Any, int, int]:
         """The RawKernel for (source, output) dtypes, its block and its dynamic shared
-        memory in bytes; kept under the dtypes as given too (when hashable)."""
+        memory in bytes; kept under the dtypes as given too (when hashable). ``which``
+        names a kernel other than the configured one (kept under its name)."""
         src, out = normalize(src_dtype).name, normalize(out_dtype).name
-        key = (src, out)
+        which = which or self.kernel
+        key = (src, out) if which == self.kernel else (src, out, which)
         if key not in self._kernels:
             from . import kernels as _kernels
 
-            if self.kernel == "bulk" and out == "float32" and src in BULK_KERNELS:
-                fn = _kernels.function("accumulate_bulk.cu", BULK_KERNELS[src], self.device)
-                fn.max_dynamic_shared_size_bytes = BULK_SMEM  # above the 48 KB default
-                self._kernels[key] = (fn, BULK_BLOCK, BULK_SMEM)
+            if which in STREAMED and out == "float32" and src in STREAMED_KERNELS:
+                file, block, smem = STREAMED[which]
+                fn = _kernels.function(file, f"{STREAMED_KERNELS[src]}_{which}", self.device)
+                fn.max_dynamic_shared_size_bytes = smem  # the bulk kernel's: above 48 KB
+                # As much shared memory as the SM has (the split is set per SM, while
+                # idle): a GEMM's CTA then fits beside a narrow one.
+                fn.preferred_shared_memory_carveout = 100
+                self._kernels[key] = (fn, block, smem)
             else:
-                fn = _kernels.function("accumulate.cu", KERNELS[key], self.device)
+                fn = _kernels.function("accumulate.cu", KERNELS[src, out], self.device)
                 self._kernels[key] = (fn, BLOCK, 0)
         found = self._kernels[key]
-        try:
-            self._kernels[src_dtype, out_dtype] = found
-        except TypeError:  # an unhashable spelling: normalized every time
-            pass
+        if which == self.kernel:
+            try:
+                self._kernels[src_dtype, out_dtype] = found
+            except TypeError:  # an unhashable spelling: normalized every time
+                pass
         return found

@@ -35,7 +35,7 @@ from ..._dtypes import normalize
 from ..._errors import TideBackendError, TideInvalid, agree, fail_together
 from ..._layout import shared_devices
 from .._base import Backend, Resolved, SymmetricBuffer
-from .accumulate import Accumulator
+from .accumulate import STREAMED, Accumulator
 from .copies import Copier
 from .executor import CudaExecutor, Lanes
 from .flags import FlagOps
@@ -192,9 +192,10 @@ class CudaBackend(Backend):
         props = cupy.cuda.runtime.getDeviceProperties(self.device)
         sms = props["multiProcessorCount"]
         refusal = None
-        if config.accum_kernel == "bulk" and props["major"] < 9:  # cp.async.bulk is sm_90
-            refusal = (f"expected a device of compute capability 9.0 or newer for 'bulk', got "
-                       f"{props['major']}.{props['minor']} on cuda:{self.device}")
+        if config.accum_kernel in STREAMED and props["major"] < 9:  # cp.async.bulk: sm_90
+            refusal = (f"expected a device of compute capability 9.0 or newer for "
+                       f"{config.accum_kernel!r}, got {props['major']}.{props['minor']} on "
+                       f"cuda:{self.device}")
 
         def stream() -> Any:
             return cupy.cuda.Stream(non_blocking=True)
@@ -220,9 +221,10 @@ class CudaBackend(Backend):
             "NCCL put/signal": put_signal_capability(),
             "split pushes": (split > 1, f"{split} copy-engine stream(s) per peer push "
                              "(TIDE_CE_SPLIT)"),
-            "bulk accumulate": (config.accum_kernel == "bulk",
-                                "16-bit sources into fp32 by kernels/accumulate_bulk.cu, else "
-                                "kernels/accumulate.cu (TIDE_ACCUM_KERNEL)"),
+            "bulk accumulate": (config.accum_kernel in STREAMED,
+                                "16-bit sources into fp32 by kernels/"
+                                + STREAMED.get(config.accum_kernel, STREAMED["bulk"])[0]
+                                + ", else kernels/accumulate.cu (TIDE_ACCUM_KERNEL)"),
         }
         return refusal
 
