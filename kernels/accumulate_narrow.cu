@@ -53,18 +53,21 @@ struct Item {
 };
 
 // Lane 0's walk: piece p, the next element e, and where its part of the CTA's
-// run ends (limit) and where the bulk part ends (bulk_end).
+// run ends (limit) and where the bulk part ends (bulk_end); the piece's source
+// pointers copied out of the table (src), so that issuing a chunk's copies waits
+// on no global load.
 struct Cursor {
     const i64* srcs;
     float* out;
     i64 e, limit, bulk_end, numel, p;
+    const u16* src[MAX_SOURCES];
 };
 
 // Dynamic shared memory: the stages, then an 8-byte mbarrier per stage, the
-// stages' items and the cursor, in 256 bytes.
+// stages' items and the cursor, in 512 bytes.
 #define DATA_BYTES (STAGES * STAGE_BYTES)
-#define SMEM_BYTES (DATA_BYTES + 256)
-static_assert(8 * STAGES + STAGES * sizeof(Item) + sizeof(Cursor) <= 256, "SMEM_BYTES");
+#define SMEM_BYTES (DATA_BYTES + 512)
+static_assert(8 * STAGES + STAGES * sizeof(Item) + sizeof(Cursor) <= 512, "SMEM_BYTES");
 
 struct Launch {
     const i64* table;
@@ -83,6 +86,7 @@ __device__ void enter(Cursor& k, const Launch& l, i64 p, i64 e) {
     k.numel = numel;
     k.out = reinterpret_cast<float*>(entry[0]);
     k.srcs = l.table + 4 * (i64)l.n_pieces + p * l.n_src;
+    for (int j = 0; j < l.n_src; ++j) k.src[j] = reinterpret_cast<const u16*>(k.srcs[j]);
     k.limit = run_end < numel ? run_end : numel;
     k.bulk_end = entry[2] ? (k.limit < numel ? k.limit : numel / 8 * 8) : e;
 }
@@ -110,8 +114,7 @@ __device__ void produce(Cursor& k, const Launch& l, Item* items, unsigned data, 
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     barrier_expect(bar, bytes * l.n_src);  // release: the descriptor is visible to waiters
     for (int j = 0; j < l.n_src && bytes; ++j) {
-        const u16* src = reinterpret_cast<const u16*>(k.srcs[j]) + it.lo;
-        bulk_load(data + s * STAGE_BYTES + j * 2 * l.chunk, src, bytes, bar);
+        bulk_load(data + s * STAGE_BYTES + j * 2 * l.chunk, k.src[j] + it.lo, bytes, bar);
     }
 }
 

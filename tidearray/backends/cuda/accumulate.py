@@ -44,9 +44,9 @@ BULK_BLOCK = 256
 #: 16 KB source slots, then an 8-byte mbarrier per stage. The kernel traps on less.
 BULK_SMEM = 6 * 2 * 16384 + 6 * 8
 #: The narrow kernel's (``kernels/accumulate_narrow.cu``): one warp, two stages of
-#: 8 KB, then 256 bytes for the mbarriers, the stages' items and the walk's cursor.
+#: 8 KB, then 512 bytes for the mbarriers, the stages' items and the walk's cursor.
 NARROW_BLOCK = 32
-NARROW_SMEM = 2 * 8192 + 256
+NARROW_SMEM = 2 * 8192 + 512
 #: Sources the narrow kernel takes (every source of a chunk in one 8 KB stage, at
 #: least 256 elements each); a launch with more uses the vector kernel.
 NARROW_MAX_SOURCES = 16
