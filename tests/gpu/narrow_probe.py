@@ -33,7 +33,8 @@ from mpi4py import MPI
 sys.path.insert(0, os.getcwd())
 from tidearray._dtypes import bfloat16  # noqa: E402
 from tidearray.backends._base import AccumPiece  # noqa: E402
-from tidearray.backends.cuda.accumulate import Accumulator  # noqa: E402
+from tidearray.backends.cuda import kernels  # noqa: E402
+from tidearray.backends.cuda.accumulate import NARROW_SMEM, Accumulator  # noqa: E402
 from tidearray.bench import interference  # noqa: E402
 from tidearray.bench.device import CudaDevice  # noqa: E402
 from tidearray.bench.records import git_commit  # noqa: E402
@@ -99,17 +100,22 @@ narrow(const u16* s0, const u16* s1, float* __restrict__ out, i64 n_chunks, floa
     extern __shared__ __align__(128) unsigned char smem[];
     const unsigned data = smem_addr(smem), bars = data + STAGES * NSRC * CHUNK * 2;
     const int lane = threadIdx.x;
-    i64 next = blockIdx.x;
+    // CONTIG: each CTA takes a contiguous run of chunks, as the library's kernel
+    // takes a run of tiles; else chunks grid-stride.
+    const i64 step = CONTIG ? 1 : gridDim.x;
+    const i64 first = CONTIG ? blockIdx.x * n_chunks / gridDim.x : blockIdx.x;
+    const i64 last = CONTIG ? (blockIdx.x + 1) * n_chunks / gridDim.x : n_chunks;
+    i64 next = first;
     if (lane == 0) {
         for (int s = 0; s < STAGES; ++s) bar_init(bars + 8 * s);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (int s = 0; s < STAGES && next < n_chunks; ++s, next += gridDim.x)
+        for (int s = 0; s < STAGES && next < last; ++s, next += step)
             issue(srcs, next, data, bars, s);
     }
     __syncwarp();
     int stage = 0;
     unsigned parity = 0;
-    for (i64 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+    for (i64 c = first; c < last; c += step) {
         bar_wait(bars + 8 * stage, parity);
         const uint4* slot = reinterpret_cast<const uint4*>(smem + stage * NSRC * CHUNK * 2);
         float* o = out + c * CHUNK;
@@ -131,9 +137,9 @@ narrow(const u16* s0, const u16* s1, float* __restrict__ out, i64 n_chunks, floa
                    __fmul_rn(v[6], scale), __fmul_rn(v[7], scale));
         }
         __syncwarp();  // every lane has read the stage: refill it
-        if (lane == 0 && next < n_chunks) {
+        if (lane == 0 && next < last) {
             issue(srcs, next, data, bars, stage);
-            next += gridDim.x;
+            next += step;
         }
         if (++stage == STAGES) {
             stage = 0;
@@ -143,14 +149,18 @@ narrow(const u16* s0, const u16* s1, float* __restrict__ out, i64 n_chunks, floa
 }
 """
 
-#: (name, CHUNK elements per source per stage, STAGES, UNROLL, register bound).
-#: The first four fit beside the GEMM's CTA (at most 16 KB of stages at two sources);
-#: the last is unbounded, to show what the 32-register cap costs.
-SHAPES = (("c512x8", 512, 8, 2, "__maxnreg__(32)"),
-          ("c1024x4", 1024, 4, 2, "__maxnreg__(32)"),
-          ("c2048x2", 2048, 2, 2, "__maxnreg__(32)"),
-          ("c1024x4u1", 1024, 4, 1, "__maxnreg__(32)"),
-          ("c1024x4free", 1024, 4, 2, "__launch_bounds__(32, 1)"))
+#: (name, CHUNK elements per source per stage, STAGES, UNROLL, register bound, CONTIG).
+#: All fit beside the GEMM's CTA (at most 16 KB of stages at two sources).
+#: ``narrow_probe-b288f01.json`` has more shapes: 2 KB stages, and no register bound.
+SHAPES = (("c2048x2", 2048, 2, 2, "__maxnreg__(32)", 0),
+          ("c2048x2 runs", 2048, 2, 2, "__maxnreg__(32)", 1),
+          ("c1024x4", 1024, 4, 2, "__maxnreg__(32)", 0))
+#: The library's narrow kernel with its source edited: (name, (old, new) text pairs).
+LIBRARY_VARIANTS = (("as shipped", ()),
+                    ("registers free", (("__maxnreg__(32)", "__launch_bounds__(32, 1)"),)),
+                    ("4 stages of 4 KB", (("#define STAGES 2", "#define STAGES 4"),
+                                          ("#define STAGE_BYTES 8192",
+                                           "#define STAGE_BYTES 4096"))))
 
 comm = MPI.COMM_WORLD
 dev = CudaDevice()
@@ -172,9 +182,11 @@ def timed(launch, reps: int = 7) -> float:
     return float(np.median(times))
 
 
-def narrow_kernel(n_src: int, chunk: int, stages: int, unroll: int, bounds: str):
+def narrow_kernel(n_src: int, chunk: int, stages: int, unroll: int, bounds: str,
+                  contig: int):
     opts = tuple(f"-D{k}={v}" for k, v in (("NSRC", n_src), ("CHUNK", chunk),
-                                           ("STAGES", stages), ("UNROLL", unroll)))
+                                           ("STAGES", stages), ("UNROLL", unroll),
+                                           ("CONTIG", contig)))
     src = SOURCE.replace("BOUNDS", bounds)
     fn = cp.RawModule(code=src, options=("-std=c++17", "-arch=sm_90") + opts).get_function("narrow")
     smem = stages * n_src * chunk * 2 + 8 * stages
@@ -203,14 +215,25 @@ def main() -> None:
         out = cp.empty(N, cp.float32)
         cases = []
         pieces = (AccumPiece(out.data.ptr, tuple(s.data.ptr for s in srcs), N),)
-        for kernel in ("vector", "narrow"):
-            acc = Accumulator(dev.dev.id, sms, kernel=kernel)
-            fn = acc._kernel(bfloat16, "float32")[0] if kernel == "narrow" else None
-            cases.append((f"{kernel} (library)", acc.max_grid, acc._kernel(
-                bfloat16, "float32")[1], fn, lambda acc=acc, pieces=pieces: acc.launch(
-                    dev.stream, pieces, bfloat16, float(scale))))
-        for name, chunk, stages, unroll, bounds in SHAPES:
-            fn, smem = narrow_kernel(n_src, chunk, stages, unroll, bounds)
+        vec = Accumulator(dev.dev.id, sms)
+        cases.append(("vector (library)", vec.max_grid, 512, None,
+                      lambda vec=vec, pieces=pieces: vec.launch(dev.stream, pieces, bfloat16,
+                                                             float(scale))))
+        for name, edits in LIBRARY_VARIANTS:
+            acc = Accumulator(dev.dev.id, sms, kernel="narrow")
+            text = kernels.source("accumulate_narrow.cu")
+            for old, new in edits:
+                text = text.replace(old, new)
+            fn = cp.RawModule(code=text, options=("--std=c++14",)).get_function(
+                "tide_accumulate_bf16_narrow")
+            fn.max_dynamic_shared_size_bytes = NARROW_SMEM
+            fn.preferred_shared_memory_carveout = 100
+            acc._kernels[bfloat16, "float32"] = (fn, 32, NARROW_SMEM)
+            cases.append((f"narrow (library, {name})", acc.max_grid, 32, fn,
+                          lambda acc=acc, pieces=pieces: acc.launch(
+                              dev.stream, pieces, bfloat16, float(scale))))
+        for name, chunk, stages, unroll, bounds, contig in SHAPES:
+            fn, smem = narrow_kernel(n_src, chunk, stages, unroll, bounds, contig)
             args = (srcs[0], srcs[-1], out, np.int64(N // chunk), scale)
 
             def launch(fn=fn, smem=smem, args=args) -> None:
