@@ -156,11 +156,20 @@ SHAPES = (("c2048x2", 2048, 2, 2, "__maxnreg__(32)", 0),
           ("c2048x2 runs", 2048, 2, 2, "__maxnreg__(32)", 1),
           ("c1024x4", 1024, 4, 2, "__maxnreg__(32)", 0))
 #: The library's narrow kernel with its source edited: (name, (old, new) text pairs).
+_FENCE_FIRST = ("""    items[s] = it;
+    const unsigned bar = bars + 8 * s;
+    // The lanes' generic-proxy reads of the stage come before the async-proxy writes.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");""",
+                """    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    items[s] = it;
+    const unsigned bar = bars + 8 * s;""")
+_INLINE = (("__device__ void enter(", "__device__ __forceinline__ void enter("),
+           ("__device__ void produce(", "__device__ __forceinline__ void produce("))
 LIBRARY_VARIANTS = (("as shipped", ()),
                     ("registers free", (("__maxnreg__(32)", "__launch_bounds__(32, 1)"),)),
-                    ("4 stages of 4 KB", (("#define STAGES 2", "#define STAGES 4"),
-                                          ("#define STAGE_BYTES 8192",
-                                           "#define STAGE_BYTES 4096"))))
+                    ("fence first", (_FENCE_FIRST,)),
+                    ("inlined", _INLINE),
+                    ("fence first, inlined", (_FENCE_FIRST,) + _INLINE))
 
 comm = MPI.COMM_WORLD
 dev = CudaDevice()
@@ -223,6 +232,7 @@ def main() -> None:
             acc = Accumulator(dev.dev.id, sms, kernel="narrow")
             text = kernels.source("accumulate_narrow.cu")
             for old, new in edits:
+                assert old in text, old
                 text = text.replace(old, new)
             fn = cp.RawModule(code=text, options=("--std=c++14",)).get_function(
                 "tide_accumulate_bf16_narrow")
