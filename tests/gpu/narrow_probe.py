@@ -80,15 +80,24 @@ __device__ __forceinline__ void store4(float* p, float a, float b, float c, floa
 __device__ __forceinline__ float lo(unsigned w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 
-// Lane 0 loads chunk c of every source into stage s.
+// Lane 0 loads chunk c of every source into stage s. TOUCH: what else lane 0 does
+// with shared memory (a word past the barriers) around the issue, as a walk that
+// keeps its state there would: 1 store before the proxy fence, 2 store after the
+// copies, 3 load before the fence.
 __device__ __forceinline__ void issue(const u16* const* srcs, i64 c, unsigned data,
-                                      unsigned bars, int s) {
+                                      unsigned bars, int s, volatile i64* spare) {
     const unsigned bar = bars + 8 * s;
+    if (TOUCH == 1) *spare = c;
+    if (TOUCH == 3) {
+        volatile i64 r = *spare;
+        (void)r;
+    }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     bar_expect(bar, NSRC * CHUNK * 2);
 #pragma unroll
     for (int k = 0; k < NSRC; ++k)
         bulk_load(data + (s * NSRC + k) * CHUNK * 2, srcs[k] + c * CHUNK, CHUNK * 2, bar);
+    if (TOUCH == 2) *spare = c;
 }
 
 constexpr int kUnroll = UNROLL;
@@ -98,6 +107,8 @@ extern "C" __global__ void BOUNDS
 narrow(const u16* s0, const u16* s1, float* __restrict__ out, i64 n_chunks, float scale) {
     const u16* const srcs[2] = {s0, s1};
     extern __shared__ __align__(128) unsigned char smem[];
+    volatile i64* spare = reinterpret_cast<volatile i64*>(smem + STAGES * NSRC * CHUNK * 2
+                                                          + 8 * STAGES);
     const unsigned data = smem_addr(smem), bars = data + STAGES * NSRC * CHUNK * 2;
     const int lane = threadIdx.x;
     // CONTIG: each CTA takes a contiguous run of chunks, as the library's kernel
@@ -110,7 +121,7 @@ narrow(const u16* s0, const u16* s1, float* __restrict__ out, i64 n_chunks, floa
         for (int s = 0; s < STAGES; ++s) bar_init(bars + 8 * s);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         for (int s = 0; s < STAGES && next < last; ++s, next += step)
-            issue(srcs, next, data, bars, s);
+            issue(srcs, next, data, bars, s, spare);
     }
     __syncwarp();
     int stage = 0;
@@ -138,7 +149,7 @@ narrow(const u16* s0, const u16* s1, float* __restrict__ out, i64 n_chunks, floa
         }
         __syncwarp();  // every lane has read the stage: refill it
         if (lane == 0 && next < last) {
-            issue(srcs, next, data, bars, stage);
+            issue(srcs, next, data, bars, stage, spare);
             next += step;
         }
         if (++stage == STAGES) {
@@ -149,13 +160,14 @@ narrow(const u16* s0, const u16* s1, float* __restrict__ out, i64 n_chunks, floa
 }
 """
 
-#: (name, CHUNK elements per source per stage, STAGES, UNROLL, register bound, CONTIG).
-#: All fit beside the GEMM's CTA (at most 16 KB of stages at two sources).
-#: ``narrow_probe-b288f01.json`` has more shapes: 2 KB stages, and no register bound.
-SHAPES = (("c2048x2", 2048, 2, 2, "__maxnreg__(32)", 0),
-          ("c2048x2 runs", 2048, 2, 2, "__maxnreg__(32)", 1),
-          ("c1024x4", 1024, 4, 2, "__maxnreg__(32)", 0))
-#: The library's narrow kernel with its source edited: (name, (old, new) text pairs).
+#: (name, CHUNK elements per source per stage, STAGES, UNROLL, register bound, CONTIG,
+#: TOUCH). All fit beside the GEMM's CTA (at most 16 KB of stages at two sources).
+#: ``narrow-probe-b288f01.json`` has more shapes: 2 KB stages, and no register bound.
+SHAPES = (("c2048x2", 2048, 2, 2, "__maxnreg__(32)", 0, 0),
+          ("c2048x2 runs", 2048, 2, 2, "__maxnreg__(32)", 1, 0),
+          ("c2048x2 store, fence", 2048, 2, 2, "__maxnreg__(32)", 1, 1),
+          ("c2048x2 copies, store", 2048, 2, 2, "__maxnreg__(32)", 1, 2),
+          ("c2048x2 load, fence", 2048, 2, 2, "__maxnreg__(32)", 1, 3))
 _FENCE_FIRST = ("""    items[s] = it;
     const unsigned bar = bars + 8 * s;
     // The lanes' generic-proxy reads of the stage come before the async-proxy writes.
@@ -165,11 +177,12 @@ _FENCE_FIRST = ("""    items[s] = it;
     const unsigned bar = bars + 8 * s;""")
 _INLINE = (("__device__ void enter(", "__device__ __forceinline__ void enter("),
            ("__device__ void produce(", "__device__ __forceinline__ void produce("))
-LIBRARY_VARIANTS = (("as shipped", ()),
-                    ("registers free", (("__maxnreg__(32)", "__launch_bounds__(32, 1)"),)),
-                    ("fence first", (_FENCE_FIRST,)),
-                    ("inlined", _INLINE),
-                    ("fence first, inlined", (_FENCE_FIRST,) + _INLINE))
+LIBRARY_VARIANTS = (("as shipped", ()),)
+#: Tried at 83f23ab (docs/benchmarks/run16-one-h200/narrow-probe-83f23ab.json): no faster.
+TRIED = (("registers free", (("__maxnreg__(32)", "__launch_bounds__(32, 1)"),)),
+         ("fence first", (_FENCE_FIRST,)),
+         ("inlined", _INLINE),
+         ("fence first, inlined", (_FENCE_FIRST,) + _INLINE))
 
 comm = MPI.COMM_WORLD
 dev = CudaDevice()
@@ -192,13 +205,13 @@ def timed(launch, reps: int = 7) -> float:
 
 
 def narrow_kernel(n_src: int, chunk: int, stages: int, unroll: int, bounds: str,
-                  contig: int):
+                  contig: int, touch: int):
     opts = tuple(f"-D{k}={v}" for k, v in (("NSRC", n_src), ("CHUNK", chunk),
                                            ("STAGES", stages), ("UNROLL", unroll),
-                                           ("CONTIG", contig)))
+                                           ("CONTIG", contig), ("TOUCH", touch)))
     src = SOURCE.replace("BOUNDS", bounds)
     fn = cp.RawModule(code=src, options=("-std=c++17", "-arch=sm_90") + opts).get_function("narrow")
-    smem = stages * n_src * chunk * 2 + 8 * stages
+    smem = stages * n_src * chunk * 2 + 8 * stages + 8
     fn.max_dynamic_shared_size_bytes = smem
     fn.preferred_shared_memory_carveout = 100  # leave the GEMM's CTA its shared memory
     return fn, smem
@@ -242,8 +255,8 @@ def main() -> None:
             cases.append((f"narrow (library, {name})", acc.max_grid, 32, fn,
                           lambda acc=acc, pieces=pieces: acc.launch(
                               dev.stream, pieces, bfloat16, float(scale))))
-        for name, chunk, stages, unroll, bounds, contig in SHAPES:
-            fn, smem = narrow_kernel(n_src, chunk, stages, unroll, bounds, contig)
+        for name, chunk, stages, unroll, bounds, contig, touch in SHAPES:
+            fn, smem = narrow_kernel(n_src, chunk, stages, unroll, bounds, contig, touch)
             args = (srcs[0], srcs[-1], out, np.int64(N // chunk), scale)
 
             def launch(fn=fn, smem=smem, args=args) -> None:
