@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from functools import partial
 from types import SimpleNamespace
 
 import cupy as cp
@@ -184,6 +185,74 @@ TRIED = (("registers free", (("__maxnreg__(32)", "__launch_bounds__(32, 1)"),)),
          ("inlined", _INLINE),
          ("fence first, inlined", (_FENCE_FIRST,) + _INLINE))
 
+#: Cycle counters, edited into a kernel's text: per item, lane 0's clock64() time
+#: waiting on the stage's barrier, consuming the stage, and refilling it.
+_COUNTERS = "__device__ unsigned long long tide_probe[4];\n"
+_TIMED_END = ("""            parity ^= 1;
+        }
+    }
+}
+""", """            parity ^= 1;
+        }
+    }
+    if (threadIdx.x == 0) {
+        atomicAdd(&tide_probe[0], c_wait);
+        atomicAdd(&tide_probe[1], c_use);
+        atomicAdd(&tide_probe[2], c_make);
+        atomicAdd(&tide_probe[3], n_items);
+    }
+}
+""")
+_TIMED_START = "    unsigned long long c_wait = 0, c_use = 0, c_make = 0, n_items = 0;\n"
+_T_A = "        long long t_a = clock64();\n"
+_T_B = "        long long t_b = clock64();\n"
+_T_C = "        long long t_c = clock64();\n"
+_T_SUM = ("        c_wait += t_b - t_a; c_use += t_c - t_b; c_make += clock64() - t_c;"
+          " ++n_items;\n")
+TIMED_LIBRARY = (
+    ("__maxnreg__(32)", "__launch_bounds__(32, 1)"),  # room for the counters
+    ("""    for (;;) {
+        barrier_wait(bars + 8 * stage, parity);
+""", _TIMED_START + "    for (;;) {\n" + _T_A + "        barrier_wait(bars + 8 * stage, parity);\n"
+     + _T_B),
+    ("""        __syncwarp();  // every lane has read the stage: refill it
+        if (threadIdx.x == 0) produce(*cursor, l, items, data, bars, stage);
+        __syncwarp();
+""", _T_C + """        __syncwarp();  // every lane has read the stage: refill it
+        if (threadIdx.x == 0) produce(*cursor, l, items, data, bars, stage);
+        __syncwarp();
+""" + _T_SUM),
+    _TIMED_END)
+TIMED_FLAT = (
+    ("""    for (i64 c = first; c < last; c += step) {
+        bar_wait(bars + 8 * stage, parity);
+""", _TIMED_START + "    for (i64 c = first; c < last; c += step) {\n" + _T_A
+     + "        bar_wait(bars + 8 * stage, parity);\n" + _T_B),
+    ("        __syncwarp();  // every lane has read the stage: refill it\n",
+     _T_C + "        __syncwarp();  // every lane has read the stage: refill it\n"),
+    ("        if (++stage == STAGES) {\n", "        __syncwarp();\n" + _T_SUM
+     + "        if (++stage == STAGES) {\n"),
+    _TIMED_END)
+
+
+def edited(text: str, edits) -> str:
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
+
+
+def cycles(mod, launch) -> dict:
+    """Lane 0's clock cycles per item of one launch, by part (mean over CTAs)."""
+    counters = cp.ndarray((4,), cp.uint64, mod.get_global("tide_probe"))
+    counters.fill(0)
+    launch()
+    dev.sync()
+    wait, use, make, items = (int(x) for x in counters.get())
+    return {"items": items, "wait": wait / items, "consume": use / items,
+            "refill": make / items}
+
+
 comm = MPI.COMM_WORLD
 dev = CudaDevice()
 ctx = SimpleNamespace(dev=dev, comm=comm)
@@ -205,16 +274,27 @@ def timed(launch, reps: int = 7) -> float:
 
 
 def narrow_kernel(n_src: int, chunk: int, stages: int, unroll: int, bounds: str,
-                  contig: int, touch: int):
+                  contig: int, touch: int, source: str = SOURCE):
     opts = tuple(f"-D{k}={v}" for k, v in (("NSRC", n_src), ("CHUNK", chunk),
                                            ("STAGES", stages), ("UNROLL", unroll),
                                            ("CONTIG", contig), ("TOUCH", touch)))
-    src = SOURCE.replace("BOUNDS", bounds)
-    fn = cp.RawModule(code=src, options=("-std=c++17", "-arch=sm_90") + opts).get_function("narrow")
+    mod = cp.RawModule(code=source.replace("BOUNDS", bounds),
+                       options=("-std=c++17", "-arch=sm_90") + opts)
+    fn = mod.get_function("narrow")
     smem = stages * n_src * chunk * 2 + 8 * stages + 8
     fn.max_dynamic_shared_size_bytes = smem
     fn.preferred_shared_memory_carveout = 100  # leave the GEMM's CTA its shared memory
-    return fn, smem
+    return fn, smem, mod
+
+
+def library_kernel(acc: Accumulator, text: str):
+    """The library's narrow kernel compiled from ``text``, installed in ``acc``."""
+    mod = cp.RawModule(code=text, options=("--std=c++14",))
+    fn = mod.get_function("tide_accumulate_bf16_narrow")
+    fn.max_dynamic_shared_size_bytes = NARROW_SMEM
+    fn.preferred_shared_memory_carveout = 100
+    acc._kernels[bfloat16, "float32"] = (fn, 32, NARROW_SMEM)
+    return fn, mod
 
 
 def main() -> None:
@@ -243,20 +323,12 @@ def main() -> None:
                                                              float(scale))))
         for name, edits in LIBRARY_VARIANTS:
             acc = Accumulator(dev.dev.id, sms, kernel="narrow")
-            text = kernels.source("accumulate_narrow.cu")
-            for old, new in edits:
-                assert old in text, old
-                text = text.replace(old, new)
-            fn = cp.RawModule(code=text, options=("--std=c++14",)).get_function(
-                "tide_accumulate_bf16_narrow")
-            fn.max_dynamic_shared_size_bytes = NARROW_SMEM
-            fn.preferred_shared_memory_carveout = 100
-            acc._kernels[bfloat16, "float32"] = (fn, 32, NARROW_SMEM)
+            fn, _ = library_kernel(acc, edited(kernels.source("accumulate_narrow.cu"), edits))
             cases.append((f"narrow (library, {name})", acc.max_grid, 32, fn,
                           lambda acc=acc, pieces=pieces: acc.launch(
                               dev.stream, pieces, bfloat16, float(scale))))
         for name, chunk, stages, unroll, bounds, contig, touch in SHAPES:
-            fn, smem = narrow_kernel(n_src, chunk, stages, unroll, bounds, contig, touch)
+            fn, smem, _ = narrow_kernel(n_src, chunk, stages, unroll, bounds, contig, touch)
             args = (srcs[0], srcs[-1], out, np.int64(N // chunk), scale)
 
             def launch(fn=fn, smem=smem, args=args) -> None:
@@ -293,6 +365,20 @@ def main() -> None:
                      if slows else "n/a"), flush=True)
             if not ok:
                 record["failed"] = True
+        acc = Accumulator(dev.dev.id, sms, kernel="narrow")
+        _, mod = library_kernel(acc, _COUNTERS + edited(kernels.source("accumulate_narrow.cu"),
+                                                        TIMED_LIBRARY))
+        lib = cycles(mod, partial(acc.launch, dev.stream, pieces, bfloat16, float(scale)))
+        fn, smem, mod = narrow_kernel(n_src, 2048, 2, 2, "__launch_bounds__(32, 1)", 1, 0,
+                                      _COUNTERS + edited(SOURCE, TIMED_FLAT))
+        flat = cycles(mod, partial(fn, (sms,), (32,), (srcs[0], srcs[-1], out,
+                                                       np.int64(N // 2048), scale),
+                                   shared_mem=smem, stream=dev.stream))
+        for name, c in (("library", lib), ("flat c2048x2 runs", flat)):
+            record["rows"].append({"sources": n_src, "kernel": f"cycles: {name}", **c})
+            print(f"  {n_src} src  cycles per item, {name:<18} ({c['items']:,} items): wait "
+                  f"{c['wait']:,.0f}, consume {c['consume']:,.0f}, refill {c['refill']:,.0f}",
+                  flush=True)
         del srcs, want, out
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
