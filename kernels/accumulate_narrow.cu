@@ -118,20 +118,23 @@ __device__ void produce(Cursor& k, const Launch& l, Item* items, unsigned data, 
     }
 }
 
-// Every lane: out = scale * (s0 + s1 + ...) over the item's elements, 8 per lane per step.
-template <int IsBf16>
-__device__ __forceinline__ void consume(const Item& it, const uint4* slot, int n_src,
-                                        int chunk, float scale, int do_scale) {
-    const int steps = (int)(it.hi - it.lo) / 8;
-    float* out = it.out + it.lo;
+// Every lane: out = scale * (s0 + s1 + ...) over `steps` 8-element steps of a
+// stage, source j at slot + j * stride. NSrc is the source count where the
+// caller knows it (the loop then unrolls over the sources, and each step's loads
+// go out together: one warp hides no latency with another), else 0.
+template <int IsBf16, int NSrc>
+__device__ __forceinline__ void consume(float* out, const uint4* slot, int steps, int n_src,
+                                        int stride, float scale, int do_scale) {
+    const int count = NSrc ? NSrc : n_src;
 #pragma unroll 2
     for (int u = threadIdx.x; u < steps; u += THREADS) {
         float v[8];
-        uint4 x = slot[u];
+        const uint4 x = slot[u];
         widen4(make_uint2(x.x, x.y), IsBf16, v);
         widen4(make_uint2(x.z, x.w), IsBf16, v + 4);
-        for (int j = 1; j < n_src; ++j) {
-            uint4 y = slot[j * (chunk / 8) + u];
+#pragma unroll
+        for (int j = 1; j < count; ++j) {
+            const uint4 y = slot[j * stride + u];
             float w[8];
             widen4(make_uint2(y.x, y.y), IsBf16, w);
             widen4(make_uint2(y.z, y.w), IsBf16, w + 4);
@@ -146,6 +149,22 @@ __device__ __forceinline__ void consume(const Item& it, const uint4* slot, int n
                                                  finish(v[5], scale, do_scale),
                                                  finish(v[6], scale, do_scale),
                                                  finish(v[7], scale, do_scale)));
+    }
+}
+
+// A bulk item: with the source count as a constant for one rank, two, four and
+// eight (the ranks of a node), else counted at run time.
+template <int IsBf16>
+__device__ __forceinline__ void consume_item(const Item& it, const uint4* slot, int n_src,
+                                             int chunk, float scale, int do_scale) {
+    float* out = it.out + it.lo;
+    const int steps = (int)(it.hi - it.lo) / 8, stride = chunk / 8;
+    switch (n_src) {
+        case 1: consume<IsBf16, 1>(out, slot, steps, n_src, stride, scale, do_scale); break;
+        case 2: consume<IsBf16, 2>(out, slot, steps, n_src, stride, scale, do_scale); break;
+        case 4: consume<IsBf16, 4>(out, slot, steps, n_src, stride, scale, do_scale); break;
+        case 8: consume<IsBf16, 8>(out, slot, steps, n_src, stride, scale, do_scale); break;
+        default: consume<IsBf16, 0>(out, slot, steps, n_src, stride, scale, do_scale);
     }
 }
 
@@ -180,8 +199,8 @@ __device__ void accumulate_narrow(const i64* table, int n_pieces, int n_src, i64
         const Item it = items[stage];
         if (it.kind == END) break;
         if (it.kind == BULK) {
-            consume<IsBf16>(it, reinterpret_cast<const uint4*>(smem + stage * STAGE_BYTES),
-                            n_src, l.chunk, scale, do_scale);
+            consume_item<IsBf16>(it, reinterpret_cast<const uint4*>(smem + stage * STAGE_BYTES),
+                                 n_src, l.chunk, scale, do_scale);
         } else {
             scalar_range(it.srcs, n_src, it.out, it.lo, it.hi, IsBf16, scale, do_scale);
         }
