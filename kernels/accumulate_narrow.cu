@@ -119,22 +119,22 @@ __device__ void produce(Cursor& k, const Launch& l, Item* items, unsigned data, 
 }
 
 // Every lane: out = scale * (s0 + s1 + ...) over `steps` 8-element steps of a
-// stage, source j at slot + j * stride. NSrc is the source count where the
-// caller knows it (the loop then unrolls over the sources, and each step's loads
-// go out together: one warp hides no latency with another), else 0.
-template <int IsBf16, int NSrc>
+// stage, source j at slot + j * stride. NSrc and Steps are the source count and
+// the steps where the caller knows them, else 0: with both known the loops unroll
+// and each step's loads go out together (one warp hides no latency behind another).
+template <int IsBf16, int NSrc, int Steps>
 __device__ __forceinline__ void consume(float* out, const uint4* slot, int steps, int n_src,
                                         int stride, float scale, int do_scale) {
     const int count = NSrc ? NSrc : n_src;
 #pragma unroll 2
-    for (int u = threadIdx.x; u < steps; u += THREADS) {
+    for (int u = threadIdx.x; u < (Steps ? Steps : steps); u += THREADS) {
         float v[8];
         const uint4 x = slot[u];
         widen4(make_uint2(x.x, x.y), IsBf16, v);
         widen4(make_uint2(x.z, x.w), IsBf16, v + 4);
 #pragma unroll
         for (int j = 1; j < count; ++j) {
-            const uint4 y = slot[j * stride + u];
+            const uint4 y = slot[j * (Steps ? Steps : stride) + u];
             float w[8];
             widen4(make_uint2(y.x, y.y), IsBf16, w);
             widen4(make_uint2(y.z, y.w), IsBf16, w + 4);
@@ -152,19 +152,36 @@ __device__ __forceinline__ void consume(float* out, const uint4* slot, int steps
     }
 }
 
-// A bulk item: with the source count as a constant for one rank, two, four and
-// eight (the ranks of a node), else counted at run time.
+// Elements per source per stage for n_src sources: a multiple of 256 (every
+// lane's 8-element steps).
+__host__ __device__ constexpr int chunk_of(int n_src) {
+    return STAGE_BYTES / 2 / n_src / 256 * 256;
+}
+
+// With NSrc sources: a whole chunk with the counts as constants, else the steps
+// counted at run time (a piece's last chunk).
+template <int IsBf16, int NSrc>
+__device__ __forceinline__ void consume_known(float* out, const uint4* slot, int steps,
+                                              float scale, int do_scale) {
+    constexpr int kSteps = chunk_of(NSrc) / 8;
+    if (steps == kSteps) {
+        consume<IsBf16, NSrc, kSteps>(out, slot, steps, NSrc, kSteps, scale, do_scale);
+    } else {
+        consume<IsBf16, 0, 0>(out, slot, steps, NSrc, kSteps, scale, do_scale);
+    }
+}
+
+// A bulk item: the counts as constants for one and two sources (one rank, two),
+// else counted at run time.
 template <int IsBf16>
 __device__ __forceinline__ void consume_item(const Item& it, const uint4* slot, int n_src,
                                              int chunk, float scale, int do_scale) {
     float* out = it.out + it.lo;
-    const int steps = (int)(it.hi - it.lo) / 8, stride = chunk / 8;
+    const int steps = (int)(it.hi - it.lo) / 8;
     switch (n_src) {
-        case 1: consume<IsBf16, 1>(out, slot, steps, n_src, stride, scale, do_scale); break;
-        case 2: consume<IsBf16, 2>(out, slot, steps, n_src, stride, scale, do_scale); break;
-        case 4: consume<IsBf16, 4>(out, slot, steps, n_src, stride, scale, do_scale); break;
-        case 8: consume<IsBf16, 8>(out, slot, steps, n_src, stride, scale, do_scale); break;
-        default: consume<IsBf16, 0>(out, slot, steps, n_src, stride, scale, do_scale);
+        case 1: consume_known<IsBf16, 1>(out, slot, steps, scale, do_scale); break;
+        case 2: consume_known<IsBf16, 2>(out, slot, steps, scale, do_scale); break;
+        default: consume<IsBf16, 0, 0>(out, slot, steps, n_src, chunk / 8, scale, do_scale);
     }
 }
 
@@ -181,9 +198,8 @@ __device__ void accumulate_narrow(const i64* table, int n_pieces, int n_src, i64
     Cursor* cursor = reinterpret_cast<Cursor*>(items + STAGES);
     const unsigned data = smem_addr(smem), bars = data + DATA_BYTES;
     const i64 t0 = (i64)blockIdx.x * n_tiles / gridDim.x;
-    // Elements per source per stage: a multiple of 256 (every lane's 8-element steps).
     const Launch l{table, n_pieces, n_src, ((i64)blockIdx.x + 1) * n_tiles / gridDim.x, tile,
-                   STAGE_BYTES / 2 / n_src / 256 * 256};
+                   chunk_of(n_src)};
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) barrier_init(bars + 8 * s);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");

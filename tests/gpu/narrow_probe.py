@@ -315,6 +315,7 @@ def main() -> None:
         for s in srcs[1:]:
             want = want + s.astype(cp.float32)
         want = want * scale
+        dev.sync()  # the kernels run on a stream that does not wait for the default one
         out = cp.empty(N, cp.float32)
         cases = []
         pieces = (AccumPiece(out.data.ptr, tuple(s.data.ptr for s in srcs), N),)

@@ -55,7 +55,7 @@ def _check_accumulate(cp, accumulator, stream, dtype: str, n_src: int, scale: fl
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("n_src", [1, 2, 3, 5])
+@pytest.mark.parametrize("n_src", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("scale", [1.0, 0.25, 1 / 3])
 def test_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, scale):
     be = cuda_group.backend.lanes
@@ -65,7 +65,7 @@ def test_accumulate_bitwise_as_host(cuda_group, cp, dtype, n_src, scale):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("n_src", [1, 2, 3, 5])
+@pytest.mark.parametrize("n_src", [1, 2, 3, 5, 8])
 def test_accumulate_long_tiles_bitwise_as_host(cuda_group, cp, dtype, n_src):
     """Tiles long enough for the unrolled loop of 16-bit sources (eight vector steps of
     four elements per thread: at least 16,384 elements, here 2 CTAs on large pieces),
