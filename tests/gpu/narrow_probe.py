@@ -308,7 +308,7 @@ def main() -> None:
     print(f"{record['device']}: {sms} SMs; {N:,} elements per source; GEMM "
           f"{'x'.join(map(str, GEMM))} alone {first_alone * 1e6:.1f} us", flush=True)
     scale = np.float32(0.5)
-    for n_src in (2, 1, 8):  # the flat kernel takes one or two
+    for n_src in (2, 1, 4, 8):  # the flat kernel takes one or two
         srcs = [cp.random.standard_normal(N, dtype=cp.float32).astype(bfloat16)
                 for _ in range(n_src)]
         want = srcs[0].astype(cp.float32)
