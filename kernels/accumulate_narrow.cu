@@ -1,8 +1,9 @@
 // Opt-in accumulate for bf16 / fp16 sources and fp32 out (Config.accum_kernel =
 // "narrow"): one warp per CTA at most 32 registers per thread, 16 KB of stages,
-// one CTA per SM. It takes the arguments and the table of tide_accumulate_bf16 /
-// fp16 in accumulate.cu and does the same arithmetic in the same order, so the
-// results are bitwise the same.
+// one CTA per SM, one or two sources (the host sends more to accumulate.cu). It
+// takes the arguments and the table of tide_accumulate_bf16 / fp16 in
+// accumulate.cu and does the same arithmetic in the same order, so the results
+// are bitwise the same.
 //
 // Why: a Hopper GEMM's CTA takes nearly a whole SM. The interference suite's
 // cuBLAS kernels run 384 threads at 168 registers (64,512 of the SM's 65,536)
@@ -20,8 +21,8 @@
 // those reads alone.
 //
 // Pipeline: lane 0 produces, every lane consumes, two stages. An item is a chunk
-// of up to CHUNK elements of one piece (CHUNK * n_src * 2 bytes, every source in
-// one stage, summed in order as accumulate.cu does), the scalar part of a piece
+// of up to chunk_of(n_src) elements of one piece (every source in one stage,
+// summed in order as accumulate.cu does), the scalar part of a piece
 // (unaligned pieces and ragged tails, read from global memory), or the end.
 // Lane 0 writes the item's descriptor into its stage, issues the bulk copies,
 // and arrives on the stage's mbarrier, expecting their bytes (none for the
@@ -39,7 +40,7 @@
 #define THREADS 32
 #define STAGES 2
 #define STAGE_BYTES 8192
-#define MAX_SOURCES 16
+#define MAX_SOURCES 2
 
 enum Kind { END = 0, BULK = 1, SCALAR = 2 };
 
@@ -171,17 +172,16 @@ __device__ __forceinline__ void consume_known(float* out, const uint4* slot, int
     }
 }
 
-// A bulk item: the counts as constants for one and two sources (one rank, two),
-// else counted at run time.
+// A bulk item of one source or two.
 template <int IsBf16>
 __device__ __forceinline__ void consume_item(const Item& it, const uint4* slot, int n_src,
-                                             int chunk, float scale, int do_scale) {
+                                             float scale, int do_scale) {
     float* out = it.out + it.lo;
     const int steps = (int)(it.hi - it.lo) / 8;
-    switch (n_src) {
-        case 1: consume_known<IsBf16, 1>(out, slot, steps, scale, do_scale); break;
-        case 2: consume_known<IsBf16, 2>(out, slot, steps, scale, do_scale); break;
-        default: consume<IsBf16, 0, 0>(out, slot, steps, n_src, chunk / 8, scale, do_scale);
+    if (n_src == 1) {
+        consume_known<IsBf16, 1>(out, slot, steps, scale, do_scale);
+    } else {
+        consume_known<IsBf16, 2>(out, slot, steps, scale, do_scale);
     }
 }
 
@@ -216,7 +216,7 @@ __device__ void accumulate_narrow(const i64* table, int n_pieces, int n_src, i64
         if (it.kind == END) break;
         if (it.kind == BULK) {
             consume_item<IsBf16>(it, reinterpret_cast<const uint4*>(smem + stage * STAGE_BYTES),
-                                 n_src, l.chunk, scale, do_scale);
+                                 n_src, scale, do_scale);
         } else {
             scalar_range(it.srcs, n_src, it.out, it.lo, it.hi, IsBf16, scale, do_scale);
         }

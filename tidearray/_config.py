@@ -74,7 +74,7 @@ class Config:
     ``kernels/accumulate_narrow.cu``, the sources streamed by bulk copies into one warp
     per CTA at 32 registers with 16 KB of shared memory, one CTA per SM: small enough to
     share every SM with a Hopper GEMM's CTA instead of holding SMs the GEMM waits for;
-    sm_90 or newer; up to 16 sources, more use the vector kernel). All give the same
+    sm_90 or newer; one or two sources, more use the vector kernel). All give the same
     bits; fp32 sources and casts always use the vector kernels.
     Env: ``TIDE_ACCUM_KERNEL``."""
 

@@ -47,9 +47,11 @@ BULK_SMEM = 6 * 2 * 16384 + 6 * 8
 #: 8 KB, then 512 bytes for the mbarriers, the stages' items and the walk's cursor.
 NARROW_BLOCK = 32
 NARROW_SMEM = 2 * 8192 + 512
-#: Sources the narrow kernel takes (every source of a chunk in one 8 KB stage, at
-#: least 256 elements each); a launch with more uses the vector kernel.
-NARROW_MAX_SOURCES = 16
+#: Sources the narrow kernel takes (one rank's or two); a launch with more uses the
+#: vector kernel. With four or eight, each source's part of an 8 KB stage is 2 or 1 KB,
+#: and on one H200 the narrow kernel streamed at 0.58 and 0.29 elements per ns per SM
+#: and a GEMM beside it slowed by about 87% (``tests/gpu/narrow_probe.py``).
+NARROW_MAX_SOURCES = 2
 #: Per streaming kernel: its file, block and dynamic shared memory.
 STREAMED = {"bulk": ("accumulate_bulk.cu", BULK_BLOCK, BULK_SMEM),
             "narrow": ("accumulate_narrow.cu", NARROW_BLOCK, NARROW_SMEM)}
