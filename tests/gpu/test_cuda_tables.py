@@ -93,6 +93,17 @@ def test_narrow_kernel_constants_match_the_host():
     assert k["STAGE_BYTES"] // 2 // k["MAX_SOURCES"] // 256 >= 1  # a chunk per source
 
 
+def test_narrow_grid_and_the_vector_kernels_grid():
+    """One narrow CTA per SM; a launch the vector kernel takes instead (fp32 sources,
+    more than two sources) keeps the vector kernel's half of the SMs; ``ctas`` caps both."""
+    acc = accumulate.Accumulator(0, 132, kernel="narrow")
+    assert (acc.max_grid, acc.vector_grid) == (132, 66)
+    acc.set_grid(8)
+    assert (acc.max_grid, acc.vector_grid) == (8, 8)
+    vec = accumulate.Accumulator(0, 132, ctas=None)
+    assert (vec.max_grid, vec.vector_grid) == (66, 66)
+
+
 def narrow_items(table: np.ndarray, n_pieces: int, n_src: int, n_tiles: int, tile: int,
                  grid: int) -> list:
     """(piece, lo, hi, kind) of every item the narrow kernel's CTAs produce, walked as

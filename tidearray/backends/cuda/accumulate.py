@@ -152,23 +152,26 @@ class Accumulator:
         self.device = device
         self.sm_count = sm_count
         self.kernel = kernel
-        self.max_grid = self._grid(ctas)
         self._ring = [_Slot() for _ in range(RING)]
         self._next = 0
         self._kernels: dict = {}
         # A cached program's pieces (a tuple) -> (device table, tiles, tile, event)
         self._tables = IdentityCache(TABLES, evict=_release_table)
+        self.set_grid(ctas)
 
     def set_grid(self, ctas: Optional[int]) -> None:
-        """Cap the grid at ``ctas`` (None: the default); tables are tiled anew for it."""
-        self.max_grid = self._grid(ctas)
+        """Cap the grid at ``ctas`` (None: the default); tables are tiled anew for it.
+        ``max_grid`` is the configured kernel's cap, ``vector_grid`` that of launches
+        the vector kernel takes instead (other dtypes, too many sources)."""
+        self.max_grid = self._grid(ctas, self.kernel)
+        self.vector_grid = self._grid(ctas, "vector")
         self._tables.clear()
 
-    def _grid(self, ctas: Optional[int]) -> int:
+    def _grid(self, ctas: Optional[int], kernel: str) -> int:
         """The grid cap: ``ctas``, else one narrow CTA per SM or half the SMs."""
         if ctas:
             return max(1, ctas)
-        return self.sm_count if self.kernel == "narrow" else max(1, self.sm_count // 2)
+        return self.sm_count if kernel == "narrow" else max(1, self.sm_count // 2)
 
     def launch(self, stream: Any, pieces: Sequence[AccumPiece], src_dtype: Any,
                scale: float, out_dtype: Any = "float32") -> None:
@@ -181,7 +184,7 @@ class Accumulator:
         if block == NARROW_BLOCK and len(pieces[0].srcs) > NARROW_MAX_SOURCES:
             kernel, block, smem = self._kernel(src_dtype, out_dtype, "vector")
         dev, n_tiles, tile, event = self._tables.get(pieces, lambda p: self._upload(stream, p))
-        grid = min(n_tiles, self.max_grid)
+        grid = min(n_tiles, self.max_grid if block == NARROW_BLOCK else self.vector_grid)
         with stream:
             kernel((grid,), (block,), (dev, np.int32(len(pieces)),
                                        np.int32(len(pieces[0].srcs)), np.int64(n_tiles),
