@@ -142,6 +142,47 @@ class TidePull(Tide):
 
 
 @register
+class TideNarrow(Tide):
+    """TIDE-RS with the narrow accumulate, in the same run as ``tide``."""
+
+    name = "tide-narrow"
+    description = ("TIDE-RS with accum_kernel='narrow' (one warp per SM: shares every SM "
+                   "with a GEMM's CTAs)")
+    backends = ("cuda",)
+    ops = ("rs",)
+
+    def unavailable(self) -> Optional[str]:
+        why = super().unavailable()
+        if why is None and self.ctx.dev.name == "cuda":
+            import cupy
+
+            major = cupy.cuda.runtime.getDeviceProperties(self.ctx.dev.dev.id)["major"]
+            if major < 9:
+                why = f"the narrow accumulate needs compute capability 9.0, not {major}.x"
+        return why
+
+    def setup(self, data: UnitData) -> Prepared:
+        import dataclasses
+
+        from ..backends.cuda.accumulate import Accumulator
+
+        prep = super().setup(data)
+        lanes, acc = self.ctx.group.backend.lanes, self.ctx.group.backend.lanes.accumulator
+        narrow = Accumulator(acc.device, acc.sm_count, self.ctx.group.config.accum_ctas,
+                             kernel="narrow")
+        reduce = prep.rs
+
+        def rs() -> None:  # the executor reads lanes.accumulator at each launch
+            saved, lanes.accumulator = lanes.accumulator, narrow
+            try:
+                reduce()
+            finally:
+                lanes.accumulator = saved
+
+        return dataclasses.replace(prep, ag=None, ag_out=None, rs=rs, phases={})
+
+
+@register
 class HostStock(Impl):
     """FSDP2's path on CPUs: NumPy copy-in, flat MPI Allgather, copy-out; pack to fp32 and
     MPI Reduce_scatter_block (sum, then scaled)."""
