@@ -222,6 +222,38 @@ def one_rank():
                      "TIDE-RS 8B (us)", "70B", "Qwen3", "Wan2.2", "SM time 8B (us)"], rows))
 
 
+def bench_impl():
+    rows = []
+    for line in open(os.path.join(HERE, "interference-tide-narrow-fff5adc.jsonl")):
+        r = json.loads(line)
+        if r["suite"] != "interference" or r["metric"] != f"rs:{GEMM}" or r["status"] != "ok":
+            continue
+        ex, cu = r["extra"], r["extra"].get("cupti") or {}
+
+        def grp(name, cu=cu):
+            g = cu.get(name) or {}
+            return "-" if not g.get("median_us") else f"{g['median_us']:.1f} ({g['n']})"
+
+        rows.append([r["impl"], f"{r['value'] * 100:+.1f}%",
+                     ", ".join(f"{v * 100:+.1f}%" for v in ex["slowdowns"]), grp("alone"),
+                     grp("clear"), grp("held"), f"{ex['collective_alone_s'] * 1e6:,.0f}"])
+    return ("## The benchmark's `tide-narrow`\n\n"
+            "`mpirun -n 1 python -m tidearray.bench interference --impls tide,tide-narrow` at "
+            "`fff5adc` ([interference-tide-narrow-fff5adc.jsonl]"
+            "(interference-tide-narrow-fff5adc.jsonl); `rs --impls tide,tide-narrow`: "
+            "[rs-tide-narrow-fff5adc.jsonl](rs-tide-narrow-fff5adc.jsonl)). `tide-narrow` "
+            "is TIDE-RS with the narrow accumulate in the same run as `tide`, so that the "
+            "next 2xH200 `bench all` records both. In this run two of `tide`'s three pairs "
+            "showed no slowdown; in the loop traced under CUPTI after the pairs, 24 of its "
+            "GEMMs ran with none of the accumulate's kernels beside them. The timed slowdown "
+            "counts a GEMM as beside "
+            "the collective when it overlaps the collective's interval on its stream, which "
+            "at one rank can be time before the accumulate's kernel starts; the CUPTI "
+            "groups count the kernels themselves.\n\n"
+            + table(["impl", "slowdown", "pairs", "CUPTI: alone", "clear", "held",
+                     "TIDE-RS alone (us)"], rows))
+
+
 def main():
     print("<!-- Generated: python docs/benchmarks/run16-one-h200/report.py > "
           "docs/benchmarks/run16-one-h200/README.md -->\n")
@@ -242,7 +274,8 @@ def main():
           "The flat probe below shows one warp per SM streaming two sources at 2.6 elements "
           "per ns per SM: the cost was in how that kernel walked the piece table, not in the "
           "one warp.\n")
-    for part in (footprints, by_commit, variants, cycles, outliers, sources, one_rank):
+    for part in (footprints, by_commit, variants, cycles, outliers, sources, one_rank,
+                 bench_impl):
         print(part() + "\n")
     print("## Notes\n")
     print("- `narrow-probe-ecc78fc.json` has the vector kernel at eight sources "
