@@ -44,6 +44,7 @@ import json
 import math
 import os
 import sys
+from functools import partial
 from types import SimpleNamespace
 from typing import Callable
 
@@ -53,6 +54,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.getcwd())
 import tidearray as ta  # noqa: E402
 from tests.gpu._copies import FlaggedBatch  # noqa: E402
+from tests.gpu._timing import timed_on  # noqa: E402
 from tidearray._all_gather import build_program  # noqa: E402
 from tidearray._dtypes import bfloat16  # noqa: E402
 from tidearray._layout import cached_unit, cut_copies  # noqa: E402
@@ -150,21 +152,9 @@ cp.cuda.Device(group.backend.device).use()
 dev = CudaDevice()
 ctx = SimpleNamespace(dev=dev, comm=comm)
 say = print if comm.rank == 0 else (lambda *a, **k: None)
+timed = partial(timed_on, dev.stream)
 
 
-def timed(launch, reps: int = 5) -> float:
-    """Median seconds of ``launch()`` on the timing stream (two untimed first)."""
-    for _ in range(2):
-        launch()
-    times = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(dev.stream)
-        launch()
-        b.record(dev.stream)
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
-    return float(np.median(times))
 
 
 def streaming() -> dict:

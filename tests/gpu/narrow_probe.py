@@ -32,6 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.getcwd())
+from tests.gpu._timing import timed_on  # noqa: E402
 from tidearray._dtypes import bfloat16  # noqa: E402
 from tidearray.backends._base import AccumPiece  # noqa: E402
 from tidearray.backends.cuda import kernels  # noqa: E402
@@ -45,35 +46,11 @@ N = 109 * (1 << 20)
 PAIRS = 3
 GEMM = (1024, 2048, 16384)
 
-SOURCE = r"""
+#: The flat kernel; the bulk-copy helpers are the library's (kernels/bulk_copy.cuh).
+SOURCE = kernels.source("bulk_copy.cuh") + r"""
 typedef unsigned short u16;
 typedef long long i64;
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void bar_init(unsigned bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void bar_expect(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 :: "r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bar_wait(unsigned bar, unsigned parity) {
-    unsigned done;
-    do {
-        asm volatile("{\n\t.reg .pred p;\n\t"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                     "selp.u32 %0, 1, 0, p;\n\t}"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes,
-                                          unsigned bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                 "[%0], [%1], %2, [%3];" :: "r"(dst), "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
 __device__ __forceinline__ void store4(float* p, float a, float b, float c, float d) {
     asm volatile("st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};"
                  :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
@@ -94,7 +71,7 @@ __device__ __forceinline__ void issue(const u16* const* srcs, i64 c, unsigned da
         (void)r;
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    bar_expect(bar, NSRC * CHUNK * 2);
+    barrier_expect(bar, NSRC * CHUNK * 2);
 #pragma unroll
     for (int k = 0; k < NSRC; ++k)
         bulk_load(data + (s * NSRC + k) * CHUNK * 2, srcs[k] + c * CHUNK, CHUNK * 2, bar);
@@ -119,7 +96,7 @@ narrow(const u16* s0, const u16* s1, float* __restrict__ out, i64 n_chunks, floa
     const i64 last = CONTIG ? (blockIdx.x + 1) * n_chunks / gridDim.x : n_chunks;
     i64 next = first;
     if (lane == 0) {
-        for (int s = 0; s < STAGES; ++s) bar_init(bars + 8 * s);
+        for (int s = 0; s < STAGES; ++s) barrier_init(bars + 8 * s);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         for (int s = 0; s < STAGES && next < last; ++s, next += step)
             issue(srcs, next, data, bars, s, spare);
@@ -128,7 +105,7 @@ narrow(const u16* s0, const u16* s1, float* __restrict__ out, i64 n_chunks, floa
     int stage = 0;
     unsigned parity = 0;
     for (i64 c = first; c < last; c += step) {
-        bar_wait(bars + 8 * stage, parity);
+        barrier_wait(bars + 8 * stage, parity);
         const uint4* slot = reinterpret_cast<const uint4*>(smem + stage * NSRC * CHUNK * 2);
         float* o = out + c * CHUNK;
 #pragma unroll (kUnroll)
@@ -226,9 +203,9 @@ TIMED_LIBRARY = (
     _TIMED_END)
 TIMED_FLAT = (
     ("""    for (i64 c = first; c < last; c += step) {
-        bar_wait(bars + 8 * stage, parity);
+        barrier_wait(bars + 8 * stage, parity);
 """, _TIMED_START + "    for (i64 c = first; c < last; c += step) {\n" + _T_A
-     + "        bar_wait(bars + 8 * stage, parity);\n" + _T_B),
+     + "        barrier_wait(bars + 8 * stage, parity);\n" + _T_B),
     ("        __syncwarp();  // every lane has read the stage: refill it\n",
      _T_C + "        __syncwarp();  // every lane has read the stage: refill it\n"),
     ("        if (++stage == STAGES) {\n", "        __syncwarp();\n" + _T_SUM
@@ -257,21 +234,9 @@ def cycles(mod, launch) -> dict:
 comm = MPI.COMM_WORLD
 dev = CudaDevice()
 ctx = SimpleNamespace(dev=dev, comm=comm)
+timed = partial(timed_on, dev.stream, reps=7)
 
 
-def timed(launch, reps: int = 7) -> float:
-    """Median seconds of ``launch()`` on the timing stream (two untimed first)."""
-    for _ in range(2):
-        launch()
-    times = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(dev.stream)
-        launch()
-        b.record(dev.stream)
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
-    return float(np.median(times))
 
 
 def narrow_kernel(n_src: int, chunk: int, stages: int, unroll: int, bounds: str,

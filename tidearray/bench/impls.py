@@ -88,6 +88,20 @@ class Tide(Impl):
         return phases if ok else {}
 
 
+def _swapped(obj: Any, attr: str, value: Any, fn: Callable[[], Any]) -> Callable[[], None]:
+    """``fn`` as a call that runs with ``obj.attr`` set to ``value``, restored after."""
+
+    def run() -> None:
+        saved = getattr(obj, attr)
+        setattr(obj, attr, value)
+        try:
+            fn()
+        finally:
+            setattr(obj, attr, saved)
+
+    return run
+
+
 @register
 class TidePlan(Tide):
     """TIDE-AG / TIDE-RS through persistent plans: the path ``tidearray.fsdp`` takes."""
@@ -129,15 +143,7 @@ class TidePull(Tide):
 
         prep = super().setup(data)
         g = self.ctx.group
-        pull, gather = dataclasses.replace(g.config, ag_transport="pull"), prep.ag
-
-        def ag() -> None:
-            saved, g.config = g.config, pull
-            try:
-                gather()
-            finally:
-                g.config = saved
-
+        ag = _swapped(g, "config", dataclasses.replace(g.config, ag_transport="pull"), prep.ag)
         return dataclasses.replace(prep, ag=ag, rs=None, rs_out=None, phases={})
 
 
@@ -167,18 +173,11 @@ class TideNarrow(Tide):
         from ..backends.cuda.accumulate import Accumulator
 
         prep = super().setup(data)
-        lanes, acc = self.ctx.group.backend.lanes, self.ctx.group.backend.lanes.accumulator
-        narrow = Accumulator(acc.device, acc.sm_count, self.ctx.group.config.accum_ctas,
-                             kernel="narrow")
-        reduce = prep.rs
-
-        def rs() -> None:  # the executor reads lanes.accumulator at each launch
-            saved, lanes.accumulator = lanes.accumulator, narrow
-            try:
-                reduce()
-            finally:
-                lanes.accumulator = saved
-
+        lanes = self.ctx.group.backend.lanes
+        narrow = Accumulator(lanes.accumulator.device, lanes.accumulator.sm_count,
+                             self.ctx.group.config.accum_ctas, kernel="narrow")
+        # The executor reads lanes.accumulator at each launch.
+        rs = _swapped(lanes, "accumulator", narrow, prep.rs)
         return dataclasses.replace(prep, ag=None, ag_out=None, rs=rs, phases={})
 
 
