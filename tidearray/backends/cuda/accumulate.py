@@ -49,8 +49,8 @@ NARROW_BLOCK = 32
 NARROW_SMEM = 2 * 8192 + 512
 #: Sources the narrow kernel takes (one rank's or two); a launch with more uses the
 #: vector kernel. With four or eight, each source's part of an 8 KB stage is 2 or 1 KB,
-#: and on one H200 the narrow kernel streamed at 0.58 and 0.29 elements per ns per SM
-#: and a GEMM beside it slowed by about 87% (``tests/gpu/narrow_probe.py``).
+#: and on one H200 the narrow kernel streamed at 0.58 and 0.29 elements per ns per SM,
+#: against the vector kernel's 1.9 and 1.1 (``tests/gpu/narrow_probe.py``).
 NARROW_MAX_SOURCES = 2
 #: Per streaming kernel: its file, block and dynamic shared memory.
 STREAMED = {"bulk": ("accumulate_bulk.cu", BULK_BLOCK, BULK_SMEM),
