@@ -34,3 +34,21 @@ def test_a_figure_edited_by_hand_is_caught(tmp_path):
     assert main(["results", "--readme", str(readme), "--root", str(ROOT)]) == 0
     assert main(["results", "--readme", str(readme), "--root", str(ROOT), "--check"]) == 0
     assert readme.read_text() == text
+
+
+def test_a_missed_gemm_target_names_the_narrow_accumulate_where_measured():
+    """The GEMM-beside-TIDE-RS row's reason carries tide-narrow's figure from the same run
+    (the default's figure stays the goal's), and says nothing of it where it did not run."""
+    from tidearray.bench import targets
+    from tidearray.bench.tables import Results
+
+    def rec(impl: str, value: float) -> dict:
+        return {"suite": "interference", "impl": impl, "workload": "llama3.1-8b",
+                "metric": f"rs:{targets.GEMM}", "value": value, "unit": "fraction",
+                "status": "ok", "extra": {"collective_alone_s": 7e-4}}
+
+    both = targets.gemm_rows(Results([rec("tide", 0.2), rec("tide-narrow", 0.03)]))[0]
+    assert both.measured == 0.2 and not both.met
+    assert "tide-narrow, opt-in): +3.0%" in both.why
+    alone = targets.gemm_rows(Results([rec("tide", 0.2)]))[0]
+    assert "narrow" not in alone.why
