@@ -143,25 +143,13 @@ narrow(const u16* s0, const u16* s1, float* __restrict__ out, i64 n_chunks, floa
 #: ``narrow-probe-b288f01.json`` has more shapes: 2 KB stages, and no register bound.
 SHAPES = (("c2048x2", 2048, 2, 2, "__maxnreg__(32)", 0, 0),
           ("c2048x2 runs", 2048, 2, 2, "__maxnreg__(32)", 1, 0))
-#: Tried at 33bdde7 (run16-one-h200/narrow-probe-33bdde7.json): no slower than runs.
-TOUCHED = (("c2048x2 store, fence", 2048, 2, 2, "__maxnreg__(32)", 1, 1),
-           ("c2048x2 copies, store", 2048, 2, 2, "__maxnreg__(32)", 1, 2),
-           ("c2048x2 load, fence", 2048, 2, 2, "__maxnreg__(32)", 1, 3))
-_FENCE_FIRST = ("""    items[s] = it;
-    const unsigned bar = bars + 8 * s;
-    // The lanes' generic-proxy reads of the stage come before the async-proxy writes.
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");""",
-                """    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    items[s] = it;
-    const unsigned bar = bars + 8 * s;""")
-_INLINE = (("__device__ void enter(", "__device__ __forceinline__ void enter("),
-           ("__device__ void produce(", "__device__ __forceinline__ void produce("))
+#: The library's kernel, with its source edited: (name, (old, new) text pairs).
+#: Variants run before, each no faster than the shipped kernel, are in the probe as it
+#: stood at their commits: at 33bdde7 the flat kernel with TOUCH 1-3 (lane 0 storing to
+#: or loading from shared memory around its copies), at 83f23ab the library's kernel
+#: without its register cap, with the proxy fence first, and inlined
+#: (docs/benchmarks/run16-one-h200).
 LIBRARY_VARIANTS = (("as shipped", ()),)
-#: Tried at 83f23ab (docs/benchmarks/run16-one-h200/narrow-probe-83f23ab.json): no faster.
-TRIED = (("registers free", (("__maxnreg__(32)", "__launch_bounds__(32, 1)"),)),
-         ("fence first", (_FENCE_FIRST,)),
-         ("inlined", _INLINE),
-         ("fence first, inlined", (_FENCE_FIRST,) + _INLINE))
 
 #: Cycle counters, edited into a kernel's text: per item, lane 0's clock64() time
 #: waiting on the stage's barrier, consuming the stage, and refilling it.

@@ -228,7 +228,7 @@ class Accumulator:
             if which in STREAMED and out == "float32" and src in STREAMED_KERNELS:
                 file, block, smem = STREAMED[which]
                 fn = _kernels.function(file, f"{STREAMED_KERNELS[src]}_{which}", self.device)
-                fn.max_dynamic_shared_size_bytes = smem  # the bulk kernel's: above 48 KB
+                fn.max_dynamic_shared_size_bytes = smem  # the bulk kernel's is above 48 KB
                 # As much shared memory as the SM has (the split is set per SM, while
                 # idle): a GEMM's CTA then fits beside a narrow one.
                 fn.preferred_shared_memory_carveout = 100
