@@ -10,7 +10,9 @@ GEMM's CTA back. This runs alone-then-beside pairs (as in
 ``tidearray.bench.interference``) beside the library's narrow kernel and the probe's
 flat one, each with counters edited in: per SM, the most CTAs of the kernel resident
 at once over the pair. It prints each pair's GEMM slowdown beside the SMs that held
-two or more, and the SMs that held none.
+two or more, and the SMs that held none; for the library's kernel (where a CTA that
+finds another of its launch on its SM leaves at once), also the fewest and most SMs a
+launch's CTAs reached, that is, its working CTAs before the cap.
 """
 
 from __future__ import annotations
@@ -42,18 +44,23 @@ from tests.gpu.narrow_probe import (  # noqa: E402
     timed,
 )
 
-_GLOBALS = "__device__ int tide_occ[1024];\n__device__ int tide_peak[1024];\n"
+_GLOBALS = ("__device__ int tide_occ[1024];\n__device__ int tide_peak[1024];\n"
+            "__device__ unsigned tide_reached[2];\n")
 _ENTER = ("    unsigned tide_sm;\n    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(tide_sm));\n"
           "    if (threadIdx.x == 0) atomicMax(&tide_peak[tide_sm], "
           "atomicAdd(&tide_occ[tide_sm], 1) + 1);\n")
-_END = ("            parity ^= 1;\n        }\n    }\n}\n",
-        "            parity ^= 1;\n        }\n    }\n"
-        "    if (threadIdx.x == 0) atomicSub(&tide_occ[tide_sm], 1);\n}\n")
+_LOOP_END = "            parity ^= 1;\n        }\n    }\n"
+_LEAVE = _LOOP_END + "    if (threadIdx.x == 0) atomicSub(&tide_occ[tide_sm], 1);\n"
+_LAST = "    if (atomicAdd(claims + CLAIM_LEFT, 1u) == gridDim.x - 1) {\n"
+#: The library's kernel: also, per launch, the SMs its CTAs reached (the working CTAs'
+#: count before the cap), as its last CTA reads it.
 LIBRARY = (("    const unsigned data = smem_addr(smem), bars = data + DATA_BYTES;\n",
             "    const unsigned data = smem_addr(smem), bars = data + DATA_BYTES;\n" + _ENTER),
-           _END)
+           (_LOOP_END, _LEAVE),
+           (_LAST, _LAST + "        const unsigned w = atomicAdd(claims + CLAIM_WORKING, 0u);\n"
+            "        atomicMin(&tide_reached[0], w);\n        atomicMax(&tide_reached[1], w);\n"))
 FLAT = (("    const int lane = threadIdx.x;\n", "    const int lane = threadIdx.x;\n" + _ENTER),
-        _END)
+        (_LOOP_END, _LEAVE))
 
 
 def main() -> None:
@@ -86,9 +93,11 @@ def main() -> None:
         cases.append(("narrow c2048x2 runs (flat)", flat_mod, flat))
         for name, mod, launch in cases:
             peak = cp.ndarray((1024,), cp.int32, mod.get_global("tide_peak"))
+            reached = cp.ndarray((2,), cp.uint32, mod.get_global("tide_reached"))
             t = timed(launch)
             for k in range(pairs):
                 peak.fill(0)
+                reached[:] = cp.array([2**32 - 1, 0], cp.uint32)
                 dev.sync()
                 p = interference._pair(ctx, launch, t, gemm, first_alone)
                 counts = peak.get()[:sms]
@@ -96,11 +105,15 @@ def main() -> None:
                 row = {"sources": n_src, "kernel": name, "pair": k, "time_s": t,
                        "gemm_slowdown": slow, "sms_doubled": int((counts >= 2).sum()),
                        "sms_empty": int((counts == 0).sum()), "peak": int(counts.max())}
+                lo, hi = (int(x) for x in reached.get())
+                if hi:  # the library's kernel: the fewest and most SMs a launch reached
+                    row["sms_reached"] = [lo, hi]
                 record["rows"].append(row)
                 print(f"  {n_src} src {name:<28} pair {k:2d}: GEMM "
                       + (f"{slow * 100:+6.1f}%" if slow is not None else "   n/a")
                       + f"; SMs with >= 2 CTAs at once {row['sms_doubled']:3d}, with none "
-                      f"{row['sms_empty']:3d}, most on one {row['peak']}", flush=True)
+                      f"{row['sms_empty']:3d}, most on one {row['peak']}"
+                      + (f"; SMs reached per launch {lo}-{hi}" if hi else ""), flush=True)
         del srcs, out
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as f:

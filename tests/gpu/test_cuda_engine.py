@@ -120,6 +120,40 @@ def test_narrow_accumulate_many_pieces_bitwise_as_host(cuda_group, cp, n_src):
     assert bool(used) == (n_src > NARROW_MAX_SOURCES), used
 
 
+@pytest.mark.parametrize("ctas", [1, 3, None])
+def test_narrow_accumulate_relaunched_counters_zeroed(cuda_group, cp, ctas):
+    """Launch after launch of the narrow kernel, more than its ring of claim counters,
+    cached tables and not, on two streams at once: each gives the host's bits (fresh
+    data, outputs poisoned), and once all have run every claim counter is zero again,
+    so the next launch starts from the first run."""
+    from tidearray.backends.cuda.accumulate import RING, Accumulator
+
+    be = cuda_group.backend.lanes
+    acc = Accumulator(be.accumulator.device, be.accumulator.sm_count, ctas, kernel="narrow")
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+    rng = np.random.default_rng()
+    dt = tidearray._dtypes.bfloat16
+    checks = []
+    for k in range(RING + 5):
+        sizes = [int(n) for n in rng.integers(1, 300_000, 6)]
+        host = [[rng.standard_normal(n).astype(np.float32).astype(dt) for n in sizes]
+                for _ in range(2)]
+        srcs = [[cp.asarray(a.view(np.uint16)) for a in per] for per in host]
+        outs = [cp.full(n, np.nan, cp.float32) for n in sizes]
+        pieces = [AccumPiece(outs[j].data.ptr, (srcs[0][j].data.ptr, srcs[1][j].data.ptr), n)
+                  for j, n in enumerate(sizes)]
+        cp.cuda.runtime.deviceSynchronize()
+        acc.launch(streams[k % 2], tuple(pieces) if k % 3 else pieces, dt, 0.5)
+        checks.append((host, srcs, outs))
+    for s in streams:
+        s.synchronize()
+    for host, _, outs in checks:
+        for j, out in enumerate(outs):
+            want = _host_accumulate([host[0][j], host[1][j]], 0.5)
+            assert (cp.asnumpy(out).view(np.uint32) == want.view(np.uint32)).all()
+    assert all(not c.dev.any() for c in acc._claims), "claim counters left set"
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_cast_bitwise_as_astype(cuda_group, cp, dtype):
     """fp32 in, 16-bit out (a cast plan's kernel): round to nearest even, as astype does,
