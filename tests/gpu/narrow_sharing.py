@@ -25,6 +25,8 @@ from functools import partial
 import cupy as cp
 import numpy as np
 
+from tidearray.backends.cuda import accumulate
+
 sys.path.insert(0, os.getcwd())
 from tests.gpu.narrow_probe import (  # noqa: E402
     GEMM,
@@ -63,6 +65,18 @@ FLAT = (("    const int lane = threadIdx.x;\n", "    const int lane = threadIdx.
         (_LOOP_END, _LEAVE))
 
 
+#: The library kernel's CTAs launched per working one (``NARROW_OVERLAUNCH``), in turn.
+OVERLAUNCH = (1, 2)
+
+
+def overlaunched(over: int, acc, pieces, scale: float) -> None:
+    saved, accumulate.NARROW_OVERLAUNCH = accumulate.NARROW_OVERLAUNCH, over
+    try:
+        acc.launch(dev.stream, pieces, bfloat16, scale)
+    finally:
+        accumulate.NARROW_OVERLAUNCH = saved
+
+
 def main() -> None:
     pairs = int(sys.argv[1]) if len(sys.argv) > 1 else 12
     sms = dev.num_sms
@@ -81,8 +95,9 @@ def main() -> None:
         acc = Accumulator(dev.dev.id, sms, kernel="narrow")
         _, lib_mod = library_kernel(acc, _GLOBALS + edited(
             kernels.source("accumulate_narrow.cu"), LIBRARY))
-        cases = [("narrow (library)", lib_mod,
-                  partial(acc.launch, dev.stream, pieces, bfloat16, float(scale)))]
+        cases = [(f"narrow (library) x{over}", lib_mod,
+                  partial(overlaunched, over, acc, pieces, float(scale)))
+                 for over in OVERLAUNCH]
         fn, smem, flat_mod = narrow_kernel(n_src, 2048, 2, 2, "__maxnreg__(32)", 1, 0,
                                            _GLOBALS + edited(SOURCE, FLAT))
         args = (srcs[0], srcs[-1], out, np.int64(N // 2048), scale)
@@ -108,9 +123,12 @@ def main() -> None:
                 lo, hi = (int(x) for x in reached.get())
                 if hi:  # the library's kernel: the fewest and most SMs a launch reached
                     row["sms_reached"] = [lo, hi]
+                if p:
+                    row["beside_s"] = p["collective_beside_s"]
                 record["rows"].append(row)
-                print(f"  {n_src} src {name:<28} pair {k:2d}: GEMM "
-                      + (f"{slow * 100:+6.1f}%" if slow is not None else "   n/a")
+                print(f"  {n_src} src {name:<28} pair {k:2d}: alone {t * 1e6:4.0f} us, beside "
+                      + (f"{p['collective_beside_s'] * 1e6:4.0f} us; GEMM {slow * 100:+6.1f}%"
+                         if p else "n/a")
                       + f"; SMs with >= 2 CTAs at once {row['sms_doubled']:3d}, with none "
                       f"{row['sms_empty']:3d}, most on one {row['peak']}"
                       + (f"; SMs reached per launch {lo}-{hi}" if hi else ""), flush=True)
