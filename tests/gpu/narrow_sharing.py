@@ -65,8 +65,27 @@ FLAT = (("    const int lane = threadIdx.x;\n", "    const int lane = threadIdx.
         (_LOOP_END, _LEAVE))
 
 
-#: The library kernel's CTAs launched per working one (``NARROW_OVERLAUNCH``), in turn.
-OVERLAUNCH = (1, 2)
+#: Edits that keep every CTA working (none leaves), and that also give CTA b the
+#: static run b of the grid's (tiles [b * T / G, (b + 1) * T / G)), as the kernel
+#: was before it claimed runs.
+_ALL_WORK = (("""    k.working = atomicAdd(k.slot, 1u) == 0
+                && atomicAdd(claims + CLAIM_WORKING, 1u) < max_working;""",
+              """    atomicAdd(k.slot, 1u);
+    atomicAdd(claims + CLAIM_WORKING, 1u);
+    k.working = 1;"""),)
+_STATIC = _ALL_WORK + (
+    ("""    const unsigned r = k.working ? atomicAdd(l.claims + CLAIM_NEXT, 1u) : l.n_runs;
+    if (r >= l.n_runs) {""",
+     """    const unsigned r = k.working ? blockIdx.x : gridDim.x, n_runs = gridDim.x;
+    k.working = 0;
+    if (r >= n_runs) {"""),
+    ("""    const i64 t0 = (i64)r * l.n_tiles / l.n_runs;
+    k.t1 = ((i64)r + 1) * l.n_tiles / l.n_runs;""",
+     """    const i64 t0 = (i64)r * l.n_tiles / n_runs;
+    k.t1 = ((i64)r + 1) * l.n_tiles / n_runs;"""))
+#: The library kernel's variants: (name, edits, CTAs launched per working one).
+VARIANTS = (("static runs, all work", _STATIC, 1), ("claimed runs, all work", _ALL_WORK, 1),
+            ("as shipped", (), 1), ("as shipped", (), 2))
 
 
 def overlaunched(over: int, acc, pieces, scale: float) -> None:
@@ -89,15 +108,20 @@ def main() -> None:
     for n_src in (2, 1):
         srcs = [cp.random.standard_normal(N, dtype=cp.float32).astype(bfloat16)
                 for _ in range(n_src)]
+        want = srcs[0].astype(cp.float32)
+        for x in srcs[1:]:
+            want = want + x.astype(cp.float32)
+        want = want * scale
         out = cp.empty(N, cp.float32)
         dev.sync()
         pieces = (AccumPiece(out.data.ptr, tuple(s.data.ptr for s in srcs), N),)
-        acc = Accumulator(dev.dev.id, sms, kernel="narrow")
-        _, lib_mod = library_kernel(acc, _GLOBALS + edited(
-            kernels.source("accumulate_narrow.cu"), LIBRARY))
-        cases = [(f"narrow (library) x{over}", lib_mod,
-                  partial(overlaunched, over, acc, pieces, float(scale)))
-                 for over in OVERLAUNCH]
+        cases = []
+        for name, edits, over in VARIANTS:
+            acc = Accumulator(dev.dev.id, sms, kernel="narrow")
+            _, lib_mod = library_kernel(acc, _GLOBALS + edited(
+                kernels.source("accumulate_narrow.cu"), LIBRARY + edits))
+            cases.append((f"library, {name} x{over}", lib_mod,
+                          partial(overlaunched, over, acc, pieces, float(scale))))
         fn, smem, flat_mod = narrow_kernel(n_src, 2048, 2, 2, "__maxnreg__(32)", 1, 0,
                                            _GLOBALS + edited(SOURCE, FLAT))
         args = (srcs[0], srcs[-1], out, np.int64(N // 2048), scale)
@@ -109,7 +133,11 @@ def main() -> None:
         for name, mod, launch in cases:
             peak = cp.ndarray((1024,), cp.int32, mod.get_global("tide_peak"))
             reached = cp.ndarray((2,), cp.uint32, mod.get_global("tide_reached"))
+            out.fill(np.nan)
             t = timed(launch)
+            ok = bool(cp.array_equal(out, want))
+            print(f"  {n_src} src {name:<28} bitwise {ok}", flush=True)
+            record.setdefault("bitwise", []).append([n_src, name, ok])
             for k in range(pairs):
                 peak.fill(0)
                 reached[:] = cp.array([2**32 - 1, 0], cp.uint32)
@@ -132,7 +160,7 @@ def main() -> None:
                       + f"; SMs with >= 2 CTAs at once {row['sms_doubled']:3d}, with none "
                       f"{row['sms_empty']:3d}, most on one {row['peak']}"
                       + (f"; SMs reached per launch {lo}-{hi}" if hi else ""), flush=True)
-        del srcs, out
+        del srcs, out, want
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as f:
             json.dump(record, f, indent=1)
