@@ -1,9 +1,8 @@
 // Opt-in accumulate for bf16 / fp16 sources and fp32 out (Config.accum_kernel =
 // "narrow"): one warp per CTA at most 32 registers per thread, 16 KB of stages,
-// one working CTA per SM, one or two sources (the host sends more to
-// accumulate.cu). It takes the arguments and the table of tide_accumulate_bf16 /
-// fp16 in accumulate.cu, then its claim counters, the number of runs and the cap
-// on working CTAs, and does the same arithmetic in the same order, so the results
+// one CTA per SM, one or two sources (the host sends more to accumulate.cu). It
+// takes the arguments and the table of tide_accumulate_bf16 / fp16 in
+// accumulate.cu and does the same arithmetic in the same order, so the results
 // are bitwise the same.
 //
 // Why: a Hopper GEMM's CTA takes nearly a whole SM. The interference suite's
@@ -16,23 +15,10 @@
 // stage's 8 KB is one bulk copy per source (tests/gpu/narrow_probe.py: stages
 // of 2 KB took 1.55 times as long as stages of 8 KB).
 //
-// Work: the tiles are cut into n_runs contiguous runs, and lane 0 of a working
-// CTA claims runs one after another from a counter (run r: tiles [r * T / R,
-// (r + 1) * T / R)), walking each as one run of elements, piece by piece, so the
-// table is searched once per run and read once per piece, not once per tile:
-// one warp waits out each of those reads alone.
-//
-// One working CTA per SM: nothing stops the block scheduler from putting several
-// CTAs of this kernel on an SM that is idle when they start (between two GEMMs),
-// and two of them leave no room for a GEMM's CTA, which then waits for them (on
-// one H200 the GEMM beside two narrow CTAs on most SMs ran 1.9 times as long:
-// tests/gpu/narrow_sharing.py). So a CTA counts itself in its SM's slot of
-// `claims`, and one that finds another CTA of the launch there leaves at once,
-// as does one past the cap on working CTAs. The host launches more CTAs than
-// it wants working, so that leavers' places go to SMs still without one. Every
-// working CTA claims runs until none is left, so the work does not depend on
-// where CTAs land. The last CTA to leave zeroes the counters for the next
-// launch that uses this `claims`.
+// Work: CTA b takes the contiguous tiles [b * T / G, (b + 1) * T / G) and walks
+// them as one run of elements, piece by piece, so the table is searched once per
+// CTA and read once per piece, not once per tile: one warp waits out each of
+// those reads alone.
 //
 // Pipeline: lane 0 produces, every lane consumes, two stages. An item is a chunk
 // of up to chunk_of(n_src) elements of one piece (every source in one stage,
@@ -67,28 +53,16 @@ struct Item {
     int kind;
 };
 
-// Lane 0's walk: piece p, the next element e, and where its part of the run
-// ends (limit) and where the bulk part ends (bulk_end); the tile the run ends
-// at (t1); the piece's source pointers copied out of the table (src), so that
-// issuing a chunk's copies waits on no global load; whether the CTA claims runs
-// (working), and its SM's slot in the claim counters.
+// Lane 0's walk: piece p, the next element e, and where its part of the CTA's
+// run ends (limit) and where the bulk part ends (bulk_end); the piece's source
+// pointers copied out of the table (src), so that issuing a chunk's copies waits
+// on no global load.
 struct Cursor {
     const i64* srcs;
     float* out;
-    i64 e, limit, bulk_end, numel, p, t1;
+    i64 e, limit, bulk_end, numel, p;
     const u16* src[MAX_SOURCES];
-    unsigned* slot;
-    int working;
 };
-
-// `claims`, unsigned words: the next run to claim, the CTAs that have left, the
-// working CTAs, then a slot per SM (indexed by %smid modulo SM_SLOTS) counting the
-// launch's CTAs resident there. Accumulator's NARROW_CLAIM_WORDS.
-#define CLAIM_NEXT 0
-#define CLAIM_LEFT 1
-#define CLAIM_WORKING 2
-#define CLAIM_SLOTS 4
-#define SM_SLOTS 1024
 
 // Dynamic shared memory: the stages, then an 8-byte mbarrier per stage, the
 // stages' items and the cursor, in 512 bytes.
@@ -99,17 +73,15 @@ static_assert(8 * STAGES + STAGES * sizeof(Item) + sizeof(Cursor) <= 512, "SMEM_
 struct Launch {
     const i64* table;
     int n_pieces, n_src;
-    i64 n_tiles, tile;
-    int chunk;  // elements per source per stage
-    unsigned* claims;
-    unsigned n_runs;
+    i64 t1, tile;  // the CTA's run ends at tile t1
+    int chunk;     // elements per source per stage
 };
 
 // Piece p, from element e: its output, sources and ends within the CTA's run.
 __device__ void enter(Cursor& k, const Launch& l, i64 p, i64 e) {
     const i64* entry = l.table + 4 * p;
     const i64 numel = entry[1], first = entry[3];
-    const i64 run_end = (k.t1 - first) * l.tile;  // the run ends inside this piece, or after
+    const i64 run_end = (l.t1 - first) * l.tile;  // the run ends inside this piece, or after
     k.p = p;
     k.e = e;
     k.numel = numel;
@@ -120,34 +92,14 @@ __device__ void enter(Cursor& k, const Launch& l, i64 p, i64 e) {
     k.bulk_end = entry[2] ? (k.limit < numel ? k.limit : numel / 8 * 8) : e;
 }
 
-// Lane 0 of a working CTA: claim the next run and enter its first piece; false
-// (and working no more) when every run is claimed.
-__device__ bool claim_run(Cursor& k, const Launch& l) {
-    const unsigned r = k.working ? atomicAdd(l.claims + CLAIM_NEXT, 1u) : l.n_runs;
-    if (r >= l.n_runs) {
-        k.working = 0;
-        return false;
-    }
-    const i64 t0 = (i64)r * l.n_tiles / l.n_runs;
-    k.t1 = ((i64)r + 1) * l.n_tiles / l.n_runs;
-    const TileAt at = locate(l.table, l.n_pieces, t0, l.tile);
-    enter(k, l, at.p, at.a);
-    return true;
-}
-
 // Lane 0: the next item into stage s (its descriptor, its copies, its arrival).
 __device__ void produce(Cursor& k, const Launch& l, Item* items, unsigned data, unsigned bars,
                         int s) {
     bool end = false;
-    while (k.e >= k.limit) {  // this piece's part is done: the next piece, run, or the end
-        const bool run_done = k.limit < k.numel || k.p + 1 >= l.n_pieces
-                              || l.table[4 * (k.p + 1) + 3] >= k.t1;
-        if (!run_done) {
-            enter(k, l, k.p + 1, 0);
-        } else if (!claim_run(k, l)) {
-            end = true;
-            break;
-        }
+    while (k.e >= k.limit) {  // this piece's part is done: the next piece, or the end
+        end = k.limit < k.numel || k.p + 1 >= l.n_pieces || l.table[4 * (k.p + 1) + 3] >= l.t1;
+        if (end) break;
+        enter(k, l, k.p + 1, 0);
     }
     Item it{k.out, k.srcs, k.e, end ? k.e : k.limit, end ? END : SCALAR};
     unsigned bytes = 0;
@@ -233,49 +185,26 @@ __device__ __forceinline__ void consume_item(const Item& it, const uint4* slot, 
     }
 }
 
-// Lane 0: count the CTA in its SM's slot; working if it is the launch's only CTA
-// there and within the cap.
-__device__ void arrive(Cursor& k, unsigned* claims, unsigned max_working) {
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    k.slot = claims + CLAIM_SLOTS + sm % SM_SLOTS;
-    k.working = atomicAdd(k.slot, 1u) == 0
-                && atomicAdd(claims + CLAIM_WORKING, 1u) < max_working;
-    k.e = k.limit = k.numel = 0;  // no run yet: the first produce claims one
-    k.p = 0;
-    k.t1 = 0;
-}
-
-// Lane 0, leaving: uncount the CTA; the last CTA of the launch zeroes the counters.
-__device__ void leave(unsigned* claims, unsigned* slot) {
-    atomicSub(slot, 1u);
-    __threadfence();  // this CTA's claims and its slot's count come before its leaving
-    if (atomicAdd(claims + CLAIM_LEFT, 1u) == gridDim.x - 1) {
-        atomicExch(claims + CLAIM_NEXT, 0u);
-        atomicExch(claims + CLAIM_WORKING, 0u);
-        atomicExch(claims + CLAIM_LEFT, 0u);
-    }
-}
-
 template <int IsBf16>
 __device__ void accumulate_narrow(const i64* table, int n_pieces, int n_src, i64 n_tiles,
-                                  i64 tile, float scale, int do_scale, unsigned* claims,
-                                  unsigned n_runs, unsigned max_working) {
+                                  i64 tile, float scale, int do_scale) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned dynamic_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_smem));
-    if (blockDim.x != THREADS || dynamic_smem < SMEM_BYTES || n_src > MAX_SOURCES || n_runs < 1
-        || max_working < 1) {
+    if (blockDim.x != THREADS || dynamic_smem < SMEM_BYTES || n_src > MAX_SOURCES) {
         __trap();  // host and kernel disagree
     }
     Item* items = reinterpret_cast<Item*>(smem + DATA_BYTES + 8 * STAGES);
     Cursor* cursor = reinterpret_cast<Cursor*>(items + STAGES);
     const unsigned data = smem_addr(smem), bars = data + DATA_BYTES;
-    const Launch l{table, n_pieces, n_src, n_tiles, tile, chunk_of(n_src), claims, n_runs};
+    const i64 t0 = (i64)blockIdx.x * n_tiles / gridDim.x;
+    const Launch l{table, n_pieces, n_src, ((i64)blockIdx.x + 1) * n_tiles / gridDim.x, tile,
+                   chunk_of(n_src)};
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) barrier_init(bars + 8 * s);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        arrive(*cursor, claims, max_working);
+        const TileAt at = locate(table, n_pieces, t0, tile);
+        enter(*cursor, l, at.p, at.a);
         for (int s = 0; s < STAGES; ++s) produce(*cursor, l, items, data, bars, s);
     }
     __syncwarp();
@@ -299,21 +228,16 @@ __device__ void accumulate_narrow(const i64* table, int n_pieces, int n_src, i64
             parity ^= 1;
         }
     }
-    if (threadIdx.x == 0) leave(claims, cursor->slot);
 }
 
 extern "C" __global__ void __maxnreg__(32)
 tide_accumulate_bf16_narrow(const i64* table, int n_pieces, int n_src, i64 n_tiles, i64 tile,
-                            float scale, int do_scale, unsigned* claims, unsigned n_runs,
-                            unsigned max_working) {
-    accumulate_narrow<1>(table, n_pieces, n_src, n_tiles, tile, scale, do_scale, claims, n_runs,
-                         max_working);
+                            float scale, int do_scale) {
+    accumulate_narrow<1>(table, n_pieces, n_src, n_tiles, tile, scale, do_scale);
 }
 
 extern "C" __global__ void __maxnreg__(32)
 tide_accumulate_fp16_narrow(const i64* table, int n_pieces, int n_src, i64 n_tiles, i64 tile,
-                            float scale, int do_scale, unsigned* claims, unsigned n_runs,
-                            unsigned max_working) {
-    accumulate_narrow<0>(table, n_pieces, n_src, n_tiles, tile, scale, do_scale, claims, n_runs,
-                         max_working);
+                            float scale, int do_scale) {
+    accumulate_narrow<0>(table, n_pieces, n_src, n_tiles, tile, scale, do_scale);
 }

@@ -157,6 +157,7 @@ _COUNTERS = "__device__ unsigned long long tide_probe[4];\n"
 _TIMED_END = ("""            parity ^= 1;
         }
     }
+}
 """, """            parity ^= 1;
         }
     }
@@ -166,6 +167,7 @@ _TIMED_END = ("""            parity ^= 1;
         atomicAdd(&tide_probe[2], c_make);
         atomicAdd(&tide_probe[3], n_items);
     }
+}
 """)
 _TIMED_START = "    unsigned long long c_wait = 0, c_use = 0, c_make = 0, n_items = 0;\n"
 _T_A = "        long long t_a = clock64();\n"

@@ -10,9 +10,7 @@ GEMM's CTA back. This runs alone-then-beside pairs (as in
 ``tidearray.bench.interference``) beside the library's narrow kernel and the probe's
 flat one, each with counters edited in: per SM, the most CTAs of the kernel resident
 at once over the pair. It prints each pair's GEMM slowdown beside the SMs that held
-two or more, and the SMs that held none; for the library's kernel (where a CTA that
-finds another of its launch on its SM leaves at once), also the fewest and most SMs a
-launch's CTAs reached, that is, its working CTAs before the cap.
+two or more, and the SMs that held none.
 """
 
 from __future__ import annotations
@@ -24,8 +22,6 @@ from functools import partial
 
 import cupy as cp
 import numpy as np
-
-from tidearray.backends.cuda import accumulate
 
 sys.path.insert(0, os.getcwd())
 from tests.gpu.narrow_probe import (  # noqa: E402
@@ -46,54 +42,18 @@ from tests.gpu.narrow_probe import (  # noqa: E402
     timed,
 )
 
-_GLOBALS = ("__device__ int tide_occ[1024];\n__device__ int tide_peak[1024];\n"
-            "__device__ unsigned tide_reached[2];\n")
+_GLOBALS = "__device__ int tide_occ[1024];\n__device__ int tide_peak[1024];\n"
 _ENTER = ("    unsigned tide_sm;\n    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(tide_sm));\n"
           "    if (threadIdx.x == 0) atomicMax(&tide_peak[tide_sm], "
           "atomicAdd(&tide_occ[tide_sm], 1) + 1);\n")
-_LOOP_END = "            parity ^= 1;\n        }\n    }\n"
-_LEAVE = _LOOP_END + "    if (threadIdx.x == 0) atomicSub(&tide_occ[tide_sm], 1);\n"
-_LAST = "    if (atomicAdd(claims + CLAIM_LEFT, 1u) == gridDim.x - 1) {\n"
-#: The library's kernel: also, per launch, the SMs its CTAs reached (the working CTAs'
-#: count before the cap), as its last CTA reads it.
+_END = ("            parity ^= 1;\n        }\n    }\n}\n",
+        "            parity ^= 1;\n        }\n    }\n"
+        "    if (threadIdx.x == 0) atomicSub(&tide_occ[tide_sm], 1);\n}\n")
 LIBRARY = (("    const unsigned data = smem_addr(smem), bars = data + DATA_BYTES;\n",
             "    const unsigned data = smem_addr(smem), bars = data + DATA_BYTES;\n" + _ENTER),
-           (_LOOP_END, _LEAVE),
-           (_LAST, _LAST + "        const unsigned w = atomicAdd(claims + CLAIM_WORKING, 0u);\n"
-            "        atomicMin(&tide_reached[0], w);\n        atomicMax(&tide_reached[1], w);\n"))
+           _END)
 FLAT = (("    const int lane = threadIdx.x;\n", "    const int lane = threadIdx.x;\n" + _ENTER),
-        (_LOOP_END, _LEAVE))
-
-
-#: Edits that keep every CTA working (none leaves), and that also give CTA b the
-#: static run b of the grid's (tiles [b * T / G, (b + 1) * T / G)), as the kernel
-#: was before it claimed runs.
-_ALL_WORK = (("""    k.working = atomicAdd(k.slot, 1u) == 0
-                && atomicAdd(claims + CLAIM_WORKING, 1u) < max_working;""",
-              """    atomicAdd(k.slot, 1u);
-    atomicAdd(claims + CLAIM_WORKING, 1u);
-    k.working = 1;"""),)
-_STATIC = _ALL_WORK + (
-    ("""    const unsigned r = k.working ? atomicAdd(l.claims + CLAIM_NEXT, 1u) : l.n_runs;
-    if (r >= l.n_runs) {""",
-     """    const unsigned r = k.working ? blockIdx.x : gridDim.x, n_runs = gridDim.x;
-    k.working = 0;
-    if (r >= n_runs) {"""),
-    ("""    const i64 t0 = (i64)r * l.n_tiles / l.n_runs;
-    k.t1 = ((i64)r + 1) * l.n_tiles / l.n_runs;""",
-     """    const i64 t0 = (i64)r * l.n_tiles / n_runs;
-    k.t1 = ((i64)r + 1) * l.n_tiles / n_runs;"""))
-#: The library kernel's variants: (name, edits, CTAs launched per working one).
-VARIANTS = (("static runs, all work", _STATIC, 1), ("claimed runs, all work", _ALL_WORK, 1),
-            ("as shipped", (), 1), ("as shipped", (), 2))
-
-
-def overlaunched(over: int, acc, pieces, scale: float) -> None:
-    saved, accumulate.NARROW_OVERLAUNCH = accumulate.NARROW_OVERLAUNCH, over
-    try:
-        acc.launch(dev.stream, pieces, bfloat16, scale)
-    finally:
-        accumulate.NARROW_OVERLAUNCH = saved
+        _END)
 
 
 def main() -> None:
@@ -115,13 +75,11 @@ def main() -> None:
         out = cp.empty(N, cp.float32)
         dev.sync()
         pieces = (AccumPiece(out.data.ptr, tuple(s.data.ptr for s in srcs), N),)
-        cases = []
-        for name, edits, over in VARIANTS:
-            acc = Accumulator(dev.dev.id, sms, kernel="narrow")
-            _, lib_mod = library_kernel(acc, _GLOBALS + edited(
-                kernels.source("accumulate_narrow.cu"), LIBRARY + edits))
-            cases.append((f"library, {name} x{over}", lib_mod,
-                          partial(overlaunched, over, acc, pieces, float(scale))))
+        acc = Accumulator(dev.dev.id, sms, kernel="narrow")
+        _, lib_mod = library_kernel(acc, _GLOBALS + edited(
+            kernels.source("accumulate_narrow.cu"), LIBRARY))
+        cases = [("narrow (library)", lib_mod,
+                  partial(acc.launch, dev.stream, pieces, bfloat16, float(scale)))]
         fn, smem, flat_mod = narrow_kernel(n_src, 2048, 2, 2, "__maxnreg__(32)", 1, 0,
                                            _GLOBALS + edited(SOURCE, FLAT))
         args = (srcs[0], srcs[-1], out, np.int64(N // 2048), scale)
@@ -132,7 +90,6 @@ def main() -> None:
         cases.append(("narrow c2048x2 runs (flat)", flat_mod, flat))
         for name, mod, launch in cases:
             peak = cp.ndarray((1024,), cp.int32, mod.get_global("tide_peak"))
-            reached = cp.ndarray((2,), cp.uint32, mod.get_global("tide_reached"))
             out.fill(np.nan)
             t = timed(launch)
             ok = bool(cp.array_equal(out, want))
@@ -140,7 +97,6 @@ def main() -> None:
             record.setdefault("bitwise", []).append([n_src, name, ok])
             for k in range(pairs):
                 peak.fill(0)
-                reached[:] = cp.array([2**32 - 1, 0], cp.uint32)
                 dev.sync()
                 p = interference._pair(ctx, launch, t, gemm, first_alone)
                 counts = peak.get()[:sms]
@@ -148,9 +104,6 @@ def main() -> None:
                 row = {"sources": n_src, "kernel": name, "pair": k, "time_s": t,
                        "gemm_slowdown": slow, "sms_doubled": int((counts >= 2).sum()),
                        "sms_empty": int((counts == 0).sum()), "peak": int(counts.max())}
-                lo, hi = (int(x) for x in reached.get())
-                if hi:  # the library's kernel: the fewest and most SMs a launch reached
-                    row["sms_reached"] = [lo, hi]
                 if p:
                     row["beside_s"] = p["collective_beside_s"]
                 record["rows"].append(row)
@@ -158,8 +111,7 @@ def main() -> None:
                       + (f"{p['collective_beside_s'] * 1e6:4.0f} us; GEMM {slow * 100:+6.1f}%"
                          if p else "n/a")
                       + f"; SMs with >= 2 CTAs at once {row['sms_doubled']:3d}, with none "
-                      f"{row['sms_empty']:3d}, most on one {row['peak']}"
-                      + (f"; SMs reached per launch {lo}-{hi}" if hi else ""), flush=True)
+                      f"{row['sms_empty']:3d}, most on one {row['peak']}", flush=True)
         del srcs, out, want
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as f:

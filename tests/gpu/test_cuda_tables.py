@@ -90,8 +90,6 @@ def test_narrow_kernel_constants_match_the_host():
     assert k["STAGES"] * k["STAGE_BYTES"] + 512 == accumulate.NARROW_SMEM
     assert accumulate.NARROW_SMEM + 1024 <= 19_228
     assert k["MAX_SOURCES"] == accumulate.NARROW_MAX_SOURCES
-    assert k["CLAIM_SLOTS"] + k["SM_SLOTS"] == accumulate.NARROW_CLAIM_WORDS
-    assert k["CLAIM_SLOTS"] > max(k["CLAIM_NEXT"], k["CLAIM_LEFT"], k["CLAIM_WORKING"])
     assert k["STAGE_BYTES"] // 2 // k["MAX_SOURCES"] // 256 >= 1  # a chunk per source
 
 
@@ -107,16 +105,15 @@ def test_narrow_grid_and_the_vector_kernels_grid():
 
 
 def narrow_items(table: np.ndarray, n_pieces: int, n_src: int, n_tiles: int, tile: int,
-                 n_runs: int) -> list:
+                 grid: int) -> list:
     """(piece, lo, hi, kind) of every item the narrow kernel's CTAs produce, walked as
-    ``produce`` in ``kernels/accumulate_narrow.cu`` walks it: run by run, whichever CTA
-    claims each (``claim_run``)."""
+    ``produce`` in ``kernels/accumulate_narrow.cu`` walks it."""
     k = _narrow_constants()
     chunk = k["STAGE_BYTES"] // 2 // n_src // 256 * 256
     heads = table[: 4 * n_pieces].reshape(n_pieces, 4)
     items = []
-    for r in range(n_runs):
-        t0, t1 = r * n_tiles // n_runs, (r + 1) * n_tiles // n_runs
+    for b in range(grid):
+        t0, t1 = b * n_tiles // grid, (b + 1) * n_tiles // grid
 
         def enter(p: int, e: int, t1: int = t1) -> dict:
             numel, vec, first = heads[p, 1], heads[p, 2], heads[p, 3]
@@ -149,18 +146,17 @@ def narrow_items(table: np.ndarray, n_pieces: int, n_src: int, n_tiles: int, til
 @given(st.lists(piece, min_size=1, max_size=12), st.integers(1, 2), st.sampled_from([8, 64]),
        st.integers(1, 40))
 def test_narrow_walk_covers_each_element_once(specs, n_src, tile, grid):
-    """Every element of every piece in exactly one item of the runs the host asks for
-    (``NARROW_RUNS_PER_CTA`` per working CTA, at most one per tile); bulk items are
-    whole 16-byte words of aligned pieces, at most a chunk; scalar ones are unaligned
-    pieces or ragged tails of fewer than 8 elements."""
+    """Every element of every piece in exactly one item; bulk items are whole 16-byte
+    words of aligned pieces, at most a chunk; scalar ones are unaligned pieces or
+    ragged tails of fewer than 8 elements."""
     pieces = [AccumPiece(4096 * (k + 1) + 4 * o, tuple((1 << 20) * (s + 1) + 2 * o2
                                                        for s in range(n_src)), n)
               for k, (n, o, o2) in enumerate(specs)]
     table, n_tiles = build_table(pieces, tile)
     chunk = _narrow_constants()["STAGE_BYTES"] // 2 // n_src // 256 * 256
     seen = [np.zeros(p.numel, np.int64) for p in pieces]
-    n_runs = min(n_tiles, accumulate.NARROW_RUNS_PER_CTA * min(grid, n_tiles))
-    for p, lo, hi, kind in narrow_items(table, len(pieces), n_src, n_tiles, tile, n_runs):
+    for p, lo, hi, kind in narrow_items(table, len(pieces), n_src, n_tiles, tile,
+                                        min(grid, n_tiles)):
         assert 0 <= lo < hi <= pieces[p].numel
         seen[p][lo:hi] += 1
         vec = table[4 * p + 2]
@@ -207,68 +203,3 @@ def test_process_device_prefers_the_launcher_and_sticks(monkeypatch):
     monkeypatch.setattr(cuda, "_process_device", None)
     monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_RANK")
     assert cuda.process_device(5, 4) == 1  # no launcher variable: the host split decides
-
-
-def _claim_protocol(sms: list, cap: int, n_runs: int, order: list) -> dict:
-    """The narrow kernel's claim counters under one interleaving: ``sms[c]`` is CTA c's
-    SM, ``order`` a shuffle of its steps (CTA c's steps run in program order each
-    time c comes up), as ``arrive``, ``claim_run`` and ``leave`` in
-    ``kernels/accumulate_narrow.cu`` do them: one atomic per step."""
-    k = _narrow_constants()
-    words = {"next": 0, "left": 0, "working": 0}
-    slot = {}
-    state = [{"pc": "arrive", "working": False, "runs": []} for _ in sms]
-    most_working = {}
-    for c in order:
-        st_ = state[c]
-        sm = sms[c] % k["SM_SLOTS"]
-        if st_["pc"] == "arrive":
-            first = slot.get(sm, 0) == 0
-            slot[sm] = slot.get(sm, 0) + 1
-            if first:
-                st_["working"] = words["working"] < cap
-                words["working"] += 1
-            st_["pc"] = "claim"
-            if st_["working"]:
-                most_working[sm] = most_working.get(sm, 0) + 1
-                assert most_working[sm] == 1, "two working CTAs on one SM"
-        elif st_["pc"] == "claim":
-            r = words["next"] if st_["working"] else n_runs
-            if st_["working"]:
-                words["next"] += 1
-            if r < n_runs:
-                st_["runs"].append(r)
-            else:
-                if st_["working"]:
-                    most_working[sm] -= 1
-                st_["pc"] = "leave"
-        elif st_["pc"] == "leave":
-            slot[sm] -= 1
-            words["left"] += 1
-            if words["left"] == len(sms):
-                words = {"next": 0, "left": 0, "working": 0}
-            st_["pc"] = "gone"
-    return {"words": words, "slots": slot, "state": state}
-
-
-@given(st.lists(st.integers(0, 9), min_size=1, max_size=24), st.integers(1, 6),
-       st.integers(1, 30), st.randoms(use_true_random=False))
-def test_narrow_claims_do_every_run_once_and_zero_the_counters(sms, cap, n_runs, rnd):
-    """Wherever the CTAs land and however their steps interleave: every run is claimed
-    by exactly one CTA, no more than ``cap`` CTAs and at most one per SM work, and
-    once the last CTA has left the counters are zero for the next launch."""
-    steps = []
-    while True:  # draw CTAs' steps until every CTA has gone
-        order = [c for c in range(len(sms)) for _ in range(3)]
-        rnd.shuffle(order)
-        steps += order
-        out = _claim_protocol(sms, cap, n_runs, steps)
-        if all(s["pc"] == "gone" for s in out["state"]):
-            break
-    runs = sorted(r for s in out["state"] for r in s["runs"])
-    assert runs == list(range(n_runs))
-    working = [s for s in out["state"] if s["working"]]
-    assert 1 <= len(working) <= cap
-    assert not any(s["runs"] for s in out["state"] if not s["working"])
-    assert out["words"] == {"next": 0, "left": 0, "working": 0}
-    assert not any(out["slots"].values())

@@ -52,15 +52,6 @@ NARROW_SMEM = 2 * 8192 + 512
 #: and on one H200 the narrow kernel streamed at 0.58 and 0.29 elements per ns per SM,
 #: against the vector kernel's 1.9 and 1.1 (``tests/gpu/narrow_probe.py``).
 NARROW_MAX_SOURCES = 2
-#: The narrow kernel's claim counters, unsigned words (``CLAIM_SLOTS + SM_SLOTS`` there):
-#: the next run, the CTAs that have left, the working CTAs, a spare, a slot per SM.
-NARROW_CLAIM_WORDS = 4 + 1024
-#: Runs of tiles per working narrow CTA: claimed one by one, so CTAs that start late
-#: or run slow beside a GEMM take fewer.
-NARROW_RUNS_PER_CTA = 2
-#: Narrow CTAs launched per working one: a CTA that lands on an SM already holding
-#: one leaves at once, and its place goes to an SM still without one.
-NARROW_OVERLAUNCH = 2
 #: Per streaming kernel: its file, block and dynamic shared memory.
 STREAMED = {"bulk": ("accumulate_bulk.cu", BULK_BLOCK, BULK_SMEM),
             "narrow": ("accumulate_narrow.cu", NARROW_BLOCK, NARROW_SMEM)}
@@ -130,24 +121,6 @@ class _Slot:
             self.nbytes = size
 
 
-class _Claims:
-    """The narrow kernel's claim counters for one launch, and the event after it. The
-    kernel's last CTA zeroes them, so they are ready for the next launch once it ran."""
-
-    def __init__(self) -> None:
-        import cupy
-
-        self.dev = cupy.zeros(NARROW_CLAIM_WORDS, np.uint32)
-        self.event = cupy.cuda.Event(block=False, disable_timing=True)
-        self.pending = False
-
-    def take(self) -> Any:
-        if self.pending and not self.event.done:
-            self.event.synchronize()  # its previous kernel has zeroed them
-        self.pending = True
-        return self.dev
-
-
 def _release_table(entry: tuple) -> None:
     """Before a device table is dropped: wait until its last kernel has read it."""
     event = entry[3]
@@ -162,9 +135,7 @@ class Accumulator:
         device: the CUDA device id.
         sm_count: multiprocessors.
         ctas: grid cap (``Config.accum_ctas``); None means half the SMs (one CTA per
-            SM for ``"narrow"``, where it caps the working CTAs: the launch has
-            :data:`NARROW_OVERLAUNCH` times as many, and those that land on an SM
-            already holding one leave at once). The accumulate of chunk k runs while chunk k+1 is
+            SM for ``"narrow"``). The accumulate of chunk k runs while chunk k+1 is
             still on the copy engines, so it needs to keep pace with them, not to
             fill the GPU: a small grid leaves the other SMs to concurrent compute.
         kernel: ``"vector"`` (``kernels/accumulate.cu``), ``"bulk"``
@@ -183,8 +154,6 @@ class Accumulator:
         self.kernel = kernel
         self._ring = [_Slot() for _ in range(RING)]
         self._next = 0
-        self._claims: list = []  # a ring of _Claims, made on the first narrow launch
-        self._next_claims = 0
         self._kernels: dict = {}
         # A cached program's pieces (a tuple) -> (device table, tiles, tile, event)
         self._tables = IdentityCache(TABLES, evict=_release_table)
@@ -213,31 +182,18 @@ class Accumulator:
         except (KeyError, TypeError):
             kernel, block, smem = self._kernel(src_dtype, out_dtype)
         if block == NARROW_BLOCK and len(pieces[0].srcs) > NARROW_MAX_SOURCES:
-            kernel, block, smem = self._kernel(src_dtype, out_dtype, "vector")
+            try:
+                kernel, block, smem = self._kernels[src_dtype, out_dtype, "vector"]
+            except (KeyError, TypeError):
+                kernel, block, smem = self._kernel(src_dtype, out_dtype, "vector")
         dev, n_tiles, tile, event = self._tables.get(pieces, lambda p: self._upload(stream, p))
-        narrow = block == NARROW_BLOCK
-        grid = min(n_tiles, self.max_grid if narrow else self.vector_grid)
-        args = (dev, np.int32(len(pieces)), np.int32(len(pieces[0].srcs)), np.int64(n_tiles),
-                np.int64(tile), np.float32(scale), np.int32(np.float32(scale) != 1))
-        if narrow:
-            claims = self._take_claims()
-            args += (claims.take(), np.uint32(min(n_tiles, NARROW_RUNS_PER_CTA * grid)),
-                     np.uint32(grid))
-            grid *= NARROW_OVERLAUNCH
+        grid = min(n_tiles, self.max_grid if block == NARROW_BLOCK else self.vector_grid)
         with stream:
-            kernel((grid,), (block,), args, shared_mem=smem)
+            kernel((grid,), (block,), (dev, np.int32(len(pieces)),
+                                       np.int32(len(pieces[0].srcs)), np.int64(n_tiles),
+                                       np.int64(tile), np.float32(scale),
+                                       np.int32(np.float32(scale) != 1)), shared_mem=smem)
         event.record(stream)
-        if narrow:
-            claims.event.record(stream)
-
-    def _take_claims(self) -> _Claims:
-        """The next claim counters of the ring (as the table slots, see
-        [Note: table lifetime]: a wait is only on the kernel ``RING`` launches ago)."""
-        if not self._claims:
-            self._claims = [_Claims() for _ in range(RING)]
-        claims = self._claims[self._next_claims]
-        self._next_claims = (self._next_claims + 1) % RING
-        return claims
 
     def _upload(self, stream: Any, pieces: Sequence[AccumPiece]) -> tuple:
         """Build and upload a table. A tuple of pieces is a cached program's (the
@@ -265,7 +221,8 @@ class Accumulator:
                 which: Optional[str] = None) -> tuple[Any, int, int]:
         """The RawKernel for (source, output) dtypes, its block and its dynamic shared
         memory in bytes; kept under the dtypes as given too (when hashable). ``which``
-        names a kernel other than the configured one (kept under its name)."""
+        names a kernel other than the configured one (kept under its name, after the
+        dtypes)."""
         src, out = normalize(src_dtype).name, normalize(out_dtype).name
         which = which or self.kernel
         key = (src, out) if which == self.kernel else (src, out, which)
@@ -284,9 +241,8 @@ class Accumulator:
                 fn = _kernels.function("accumulate.cu", KERNELS[src, out], self.device)
                 self._kernels[key] = (fn, BLOCK, 0)
         found = self._kernels[key]
-        if which == self.kernel:
-            try:
-                self._kernels[src_dtype, out_dtype] = found
-            except TypeError:  # an unhashable spelling: normalized every time
-                pass
+        try:
+            self._kernels[(src_dtype, out_dtype) + key[2:]] = found
+        except TypeError:  # an unhashable spelling: normalized every time
+            pass
         return found
