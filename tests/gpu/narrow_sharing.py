@@ -10,7 +10,13 @@ GEMM's CTA back. This runs alone-then-beside pairs (as in
 ``tidearray.bench.interference``) beside the library's narrow kernel and the probe's
 flat one, each with counters edited in: per SM, the most CTAs of the kernel resident
 at once over the pair. It prints each pair's GEMM slowdown beside the SMs that held
-two or more, and the SMs that held none.
+two or more, and the SMs that held none, and each kernel's time alone and beside the
+GEMM (the counters slow the library's kernel).
+
+On one H200 the answer was no: pairs with dozens of SMs doubled ran the GEMM within 3%
+of alone, and a kernel that let only one CTA per SM work (at ``da6723a``, where this
+script also ran those variants) slowed the GEMM in nearly every pair
+(docs/benchmarks/run16-one-h200).
 """
 
 from __future__ import annotations

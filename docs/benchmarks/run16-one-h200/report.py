@@ -6,8 +6,9 @@ Every record comes from one H200 (nvidia-h200): ``narrow-probe-*.json`` from
 ``python tests/gpu/narrow_probe.py`` (one process), ``footprints-*.json`` from
 ``tests/gpu/footprints.py``, ``interference-*.jsonl`` and ``rs-*.jsonl`` from
 ``TIDE_ACCUM_KERNEL=... mpirun -n 1 python -m tidearray.bench interference|rs`` (their
-``run`` record gives the commit, argv and ``TIDE_*`` settings). The file name ends in
-the commit of the code that ran.
+``run`` record gives the commit, argv and ``TIDE_*`` settings), ``narrow-sharing-*.json``
+from ``python tests/gpu/narrow_sharing.py PAIRS RECORD.json`` (one process). The file
+name ends in the commit of the code that ran.
 """
 import json
 import os
@@ -156,12 +157,96 @@ def outliers():
             f"which the GEMM slowed by 35-91% ({bad} of {total['library']} pairs), about as "
             "much as beside a kernel that does not fit; beside the flat kernel, none of "
             f"{total['flat']} pairs. CUPTI's groups at `9fe819f` (the last table) had the "
-            "GEMMs beside the accumulate within 2% of alone. Not yet explained; a suspect is "
-            "the shared-memory split an SM was set to when a narrow CTA landed on it (a "
-            "GEMM's CTA needs the largest, and an SM changes its split only while idle). The "
-            "2xH200 run of `TIDE_GPU_STEPS=narrow` records three pairs per launch in two "
-            "launches per kernel.\n\n"
+            "GEMMs beside the accumulate within 2% of alone. Not explained: two narrow CTAs "
+            "on one SM, where a GEMM's CTA no longer fits, do not tell the slow pairs from "
+            "the others (next section). The 2xH200 run of `TIDE_GPU_STEPS=narrow` records "
+            "three pairs per launch in two launches per kernel.\n\n"
             + table(["commit", "sources", "kernel", "pairs"], rows))
+
+
+#: The library kernel in each narrow_sharing record: what it was.
+_LEAVES = "claimed runs; a CTA beside another leaves; {} per working"
+SHARING = {
+    ("8cec908", "narrow (library)"): "static runs (the kernel as shipped)",
+    ("7810b95", "narrow (library)"): _LEAVES.format(2),
+    ("6edb3e0", "narrow (library) x1"): _LEAVES.format(1),
+    ("6edb3e0", "narrow (library) x2"): _LEAVES.format(2),
+    ("da6723a", "library, static runs, all work x1"): "static runs, in the claiming code",
+    ("da6723a", "library, claimed runs, all work x1"): "claimed runs; none leaves",
+    ("da6723a", "library, as shipped x1"): _LEAVES.format(1),
+    ("da6723a", "library, as shipped x2"): _LEAVES.format(2),
+}
+
+
+def sharing():
+    """Per narrow_sharing record and kernel: the GEMM's slowdowns beside it, the SMs that
+    held two of its CTAs at once, the kernel's time alone and beside the GEMM."""
+    rows, pairs = [], []  # pairs: (commit, what, sources, row)
+    for c in ("8cec908", "7810b95", "6edb3e0", "da6723a"):
+        rec = json.load(open(os.path.join(HERE, f"narrow-sharing-{c}.json")))
+        groups = {}
+        for r in rec["rows"]:
+            groups.setdefault((r["sources"], r["kernel"]), []).append(r)
+        for (n_src, kernel), rs in groups.items():
+            what = SHARING.get((c, kernel), "flat (probe)" if "flat" in kernel else None)
+            assert what, (c, kernel)
+            pairs += [(c, what, n_src, r) for r in rs]
+            slows = sorted(r["gemm_slowdown"] for r in rs)
+            doubled = sorted(r["sms_doubled"] for r in rs)
+            beside = sorted(r["beside_s"] for r in rs if "beside_s" in r)
+            rows.append([f"`{c}`", n_src, what, len(rs),
+                         f"{slows[len(slows) // 2] * 100:+.1f}%",
+                         f"{slows[0] * 100:+.1f}% .. {slows[-1] * 100:+.1f}%",
+                         sum(v > 0.2 for v in slows), f"{doubled[0]}-{doubled[-1]}",
+                         f"{rs[0]['time_s'] * 1e6:,.0f}",
+                         f"{beside[len(beside) // 2] * 1e6:,.0f}" if beside else "-"])
+    def pick(commit=None, start=""):
+        return [(n, r) for c, w, n, r in pairs
+                if (commit is None or c == commit) and w.startswith(start)]
+
+    def span(xs, fmt="{:.1f}"):
+        return f"{fmt.format(min(xs))}-{fmt.format(max(xs))}"
+
+    shipped = pick("8cec908", "static")
+    slow = [r for _, r in shipped if r["gemm_slowdown"] > 0.2]
+    fast = [r for _, r in shipped if r["gemm_slowdown"] <= 0.2]
+    static = pick("da6723a", "static")
+    claimed = pick(None, "claimed")
+    c_slow = [r["gemm_slowdown"] * 100 for _, r in claimed if r["gemm_slowdown"] > 0.2]
+    s_beside = [r["beside_s"] * 1e3 for n, r in static if n == 2]
+    s_alone = [r["time_s"] * 1e6 for n, r in static if n == 2][0]
+    c_beside = [r["beside_s"] * 1e3 for n, r in claimed if n == 2 and "beside_s" in r]
+    every = "Every" if min(r["sms_doubled"] for *_, r in pairs) else "Most"
+    return ("## Two narrow CTAs on one SM?\n\n"
+            "One narrow CTA fits beside a GEMM's CTA; two do not. "
+            "`tests/gpu/narrow_sharing.py` counts, per SM, the most CTAs of the kernel "
+            "resident at once during each alone-then-beside pair (counters edited into the "
+            f"kernel's text, so it runs slower than as shipped). {every} pair had SMs that "
+            f"held two or more (up to {max(r['peak'] for *_, r in pairs)} on one SM), beside "
+            "the flat kernel as well: the block scheduler does put several on one SM. But "
+            "that does not tell the slow pairs. At "
+            f"`8cec908` the {len(slow)} pairs in which the GEMM slowed by "
+            f"{span([r['gemm_slowdown'] * 100 for r in slow], '{:.0f}')}% had "
+            f"{span([r['sms_doubled'] for r in slow], '{}')} SMs doubled, while the other "
+            f"{len(fast)} had up to {max(r['sms_doubled'] for r in fast)} doubled at "
+            f"+{span([r['gemm_slowdown'] * 100 for r in fast])}%; at `da6723a` the "
+            f"static-runs kernel had {span([r['sms_doubled'] for _, r in static], '{}')} "
+            f"doubled over {len(static)} pairs, and the GEMM was within "
+            f"+{max(r['gemm_slowdown'] for _, r in static) * 100:.1f}% in every one.\n\n"
+            "A fix for doubling was tried and dropped (`7810b95` to `da6723a`): CTAs claim "
+            "runs of tiles from a counter, and a CTA that finds another of its launch on its "
+            f"SM leaves at once. Beside it the GEMM slowed by {span(c_slow, '{:.0f}')}% in "
+            f"{len(c_slow)} of {len(claimed)} pairs, with or without leaving, at one or two "
+            "CTAs launched per working one; the same code giving each CTA a static run did "
+            "not (the `da6723a` rows). Where the GEMM ran slow, the accumulate beside it "
+            "ran faster: at two sources the static-runs kernel took "
+            f"{span(s_beside)} ms beside the GEMM ({s_alone:,.0f} us alone), the claiming "
+            f"ones {span(c_beside)} ms. "
+            "The shipped kernel keeps its static runs (`afefec9`). What sends a pair into "
+            "one state or the other is not explained.\n\n"
+            + table(["commit", "sources", "kernel", "pairs", "GEMM beside (median)",
+                     "range", "pairs > +20%", "SMs doubled", "alone (us)",
+                     "beside GEMM (us, median)"], rows))
 
 
 def sources():
@@ -274,8 +359,8 @@ def main():
           "The flat probe below shows one warp per SM streaming two sources at 2.6 elements "
           "per ns per SM: the cost was in how that kernel walked the piece table, not in the "
           "one warp.\n")
-    for part in (footprints, by_commit, variants, cycles, outliers, sources, one_rank,
-                 bench_impl):
+    for part in (footprints, by_commit, variants, cycles, outliers, sharing, sources,
+                 one_rank, bench_impl):
         print(part() + "\n")
     print("## Notes\n")
     print("- `narrow-probe-ecc78fc.json` has the vector kernel at eight sources "
@@ -290,7 +375,11 @@ def main():
           "`tests/gpu/test_cuda_engine.py` and `test_cuda_tables.py` (accumulate, narrow "
           "and streamed cases) 109 passed at one rank; `TIDE_ACCUM_KERNEL=narrow` "
           "`tests/mpi/test_reduce_scatter.py` and `tests/gpu/test_cuda_units.py` 25 passed "
-          "at two ranks sharing the GPU.")
+          "at two ranks sharing the GPU.\n"
+          "- GPU tests of the narrow kernel at `afefec9` (the same kernel, its vector "
+          "fallback cached, a relaunch test added), one H200: the same files and cases "
+          "112 passed at one rank; `TIDE_ACCUM_KERNEL=narrow` reduce-scatter and units 25 "
+          "passed at two ranks sharing the GPU.")
 
 
 if __name__ == "__main__":
