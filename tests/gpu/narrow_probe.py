@@ -251,6 +251,19 @@ def library_kernel(acc: Accumulator, text: str):
     return fn, mod
 
 
+def sources(n_src: int, scale) -> tuple:
+    """``n_src`` fresh bf16 sources of ``N`` elements and ``scale * sum`` in fp32, made
+    before returning (the kernels run on a stream that does not wait for the default one)."""
+    srcs = [cp.random.standard_normal(N, dtype=cp.float32).astype(bfloat16)
+            for _ in range(n_src)]
+    want = srcs[0].astype(cp.float32)
+    for s in srcs[1:]:
+        want = want + s.astype(cp.float32)
+    want = want * scale
+    dev.sync()
+    return srcs, want
+
+
 def main() -> None:
     sms = dev.num_sms
     gemm = dev.gemm(*GEMM)
@@ -262,13 +275,7 @@ def main() -> None:
           f"{'x'.join(map(str, GEMM))} alone {first_alone * 1e6:.1f} us", flush=True)
     scale = np.float32(0.5)
     for n_src in (2, 1, 4, 8):  # the flat kernel takes one or two
-        srcs = [cp.random.standard_normal(N, dtype=cp.float32).astype(bfloat16)
-                for _ in range(n_src)]
-        want = srcs[0].astype(cp.float32)
-        for s in srcs[1:]:
-            want = want + s.astype(cp.float32)
-        want = want * scale
-        dev.sync()  # the kernels run on a stream that does not wait for the default one
+        srcs, want = sources(n_src, scale)
         out = cp.empty(N, cp.float32)
         cases = []
         pieces = (AccumPiece(out.data.ptr, tuple(s.data.ptr for s in srcs), N),)

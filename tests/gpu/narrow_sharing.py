@@ -45,6 +45,7 @@ from tests.gpu.narrow_probe import (  # noqa: E402
     kernels,
     library_kernel,
     narrow_kernel,
+    sources,
     timed,
 )
 
@@ -72,14 +73,8 @@ def main() -> None:
     print(f"{record['device']}: {sms} SMs; GEMM alone {first_alone * 1e6:.1f} us", flush=True)
     scale = np.float32(0.5)
     for n_src in (2, 1):
-        srcs = [cp.random.standard_normal(N, dtype=cp.float32).astype(bfloat16)
-                for _ in range(n_src)]
-        want = srcs[0].astype(cp.float32)
-        for x in srcs[1:]:
-            want = want + x.astype(cp.float32)
-        want = want * scale
+        srcs, want = sources(n_src, scale)
         out = cp.empty(N, cp.float32)
-        dev.sync()
         pieces = (AccumPiece(out.data.ptr, tuple(s.data.ptr for s in srcs), N),)
         acc = Accumulator(dev.dev.id, sms, kernel="narrow")
         _, lib_mod = library_kernel(acc, _GLOBALS + edited(
