@@ -96,6 +96,8 @@ def main() -> None:
             ok = bool(cp.array_equal(out, want))
             print(f"  {n_src} src {name:<28} bitwise {ok}", flush=True)
             record.setdefault("bitwise", []).append([n_src, name, ok])
+            if not ok:
+                record["failed"] = True
             for k in range(pairs):
                 peak.fill(0)
                 dev.sync()
@@ -117,6 +119,7 @@ def main() -> None:
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as f:
             json.dump(record, f, indent=1)
+    sys.exit(1 if record.get("failed") else 0)
 
 
 if __name__ == "__main__":
