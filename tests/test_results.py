@@ -42,13 +42,19 @@ def test_a_missed_gemm_target_names_the_narrow_accumulate_where_measured():
     from tidearray.bench import targets
     from tidearray.bench.tables import Results
 
-    def rec(impl: str, value: float) -> dict:
+    def rec(impl: str, value: float, **extra) -> dict:
         return {"suite": "interference", "impl": impl, "workload": "llama3.1-8b",
                 "metric": f"rs:{targets.GEMM}", "value": value, "unit": "fraction",
-                "status": "ok", "extra": {"collective_alone_s": 7e-4}}
+                "status": "ok", "extra": {"collective_alone_s": 7e-4, **extra}}
 
     both = targets.gemm_rows(Results([rec("tide", 0.2), rec("tide-narrow", 0.03)]))[0]
     assert both.measured == 0.2 and not both.met
-    assert "tide-narrow, opt-in): +3.0%" in both.why
+    assert "tide-narrow, opt-in): +3.0%, TIDE-RS" in both.why
     alone = targets.gemm_rows(Results([rec("tide", 0.2)]))[0]
-    assert "narrow" not in alone.why
+    assert "narrow" not in alone.why and "pairs" not in alone.why
+    # each pair's slowdown, where recorded: a slow pair shows beside the median
+    paired = targets.gemm_rows(Results([
+        rec("tide", 0.2, slowdowns=[0.18, 0.2, 0.25]),
+        rec("tide-narrow", 0.03, slowdowns=[0.02, 0.03, 0.85])]))[0]
+    assert "overlapped; pairs +18.0%, +20.0%, +25.0%" in paired.why
+    assert "opt-in): +3.0%; pairs +2.0%, +3.0%, +85.0%, TIDE-RS" in paired.why

@@ -231,6 +231,7 @@ def gemm_rows(res: Results, unit: str = "llama3.1-8b") -> list[Row]:
         beside = ex.get("collective_beside_s")
         why = (f"GEMM {us(ex.get('alone_s'))} us alone, {us(ex.get('under_s'))} us under "
                f"tide {op.upper()} ({ex.get('gemms_overlapped')} GEMMs overlapped"
+               + _pairs(ex)
                + (f"; tide {op.upper()} per call {us(ex.get('collective_alone_s'))} us timed "
                   f"alone, {us(beside)} us in the loop beside the GEMMs"
                   if beside is not None else "")
@@ -250,8 +251,15 @@ def _narrow(res: Results, op: str, unit: str) -> str:
     if r is None or r.get("value") is None:
         return ""
     ex = r.get("extra") or {}
-    return (f"; with accum_kernel='narrow' (tide-narrow, opt-in): {r['value'] * 100:+.1f}%, "
-            f"TIDE-RS per call {us(ex.get('collective_alone_s'))} us timed alone")
+    return (f"; with accum_kernel='narrow' (tide-narrow, opt-in): {r['value'] * 100:+.1f}%"
+            f"{_pairs(ex)}, TIDE-RS per call {us(ex.get('collective_alone_s'))} us timed alone")
+
+
+def _pairs(ex: dict) -> str:
+    """Each alone-then-beside pair's slowdown, where the record has them: the median
+    hides a pair whose GEMM waited for SMs (one H200: +35% to +160% beside +2%)."""
+    slows = ex.get("slowdowns")
+    return "; pairs " + ", ".join(f"{v * 100:+.1f}%" for v in slows) if slows else ""
 
 
 def memory_rows(res: Results) -> list[Row]:
