@@ -21,7 +21,6 @@ script also ran those variants) slowed the GEMM in nearly every pair
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from functools import partial
@@ -40,6 +39,7 @@ from tests.gpu.narrow_probe import (  # noqa: E402
     ctx,
     dev,
     edited,
+    finish,
     git_commit,
     interference,
     kernels,
@@ -116,10 +116,7 @@ def main() -> None:
                       + f"; SMs with >= 2 CTAs at once {row['sms_doubled']:3d}, with none "
                       f"{row['sms_empty']:3d}, most on one {row['peak']}", flush=True)
         del srcs, out, want
-    if len(sys.argv) > 2:
-        with open(sys.argv[2], "w") as f:
-            json.dump(record, f, indent=1)
-    sys.exit(1 if record.get("failed") else 0)
+    finish(record, sys.argv[2] if len(sys.argv) > 2 else None)
 
 
 if __name__ == "__main__":
