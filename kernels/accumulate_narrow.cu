@@ -92,7 +92,9 @@ __device__ void enter(Cursor& k, const Launch& l, i64 p, i64 e) {
     k.bulk_end = entry[2] ? (k.limit < numel ? k.limit : numel / 8 * 8) : e;
 }
 
-// Lane 0: the next item into stage s (its descriptor, its copies, its arrival).
+// Lane 0: the next item into stage s (its descriptor, its copies, its arrival), with
+// NSrc sources.
+template <int NSrc>
 __device__ void produce(Cursor& k, const Launch& l, Item* items, unsigned data, unsigned bars,
                         int s) {
     bool end = false;
@@ -113,9 +115,12 @@ __device__ void produce(Cursor& k, const Launch& l, Item* items, unsigned data, 
     const unsigned bar = bars + 8 * s;
     // The lanes' generic-proxy reads of the stage come before the async-proxy writes.
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    barrier_expect(bar, bytes * l.n_src);  // release: the descriptor is visible to waiters
-    for (int j = 0; j < l.n_src && bytes; ++j) {
-        bulk_load(data + s * STAGE_BYTES + j * 2 * l.chunk, k.src[j] + it.lo, bytes, bar);
+    barrier_expect(bar, bytes * NSrc);  // release: the descriptor is visible to waiters
+    if (bytes) {
+#pragma unroll
+        for (int j = 0; j < NSrc; ++j) {
+            bulk_load(data + s * STAGE_BYTES + j * 2 * l.chunk, k.src[j] + it.lo, bytes, bar);
+        }
     }
 }
 
@@ -123,9 +128,11 @@ __device__ void produce(Cursor& k, const Launch& l, Item* items, unsigned data, 
 // stage, source j at slot + j * stride. NSrc and Steps are the source count and
 // the steps where the caller knows them, else 0: with both known the loops unroll
 // and each step's loads go out together (one warp hides no latency behind another).
-template <int IsBf16, int NSrc, int Steps>
+// DoScale is a constant too: with a run-time flag the compiler reloaded the scale
+// from the constant bank before every multiply (ncu's source page, 2 sources).
+template <int IsBf16, int NSrc, int Steps, int DoScale>
 __device__ __forceinline__ void consume(float* out, const uint4* slot, int steps, int n_src,
-                                        int stride, float scale, int do_scale) {
+                                        int stride, float scale) {
     const int count = NSrc ? NSrc : n_src;
 #pragma unroll 2
     for (int u = threadIdx.x; u < (Steps ? Steps : steps); u += THREADS) {
@@ -142,14 +149,14 @@ __device__ __forceinline__ void consume(float* out, const uint4* slot, int steps
 #pragma unroll
             for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(v[e], w[e]);
         }
-        store4(out + 8 * (i64)u, make_float4(finish(v[0], scale, do_scale),
-                                             finish(v[1], scale, do_scale),
-                                             finish(v[2], scale, do_scale),
-                                             finish(v[3], scale, do_scale)));
-        store4(out + 8 * (i64)u + 4, make_float4(finish(v[4], scale, do_scale),
-                                                 finish(v[5], scale, do_scale),
-                                                 finish(v[6], scale, do_scale),
-                                                 finish(v[7], scale, do_scale)));
+        store4(out + 8 * (i64)u, make_float4(finish(v[0], scale, DoScale),
+                                             finish(v[1], scale, DoScale),
+                                             finish(v[2], scale, DoScale),
+                                             finish(v[3], scale, DoScale)));
+        store4(out + 8 * (i64)u + 4, make_float4(finish(v[4], scale, DoScale),
+                                                 finish(v[5], scale, DoScale),
+                                                 finish(v[6], scale, DoScale),
+                                                 finish(v[7], scale, DoScale)));
     }
 }
 
@@ -161,51 +168,47 @@ __host__ __device__ constexpr int chunk_of(int n_src) {
 
 // With NSrc sources: a whole chunk with the counts as constants, else the steps
 // counted at run time (a piece's last chunk).
-template <int IsBf16, int NSrc>
+template <int IsBf16, int NSrc, int DoScale>
 __device__ __forceinline__ void consume_known(float* out, const uint4* slot, int steps,
-                                              float scale, int do_scale) {
+                                              float scale) {
     constexpr int kSteps = chunk_of(NSrc) / 8;
     if (steps == kSteps) {
-        consume<IsBf16, NSrc, kSteps>(out, slot, steps, NSrc, kSteps, scale, do_scale);
+        consume<IsBf16, NSrc, kSteps, DoScale>(out, slot, steps, NSrc, kSteps, scale);
     } else {
-        consume<IsBf16, 0, 0>(out, slot, steps, NSrc, kSteps, scale, do_scale);
+        consume<IsBf16, 0, 0, DoScale>(out, slot, steps, NSrc, kSteps, scale);
     }
 }
 
-// A bulk item of one source or two.
-template <int IsBf16>
-__device__ __forceinline__ void consume_item(const Item& it, const uint4* slot, int n_src,
-                                             float scale, int do_scale) {
+// A bulk item of NSrc sources.
+template <int IsBf16, int NSrc>
+__device__ __forceinline__ void consume_item(const Item& it, const uint4* slot, float scale,
+                                             int do_scale) {
     float* out = it.out + it.lo;
     const int steps = (int)(it.hi - it.lo) / 8;
-    if (n_src == 1) {
-        consume_known<IsBf16, 1>(out, slot, steps, scale, do_scale);
+    if (do_scale) {
+        consume_known<IsBf16, NSrc, 1>(out, slot, steps, scale);
     } else {
-        consume_known<IsBf16, 2>(out, slot, steps, scale, do_scale);
+        consume_known<IsBf16, NSrc, 0>(out, slot, steps, scale);
     }
 }
 
-template <int IsBf16>
-__device__ void accumulate_narrow(const i64* table, int n_pieces, int n_src, i64 n_tiles,
-                                  i64 tile, float scale, int do_scale) {
+// The kernel, with the source count (1 or 2) as a constant throughout.
+template <int IsBf16, int NSrc>
+__device__ __forceinline__ void accumulate_narrow(const i64* table, int n_pieces, i64 n_tiles, i64 tile,
+                                  float scale, int do_scale) {
     extern __shared__ __align__(128) unsigned char smem[];
-    unsigned dynamic_smem;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_smem));
-    if (blockDim.x != THREADS || dynamic_smem < SMEM_BYTES || n_src > MAX_SOURCES) {
-        __trap();  // host and kernel disagree
-    }
     Item* items = reinterpret_cast<Item*>(smem + DATA_BYTES + 8 * STAGES);
     Cursor* cursor = reinterpret_cast<Cursor*>(items + STAGES);
     const unsigned data = smem_addr(smem), bars = data + DATA_BYTES;
     const i64 t0 = (i64)blockIdx.x * n_tiles / gridDim.x;
-    const Launch l{table, n_pieces, n_src, ((i64)blockIdx.x + 1) * n_tiles / gridDim.x, tile,
-                   chunk_of(n_src)};
+    const Launch l{table, n_pieces, NSrc, ((i64)blockIdx.x + 1) * n_tiles / gridDim.x, tile,
+                   chunk_of(NSrc)};
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) barrier_init(bars + 8 * s);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         const TileAt at = locate(table, n_pieces, t0, tile);
         enter(*cursor, l, at.p, at.a);
-        for (int s = 0; s < STAGES; ++s) produce(*cursor, l, items, data, bars, s);
+        for (int s = 0; s < STAGES; ++s) produce<NSrc>(*cursor, l, items, data, bars, s);
     }
     __syncwarp();
     int stage = 0;
@@ -215,13 +218,13 @@ __device__ void accumulate_narrow(const i64* table, int n_pieces, int n_src, i64
         const Item it = items[stage];
         if (it.kind == END) break;
         if (it.kind == BULK) {
-            consume_item<IsBf16>(it, reinterpret_cast<const uint4*>(smem + stage * STAGE_BYTES),
-                                 n_src, scale, do_scale);
+            consume_item<IsBf16, NSrc>(
+                it, reinterpret_cast<const uint4*>(smem + stage * STAGE_BYTES), scale, do_scale);
         } else {
-            scalar_range(it.srcs, n_src, it.out, it.lo, it.hi, IsBf16, scale, do_scale);
+            scalar_range(it.srcs, NSrc, it.out, it.lo, it.hi, IsBf16, scale, do_scale);
         }
         __syncwarp();  // every lane has read the stage: refill it
-        if (threadIdx.x == 0) produce(*cursor, l, items, data, bars, stage);
+        if (threadIdx.x == 0) produce<NSrc>(*cursor, l, items, data, bars, stage);
         __syncwarp();
         if (++stage == STAGES) {
             stage = 0;
@@ -230,14 +233,30 @@ __device__ void accumulate_narrow(const i64* table, int n_pieces, int n_src, i64
     }
 }
 
+template <int IsBf16>
+__device__ __forceinline__ void accumulate_narrow_entry(const i64* table, int n_pieces, int n_src,
+                                                        i64 n_tiles, i64 tile, float scale,
+                                                        int do_scale) {
+    unsigned dynamic_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_smem));
+    if (blockDim.x != THREADS || dynamic_smem < SMEM_BYTES || n_src < 1 || n_src > MAX_SOURCES) {
+        __trap();  // host and kernel disagree
+    }
+    if (n_src == 1) {
+        accumulate_narrow<IsBf16, 1>(table, n_pieces, n_tiles, tile, scale, do_scale);
+    } else {
+        accumulate_narrow<IsBf16, 2>(table, n_pieces, n_tiles, tile, scale, do_scale);
+    }
+}
+
 extern "C" __global__ void __maxnreg__(32)
 tide_accumulate_bf16_narrow(const i64* table, int n_pieces, int n_src, i64 n_tiles, i64 tile,
                             float scale, int do_scale) {
-    accumulate_narrow<1>(table, n_pieces, n_src, n_tiles, tile, scale, do_scale);
+    accumulate_narrow_entry<1>(table, n_pieces, n_src, n_tiles, tile, scale, do_scale);
 }
 
 extern "C" __global__ void __maxnreg__(32)
 tide_accumulate_fp16_narrow(const i64* table, int n_pieces, int n_src, i64 n_tiles, i64 tile,
                             float scale, int do_scale) {
-    accumulate_narrow<0>(table, n_pieces, n_src, n_tiles, tile, scale, do_scale);
+    accumulate_narrow_entry<0>(table, n_pieces, n_src, n_tiles, tile, scale, do_scale);
 }

@@ -186,10 +186,10 @@ TIMED_LIBRARY = (
 """, _TIMED_START + "    for (;;) {\n" + _T_A + "        barrier_wait(bars + 8 * stage, parity);\n"
      + _T_B),
     ("""        __syncwarp();  // every lane has read the stage: refill it
-        if (threadIdx.x == 0) produce(*cursor, l, items, data, bars, stage);
+        if (threadIdx.x == 0) produce<NSrc>(*cursor, l, items, data, bars, stage);
         __syncwarp();
 """, _T_C + """        __syncwarp();  // every lane has read the stage: refill it
-        if (threadIdx.x == 0) produce(*cursor, l, items, data, bars, stage);
+        if (threadIdx.x == 0) produce<NSrc>(*cursor, l, items, data, bars, stage);
         __syncwarp();
 """ + _T_SUM),
     _TIMED_END)
