@@ -27,6 +27,7 @@ CHANGES = {
     "3c97ef1": "and with the chunk's steps as a constant (1 and 2 sources)",
     "9fe819f": "(the same kernel; four and eight sources probed)",
     "1c86ddc": "(the kernel as shipped from d0175d1, re-run)",
+    "d7d9d83": "the source count and the scale flag as constants through the kernel",
 }
 ORDER = list(CHANGES)
 
@@ -119,7 +120,7 @@ def variants():
 
 def cycles():
     rows = []
-    for c in ("6080b67", "ecc78fc", "3c97ef1", "9fe819f"):
+    for c in ("6080b67", "ecc78fc", "3c97ef1", "9fe819f", "d7d9d83"):
         for r in probe(c)["rows"]:
             if r["kernel"].startswith("cycles") and r["sources"] <= 2:
                 rows.append([f"`{c}`", r["sources"], r["kernel"][8:], f"{r['items']:,}",
@@ -131,8 +132,19 @@ def cycles():
             "it. The library's kernel never waits on its copies; it is bound by the "
             "consuming and the refill, where the flat kernel waits. Summing with the source "
             "count and the chunk's steps as constants cut consuming from 2,404 to about "
-            "1,140 cycles at two sources.\n\n"
+            "1,140 cycles at two sources. Nsight Compute's source page then showed the "
+            "scale, a kernel argument multiplied in under a run-time flag, loaded from the "
+            "constant bank before each of the 16 multiplies of a step; with the flag and the "
+            "source count as constants through the kernel (`d7d9d83`), consuming fell to "
+            f"{cyc('d7d9d83', 2, 'consume'):,.0f} cycles and refilling to "
+            f"{cyc('d7d9d83', 2, 'refill'):,.0f} (issued instructions per launch at two "
+            "sources: 33.9M before, 28.1M after, the flat kernel's 24.3M).\n\n"
             + table(["commit", "sources", "kernel", "items", "wait", "consume", "refill"], rows))
+
+
+def cyc(commit, sources, part):
+    """Lane 0's cycles per item of the library kernel in a probe record."""
+    return row(probe(commit), sources, "cycles: library")[part]
 
 
 def outliers():
@@ -170,6 +182,7 @@ _LEAVES = "claimed runs; a CTA beside another leaves; {} per working"
 SHARING = {
     ("8cec908", "narrow (library)"): "static runs (the kernel as shipped)",
     ("6c58c29", "narrow (library)"): "static runs (the kernel as shipped)",
+    ("d7d9d83", "narrow (library)"): "static runs, constants through the kernel (as shipped)",
     ("7810b95", "narrow (library)"): _LEAVES.format(2),
     ("6edb3e0", "narrow (library) x1"): _LEAVES.format(1),
     ("6edb3e0", "narrow (library) x2"): _LEAVES.format(2),
@@ -184,7 +197,7 @@ def sharing():
     """Per narrow_sharing record and kernel: the GEMM's slowdowns beside it, the SMs that
     held two of its CTAs at once, the kernel's time alone and beside the GEMM."""
     rows, pairs = [], []  # pairs: (commit, what, sources, row)
-    for c in ("8cec908", "7810b95", "6edb3e0", "da6723a", "6c58c29"):
+    for c in ("8cec908", "7810b95", "6edb3e0", "da6723a", "6c58c29", "d7d9d83"):
         rec = json.load(open(os.path.join(HERE, f"narrow-sharing-{c}.json")))
         groups = {}
         for r in rec["rows"]:
@@ -284,13 +297,13 @@ def bench(name):
 
 def one_rank():
     rows = []
-    for kernel in ("vector", "narrow"):
-        _, ir = bench(f"interference-{kernel}-9fe819f.jsonl")
-        _, rr = bench(f"rs-{kernel}-9fe819f.jsonl")
+    for commit, kernel in ONE_RANK:
+        _, ir = bench(f"interference-{kernel}-{commit}.jsonl")
+        _, rr = bench(f"rs-{kernel}-{commit}.jsonl")
         i = ir[("llama3.1-8b", f"rs:{GEMM}")]
         ex = i["extra"]
         held = (ex.get("cupti") or {}).get("held", {})
-        rows.append([kernel, f"{ex['alone_s'] * 1e6:.1f}", f"{ex['under_s'] * 1e6:.1f}",
+        rows.append([f"`{commit}`", kernel, f"{ex['alone_s'] * 1e6:.1f}", f"{ex['under_s'] * 1e6:.1f}",
                      f"{i['value'] * 100:+.1f}%",
                      "-" if not held.get("median_us") else f"{held['median_us']:.1f}",
                      f"{ex['collective_alone_s'] * 1e6:,.0f}",
@@ -300,13 +313,18 @@ def one_rank():
     return ("## TIDE-RS and the GEMM beside it, at one rank\n\n"
             "`TIDE_ACCUM_KERNEL=vector|narrow mpirun -n 1 python -m tidearray.bench "
             "interference --impls tide` and `... rs --impls tide,stock --workloads units`, "
-            "at `9fe819f`, launched in turn (`TIDE_GPU_STEPS=narrow TIDE_NARROW_RANKS=1 "
+            "at each commit, launched in turn (`TIDE_GPU_STEPS=narrow TIDE_NARROW_RANKS=1 "
             "TIDE_NARROW_ROUNDS=1 bash tests/gpu/run.sh`). At one rank TIDE-RS is its "
             "accumulate of one source, with no copy engines and no peer. SM time is CUPTI's "
             "(duration x CTAs / SMs), which counts a CTA of one warp as a whole SM.\n\n"
-            + table(["accumulate", "GEMM alone (us)", "beside TIDE-RS (us)", "slowdown",
+            + table(["commit", "accumulate", "GEMM alone (us)", "beside TIDE-RS (us)", "slowdown",
                      "CUPTI: GEMMs held (us)", "TIDE-RS alone in that run (us)",
                      "TIDE-RS 8B (us)", "70B", "Qwen3", "Wan2.2", "SM time 8B (us)"], rows))
+
+
+#: (commit, accumulate) of the one-rank interference and reduce-scatter records.
+ONE_RANK = (("9fe819f", "vector"), ("9fe819f", "narrow"), ("d7d9d83", "vector"),
+            ("d7d9d83", "narrow"))
 
 
 def bench_impl():
@@ -383,6 +401,9 @@ def main():
           "112 passed at one rank; `TIDE_ACCUM_KERNEL=narrow` reduce-scatter and units 25 "
           "passed at two ranks sharing the GPU. At `6c58c29`, `tests/` on the cuda backend: "
           "452 passed at one rank, 474 at two ranks sharing the GPU.\n"
+          "- GPU tests of the narrow kernel at `d7d9d83`, one H200: the same files and cases "
+          "112 passed at one rank; `TIDE_ACCUM_KERNEL=narrow` reduce-scatter and units 25 "
+          "passed at two ranks sharing the GPU.\n"
           "- Until `1c86ddc` the probe stopped at four sources (dividing by zero counted "
           "items: those launches take the vector kernel), so `d0175d1`'s run is kept as "
           "its printout (`narrow-probe-d0175d1.txt`).")
