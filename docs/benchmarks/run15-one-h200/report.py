@@ -112,7 +112,8 @@ def main():
           "wrong: one warp issues far more than this kernel used, and a one-warp kernel that "
           "needs no piece table streamed two sources at 2.6 elements per ns per SM on the same "
           "GPU. The cost was in the kernel (its walk of the table and its sums); a narrow "
-          "kernel built again on that finding is in [run16-one-h200](../run16-one-h200/README.md).\n")
+          "kernel built again on that finding is in "
+          "[run16-one-h200](../run16-one-h200/README.md).\n")
     print("## Stream priority and short CTAs\n")
     print("The GEMMs on the device's highest stream priority (`--gemm-priority high`) or "
           "the default, the accumulate on 66 persistent CTAs or one short CTA per tile "

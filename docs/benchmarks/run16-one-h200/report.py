@@ -303,7 +303,8 @@ def one_rank():
         i = ir[("llama3.1-8b", f"rs:{GEMM}")]
         ex = i["extra"]
         held = (ex.get("cupti") or {}).get("held", {})
-        rows.append([f"`{commit}`", kernel, f"{ex['alone_s'] * 1e6:.1f}", f"{ex['under_s'] * 1e6:.1f}",
+        rows.append([f"`{commit}`", kernel, f"{ex['alone_s'] * 1e6:.1f}",
+                     f"{ex['under_s'] * 1e6:.1f}",
                      f"{i['value'] * 100:+.1f}%",
                      "-" if not held.get("median_us") else f"{held['median_us']:.1f}",
                      f"{ex['collective_alone_s'] * 1e6:,.0f}",
