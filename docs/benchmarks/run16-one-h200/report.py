@@ -7,8 +7,9 @@ Every record comes from one H200 (nvidia-h200): ``narrow-probe-*.json`` from
 ``tests/gpu/footprints.py``, ``interference-*.jsonl`` and ``rs-*.jsonl`` from
 ``TIDE_ACCUM_KERNEL=... mpirun -n 1 python -m tidearray.bench interference|rs`` (their
 ``run`` record gives the commit, argv and ``TIDE_*`` settings), ``narrow-sharing-*.json``
-from ``python tests/gpu/narrow_sharing.py PAIRS RECORD.json`` (one process). The file
-name ends in the commit of the code that ran.
+from ``python tests/gpu/narrow_sharing.py PAIRS RECORD.json`` (one process),
+``narrow-sass-*.json`` from Nsight Compute's source page through
+``tests/gpu/narrow_sass.py``. The file name ends in the commit of the code that ran.
 """
 import json
 import os
@@ -118,7 +119,33 @@ def variants():
             + table(["commit", "kernel", "time (us)", "rate", "registers", "local bytes"], rows))
 
 
+#: Nsight Compute's source page as records (tests/gpu/narrow_sass.py), by the commit
+#: that ran: the narrow kernel of afefec9 (at 021c698) and of d7d9d83 (at 2dbd1a2).
+SASS = ("021c698", "2dbd1a2")
+SASS_FILES = ", ".join(f"[narrow-sass-{c}.json](narrow-sass-{c}.json)" for c in SASS)
+NARROW_KERNEL = "tide_accumulate_bf16_narrow"
+
+
+def sass(commit):
+    return json.load(open(os.path.join(HERE, f"narrow-sass-{commit}.json")))
+
+
+def ldc_per_item(rec):
+    """Constant-bank loads on the narrow kernel's hot path, per item."""
+    def opcode(text):
+        words = text.split()
+        return (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
+
+    hot = rec["kernels"][NARROW_KERNEL]["hot"]
+    return sum(n for text, n, _ in hot if opcode(text) == "LDC") / rec["items"]
+
+
 def cycles():
+    first, last = sass(SASS[0]), sass(SASS[1])
+    ldc_before, ldc_after = ldc_per_item(first), ldc_per_item(last)
+    before = first["kernels"][NARROW_KERNEL]["instructions_executed"]
+    after = last["kernels"][NARROW_KERNEL]["instructions_executed"]
+    flat = first["kernels"]["narrow"]["instructions_executed"]
     rows = []
     for c in ("6080b67", "ecc78fc", "3c97ef1", "9fe819f", "d7d9d83"):
         for r in probe(c)["rows"]:
@@ -134,11 +161,13 @@ def cycles():
             "count and the chunk's steps as constants cut consuming from 2,404 to about "
             "1,140 cycles at two sources. Nsight Compute's source page then showed the "
             "scale, a kernel argument multiplied in under a run-time flag, loaded from the "
-            "constant bank before each of the 16 multiplies of a step; with the flag and the "
-            "source count as constants through the kernel (`d7d9d83`), consuming fell to "
+            f"constant bank (`LDC`) {ldc_before:.0f} times per item at `021c698`; with the "
+            "flag and the source count as constants through the kernel (`d7d9d83`), "
+            f"{ldc_after:.0f} times, and consuming fell to "
             f"{cyc('d7d9d83', 2, 'consume'):,.0f} cycles and refilling to "
-            f"{cyc('d7d9d83', 2, 'refill'):,.0f} (issued instructions per launch at two "
-            "sources: 33.9M before, 28.1M after, the flat kernel's 24.3M).\n\n"
+            f"{cyc('d7d9d83', 2, 'refill'):,.0f}. Instructions executed per launch at two "
+            f"sources: {before / 1e6:.1f}M before, {after / 1e6:.1f}M after, the flat "
+            f"kernel's {flat / 1e6:.1f}M ({SASS_FILES}).\n\n"
             + table(["commit", "sources", "kernel", "items", "wait", "consume", "refill"], rows))
 
 
@@ -405,6 +434,10 @@ def main():
           "- GPU tests of the narrow kernel at `d7d9d83`, one H200: the same files and cases "
           "112 passed at one rank; `TIDE_ACCUM_KERNEL=narrow` reduce-scatter and units 25 "
           "passed at two ranks sharing the GPU.\n"
+          "- The Nsight Compute runs behind `narrow-sass-*.json` launched the kernels from "
+          "an uncommitted copy of `tests/gpu/narrow_sass.py`'s launcher (the same two "
+          "launches); the second profiled the library's kernel only (`-k "
+          "regex:tide_accumulate -c 1`).\n"
           "- Until `1c86ddc` the probe stopped at four sources (dividing by zero counted "
           "items: those launches take the vector kernel), so `d0175d1`'s run is kept as "
           "its printout (`narrow-probe-d0175d1.txt`).")
