@@ -120,8 +120,8 @@ def variants():
 
 
 #: Nsight Compute's source page as records (tests/gpu/narrow_sass.py), by the commit
-#: that ran: the narrow kernel of afefec9 (at 021c698) and of d7d9d83 (at 2dbd1a2).
-SASS = ("021c698", "2dbd1a2")
+#: that ran: the narrow kernel of afefec9 (at 021c698) and of d7d9d83 (at 8ad7cbf).
+SASS = ("021c698", "8ad7cbf")
 SASS_FILES = ", ".join(f"[narrow-sass-{c}.json](narrow-sass-{c}.json)" for c in SASS)
 NARROW_KERNEL = "tide_accumulate_bf16_narrow"
 
@@ -145,7 +145,7 @@ def cycles():
     ldc_before, ldc_after = ldc_per_item(first), ldc_per_item(last)
     before = first["kernels"][NARROW_KERNEL]["instructions_executed"]
     after = last["kernels"][NARROW_KERNEL]["instructions_executed"]
-    flat = first["kernels"]["narrow"]["instructions_executed"]
+    flat = last["kernels"]["narrow"]["instructions_executed"]
     rows = []
     for c in ("6080b67", "ecc78fc", "3c97ef1", "9fe819f", "d7d9d83"):
         for r in probe(c)["rows"]:
@@ -162,7 +162,8 @@ def cycles():
             "1,140 cycles at two sources. Nsight Compute's source page then showed the "
             "scale, a kernel argument multiplied in under a run-time flag, loaded from the "
             f"constant bank (`LDC`) {ldc_before:.0f} times per item at `021c698`; with the "
-            "flag and the source count as constants through the kernel (`d7d9d83`), "
+            "flag and the source count as constants through the kernel (`d7d9d83`, run at "
+            "`8ad7cbf`), "
             f"{ldc_after:.0f} times, and consuming fell to "
             f"{cyc('d7d9d83', 2, 'consume'):,.0f} cycles and refilling to "
             f"{cyc('d7d9d83', 2, 'refill'):,.0f}. Instructions executed per launch at two "
@@ -434,10 +435,10 @@ def main():
           "- GPU tests of the narrow kernel at `d7d9d83`, one H200: the same files and cases "
           "112 passed at one rank; `TIDE_ACCUM_KERNEL=narrow` reduce-scatter and units 25 "
           "passed at two ranks sharing the GPU.\n"
-          "- The Nsight Compute runs behind `narrow-sass-*.json` launched the kernels from "
-          "an uncommitted copy of `tests/gpu/narrow_sass.py`'s launcher (the same two "
-          "launches); the second profiled the library's kernel only (`-k "
-          "regex:tide_accumulate -c 1`).\n"
+          "- The Nsight Compute run behind `narrow-sass-021c698.json` launched the kernels "
+          "from an uncommitted copy of `tests/gpu/narrow_sass.py`'s launcher (the same two "
+          "launches); `narrow-sass-8ad7cbf.json` is the script's own run (the narrow "
+          "kernel as at `d7d9d83`).\n"
           "- Until `1c86ddc` the probe stopped at four sources (dividing by zero counted "
           "items: those launches take the vector kernel), so `d0175d1`'s run is kept as "
           "its printout (`narrow-probe-d0175d1.txt`).")
