@@ -29,6 +29,8 @@
 // other kinds); the lanes wait on it, read the descriptor and the stage, and,
 // once all have (__syncwarp), lane 0 produces the next item into that stage.
 // The walk's cursor lives in shared memory, to keep the registers for the sums.
+// The source count and whether to scale are constants: the entry picks the
+// kernel's instance once, and a chunk's sums compile with no run-time branch.
 //
 // Output: 16-byte streaming stores straight from registers.
 // Entry points: tide_accumulate_bf16_narrow, tide_accumulate_fp16_narrow.
