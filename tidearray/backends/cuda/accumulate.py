@@ -177,15 +177,13 @@ class Accumulator:
                scale: float, out_dtype: Any = "float32") -> None:
         """``out = scale * sum(srcs)`` per piece, one launch on ``stream`` (a cupy Stream):
         fp32, rounded to ``out_dtype`` (bf16 or fp16 for fp32 sources only)."""
+        key = (src_dtype, out_dtype)
+        if self.kernel == "narrow" and len(pieces[0].srcs) > NARROW_MAX_SOURCES:
+            key += ("vector",)  # more sources than the narrow kernel takes
         try:  # keyed by the dtypes as given: no normalizing on the hot path
-            kernel, block, smem = self._kernels[src_dtype, out_dtype]
+            kernel, block, smem = self._kernels[key]
         except (KeyError, TypeError):
-            kernel, block, smem = self._kernel(src_dtype, out_dtype)
-        if block == NARROW_BLOCK and len(pieces[0].srcs) > NARROW_MAX_SOURCES:
-            try:
-                kernel, block, smem = self._kernels[src_dtype, out_dtype, "vector"]
-            except (KeyError, TypeError):
-                kernel, block, smem = self._kernel(src_dtype, out_dtype, "vector")
+            kernel, block, smem = self._kernel(*key)
         dev, n_tiles, tile, event = self._tables.get(pieces, lambda p: self._upload(stream, p))
         grid = min(n_tiles, self.max_grid if block == NARROW_BLOCK else self.vector_grid)
         with stream:
