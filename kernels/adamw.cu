@@ -4,9 +4,12 @@
 //
 // Launched by tidearray/fsdp/_optim.py (FusedAdamW._step_cupy), one kernel per
 // send dtype: adamw_bf16, adamw_f16, adamw_f32, or adamw_none when there is no
-// send copy (the gathers cast the masters). The host folds the hyper-parameters
-// and the step into float32 coefficients (_optim.coefficients), so the kernel
-// and the NumPy path read the very same float32 values.
+// send copy (the gathers cast the masters). With parameter groups the
+// adamw_grouped_* variants run instead: each element's group comes from a
+// uint8 index array and its coefficients from a table of every group's, passed
+// by value. The host folds the hyper-parameters and the step into float32
+// coefficients (_optim.coefficients), so the kernel and the NumPy path read
+// the very same float32 values.
 //
 // Per element, in float32, each operation rounded to nearest even:
 //
@@ -33,6 +36,17 @@ typedef long long i64;
 
 struct Coeffs {
     float decay, beta1, omb1, beta2, omb2, eps, step_size, bc2_sqrt, grad_scale;
+};
+
+// Most parameter groups, the default one (0) included: MAX_GROUPS in _optim.py.
+#define ADAMW_MAX_GROUPS 16
+
+// Every group's coefficients, one kernel argument: 16 * 9 floats (576 bytes, well
+// inside the 4 KiB of kernel parameters), laid out as the host's float32 array
+// of shape (MAX_GROUPS, 9) (_optim._coeff_table). Passed by value, so a step
+// copies nothing to the device; unused rows are zero and never read.
+struct CoeffTable {
+    Coeffs c[ADAMW_MAX_GROUPS];
 };
 
 // Where the send copy goes, one type per send dtype (so the loop is one template).
@@ -73,16 +87,34 @@ __device__ __forceinline__ float update(float* master, float* exp_avg, float* ex
     return p;
 }
 
+// Where element i's coefficients come from, one type per kind of launch (so the
+// loop is one template): one set for every element...
+struct OneGroup {
+    Coeffs c;
+    __device__ __forceinline__ const Coeffs& at(i64) const { return c; }
+};
+
+// ...or the row of element i's group. The table stays the kernel argument, in
+// the parameter (constant) bank; groups are contiguous runs of the arena, so a
+// warp's lanes mostly read one row, which the constant cache broadcasts.
+// group[i] < ADAMW_MAX_GROUPS: the host writes no larger index.
+struct Grouped {
+    const unsigned char* group;
+    const CoeffTable& table;
+    __device__ __forceinline__ const Coeffs& at(i64 i) const { return table.c[group[i]]; }
+};
+
 // Grid-stride loop, scalar and coalesced: the kernel is bound by memory
-// (16 bytes read and 12 + sizeof(send element) written per element), and
-// scalar accesses keep it correct for shards at any alignment in the arena.
-template <typename Send>
+// (16 bytes read, 1 more with groups, and 12 + sizeof(send element) written per
+// element), and scalar accesses keep it correct for shards at any alignment in
+// the arena.
+template <typename Send, typename Coef>
 __device__ __forceinline__ void adamw_loop(float* master, float* exp_avg, float* exp_avg_sq,
                                            const float* grad, Send send, i64 n,
-                                           const Coeffs& c) {
+                                           const Coef& coef) {
     i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        send.store(i, update(master, exp_avg, exp_avg_sq, grad, i, c));
+        send.store(i, update(master, exp_avg, exp_avg_sq, grad, i, coef.at(i)));
     }
 }
 
@@ -99,10 +131,24 @@ __device__ __forceinline__ void adamw_loop(float* master, float* exp_avg, float*
                                     float bc2_sqrt, float grad_scale) {                  \
         const Coeffs c = {decay, beta1, omb1, beta2, omb2, eps, step_size, bc2_sqrt,     \
                           grad_scale};                                                   \
-        adamw_loop(master, exp_avg, exp_avg_sq, grad, SEND{send}, n, c);                 \
+        adamw_loop(master, exp_avg, exp_avg_sq, grad, SEND{send}, n, OneGroup{c});       \
     }
 
 ADAMW_KERNEL(adamw_bf16, SendBf16, u16)
 ADAMW_KERNEL(adamw_f16, SendF16, u16)
 ADAMW_KERNEL(adamw_f32, SendF32, float)
 ADAMW_KERNEL(adamw_none, SendNone, float)
+
+// Grouped entry points. Arguments, in order: master, exp_avg, exp_avg_sq, grad,
+// send, n, group (one uint8 group index per element), table (CoeffTable).
+#define ADAMW_GROUPED_KERNEL(NAME, SEND, SEND_ELEM)                                          \
+    extern "C" __global__ void NAME(float* master, float* exp_avg, float* exp_avg_sq,        \
+                                    const float* grad, SEND_ELEM* send, i64 n,               \
+                                    const unsigned char* group, const CoeffTable table) {    \
+        adamw_loop(master, exp_avg, exp_avg_sq, grad, SEND{send}, n, Grouped{group, table}); \
+    }
+
+ADAMW_GROUPED_KERNEL(adamw_grouped_bf16, SendBf16, u16)
+ADAMW_GROUPED_KERNEL(adamw_grouped_f16, SendF16, u16)
+ADAMW_GROUPED_KERNEL(adamw_grouped_f32, SendF32, float)
+ADAMW_GROUPED_KERNEL(adamw_grouped_none, SendNone, float)

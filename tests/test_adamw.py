@@ -1,4 +1,5 @@
-"""FusedAdamW's NumPy path (CPU): math, rounding of the send shard, state, validation.
+"""FusedAdamW's NumPy path (CPU): math, rounding of the send shard, state, validation,
+and parameter groups.
 
 References, written here from scratch:
 
@@ -18,25 +19,36 @@ References, written here from scratch:
   a time with NumPy float32 scalars: the path must equal it bitwise, which is
   what the GPU kernel is held to as well.
 
+Parameter groups are held to torch.optim.AdamW with the same param groups (the
+tolerance above, with each element's own lr), bitwise to one ungrouped
+optimizer per group over that group's elements, and a frozen group (lr 0,
+weight decay 0) to no change at all.
+
 Data is fresh each run (the seed is in every failure message).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tidearray import TideInvalid
 from tidearray.fsdp._optim import (
     HOST_CHUNK,
+    MAX_GROUPS,
     AdamW,
     FusedAdamW,
+    ParamGroup,
     clip_scale,
     coefficients,
+    group_runs,
 )
 
 from ._util import BF16, DTYPES, FP32, bits
@@ -347,3 +359,257 @@ def test_matches_torch_adamw(rng) -> None:
     g_max = max(float(np.abs(g).max()) for g in grads)
     _assert_close(opt.exp_avg, st["exp_avg"].numpy().astype(np.float64), 2 * RTOL,
                   2 * RTOL * g_max, "exp_avg vs torch", seed)
+
+
+# -- parameter groups ----------------------------------------------------------------------
+
+#: The default group decays and clips; group 1 is the norms and biases (no decay, its own
+#: lr, betas and eps); group 2 a frozen one; group 3 another lr and decay.
+GROUP_HP = AdamW(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=0.5)
+GROUP_HPS = (AdamW(lr=5e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0),
+             AdamW(lr=0.0, weight_decay=0.0),
+             AdamW(lr=1e-3, betas=(0.95, 0.999), eps=1e-7, weight_decay=0.3))
+
+
+def _segments(gen: np.random.Generator, count: int = 14) -> list[tuple[int, int, int]]:
+    """Consecutive ``(start, stop, group)`` pieces of an arena, like parameters laid out
+    one after another; each piece in a random group (0: the default)."""
+    sizes = gen.integers(1, 700, count)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    groups = gen.integers(0, len(GROUP_HPS) + 1, count)
+    return [(int(a), int(b), int(j)) for a, b, j in zip(starts[:-1], starts[1:], groups)]
+
+
+def _param_groups(segments: list[tuple[int, int, int]]) -> list[ParamGroup]:
+    return [ParamGroup(hp, tuple((a, b) for a, b, j in segments if j == k))
+            for k, hp in enumerate(GROUP_HPS, start=1)]
+
+
+def _lr_arg(mode: str, k: int):
+    """Step ``k``'s ``lr`` argument: None, a warm-up factor as one float, or per group."""
+    factor = 0.5 + 0.5 * k / STEPS
+    if mode == "none":
+        return None
+    if mode == "float":
+        return GROUP_HP.lr * factor
+    return [h.lr * factor * (1 + j) for j, h in enumerate((GROUP_HP, *GROUP_HPS))]
+
+
+def _group_lrs(mode: str, k: int) -> list[float]:
+    """What each group's lr is at step ``k`` under ``mode``, by the documented rule."""
+    lr = _lr_arg(mode, k)
+    hps = (GROUP_HP, *GROUP_HPS)
+    if lr is None:
+        return [h.lr for h in hps]
+    if mode == "float":
+        return [lr] + [h.lr * (lr / GROUP_HP.lr) for h in GROUP_HPS]
+    return lr
+
+
+def test_groups_match_torch_adamw(rng) -> None:
+    """torch.optim.AdamW with one torch param group per ParamGroup, each piece of the arena
+    a parameter, clipped over all of them, a scheduler scaling every group's lr."""
+    torch = pytest.importorskip("torch")
+    gen, seed = rng
+    segments = _segments(gen)
+    n = segments[-1][1]
+    start, send = _shards(gen, n)
+    master = start.copy()
+    grads = _grads(gen, n, STEPS)
+    params = [torch.nn.Parameter(torch.from_numpy(start[a:b].copy())) for a, b, _ in segments]
+    hps = (GROUP_HP, *GROUP_HPS)
+    ref = torch.optim.AdamW(
+        [{"params": [p for p, (_, _, j) in zip(params, segments) if j == k], "lr": h.lr,
+          "betas": h.betas, "eps": h.eps, "weight_decay": h.weight_decay}
+         for k, h in enumerate(hps)], foreach=False)
+    opt = FusedAdamW(GROUP_HP, master, send, np, _param_groups(segments))
+    for k, g in enumerate(grads):
+        for p, (a, b, _) in zip(params, segments):
+            p.grad = torch.from_numpy(g[a:b].copy())
+        for group, lr in zip(ref.param_groups, _group_lrs("float", k)):
+            group["lr"] = lr
+        torch.nn.utils.clip_grad_norm_(params, GROUP_HP.max_grad_norm)
+        ref.step()
+        scale = clip_scale(math.sqrt(opt.sum_squares(g)), GROUP_HP.max_grad_norm)
+        opt.step(g, grad_scale=scale, lr=_lr_arg("float", k))
+    want = np.concatenate([p.detach().numpy() for p in params]).astype(np.float64)
+    lr_of = np.concatenate([np.full(b - a, max(hps[j].lr, 1e-30)) for a, b, j in segments])
+    _assert_close(master, want, 2 * RTOL_MASTER, 2 * ATOL_LR * lr_of, "master vs torch", seed,
+                  start)
+    m_ref = np.concatenate([ref.state[p]["exp_avg"].numpy() for p in params])
+    g_max = max(float(np.abs(g).max()) for g in grads)
+    _assert_close(opt.exp_avg, m_ref.astype(np.float64), 2 * RTOL, 2 * RTOL * g_max,
+                  "exp_avg vs torch", seed)
+
+
+@pytest.mark.parametrize("mode", ["none", "float", "sequence"])
+def test_groups_bitwise_equal_one_optimizer_per_group(rng, mode: str) -> None:
+    """Each run of one group steps exactly as an ungrouped optimizer with that group's
+    hyper-parameters and lr would (same step count, same grad_scale)."""
+    gen, seed = rng
+    segments = _segments(gen)
+    n = segments[-1][1]
+    master, send = _shards(gen, n)
+    opt = FusedAdamW(GROUP_HP, master.copy(), send, np, _param_groups(segments))
+    assert opt.num_groups == len(GROUP_HPS) + 1 and len(opt.groups) == len(GROUP_HPS)
+    hps = (dataclasses.replace(GROUP_HP, max_grad_norm=None), *GROUP_HPS)
+    alone = [FusedAdamW(hps[j], master[a:b].copy(), np.zeros(b - a, BF16), np)
+             for a, b, j in segments]
+    for k, g in enumerate(_grads(gen, n, 4)):
+        opt.step(g, grad_scale=0.75, lr=_lr_arg(mode, k))
+        lrs = _group_lrs(mode, k)
+        for o, (a, b, j) in zip(alone, segments):
+            o.step(g[a:b].copy(), grad_scale=0.75, lr=lrs[j])
+    for o, (a, b, _) in zip(alone, segments):
+        for got, want, what in ((opt._master[a:b], o._master, "master"),
+                                (opt.exp_avg[a:b], o.exp_avg, "exp_avg"),
+                                (opt.exp_avg_sq[a:b], o.exp_avg_sq, "exp_avg_sq"),
+                                (send[a:b], o._send, "send")):
+            assert (bits(got) == bits(want)).all(), f"{what} of [{a}, {b}) (seed {seed})"
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, None], ids=lambda d: getattr(d, "name", "no-send"))
+def test_frozen_group_is_bitwise_unchanged(rng, dtype: Optional[np.dtype]) -> None:
+    gen, seed = rng
+    n = 2 * HOST_CHUNK + 77
+    master = gen.standard_normal(n).astype(np.float32)
+    master[gen.integers(0, n, 50)] = 0.0  # zero-initialised biases stay +0.0 too
+    send = None if dtype is None else master.astype(dtype)  # as the runtime starts it
+    frozen = ((5, 900), (HOST_CHUNK - 3, HOST_CHUNK + 4000), (n - 10, n))
+    groups = [ParamGroup(AdamW(lr=0.0, weight_decay=0.0), frozen),
+              ParamGroup(AdamW(lr=1e-2, weight_decay=0.0), ((900, 2000),))]
+    before = master.copy(), None if send is None else send.copy()
+    opt = FusedAdamW(AdamW(lr=1e-2, weight_decay=0.1), master, send, np, groups)
+    for k, g in enumerate(_grads(gen, n, 5)):
+        opt.step(g, lr=None if k % 2 else 1e-2 * (k + 1))
+    inside = np.zeros(n, bool)
+    for a, b in frozen:
+        inside[a:b] = True
+    for got, want, what in ((master, before[0], "master"), (send, before[1], "send")):
+        if got is None:
+            continue
+        assert (bits(got)[inside] == bits(want)[inside]).all(), f"frozen {what} (seed {seed})"
+        assert (bits(got)[~inside] != bits(want)[~inside]).mean() > 0.5, f"{what}: no step"
+    assert opt.exp_avg[inside].any(), "a frozen group's moments advance, as in torch"
+
+
+def test_no_groups_is_one_default_group(rng) -> None:
+    """``groups=None``, ``[]``, and groups whose ranges are all empty step alike."""
+    gen, _ = rng
+    n = 1000
+    master, _ = _shards(gen, n)
+    hp = AdamW(lr=1e-2, weight_decay=0.05)
+    opts = [FusedAdamW(hp, master.copy(), np.zeros(n, BF16), np, groups)
+            for groups in (None, [], [ParamGroup(AdamW(lr=0.5), ((3, 3),)),
+                                      ParamGroup(AdamW(), ())])]
+    for g in _grads(gen, n, 3):
+        for o in opts:
+            o.step(g, lr=5e-3)
+    assert [o.num_groups for o in opts] == [1, 1, 3]
+    for o in opts[1:]:
+        assert (bits(o._master) == bits(opts[0]._master)).all()
+        assert (bits(o._send) == bits(opts[0]._send)).all()
+
+
+def test_lr_sequence_of_one_without_groups(rng) -> None:
+    gen, _ = rng
+    master, _ = _shards(gen, 64)
+    a = FusedAdamW(AdamW(), master.copy(), None, np)
+    b = FusedAdamW(AdamW(), master.copy(), None, np)
+    g = _grads(gen, 64, 1)[0]
+    a.step(g, lr=3e-3)
+    b.step(g, lr=(3e-3,))
+    assert (bits(a._master) == bits(b._master)).all()
+
+
+def test_float_lr_with_zero_default_lr() -> None:
+    """No ratio to scale by: refused with groups; without, the float is the lr, as before."""
+    m = np.zeros(8, np.float32)
+    with_groups = FusedAdamW(AdamW(lr=0.0), m.copy(), None, np, [ParamGroup(AdamW(), ((0, 4),))])
+    with pytest.raises(TideInvalid, match="lr: expected None or 2 reals"):
+        with_groups.step(np.ones(8, np.float32), lr=1e-3)
+    with_groups.step(np.ones(8, np.float32), lr=[0.0, 1e-3])
+    alone = FusedAdamW(AdamW(lr=0.0), m.copy(), None, np)
+    alone.step(np.ones(8, np.float32), lr=1e-3)
+    assert alone._master.any()
+
+
+run_lists = st.lists(st.tuples(st.integers(0, 60), st.integers(0, 20), st.integers(0, 3)),
+                     max_size=8)
+
+
+@given(run_lists, st.integers(0, 30))
+def test_group_runs_label_every_element(pieces: list, tail: int) -> None:
+    """``group_runs`` against a per-element labelling: maximal, ordered, covering runs."""
+    groups: list[list[tuple[int, int]]] = [[], [], []]
+    pos, label = 0, []
+    for gap, size, j in pieces:  # a gap of default elements, then a piece of group j
+        label += [0] * gap + [j] * size
+        if j:
+            groups[j - 1].append((pos + gap, pos + gap + size))
+        pos += gap + size
+    size = pos + tail
+    label += [0] * tail
+    runs = group_runs(size, [ParamGroup(AdamW(), tuple(r)) for r in groups])
+    assert [j for a, b, j in runs for _ in range(a, b)] == label
+    assert all(a < b for a, b, _ in runs)
+    assert all(r[1] == s[0] and r[2] != s[2] for r, s in zip(runs, runs[1:]))
+
+
+@pytest.mark.parametrize("kw, what", [
+    ({"hp": AdamW(max_grad_norm=1.0), "ranges": ()}, "ParamGroup.hp.max_grad_norm"),
+    ({"hp": {"lr": 1.0}, "ranges": ()}, "ParamGroup.hp"),
+    ({"hp": AdamW(), "ranges": ((3, 2),)}, "ParamGroup.ranges\\[0\\]"),
+    ({"hp": AdamW(), "ranges": ((0, 1), (-1, 2))}, "ParamGroup.ranges\\[1\\]"),
+    ({"hp": AdamW(), "ranges": ((0.0, 2),)}, "ParamGroup.ranges\\[0\\]"),
+    ({"hp": AdamW(), "ranges": ((True, 2),)}, "ParamGroup.ranges\\[0\\]"),
+    ({"hp": AdamW(), "ranges": ((1,),)}, "ParamGroup.ranges\\[0\\]"),
+    ({"hp": AdamW(), "ranges": (1, 2)}, "ParamGroup.ranges\\[0\\]"),
+    ({"hp": AdamW(), "ranges": 5}, "ParamGroup.ranges"),
+])
+def test_bad_param_group(kw: dict, what: str) -> None:
+    with pytest.raises(TideInvalid, match=f"{what}: expected"):
+        ParamGroup(**kw)
+
+
+def test_param_group_normalised() -> None:
+    g = ParamGroup(AdamW(), [[np.int64(1), 3], (5, 5)])
+    assert g.ranges == ((1, 3), (5, 5)) and type(g.ranges[0][0]) is int and hash(g)
+
+
+@pytest.mark.parametrize("groups, what", [
+    ([ParamGroup(AdamW(), ((0, 11),))], "groups\\[0\\].ranges"),
+    ([ParamGroup(AdamW(), ((11, 11),))], "groups\\[0\\].ranges"),
+    ([ParamGroup(AdamW(), ((0, 4),)), ParamGroup(AdamW(), ((3, 6),))], "groups\\[1\\].ranges"),
+    ([ParamGroup(AdamW(), ((2, 8),)), ParamGroup(AdamW(), ((0, 1), (4, 5)))],
+     "groups\\[1\\].ranges"),
+    ([ParamGroup(AdamW(), ((0, 4), (6, 8), (3, 5)))], "groups\\[0\\].ranges"),
+    ([ParamGroup(AdamW(), ((0, 1),))] * 2, "groups\\[1\\].ranges"),
+    ([ParamGroup(AdamW(), ())] * MAX_GROUPS, "groups"),
+    ([ParamGroup(AdamW(), ()), {"hp": AdamW()}], "groups\\[1\\]"),
+    (ParamGroup(AdamW(), ()), "groups"),
+])
+def test_bad_groups(groups, what: str) -> None:
+    with pytest.raises(TideInvalid, match=f"{what}: expected"):
+        FusedAdamW(AdamW(), np.zeros(10, np.float32), None, np, groups)
+
+
+def test_most_groups() -> None:
+    groups = [ParamGroup(AdamW(lr=1e-3 * j), ((j, j + 1),)) for j in range(MAX_GROUPS - 1)]
+    opt = FusedAdamW(AdamW(), np.ones(20, np.float32), None, np, groups)
+    assert opt.num_groups == MAX_GROUPS
+    opt.step(np.ones(20, np.float32))
+    assert opt._master[0] == 1.0 and (opt._master[1:] < 1.0).all()  # group 1 has lr 0
+
+
+@pytest.mark.parametrize("lr, what", [
+    ([1e-3], "lr"), ([1e-3, 1e-3, 1e-3, 1e-3], "lr"), ((1e-3, -1.0, 0.0), "lr\\[1\\]"),
+    ([1e-3, math.nan, 0.0], "lr\\[1\\]"), ([1e-3, 0.0, "0.1"], "lr\\[2\\]"),
+    ("0.1", "lr"), (np.array([1e-3, 0.0, 0.0]), "lr"),
+])
+def test_bad_group_lr(lr, what: str) -> None:
+    groups = [ParamGroup(AdamW(), ((0, 2),)), ParamGroup(AdamW(), ((4, 6),))]
+    opt = FusedAdamW(AdamW(), np.zeros(8, np.float32), None, np, groups)
+    with pytest.raises(TideInvalid, match=f"{what}: expected"):
+        opt.step(np.zeros(8, np.float32), lr=lr)
+    assert opt.step_count == 0  # nothing ran

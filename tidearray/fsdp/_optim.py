@@ -27,6 +27,20 @@ FMA contraction, IEEE division and sqrt), and NumPy's float32 ufuncs round
 each operation the same way, so the two paths agree bitwise. The one
 exception is NaN sent as fp16: both give a NaN, with different payload bits.
 
+Parameter groups (:class:`ParamGroup`, torch's ``param_groups``) give element
+ranges of the arena their own ``lr``, ``betas``, ``eps`` and ``weight_decay``;
+the elements in no range form the default group 0, which uses ``hp``. Each
+group's coefficients come from :func:`coefficients` with its own
+hyper-parameters and the shared step count, so an element's update is the
+one above with its group's float32 values. A frozen group (``lr = 0``,
+``weight_decay = 0``) has ``decay = 1`` and ``step_size = 0``: its masters,
+and so its send elements, stay bitwise as they were while ``m / denom`` is
+finite (finite gradients, ``eps > 0``), except that a master of -0.0 can
+become +0.0, as in torch; its moments still advance, as in torch. NumPy
+runs :func:`adamw_numpy` once per run of one group (:func:`group_runs`); the
+kernel reads each element's group from a uint8 index array written once, at
+construction, and all groups' coefficients from one kernel argument.
+
 [Note: clipping]
 The global gradient norm spans every rank's shard, so the optimizer cannot
 clip by itself. The runtime computes it: each rank calls
@@ -41,7 +55,9 @@ then be of the scaled gradient, ``factor * sqrt(total)``.
 and returns without waiting. The caller orders it after the reduce-scatter
 that wrote ``grad`` and before the all-gather that reads ``send``, by using
 the same stream or events. ``grad`` must stay unchanged until the kernel
-has run. The moments belong to the optimizer and live as long as it does.
+has run. The moments, and the group index, belong to the optimizer and live
+as long as it does; the constructor writes both on the current stream, so a
+first step on another stream waits for that stream (one synchronize will do).
 """
 
 from __future__ import annotations
@@ -50,8 +66,9 @@ import contextlib
 import functools
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 
@@ -72,10 +89,19 @@ HOST_CHUNK = 1 << 16
 #: Kernel per send dtype.
 KERNELS = {"bfloat16": "adamw_bf16", "float16": "adamw_f16", "float32": "adamw_f32",
            None: "adamw_none"}
+#: Kernel per send dtype where parameter groups are given.
+GROUPED_KERNELS = {k: v.replace("adamw_", "adamw_grouped_") for k, v in KERNELS.items()}
+#: Most parameter groups, the default one included: ``ADAMW_MAX_GROUPS`` in
+#: ``kernels/adamw.cu``, and what a uint8 group index holds with room to spare.
+MAX_GROUPS = 16
 
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_real(what: str, value: Any, expected: str, ok: bool) -> None:
@@ -89,7 +115,8 @@ class AdamW:
     """Hyper-parameters of AdamW, as torch.optim.AdamW spells them."""
 
     lr: float = 1e-3
-    """Learning rate (1e-3); ``FusedAdamW.step(lr=...)`` overrides it per step."""
+    """Learning rate (1e-3); ``FusedAdamW.step(lr=...)`` overrides it per step (see
+    there for how one lr scales a group's)."""
 
     betas: tuple[float, float] = (0.9, 0.95)
     """Decay rates of the first and second moment ((0.9, 0.95)), each in [0, 1)."""
@@ -145,6 +172,117 @@ def coefficients(hp: AdamW, step: int, lr: float, grad_scale: float) -> Coeffici
         decay=f(1.0 - lr * hp.weight_decay), beta1=f(b1), omb1=f(1.0 - b1), beta2=f(b2),
         omb2=f(1.0 - b2), eps=f(hp.eps), step_size=f(lr / (1.0 - b1**step)),
         bc2_sqrt=f(math.sqrt(1.0 - b2**step)), grad_scale=f(grad_scale))
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Elements of the flat master arena with their own hyper-parameters (torch's
+    param groups; see [Note: AdamW math]).
+
+    Elements in no group's ranges form the default group (index 0), which uses
+    :class:`FusedAdamW`'s ``hp``; ``groups[j]`` is group ``j + 1``.
+
+    Raises:
+        TideInvalid: ``hp`` is not an AdamW or clips, or a range is not two
+            integers ``0 <= start <= stop``.
+    """
+
+    hp: AdamW
+    """The group's hyper-parameters. ``max_grad_norm`` must be None: clipping is
+    global, and :class:`FusedAdamW`'s ``hp`` sets it."""
+
+    ranges: tuple[tuple[int, int], ...]
+    """Element ranges ``(start, stop)`` (``[start, stop)``) of the arena,
+    ``0 <= start <= stop``, overlapping no other range of any group (checked by
+    :class:`FusedAdamW`, which knows the arena). Empty ranges, or none at all,
+    are allowed: a rank's shard may hold none of a group, and every rank still
+    passes the same groups (so ``step``'s lr sequence is one length)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hp, AdamW):
+            raise TideInvalid(f"ParamGroup.hp: expected an AdamW, got {type(self.hp).__name__}")
+        if self.hp.max_grad_norm is not None:
+            raise TideInvalid("ParamGroup.hp.max_grad_norm: expected None (clipping is global: "
+                              f"FusedAdamW's hp sets it), got {self.hp.max_grad_norm!r}")
+        if not isinstance(self.ranges, Sequence):
+            raise TideInvalid(f"ParamGroup.ranges: expected a sequence of (start, stop), got "
+                              f"{type(self.ranges).__name__}")
+        for k, r in enumerate(self.ranges):
+            if not (isinstance(r, Sequence) and len(r) == 2 and all(map(_is_int, r))
+                    and 0 <= r[0] <= r[1]):
+                raise TideInvalid(f"ParamGroup.ranges[{k}]: expected (start, stop), integers "
+                                  f"with 0 <= start <= stop, got {r!r}")
+        # Hashable, plain ints; overlaps, in this group or with others, are found by
+        # group_runs, which sees every group at once.
+        object.__setattr__(self, "ranges", tuple((int(a), int(b)) for a, b in self.ranges))
+
+
+#: A run of the arena: elements ``[start, stop)`` that all belong to group ``group``.
+Run = tuple[int, int, int]
+
+
+def _append_run(runs: list[Run], start: int, stop: int, group: int) -> None:
+    """Append ``[start, stop)`` of ``group``, merged into the last run where it continues it."""
+    if start >= stop:
+        return
+    if runs and runs[-1][1] == start and runs[-1][2] == group:
+        runs[-1] = (runs[-1][0], stop, group)
+    else:
+        runs.append((start, stop, group))
+
+
+def group_runs(size: int, groups: Sequence[ParamGroup]) -> tuple[Run, ...]:
+    """The arena ``[0, size)`` as maximal runs ``(start, stop, group)``, in order.
+
+    Group 0 is the default (the elements in no range); ``groups[j]`` is group
+    ``j + 1``. Runs are never empty; an empty arena has none.
+
+    Raises:
+        TideInvalid: more than ``MAX_GROUPS - 1`` groups, an item that is not a
+            ParamGroup, a range past the arena, or two ranges that overlap (of one
+            group or two).
+    """
+    if len(groups) >= MAX_GROUPS:
+        raise TideInvalid(f"groups: expected at most {MAX_GROUPS - 1} groups ({MAX_GROUPS} with "
+                          f"the default one), got {len(groups)}")
+    for j, g in enumerate(groups):
+        if not isinstance(g, ParamGroup):
+            raise TideInvalid(f"groups[{j}]: expected a ParamGroup, got {type(g).__name__}")
+        for r in g.ranges:
+            if r[1] > size:
+                raise TideInvalid(f"groups[{j}].ranges: expected ranges inside the arena "
+                                  f"[0, {size}), got {r}")
+    spans = sorted((a, b, j) for j, g in enumerate(groups, start=1) for a, b in g.ranges if a < b)
+    runs: list[Run] = []
+    pos, owner = 0, 0
+    for a, b, j in spans:
+        if a < pos:  # sorted by start, so only the span before can overlap this one
+            raise TideInvalid(f"groups[{j - 1}].ranges: expected ranges that overlap no other, "
+                              f"got {(a, b)}, which overlaps a range of groups[{owner - 1}] "
+                              f"ending at {pos}")
+        _append_run(runs, pos, a, 0)
+        _append_run(runs, a, b, j)
+        pos, owner = b, j
+    _append_run(runs, pos, size, 0)
+    return tuple(runs)
+
+
+#: The kernel argument ``CoeffTable`` of ``kernels/adamw.cu``: ``MAX_GROUPS`` rows
+#: of :class:`Coefficients`, float32, in their order.
+_COEFF_TABLE = np.dtype([("c", np.float32, (MAX_GROUPS, len(Coefficients._fields)))])
+
+
+def _coeff_table(cs: Sequence[Coefficients]) -> np.ndarray:
+    """Every group's coefficients as one ``CoeffTable``; rows past the last group stay zero.
+
+    A NumPy array of one element, because that is how CuPy (10 and later) passes
+    a struct by value: it hands the array's bytes to the launch, which copies
+    them (``CNumpyArray`` in ``cupy/cuda/function.pyx``). So a step uploads
+    nothing itself, and the array may go once the launch returns.
+    """
+    table = np.zeros(1, _COEFF_TABLE)
+    table["c"][0, :len(cs)] = cs
+    return table
 
 
 def clip_scale(total_norm: float, max_norm: Optional[float]) -> float:
@@ -210,15 +348,22 @@ class FusedAdamW:
             float16 or float32), a separate array, overwritten each step; or
             None for no send shard (gathers that cast the masters).
         xp: the array module of both, ``numpy`` or ``cupy``.
+        groups: parameter groups (at most ``MAX_GROUPS - 1``): ``groups[j]`` is
+            group ``j + 1``, and the elements in none of their ranges are the
+            default group 0, which uses ``hp``. None (or none) steps the whole
+            arena with ``hp``, as one kernel without a group index.
 
     Raises:
         TideInvalid: an argument does not fit the above.
 
     The constructor allocates the two zeroed float32 moments (on the master's
-    device) and does nothing else; the kernel is compiled at the first step.
+    device) and, for cupy where some element is in a group, the uint8 group
+    index (one byte an element, read each step); it does nothing else, and
+    the kernel is compiled at the first step.
     """
 
-    def __init__(self, hp: AdamW, master: Array, send: Optional[Array], xp: Any) -> None:
+    def __init__(self, hp: AdamW, master: Array, send: Optional[Array], xp: Any,
+                 groups: Optional[Sequence[ParamGroup]] = None) -> None:
         if not isinstance(hp, AdamW):
             raise TideInvalid(f"hp: expected an AdamW, got {type(hp).__name__}")
         if xp is not np and getattr(xp, "__name__", None) != "cupy":
@@ -230,6 +375,13 @@ class FusedAdamW:
             self._check_send(send)
         self._send = send
         self._kind = None if send is None else _dtypes.normalize(send.dtype).name
+        if groups is not None and not isinstance(groups, Sequence):
+            raise TideInvalid(f"groups: expected None or a sequence of ParamGroup, got "
+                              f"{type(groups).__name__}")
+        self._groups: tuple[ParamGroup, ...] = () if groups is None else tuple(groups)
+        self._runs = group_runs(master.size, self._groups)
+        self._hps = (hp, *(g.hp for g in self._groups))
+        self._group_index = self._build_group_index()
         with self._device():
             self._exp_avg = xp.zeros(master.size, dtype=np.float32)
             self._exp_avg_sq = xp.zeros(master.size, dtype=np.float32)
@@ -241,6 +393,17 @@ class FusedAdamW:
     def hp(self) -> AdamW:
         """The hyper-parameters."""
         return self._hp
+
+    @property
+    def groups(self) -> tuple[ParamGroup, ...]:
+        """The parameter groups given, without the default one (group ``j + 1`` is
+        ``groups[j]``)."""
+        return self._groups
+
+    @property
+    def num_groups(self) -> int:
+        """How many groups ``step``'s lr sequence has: the default one and :attr:`groups`."""
+        return len(self._hps)
 
     @property
     def exp_avg(self) -> Array:
@@ -275,37 +438,46 @@ class FusedAdamW:
         with self._device(), on_stream(stream):
             return float(_sum_squares_kernel()(grad))
 
-    def step(self, grad: Array, *, grad_scale: float = 1.0, lr: Optional[float] = None,
-             stream: Any = None) -> None:
+    def step(self, grad: Array, *, grad_scale: float = 1.0,
+             lr: Union[float, Sequence[float], None] = None, stream: Any = None) -> None:
         """One AdamW step: master, moments and send shard, in one pass.
 
         Args:
             grad: the float32 gradient shard, the master's length.
             grad_scale: multiplies the gradient first (clipping, averaging; see
                 [Note: clipping]).
-            lr: this step's learning rate (a scheduler's); None means ``hp.lr``.
+            lr: this step's learning rate (a scheduler's). None: each group's own
+                ``hp.lr``. A real: the default group's lr, and every other group's
+                lr is its ``hp.lr`` times ``lr / hp.lr`` (so a scheduler driving one
+                number keeps the groups' ratios, and a frozen group stays frozen);
+                with groups and ``hp.lr == 0`` there is no ratio, and a real is
+                refused. A sequence: one lr per group, the default first
+                (:attr:`num_groups` of them).
             stream: cupy stream to enqueue on (None: the current one); ignored for
                 NumPy. See [Note: optimizer streams].
 
         Raises:
-            TideInvalid: ``grad`` does not match the master, or ``lr`` or
-                ``grad_scale`` is not a real number (``lr`` also finite and >= 0).
+            TideInvalid: ``grad`` does not match the master, ``grad_scale`` is not
+                a real number, or ``lr`` does not fit the above (each lr a finite
+                real >= 0).
 
         See Also:
             ``kernels/adamw.cu`` (cupy), :func:`adamw_numpy` (NumPy).
         """
         self._check_vector("grad", grad, self._master.size)
-        lr = self._hp.lr if lr is None else lr
-        _check_real("lr", lr, "a finite real >= 0", _is_real(lr) and lr >= 0)
+        lrs = self._group_lrs(lr)
         if not _is_real(grad_scale):
             raise TideInvalid(f"grad_scale: expected a real number, got {grad_scale!r}")
         self.step_count += 1
-        c = coefficients(self._hp, self.step_count, float(lr), float(grad_scale))
-        args = (self._master, self._exp_avg, self._exp_avg_sq, grad, self._send)
-        if self._xp is np:
-            adamw_numpy(*args, c)
-        else:
-            self._step_cupy(grad, c, stream)
+        cs = [coefficients(h, self.step_count, x, float(grad_scale))
+              for h, x in zip(self._hps, lrs)]
+        if self._xp is not np:
+            self._step_cupy(grad, cs, stream)
+            return
+        for lo, hi, j in self._runs:  # no groups: one run, the whole arena
+            send = None if self._send is None else self._send[lo:hi]
+            adamw_numpy(self._master[lo:hi], self._exp_avg[lo:hi], self._exp_avg_sq[lo:hi],
+                        grad[lo:hi], send, cs[j])
 
     def state_dict(self) -> dict:
         """``{"step": int, "exp_avg": array, "exp_avg_sq": array}``; the arrays are copies."""
@@ -327,7 +499,7 @@ class FusedAdamW:
             raise TideInvalid(f"state: expected keys step, exp_avg, exp_avg_sq, "
                               f"got {sorted(state)} (missing {sorted(missing)})")
         step = state["step"]
-        if not (isinstance(step, numbers.Integral) and not isinstance(step, bool) and step >= 0):
+        if not (_is_int(step) and step >= 0):
             raise TideInvalid(f"state['step']: expected an int >= 0, got {step!r}")
         moments = [self._to_module(f"state[{k!r}]", state[k]) for k in ("exp_avg", "exp_avg_sq")]
         with self._device():
@@ -337,7 +509,39 @@ class FusedAdamW:
 
     # -- private --------------------------------------------------------------------------
 
-    def _step_cupy(self, grad: Array, c: Coefficients, stream: Any) -> None:
+    def _group_lrs(self, lr: Any) -> tuple[float, ...]:
+        """One learning rate per group, the default first, from ``step``'s ``lr``."""
+        if lr is None:
+            return tuple(float(h.lr) for h in self._hps)
+        if isinstance(lr, Sequence) and not isinstance(lr, str):
+            if len(lr) != len(self._hps):
+                raise TideInvalid(f"lr: expected None, a real or {len(self._hps)} reals (one "
+                                  f"per group, the default first), got {len(lr)} values")
+            for j, x in enumerate(lr):
+                _check_real(f"lr[{j}]", x, "a finite real >= 0", _is_real(x) and x >= 0)
+            return tuple(float(x) for x in lr)
+        _check_real("lr", lr, "a finite real >= 0", _is_real(lr) and lr >= 0)
+        if len(self._hps) == 1:
+            return (float(lr),)
+        if self._hp.lr == 0:
+            raise TideInvalid(f"lr: expected None or {len(self._hps)} reals (hp.lr is 0, so one "
+                              f"lr gives no ratio to scale the groups' by), got {lr!r}")
+        ratio = float(lr) / self._hp.lr
+        return (float(lr), *(h.lr * ratio for h in self._hps[1:]))
+
+    def _build_group_index(self) -> Optional[Array]:
+        """Each element's group as uint8 on the device; None for NumPy (which steps
+        run by run) or where every element is in the default group."""
+        if self._xp is np or all(j == 0 for _, _, j in self._runs):
+            return None
+        with self._device():
+            index = self._xp.zeros(self._master.size, dtype=np.uint8)
+            for lo, hi, j in self._runs:
+                if j:
+                    index[lo:hi] = j
+        return index
+
+    def _step_cupy(self, grad: Array, cs: Sequence[Coefficients], stream: Any) -> None:
         import cupy
 
         n = self._master.size
@@ -345,7 +549,8 @@ class FusedAdamW:
             return
         dev = self._master.device.id
         if self._kernel is None:
-            self._kernel = _kernels.function("adamw.cu", KERNELS[self._kind], dev)
+            names = KERNELS if self._group_index is None else GROUPED_KERNELS
+            self._kernel = _kernels.function("adamw.cu", names[self._kind], dev)
         # bf16 and fp16 travel as raw 16-bit words: the kernel rounds them itself.
         if self._send is None:  # adamw_none ignores it: any float32 array will do
             send = self._master
@@ -353,10 +558,14 @@ class FusedAdamW:
             send = self._send
         else:
             send = self._send.view(cupy.uint16)
+        if self._group_index is None:  # the default group only: today's kernel, nine floats
+            coeffs: tuple = tuple(cs[0])
+        else:  # the table goes by value, so a step copies nothing to the device
+            coeffs = (self._group_index, _coeff_table(cs))
         blocks = min(-(-n // BLOCK), MAX_BLOCKS)
         with self._device(), on_stream(stream):
             self._kernel((blocks,), (BLOCK,), (self._master, self._exp_avg, self._exp_avg_sq,
-                                               grad, send, np.int64(n), *c))
+                                               grad, send, np.int64(n), *coeffs))
 
     def _device(self) -> Any:
         """Context with the master's GPU current (nothing for NumPy)."""
