@@ -33,13 +33,13 @@ the elements in no range form the default group 0, which uses ``hp``. Each
 group's coefficients come from :func:`coefficients` with its own
 hyper-parameters and the shared step count, so an element's update is the
 one above with its group's float32 values. A frozen group (``lr = 0``,
-``weight_decay = 0``) has ``decay = 1`` and ``step_size = 0``: its masters,
-and so its send elements, stay bitwise as they were while ``m / denom`` is
-finite (finite gradients, ``eps > 0``), except that a master of -0.0 can
-become +0.0, as in torch; its moments still advance, as in torch. NumPy
-runs :func:`adamw_numpy` once per run of one group (:func:`group_runs`); the
+``weight_decay = 0``) has ``decay = 1`` and ``step_size = 0``: its masters
+stay bitwise as they were (its send elements their rounding) while
+``m / denom`` is finite (finite gradients, ``eps > 0``), except that -0.0
+can become +0.0; its moments still advance. Both as in torch. NumPy runs
+:func:`adamw_numpy` once per run of one group (:func:`group_runs`); the
 kernel reads each element's group from a uint8 index array written once, at
-construction, and all groups' coefficients from one kernel argument.
+construction, and every group's coefficients from one kernel argument.
 
 [Note: clipping]
 The global gradient norm spans every rank's shard, so the optimizer cannot
