@@ -589,10 +589,8 @@ def main(argv: Optional[list] = None) -> None:
         return
     try:
         import torch
-    except ImportError:
-        print("compare_fsdp2.py: torch is not installed (pip install 'tidearray[torch]'); "
-              "skipped")
-        return
+    except ImportError as e:
+        sys.exit(f"compare_fsdp2.py: needs torch ({e}); pip install 'tidearray[torch]'")
     g = ta.init()
     cuda = g.backend.name == "cuda"
     if g.topology.num_nodes > 1:

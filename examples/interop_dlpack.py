@@ -6,15 +6,18 @@ any framework by DLPack without a copy::
 
     mpiexec -n 2 python examples/interop_dlpack.py
 
-Each framework that is installed is tried in turn; the others are skipped,
-with the reason. On the host backend (no GPU) the arrays are CPU arrays and
+It tries NumPy or CuPy (whichever lives on the group's device), then PyTorch
+and JAX. It needs the ``torch`` and ``jax`` extras and fails without them,
+naming the extra. On the host backend (no GPU) the arrays are CPU arrays and
 the demo moves float32, because NumPy's DLPack has no bfloat16; on the cuda
 backend it moves bfloat16 (CuPy, PyTorch and JAX all export it by DLPack).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
@@ -25,6 +28,8 @@ import tidearray as ta
 # JAX would otherwise grab most of the GPU's memory in every rank.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+#: The frameworks this demo needs, and the pip extra of each.
+NEEDS = {"torch": "torch", "jax": "jax"}
 SHAPES = [(6, 4), (5,), (2, 3)]  # (2, 3): fewer rows than ranks at -n 3 and -n 4
 
 
@@ -63,20 +68,16 @@ def cupy_framework(backend: str) -> tuple[Optional[Framework], str]:
 
 
 def torch_framework(backend: str) -> tuple[Optional[Framework], str]:
-    try:
-        import torch
-    except ImportError:
-        return None, "not installed (pip install '.[torch]')"
+    import torch
+
     return Framework(f"torch {torch.__version__}", torch.from_dlpack,
                      lambda t: t.data_ptr()), ""
 
 
 def jax_framework(backend: str) -> tuple[Optional[Framework], str]:
-    try:
-        import jax
-        import jax.dlpack
-    except ImportError:
-        return None, "not installed (pip install '.[jax]')"
+    import jax
+    import jax.dlpack
+
     return Framework(f"jax {jax.__version__}", jax.dlpack.from_dlpack,
                      lambda x: x.unsafe_buffer_pointer()), ""
 
@@ -107,6 +108,10 @@ def round_trip(g: ta.Group, fw: Framework, dtype: Any) -> dict:
 
 
 def main() -> None:
+    missing = [f"{m} (pip install 'tidearray[{extra}]')" for m, extra in NEEDS.items()
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        sys.exit("interop_dlpack.py: needs " + " and ".join(missing))
     g = ta.init()
     dtype = ta.bfloat16 if g.backend.name == "cuda" else ta.float32
     comm = MPI.COMM_WORLD

@@ -32,7 +32,7 @@ samples with the same AdamW and prints the largest loss difference; the run
 fails if it is above 1e-5 relative on CPU or 1e-4 on GPUs (fp32 throughout,
 matmuls at full precision). It runs on the default backend (cuda where a GPU
 and a CUDA JAX exist; ``TIDE_BACKEND=host`` forces the CPU). Needs JAX
-(``pip install 'tidearray[jax]'``); without it, it says so and exits.
+(``pip install 'tidearray[jax]'``); without it, it fails, naming the extra.
 """
 
 from __future__ import annotations
@@ -171,9 +171,8 @@ def main() -> None:
     try:
         import jax
         import jax.dlpack  # noqa: F401
-    except ImportError:
-        print("jax_train.py: JAX is not installed (pip install 'tidearray[jax]'); skipped")
-        return
+    except ImportError as e:
+        sys.exit(f"jax_train.py: needs JAX ({e}); pip install 'tidearray[jax]'")
     g = ta.init()
     if g.backend.name == "cuda" and not _has_gpu(jax):
         sys.exit("jax_train.py: the cuda backend needs a CUDA JAX (pip install 'jax[cuda12]'); "

@@ -7,7 +7,7 @@ backward run as plain PyTorch; tidearray's hooks gather each unit just before it
 runs, reduce its gradients as soon as they are in, and step a fused AdamW on the
 fp32 shards. On the host backend the tensors are CPU tensors (fp32); on the cuda
 backend, CUDA tensors (bf16 parameters, fp32 masters). Needs the ``torch`` extra;
-without torch it says so and exits.
+without torch it fails, naming the extra.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import tidearray as ta
 def main() -> None:
     try:
         import torch
-    except ImportError:
-        print("torch_train.py: torch is not installed (pip install 'tidearray[torch]'); skipped")
-        return
+    except ImportError as e:
+        sys.exit(f"torch_train.py: needs torch ({e}); pip install 'tidearray[torch]'")
     import tidearray.torch as tt
     from tidearray.fsdp import AdamW
 
