@@ -8,9 +8,14 @@ Runs, in order, each in its own process group under a timeout:
 3. topology overrides: ``TIDE_LOCAL_SIZE=1`` with N = 3 (pairwise inter-node steps)
    and N = 4 (recursive doubling), and ``TIDE_LOCAL_SIZE=2`` with N = 4 (two nodes
    of two ranks); and N = 3 in debug mode (``TIDE_DEBUG=1``: stamps checked);
-4. every example under ``mpiexec -n 2`` (the trainer for 5 steps), and the benchmark
-   harness on small sizes (``python -m tidearray.bench all --quick``), which exits
-   nonzero if any step fails or any output is wrong.
+4. every example under ``mpiexec -n 2`` (the trainer for 5 steps; the torch, JAX,
+   interop and FSDP2-comparison examples too), and the benchmark harness on small
+   sizes (``python -m tidearray.bench all --quick``), which exits nonzero if any step
+   fails or any output is wrong.
+
+The torch, Hugging Face and JAX tests and examples need the frameworks the ``test``
+extra installs; without one, the script stops before any run (instead of letting
+those tests skip and those examples fail).
 
 Every run gets the same Hypothesis seed (printed; pass ``--seed`` to reproduce),
 so all ranks of a run draw the same examples. ``TIDE_TIMEOUT`` defaults to 60 s
@@ -23,6 +28,7 @@ Usage: ``python tests/run.py [--seed S] [--only WORD] [--ranks 1,2] [-- PYTEST A
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import random
 import re
@@ -39,6 +45,8 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parent.parent
 #: Stop starting new runs after this long, so a CI job never runs past ~15 minutes.
 TOTAL_BUDGET_S = 13 * 60
+#: Frameworks the ``test`` extra installs; the suite and the examples need every one.
+FRAMEWORKS = ("torch", "transformers", "safetensors", "jax")
 
 
 @dataclass
@@ -189,6 +197,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     seed = args.seed if args.seed is not None else int(
         os.environ.get("TIDE_TEST_SEED") or random.getrandbits(32))
+    missing = [m for m in FRAMEWORKS if importlib.util.find_spec(m) is None]
+    if missing:
+        sys.exit(f"tests/run.py: {', '.join(missing)} not installed in {sys.prefix}; the torch, "
+                 "Hugging Face and JAX tests and examples need them (pip install -e '.[test]')")
     runs = plan([int(n) for n in args.ranks.split(",") if n])
     if args.only:
         runs = [r for r in runs if args.only in r.name]
