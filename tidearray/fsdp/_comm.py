@@ -64,13 +64,15 @@ class UnitComm(abc.ABC):
         dtype: the param dtype (gathered parameters, gradients).
         arena: the shard arena (masters or send shards in, fp32 gradients out).
         num_slots: slots, and gradient buffers (prefetch depth + 1).
+        root: unit 0 has a slot (and gradient buffer) of its own, slot
+            ``num_slots``, sized for it alone; the others share the rest.
     """
 
     #: Ranks a parameter is sharded over (1 for the floor).
     world: int
 
     def __init__(self, group: Group, shapes: Sequence[Sequence[tuple[int, ...]]], dtype: Any,
-                 arena: ShardArena, num_slots: int) -> None:
+                 arena: ShardArena, num_slots: int, root: bool = False) -> None:
         self.group = group
         self.xp = group.backend.xp
         self.dtype = _dtypes.normalize(dtype)
@@ -79,8 +81,12 @@ class UnitComm(abc.ABC):
         self.num_slots = num_slots
         self.layouts: list[UnitLayout] = [cached_unit(s, self.dtype.itemsize, self.world)
                                           for s in self.shapes]
-        unit_nbytes = max(lay.nbytes for lay in self.layouts)
-        self._grad_bufs = [self.xp.empty((unit_nbytes,), np.uint8) for _ in range(num_slots)]
+        #: Per slot, the units gathered into it (the root's own slot last).
+        self.slot_units: list[list[int]] = [[] for _ in range(num_slots + root)]
+        for i in range(len(self.shapes)):
+            self.slot_units[num_slots if root and i == 0 else i % num_slots].append(i)
+        self._grad_bufs = [self.xp.empty((self.slot_max(k, lambda u: self.layouts[u].nbytes),),
+                                         np.uint8) for k in range(len(self.slot_units))]
         self._grad_views: dict = {}
         self._param_views: dict = {}
 
@@ -91,6 +97,10 @@ class UnitComm(abc.ABC):
             views = self._grad_views[(unit, k)] = _views(self._grad_bufs[k], self.layouts[unit],
                                                           self.dtype)
         return views
+
+    def slot_max(self, k: int, size: Any) -> int:
+        """The largest ``size(unit)`` of the units that use slot ``k`` (0 if none)."""
+        return max((size(u) for u in self.slot_units[k]), default=0)
 
     @property
     def nbytes(self) -> int:
@@ -118,21 +128,33 @@ class TideComm(UnitComm):
     """Persistent TIDE plans, built on first use (every rank uses them in the same order)."""
 
     def __init__(self, group: Group, shapes: Sequence, dtype: Any, arena: ShardArena,
-                 num_slots: int) -> None:
+                 num_slots: int, root: bool = False) -> None:
         self.world = group.size
-        super().__init__(group, shapes, dtype, arena, num_slots)
+        super().__init__(group, shapes, dtype, arena, num_slots, root)
         # Reductions stage in the slot their unit vacated (Slot-Reuse): chunks sized to
         # the slot keep the calls per reduction few.
-        chunk = slot_chunk_nbytes(max(lay.nbytes for lay in self.layouts), group)
-        self.units = [Unit(s, self.dtype, group, chunk_nbytes=chunk) for s in self.shapes]
-        slot_nbytes = max(max(u.nbytes, u.staging_nbytes) for u in self.units)
-        self.slots = SlotArena(slot_nbytes, num_slots, group=group)
+        self.units: list[Unit] = [None] * len(self.shapes)  # type: ignore[list-item]
+        for k in range(len(self.slot_units)):
+            chunk = slot_chunk_nbytes(self.slot_max(k, lambda u: self.layouts[u].nbytes), group)
+            for u in self.slot_units[k]:
+                self.units[u] = Unit(self.shapes[u], self.dtype, group, chunk_nbytes=chunk)
+
+        def need(u: int) -> int:
+            return max(self.units[u].nbytes, self.units[u].staging_nbytes)
+
+        # One arena of the shared slots, and one of the root's (it may be much bigger or
+        # smaller than a layer: an embedding and a head).
+        shared = SlotArena(max(self.slot_max(k, need) for k in range(num_slots)), num_slots,
+                           group=group)
+        self.slots = list(shared.slots)
+        if root:
+            self.slots += SlotArena(self.slot_max(num_slots, need), 1, group=group).slots
         self._gather_plans: dict = {}
         self._reduce_plans: dict = {}
 
     @property
     def nbytes(self) -> int:
-        return super().nbytes + sum(s.nbytes for s in self.slots.slots)
+        return super().nbytes + sum(s.nbytes for s in self.slots)
 
     def gather(self, unit: int, k: int, stream: Any) -> Work:
         plan = self._gather_plans.get((unit, k))

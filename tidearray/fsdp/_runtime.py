@@ -32,6 +32,30 @@ shares unit ``i``'s slot) is deferred: it is issued when that slot is released
 rank defers the same prefetches, since every rank runs the same hooks in the
 same order.
 
+[Note: passes]
+Real training loops do not always pair a forward with a backward, nor give
+every parameter a gradient. The runtime keeps, per pass, the units forwarded,
+the units whose backward began (``pre_backward``) and the units reduced:
+
+* a ``pre_forward`` of a unit already forwarded in this pass starts a new pass:
+  the old one had no backward (an evaluation, a discarded forward), so its
+  gathered units are released (``release``) and nothing of it is reduced;
+* a backward pass ends (and its micro-batch counts) at :meth:`finish_backward`,
+  which the torch front end calls from autograd's end-of-backward callback and
+  which the next pass's first ``pre_forward`` and ``step`` call otherwise. It
+  reduces zeros for every unit with trainable parameters not reduced yet:
+  forwarded units whose backward never began (gathered, then reduced), and
+  units not forwarded at all (no collective: a sum of zeros is zero on every
+  rank);
+* units are reduced in descending order on every rank, whatever order each
+  rank's gradients arrive in, so every rank issues the same collectives in the
+  same order (a unit's missing gradients are zeros; the front end writes them).
+
+With ``root=True`` unit 0 is the root, as FSDP2's: the parameters used around
+the other units (embedding, final norm, head, a weight tied between them). It
+has a slot of its own, is gathered at its ``pre_forward`` and stays gathered
+until its ``post_backward``, which comes last.
+
 [Note: gradient buffers]
 Unit ``i`` in slot ``k`` writes its gradients into gradient buffer ``k``
 (``num_slots`` of them, each as big as the largest unit). The reduction of
@@ -66,17 +90,17 @@ Init = Callable[[str, tuple], Any]
 
 
 def make_comm(kind: str, group: Group, shapes: Sequence, dtype: Any, arena: Any,
-              num_slots: int) -> UnitComm:
+              num_slots: int, root: bool = False) -> UnitComm:
     """The communication called ``kind`` (one of :data:`KINDS`); ``stock`` (which needs
     the benchmark's packing kernels) is imported only when asked for."""
     if kind == "tide":
-        return TideComm(group, shapes, dtype, arena, num_slots)
+        return TideComm(group, shapes, dtype, arena, num_slots, root)
     if kind == "local":
-        return LocalComm(group, shapes, dtype, arena, num_slots)
+        return LocalComm(group, shapes, dtype, arena, num_slots, root)
     if kind == "stock":
         from ._stock import StockComm
 
-        return StockComm(group, shapes, dtype, arena, num_slots)
+        return StockComm(group, shapes, dtype, arena, num_slots, root)
     raise TideInvalid(f"comm: expected one of {KINDS}, got {kind!r}")
 
 
@@ -106,6 +130,12 @@ class ShardedModel:
             kernels (one per gather) beside the compute. The other kinds
             always keep them.
         stream: the compute stream (cuda; CuPy's current stream if None).
+        root: unit 0 is the root unit (its own slot; gathered from its
+            ``pre_forward`` to its ``post_backward``; see [Note: passes]).
+        trainable: per unit, per parameter, whether it is trained (all True if
+            None). A unit with none is never reduced; the others reduce every
+            parameter (a frozen one's gradient must be written as zeros) and
+            the optimizer leaves frozen parameters bitwise unchanged.
 
     Raises:
         TideInvalid: on every rank, for bad units, dtype or settings.
@@ -115,7 +145,9 @@ class ShardedModel:
                  init: Optional[Init] = None, group: Optional[Group] = None,
                  param_dtype: Any = _dtypes.bfloat16, optimizer: Optional[AdamW] = None,
                  prefetch: int = 1, comm: str = "tide", stream: Any = None,
-                 num_slots: Optional[int] = None, keep_param_shards: bool = False) -> None:
+                 num_slots: Optional[int] = None, keep_param_shards: bool = False,
+                 root: bool = False,
+                 trainable: Optional[Sequence[Sequence[bool]]] = None) -> None:
         group = group or default_group()
         names, shapes, values = _describe(units, init)
         if prefetch < 1:
@@ -126,6 +158,8 @@ class ShardedModel:
                               f"{num_slots}")
         self.group, self.kind, self.stream = group, comm, stream
         self.names, self.shapes = names, shapes
+        self.root = bool(root)
+        self.trainable = _trainable(trainable, shapes)
         self.param_dtype = _dtypes.normalize(param_dtype)
         self.xp = group.backend.xp
         self.world = world_of(comm, group)
@@ -138,13 +172,19 @@ class ShardedModel:
                                     self.xp)
         self.num_slots = num_slots
         self.prefetch = prefetch
-        self.comm = make_comm(comm, group, shapes, self.param_dtype, self.arena, self.num_slots)
-        self._free = list(range(self.num_slots))
+        self.comm = make_comm(comm, group, shapes, self.param_dtype, self.arena, self.num_slots,
+                              self.root)
+        self._free = list(range(self.num_slots + self.root))
         self._gathered: dict[int, tuple[int, Any]] = {}
         self._pending: dict[int, tuple[Any, int, bool]] = {}
         self._deferred: list[int] = []  # backward prefetches waiting for their slot
         self._micro = 0
         self._scratch: Any = None
+        # [Note: passes]
+        self._forwarded: set[int] = set()
+        self._opened: set[int] = set()
+        self._reduced: set[int] = set()
+        self._to_reduce = {i for i, t in enumerate(self.trainable) if any(t)}
 
     @property
     def num_units(self) -> int:
@@ -154,7 +194,11 @@ class ShardedModel:
 
     def pre_forward(self, i: int) -> list:
         """Unit ``i``'s full parameters (waited on the compute stream); prefetches
-        the next ``prefetch`` units."""
+        the next ``prefetch`` units. A unit forwarded already in this pass starts
+        a new pass ([Note: passes])."""
+        if i in self._forwarded:
+            self._new_pass()
+        self._forwarded.add(i)
         self._ensure(i)
         for j in range(i + 1, min(i + 1 + self.prefetch, self.num_units)):
             self._ensure(j)
@@ -162,12 +206,31 @@ class ShardedModel:
 
     def post_forward(self, i: int) -> None:
         """Unit ``i``'s forward is issued: its slot may take another gather.
-        The last unit keeps its parameters for its backward, which comes next."""
-        if i != self.num_units - 1:
+        The last unit keeps its parameters for its backward, which comes next,
+        and so does the root (see [Note: passes])."""
+        if i != self.num_units - 1 and not (self.root and i == 0):
             self._release(i)
+
+    def release(self) -> None:
+        """End a forward that has no backward (evaluation, generation, a discarded
+        forward): release every gathered unit and drop deferred prefetches.
+
+        Not collective and never needed for correctness (the next pass's first
+        ``pre_forward`` does the same), but it frees the slots at once.
+        """
+        for i in list(self._gathered):
+            self._gathered[i][1].wait(self.stream)  # a later gather waits on this stream
+            self._release(i)
+        self._deferred.clear()
+        if not self._opened and not self._reduced:
+            self._forwarded.clear()
 
     def pre_backward(self, i: int) -> tuple[list, list]:
         """Unit ``i``'s parameters and the gradient arrays its backward must write."""
+        if i in self._reduced:
+            raise TideInvalid(f"unit {i}: expected one backward per unit per pass, got a "
+                              "second one after its gradients were reduced")
+        self._opened.add(i)
         self._ensure(i)
         for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
             self._prefetch(j)
@@ -181,13 +244,47 @@ class ShardedModel:
         The first micro-batch of a step reduces straight into the gradient
         shards; later ones reduce into a scratch arena that is added on retire.
         """
+        if i not in self._opened or i in self._reduced:
+            raise TideInvalid(f"unit {i}: expected post_backward after its pre_backward, once "
+                              "per pass")
         k = self._gathered[i][0]
-        accumulate = self._micro > 0
-        out = self._scratch_arena() if accumulate else self.arena.grad
-        self._pending[k] = (self.comm.reduce(i, k, out, self.stream), i, accumulate)
+        if i in self._to_reduce:
+            accumulate = self._micro > 0
+            out = self._scratch_arena() if accumulate else self.arena.grad
+            self._pending[k] = (self.comm.reduce(i, k, out, self.stream), i, accumulate)
         self._release(i)
-        if i == 0:
-            self._micro += 1
+        self._reduced.add(i)
+
+    def finish_backward(self) -> None:
+        """Complete this backward pass ([Note: passes]): every unit with trainable
+        parameters not yet reduced reduces zeros, in descending order. Collective
+        (every rank must reach it at the same point: the torch front end calls it
+        from the callback autograd runs at the end of each backward).
+        """
+        if not self._opened and not self._reduced:
+            return  # no backward began: nothing to finish (a forward-only pass)
+        opened = sorted(self._opened - self._reduced)
+        if opened:
+            raise TideInvalid(f"units {opened}: expected post_backward for every unit whose "
+                              "pre_backward ran, before finish_backward")
+        for i in sorted(self._to_reduce - self._reduced, reverse=True):
+            if i in self._forwarded:  # its backward never began: gather it, reduce zeros
+                _, grads = self.pre_backward(i)
+                with on_stream(self.stream):
+                    for g in grads:
+                        g.fill(0)
+                self.post_backward(i)
+            else:  # not forwarded: its gradient is zero on every rank, no collective
+                self._reduced.add(i)
+                if self._micro == 0:
+                    self._zero_grad(i)
+        if self._opened or self._reduced:
+            self._end_pass()
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether a backward pass has begun and is not complete."""
+        return bool(self._opened or self._reduced)
 
     # -- the step -----------------------------------------------------------------
 
@@ -201,9 +298,10 @@ class ShardedModel:
             The global gradient norm when clipping is on (one small all-reduce,
             which syncs the host), else None.
         """
+        self.finish_backward()
         for k in list(self._pending):
             self._retire(k)
-        self._deferred.clear()  # a backward's prefetches end with it
+        self.release()  # parameters gathered now would be stale after the step
         if self._micro == 0:
             raise TideInvalid("step: expected a backward since the last step, got none")
         scale = 1.0 / (self.world * self._micro)
@@ -221,12 +319,34 @@ class ShardedModel:
 
     # -- internals -------------------------------------------------------------------
 
+    def _slot(self, i: int) -> int:
+        """Unit ``i``'s slot ([Note: slots]): the same one every time; the root's own last."""
+        return self.num_slots if self.root and i == 0 else i % self.num_slots
+
+    def _new_pass(self) -> None:
+        """A unit forwarded again: end the last pass ([Note: passes])."""
+        if self._opened or self._reduced:
+            self.finish_backward()
+        self.release()
+        self._forwarded.clear()
+
+    def _end_pass(self) -> None:
+        self._micro += 1
+        self._forwarded.clear()
+        self._opened.clear()
+        self._reduced.clear()
+        self._deferred.clear()  # a backward's prefetches end with it
+
+    def _zero_grad(self, i: int) -> None:
+        with on_stream(self.stream):
+            self.arena.block(self.arena.grad, i).fill(0)
+
     def _ensure(self, i: int) -> None:
         if i in self._gathered:
             return
         if i in self._deferred:
             self._deferred.remove(i)
-        k = i % self.num_slots  # [Note: slots]: the same slot every time
+        k = self._slot(i)
         if k not in self._free:
             raise TideInvalid(f"unit {i}: expected its slot {k} to be free, got it holding unit "
                               f"{next(u for u, (s, _) in self._gathered.items() if s == k)}: "
@@ -239,7 +359,7 @@ class ShardedModel:
         """Gather ``i`` ahead now if its slot is free, else when the slot is released."""
         if i in self._gathered or i in self._deferred:
             return
-        if i % self.num_slots in self._free:
+        if self._slot(i) in self._free:
             self._ensure(i)
         else:
             self._deferred.append(i)
@@ -251,7 +371,7 @@ class ShardedModel:
         k = self._gathered.pop(i)[0]
         self._free.append(k)
         for j in self._deferred:
-            if j % self.num_slots == k:
+            if self._slot(j) == k:
                 self._deferred.remove(j)
                 self._ensure(j)
                 return
@@ -320,6 +440,17 @@ class ShardedModel:
         from ._checkpoint import export
 
         export(self, path)
+
+
+def _trainable(trainable: Optional[Sequence[Sequence[bool]]],
+               shapes: list) -> list[list[bool]]:
+    if trainable is None:
+        return [[True] * len(s) for s in shapes]
+    got = [len(t) for t in trainable]
+    if got != [len(s) for s in shapes]:
+        raise TideInvalid(f"trainable: expected a flag per parameter, {[len(s) for s in shapes]}"
+                          f" per unit, got {got}")
+    return [[bool(x) for x in t] for t in trainable]
 
 
 def _describe(units: Sequence[Sequence[tuple[str, Any]]],

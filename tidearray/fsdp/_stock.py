@@ -40,19 +40,20 @@ class StockComm(UnitComm):
     """Flat buffers per slot, conversion tables per (unit, slot), made on first use."""
 
     def __init__(self, group: Group, shapes: Sequence, dtype: Any, arena: ShardArena,
-                 num_slots: int) -> None:
+                 num_slots: int, root: bool = False) -> None:
         self.world = group.size
-        super().__init__(group, shapes, dtype, arena, num_slots)
+        super().__init__(group, shapes, dtype, arena, num_slots, root)
         if self.dtype not in (_dtypes.bfloat16, _dtypes.float32):
             raise TideInvalid(f"comm='stock': expected param dtype bfloat16 or float32, got "
                               f"{self.dtype}")
         xp, W = self.xp, self.world
         self.flats: list[FlatLayout] = [flat_layout(s, W) for s in self.shapes]
-        block = max(f.block_numel for f in self.flats)
-        unit_nbytes = max(lay.nbytes for lay in self.layouts)
-        self._params = [xp.empty((unit_nbytes,), np.uint8) for _ in range(num_slots)]
-        self._ag_flat = [xp.empty((W * block,), self.dtype) for _ in range(num_slots)]
-        self._rs_flat = [xp.empty((W * block,), np.float32) for _ in range(num_slots)]
+        slots = range(len(self.slot_units))
+        blocks = [self.slot_max(k, lambda u: self.flats[u].block_numel) for k in slots]
+        self._params = [xp.empty((self.slot_max(k, lambda u: self.layouts[u].nbytes),), np.uint8)
+                        for k in slots]
+        self._ag_flat = [xp.empty((W * b,), self.dtype) for b in blocks]
+        self._rs_flat = [xp.empty((W * b,), np.float32) for b in blocks]
         self._ops: dict = {}
         self._lanes = _CudaLanes(group) if group.backend.name == "cuda" else _HostLanes(group)
 
