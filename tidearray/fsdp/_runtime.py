@@ -75,6 +75,7 @@ the gradient-norm all-reduce when clipping is on.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -83,7 +84,7 @@ from .. import _dtypes
 from .._errors import TideInvalid
 from .._group import Group, default_group
 from ._comm import KINDS, LocalComm, TideComm, UnitComm, world_of
-from ._optim import AdamW, FusedAdamW, clip_scale, on_stream
+from ._optim import AdamW, FusedAdamW, ParamGroup, clip_scale, on_stream
 from ._shards import ShardArena, arena_layout
 
 Init = Callable[[str, tuple], Any]
@@ -136,6 +137,10 @@ class ShardedModel:
             None). A unit with none is never reduced; the others reduce every
             parameter (a frozen one's gradient must be written as zeros) and
             the optimizer leaves frozen parameters bitwise unchanged.
+        param_groups: ``(hyper-parameters, parameter names)`` pairs: those
+            parameters step with those AdamW settings (say, no weight decay on
+            norms and biases); the others with ``optimizer``. Frozen parameters
+            are a group of their own, with lr 0.
 
     Raises:
         TideInvalid: on every rank, for bad units, dtype or settings.
@@ -147,7 +152,8 @@ class ShardedModel:
                  prefetch: int = 1, comm: str = "tide", stream: Any = None,
                  num_slots: Optional[int] = None, keep_param_shards: bool = False,
                  root: bool = False,
-                 trainable: Optional[Sequence[Sequence[bool]]] = None) -> None:
+                 trainable: Optional[Sequence[Sequence[bool]]] = None,
+                 param_groups: Sequence[tuple[AdamW, Sequence[str]]] = ()) -> None:
         group = group or default_group()
         names, shapes, values = _describe(units, init)
         if prefetch < 1:
@@ -168,8 +174,10 @@ class ShardedModel:
         self.arena = ShardArena(arena_layout(shapes, self.world), self.xp, self.param_dtype,
                                 send=comm != "tide" or keep_param_shards)
         self._fill_masters(values, init)
-        self.optimizer = FusedAdamW(optimizer or AdamW(), self.arena.master, self.arena.send,
-                                    self.xp)
+        hp = optimizer or AdamW()
+        self.optimizer = FusedAdamW(hp, self.arena.master, self.arena.send, self.xp,
+                                    groups=self._groups(hp, param_groups))
+        self._clip_coef: Optional[float] = None
         self.num_slots = num_slots
         self.prefetch = prefetch
         self.comm = make_comm(comm, group, shapes, self.param_dtype, self.arena, self.num_slots,
@@ -298,6 +306,26 @@ class ShardedModel:
             The global gradient norm when clipping is on (one small all-reduce,
             which syncs the host), else None.
         """
+        scale, norm = self.finalize_grads()
+        if norm is None and self.optimizer.hp.max_grad_norm is not None:
+            norm = self.clip_grad_norm_(self.optimizer.hp.max_grad_norm)
+            scale *= self._clip_coef
+        self._clip_coef = None
+        self.optimizer.step(self.arena.grad, grad_scale=scale, lr=lr, stream=self.stream)
+        self._micro = 0
+        return norm
+
+    def finalize_grads(self) -> tuple[float, Optional[float]]:
+        """End the backward pass, wait for every reduction (on the stream) and release the
+        gathered units; the gradient shards are then the sums over ranks and micro-batches.
+
+        Returns:
+            ``(scale, norm)``: the factor that turns the shards into the averaged (and,
+            after :meth:`clip_grad_norm_`, clipped) gradient, and that call's norm or None.
+
+        Raises:
+            TideInvalid: no backward since the last step.
+        """
         self.finish_backward()
         for k in list(self._pending):
             self._retire(k)
@@ -305,17 +333,29 @@ class ShardedModel:
         if self._micro == 0:
             raise TideInvalid("step: expected a backward since the last step, got none")
         scale = 1.0 / (self.world * self._micro)
-        norm, coef = None, 1.0
-        max_norm = self.optimizer.hp.max_grad_norm
-        if max_norm is not None:
-            with on_stream(self.stream):
-                local = self.optimizer.sum_squares(self.arena.grad)
-            total = local if self.world == 1 else self.group.comm.allreduce(local)
-            norm = math.sqrt(total) * scale
-            coef = clip_scale(norm, max_norm)
-        self.optimizer.step(self.arena.grad, grad_scale=scale * coef, lr=lr, stream=self.stream)
-        self._micro = 0
-        return norm
+        if self._clip_coef is None:
+            return scale, None
+        return scale * self._clip_coef, self._clip_norm
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the averaged gradient to the global L2 norm ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` does, at the next :meth:`step`.
+
+        Collective: one small all-reduce, which waits for the reductions (a host sync).
+
+        Returns:
+            The global norm of the averaged gradient, before clipping.
+        """
+        _check_max_norm(max_norm)
+        self._clip_coef = None
+        scale, _ = self.finalize_grads()
+        with on_stream(self.stream):
+            local = self.optimizer.sum_squares(self.arena.grad)
+        total = local if self.world == 1 else self.group.comm.allreduce(local)
+        self._clip_norm = math.sqrt(total) * scale
+        self._clip_coef = clip_scale(self._clip_norm, max_norm)
+        return self._clip_norm
+
 
     # -- internals -------------------------------------------------------------------
 
@@ -336,6 +376,36 @@ class ShardedModel:
         self._opened.clear()
         self._reduced.clear()
         self._deferred.clear()  # a backward's prefetches end with it
+
+    def _groups(self, hp: AdamW, param_groups: Sequence[tuple[AdamW, Sequence[str]]]) -> list:
+        """The optimizer's groups as element ranges of this rank's shards; frozen last."""
+        where = {name: (u, k) for u, names in enumerate(self.names)
+                 for k, name in enumerate(names)}
+        groups, taken = [], set()
+        frozen = [(u, k) for u, t in enumerate(self.trainable) for k, ok in enumerate(t)
+                  if not ok]
+        wanted = [(g, list(names)) for g, names in param_groups]
+        if frozen:
+            wanted.append((replace(hp, lr=0.0, weight_decay=0.0, max_grad_norm=None),
+                           [self.names[u][k] for u, k in frozen]))
+        for j, (group_hp, names) in enumerate(wanted):
+            ranges = []
+            for name in names:
+                if name not in where:
+                    raise TideInvalid(f"param_groups[{j}]: expected parameter names of the "
+                                      f"model, got {name!r}")
+                if name in taken:
+                    if j == len(param_groups):
+                        continue  # a frozen parameter a group named: frozen wins
+                    raise TideInvalid(f"param_groups[{j}]: expected each parameter in one "
+                                      f"group, got {name!r} twice")
+                taken.add(name)
+                u, k = where[name]
+                lay = self.arena.layout.units[u]
+                start = self.arena.layout.starts[u] + lay.offsets[k]
+                ranges.append((start, start + lay.specs[k].shard_numel))
+            groups.append(ParamGroup(group_hp, tuple(ranges)))
+        return groups
 
     def _zero_grad(self, i: int) -> None:
         with on_stream(self.stream):
@@ -440,6 +510,12 @@ class ShardedModel:
         from ._checkpoint import export
 
         export(self, path)
+
+
+def _check_max_norm(max_norm: Any) -> None:
+    if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
+            and math.isfinite(max_norm) and max_norm > 0):
+        raise TideInvalid(f"max_norm: expected a finite real > 0, got {max_norm!r}")
 
 
 def _trainable(trainable: Optional[Sequence[Sequence[bool]]],
