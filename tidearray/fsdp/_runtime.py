@@ -337,6 +337,18 @@ class ShardedModel:
             return scale, None
         return scale * self._clip_coef, self._clip_norm
 
+    def apply_step(self, step: Callable[[], None]) -> None:
+        """Step with another optimizer: :meth:`finalize_grads`, the gradient shards scaled
+        to the averaged (and clipped) gradient in place, then ``step()``, which updates
+        :meth:`params` (the fp32 masters) from :meth:`grads`; then the send shards."""
+        scale, _ = self.finalize_grads()
+        with on_stream(self.stream):
+            self.arena.grad *= np.float32(scale)
+        step()
+        self.arena.refresh_send()
+        self._clip_coef = None
+        self._micro = 0
+
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the averaged gradient to the global L2 norm ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_`` does, at the next :meth:`step`.
@@ -482,6 +494,14 @@ class ShardedModel:
     def params(self, unit: int) -> list:
         """This rank's fp32 master shards of ``unit`` (padded views into the arena)."""
         return self.arena.views(self.arena.master, unit)
+
+    def grads(self, unit: int) -> list:
+        """This rank's fp32 gradient shards of ``unit`` (padded views into the arena)."""
+        return self.arena.views(self.arena.grad, unit)
+
+    def gathered(self, unit: int) -> bool:
+        """Whether ``unit`` holds a slot now (gathered, or its gather issued)."""
+        return unit in self._gathered
 
     def synchronize(self) -> None:
         """Wait for every outstanding gather, reduction and optimizer step (host)."""

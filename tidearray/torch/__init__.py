@@ -1,0 +1,15 @@
+"""``tidearray.torch``: fully sharded ``torch.nn.Module`` training on tidearray's runtime.
+
+An optional front end (``pip install 'tidearray[torch]'``); ``import tidearray``
+never imports torch. :func:`shard_module` is to ``fully_shard`` what
+:class:`tidearray.fsdp.ShardedModel` is to FSDP2's runtime: units as FSDP2 makes
+them (a root for what no unit owns), hooks where FSDP2 hooks in ([Note: hooks] in
+``_module``), deferred init of a meta-device model ([Note: deferred init] in
+``_init``), state dicts under the model's own names (``_state``), parameter groups
+and any torch optimizer over the fp32 shards. docs/torch.md moves a ``fully_shard``
+script over line by line.
+"""
+
+from ._module import ShardedModule, shard_module
+
+__all__ = ["ShardedModule", "shard_module"]

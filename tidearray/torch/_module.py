@@ -1,0 +1,544 @@
+"""``ShardedModule``: a ``torch.nn.Module``'s units on tidearray's runtime, through module hooks.
+
+[Note: hooks]
+Per unit, at the points where FSDP2 hooks in:
+
+* a forward pre-hook of each of the unit's modules gathers it (the runtime
+  prefetches the next) and points its parameters' ``.data`` at the gathered
+  slot, zero-copy through DLPack; with grad enabled it also passes the
+  forward's tensor inputs through ``_PostBackward``, whose backward runs when
+  the gradients of those inputs are computed, that is when the unit's backward
+  is done;
+* a forward hook frees the slot (the runtime keeps the last unit and the root)
+  and registers a hook on each output tensor: the first to get its gradient
+  opens the unit's backward (regathered into the same slot, so the tensors
+  autograd saved see the same memory with the same values);
+* each trained parameter's post-accumulate-grad hook copies its gradient into
+  the runtime's gradient buffer; when all of a unit's are in, the unit closes.
+
+A unit closes (its missing gradients zeroed, its reduction issued) at the
+first of: all its gradients in, ``_PostBackward``, a lower unit closing, or the
+callback queued on autograd's engine at the start of each backward, which
+closes every open unit and lets the runtime reduce zeros for the units whose
+backward never began ([Note: passes] in ``tidearray.fsdp._runtime``). Units
+close in descending order, the root last, so every rank issues the same
+reductions in the same order whatever gradients its routing gave it. A
+gradient that arrives for a unit closed already is an error, never lost.
+
+Forwards with grad disabled release each unit after it runs, the last one and
+the root too; a forward with grad enabled and no backward is released by the
+next forward (the runtime starts a new pass). Activation checkpointing works:
+a forward recomputed during backward finds its unit gathered already, and the
+hooks leave the runtime alone then. Every hook runs outside ``torch.compile``'s
+graphs (``torch._dynamo.disable``).
+
+Parameters are empty placeholders whenever their unit is not gathered. So that
+torch's own tools cannot silently see nothing, ``module.state_dict()`` raises
+(naming :meth:`ShardedModule.state_dict`), and after a backward each trained
+placeholder's ``.grad`` is a sentinel that raises when used (so
+``torch.nn.utils.clip_grad_norm_(model.parameters())`` names
+:meth:`ShardedModule.clip_grad_norm_` instead of returning 0).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .. import _dtypes, _validate
+from .._errors import TideInvalid
+from ..fsdp import AdamW, ShardedModel
+from . import _init, _units
+
+if TYPE_CHECKING:
+    from .._group import Group
+
+#: ``optimizer=``: the fused AdamW's settings, or a function making any torch optimizer
+#: from the fp32 shards (see :meth:`ShardedModule.shard_parameters`).
+Optimizer = Union[AdamW, Callable[[list], Any], None]
+
+
+def shard_module(module: torch.nn.Module, units: Optional[Sequence[Any]] = None, *,
+                 group: Optional[Group] = None, param_dtype: Any = None,
+                 optimizer: Optimizer = None, param_groups: Sequence[dict] = (),
+                 prefetch: int = 1, comm: str = "tide", keep_param_shards: bool = False,
+                 init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
+                 checkpoint: Optional[str] = None, device: Any = None) -> ShardedModule:
+    """Shard ``module``'s parameters by ``units``, as ``fully_shard`` on each unit and then
+    on the model does. Collective: every rank wraps the same model.
+
+    Args:
+        module: the model (the root unit owns what no other unit owns).
+        units: modules, or lists of modules, in the order their forwards begin
+            (say each decoder layer); each owns its subtree's parameters that no
+            nested unit owns. None: the whole model is one unit.
+        group: the tidearray group (default: the last ``init``).
+        param_dtype: dtype of the gathered parameters and gradients (a torch or
+            NumPy dtype; default: the parameters' own).
+        optimizer: AdamW hyper-parameters for the fused optimizer (default
+            ``AdamW()``), or ``make(params) -> torch.optim.Optimizer`` to step
+            the fp32 shards with any torch optimizer.
+        param_groups: torch-style groups for the fused AdamW: dicts with
+            ``params`` (parameters or their names) and any of ``lr``, ``betas``,
+            ``eps``, ``weight_decay``; the rest of the parameters use ``optimizer``.
+        prefetch: units gathered ahead (1).
+        comm: ``"tide"``, ``"stock"`` or ``"local"`` (see ``ShardedModel``).
+        keep_param_shards: keep param-dtype shards instead of casting the fp32
+            masters at every gather (see ``ShardedModel``).
+        init_fn: for a model on the meta device: initialises one module
+            materialised alone (default: its ``reset_parameters()``).
+        checkpoint: for a model on the meta device: a ``.safetensors`` file or a
+            directory of them, read one tensor at a time.
+        device: the device of the gathered parameters and buffers of a meta
+            model (default: the group's GPU, or the CPU on the host backend).
+
+    Returns:
+        The :class:`ShardedModule`; call it as the module, then ``.step()``.
+
+    Raises:
+        TideInvalid: on every rank: bad units, an unsupported dtype, or ranks
+            whose models differ (unit count, parameter names, shapes, dtypes or
+            which are trained), naming the unit and the parameter.
+    """
+    return ShardedModule(module, units, group=group, param_dtype=param_dtype,
+                         optimizer=optimizer, param_groups=param_groups, prefetch=prefetch,
+                         comm=comm, keep_param_shards=keep_param_shards, init_fn=init_fn,
+                         checkpoint=checkpoint, device=device)
+
+
+class ShardedModule:
+    """A module whose units are sharded by tidearray. Made by :func:`shard_module`."""
+
+    def __init__(self, module: torch.nn.Module, units: Optional[Sequence[Any]], *,
+                 group: Optional[Group], param_dtype: Any, optimizer: Optimizer,
+                 param_groups: Sequence[dict], prefetch: int, comm: str,
+                 keep_param_shards: bool, init_fn: Any, checkpoint: Optional[str],
+                 device: Any) -> None:
+        from .._group import default_group
+
+        group = group or default_group()
+        self.module = module
+        self.group = group
+        spec = _units.resolve(module, units)
+        self.spec = spec
+        self.units = list(spec.units)
+        self.params = [list(u.params) for u in self.units]
+        self.names = [list(u.names) for u in self.units]
+        meta = any(_init.is_meta(p) for ps in self.params for p in ps)
+        self.device = torch.device(device) if device is not None else (
+            _default_device(group) if meta else self.params[0][0].device)
+        values = _init.Values(spec, init_fn, checkpoint)
+        errors = [f"checkpoint: expected every parameter, got none for {n!r}"
+                  for n in values.missing()[:3]]
+        _validate.check(group, "shard_module", _units.signature(spec), errors)
+        dtype = _numpy_dtype(param_dtype if param_dtype is not None
+                             else self.params[0][0].dtype)
+        self.trainable = [[bool(p.requires_grad) for p in ps] for ps in self.params]
+        fused, self._make_optimizer = _split_optimizer(optimizer)
+        named = [list(zip(n, (tuple(p.shape) for p in ps)))
+                 for n, ps in zip(self.names, self.params)]
+        self.model = ShardedModel(
+            named, init=values, group=group, param_dtype=dtype, optimizer=fused,
+            prefetch=prefetch, comm=comm, keep_param_shards=keep_param_shards, root=spec.root,
+            trainable=self.trainable,
+            param_groups=_param_groups(param_groups, fused, spec, self.names))
+        if meta or checkpoint is not None:
+            _init.materialise_buffers(module, self.device, init_fn, checkpoint)
+        self._empty = [[_placeholder(p, dtype, self.device) for p in ps] for ps in self.params]
+        if meta:  # new Parameters, on the device, under every name the meta ones had
+            self.params = [[_replace_param(spec, p, e) for p, e in zip(ps, es)]
+                           for ps, es in zip(self.params, self._empty)]
+        for ps, es in zip(self.params, self._empty):
+            for p, e in zip(ps, es):
+                p.data = e
+        self._views: dict[tuple[str, int], tuple[list, list]] = {}
+        self._live = [False] * len(self.units)  # pointed at a slot in this pass
+        self._seen: set[int] = set()  # units forwarded in this pass
+        self._open: dict[int, list] = {}  # unit -> its gradient buffers (torch views)
+        self._delivered: dict[int, list[bool]] = {}
+        self._closed: set[int] = set()
+        self._callback_queued = False
+        self._members_left = [len(u.modules) for u in self.units]
+        self._allow_state_dict = False
+        self._sentinels = False
+        self._hooks = self._register()
+        self.optimizer = (self._make_optimizer(self.shard_parameters())
+                          if self._make_optimizer is not None else self.model.optimizer)
+
+    # -- registration -----------------------------------------------------------------
+
+    def _register(self) -> list:
+        hooks = []
+        for u, unit in enumerate(self.units):
+            for m in unit.modules:
+                hooks.append(m.register_forward_pre_hook(
+                    _outside_compile(functools.partial(self._pre_forward, u)), with_kwargs=True))
+                hooks.append(m.register_forward_hook(
+                    _outside_compile(functools.partial(self._post_forward, u))))
+            for k, p in enumerate(self.params[u]):
+                if p.requires_grad:
+                    hooks.append(p.register_post_accumulate_grad_hook(
+                        _outside_compile(functools.partial(self._grad_ready, u, k))))
+        owners = {id(m): m for ps in self.params for p in ps
+                  for m, _ in self.spec.aliases[id(p)]}
+        for m in owners.values():
+            hooks.append(m.register_state_dict_pre_hook(self._guard_state_dict))
+        return hooks
+
+    # -- forward --------------------------------------------------------------------
+
+    def _pre_forward(self, u: int, module: Any, args: Any, kwargs: Any) -> Any:
+        if _in_backward():  # activation checkpointing recomputes the forward in backward:
+            return None  # the unit is gathered already (its backward opened it)
+        if u in self._seen and not (self._live[u] and self._members_left[u] > 0):
+            self._new_pass()  # forwarded already in this pass: a forward with no backward
+        if not self._seen:
+            self._clear_sentinels()
+        if not self._live[u]:
+            self._seen.add(u)
+            self._members_left[u] = len(self.units[u].modules)
+            self._point(u, self.model.pre_forward(u))
+        if not torch.is_grad_enabled():
+            return None
+        flat, tree = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+        if not idx:
+            return None
+        outs = _PostBackward.apply(self, u, *(flat[i] for i in idx))
+        for i, t in zip(idx, outs if isinstance(outs, tuple) else (outs,)):
+            flat[i] = t
+        return tree_unflatten(flat, tree)
+
+    def _post_forward(self, u: int, module: Any, args: Any, output: Any) -> Any:
+        if _in_backward():
+            return None
+        self._members_left[u] -= 1
+        if self._members_left[u] > 0:
+            return None  # a list unit: its other modules are still to run
+        grad = torch.is_grad_enabled()
+        if grad:
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(functools.partial(self._output_grad, u))
+        self.model.post_forward(u)
+        if not self.model.gathered(u):
+            self._unpoint(u)
+        last = u == (0 if self.spec.root else len(self.units) - 1)
+        if not grad and last:  # nothing will run a backward: release everything
+            self.model.release()
+            for j in range(len(self.units)):
+                self._unpoint(j)
+            self._seen.clear()
+        return None
+
+    def _new_pass(self) -> None:
+        """A forward began again with no backward in between ([Note: passes])."""
+        for j in range(len(self.units)):
+            self._unpoint(j)
+        self._seen.clear()
+
+    # -- backward ----------------------------------------------------------------------
+
+    def _output_grad(self, u: int, grad: Any) -> None:
+        if u not in self._closed:
+            self._begin(u)
+
+    def _begin(self, u: int) -> None:
+        """Open unit ``u``'s backward: regathered, gradient buffers handed out."""
+        if u in self._open:
+            return
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(
+                _outside_compile(self._end_backward))
+            self._callback_queued = True
+        params, grads = self.model.pre_backward(u)
+        self._point(u, params)
+        self._open[u] = self._torch_views("grads", u, grads)
+        self._delivered[u] = [False] * len(self.params[u])
+
+    def _grad_ready(self, u: int, k: int, param: Any) -> None:
+        if u in self._closed:
+            raise TideInvalid(f"parameter {self.names[u][k]!r} (unit {u}): expected its "
+                              "gradient before its unit's backward was done, got it after its "
+                              "reduction began: is it used outside its unit? Put it in a unit "
+                              "that holds every module using it (or in the root)")
+        self._begin(u)
+        self._open[u][k].copy_(param.grad)
+        param.grad = None
+        delivered = self._delivered[u]
+        delivered[k] = True
+        if not (self.spec.root and u == 0) and all(
+                d or not t for d, t in zip(delivered, self.trainable[u])):
+            self._close_through(u)
+
+    def _close_through(self, u: int) -> None:
+        """Close every open unit above ``u`` (descending), then ``u``."""
+        for j in sorted((j for j in self._open if j > u), reverse=True):
+            self._close(j)
+        if u in self._open:
+            self._close(u)
+
+    def _close(self, u: int) -> None:
+        grads = self._open.pop(u)
+        for g, d in zip(grads, self._delivered.pop(u)):
+            if not d:  # no gradient on this rank (unused, routed elsewhere, or frozen)
+                g.zero_()
+        self.model.post_backward(u)
+        self._closed.add(u)
+        self._unpoint(u)
+
+    def _end_backward(self) -> None:
+        """Autograd's engine runs this when a backward pass is done."""
+        try:
+            for j in sorted(self._open, reverse=True):
+                self._close(j)
+            self.model.finish_backward()
+        finally:
+            self._callback_queued = False
+            self._closed.clear()
+            self._seen.clear()
+            for j in range(len(self.units)):
+                self._unpoint(j)
+        self._set_sentinels()
+
+    # -- parameters' storage ------------------------------------------------------------
+
+    def _torch_views(self, what: str, u: int, arrays: list) -> list:
+        """Torch views of unit ``u``'s ``arrays``, made again only when the runtime hands
+        out other arrays (a unit takes the same slot step after step)."""
+        hit = self._views.get((what, u))
+        if hit is None or hit[0] is not arrays:
+            shapes = self.model.shapes[u]
+            hit = self._views[(what, u)] = (arrays, [_tensor(a, s) for a, s in
+                                                     zip(arrays, shapes)])
+        return hit[1]
+
+    def _point(self, u: int, arrays: list) -> None:
+        for p, t in zip(self.params[u], self._torch_views("params", u, arrays)):
+            p.data = t
+        self._live[u] = True
+
+    def _unpoint(self, u: int) -> None:
+        if self._live[u]:
+            for p, e in zip(self.params[u], self._empty[u]):
+                p.data = e
+            self._live[u] = False
+
+    def _set_sentinels(self) -> None:
+        for ps, es in zip(self.params, self._empty):
+            for p, e in zip(ps, es):
+                if p.requires_grad:
+                    p.grad = _ShardedGrad.make(e)
+        self._sentinels = True
+
+    def _clear_sentinels(self) -> None:
+        if self._sentinels:
+            for ps in self.params:
+                for p in ps:
+                    if isinstance(p.grad, _ShardedGrad):
+                        p.grad = None
+            self._sentinels = False
+
+    def _guard_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:
+        if not self._allow_state_dict:
+            raise TideInvalid("state_dict() of a module sharded by tidearray: expected "
+                              "ShardedModule.state_dict() (full or sharded), got the module's "
+                              "own, whose parameters are empty placeholders")
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self, lr: Optional[float] = None) -> Optional[float]:
+        """Step the optimizer on every shard: the fused AdamW (see
+        :meth:`ShardedModel.step`), or the torch optimizer ``optimizer=`` made.
+
+        Returns:
+            The fused AdamW's gradient norm when it clips, else None.
+        """
+        self._clear_sentinels()
+        if self._make_optimizer is None:
+            return self.model.step(lr)
+        if lr is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+        self.model.apply_step(self.optimizer.step)
+        return None
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the averaged gradient to the global norm ``max_norm`` at the next
+        :meth:`step`, as ``torch.nn.utils.clip_grad_norm_`` (collective).
+
+        Returns:
+            The total norm over every rank's shard, before clipping.
+        """
+        return self.model.clip_grad_norm_(max_norm)
+
+    def shard_parameters(self) -> list:
+        """This rank's fp32 master shards as torch tensors (padded rows), each with its
+        fp32 gradient shard as ``.grad``: what a torch optimizer steps (``optimizer=``).
+        The runtime sets the gradients to the averaged gradient before that step."""
+        out = []
+        for u in range(len(self.units)):
+            for k, (m, g) in enumerate(zip(self.model.params(u), self.model.grads(u))):
+                t = torch.nn.Parameter(_tensor(m, m.shape), requires_grad=self.trainable[u][k])
+                t.grad = _tensor(g, g.shape)
+                out.append(t)
+        return out
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # generate(), config, ... of the module
+        if name == "module":
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+    # -- state ----------------------------------------------------------------------------
+
+    def state_dict(self, *, full: bool = True, cpu: bool = True,
+                   rank0_only: bool = False) -> dict:
+        """The module's state dict under its own names; see :mod:`tidearray.torch._state`."""
+        from ._state import state_dict
+
+        return state_dict(self, full=full, cpu=cpu, rank0_only=rank0_only)
+
+    def load_state_dict(self, state: dict, *, strict: bool = True) -> None:
+        """Load a full or sharded state dict (collective); see :mod:`tidearray.torch._state`."""
+        from ._state import load_state_dict
+
+        load_state_dict(self, state, strict=strict)
+
+    def remove(self) -> None:
+        """Remove the hooks (the parameters stay empty; take a state dict first)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def close(self) -> None:
+        """Remove the hooks and release the runtime's communicators (collective)."""
+        self.remove()
+        self.model.close()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs once their gradients are
+    computed, that is when the unit's backward is done (FSDP2's
+    ``RegisterPostBackwardFunction``)."""
+
+    @staticmethod
+    def forward(ctx: Any, owner: ShardedModule, u: int, *inputs: Any) -> Any:
+        ctx.owner, ctx.u = owner, u
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        _outside_compile(ctx.owner._close_through)(ctx.u)
+        return (None, None) + grads
+
+
+class _ShardedGrad(torch.Tensor):
+    """The ``.grad`` of a sharded parameter's placeholder after a backward: using it
+    raises, since the gradient lives in the shards (torch tools would see nothing)."""
+
+    ALLOWED = frozenset({"__get__", "__set__", "__repr__", "__format__", "__bool__",
+                         "requires_grad", "is_leaf", "grad_fn", "_base", "dtype", "device",
+                         "shape", "layout", "is_sparse", "size", "dim", "numel", "__hash__",
+                         "_is_view", "data", "detach", "__eq__"})
+
+    @staticmethod
+    def make(like: Any) -> _ShardedGrad:
+        return torch.Tensor._make_subclass(_ShardedGrad, torch.empty_like(like))
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name not in cls.ALLOWED:
+            raise TideInvalid("a gradient of a module sharded by tidearray: expected "
+                              "ShardedModule.clip_grad_norm_() or its shards "
+                              "(shard_parameters()), got a use of the placeholder's .grad "
+                              f"({name or func})")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _outside_compile(fn: Any) -> Any:
+    """``fn`` run eagerly, never traced by Dynamo: the hooks keep the runtime's state."""
+    return torch._dynamo.disable(fn, recursive=True)
+
+
+def _numpy_dtype(dtype: Any) -> np.dtype:
+    name = str(dtype).replace("torch.", "")
+    if name not in _dtypes.SUPPORTED:
+        raise TideInvalid(f"param_dtype: expected bfloat16, float16 or float32, got {dtype}")
+    return _dtypes.SUPPORTED[name]
+
+
+def _default_device(group: Group) -> torch.device:
+    if group.backend.name == "cuda":
+        return torch.device("cuda", group.backend.device)
+    return torch.device("cpu")
+
+
+def _split_optimizer(optimizer: Optimizer) -> tuple[Optional[AdamW], Optional[Callable]]:
+    if optimizer is None or isinstance(optimizer, AdamW):
+        return optimizer, None
+    if callable(optimizer):
+        return None, optimizer
+    raise TideInvalid(f"optimizer: expected an AdamW or a function making a torch optimizer "
+                      f"from a list of tensors, got {type(optimizer).__name__}")
+
+
+_GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay"}
+
+
+def _param_groups(groups: Sequence[dict], fused: Optional[AdamW], spec: Any,
+                  names: list) -> list:
+    """Torch-style groups as the runtime's ``(AdamW, names)`` pairs."""
+    base = fused or AdamW()
+    known = {n for ns in names for n in ns}
+    out = []
+    for j, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g or set(g) - _GROUP_KEYS:
+            raise TideInvalid(f"param_groups[{j}]: expected a dict with 'params' and any of "
+                              f"lr, betas, eps, weight_decay, got {g!r}"[:300])
+        chosen = []
+        for p in g["params"]:
+            name = p if isinstance(p, str) else spec.all_names.get(id(p), (None,))[0]
+            if name not in known:
+                raise TideInvalid(f"param_groups[{j}]: expected parameters of the model (or "
+                                  f"their names), got {p if isinstance(p, str) else type(p)}")
+            chosen.append(name)
+        opts = {k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"}
+        out.append((replace(base, max_grad_norm=None, **opts), chosen))
+    return out
+
+
+def _placeholder(p: Any, dtype: np.dtype, device: Any) -> Any:
+    return torch.empty(0, dtype=getattr(torch, dtype.name), device=device)
+
+
+def _replace_param(spec: Any, old: Any, empty: Any) -> Any:
+    """A real Parameter in place of a meta one, under every name it had."""
+    new = torch.nn.Parameter(empty, requires_grad=old.requires_grad)
+    for module, attr in spec.aliases[id(old)]:
+        module._parameters[attr] = new
+    spec.aliases[id(new)] = spec.aliases[id(old)]
+    spec.all_names[id(new)] = spec.all_names[id(old)]
+    return new
+
+
+def _tensor(a: Any, shape: Any) -> Any:
+    """A torch view of a tidearray array (NumPy or CuPy), no copy; bf16 included."""
+    if isinstance(a, np.ndarray):
+        if a.dtype == _dtypes.bfloat16:  # NumPy's DLPack has no bf16: move the bits
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).reshape(shape)
+        return torch.from_numpy(a).reshape(shape)
+    return torch.from_dlpack(a).reshape(shape)
