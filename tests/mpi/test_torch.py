@@ -81,9 +81,12 @@ def _reference(model, world: int) -> list[float]:
 
 
 @pytest.mark.parametrize("wrap", list(WRAP))
-def test_shard_module_matches_plain_torch(group, wrap):
+@pytest.mark.parametrize("units_given", [3, 2, 0])
+def test_shard_module_matches_plain_torch(group, wrap, units_given):
     """Also with the middle unit under activation checkpointing (its forward runs again
-    inside backward) and under ``torch.compile``."""
+    inside backward) and under ``torch.compile``; with every layer a unit, with the last
+    left to the root (the model itself owns what no unit owns), and with no units (the
+    whole model one root unit)."""
     if group.backend.name != "host":
         pytest.skip("CPU tensors: the host backend")
     import tidearray.torch as tt
@@ -93,7 +96,8 @@ def test_shard_module_matches_plain_torch(group, wrap):
         pytest.skip("this torch has no torch.compile")
     model, units = _model(0, wrap)
     reference = copy.deepcopy(model)
-    sm = tt.shard_module(model, units, group=group, optimizer=AdamW(lr=LR))
+    sm = tt.shard_module(model, units[:units_given], group=group, optimizer=AdamW(lr=LR))
+    assert len(sm.units) == max(units_given + (units_given < 3), 1)
     losses = []
     for s in range(STEPS):
         x, y = _batch(s, group.rank, B)
@@ -109,10 +113,14 @@ def test_shard_module_matches_plain_torch(group, wrap):
     agree(group.comm, failures, "shard_module vs torch")
 
 
-def test_a_parameter_outside_every_unit_is_refused(group):
+def test_bad_units_are_refused(group):
     import tidearray
     import tidearray.torch as tt
 
     model, units = _model(1)
-    with pytest.raises(tidearray.TideInvalid, match="in none"):
-        tt.shard_module(model, units[:2], group=group)
+    with pytest.raises(tidearray.TideInvalid, match="in units 0 and 1"):
+        tt.shard_module(model, [units[0], units[0]], group=group)
+    with pytest.raises(tidearray.TideInvalid, match="submodule of the model"):
+        tt.shard_module(model, [torch.nn.Linear(2, 2)], group=group)
+    with pytest.raises(tidearray.TideInvalid, match="owns parameters"):
+        tt.shard_module(model, [units[1], units[1][0]], group=group)

@@ -5,7 +5,8 @@ the meta device, its own initialisation or a checkpoint, one module or tensor at
 The runtime asks for full parameters one at a time (``ShardedModel(init=...)``) and
 keeps only this rank's rows. For a parameter on the meta device the module that
 registers it is materialised alone (``to_empty(recurse=False)``: its own parameters
-and buffers, nothing below it) on the CPU, initialised by ``init_fn(module)`` or its
+and buffers, nothing below it) on the CPU, initialised by ``init_fn(module)`` (by
+default a Hugging Face model's own ``_init_weights``) or else its
 ``reset_parameters()``, and its values are handed out and dropped as the runtime
 takes them; with a checkpoint, each tensor is read from the safetensors files when
 asked for. So a rank holds at most one module's own parameters in full at once,
@@ -83,6 +84,14 @@ class Values:
             new = getattr(module, attr)
             self._cache[id(old)] = _as_array(new.detach().to(torch.float32))
             setattr(module, attr, old)  # the placeholder comes later, to every alias
+
+
+def default_init_fn(model: Any, init_fn: Optional[InitFn]) -> Optional[InitFn]:
+    """``init_fn``, else a Hugging Face model's own ``_init_weights`` (which also computes
+    the rotary tables), else None (each module's ``reset_parameters``)."""
+    if init_fn is not None:
+        return init_fn
+    return getattr(model, "_init_weights", None)
 
 
 def init_module(module: Any, init_fn: Optional[InitFn]) -> None:

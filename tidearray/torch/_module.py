@@ -91,7 +91,8 @@ def shard_module(module: torch.nn.Module, units: Optional[Sequence[Any]] = None,
         keep_param_shards: keep param-dtype shards instead of casting the fp32
             masters at every gather (see ``ShardedModel``).
         init_fn: for a model on the meta device: initialises one module
-            materialised alone (default: its ``reset_parameters()``).
+            materialised alone (default: a Hugging Face model's ``_init_weights``,
+            else each module's ``reset_parameters()``).
         checkpoint: for a model on the meta device: a ``.safetensors`` file or a
             directory of them, read one tensor at a time.
         device: the device of the gathered parameters and buffers of a meta
@@ -132,6 +133,7 @@ class ShardedModule:
         meta = any(_init.is_meta(p) for ps in self.params for p in ps)
         self.device = torch.device(device) if device is not None else (
             _default_device(group) if meta else self.params[0][0].device)
+        init_fn = _init.default_init_fn(module, init_fn)
         values = _init.Values(spec, init_fn, checkpoint)
         errors = [f"checkpoint: expected every parameter, got none for {n!r}"
                   for n in values.missing()[:3]]

@@ -1,0 +1,326 @@
+"""Hugging Face models, unchanged, under ``tidearray.torch.shard_module``, multi-rank, host backend.
+
+Each model is trained for 10 steps on every rank's batch by ``shard_module`` (units: each
+decoder layer; the root: embedding, final norm, head) and, in one process on the global
+batch, by ``torch.optim.AdamW``: the losses must agree within 1e-5 relative (fp32). The
+cases are what real jobs hit: tied embeddings, a parameter that gets no gradient, MoE with
+one module per expert (experts no token reached on some rank), frozen parameters,
+evaluation and discarded forwards between steps, parameter groups, a torch optimizer,
+clipping by the global norm, and ranks whose models differ. Fresh data every run (a seed
+drawn on rank 0). Skipped without torch and transformers.
+
+The reference counts a gradient that autograd left as None as zeros (as the sharded
+runtime must, so that every rank runs the same reductions): torch's AdamW would skip
+such a parameter and keep a step count of its own for it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from .._util import agree
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.mpi
+LR, STEPS, TOKENS = 3e-3, 10, 12
+LOSS_RTOL = 1e-5
+VOCAB = 64
+
+
+@pytest.fixture(autouse=True)
+def _host_only(group):
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+
+
+def _seed(group) -> int:
+    return group.comm.bcast(int(np.random.default_rng().integers(1 << 30)), root=0)
+
+
+def _llama(seed: int, tied: bool, layers: int = 2) -> Any:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=2, tie_word_embeddings=tied,
+                                   attn_implementation="eager")
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _qwen3_moe(seed: int) -> Any:
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                      moe_intermediate_size=16, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      num_experts=8, num_experts_per_tok=2,
+                                      attn_implementation="eager")
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+class PerExpertMoE(torch.nn.Module):
+    """Top-1 MoE with one module per expert, as hand-written MoE (and transformers 4.x)
+    spell it: an expert no token reached runs no forward and gets no gradient."""
+
+    def __init__(self, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(hidden, 24), torch.nn.SiLU(),
+                                torch.nn.Linear(24, hidden)) for _ in range(experts))
+        self.idle = 0  # experts that got no token, over all forwards
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weight, choice = torch.softmax(self.router(flat), -1).max(-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero().flatten()
+            if rows.numel() == 0:
+                self.idle += 1
+                continue
+            out = out.index_add(0, rows, expert(flat[rows]) * weight[rows, None])
+        return out.reshape(x.shape)
+
+
+def _per_expert(seed: int) -> Any:
+    model = _llama(seed, tied=False)
+    torch.manual_seed(seed + 1)
+    for layer in model.model.layers:
+        layer.mlp = PerExpertMoE(32, 8)
+    return model
+
+
+def _unused(seed: int) -> Any:
+    model = _llama(seed, tied=True)
+    model.model.layers[0].unused = torch.nn.Linear(32, 32)  # registered, never called
+    return model
+
+
+def _batch(seed: int, step: int, rank: int) -> torch.Tensor:
+    rng = np.random.default_rng([seed, step % 3, rank])  # three batches in turn: learnable
+    return torch.from_numpy(rng.integers(0, VOCAB, (1, TOKENS)))
+
+
+def _loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _zero_missing(model: Any) -> None:
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def _reference(model: Any, seed: int, world: int, groups: Any = None,
+               make_opt: Callable = None, clip: float = None) -> list[float]:
+    params = groups(model) if groups else [p for p in model.parameters() if p.requires_grad]
+    opt = (make_opt or (lambda ps: torch.optim.AdamW(ps, lr=LR, betas=(0.9, 0.95), eps=1e-8,
+                                                      weight_decay=0.0)))(params)
+    losses = []
+    for s in range(STEPS):
+        ids = torch.cat([_batch(seed, s, r) for r in range(world)])
+        # The mean over ranks of each rank's mean loss: the same tokens per rank.
+        loss = torch.stack([_loss(model, ids[r:r + 1]) for r in range(world)]).mean()
+        opt.zero_grad()
+        loss.backward()
+        _zero_missing(model)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _sharded(sm: Any, group, seed: int, between: Callable = None, clip: float = None
+             ) -> list[float]:
+    losses = []
+    for s in range(STEPS):
+        if between is not None:
+            between(sm, s)
+        loss = _loss(sm, _batch(seed, s, group.rank))
+        loss.backward()
+        if clip is not None:
+            sm.clip_grad_norm_(clip)
+        sm.step()
+        losses.append(group.comm.allreduce(float(loss.detach())) / group.size)
+    return losses
+
+
+def _compare(group, got: list[float], want: list[float], what: str) -> None:
+    failures = [f"step {i}: {a!r} vs reference {b!r}" for i, (a, b) in enumerate(zip(got, want))
+                if not abs(a - b) <= LOSS_RTOL * abs(b)]
+    if not got[-1] < got[0]:
+        failures.append(f"loss did not go down: {got}")
+    agree(group.comm, failures, what)
+
+
+def _wrap(model: Any, group, **kw: Any) -> Any:
+    import tidearray.torch as tt
+    from tidearray.fsdp import AdamW
+
+    kw.setdefault("optimizer", AdamW(lr=LR))
+    return tt.shard_module(model, list(model.model.layers), group=group, **kw)
+
+
+MODELS = {"llama-tied": lambda s: _llama(s, True), "llama-untied": lambda s: _llama(s, False),
+          "qwen3-moe": _qwen3_moe, "per-expert-moe": _per_expert, "unused-param": _unused}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_model_matches_one_process(group, name):
+    seed = _seed(group)
+    model = MODELS[name](seed)
+    reference = copy.deepcopy(model)
+    got = _sharded(_wrap(model, group), group, seed)
+    _compare(group, got, _reference(reference, seed, group.size), f"{name} vs one process")
+    if name == "per-expert-moe":  # the case must have happened somewhere
+        idle = sum(layer.mlp.idle for layer in model.model.layers)
+        assert group.comm.allreduce(idle) > 0
+
+
+def test_eval_generate_and_discarded_forwards_between_steps(group):
+    """A ``no_grad`` evaluation, ``generate`` and a grad-enabled forward that is thrown
+    away, before some steps: the training that follows is exact."""
+    seed = _seed(group)
+    model = _llama(seed, tied=True)
+    reference = copy.deepcopy(model)
+    prompt = _batch(seed, 99, 0)[:, :4]
+
+    def between(sm: Any, s: int) -> None:
+        if s % 3 == 1:
+            with torch.no_grad():
+                _loss(sm, _batch(seed, 7, group.rank))
+        if s % 3 == 2:
+            _loss(sm, _batch(seed, 8, group.rank))  # no backward
+        if s == 4:
+            out = sm.module.generate(prompt, max_new_tokens=3, min_new_tokens=3,
+                                     do_sample=False)
+            assert out.shape == (1, 7)
+
+    got = _sharded(_wrap(model, group), group, seed, between)
+    _compare(group, got, _reference(reference, seed, group.size), "eval between steps")
+
+
+def test_frozen_parameters(group):
+    seed = _seed(group)
+    model = _llama(seed, tied=False)
+    for m in (model, ):
+        m.model.embed_tokens.weight.requires_grad_(False)
+        m.model.layers[1].self_attn.q_proj.weight.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    frozen = reference.model.embed_tokens.weight.detach().clone()
+    sm = _wrap(model, group)
+    got = _sharded(sm, group, seed)
+    _compare(group, got, _reference(reference, seed, group.size), "frozen")
+    full = sm.state_dict()
+    if group.rank == 0 or full:
+        assert torch.equal(full["model.embed_tokens.weight"], frozen)
+
+
+def _no_decay_groups(model: Any) -> list:
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    return [{"params": decay, "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.ndim <= 1], "weight_decay": 0.0,
+             "lr": LR / 2}]
+
+
+def test_param_groups_and_clipping(group):
+    """No decay on 1-D parameters, half the lr on them, and clipping at a norm the
+    gradients exceed; against torch's AdamW with the same groups and clip_grad_norm_."""
+    from tidearray.fsdp import AdamW
+
+    seed = _seed(group)
+    model = _llama(seed, tied=True)
+    reference = copy.deepcopy(model)
+    sm = _wrap(model, group, optimizer=AdamW(lr=LR, weight_decay=0.1),
+               param_groups=[g for g in _no_decay_groups(model)[1:]])
+    got = _sharded(sm, group, seed, clip=0.5)
+    want = _reference(reference, seed, group.size, groups=_no_decay_groups, clip=0.5,
+                      make_opt=lambda gs: torch.optim.AdamW(gs, lr=LR, betas=(0.9, 0.95),
+                                                            eps=1e-8))
+    _compare(group, got, want, "param groups + clip")
+
+
+def test_torch_optimizer_on_the_shards(group):
+    seed = _seed(group)
+    model = _llama(seed, tied=True)
+    reference = copy.deepcopy(model)
+
+    def sgd(ps: list) -> Any:
+        return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+
+    got = _sharded(_wrap(model, group, optimizer=sgd), group, seed)
+    _compare(group, got, _reference(reference, seed, group.size, make_opt=sgd), "SGD on shards")
+
+
+def test_torch_tools_do_not_silently_see_nothing(group):
+    import tidearray
+
+    seed = _seed(group)
+    model = _llama(seed, tied=True)
+    sm = _wrap(model, group)
+    _loss(sm, _batch(seed, 0, group.rank)).backward()
+    with pytest.raises(tidearray.TideInvalid, match="clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(tidearray.TideInvalid, match="ShardedModule.state_dict"):
+        model.state_dict()
+    assert sm.clip_grad_norm_(1.0) > 0
+    sm.step()
+    _loss(sm, _batch(seed, 1, group.rank)).backward()  # the sentinels are gone again
+    sm.step()
+
+
+def test_ranks_with_different_models_fail_together(group):
+    """Rank 1 has one more layer (of the same shape): every rank raises, naming it."""
+    import tidearray
+
+    if group.size < 2:
+        pytest.skip("needs two ranks")
+    model = _llama(0, tied=True, layers=3 if group.rank == 1 else 2)
+    with pytest.raises(tidearray.TideInvalid, match="units"):
+        _wrap(model, group)
+    model = _llama(0, tied=True)
+    if group.rank == 1:
+        model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+    with pytest.raises(tidearray.TideInvalid, match="mlp.up_proj.weight"):
+        _wrap(model, group)
+
+
+def test_meta_device_init_from_a_checkpoint(group, tmp_path_factory):
+    """A model built on the meta device, its shards streamed from the safetensors file
+    ``save_pretrained`` wrote: the same losses as training the unsharded loaded model."""
+    seed = _seed(group)
+    path = group.comm.bcast(str(tmp_path_factory.mktemp("ckpt")) if group.rank == 0 else None)
+    if group.rank == 0:
+        _llama(seed, tied=True).save_pretrained(path)
+    group.comm.Barrier()
+    reference = transformers.LlamaForCausalLM.from_pretrained(path, attn_implementation="eager")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(reference.config)
+    sm = _wrap(model, group, checkpoint=path)
+    got = _sharded(sm, group, seed)
+    _compare(group, got, _reference(reference, seed, group.size), "meta + checkpoint")
+
+
+def test_meta_device_init_by_init_fn(group):
+    """Each module materialised alone and initialised by the model's own ``_init_weights``:
+    every rank draws the same values, and the model trains."""
+    torch.manual_seed(_seed(group))
+    cfg = _llama(0, tied=True).config
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    sm = _wrap(model, group, init_fn=model._init_weights)
+    assert model.model.rotary_emb.inv_freq.device.type == "cpu"
+    first = None
+    for s in range(STEPS):
+        loss = _loss(sm, _batch(3, s, group.rank))
+        loss.backward()
+        sm.step()
+        value = group.comm.allreduce(float(loss.detach())) / group.size
+        first = value if first is None else first
+    agree(group.comm, [] if value < first else [f"{first} -> {value}"], "meta + init_fn")
