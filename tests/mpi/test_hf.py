@@ -324,3 +324,107 @@ def test_meta_device_init_by_init_fn(group):
         value = group.comm.allreduce(float(loss.detach())) / group.size
         first = value if first is None else first
     agree(group.comm, [] if value < first else [f"{first} -> {value}"], "meta + init_fn")
+
+
+@pytest.fixture
+def gloo(group):
+    """torch.distributed over gloo on the MPI ranks (for FSDP2 on the CPU)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if group.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = group.comm.bcast(port if group.rank == 0 else None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=group.rank,
+                            world_size=group.size)
+    yield dist
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_against_fully_shard(group, gloo, tied):
+    """FSDP2 (``fully_shard`` on each decoder layer, then on the model; gloo) and
+    ``shard_module`` on copies of one model and one data stream: the same losses."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    seed = _seed(group)
+    model = _llama(seed, tied=tied)
+    fsdp = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (group.size,))
+    for layer in fsdp.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.0)
+    want = []
+    for s in range(STEPS):
+        loss = _loss(fsdp, _batch(seed, s, group.rank))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        want.append(group.comm.allreduce(float(loss.detach())) / group.size)
+    got = _sharded(_wrap(model, group), group, seed)
+    _compare(group, got, want, "shard_module vs fully_shard")
+
+
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_meta_init_never_holds_the_full_model(group):
+    """About 400M parameters (1.6 GB in fp32) on the meta device, wrapped at 2 ranks: the
+    peak RSS while wrapping (sampled every 2 ms) stays within the runtime's own per-rank
+    bytes (shards, moments, slots, gradient buffers) + twice the largest parameter + 1 GiB,
+    and below the full model's fp32 bytes (the runtime's zeroed buffers are not touched
+    yet, so only that second bound would catch a rank that built the whole model)."""
+    import threading
+
+    if group.size != 2:
+        pytest.skip("measured at two ranks (the bound is per rank)")
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096,
+                                   num_hidden_layers=24, num_attention_heads=16,
+                                   num_key_value_heads=4, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    numel = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters()) * 4
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            done.wait(0.002)
+
+    import gc
+
+    gc.collect()
+    before = _rss_bytes()
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        sm = _wrap(model, group)
+    finally:
+        done.set()
+        sampler.join()
+    m = sm.model
+    own = m.arena.nbytes + m.optimizer.exp_avg.nbytes * 2 + m.comm.nbytes
+    budget = own + 2 * largest + (1 << 30)
+    grew = peak[0] - before
+    failures = [] if grew <= budget else [
+        f"expected RSS growth <= {budget / 2**30:.2f} GiB (runtime {own / 2**30:.2f} GiB), "
+        f"got {grew / 2**30:.2f} GiB"]
+    if grew >= numel * 4:
+        failures.append(f"expected RSS growth below the full model's {numel * 4 / 2**30:.2f} "
+                        f"GiB, got {grew / 2**30:.2f} GiB")
+    if group.rank == 0:
+        print(f"\nmeta init: {numel / 1e6:.0f}M parameters, full fp32 {numel * 4 / 2**30:.2f} "
+              f"GiB; rank 0 RSS grew {grew / 2**30:.2f} GiB, runtime {own / 2**30:.2f} GiB, "
+              f"bound {budget / 2**30:.2f} GiB")
+    agree(group.comm, failures, "meta init RSS")

@@ -156,6 +156,40 @@ def test_autograd_order_on_two_slots_gives_the_same_losses(group, impl, monkeypa
           "autograd order")
 
 
+def _step_after_forward_only_passes(sm, net, tokens, targets):
+    """``train.train_step`` after an evaluation forward (every unit, no backward) and a
+    forward abandoned half way (a discarded forward), as real loops run them."""
+    n = sm.num_units
+    x = tokens
+    for i in range(n):  # evaluation: the last unit stays gathered, and no backward comes
+        x, _ = net.forward(i, sm.pre_forward(i), (x, targets) if i == n - 1 else x)
+        sm.post_forward(i)
+    x = tokens
+    for i in range(n // 2 + 1):  # abandoned: the next pre_forward(0) starts a new pass
+        x, _ = net.forward(i, sm.pre_forward(i), x)
+        sm.post_forward(i)
+    if n > 2:
+        sm.release()  # the documented way to end a forward-only pass at once
+    return _plain_train_step(sm, net, tokens, targets)
+
+
+_plain_train_step = train.train_step
+
+
+@pytest.mark.parametrize("impl", ["tide", "stock", "local"])
+def test_forward_only_passes_between_steps_change_nothing(group, impl, monkeypatch):
+    """Bit for bit the losses of the run without them."""
+    try:
+        want = _train(group, "--impl", impl, "--steps", "4")
+    except tidearray.TideInvalid as e:
+        if "one rank per GPU" in str(e):
+            pytest.skip(f"stock needs one rank per GPU: {e}")
+        raise
+    monkeypatch.setattr(train, "train_step", _step_after_forward_only_passes)
+    got = _train(group, "--impl", impl, "--steps", "4")
+    agree(group.comm, [] if got == want else [f"{impl}: {got} != {want}"], "forward-only")
+
+
 def test_gradient_accumulation_matches_the_reference(group):
     if group.backend.name != "host":
         pytest.skip("the fp32 CPU reference is for the host backend")
