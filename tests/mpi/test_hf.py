@@ -7,7 +7,9 @@ cases are what real jobs hit: tied embeddings, a parameter that gets no gradient
 one module per expert (experts no token reached on some rank), frozen parameters,
 evaluation and discarded forwards between steps, parameter groups, a torch optimizer,
 clipping by the global norm, and ranks whose models differ. Fresh data every run (a seed
-drawn on rank 0). Skipped without torch and transformers.
+drawn on rank 0). Skipped without torch and transformers. On the cuda backend the same
+tests run with CUDA tensors (fp32, TF32 off); FSDP2 over gloo and the RSS bound are CPU
+only.
 
 The reference counts a gradient that autograd left as None as zeros (as the sharded
 runtime must, so that every rank runs the same reductions): torch's AdamW would skip
@@ -34,13 +36,35 @@ VOCAB = 64
 
 
 @pytest.fixture(autouse=True)
-def _host_only(group):
+def device(group):
+    """Where the models live: the group's GPU on the cuda backend, else the CPU."""
+    if group.backend.name == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.cuda.set_device(group.backend.device)
+        return torch.device("cuda", group.backend.device)
+    return torch.device("cpu")
+
+
+def _host_only(group) -> None:
     if group.backend.name != "host":
-        pytest.skip("CPU tensors: the host backend")
+        pytest.skip("CPU only")
 
 
 def _seed(group) -> int:
     return group.comm.bcast(int(np.random.default_rng().integers(1 << 30)), root=0)
+
+
+def _on_device(model: Any) -> Any:
+    return model.to(DEVICE[0])
+
+
+#: The current test's device (the autouse fixture sets it).
+DEVICE = [torch.device("cpu")]
+
+
+@pytest.fixture(autouse=True)
+def _set_device(device):
+    DEVICE[0] = device
 
 
 def _llama(seed: int, tied: bool, layers: int = 2) -> Any:
@@ -49,7 +73,7 @@ def _llama(seed: int, tied: bool, layers: int = 2) -> Any:
                                    num_hidden_layers=layers, num_attention_heads=4,
                                    num_key_value_heads=2, tie_word_embeddings=tied,
                                    attn_implementation="eager")
-    return transformers.LlamaForCausalLM(cfg)
+    return _on_device(transformers.LlamaForCausalLM(cfg))
 
 
 def _qwen3_moe(seed: int) -> Any:
@@ -59,7 +83,7 @@ def _qwen3_moe(seed: int) -> Any:
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                       num_experts=8, num_experts_per_tok=2,
                                       attn_implementation="eager")
-    return transformers.Qwen3MoeForCausalLM(cfg)
+    return _on_device(transformers.Qwen3MoeForCausalLM(cfg))
 
 
 class PerExpertMoE(torch.nn.Module):
@@ -92,13 +116,13 @@ def _per_expert(seed: int) -> Any:
     torch.manual_seed(seed + 1)
     for layer in model.model.layers:
         layer.mlp = PerExpertMoE(32, 8)
-    return model
+    return _on_device(model)
 
 
 def _unused(seed: int) -> Any:
     model = _llama(seed, tied=True)
     model.model.layers[0].unused = torch.nn.Linear(32, 32)  # registered, never called
-    return model
+    return _on_device(model)
 
 
 def _batch(seed: int, step: int, rank: int) -> torch.Tensor:
@@ -107,6 +131,7 @@ def _batch(seed: int, step: int, rank: int) -> torch.Tensor:
 
 
 def _loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    ids = ids.to(DEVICE[0])
     return model(input_ids=ids, labels=ids).loss
 
 
@@ -200,7 +225,7 @@ def test_eval_generate_and_discarded_forwards_between_steps(group):
         if s == 4:
             out = sm.module.generate(prompt, max_new_tokens=3, min_new_tokens=3,
                                      do_sample=False)
-            assert out.shape == (1, 7)
+            assert tuple(out.shape) == (1, 7)
 
     got = _sharded(_wrap(model, group), group, seed, between)
     _compare(group, got, _reference(reference, seed, group.size), "eval between steps")
@@ -299,7 +324,8 @@ def test_meta_device_init_from_a_checkpoint(group, tmp_path_factory):
     if group.rank == 0:
         _llama(seed, tied=True).save_pretrained(path)
     group.comm.Barrier()
-    reference = transformers.LlamaForCausalLM.from_pretrained(path, attn_implementation="eager")
+    reference = _on_device(transformers.LlamaForCausalLM.from_pretrained(
+        path, attn_implementation="eager"))
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(reference.config)
     sm = _wrap(model, group, checkpoint=path)
@@ -315,7 +341,7 @@ def test_meta_device_init_by_init_fn(group):
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
     sm = _wrap(model, group, init_fn=model._init_weights)
-    assert model.model.rotary_emb.inv_freq.device.type == "cpu"
+    assert model.model.rotary_emb.inv_freq.device == DEVICE[0]
     first = None
     for s in range(STEPS):
         loss = _loss(sm, _batch(3, s, group.rank))
@@ -332,6 +358,8 @@ def gloo(group):
     import socket
 
     import torch.distributed as dist
+
+    _host_only(group)
 
     if group.rank == 0:
         with socket.socket() as s:
@@ -350,6 +378,8 @@ def test_against_fully_shard(group, gloo, tied):
     ``shard_module`` on copies of one model and one data stream: the same losses."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    _host_only(group)
 
     seed = _seed(group)
     model = _llama(seed, tied=tied)
@@ -386,6 +416,7 @@ def test_meta_init_never_holds_the_full_model(group):
     yet, so only that second bound would catch a rank that built the whole model)."""
     import threading
 
+    _host_only(group)
     if group.size != 2:
         pytest.skip("measured at two ranks (the bound is per rank)")
     cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096,
