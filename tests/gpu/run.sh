@@ -177,6 +177,31 @@ run_fsdp2() {  # real FSDP2 against shard_module, one run (TIDE_FSDP2_ARGS adds 
         --out "$OUT/fsdp2" ${TIDE_FSDP2_ARGS:-}
 }
 
+# The torch front end on real models: the Hugging Face tests at 1-4 ranks (ranks sharing the
+# GPU: correctness), an 8B-shaped model trained for 20 steps at 2 ranks, a 70B-shaped model's
+# deferred init measured at 4 ranks, and the one-rank step of this build against the tree
+# in before/ (another commit's tidearray/ and kernels/, untracked), passes alternating.
+HF_TESTS=(tests/mpi/test_hf.py tests/mpi/test_torch.py tests/mpi/test_torch_state.py)
+run_hf() {
+    local n
+    for n in 1 2 3 4; do step "hf_np$n" "${MPI[@]}" -n "$n" "${PYTEST[@]}" "${HF_TESTS[@]}"; done
+}
+run_hf8b() { step hf8b "${MPI[@]}" -n 2 python3 tests/gpu/hf_models.py train8b "$OUT/hf8b.json"; }
+run_meta70b() { step meta70b "${MPI[@]}" -n 4 python3 tests/gpu/hf_models.py meta70b \
+    "$OUT/meta70b.json"; }
+run_ab() {  # TIDE_AB_PASSES (2) of: this build, then before/ (reversed on odd passes)
+    local n build dir
+    [ -d before/tidearray ] || { echo "== ab: no before/ tree"; status=1; return; }
+    for n in $(seq 0 $((${TIDE_AB_PASSES:-2} - 1))); do
+        for build in $([ $((n % 2)) -eq 0 ] && echo "after before" || echo "before after"); do
+            dir=$PWD; [ "$build" = before ] && dir=$PWD/before
+            step "ab_${build}_$n" env TIDE_BACKEND=cuda PYTHONPATH="/tmp/site:$dir:$PWD" timeout "$T" python3 \
+                examples/compare_fsdp2.py --model llama3-8b-8l --tokens 8192 --impls tide \
+                --steps "${TIDE_AB_STEPS:-25}" --warmup 5 --out "$OUT/ab_${build}_$n"
+        done
+    done
+}
+
 run_pipelines() {  # TIDE_GPU_PIPELINES="np2 jax|np3 faults|...": side by side (correctness
     local p pipes  # only: they share the GPUs); a summary line per pipeline and step
     IFS='|' read -ra pipes <<< "$TIDE_GPU_PIPELINES"
