@@ -20,6 +20,7 @@ Both write a JSON record (with the git commit) when given a path.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -100,7 +101,7 @@ def wrap_measured(name: str, g: Any, tokens: int) -> tuple:
         sampler.join()
     figures = _rank_figures(g, sm, peak[0] - before, _device_bytes(g), largest)
     figures["wrap_s"] = time.perf_counter() - t0
-    figures["parameters"] = sum(p.numel() for ps in sm.params for p in ps)
+    figures["parameters"] = sum(math.prod(s) for u in sm.model.shapes for s in u)
     return sm, cfg, figures
 
 

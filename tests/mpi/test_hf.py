@@ -223,7 +223,7 @@ def test_eval_generate_and_discarded_forwards_between_steps(group):
         if s % 3 == 2:
             _loss(sm, _batch(seed, 8, group.rank))  # no backward
         if s == 4:
-            out = sm.module.generate(prompt, max_new_tokens=3, min_new_tokens=3,
+            out = sm.module.generate(prompt.to(DEVICE[0]), max_new_tokens=3, min_new_tokens=3,
                                      do_sample=False)
             assert tuple(out.shape) == (1, 7)
 
@@ -244,7 +244,7 @@ def test_frozen_parameters(group):
     _compare(group, got, _reference(reference, seed, group.size), "frozen")
     full = sm.state_dict()
     if group.rank == 0 or full:
-        assert torch.equal(full["model.embed_tokens.weight"], frozen)
+        assert torch.equal(full["model.embed_tokens.weight"], frozen.cpu())
 
 
 def _no_decay_groups(model: Any) -> list:

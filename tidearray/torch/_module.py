@@ -190,6 +190,7 @@ class ShardedModule:
                   for m, _ in self.spec.aliases[id(p)]}
         for m in owners.values():
             hooks.append(m.register_state_dict_pre_hook(self._guard_state_dict))
+            hooks.append(m.register_load_state_dict_pre_hook(self._guard_load_state_dict))
         return hooks
 
     # -- forward --------------------------------------------------------------------
@@ -352,6 +353,12 @@ class ShardedModule:
                               "ShardedModule.state_dict() (full or sharded), got the module's "
                               "own, whose parameters are empty placeholders")
 
+    def _guard_load_state_dict(self, *args: Any) -> None:
+        if not self._allow_state_dict:
+            raise TideInvalid("load_state_dict() of a module sharded by tidearray: expected "
+                              "ShardedModule.load_state_dict() (full or sharded), got the "
+                              "module's own, whose parameters are empty placeholders")
+
     # -- the step -------------------------------------------------------------------------
 
     def step(self, lr: Optional[float] = None) -> Optional[float]:
@@ -408,11 +415,15 @@ class ShardedModule:
 
         return state_dict(self, full=full, cpu=cpu, rank0_only=rank0_only)
 
-    def load_state_dict(self, state: dict, *, strict: bool = True) -> None:
-        """Load a full or sharded state dict (collective); see :mod:`tidearray.torch._state`."""
+    def load_state_dict(self, state: dict, *, strict: bool = True) -> Any:
+        """Load a full or sharded state dict (collective); see :mod:`tidearray.torch._state`.
+
+        Returns:
+            The keys missing and unexpected (``strict=False``), as torch returns them.
+        """
         from ._state import load_state_dict
 
-        load_state_dict(self, state, strict=strict)
+        return load_state_dict(self, state, strict=strict)
 
     def remove(self) -> None:
         """Remove the hooks (the parameters stay empty; take a state dict first)."""
