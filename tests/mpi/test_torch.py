@@ -124,3 +124,15 @@ def test_bad_units_are_refused(group):
         tt.shard_module(model, [torch.nn.Linear(2, 2)], group=group)
     with pytest.raises(tidearray.TideInvalid, match="owns parameters"):
         tt.shard_module(model, [units[1], units[1][0]], group=group)
+
+
+def test_units_out_of_order_are_refused_at_the_first_forward(group):
+    import tidearray
+    import tidearray.torch as tt
+
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    model, units = _model(2)
+    sm = tt.shard_module(model, [units[1], units[0], units[2]], group=group)
+    with pytest.raises(tidearray.TideInvalid, match="order their forwards begin"):
+        sm(_batch(0, group.rank, B)[0])

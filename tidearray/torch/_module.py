@@ -203,6 +203,7 @@ class ShardedModule:
         if not self._seen:
             self._clear_sentinels()
         if not self._live[u]:
+            self._check_order(u)
             self._seen.add(u)
             self._members_left[u] = len(self.units[u].modules)
             self._point(u, self.model.pre_forward(u))
@@ -216,6 +217,15 @@ class ShardedModule:
         for i, t in zip(idx, outs if isinstance(outs, tuple) else (outs,)):
             flat[i] = t
         return tree_unflatten(flat, tree)
+
+    def _check_order(self, u: int) -> None:
+        """Units must be given in the order their forwards begin (the runtime prefetches
+        the next one and assigns slots by that order); the same on every rank."""
+        later = [j for j in self._seen if j > u and not (self.spec.root and j == 0)]
+        if later:
+            raise TideInvalid(f"units: expected them in the order their forwards begin, got "
+                              f"unit {u} ({type(self.units[u].modules[0]).__name__}) after unit "
+                              f"{max(later)}; pass the units in execution order")
 
     def _post_forward(self, u: int, module: Any, args: Any, output: Any) -> Any:
         if _in_backward():
