@@ -102,7 +102,7 @@ def mpiexec_flags(mpiexec: str) -> list[str]:
 #: Every example, as the docs run it (short settings where a flag allows).
 EXAMPLES = (("examples/train.py", "--steps", "5"), ("examples/quickstart.py",),
             ("examples/async_prefetch.py",), ("examples/interop_dlpack.py",),
-            ("examples/torch_train.py",), ("examples/jax_train.py",),
+            ("examples/torch_train.py",), ("examples/hf_train.py",), ("examples/jax_train.py",),
             ("examples/compare_fsdp2.py", "--steps", "4"),
             ("-m", "tidearray.bench", "all", "--quick", "--iters", "20", "--out",
              str(Path(tempfile.gettempdir()) / "tidearray-ci-bench")))
