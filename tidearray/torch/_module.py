@@ -163,6 +163,8 @@ class ShardedModule:
         self._seen: set[int] = set()  # units forwarded in this pass
         self._open: dict[int, list] = {}  # unit -> its gradient buffers (torch views)
         self._delivered: dict[int, list[bool]] = {}
+        self._waiting: dict[int, int] = {}
+        self._trained = [sum(t) for t in self.trainable]
         self._closed: set[int] = set()
         self._callback_queued = False
         self._members_left = [len(u.modules) for u in self.units]
@@ -273,6 +275,7 @@ class ShardedModule:
         self._point(u, params)
         self._open[u] = self._torch_views("grads", u, grads)
         self._delivered[u] = [False] * len(self.params[u])
+        self._waiting[u] = self._trained[u]  # gradients still to come
 
     def _grad_ready(self, u: int, k: int, param: Any) -> None:
         if u in self._closed:
@@ -281,12 +284,14 @@ class ShardedModule:
                               "reduction began: is it used outside its unit? Put it in a unit "
                               "that holds every module using it (or in the root)")
         self._begin(u)
-        self._open[u][k].copy_(param.grad)
-        param.grad = None
-        delivered = self._delivered[u]
-        delivered[k] = True
-        if not (self.spec.root and u == 0) and all(
-                d or not t for d, t in zip(delivered, self.trainable[u])):
+        param.grad, grad = None, param.grad
+        if self._delivered[u][k]:  # a second delivery in one backward: sum, as autograd would
+            self._open[u][k].add_(grad)
+            return
+        self._open[u][k].copy_(grad)
+        self._delivered[u][k] = True
+        self._waiting[u] -= 1
+        if self._waiting[u] == 0 and not (self.spec.root and u == 0):
             self._close_through(u)
 
     def _close_through(self, u: int) -> None:
