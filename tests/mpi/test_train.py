@@ -178,7 +178,7 @@ _plain_train_step = train.train_step
 
 @pytest.mark.parametrize("impl", ["tide", "stock", "local"])
 def test_forward_only_passes_between_steps_change_nothing(group, impl, monkeypatch):
-    """Bit for bit the losses of the run without them."""
+    """The losses of the run without them: bit for bit on the host."""
     try:
         want = _train(group, "--impl", impl, "--steps", "4")
     except tidearray.TideInvalid as e:
@@ -187,7 +187,10 @@ def test_forward_only_passes_between_steps_change_nothing(group, impl, monkeypat
         raise
     monkeypatch.setattr(train, "train_step", _step_after_forward_only_passes)
     got = _train(group, "--impl", impl, "--steps", "4")
-    agree(group.comm, [] if got == want else [f"{impl}: {got} != {want}"], "forward-only")
+    # Bitwise on the host; on cuda two runs of the same steps differ in the last bit
+    # already (as in the autograd-order test), so there within the losses' tolerance.
+    ok = got == want if group.backend.name == "host" else not _close(got, want, impl)
+    agree(group.comm, [] if ok else [f"{impl}: {got} != {want}"], "forward-only")
 
 
 def test_gradient_accumulation_matches_the_reference(group):
