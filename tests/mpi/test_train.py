@@ -143,17 +143,23 @@ def _autograd_order_step(sm, net, tokens, targets):
 @pytest.mark.parametrize("impl", ["tide", "stock"])
 def test_autograd_order_on_two_slots_gives_the_same_losses(group, impl, monkeypatch):
     """Two slots (prefetch 1) and the interleaved hook order: bit for bit the in-order run."""
+    _same_losses_with_step(group, impl, monkeypatch, _autograd_order_step, "autograd order")
+
+
+def _same_losses_with_step(group, impl, monkeypatch, train_step, what):
+    """Four steps with ``train.train_step`` replaced give the plain run's losses: bit for
+    bit on the host; on cuda, where two runs of the same steps can differ in the last bit,
+    within the losses' tolerance."""
     try:
         want = _train(group, "--impl", impl, "--steps", "4")
     except tidearray.TideInvalid as e:  # raised on every rank, so all skip together
         if "one rank per GPU" in str(e):
             pytest.skip(f"stock needs one rank per GPU: {e}")
         raise
-    monkeypatch.setattr(train, "train_step", _autograd_order_step)
+    monkeypatch.setattr(train, "train_step", train_step)
     got = _train(group, "--impl", impl, "--steps", "4")
     ok = got == want if group.backend.name == "host" else not _close(got, want, impl)
-    agree(group.comm, [] if ok else [f"{impl}: interleaved {got} != in order {want}"],
-          "autograd order")
+    agree(group.comm, [] if ok else [f"{impl}: {got} != {want}"], what)
 
 
 def _step_after_forward_only_passes(sm, net, tokens, targets):
@@ -179,18 +185,8 @@ _plain_train_step = train.train_step
 @pytest.mark.parametrize("impl", ["tide", "stock", "local"])
 def test_forward_only_passes_between_steps_change_nothing(group, impl, monkeypatch):
     """The losses of the run without them: bit for bit on the host."""
-    try:
-        want = _train(group, "--impl", impl, "--steps", "4")
-    except tidearray.TideInvalid as e:
-        if "one rank per GPU" in str(e):
-            pytest.skip(f"stock needs one rank per GPU: {e}")
-        raise
-    monkeypatch.setattr(train, "train_step", _step_after_forward_only_passes)
-    got = _train(group, "--impl", impl, "--steps", "4")
-    # Bitwise on the host; on cuda two runs of the same steps differ in the last bit
-    # already (as in the autograd-order test), so there within the losses' tolerance.
-    ok = got == want if group.backend.name == "host" else not _close(got, want, impl)
-    agree(group.comm, [] if ok else [f"{impl}: {got} != {want}"], "forward-only")
+    _same_losses_with_step(group, impl, monkeypatch, _step_after_forward_only_passes,
+                           "forward-only")
 
 
 def test_gradient_accumulation_matches_the_reference(group):
