@@ -461,3 +461,15 @@ def test_meta_init_never_holds_the_full_model(group):
               f"GiB; rank 0 RSS grew {grew / 2**30:.2f} GiB, runtime {own / 2**30:.2f} GiB, "
               f"bound {budget / 2**30:.2f} GiB")
     agree(group.comm, failures, "meta init RSS")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hf_gradient_checkpointing(group, reentrant):
+    """``gradient_checkpointing_enable()``: each layer's forward runs again in backward."""
+    seed = _seed(group)
+    model = _llama(seed, tied=True)
+    reference = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    got = _sharded(_wrap(model, group), group, seed)
+    _compare(group, got, _reference(reference, seed, group.size), "gradient checkpointing")
