@@ -234,9 +234,8 @@ def test_eval_generate_and_discarded_forwards_between_steps(group):
 def test_frozen_parameters(group):
     seed = _seed(group)
     model = _llama(seed, tied=False)
-    for m in (model, ):
-        m.model.embed_tokens.weight.requires_grad_(False)
-        m.model.layers[1].self_attn.q_proj.weight.requires_grad_(False)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    model.model.layers[1].self_attn.q_proj.weight.requires_grad_(False)
     reference = copy.deepcopy(model)
     frozen = reference.model.embed_tokens.weight.detach().clone()
     sm = _wrap(model, group)

@@ -47,6 +47,21 @@ class Values:
         self.by_name = {n: p for u in model_units.units for n, p in zip(u.names, u.params)}
         self.files = _checkpoint_files(checkpoint) if checkpoint is not None else None
         self._cache: dict[int, Any] = {}  # id(param) -> full value, until taken
+        self._open: dict[str, Any] = {}  # safetensors file -> its handle, while wrapping
+
+    def read(self, key: str) -> Any:
+        """Tensor ``key`` of the checkpoint (each file opened once: its header is parsed
+        once, and its tensors are read from the mapping one at a time)."""
+        file = self.files[key]
+        if file not in self._open:
+            from safetensors import safe_open
+
+            self._open[file] = safe_open(file, framework="pt")
+        return self._open[file].get_tensor(key)
+
+    def close(self) -> None:
+        """Drop the checkpoint's handles (the wrap is done)."""
+        self._open.clear()
 
     def missing(self) -> list[str]:
         """Parameters the checkpoint does not hold (under any of their names)."""
@@ -61,10 +76,7 @@ class Values:
         p = self.by_name[name]
         if self.files is not None:
             key = next(a for a in self.units.all_names[id(p)] if a in self.files)
-            from safetensors import safe_open
-
-            with safe_open(self.files[key], framework="pt") as f:
-                return f.get_tensor(key).to(torch.float32).numpy()
+            return self.read(key).to(torch.float32).numpy()
         if not is_meta(p):
             return _as_array(p.detach())
         if id(p) not in self._cache:
@@ -106,13 +118,12 @@ def init_module(module: Any, init_fn: Optional[InitFn]) -> None:
                           "_init_weights, say), or a checkpoint, got none")
 
 
-def materialise_buffers(model: Any, device: Any, init_fn: Optional[InitFn],
-                        checkpoint: Optional[str]) -> None:
+def materialise_buffers(model: Any, device: Any, values: Values) -> None:
     """Meta buffers (rotary tables, say) in full on ``device``: from the checkpoint where it
     holds them, else by ``init_fn`` or ``reset_parameters`` of their module."""
     import torch
 
-    files = _checkpoint_files(checkpoint) if checkpoint is not None else {}
+    files = values.files or {}
     for prefix, module in model.named_modules():
         metas = [n for n, b in module.named_buffers(recurse=False) if is_meta(b)]
         if not metas:
@@ -123,14 +134,10 @@ def materialise_buffers(model: Any, device: Any, init_fn: Optional[InitFn],
             setattr(module, attr, old)  # parameters stay as they are (the runtime's)
         loaded = [n for n in metas if f"{prefix}.{n}".lstrip(".") in files]
         for n in loaded:
-            from safetensors import safe_open
-
-            key = f"{prefix}.{n}".lstrip(".")
-            with safe_open(files[key], framework="pt") as f:
-                getattr(module, n).copy_(f.get_tensor(key))
+            getattr(module, n).copy_(values.read(f"{prefix}.{n}".lstrip(".")))
         if len(loaded) < len(metas):
             with torch.no_grad():
-                init_module(module, init_fn)
+                init_module(module, values.init_fn)
     for module in model.modules():  # modules materialised with their parameters too
         for n, b in module._buffers.items():
             if b is not None and b.device != torch.device(device):

@@ -150,7 +150,8 @@ class ShardedModule:
             trainable=self.trainable,
             param_groups=_param_groups(param_groups, fused, spec, self.names))
         if meta or checkpoint is not None:
-            _init.materialise_buffers(module, self.device, init_fn, checkpoint)
+            _init.materialise_buffers(module, self.device, values)
+        values.close()
         self._empty = [[_placeholder(p, dtype, self.device) for p in ps] for ps in self.params]
         if meta:  # new Parameters, on the device, under every name the meta ones had
             self.params = [[_replace_param(spec, p, e) for p, e in zip(ps, es)]
@@ -170,6 +171,13 @@ class ShardedModule:
         self._members_left = [len(u.modules) for u in self.units]
         self._allow_state_dict = False
         self._sentinels = False
+        # Made once: each backward only assigns them (a parameter's, one placeholder's size).
+        self._sentinel_grads = [(p, _ShardedGrad.make(e)) for ps, es in
+                                zip(self.params, self._empty) for p, e in zip(ps, es)
+                                if p.requires_grad]
+        # Dynamo-free wrappers of what autograd calls each backward, made once.
+        self._end_backward_eager = _outside_compile(self._end_backward)
+        self.close_through_eager = _outside_compile(self._close_through)
         self._hooks = self._register()
         self.optimizer = (self._make_optimizer(self.shard_parameters())
                           if self._make_optimizer is not None else self.model.optimizer)
@@ -269,7 +277,7 @@ class ShardedModule:
             return
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(
-                _outside_compile(self._end_backward))
+                self._end_backward_eager)
             self._callback_queued = True
         params, grads = self.model.pre_backward(u)
         self._point(u, params)
@@ -348,18 +356,15 @@ class ShardedModule:
             self._live[u] = False
 
     def _set_sentinels(self) -> None:
-        for ps, es in zip(self.params, self._empty):
-            for p, e in zip(ps, es):
-                if p.requires_grad:
-                    p.grad = _ShardedGrad.make(e)
+        for p, s in self._sentinel_grads:
+            p.grad = s
         self._sentinels = True
 
     def _clear_sentinels(self) -> None:
         if self._sentinels:
-            for ps in self.params:
-                for p in ps:
-                    if isinstance(p.grad, _ShardedGrad):
-                        p.grad = None
+            for p, s in self._sentinel_grads:
+                if p.grad is s:
+                    p.grad = None
             self._sentinels = False
 
     def _guard_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:
@@ -464,7 +469,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        _outside_compile(ctx.owner._close_through)(ctx.u)
+        ctx.owner.close_through_eager(ctx.u)
         return (None, None) + grads
 
 
