@@ -29,7 +29,9 @@ Forwards with grad disabled release each unit after it runs, the last one and
 the root too; a forward with grad enabled and no backward is released by the
 next forward (the runtime starts a new pass). Activation checkpointing works:
 a forward recomputed during backward finds its unit gathered already, and the
-hooks leave the runtime alone then. Every hook runs outside ``torch.compile``'s
+hooks leave the runtime alone then; under reentrant checkpointing, whose first forward
+runs without grad (so the unit was released and hooked no outputs), the recompute
+opens the unit's backward. Every hook runs outside ``torch.compile``'s
 graphs (``torch._dynamo.disable``).
 
 Parameters are empty placeholders whenever their unit is not gathered. So that
@@ -207,7 +209,11 @@ class ShardedModule:
 
     def _pre_forward(self, u: int, module: Any, args: Any, kwargs: Any) -> Any:
         if _in_backward():  # activation checkpointing recomputes the forward in backward:
-            return None  # the unit is gathered already (its backward opened it)
+            if not self._live[u] and u not in self._closed:
+                # Reentrant checkpointing ran the first forward without grad (the unit was
+                # released and hooked no outputs): the recompute opens its backward.
+                self._begin(u)
+            return None  # else gathered already: its backward opened it
         if u in self._seen and not (self._live[u] and self._members_left[u] > 0):
             self._new_pass()  # forwarded already in this pass: a forward with no backward
         if not self._seen:
