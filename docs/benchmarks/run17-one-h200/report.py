@@ -10,6 +10,11 @@ Every record comes from one H200 (nvidia-h200), ranks sharing it where there are
   (the Hugging Face tests on the cuda backend at 1-4 ranks; the whole suite at 1 and 2);
 * ``np2_forward_only.log``: ``mpirun -n 2 python -m pytest --with-mpi tests/mpi/test_train.py
   -k forward_only`` at d71537d;
+* ``final_np{1..4}.log``: ``TIDE_GPU_PIPELINES="np1|np2|np3|np4" bash tests/gpu/run.sh``
+  at b1edafe (the whole suite at 1 and 2 ranks, tests/mpi and tests/gpu at 3 and 4): one
+  failure at every rank count, reentrant Hugging Face gradient checkpointing;
+* ``hf_final_np{1..4}.log``: ``mpirun -n N python -m pytest --with-mpi tests/mpi/test_hf.py
+  tests/mpi/test_torch.py`` at 91a77b5, the fix for it;
 * ``hf8b.json``: ``mpirun -n 2 python tests/gpu/hf_models.py train8b`` at ec9e4d0;
 * ``meta70b.json``: ``mpirun -n 4 python tests/gpu/hf_models.py meta70b`` at d71537d;
 * ``ab_{after,before}_{0,1}.json``: ``TIDE_GPU_STEPS=ab bash tests/gpu/run.sh`` at
@@ -85,13 +90,19 @@ def main() -> None:
            "## The Hugging Face tests on the cuda backend", "",
            "| run | result |", "| --- | --- |"]
     for log in sorted(glob.glob(os.path.join(HERE, "hf_np*.log"))) + [
-            os.path.join(HERE, f"{n}.log") for n in ("np1", "np2", "np2_forward_only")]:
+            os.path.join(HERE, f"{n}.log") for n in ("np1", "np2", "np2_forward_only")] + [
+            os.path.join(HERE, f"{k}_np{n}.log") for k in ("final", "hf_final")
+            for n in range(1, 5)]:
         name = os.path.basename(log)[:-4]
         what = {"np2_forward_only": "test_train.py -k forward_only at d71537d: the np2 "
                 "failure, a last-bit loss difference on cuda, now compared within the "
-                "tolerance"}.get(name, "tests/mpi/test_hf.py, test_torch.py, "
-                                 "test_torch_state.py" if name.startswith("hf")
-                                 else "the whole suite (tests/)")
+                "tolerance"}.get(name)
+        if what is None:
+            what = ("test_hf.py, test_torch.py at 91a77b5 (reentrant checkpointing fixed)"
+                    if name.startswith("hf_final") else
+                    "the suite at b1edafe" if name.startswith("final") else
+                    "tests/mpi/test_hf.py, test_torch.py, test_torch_state.py"
+                    if name.startswith("hf") else "the whole suite (tests/)")
         out.append(f"| {name} ({what}) | {summary(os.path.basename(log))} |")
     out += ["", "## An 8B-shaped `transformers` Llama (8 layers) at 2 ranks", "",
             f"Built on the meta device, initialised shard by shard by `_init_weights`, "
