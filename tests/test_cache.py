@@ -1,25 +1,16 @@
-"""Bounded caches (one process)."""
+"""The bounded cache a group keeps its eager plans in (one process)."""
 
 from __future__ import annotations
 
-from tidearray._cache import CallCache, IdentityCache
+from tidearray._cache import BoundedCache
 
 
-def test_identity_cache_keeps_tuples_by_identity_only():
-    cache = IdentityCache(size=2)
-    a, b = (1, 2), [1, 2]
-    assert cache.get(a, lambda k: ("v", k)) == ("v", a)
-    assert cache.get(a, lambda k: 1 / 0) == ("v", a)  # a hit: not made again
-    assert cache.get(tuple([1, 2]), lambda k: "equal, not identical") == "equal, not identical"
-    assert cache.get(b, lambda k: "list") == "list"
-    assert cache.get(b, lambda k: "list again") == "list again"  # lists are never kept
-
-
-def test_caches_evict_oldest_first_and_on_clear():
+def test_bounded_cache_evicts_oldest_first_and_on_clear():
     gone = []
-    cache = CallCache(size=2, evict=gone.append)
+    cache = BoundedCache(size=2, evict=gone.append)
     for k in "abc":
         cache.put(k, k.upper())
     assert gone == ["A"] and cache.get("a") is None and cache.get("c") == "C"
+    assert len(cache) == 2
     cache.clear()
-    assert gone == ["A", "B", "C"] and cache.get("b") is None
+    assert gone == ["A", "B", "C"] and cache.get("b") is None and len(cache) == 0

@@ -1,4 +1,4 @@
-"""The cuda copier's cutting of a batch into runs (pure Python: no GPU needed), and the
+"""The cuda copier's planning of a batch into runs (pure Python: no GPU needed), and the
 attributes its batch call passes (cuda.bindings, where installed; no GPU needed either)."""
 
 from __future__ import annotations
@@ -12,27 +12,30 @@ def _copies(n: int, size: int) -> tuple:
     return tuple(((1 << 40) + k * size, (1 << 41) + k * size, size) for k in range(n))
 
 
+def _planned(copies: tuple, parts: int) -> list:
+    c = Copier(None)
+    c.strided = False  # no 2D runs: each run's copies are its batch
+    batch = c.plan(copies, parts=parts)
+    assert len(batch) == sum(1 for x in copies if x[2])
+    return [run.strided + run.large + run.rest for run in batch.runs]
+
+
 def test_one_part_is_the_batch_itself():
-    """With one stream per lane (the default) the batch passes through unchanged,
-    the same object, so the copy plans keyed by its identity still find it."""
+    """With one stream per lane (the default) the batch is one run, its copies in order."""
     copies = _copies(5, 4096)
-    runs = Copier(None).runs(copies, 1, min_bytes=0)
-    assert len(runs) == 1 and runs[0] is copies
+    assert _planned(copies, 1) == [copies]
 
 
 def test_parts_cover_the_batch_once():
-    copies = _copies(6, 1 << 20)
-    c = Copier(None)
-    runs = c.runs(copies, 2, min_bytes=1)
+    copies = _copies(16, 1 << 20)  # 16 MiB: past SPLIT_MIN_BYTES
+    runs = _planned(copies, 2)
     assert len(runs) == 2
     assert sorted(x for run in runs for x in run) == sorted(copies)
-    assert c.runs(copies, 2, min_bytes=1) is runs  # cut once, by the tuple's identity
 
 
 def test_small_batches_stay_whole():
     copies = _copies(4, 4096)
-    runs = Copier(None).runs(copies, 3, min_bytes=1 << 20)
-    assert len(runs) == 1 and runs[0] is copies
+    assert _planned(copies, 3) == [copies]
 
 
 def test_batch_attributes_come_from_cuda_bindings():

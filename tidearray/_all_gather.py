@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import _dtypes, _stamps, _validate
-from ._arena import AG_CHANNEL, ARRIVED, DONE, FREE, READY, STAMP, Region, default_region
+from ._arena import AG_CHANNEL, ARRIVED, DONE, FREE, READY, STAMP, Region
 from ._errors import TideInvalid
 from ._group import Group, default_group
 from ._layout import UnitLayout, ag_pieces, cached_unit, internode_ag_steps, split_copies
-from ._work import finish
 from .backends._base import AccumPiece
 
 if TYPE_CHECKING:
@@ -43,174 +42,165 @@ def _pieces(unit: UnitLayout, ranks: tuple[int, ...]) -> tuple:
 
 def unit_nbytes(shapes: Sequence[Sequence[int]], dtype: Any, group: Optional[Group] = None,
                 world: Optional[int] = None) -> int:
-    """Slot bytes that the full parameters of ``shapes`` need (with alignment)."""
+    """Slot bytes that the full parameters of ``shapes`` need (with alignment), on
+    ``world`` ranks (the group's size if None). A size query: never collective."""
     world = world or (group or default_group()).size
     shapes = tuple(tuple(operator.index(d) for d in s) for s in shapes)
     return cached_unit(shapes, _dtypes.normalize(dtype).itemsize, world).nbytes
 
 
-def resolve(group: Group, shards: Any, what: str = "all_gather",
-            errors: Sequence[str] = ()) -> list:
-    """Resolve the shards; on any rank's failure (or ``errors``) raise on every rank."""
-    shards, more = _validate.resolve_all(group.backend, shards, "shard")
-    errors = [*errors, *more]
-    if errors:
-        _validate.check(group, what, (("inputs", "unresolvable"),), errors)
-    return shards
+@dataclass(frozen=True)
+class Gather:
+    """A gather every rank accepted: what :func:`validate` found.
+
+    Attributes:
+        layout: the slot layout of the full parameters.
+        dtype: the shards' dtype; ``out_dtype`` the slot's (they differ for a cast).
+        shard_ptrs: each shard's address.
+        arrays: the shards as the backend's arrays.
+        signature: what every rank agreed on (``_validate``), and its ``digest``.
+    """
+
+    layout: UnitLayout
+    dtype: Any
+    out_dtype: Any
+    shard_ptrs: tuple
+    arrays: list
+    signature: tuple
+    digest: int
 
 
-def _shapes(group: Group, shapes: Any) -> tuple:
+def _int_shapes(shapes: Any) -> tuple[Optional[tuple], list[str]]:
     try:
-        return tuple(tuple(operator.index(d) for d in s) for s in shapes)  # 2.5 is no dim
+        return tuple(tuple(operator.index(d) for d in s) for s in shapes), []  # 2.5 is no dim
     except (TypeError, ValueError):
-        _validate.check(group, "all_gather", (("shapes", repr(shapes)),),
-                        [f"expected shapes as a list of int tuples, got {shapes!r}"])
-        raise AssertionError("check raises on errors") from None
+        return None, [f"expected shapes as a list of int tuples, got {shapes!r}"]
 
 
-def check_call(group: Group, shards: list, shapes: tuple, slot: Optional[Region],
-               out_dtype: Any = None) -> _AgCall:
-    """Validate a gather of ``shards`` into ``slot`` on every rank (raise on every rank).
-    ``out_dtype``: the slot's dtype when the shards are cast into it (a cast plan)."""
-    dtype, errors = _validate.check_arrays(shards, "shard")
-    if len(shards) != len(shapes):
-        errors.insert(0, f"expected one shard per shape ({len(shapes)}), got {len(shards)}")
+def validate(group: Group, shards: Any, shapes: Any, slot: Optional[Region],
+             out_dtype: Any = None, expect_dtype: Any = None, what: str = "all_gather",
+             errors: Sequence[str] = ()) -> Gather:
+    """Resolve and check a gather of ``shards`` into ``slot`` (the group's own slots if
+    None), in one agreement: any rank's bad input raises on every rank.
+
+    Args:
+        out_dtype: the slot's dtype when the shards are cast into it (a cast plan).
+        expect_dtype: the dtype the shards must have (a plan's unit's), if any.
+        errors: the caller's own findings, raised with these.
+    """
+    resolved, more = _validate.resolve_all(group.backend, shards, "shard")
+    shapes, bad_shapes = _int_shapes(shapes)
+    errors = [*errors, *bad_shapes, *more]
+    dtype, more = _validate.check_arrays(resolved, "shard")
+    errors += more
+    if expect_dtype is not None and dtype != expect_dtype and not more:
+        want = ("float32 shards to cast" if out_dtype is not None else
+                f"shards of the unit's dtype {expect_dtype}")
+        errors.append(f"expected {want}, got {dtype}")
     out = dtype if out_dtype is None else _dtypes.normalize(out_dtype)
-    try:
-        unit = cached_unit(shapes, out.itemsize, group.size)
-    except TideInvalid as e:
-        errors.append(str(e))
-        unit = None
-    if unit is not None and not errors:
-        for i, (s, spec) in enumerate(zip(shards, unit.specs)):
-            if s.nbytes != spec.shard_numel * dtype.itemsize:
-                errors.append(f"parameter {i}: expected a shard of shape {spec.shard_shape} "
-                              f"for full shape {spec.shape} on {group.size} ranks, got {s.shape}")
-        if slot is not None:
-            if slot.nbytes < unit.nbytes:
-                errors.append(f"expected a slot of at least {unit.nbytes} bytes, got "
-                              f"{slot.nbytes}")
-            for i, s in enumerate(shards):
-                if slot.contains(s.ptr, s.nbytes):
-                    errors.append(f"parameter {i}: expected a shard outside the output slot, "
-                                  "got one that aliases it")
+    layout = None
+    if shapes is not None:
+        if len(resolved) != len(shapes) and not bad_shapes:
+            errors.insert(0, f"expected one shard per shape ({len(shapes)}), got "
+                             f"{len(resolved)}")
+        try:
+            layout = cached_unit(shapes, out.itemsize, group.size)
+        except TideInvalid as e:
+            errors.append(str(e))
+    if layout is not None and not errors:
+        errors += _check_shards(group, layout, resolved, dtype, slot)
     signature = (("shapes", shapes), ("dtype", str(dtype)),
                  ("slot", None if slot is None else slot.id), ("out", str(out)))
     digest = _validate.digest(signature)
-    _validate.check(group, "all_gather", signature, errors, known_digest=digest)
-    return _AgCall(unit, dtype, signature, digest, {})
+    _validate.check(group, what, signature, errors, known_digest=digest)
+    return Gather(layout, dtype, out, tuple(s.ptr for s in resolved),
+                  [s.array for s in resolved], signature, digest)
 
 
-def _validated(group: Group, shards: Any, shapes: Any, slot: Optional[Region]) -> tuple:
-    """The shards' (address, size, dtype, contiguity) and the validated call, found in the
-    group's cache or made (collectively)."""
-    be = group.backend
-    arrays = be.fingerprint(shards)  # the backend's own arrays: no resolving on a repeat
-    resolved = None
-    if arrays is None:
-        resolved = resolve(group, shards)
-        arrays = tuple((s.ptr, s.nbytes, s.dtype, s.contiguous) for s in resolved)
-    try:  # int shapes equal to a validated call's find its entry; 5.0 == 5 must not
-        key = ("all_gather", tuple(tuple(map(operator.index, s)) for s in shapes),
-               None if slot is None else slot.id, arrays)
-        call = group.calls.get(key)
-    except TypeError:  # not a list of sequences, or unhashable
-        key, call = None, None
-    if call is None:
-        resolved = resolve(group, shards) if resolved is None else resolved
-        call = check_call(group, resolved, _shapes(group, shapes), slot)
-        if key is not None:
-            group.calls.put(key, call)
-    else:
-        _validate.check(group, "all_gather", call.signature, (), known_digest=call.digest)
-    return arrays, call
+def _check_shards(group: Group, layout: UnitLayout, shards: list, dtype: Any,
+                  slot: Optional[Region]) -> list[str]:
+    errors = []
+    for i, (s, spec) in enumerate(zip(shards, layout.specs)):
+        if s.nbytes != spec.shard_numel * dtype.itemsize:
+            errors.append(f"parameter {i}: expected a shard of shape {spec.shard_shape} "
+                          f"for full shape {spec.shape} on {group.size} ranks, got {s.shape}")
+    if slot is not None:
+        if slot.nbytes < layout.nbytes:
+            errors.append(f"expected a slot of at least {layout.nbytes} bytes, got "
+                          f"{slot.nbytes}")
+        for i, s in enumerate(shards):
+            if slot.contains(s.ptr, s.nbytes):
+                errors.append(f"parameter {i}: expected a shard outside the output slot, "
+                              "got one that aliases it")
+    return errors
 
 
-def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
-               group: Optional[Group] = None, slot: Optional[Region] = None,
-               stream: Any = None, async_op: bool = False) -> Any:
-    """Gather each parameter's shards into its full storage on every rank.
-
-    Args:
-        shards: this rank's padded shard of each parameter, shape
-            ``(ceil(d0/W), *rest)``, one dtype (bf16, fp16 or fp32), contiguous.
-            Arrays of the backend, or any DLPack producer on the same device.
-        shapes: each parameter's full shape, the same on every rank.
-        group: the group (default: the last ``init``).
-        slot: the symmetric slot to gather into (a :class:`SlotArena` entry); by
-            default one of the group's own two slots, in turn.
-        stream: the stream to order against (cuda backend; current if None).
-        async_op: return a :class:`Work` instead of the result.
-
-    Returns:
-        The full parameters, as arrays that are views into the slot.
-
-    Raises:
-        TideInvalid: on every rank, before any transfer, if any rank's input is bad.
-
-    See Also:
-        ``cuMemcpyBatchAsync``, ``cudaMemcpy2DAsync``, ``cuStreamWriteValue32``,
-        ``cuStreamWaitValue32``.
-    """
-    group = group or default_group()
-    be = group.backend
-    arrays, call = _validated(group, shards, shapes, slot)
-    if slot is None:
-        slot = default_region(group, "slot", call.unit.nbytes, ring=2)
-    program = call.programs.get(slot.id)
-    if program is None:
-        program = call.programs[slot.id] = build_program(group, call.unit,
-                                                         [a[0] for a in arrays], slot)
-    # Grants only after the ranks agree: a grant lets peers write our slot, and a
-    # call that some rank rejects must leave every slot to its owner.
-    ex = be.executor(stream)
-    stamps = _stamps.start(group, "all_gather", group.local_size)
-    grant(group, ex, slot)
-    issue(group, ex, program, slot, stamps)
-    return finish(ex, slot.views(call.unit, call.dtype), stream, async_op, stamps)
-
-
-@dataclass
-class _AgCall:
-    """A validated all-gather call, and its issue programs per slot."""
-
-    unit: UnitLayout
-    dtype: Any
-    signature: tuple
-    digest: int
-    programs: dict
-
-
-@dataclass(frozen=True)
-class _Program:
-    """Every address an all-gather into one slot touches, computed once.
+class Program:
+    """Every address an all-gather into one slot touches, computed once; each batch
+    compiled to its backend's form ([Note: compiled batches] in ``backends._base``)
+    for the transport that issues it, when that transport first does (a group's
+    transport is fixed, so once).
 
     Attributes:
         exchanges: inter-node steps as (sends, recvs) of (peer, addr, nbytes).
-        own: copies of this rank's shards into its own slot.
-        pushes: per node-local peer, the copies into that peer's slot (unicast).
         column: (offset, src, nbytes) of everything this rank's column holds,
             for a multicast write.
-        batch: the own copies, then every peer's pushes in issue order, as one
-            batch (the ``push-batch`` transport).
-        own_parts: the own copies cut into the pull transport's parts.
-        pulls: per node-local peer, that peer's slot cut into the same parts,
-            as copies into this rank's slot.
-        cast: for a cast plan, the pieces that round this rank's fp32 shards
-            into its rows of the slot (then the gather runs in place: no own
-            copies); empty otherwise.
+        cast: for a cast plan, the compiled pieces that round this rank's fp32
+            shards into its rows of the slot (then the gather runs in place: no
+            own copies); None otherwise.
         out_dtype: the slot's dtype (what ``cast`` rounds to).
     """
 
-    exchanges: tuple
-    own: tuple
-    pushes: dict
-    batch: tuple
-    column: tuple
-    own_parts: tuple
-    pulls: dict
-    cast: tuple = ()
-    out_dtype: Any = None
+    def __init__(self, backend: Any, exchanges: tuple, own: tuple, pushes: dict,
+                 column: tuple, own_parts: list, pulls: dict, cast: Any, out_dtype: Any,
+                 peers: list) -> None:
+        self.exchanges, self.column, self.cast, self.out_dtype = (exchanges, column, cast,
+                                                                  out_dtype)
+        self._be, self._peers = backend, peers
+        self._raw = (own, pushes, own_parts, pulls)
+        self._compiled: dict = {}
+
+    def batches(self, transport: str) -> Batches:
+        """The compiled batches ``transport`` issues."""
+        found = self._compiled.get(transport)
+        if found is None:
+            found = self._compiled[transport] = self._compile(transport)
+        return found
+
+    def _compile(self, transport: str) -> Batches:
+        be, (own, pushes, own_parts, pulls) = self._be, self._raw
+        if transport == "pull":
+            return Batches(
+                own_parts=tuple(be.compile_copies([c for c in run if c[0] != c[1]], local=True)
+                                for run in own_parts),
+                pulls={q: tuple(be.compile_copies(run, split=True) for run in runs)
+                       for q, runs in pulls.items()})
+        if transport == "push-batch":
+            return Batches(batch=be.compile_copies(
+                own + tuple(c for p in self._peers for c in pushes[p])))
+        return Batches(own=be.compile_copies(own, local=True),
+                       pushes={p: be.compile_copies(c, split=True) for p, c in pushes.items()})
+
+
+@dataclass(frozen=True)
+class Batches:
+    """One transport's compiled copies of a :class:`Program`.
+
+    Attributes:
+        own: copies of this rank's shards into its own slot (``push``).
+        pushes: per node-local peer, the copies into that peer's slot (``push``).
+        batch: the own copies, then every peer's pushes in issue order, as one
+            batch (``push-batch``).
+        own_parts: the own copies cut into the pull transport's parts.
+        pulls: per node-local peer, that peer's slot cut into the same parts,
+            as copies into this rank's slot.
+    """
+
+    own: Any = None
+    pushes: Any = None
+    batch: Any = None
+    own_parts: tuple = ()
+    pulls: Any = None
 
 
 def pull_parts(unit: UnitLayout) -> int:
@@ -219,19 +209,21 @@ def pull_parts(unit: UnitLayout) -> int:
     return 1 if unit.nbytes < PULL_SPLIT_MIN else PULL_PARTS
 
 
-def build_program(group: Group, unit: UnitLayout, shard_ptrs: list[int],
-                  slot: Region, cast_to: Any = None) -> _Program:
-    """Every copy of a gather into ``slot``. With ``cast_to`` (the slot's dtype),
-    ``shard_ptrs`` are fp32 shards, rounded into this rank's rows of the slot
-    first; every copy then reads those rows (an in-place gather)."""
-    topo = group.topology
+def build_program(group: Group, unit: UnitLayout, shard_ptrs: Sequence[int],
+                  slot: Region, cast_to: Any = None) -> Program:
+    """Every copy of a gather into ``slot``, compiled for the group's backend. With
+    ``cast_to`` (the slot's dtype), ``shard_ptrs`` are fp32 shards, rounded into this
+    rank's rows of the slot first; every copy then reads those rows (an in-place
+    gather)."""
+    be, topo = group.backend, group.topology
     me, L = topo.local_rank, topo.local_size
     base = slot.ptr(me)
-    cast = ()
+    cast = None
     if cast_to is not None:
-        cast = tuple(AccumPiece(base + pc.offset, (shard_ptrs[pc.param],),
-                                pc.nbytes // cast_to.itemsize)
-                     for pc in _pieces(unit, (topo.rank,)))
+        cast = be.compile_pieces([AccumPiece(base + pc.offset, (shard_ptrs[pc.param],),
+                                             pc.nbytes // cast_to.itemsize)
+                                  for pc in _pieces(unit, (topo.rank,))],
+                                 _dtypes.float32, cast_to)
         shard_ptrs = [base + off + spec.byte_range(topo.rank)[0]
                       for spec, off in zip(unit.specs, unit.offsets)]
 
@@ -253,16 +245,15 @@ def build_program(group: Group, unit: UnitLayout, shard_ptrs: list[int],
     # Cut points depend only on piece sizes and order, so an owner and its
     # readers cut the owner's column identically.
     parts = pull_parts(unit)
-    own_parts = tuple(tuple(c for c in run if c[0] != c[1]) for run in split_copies(
-        [(base + pc.offset, src(pc), pc.nbytes) for pc in column], parts))
-    pulls = {q: tuple(tuple(run) for run in split_copies(
-        [(base + pc.offset, slot.ptr(q) + pc.offset, pc.nbytes)
-         for pc in _pieces(unit, topo.column(q))], parts)) for q in range(L) if q != me}
-    # The copier keeps its plans by a batch's identity: built once, here.
-    batch = own + tuple(c for k in range(1, L) for c in pushes[(me + k) % L])
-    return _Program(tuple(exchanges), own, pushes, batch,
-                    tuple((pc.offset, src(pc), pc.nbytes) for pc in column), own_parts, pulls,
-                    cast, cast_to)
+    own_parts = split_copies([(base + pc.offset, src(pc), pc.nbytes) for pc in column], parts)
+    pulls = {q: split_copies([(base + pc.offset, slot.ptr(q) + pc.offset, pc.nbytes)
+                              for pc in _pieces(unit, topo.column(q))], parts)
+             for q in range(L) if q != me}
+    program = Program(be, tuple(exchanges), own, pushes,
+                      tuple((pc.offset, src(pc), pc.nbytes) for pc in column), own_parts, pulls,
+                      cast, cast_to, [(me + k) % L for k in range(1, L)])
+    program.batches(_transport(group, slot))  # compiled now, not at the first call
+    return program
 
 
 def _transport(group: Group, slot: Region) -> str:
@@ -289,10 +280,18 @@ def grant(group: Group, ex: Executor, slot: Region) -> None:
         ex.signal(ex.COMPUTE, slot.flag((me + k) % L, AG_CHANNEL, FREE, me), use)
 
 
-def issue(group: Group, ex: Executor, program: _Program, slot: Region,
+def run(group: Group, ex: Executor, program: Program, slot: Region,
+        stamps: Optional[_stamps.Stamps] = None) -> None:
+    """Issue one gather: the grants, then everything else. ``stamps``: debug mode's
+    ([Note: stamps])."""
+    grant(group, ex, slot)
+    issue(group, ex, program, slot, stamps)
+
+
+def issue(group: Group, ex: Executor, program: Program, slot: Region,
           stamps: Optional[_stamps.Stamps] = None) -> None:
     """Everything after the grants (issued first, by :func:`grant`: no rank
-    waits before it has granted). ``stamps``: debug mode's ([Note: stamps])."""
+    waits before it has granted)."""
     topo = group.topology
     me, L = topo.local_rank, topo.local_size
     use = slot.uses[AG_CHANNEL] = slot.uses[AG_CHANNEL] + 1
@@ -327,25 +326,26 @@ def _start(ex: Executor, lane: int, after_net: bool) -> None:
         ex.depend(lane, ex.NET)
 
 
-def _pull(ex: Executor, slot: Region, program: _Program, me: int, peers: list, use: int,
+def _pull(ex: Executor, slot: Region, program: Program, me: int, peers: list, use: int,
           after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
     """Stage own shards in our slot part by part; read each peer's parts from its slot.
 
     See [Note: ready/done] in ``_arena``. Our slot is written only by us, so no
     grant is needed; our completion waits until every reader is done with it.
     """
+    b = program.batches("pull")
     first = slot.parts_ready
-    slot.parts_ready += len(program.own_parts)
+    slot.parts_ready += len(b.own_parts)
     _start(ex, me, after_net)
-    for k, part in enumerate(program.own_parts):
-        ex.copy(me, part, local=True)
-        if stamps is not None and k == len(program.own_parts) - 1:
+    for k, part in enumerate(b.own_parts):
+        ex.copy(me, part)
+        if stamps is not None and k == len(b.own_parts) - 1:
             stamps.send(ex, me, slot, AG_CHANNEL, me, use)  # before the last READY
         for p in peers:
             ex.signal(me, slot.flag(p, AG_CHANNEL, READY, me), first + k + 1)
     for q in peers:
         _start(ex, q, after_net)  # lane q writes into our slot too
-        for k, part in enumerate(program.pulls[q]):
+        for k, part in enumerate(b.pulls[q]):
             ex.wait(q, slot.flag(me, AG_CHANNEL, READY, q), first + k + 1)
             ex.copy(q, part)
         if stamps is not None:  # q's stamp, read from q's slot after its last part
@@ -356,29 +356,30 @@ def _pull(ex: Executor, slot: Region, program: _Program, me: int, peers: list, u
         ex.wait(ex.COMPUTE, slot.flag(me, AG_CHANNEL, DONE, q), use)
 
 
-def _push_per_peer(ex: Executor, slot: Region, program: _Program, me: int, peers: list, use: int,
+def _push_per_peer(ex: Executor, slot: Region, program: Program, me: int, peers: list, use: int,
                    after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
     """One copy-engine batch per peer, each on that peer's lane; then our own copy.
 
     The pushes are issued first: they are the long pole, and the own copy (a
     local copy at several times the link's rate) overlaps them.
     """
+    b = program.batches("push")
     for p in peers:
         if after_net:
             ex.depend(p, ex.NET)
         if program.cast:
             ex.depend(p, ex.COMPUTE)
         ex.wait(p, slot.flag(me, AG_CHANNEL, FREE, p), use)
-        ex.copy(p, program.pushes[p])
+        ex.copy(p, b.pushes[p])
         if stamps is not None:
             stamps.send(ex, p, slot, AG_CHANNEL, p, use)
         ex.signal(p, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
-    if program.own:  # none when the shards were cast into the slot
+    if b.own:  # none when the shards were cast into the slot
         _start(ex, me, after_net)
-        ex.copy(me, program.own, local=True)
+        ex.copy(me, b.own)
 
 
-def _push_single_batch(ex: Executor, slot: Region, program: _Program, me: int, peers: list,
+def _push_single_batch(ex: Executor, slot: Region, program: Program, me: int, peers: list,
                        use: int, after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
     """Own copy and every peer's push in one copy-engine batch, once all peers granted.
 
@@ -390,11 +391,11 @@ def _push_single_batch(ex: Executor, slot: Region, program: _Program, me: int, p
     _start(ex, me, after_net)
     for p in peers:
         ex.wait(me, slot.flag(me, AG_CHANNEL, FREE, p), use)
-    ex.copy(me, program.batch)
+    ex.copy(me, program.batches("push-batch").batch)
     _arrive(ex, me, slot, peers, use, stamps)
 
 
-def _push_multicast(ex: Executor, slot: Region, program: _Program, me: int, peers: list, use: int,
+def _push_multicast(ex: Executor, slot: Region, program: Program, me: int, peers: list, use: int,
                     after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
     """Each piece written once, to the multicast address: every peer's slot gets it."""
     _start(ex, me, after_net)

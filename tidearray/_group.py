@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 _default: Optional[Group] = None
 
+#: Eager plans a group keeps (``Group.eager_plans``).
+EAGER_PLANS = 64
 #: Integers every collective's validation agrees on (``_validate.check``).
 VALIDATION_WIDTH = 3
 
@@ -62,9 +64,11 @@ class Group:
         #: Plans built on this group so far (each plan's build number: [Note: plan order]).
         self.plans_built = 0
         self._resources: dict = {}
-        from ._cache import CallCache
+        from ._cache import BoundedCache
 
-        self.calls = CallCache()
+        #: The eager collectives' latest plans, by their calls ([Note: one pipeline] in
+        #: ``_plan``).
+        self.eager_plans = BoundedCache(EAGER_PLANS)
 
     def __repr__(self) -> str:
         t = self.topology
@@ -117,6 +121,7 @@ class Group:
         if self.closed:
             return
         self.closed = True
+        self.eager_plans.clear()  # their compiled batches go before the memory they address
         for res in self._resources.values():
             res.free()
         self._resources.clear()
@@ -195,9 +200,18 @@ def init(comm: Optional[MPI.Comm] = None, *, backend: Optional[str] = None,
 
 
 def default_group() -> Group:
-    """The group of the last :func:`init`, started with defaults if there is none."""
+    """The group of the last :func:`init`: what a collective given no ``group=`` runs on.
+
+    Never collective: it starts no group (a size query such as ``unit_nbytes`` must
+    not turn into a collective on some ranks only).
+
+    Raises:
+        TideInvalid: no group is open (``init`` was never called, or its group was
+            closed).
+    """
     if _default is None or _default.closed:
-        return init()
+        raise TideInvalid("no group is open: call tidearray.init() first, or pass group= "
+                          "(expected an open group, got none: never started, or closed)")
     return _default
 
 

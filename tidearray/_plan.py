@@ -1,11 +1,26 @@
-"""Persistent plans: a unit's collectives resolved once, called every step.
+"""Plans: a unit's collectives resolved once, called every step; and the eager calls.
 
 A training loop issues the same few hundred collectives every step, on the
 same buffers. A plan is built once, collectively, for one unit and one set of
 buffers: building it resolves every array, validates across ranks (every rank
-raises the same :class:`TideInvalid`), computes every address and makes every
-table. Calling it only signals, copies and waits; nothing is checked again
-unless ``Config.debug`` (``TIDE_DEBUG=1``) is on.
+raises the same :class:`TideInvalid`), computes every address and compiles every
+batch for the backend ([Note: compiled batches] in ``backends._base``). Calling
+it only signals, copies and waits; nothing is checked again unless
+``Config.debug`` (``TIDE_DEBUG=1``) is on.
+
+[Note: one pipeline]
+Every collective goes one way: validate (``_all_gather.validate``,
+``_reduce_scatter.validate``: one agreement across ranks), build the program
+(every address, each batch compiled), issue it (``run``). A plan does the first
+two once. The eager :func:`all_gather` and :func:`reduce_scatter` build the same
+plans and keep the latest of them in the group (``Group.eager_plans``), by an explicit
+key: the call's arguments and its arrays' addresses, shapes, dtypes and
+contiguity (``Backend.array_key``, read straight from the backend's own arrays;
+DLPack producers are resolved first). A call that finds its plan agrees with
+the other ranks on the plan's signature (one agreement, as a build's
+validation is), so ranks whose caches differ still pair their agreements.
+Eager plans keep no references to the arrays: a plan's key is every address it
+touches, so arrays freed and remade at the same addresses are the same call.
 
 [Note: plan order]
 Plan calls carry no per-call agreement: every rank must call the same plans in
@@ -23,10 +38,15 @@ from . import _all_gather as ag
 from . import _dtypes, _stamps, _validate
 from . import _reduce_scatter as rs
 from ._arena import Region, default_region
+from ._cache import BoundedCache
 from ._errors import TideInvalid
 from ._group import Group, default_group
 from ._layout import RsPlan, UnitLayout, cached_unit, plan_reduce_scatter
 from ._work import finish
+
+#: Programs an eager reduction without ``out=`` keeps, one per receive buffer: each
+#: call returns new arrays, and the memory pool often hands back the same address.
+FRESH_PROGRAMS = 8
 
 
 class Unit:
@@ -113,7 +133,9 @@ class Unit:
                 shards needs to be kept (FSDP2's mixed precision casts the same
                 way, in its copy-in). The cast is one kernel on the cuda backend.
         """
-        return GatherPlan(self, shards, slot, cast)
+        return GatherPlan(self.group, shards, self.shapes, slot,
+                          cast_to=self.dtype if cast else None,
+                          expect_dtype=_dtypes.float32 if cast else self.dtype)
 
     def reduce_plan(self, grads: Sequence[Any], out: Optional[Sequence[Any]] = None, *,
                     op: str = "avg", staging: Optional[Region] = None) -> ReducePlan:
@@ -128,7 +150,8 @@ class Unit:
                 dead when the plan runs (Slot-Reuse), at least
                 :attr:`staging_nbytes`; the group's own staging if None.
         """
-        return ReducePlan(self, grads, out, op, staging)
+        return ReducePlan(self.group, grads, out, op, staging, chunk_nbytes=self.chunk_nbytes,
+                          expect=(self.layout, self.dtype))
 
     def __repr__(self) -> str:
         return f"Unit({len(self.shapes)} parameters, {self.dtype}, nbytes={self.nbytes})"
@@ -150,24 +173,50 @@ def slot_chunk_nbytes(slot_nbytes: int, group: Optional[Group] = None,
 
 
 class _Plan:
-    """What both plans share: the group, a build number and the debug re-check."""
+    """What both plans share: the group, the agreed signature, a build number (not
+    for eager plans) and the debug re-check."""
 
     what = "plan"
 
-    def __init__(self, unit: Unit, signature: tuple) -> None:
-        self.unit = unit
-        self.group = unit.group
-        # Every rank of the group builds its plans in the same order, so numbers agree
-        # ([Note: plan order]); per group, as other groups' plans are built on other ranks.
-        self.group.plans_built += 1
-        self.number = self.group.plans_built
-        self._signature = (("plan", self.number), *signature)
-        self._digest = _validate.digest(self._signature)
+    def __init__(self, group: Group, signature: tuple, digest: int, eager: bool) -> None:
+        self.group = group
+        self.eager = eager
+        self.number: Optional[int] = None
+        if not eager:
+            # Every rank of the group builds its plans in the same order, so numbers
+            # agree ([Note: plan order]); per group, as other groups' plans are built
+            # on other ranks. Eager plans agree on every call instead.
+            group.plans_built += 1
+            self.number = group.plans_built
+            signature = (("plan", self.number), *signature)
+            digest = _validate.digest(signature)
+        self._signature, self._digest = signature, digest
 
-    def _recheck(self) -> None:
+    def agree(self) -> None:
+        """One agreement across ranks on this plan's signature (raises on every rank if
+        a rank called something else)."""
+        _validate.check(self.group, self.what, self._signature, (), known_digest=self._digest)
+
+    def __call__(self, *, stream: Any = None, async_op: bool = False) -> Any:
+        """Run the collective. Returns its result (or a :class:`Work` of it if ``async_op``).
+
+        Args:
+            stream: the stream to order against (cuda; current if None): the
+                collective starts after its earlier work, and ``wait`` orders it after.
+            async_op: return a :class:`Work` instead of waiting on ``stream``.
+        """
         if self.group.config.debug:
-            _validate.check(self.group, self.what, self._signature, (),
-                            known_digest=self._digest)
+            self.agree()
+        return self._run(stream, async_op)
+
+    def _run(self, stream: Any, async_op: bool) -> Any:
+        raise NotImplementedError
+
+
+def _region_check(value: Any, name: str, optional: bool) -> list[str]:
+    if isinstance(value, Region) or (optional and value is None):
+        return []
+    return [f"{name}: expected a Region (a SlotArena entry), got {type(value).__name__}"]
 
 
 class GatherPlan(_Plan):
@@ -180,44 +229,49 @@ class GatherPlan(_Plan):
 
     what = "all_gather plan"
 
-    def __init__(self, unit: Unit, shards: Sequence[Any], slot: Region,
-                 cast: bool = False) -> None:
-        group = unit.group
-        errors = [] if isinstance(slot, Region) else [
-            f"slot: expected a Region (a SlotArena entry), got {type(slot).__name__}"]
-        resolved = ag.resolve(group, shards, self.what, errors)
-        cast_to = unit.dtype if cast else None
-        call = ag.check_call(group, resolved, unit.shapes, slot, cast_to)
-        want = _dtypes.float32 if cast else unit.dtype
-        if call.dtype != want:
-            what = "float32 shards to cast" if cast else f"shards of the unit's dtype {want}"
-            _validate.check(group, "all_gather plan", (), [
-                f"expected {what}, got {call.dtype}"])
-        super().__init__(unit, call.signature)
-        self.slot = slot
-        self._program = ag.build_program(group, unit.layout, [s.ptr for s in resolved], slot,
-                                         cast_to)
-        self._shards = [s.array for s in resolved]  # kept alive: the program holds addresses
-        self.params = slot.views(unit.layout, unit.dtype)
+    def __init__(self, group: Group, shards: Sequence[Any], shapes: Any,
+                 slot: Optional[Region], *, cast_to: Any = None, expect_dtype: Any = None,
+                 eager: bool = False) -> None:
+        if eager:
+            self.what = "all_gather"
+        errors = _region_check(slot, "slot", optional=eager)
+        g = ag.validate(group, shards, shapes, slot, cast_to, expect_dtype, self.what, errors)
+        super().__init__(group, g.signature, g.digest, eager)
+        self.layout, self.dtype, self.slot = g.layout, g.out_dtype, slot
+        self._cast_to, self._shard_ptrs = cast_to, g.shard_ptrs
+        # A plan reads its shards at every call: it keeps them alive. An eager plan
+        # is found by their addresses instead ([Note: one pipeline]).
+        self._shards = None if eager else g.arrays
+        self._programs = BoundedCache(4)  # per slot: the group's own slots take turns
+        self.params = None
+        if slot is not None:
+            self._program(slot)
+            self.params = slot.views(self.layout, self.dtype)
 
-    def __call__(self, *, stream: Any = None, async_op: bool = False) -> Any:
-        """Gather. Returns the parameters (or a :class:`Work` of them if ``async_op``).
+    def _program(self, slot: Region) -> ag.Program:
+        program = self._programs.get(slot.id)
+        if program is None:
+            program = self._programs.put(slot.id, ag.build_program(
+                self.group, self.layout, self._shard_ptrs, slot, self._cast_to))
+        return program
 
-        Args:
-            stream: the stream to order against (cuda; current if None): the
-                gather starts after its earlier work, and ``wait`` orders it after.
-            async_op: return a :class:`Work` instead of waiting on ``stream``.
-        """
-        self._recheck()
+    def _run(self, stream: Any, async_op: bool) -> Any:
         group = self.group
+        slot = self.slot
+        if slot is None:
+            slot = default_region(group, "slot", self.layout.nbytes, ring=2)
+        program = self._program(slot)
         ex = group.backend.executor(stream)
         stamps = _stamps.start(group, self.what, group.local_size)
-        ag.grant(group, ex, self.slot)
-        ag.issue(group, ex, self._program, self.slot, stamps)
-        return finish(ex, self.params, stream, async_op, stamps)
+        # Grants only after the ranks agreed: a grant lets peers write our slot, and
+        # a call that some rank rejects must leave every slot to its owner.
+        ag.run(group, ex, program, slot, stamps)
+        params = self.params if self.slot is not None else slot.views(self.layout, self.dtype)
+        return finish(ex, params, stream, async_op, stamps)
 
     def __repr__(self) -> str:
-        return f"GatherPlan({self.unit!r}, slot={self.slot.id})"
+        return (f"GatherPlan({len(self.layout.specs)} parameters, {self.dtype}, "
+                f"slot={None if self.slot is None else self.slot.id})")
 
 
 class ReducePlan(_Plan):
@@ -231,50 +285,182 @@ class ReducePlan(_Plan):
 
     what = "reduce_scatter plan"
 
-    def __init__(self, unit: Unit, grads: Sequence[Any], out: Optional[Sequence[Any]],
-                 op: str, staging: Optional[Region]) -> None:
-        group, be = unit.group, unit.group.backend
-        errors = [] if staging is None or isinstance(staging, Region) else [
-            f"staging: expected a Region, got {type(staging).__name__}"]
-        grads_r, outs = rs.resolve(group, grads, out, self.what, errors)
-        call = rs.check_call(group, grads_r, outs, op, staging, unit.chunk_nbytes)
-        if call.dtype != unit.dtype or call.unit != unit.layout:
-            _validate.check(group, "reduce_scatter plan", (), [
-                f"expected gradients of the unit's shapes and dtype {unit.dtype}, got "
-                f"{[g.shape for g in grads_r]} {call.dtype}"])
-        super().__init__(unit, call.signature)
-        if staging is None:
-            staging = default_region(group, "staging", call.plan.staging_nbytes)
-        self.staging = staging
-        if outs is None:
-            outs = [be.resolve(be.empty(s.shard_shape, _dtypes.float32))
-                    for s in unit.layout.specs]
-        # Across nodes the node partial sums and the inter-node result need
-        # buffers of their own, made once, here.
-        self._final, self._partial = rs.receive_buffers(group, call.plan, own=False)
-        final_ptr = None if self._final is None else be.resolve(self._final).ptr
-        partial_ptr = None if self._partial is None else be.resolve(self._partial).ptr
-        self._call = call
-        self._program = rs.build_program(group, call, [g.ptr for g in grads_r],
-                                         [o.ptr for o in outs], final_ptr, partial_ptr,
-                                         staging)
-        self._grads = [g.array for g in grads_r]
-        self.out = [o.array for o in outs]
+    def __init__(self, group: Group, grads: Sequence[Any], out: Optional[Sequence[Any]],
+                 op: str, staging: Optional[Region], *, chunk_nbytes: Optional[int] = None,
+                 expect: Optional[tuple] = None, eager: bool = False) -> None:
+        if eager:
+            self.what = "reduce_scatter"
+        be = group.backend
+        errors = _region_check(staging, "staging", optional=True)
+        red = rs.validate(group, grads, out, op, staging, chunk_nbytes, expect, self.what,
+                          errors)
+        super().__init__(group, red.signature, red.digest, eager)
+        self._red, self.staging = red, staging
         self.scale = 1.0 / group.size if op == "avg" else 1.0
+        self._grads = None if eager else red.grads  # see GatherPlan
+        # Without out=, an eager call returns new arrays each time: views of a receive
+        # buffer of its own, so its program is found by that buffer's address.
+        self._fresh = eager and out is None
+        self.out = None
+        out_ptrs = red.out_ptrs
+        if out is None and not self._fresh:
+            self.out = [be.empty(s.shard_shape, _dtypes.float32) for s in red.layout.specs]
+            out_ptrs = tuple(be.resolve(o).ptr for o in self.out)
+        elif out is not None:
+            self.out = red.outs
+        self._out_ptrs = out_ptrs
+        # Across nodes the node partial sums (and, with outputs, the inter-node
+        # result) need buffers of their own, made once, here.
+        self._final, partial = rs.receive_buffers(group, red.plan, own=False)
+        self._final_ptr = None if self._final is None else be.resolve(self._final).ptr
+        self._partial_ptr = None if partial is None else be.resolve(partial).ptr
+        self._keep = partial
+        self._programs = BoundedCache(FRESH_PROGRAMS if self._fresh else 4)
+        if not eager:
+            if staging is None:
+                self.staging = default_region(group, "staging", red.plan.staging_nbytes)
+            self._program(self.staging, self._final_ptr)
 
-    def __call__(self, *, stream: Any = None, async_op: bool = False) -> Any:
-        """Reduce. Returns the fp32 shards (or a :class:`Work` of them if ``async_op``).
+    def _program(self, staging: Region, final_ptr: Optional[int]) -> rs.Program:
+        key = (staging.id, final_ptr)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs.put(key, rs.build_program(
+                self.group, self._red, None if self._fresh else self._out_ptrs, final_ptr,
+                self._partial_ptr, staging))
+        return program
 
-        Args:
-            stream: the stream to order against (cuda; current if None): the
-                reduction reads the gradients after its earlier work.
-            async_op: return a :class:`Work` instead of waiting on ``stream``.
-        """
-        self._recheck()
-        ex = self.group.backend.executor(stream)
-        stamps = rs.start_stamps(self.group, self._call)
-        rs.issue(self.group, ex, self._call, self._program, self.staging, self.scale, stamps)
-        return finish(ex, self.out, stream, async_op, stamps)
+    def _run(self, stream: Any, async_op: bool) -> Any:
+        group, red = self.group, self._red
+        plan = red.plan
+        staging = self.staging
+        if staging is None:
+            staging = default_region(group, "staging", plan.staging_nbytes)
+        final_ptr, results = self._final_ptr, self.out
+        if self._fresh:
+            be = group.backend
+            final = be.empty((plan.block_numel,), _dtypes.float32)
+            final_ptr = be.resolve(final).ptr
+            results = [final[o:o + s.shard_numel].reshape(s.shard_shape)
+                       for o, s in zip(plan.out_offsets, red.layout.specs)]
+        program = self._program(staging, final_ptr)
+        ex = group.backend.executor(stream)
+        stamps = rs.start_stamps(group, plan)
+        rs.run(group, ex, plan, program, staging, self.scale, stamps)
+        return finish(ex, results, stream, async_op, stamps)
 
     def __repr__(self) -> str:
-        return f"ReducePlan({self.unit!r}, staging={self.staging.id})"
+        return (f"ReducePlan({len(self._red.layout.specs)} parameters, {self._red.dtype}, "
+                f"staging={None if self.staging is None else self.staging.id})")
+
+
+def _shapes_key(shapes: Any) -> Optional[tuple]:
+    """``shapes`` as int tuples for a key, or None (validation will say why): 5.0 is
+    no dimension, though it hashes and compares equal to 5."""
+    try:
+        return tuple(tuple(map(operator.index, s)) for s in shapes)
+    except TypeError:
+        return None
+
+
+def _arrays_key(group: Group, arrays: Any, what: str) -> Optional[tuple]:
+    """``Backend.array_key`` of ``arrays``, resolving what is not the backend's own
+    (None where they do not resolve: validation will say why)."""
+    be = group.backend
+    key = be.array_key(arrays)
+    if key is None:
+        resolved, errors = _validate.resolve_all(be, arrays, what)
+        if errors:
+            return None
+        key = tuple((r.ptr, r.shape, r.dtype, r.contiguous) for r in resolved)
+    return key
+
+
+def _eager(group: Group, key: Optional[tuple], build: Any) -> Any:
+    """The group's eager plan for ``key``, or one built now ([Note: one pipeline])."""
+    plan = None if key is None else group.eager_plans.get(key)
+    if plan is None:
+        plan = build()
+        if key is not None:
+            group.eager_plans.put(key, plan)
+    else:
+        plan.agree()
+    return plan
+
+
+def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
+               group: Optional[Group] = None, slot: Optional[Region] = None,
+               stream: Any = None, async_op: bool = False) -> Any:
+    """Gather each parameter's shards into its full storage on every rank.
+
+    Args:
+        shards: this rank's padded shard of each parameter, shape
+            ``(ceil(d0/W), *rest)``, one dtype (bf16, fp16 or fp32), contiguous.
+            Arrays of the backend, or any DLPack producer on the same device.
+        shapes: each parameter's full shape, the same on every rank.
+        group: the group (default: the last ``init``).
+        slot: the symmetric slot to gather into (a :class:`SlotArena` entry); by
+            default one of the group's own two slots, in turn.
+        stream: the stream to order against (cuda backend; current if None).
+        async_op: return a :class:`Work` instead of the result.
+
+    Returns:
+        The full parameters, as arrays that are views into the slot.
+
+    Raises:
+        TideInvalid: on every rank, before any transfer, if any rank's input is bad.
+
+    The call builds (or finds) the plan :meth:`Unit.gather_plan` would, and runs it
+    ([Note: one pipeline]).
+    """
+    group = group or default_group()
+    key = _shapes_key(shapes) if slot is None or isinstance(slot, Region) else None
+    if key is not None:
+        arrays = _arrays_key(group, shards, "shard")
+        key = None if arrays is None else (
+            "all_gather", key, None if slot is None else slot.id, arrays)
+    plan = _eager(group, key, lambda: GatherPlan(group, shards, shapes, slot, eager=True))
+    return plan._run(stream, async_op)
+
+
+def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Sequence[Any]] = None,
+                   group: Optional[Group] = None, staging: Optional[Region] = None,
+                   stream: Any = None, async_op: bool = False) -> Any:
+    """Reduce per-parameter gradients over the group into this rank's fp32 shards.
+
+    Args:
+        grads: full-shape gradients, one dtype (bf16, fp16 or fp32), contiguous,
+            the same shapes on every rank. Read in place; never packed.
+        op: ``"avg"`` (sum / world size, the scale fused in) or ``"sum"``.
+        out: optional float32 arrays of each shard's padded shape
+            ``(ceil(d0/W), *rest)``; new arrays each call if None (then a repeated
+            call finds its program only when the memory pool hands back the same
+            address: pass ``out=``, or use a plan, where that matters).
+        group: the group (default: the last ``init``).
+        staging: a slot to stage in (Slot-Reuse); by default the group's own
+            staging, ``depth * (local_size-1) * chunk_nbytes`` bytes.
+        stream: the stream to order against (cuda backend; current if None).
+        async_op: return a :class:`Work` instead of the result.
+
+    Returns:
+        fp32 shards, padding rows zero. Sources are summed in a fixed order, so
+        results are bitwise reproducible for the same inputs and topology.
+
+    Raises:
+        TideInvalid: on every rank, before any transfer, if any rank's input is bad.
+
+    The call builds (or finds) the plan :meth:`Unit.reduce_plan` would, and runs it
+    ([Note: one pipeline]).
+    """
+    group = group or default_group()
+    key = None
+    if isinstance(op, str) and (staging is None or isinstance(staging, Region)):
+        key = _arrays_key(group, grads, "gradient")
+    outs = None
+    if key is not None and out is not None:
+        outs = _arrays_key(group, out, "output")
+        key = None if outs is None else key
+    if key is not None:
+        key = ("reduce_scatter", op, None if staging is None else staging.id, key, outs)
+    plan = _eager(group, key, lambda: ReducePlan(group, grads, out, op, staging, eager=True))
+    return plan._run(stream, async_op)

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import _dtypes, _stamps, _validate
-from ._arena import ARRIVED, FREE, RS_CHANNEL0, Region, default_region
-from ._cache import CallCache
+from ._arena import ARRIVED, FREE, RS_CHANNEL0, Region
 from ._errors import TideInvalid
-from ._group import Group, default_group
+from ._group import Group
 from ._layout import (
     RsChunk,
     RsPlan,
@@ -33,7 +32,6 @@ from ._layout import (
     plan_reduce_scatter,
 )
 from ._validate import overlaps
-from ._work import finish
 from .backends._base import AccumPiece
 
 if TYPE_CHECKING:
@@ -47,48 +45,81 @@ def _plan(unit: UnitLayout, topo: Topology, chunk_nbytes: int, depth: int) -> Rs
     return plan_reduce_scatter(unit, topo, chunk_nbytes, depth)
 
 
-@dataclass
-class _RsCall:
-    """A validated reduce-scatter call, and its issue programs per (staging, outputs):
-    the latest 8, since calls without ``out=`` get new result buffers each time."""
+@dataclass(frozen=True)
+class Reduce:
+    """A reduction every rank accepted: what :func:`validate` found.
 
-    unit: UnitLayout
+    Attributes:
+        layout: the unit's slot layout; ``plan`` its chunks and staging.
+        dtype: the gradients' dtype.
+        grad_ptrs, grads: each gradient's address, and the gradients as the
+            backend's arrays; ``out_ptrs`` and ``outs`` the same for ``out``
+            (None without it).
+        signature: what every rank agreed on (``_validate``), and its ``digest``.
+    """
+
+    layout: UnitLayout
     plan: RsPlan
     dtype: Any
+    grad_ptrs: tuple
+    grads: list
+    out_ptrs: Optional[tuple]
+    outs: Optional[list]
     signature: tuple
     digest: int
-    programs: CallCache
 
 
-def check_call(group: Group, grads: list, outs: Optional[list], op: str,
-               staging: Optional[Region], chunk_nbytes: Optional[int] = None) -> _RsCall:
-    dtype, errors = _validate.check_arrays(grads, "gradient")
+def validate(group: Group, grads: Any, out: Any, op: str, staging: Optional[Region],
+             chunk_nbytes: Optional[int] = None, expect: Optional[tuple] = None,
+             what: str = "reduce_scatter", errors: Sequence[str] = ()) -> Reduce:
+    """Resolve and check a reduction of ``grads`` (into ``out`` if given) in one
+    agreement: any rank's bad input raises on every rank.
+
+    Args:
+        chunk_nbytes: the chunk (the group's if None).
+        expect: ``(layout, dtype)`` the gradients must have (a plan's unit's), if any.
+        errors: the caller's own findings, raised with these.
+    """
+    be = group.backend
+    grads_r, more = _validate.resolve_all(be, grads, "gradient")
+    errors = [*errors, *more]
+    outs = None
+    if out is not None:
+        outs, more = _validate.resolve_all(be, out, "output")
+        errors += more
+    dtype, more = _validate.check_arrays(grads_r, "gradient")
+    errors += more
     if op not in OPS:
         errors.insert(0, f"expected op in {OPS}, got {op!r}")
-    shapes = tuple(g.shape for g in grads)
+    shapes = tuple(g.shape for g in grads_r)
     try:
         unit = cached_unit(shapes, dtype.itemsize, group.size)
     except TideInvalid as e:
         errors.append(str(e))
         unit = None
     plan = None
+    if expect is not None and (unit != expect[0] or dtype != expect[1]):
+        errors.append(f"expected gradients of the unit's shapes and dtype {expect[1]}, got "
+                      f"{list(shapes)} {dtype}")
     if unit is not None:
         cfg = group.config
         plan = _plan(unit, group.topology, chunk_nbytes or cfg.chunk_nbytes, cfg.depth)
         if outs is not None:
-            errors += _check_outs(unit, grads, outs)
+            errors += _check_outs(unit, grads_r, outs)
         if staging is not None:
             if staging.nbytes < plan.staging_nbytes:
                 errors.append(f"expected a staging region of at least {plan.staging_nbytes} "
                               f"bytes, got {staging.nbytes}")
             errors += [f"parameter {i}: expected a gradient outside the staging region, got "
-                       "one that aliases it" for i, g in enumerate(grads)
+                       "one that aliases it" for i, g in enumerate(grads_r)
                        if staging.contains(g.ptr, g.nbytes)]
     signature = (("shapes", shapes), ("dtype", str(dtype)), ("op", op),
                  ("out", outs is not None), ("staging", None if staging is None else staging.id))
     digest = _validate.digest(signature)
-    _validate.check(group, "reduce_scatter", signature, errors, known_digest=digest)
-    return _RsCall(unit, plan, dtype, signature, digest, CallCache(8))
+    _validate.check(group, what, signature, errors, known_digest=digest)
+    return Reduce(unit, plan, dtype, tuple(g.ptr for g in grads_r), [g.array for g in grads_r],
+                  None if outs is None else tuple(o.ptr for o in outs),
+                  None if outs is None else [o.array for o in outs], signature, digest)
 
 
 def _check_outs(unit: UnitLayout, grads: list, outs: list) -> list[str]:
@@ -107,55 +138,6 @@ def _check_outs(unit: UnitLayout, grads: list, outs: list) -> list[str]:
     return errors
 
 
-def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Sequence[Any]] = None,
-                   group: Optional[Group] = None, staging: Optional[Region] = None,
-                   stream: Any = None, async_op: bool = False) -> Any:
-    """Reduce per-parameter gradients over the group into this rank's fp32 shards.
-
-    Args:
-        grads: full-shape gradients, one dtype (bf16, fp16 or fp32), contiguous,
-            the same shapes on every rank. Read in place; never packed.
-        op: ``"avg"`` (sum / world size, the scale fused in) or ``"sum"``.
-        out: optional float32 arrays of each shard's padded shape
-            ``(ceil(d0/W), *rest)``; new arrays if None.
-        group: the group (default: the last ``init``).
-        staging: a slot to stage in (Slot-Reuse); by default the group's own
-            staging, ``depth * (local_size-1) * chunk_nbytes`` bytes.
-        stream: the stream to order against (cuda backend; current if None).
-        async_op: return a :class:`Work` instead of the result.
-
-    Returns:
-        fp32 shards, padding rows zero. Sources are summed in a fixed order, so
-        results are bitwise reproducible for the same inputs and topology.
-
-    Raises:
-        TideInvalid: on every rank, before any transfer, if any rank's input is bad.
-    """
-    group = group or default_group()
-    be = group.backend
-    grad_ptrs, out_ptrs, out_arrays, call = _validated(group, grads, out, op, staging)
-    unit, plan = call.unit, call.plan
-    if staging is None:
-        staging = default_region(group, "staging", plan.staging_nbytes)
-    final, partial = receive_buffers(group, plan, own=out_ptrs is None)
-    final_ptr = None if final is None else be.resolve(final).ptr
-    partial_ptr = None if partial is None else be.resolve(partial).ptr
-    dst_key = (out_ptrs if final is None else final_ptr, partial_ptr)
-    program = call.programs.get((staging.id, dst_key))
-    if program is None:
-        program = call.programs.put((staging.id, dst_key), build_program(
-            group, call, grad_ptrs, out_ptrs, final_ptr, partial_ptr, staging))
-    ex = be.executor(stream)
-    stamps = start_stamps(group, call)
-    issue(group, ex, call, program, staging, 1.0 / group.size if op == "avg" else 1.0, stamps)
-    if out_arrays is not None:
-        results = out_arrays
-    else:  # views of the receive buffer, built only when they are the result
-        results = [final[o:o + s.shard_numel].reshape(s.shard_shape)
-                   for o, s in zip(plan.out_offsets, unit.specs)]
-    return finish(ex, results, stream, async_op, stamps)
-
-
 def receive_buffers(group: Group, plan: RsPlan, own: bool) -> tuple:
     """fp32 ``(final, partial)`` buffers, each None where not needed: our own receive
     buffer (``own``: the outputs cannot take the sums directly; always across nodes,
@@ -167,70 +149,15 @@ def receive_buffers(group: Group, plan: RsPlan, own: bool) -> tuple:
     return final, partial
 
 
-def resolve(group: Group, grads: Sequence[Any], out: Optional[Sequence[Any]],
-            what: str = "reduce_scatter", errors: Sequence[str] = ()) -> tuple:
-    """Resolve the gradients and outputs; on any rank's failure (or ``errors``) raise on
-    every rank."""
-    be = group.backend
-    grads, more = _validate.resolve_all(be, grads, "gradient")
-    errors = [*errors, *more]
-    outs = None
-    if out is not None:
-        outs, more = _validate.resolve_all(be, out, "output")
-        errors += more
-    if errors:
-        _validate.check(group, what, (("inputs", "unresolvable"),), errors)
-    return grads, outs
-
-
-def start_stamps(group: Group, call: _RsCall) -> Optional[_stamps.Stamps]:
+def start_stamps(group: Group, plan: RsPlan) -> Optional[_stamps.Stamps]:
     """Debug stamps for one call: one per peer and chunk ([Note: stamps])."""
-    return _stamps.start(group, "reduce_scatter",
-                         len(call.plan.chunks) * (group.local_size - 1))
-
-
-def _validated(group: Group, grads: Sequence[Any], out: Optional[Sequence[Any]], op: str,
-               staging: Optional[Region]) -> tuple:
-    """``(gradient addresses, output addresses or None, outputs or None, call)``: the
-    validated call found in the group's cache, or made (collectively).
-
-    A repeat with the same array objects (the backend's ``fingerprint``) and shapes
-    finds its entry without resolving each array again: a unit of hundreds of
-    parameters resolved its gradients and outputs for about a millisecond per call
-    (393 of each, host backend)."""
-    be = group.backend
-    sid = None if staging is None else staging.id
-    fg = be.fingerprint(grads)
-    fo = None if out is None else be.fingerprint(out)
-    repeat = None
-    if fg is not None and (out is None or fo is not None):  # as all_gather's key, plus shapes
-        repeat = ("reduce_scatter", op, sid, fg, fo, tuple(a.shape for a in grads),
-                  None if out is None else tuple(o.shape for o in out))
-        hit = group.calls.get(repeat)
-        if hit is not None:
-            call, grad_ptrs, out_ptrs = hit
-            _validate.check(group, "reduce_scatter", call.signature, (), known_digest=call.digest)
-            return grad_ptrs, out_ptrs, None if out is None else list(out), call
-    grads_r, outs_r = resolve(group, grads, out)
-    key = ("reduce_scatter", op, sid,
-           tuple((g.ptr, g.nbytes, g.dtype, g.contiguous, g.shape) for g in grads_r),
-           None if outs_r is None else
-           tuple((o.ptr, o.nbytes, o.dtype, o.contiguous, o.shape) for o in outs_r))
-    call = group.calls.get(key)
-    if call is None:
-        call = group.calls.put(key, check_call(group, grads_r, outs_r, op, staging))
-    else:
-        _validate.check(group, "reduce_scatter", call.signature, (), known_digest=call.digest)
-    grad_ptrs = tuple(g.ptr for g in grads_r)
-    out_ptrs = None if outs_r is None else tuple(o.ptr for o in outs_r)
-    if repeat is not None:
-        group.calls.put(repeat, (call, grad_ptrs, out_ptrs))
-    return grad_ptrs, out_ptrs, None if outs_r is None else [o.array for o in outs_r], call
+    return _stamps.start(group, "reduce_scatter", len(plan.chunks) * (group.local_size - 1))
 
 
 @dataclass(frozen=True)
-class _Program:
-    """Every address a reduce-scatter touches for one set of buffers, computed once.
+class Program:
+    """Every address a reduce-scatter touches for one set of buffers, computed once;
+    each batch in its backend's form ([Note: compiled batches] in ``backends._base``).
 
     Attributes:
         chunks: per chunk, ``(pushes, pieces)``: copies into each node-local
@@ -238,20 +165,24 @@ class _Program:
         reduce: ``(send, recv, count)`` of the inter-node fp32 reduce-scatter, or None.
         copy_out: copies from the receive buffer into the caller's ``out`` (across nodes).
         zeros: ``(addr, nbytes)`` of padding rows in the outputs.
+        dtype: the gradients' dtype (the accumulate's sources).
     """
 
     chunks: tuple
     reduce: Optional[tuple]
-    copy_out: tuple
+    copy_out: Any
     zeros: tuple
+    dtype: Any
 
 
-def build_program(group: Group, call: _RsCall, grad_ptrs: Sequence[int],
-                  outs: Optional[Sequence[int]], final_ptr: Optional[int],
-                  partial_ptr: Optional[int], staging: Region) -> _Program:
-    """``outs``: the addresses of the caller's fp32 outputs (validated: each its shard's
-    shape), or None."""
-    topo, unit, plan = group.topology, call.unit, call.plan
+def build_program(group: Group, red: Reduce, outs: Optional[Sequence[int]],
+                  final_ptr: Optional[int], partial_ptr: Optional[int],
+                  staging: Region) -> Program:
+    """Every copy and accumulate of ``red`` staged in ``staging``, compiled for the
+    group's backend. ``outs``: the addresses of fp32 outputs (validated: each its
+    shard's shape), or None (into ``final_ptr``, a receive buffer)."""
+    be, topo, unit, plan = group.backend, group.topology, red.layout, red.plan
+    grad_ptrs = red.grad_ptrs
     me, L = topo.local_rank, topo.local_size
     if final_ptr is None:
         out_ptrs = list(outs)
@@ -261,13 +192,14 @@ def build_program(group: Group, call: _RsCall, grad_ptrs: Sequence[int],
     chunks = []
     for k, chunk in enumerate(plan.chunks):
         boff = plan.buffer_of(k) * plan.buffer_nbytes
-        pushes = {p: _push_copies(unit, chunk, topo, p, grad_ptrs,
-                                  staging.ptr(p) + boff + ((me - p) % L - 1) * plan.source_nbytes)
+        pushes = {p: be.compile_copies(_push_copies(
+            unit, chunk, topo, p, grad_ptrs,
+            staging.ptr(p) + boff + ((me - p) % L - 1) * plan.source_nbytes), split=True)
                   for p in range(L) if p != me}
         src_base = {q: staging.ptr(me) + boff + ((q - me) % L - 1) * plan.source_nbytes
                     for q in range(L) if q != me}
         pieces = _accum_pieces(unit, chunk, topo, grad_ptrs, dst, src_base)
-        chunks.append((pushes, tuple(p for p in pieces if p.numel)))
+        chunks.append((pushes, be.compile_pieces(pieces, red.dtype)))
     reduce = copy_out = None
     if partial_ptr is not None:
         reduce = (partial_ptr, final_ptr, plan.block_numel)
@@ -281,7 +213,8 @@ def build_program(group: Group, call: _RsCall, grad_ptrs: Sequence[int],
         if v < spec.rows_per_shard:
             zeros.append((ptr + v * spec.row_numel * 4,
                           (spec.rows_per_shard - v) * spec.row_numel * 4))
-    return _Program(tuple(chunks), reduce, copy_out or (), tuple(zeros))
+    return Program(tuple(chunks), reduce, be.compile_copies(copy_out or (), local=True),
+                   tuple(zeros), red.dtype)
 
 
 def _partial_ptrs(base: int, plan: RsPlan, topo: Topology) -> list[list[int]]:
@@ -290,12 +223,11 @@ def _partial_ptrs(base: int, plan: RsPlan, topo: Topology) -> list[list[int]]:
             for m in range(topo.num_nodes)]
 
 
-def issue(group: Group, ex: Executor, call: _RsCall, program: _Program, staging: Region,
-          scale: float, stamps: Optional[_stamps.Stamps] = None) -> None:
-    """CE pushes into peers' staging, accumulate from ours; then across nodes.
-    ``stamps``: debug mode's ([Note: stamps])."""
+def run(group: Group, ex: Executor, plan: RsPlan, program: Program, staging: Region,
+        scale: float, stamps: Optional[_stamps.Stamps] = None) -> None:
+    """Issue one reduction: CE pushes into peers' staging, accumulate from ours; then
+    across nodes. ``stamps``: debug mode's ([Note: stamps])."""
     me, L = group.topology.local_rank, group.topology.local_size
-    plan = call.plan
     peers = [(me + k) % L for k in range(1, L)]
     n_chunks = len(plan.chunks)
     for b in range(min(plan.depth, n_chunks)):  # grant this call's first use of each buffer
@@ -316,7 +248,7 @@ def issue(group: Group, ex: Executor, call: _RsCall, program: _Program, staging:
         if stamps is not None:
             stamps.snapshot(ex, ex.COMPUTE, staging, ch, peers, use,
                             f"staging {staging.id}, chunk {k}")
-        ex.accumulate(ex.COMPUTE, pieces, call.dtype, scale)
+        ex.accumulate(ex.COMPUTE, pieces, program.dtype, scale)
         if k + plan.depth < n_chunks:
             for p in peers:
                 ex.signal(ex.COMPUTE, staging.flag(p, ch, FREE, me), use + 1)
@@ -325,7 +257,7 @@ def issue(group: Group, ex: Executor, call: _RsCall, program: _Program, staging:
         lane = ex.NET
         ex.depend(lane, ex.COMPUTE)
         ex.reduce_scatter_f32(lane, *program.reduce)
-        ex.copy(lane, program.copy_out, local=True)
+        ex.copy(lane, program.copy_out)
     for addr, nbytes in program.zeros:
         ex.zero(lane, addr, nbytes)
 
@@ -347,7 +279,7 @@ def _push_copies(unit: UnitLayout, chunk: RsChunk, topo: Topology, p: int, grad_
             row, n = _slice(spec, target, pc.row_start, pc.row_stop)
             copies.append((base + m * chunk.block_nbytes + pc.offset,
                            grad_ptrs[pc.param] + row * spec.row_nbytes, n * spec.row_nbytes))
-    return tuple(copies)  # the copier keeps packed batches by this tuple's identity
+    return tuple(copies)
 
 
 def _accum_pieces(unit: UnitLayout, chunk: RsChunk, topo: Topology, grad_ptrs: list[int], dst: list,

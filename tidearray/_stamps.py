@@ -56,7 +56,7 @@ class Stamps:
         me = self.group.topology.local_rank
         outbox = region.flag(me, channel, OUTBOX, reader)
         ex.signal(lane, outbox, use)
-        # A list, not a tuple: copy plans are cached by a tuple's identity.
+        # Raw copies: planned for this call only ([Note: compiled batches]).
         ex.copy(lane, [(region.flag(reader, channel, STAMP, me), outbox, 4)])
 
     def fetch(self, ex: Executor, lane: int, src_addr: int, writer: int, use: int,

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import tidearray
+from tidearray.layout import unit_nbytes
 
 from .._util import (
     BF16,
@@ -70,7 +71,7 @@ def arena(request, group):
 
 
 def _fits(group, unit, dtype) -> list[str]:
-    n = tidearray.unit_nbytes(unit, dtype, group=group)
+    n = unit_nbytes(unit, dtype, group=group)
     return [] if n <= SLOT_BYTES else [f"test bug: unit needs {n} bytes > slot {SLOT_BYTES}"]
 
 
@@ -203,19 +204,19 @@ def test_only_own_copies_are_marked_local(arena, monkeypatch):
     transports there is one per non-empty local parameter, and every other copy
     reads or writes a peer's slot."""
     from tidearray._layout import shard_spec
-    from tidearray.backends.host import HostExecutor
+    from tidearray.backends.host import HostBackend
 
     g = arena.group
     if g.backend.name != "host":
-        pytest.skip("records the host executor's copies")
+        pytest.skip("records the host backend's compiled copies")
     seen = []
-    copy = HostExecutor._copy
+    compile_copies = HostBackend.compile_copies
 
-    def spy(self, lane, copies, local):
+    def spy(self, copies, local=False, split=False):
         seen.append((bool(local), tuple(copies)))
-        return copy(self, lane, copies, local)
+        return compile_copies(self, copies, local, split)
 
-    monkeypatch.setattr(HostExecutor, "_copy", spy)
+    monkeypatch.setattr(HostBackend, "compile_copies", spy)
     unit = [(2 * WORLD + 1, 3), (WORLD,), (0, 4)]
     rng = np.random.default_rng(g.comm.bcast(int(np.random.SeedSequence().entropy) % 2**63))
     fulls = [rng.standard_normal(s).astype(np.float32) for s in unit]

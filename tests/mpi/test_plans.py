@@ -231,7 +231,7 @@ def test_reduce_plan_uses_the_units_chunks(group, xp):
     got = to_numpy(plan()[0]).astype(np.float64)
     ok = np.allclose(got, want, rtol=0, atol=RS_RTOL * np.abs(want).max() * 4 + 1e-6)
     failures = [] if ok else ["wrong sums"]
-    if plan._call.plan != unit.rs_plan:
+    if plan._red.plan != unit.rs_plan:
         failures.append("the plan ignored the unit's chunks")
     agree(group.comm, failures)
     arena[0].free()

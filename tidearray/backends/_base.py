@@ -12,12 +12,10 @@ Public methods here are checked; backends implement the ``_`` hooks.
 from __future__ import annotations
 
 import abc
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
 from .. import _dtypes
-from .._cache import CallCache
 from .._dtypes import float32
 from .._errors import TideBackendError, TideInvalid, agree
 from .._layout import Copy
@@ -33,6 +31,32 @@ class AccumPiece:
     out: int
     srcs: tuple[int, ...]
     numel: int
+
+
+class Batch:
+    """A plan's copies or accumulate pieces in its backend's form, made once at build.
+
+    [Note: compiled batches]
+    A collective's program (its every address, computed when a plan is built)
+    holds each batch in the form its backend issues: packed address arrays and
+    2D runs for the cuda copier, a tiled table for the accumulate kernel, merged
+    neighbours for host memory. A plan owns its batches, so what a call issues
+    is decided at build time and dropped with the plan; nothing is looked up
+    per call. Raw triples or pieces passed to an executor are planned for that
+    call only.
+    """
+
+    def __len__(self) -> int:
+        return 1
+
+
+def check_accumulate(src_dtype: Any, out_dtype: Any) -> None:
+    """A rounded (bf16 or fp16) output takes fp32 sources only."""
+    if out_dtype is not float32:
+        out_dtype = _dtypes.normalize(out_dtype)
+        if out_dtype != float32 and _dtypes.normalize(src_dtype) != float32:
+            raise TideBackendError(f"accumulate: a {out_dtype} output takes float32 "
+                                   f"sources, got {src_dtype}")
 
 
 class SymmetricBuffer(abc.ABC):
@@ -74,17 +98,17 @@ class Executor(abc.ABC):
         self.COMPUTE = local_size
         self.NET = local_size + 1
 
-    def copy(self, lane: int, copies: Sequence[Copy], local: bool = False) -> None:
-        """A batch of ``(dst, src, nbytes)`` address triples, any peer.
+    def copy(self, lane: int, copies: Any, local: bool = False) -> None:
+        """A batch of copies on ``lane``: a :class:`Batch` that
+        :meth:`Backend.compile_copies` made (a plan's, issued every call), or
+        ``(dst, src, nbytes)`` address triples, any peer, planned for this call only.
 
-        Copies are passed on as given, the same object each call for a cached
-        program (device backends keep per-batch state by its identity): two
-        arrays can be adjacent without being one allocation, and a device copy
-        must not span allocations, so merging neighbours is left to backends
-        where it is safe (host memory). Zero-byte copies are allowed.
-        ``local`` says every copy is within this rank's device, which a device
-        backend may issue differently (the cuda backend's driver runs those on
-        the SMs: [Note: same-device copies]).
+        Two arrays can be adjacent without being one allocation, and a device copy
+        must not span allocations, so merging neighbours is left to backends where
+        it is safe (host memory). Zero-byte copies are allowed. ``local`` (raw
+        triples only; a batch carries its own) says every copy is within this
+        rank's device, which a device backend may issue differently (the cuda
+        backend's driver runs those on the SMs: [Note: same-device copies]).
         """
         if copies:
             self._copy(lane, copies, local)
@@ -99,8 +123,7 @@ class Executor(abc.ABC):
         if not buffer.multicast:
             raise TideBackendError("multicast_copy: expected a buffer allocated with "
                                    "multicast=True, got a unicast one")
-        if not all(c[2] for c in copies):  # keeps a cached program's tuple as it is
-            copies = tuple(c for c in copies if c[2])
+        copies = [c for c in copies if c[2]]
         if copies:
             self._multicast_copy(lane, buffer, copies)
 
@@ -115,20 +138,18 @@ class Executor(abc.ABC):
         """Hold ``lane`` until the local int32 flag at ``addr`` is >= ``value``."""
         self._wait(lane, addr, value)
 
-    def accumulate(self, lane: int, pieces: Sequence[AccumPiece], src_dtype: Any,
-                   scale: float, out_dtype: Any = float32) -> None:
+    def accumulate(self, lane: int, pieces: Any, src_dtype: Any, scale: float,
+                   out_dtype: Any = float32) -> None:
         """``out = scale * sum(srcs)`` per piece, in fp32, sources summed in the given order.
 
+        ``pieces``: a :class:`Batch` that :meth:`Backend.compile_pieces` made for
+        these dtypes (a plan's), or :class:`AccumPiece` s, planned for this call only.
         ``out_dtype`` bf16 or fp16 (fp32 sources only) rounds the fp32 result to
         nearest even: one fp32 source with scale 1 is a cast.
         """
-        if out_dtype is not float32:  # checked for casts only: the default runs per chunk
-            out_dtype = _dtypes.normalize(out_dtype)
-            if out_dtype != float32 and _dtypes.normalize(src_dtype) != float32:
-                raise TideBackendError(f"accumulate: a {out_dtype} output takes float32 "
-                                       f"sources, got {src_dtype}")
-        if not all(p.numel for p in pieces):  # keeps a cached program's tuple as it is
-            pieces = tuple(p for p in pieces if p.numel)
+        if not isinstance(pieces, Batch):
+            check_accumulate(src_dtype, out_dtype)
+            pieces = [p for p in pieces if p.numel]
         if pieces:
             self._accumulate(lane, pieces, src_dtype, scale, out_dtype)
 
@@ -159,7 +180,8 @@ class Executor(abc.ABC):
         """Join every lane; the returned completion orders the caller's stream."""
 
     @abc.abstractmethod
-    def _copy(self, lane: int, copies: list[Copy], local: bool) -> None: ...
+    def _copy(self, lane: int, copies: Any, local: bool) -> None:
+        """``copies``: a :class:`Batch` of this backend's, or a non-empty list of triples."""
 
     @abc.abstractmethod
     def _signal(self, lane: int, addr: int, value: int) -> None: ...
@@ -168,8 +190,9 @@ class Executor(abc.ABC):
     def _wait(self, lane: int, addr: int, value: int) -> None: ...
 
     @abc.abstractmethod
-    def _accumulate(self, lane: int, pieces: list[AccumPiece], src_dtype: Any,
-                    scale: float, out_dtype: Any) -> None: ...
+    def _accumulate(self, lane: int, pieces: Any, src_dtype: Any,
+                    scale: float, out_dtype: Any) -> None:
+        """``pieces``: a :class:`Batch` of this backend's, or a non-empty list of pieces."""
 
     @abc.abstractmethod
     def _zero(self, lane: int, addr: int, nbytes: int) -> None: ...
@@ -182,6 +205,19 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def _depend(self, lane: int, on: int) -> None: ...
+
+
+class TupleBatch(Batch):
+    """A batch as plain tuples: what backends that issue them one by one keep."""
+
+    def __init__(self, items: tuple) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Any:
+        return iter(self.items)
 
 
 class Resolved(NamedTuple):
@@ -212,7 +248,6 @@ class Backend(abc.ABC):
 
     def __init__(self, group: Group) -> None:
         self.group = group
-        self._fingerprints = CallCache(64)
 
     def setup(self) -> None:
         """Collective start-up over the group (device choice, communicators)."""
@@ -232,37 +267,30 @@ class Backend(abc.ABC):
             TideInvalid: ``obj`` is not an array this backend can address.
         """
 
-    def fingerprint(self, objs: Any) -> Optional[tuple]:
-        """A cheap cache key for a list of this backend's own arrays, or None.
-
-        One tuple per array, its address first, holding everything
-        :meth:`resolve` would check (size, dtype, contiguity, device), so a
-        repeated call can find its validated entry without resolving each
-        array. None (resolve them) for anything else. The same array objects as
-        a recent call (checked through weak references, so ids cannot be stale
-        and nothing is kept alive) get that call's fingerprint back, the same
-        tuple object: an array's address, size, dtype and device never change,
-        and its contiguity only with its shape, which callers compare.
-        """
-        if type(objs) not in (list, tuple):
-            return None
-        ids = tuple(map(id, objs))
-        seen = self._fingerprints.get(ids)
-        if seen is not None and all(r() is a for r, a in zip(seen[0], objs)):
-            return seen[1]
-        fp = self._fingerprint_of(objs)
-        if fp is None:
-            return None
-        try:
-            self._fingerprints.put(ids, ([weakref.ref(a) for a in objs], fp))
-        except TypeError:  # arrays without weak references: fingerprint every call
-            pass
-        return fp
-
-    def _fingerprint_of(self, objs: Any) -> Optional[tuple]:
-        """:meth:`fingerprint`'s tuple, made anew; None where ``objs`` are not all
-        this backend's own arrays."""
+    def array_key(self, objs: Any) -> Optional[tuple]:
+        """What a plan built for ``objs`` depends on, read without resolving them: one
+        ``(address, shape, dtype, contiguous)`` per array where all are this backend's
+        own arrays on this rank's device; None (resolve them) for anything else.
+        An eager collective finds the plan made for a call on the same arrays by it."""
         return None
+
+    def compile_copies(self, copies: Sequence[Copy], local: bool = False,
+                       split: bool = False) -> Any:
+        """A plan's copy batch in this backend's form ([Note: compiled batches]).
+
+        Args:
+            copies: ``(dst, src, nbytes)`` triples.
+            local: every copy is within this rank's device.
+            split: the batch goes to or comes from one peer on that peer's lane,
+                so a device backend may spread it over several copy engines.
+        """
+        return TupleBatch(tuple(c for c in copies if c[2]))
+
+    def compile_pieces(self, pieces: Sequence[AccumPiece], src_dtype: Any,
+                       out_dtype: Any = float32) -> Any:
+        """A plan's accumulate pieces in this backend's form ([Note: compiled batches])."""
+        check_accumulate(src_dtype, out_dtype)
+        return TupleBatch(tuple(p for p in pieces if p.numel))
 
     @abc.abstractmethod
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Any: ...

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
 from .._dtypes import float32, normalize
 from .._errors import TideBackendError, TideInvalid
-from .._layout import coalesce
-from ._base import Backend, Completion, Executor, Resolved, SymmetricBuffer
+from .._layout import Copy, coalesce
+from ._base import Backend, Completion, Executor, Resolved, SymmetricBuffer, TupleBatch
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -92,8 +92,8 @@ class HostExecutor(Executor):
         super().__init__(backend.group.local_size)
         self.backend = backend
 
-    def _copy(self, lane: int, copies: list, local: bool) -> None:
-        for dst, src, n in coalesce(copies):  # plain host memory: neighbours may merge
+    def _copy(self, lane: int, copies: Any, local: bool) -> None:
+        for dst, src, n in copies if isinstance(copies, TupleBatch) else coalesce(copies):
             ctypes.memmove(dst, src, n)
 
     def _multicast_copy(self, lane: int, buffer: Any, copies: list) -> None:
@@ -208,11 +208,16 @@ class HostBackend(Backend):
         return Resolved(arr, arr.ctypes.data, arr.nbytes, tuple(arr.shape), arr.dtype,
                         bool(arr.flags.c_contiguous))
 
-    def _fingerprint_of(self, objs: Any) -> Optional[tuple]:
-        if set(map(type, objs)) != {np.ndarray}:
+    def array_key(self, objs: Any) -> Optional[tuple]:
+        if type(objs) not in (list, tuple) or set(map(type, objs)) != {np.ndarray}:
             return None
-        return tuple([(a.__array_interface__["data"][0], a.nbytes, a.dtype,
-                       a.flags.c_contiguous, 0) for a in objs])
+        return tuple([(a.__array_interface__["data"][0], a.shape, a.dtype,
+                       a.flags.c_contiguous) for a in objs])
+
+    def compile_copies(self, copies: Sequence[Copy], local: bool = False,
+                       split: bool = False) -> TupleBatch:
+        # Plain host memory: neighbours may merge, once, here.
+        return TupleBatch(tuple(coalesce(copies)))
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         return np.empty(shape, normalize(dtype))

@@ -7,13 +7,16 @@ sources into fp32 with ``Config.accum_kernel`` ``"bulk"`` or ``"narrow"``,
 arguments, the same bits; sources streamed through shared memory by bulk async copies).
 
 [Note: table lifetime]
-A launch reads its table from device memory that an async H2D copy filled
-from pinned host memory, both on the lane stream. Neither buffer may be
-reused until the kernel has run, so tables live in a small ring of slots,
-each guarded by an event recorded after its kernel. Taking a slot waits (on
-the host) for its event; with ``RING`` slots that wait is only ever on work
-issued ``RING`` accumulates ago, whose inputs are all issued already, so it
-cannot deadlock against a peer.
+A plan's pieces become an :class:`AccumTable` when the plan is built; its table
+is uploaded in stream order at the first launch and stays on the device while
+the plan lives, and when the plan goes the table is kept until its last kernel
+has read it. Pieces passed raw (one call's) are tiled per launch and read from
+device memory that an async H2D copy filled from pinned host memory, both on
+the lane stream. Neither buffer may be reused until the kernel has run, so
+those tables live in a small ring of slots, each guarded by an event recorded
+after its kernel. Taking a slot waits (on the host) for its event; with
+``RING`` slots that wait is only ever on work issued ``RING`` accumulates ago,
+whose inputs are all issued already, so it cannot deadlock against a peer.
 """
 
 from __future__ import annotations
@@ -22,10 +25,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..._cache import IdentityCache
 from ..._config import ACCUM_KERNELS
 from ..._dtypes import normalize
-from .._base import AccumPiece
+from .._base import AccumPiece, Batch
 
 #: Smallest tile, in elements: one block's unit of work (a multiple of every vector width).
 TILE = 8192
@@ -36,8 +38,6 @@ TILES_PER_BLOCK = 4
 BLOCK = 512
 #: Table slots in flight (see [Note: table lifetime]).
 RING = 16
-#: Device tables kept for cached programs.
-TABLES = 256
 #: Threads per block of the bulk kernel (``THREADS`` in ``kernels/accumulate_bulk.cu``).
 BULK_BLOCK = 256
 #: Dynamic shared memory of the bulk kernel (``SMEM_BYTES`` there): 6 stages of two
@@ -121,11 +121,29 @@ class _Slot:
             self.nbytes = size
 
 
-def _release_table(entry: tuple) -> None:
-    """Before a device table is dropped: wait until its last kernel has read it."""
-    event = entry[3]
-    if not event.done:
-        event.synchronize()
+class AccumTable(Batch):
+    """A plan's accumulate: its table, tiled for the grid, and its kernel, chosen once
+    ([Note: compiled batches] in ``backends._base``). Uploaded at the first launch,
+    in stream order ([Note: table lifetime])."""
+
+    def __init__(self, table: np.ndarray, n_tiles: int, tile: int, n_pieces: int,
+                 n_srcs: int, kernel: tuple, grid: int) -> None:
+        self.table, self.n_tiles, self.tile = table, n_tiles, tile
+        self.n_pieces, self.n_srcs = n_pieces, n_srcs
+        self.kernel, self.grid = kernel, grid
+        self.dev: Any = None
+        self.event: Any = None
+
+    def __len__(self) -> int:
+        return self.n_pieces
+
+    def __del__(self) -> None:
+        # Its last kernel may still be reading the table: the pool must not reuse it yet.
+        try:
+            if self.event is not None and not self.event.done:
+                self.event.synchronize()
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the context is gone
+            pass
 
 
 class Accumulator:
@@ -155,17 +173,14 @@ class Accumulator:
         self._ring = [_Slot() for _ in range(RING)]
         self._next = 0
         self._kernels: dict = {}
-        # A cached program's pieces (a tuple) -> (device table, tiles, tile, event)
-        self._tables = IdentityCache(TABLES, evict=_release_table)
         self.set_grid(ctas)
 
     def set_grid(self, ctas: Optional[int]) -> None:
-        """Cap the grid at ``ctas`` (None: the default); tables are tiled anew for it.
+        """Cap the grid at ``ctas`` (None: the default), for tables made from now on.
         ``max_grid`` is the configured kernel's cap, ``vector_grid`` that of launches
         the vector kernel takes instead (other dtypes, too many sources)."""
         self.max_grid = self._grid(ctas, self.kernel)
         self.vector_grid = self._grid(ctas, "vector")
-        self._tables.clear()
 
     def _grid(self, ctas: Optional[int], kernel: str) -> int:
         """The grid cap: ``ctas``, else one narrow CTA per SM or half the SMs."""
@@ -173,38 +188,48 @@ class Accumulator:
             return max(1, ctas)
         return self.sm_count if kernel == "narrow" else max(1, self.sm_count // 2)
 
-    def launch(self, stream: Any, pieces: Sequence[AccumPiece], src_dtype: Any,
-               scale: float, out_dtype: Any = "float32") -> None:
-        """``out = scale * sum(srcs)`` per piece, one launch on ``stream`` (a cupy Stream):
-        fp32, rounded to ``out_dtype`` (bf16 or fp16 for fp32 sources only)."""
+    def table(self, pieces: Sequence[AccumPiece], src_dtype: Any,
+              out_dtype: Any = "float32") -> AccumTable:
+        """A plan's non-empty ``pieces`` (all with as many sources), tiled and with
+        their kernel chosen, for :meth:`launch` call after call."""
         key = (src_dtype, out_dtype)
         if self.kernel == "narrow" and len(pieces[0].srcs) > NARROW_MAX_SOURCES:
             key += ("vector",)  # more sources than the narrow kernel takes
-        try:  # keyed by the dtypes as given: no normalizing on the hot path
-            kernel, block, smem = self._kernels[key]
-        except (KeyError, TypeError):
-            kernel, block, smem = self._kernel(*key)
-        dev, n_tiles, tile, event = self._tables.get(pieces, lambda p: self._upload(stream, p))
-        grid = min(n_tiles, self.max_grid if block == NARROW_BLOCK else self.vector_grid)
-        with stream:
-            kernel((grid,), (block,), (dev, np.int32(len(pieces)),
-                                       np.int32(len(pieces[0].srcs)), np.int64(n_tiles),
-                                       np.int64(tile), np.float32(scale),
-                                       np.int32(np.float32(scale) != 1)), shared_mem=smem)
-        event.record(stream)
-
-    def _upload(self, stream: Any, pieces: Sequence[AccumPiece]) -> tuple:
-        """Build and upload a table. A tuple of pieces is a cached program's (the
-        collectives reuse it call after call), so its table stays on the device;
-        anything else goes through the ring (see [Note: table lifetime])."""
-        import cupy
-
+        kernel = self._kernel(*key)
         tile = choose_tile(sum(p.numel for p in pieces), self.max_grid)
         table, n_tiles = build_table(pieces, tile)
-        if type(pieces) is tuple:  # kept by ``_tables``; freed by ``_release_table``
-            with stream:
-                dev = cupy.asarray(table)
-            return dev, n_tiles, tile, cupy.cuda.Event(block=False, disable_timing=True)
+        grid = min(n_tiles, self.max_grid if kernel[1] == NARROW_BLOCK else self.vector_grid)
+        return AccumTable(table, n_tiles, tile, len(pieces), len(pieces[0].srcs), kernel, grid)
+
+    def launch(self, stream: Any, pieces: Any, src_dtype: Any, scale: float,
+               out_dtype: Any = "float32") -> None:
+        """``out = scale * sum(srcs)`` per piece, one launch on ``stream`` (a cupy Stream):
+        fp32, rounded to ``out_dtype`` (bf16 or fp16 for fp32 sources only).
+        ``pieces``: an :class:`AccumTable` (a plan's), or pieces of this call only."""
+        import cupy
+
+        if isinstance(pieces, AccumTable):
+            t = pieces
+            if t.dev is None:  # uploaded in stream order, before the launch reads it
+                with stream:
+                    t.dev = cupy.asarray(t.table)
+                t.event = cupy.cuda.Event(block=False, disable_timing=True)
+            dev, event = t.dev, t.event
+        else:
+            t = self.table(pieces, src_dtype, out_dtype)
+            dev, event = self._upload(stream, t.table)
+        kernel, block, smem = t.kernel
+        with stream:
+            kernel((t.grid,), (block,), (dev, np.int32(t.n_pieces), np.int32(t.n_srcs),
+                                         np.int64(t.n_tiles), np.int64(t.tile),
+                                         np.float32(scale), np.int32(np.float32(scale) != 1)),
+                   shared_mem=smem)
+        event.record(stream)
+
+    def _upload(self, stream: Any, table: np.ndarray) -> tuple:
+        """One call's table, through the ring ([Note: table lifetime])."""
+        import cupy
+
         slot = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
         slot.take(table.nbytes)
@@ -213,7 +238,7 @@ class Accumulator:
                                       cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
         if slot.event is None:
             slot.event = cupy.cuda.Event(block=False, disable_timing=True)
-        return slot.dev, n_tiles, tile, slot.event
+        return slot.dev, slot.event
 
     def _kernel(self, src_dtype: Any, out_dtype: Any,
                 which: Optional[str] = None) -> tuple[Any, int, int]:

@@ -26,17 +26,25 @@ refuses them while ``NCCL_NVLS_ENABLE=0`` or without device support.
 
 from __future__ import annotations
 
+import operator
 import os
 import socket
 import warnings
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ..._dtypes import normalize
+from ..._dtypes import float32, normalize
 from ..._errors import TideBackendError, TideInvalid, agree, fail_together
-from ..._layout import shared_devices
-from .._base import Backend, Resolved, SymmetricBuffer
+from ..._layout import Copy, shared_devices
+from .._base import (
+    AccumPiece,
+    Backend,
+    Resolved,
+    SymmetricBuffer,
+    TupleBatch,
+    check_accumulate,
+)
 from .accumulate import STREAMED, Accumulator
-from .copies import Copier
+from .copies import Copier, CudaBatch
 from .executor import CudaExecutor, Lanes
 from .flags import FlagOps
 from .memory import IpcSymmetricBuffer
@@ -49,6 +57,9 @@ if TYPE_CHECKING:
     from ..._group import Group
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types addressable as device memory
+#: What an eager collective's plan depends on, per CuPy array (``array_key``).
+_ARRAY_KEY = operator.attrgetter("data.ptr", "shape", "dtype", "_c_contiguous",
+                                 "data.device_id")
 _DL_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 13: "cuda_managed", 10: "rocm"}
 
 
@@ -302,14 +313,26 @@ class CudaBackend(Backend):
             dtype = _DTYPES.setdefault(arr.dtype, normalize(arr.dtype))
         return Resolved(arr, data.ptr, arr.nbytes, arr.shape, dtype, bool(contiguous))
 
-    def _fingerprint_of(self, objs: Any) -> Optional[tuple]:
-        if set(map(type, objs)) != {self.xp.ndarray}:
+    def array_key(self, objs: Any) -> Optional[tuple]:
+        if type(objs) not in (list, tuple) or set(map(type, objs)) != {self.xp.ndarray}:
             return None
         try:
-            return tuple([(a.data.ptr, a.nbytes, a.dtype, a._c_contiguous, a.data.device_id)
-                          for a in objs])
+            return tuple(map(_ARRAY_KEY, objs))
         except AttributeError:  # a CuPy without the flag attribute
             return None
+
+    def compile_copies(self, copies: Sequence[Copy], local: bool = False,
+                       split: bool = False) -> CudaBatch:
+        lanes = self.lanes
+        return lanes.copier.plan(copies, local, lanes.push_split if split else 1)
+
+    def compile_pieces(self, pieces: Sequence[AccumPiece], src_dtype: Any,
+                       out_dtype: Any = float32) -> Any:
+        check_accumulate(src_dtype, out_dtype)
+        pieces = [p for p in pieces if p.numel]
+        if not pieces:
+            return TupleBatch(())
+        return self.lanes.accumulator.table(pieces, src_dtype, out_dtype)
 
     def _import(self, obj: Any) -> Any:
         import cupy

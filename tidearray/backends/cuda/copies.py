@@ -11,8 +11,8 @@ A batch is one call, but not free: the driver spends microseconds per entry
 on every call, and the copy engine several more per entry (run 3: 384 pulls
 of 1.5 MiB as one batch moved 195 GB/s; the same rows as one 2D copy, 364 GB/s,
 and 12 us of host time instead of 720). So each batch a collective passes
-is planned once (kept by the tuple's identity, which lives in the collective's
-cached program; the tuple is held so its id is not reused):
+is planned once, when its plan is built (a :class:`CudaBatch`, which the plan
+owns: [Note: compiled batches] in ``backends._base``):
 
 * runs of ``STRIDED_MIN_ROWS`` or more equal-sized copies at constant
   strides (``_layout.strided_runs``), rows within one allocation on both sides
@@ -75,13 +75,13 @@ from __future__ import annotations
 
 import ctypes
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ..._cache import IdentityCache
 from ..._errors import TideBackendError
 from ..._layout import Strided, cut_copies, split_copies, strided_runs
+from .._base import Batch
 from . import driver
 
 #: Runs of at least this many equal, evenly spaced copies become one 2D copy:
@@ -89,6 +89,30 @@ from . import driver
 STRIDED_MIN_ROWS = 3
 #: Threads per CTA of the same-device copy kernel (``pack_bytes``).
 KERNEL_THREADS = 512
+#: Copies to a peer smaller than this stay on one stream (the split's events cost more).
+SPLIT_MIN_BYTES = 8 << 20
+
+
+class _Run(NamedTuple):
+    """Copies planned for one stream: 2D runs, large copies alone, the rest (one batch,
+    packed for the driver in calls of at most ``batch_max``, or None without it)."""
+
+    strided: tuple
+    large: tuple
+    rest: tuple
+    packs: Optional[tuple]
+
+
+class CudaBatch(Batch):
+    """A plan's copies, planned once ([Note: copy plans]): one run per copy-engine stream
+    (several where a push to a peer is split: [Note: split pushes] in ``executor``),
+    each a :class:`_Run` or, for many same-device copies, a :class:`_KernelCopy`."""
+
+    def __init__(self, runs: tuple, count: int) -> None:
+        self.runs, self.count = runs, count
+
+    def __len__(self) -> int:
+        return self.count
 
 
 def stream_order_attrs(flags: int = 0) -> Any:
@@ -170,9 +194,6 @@ class Copier:
         self._attrs: Any = None
         self._cudart: Any = None
         self._range: Any = None
-        self._plans = IdentityCache()
-        self._local_plans = IdentityCache(evict=_KernelCopy.release)
-        self._runs = IdentityCache()
 
     def probe(self, stream_ptr: int) -> tuple[bool, str]:
         """Decide between batched and single copies by trying a small batch.
@@ -229,61 +250,62 @@ class Copier:
 
     def configure(self, large_min: Optional[int] = None, strided: bool = True,
                   min_rows: int = STRIDED_MIN_ROWS, local_max: Optional[int] = None) -> None:
-        """Set how batches are planned ([Note: copy plans]); later calls re-plan.
-        ``local_max`` None restores the value the copier was made with."""
+        """Set how batches are planned ([Note: copy plans]): plans built later (and
+        copies passed raw) follow it. ``local_max`` None restores the value the
+        copier was made with."""
         self.large_min, self.strided, self.min_rows = large_min, strided, min_rows
         self.local_max = self._local_max_made if local_max is None else local_max
-        self._plans = IdentityCache()
-        self._local_plans.clear()  # waits for copy kernels still reading their tables
 
-    def runs(self, copies: Sequence[tuple[int, int, int]], parts: int,
-             min_bytes: int = 0) -> tuple:
-        """``copies`` cut into ``parts`` runs of about equal bytes, or one run if
-        they hold fewer than ``min_bytes`` (cached for tuples)."""
-        if parts <= 1:  # the default (one stream per lane): no bookkeeping
-            return (copies,)
-        by_parts = self._runs.get(copies, lambda c: {0: sum(n for _, _, n in c)})
-        if by_parts[0] < min_bytes:
-            return (copies,)
-        if parts not in by_parts:
-            by_parts[parts] = tuple(tuple(run) for run in split_copies(copies, parts) if run)
-        return by_parts[parts]
+    def plan(self, copies: Sequence[tuple[int, int, int]], local: bool = False,
+             parts: int = 1, kernel: bool = True) -> CudaBatch:
+        """``copies`` planned for issue ([Note: copy plans]).
+
+        Args:
+            local: every copy is within this device: cut and batched, or one copy
+                kernel ([Note: same-device copies]).
+            parts: copy-engine streams to spread a batch of at least
+                :data:`SPLIT_MIN_BYTES` over (runs of about equal bytes).
+            kernel: many same-device copies may become a copy kernel, whose table
+                is uploaded once: for a plan's batches, not for copies of one call.
+        """
+        count = sum(1 for c in copies if c[2])
+        if local:
+            return CudaBatch((self._local_plan(copies, kernel),), count)
+        runs = (copies,)
+        if parts > 1 and sum(n for _, _, n in copies) >= SPLIT_MIN_BYTES:
+            runs = [run for run in split_copies(copies, parts) if run]
+        return CudaBatch(tuple(self._plan(run) for run in runs), count)
 
     def copy(self, stream_ptr: int, copies: Sequence[tuple[int, int, int]],
              local: bool = False, stream: Any = None) -> None:
-        """Issue ``copies`` on the stream: 2D runs, then the rest in one batch
-        (large copies alone where ``configure`` asks; [Note: copy plans]).
-        ``local``: every copy is within this device, so it is cut and batched, or
-        done by one copy kernel, instead ([Note: same-device copies]); ``stream``
-        is the CuPy stream of ``stream_ptr`` for that kernel (else made from it)."""
-        if not copies:
-            return
+        """Plan ``copies`` for this call only and issue them on one stream."""
+        if copies:
+            self.issue(stream_ptr, self.plan(copies, local, kernel=False).runs[0], stream)
+
+    def issue(self, stream_ptr: int, run: Any, stream: Any = None) -> None:
+        """Issue one planned run on the stream: 2D runs, large copies alone, then the
+        rest in one batch; or the copy kernel, on ``stream`` (the CuPy stream of
+        ``stream_ptr``; else made from it)."""
         import cupy
 
+        if isinstance(run, _KernelCopy):
+            run(stream if stream is not None else _cupy_stream(stream_ptr))
+            return
         rt = cupy.cuda.runtime
-        if local:
-            plan = self._local_plans.get(copies, self._local_plan)
-            if isinstance(plan, _KernelCopy):
-                plan(stream if stream is not None else _cupy_stream(stream_ptr))
-                return
-            strided, large, rest, packs = plan
-        else:
-            strided, large, rest, packs = self._plans.get(copies, self._plan)
-        for r in strided:
+        for r in run.strided:
             rt.memcpy2DAsync(r.dst, r.dpitch, r.src, r.spitch, r.width, r.height,
                              rt.memcpyDefault, stream_ptr)
-        for dst, src, n in large:
+        for dst, src, n in run.large:
             rt.memcpyAsync(dst, src, n, rt.memcpyDefault, stream_ptr)
-        if not rest:
+        if not run.rest:
             return
         if self.batched:
-            self._batch(stream_ptr, rest, packs)
+            self._batch(stream_ptr, run.rest, run.packs)
             return
-        for dst, src, n in rest:
+        for dst, src, n in run.rest:
             rt.memcpyAsync(dst, src, n, rt.memcpyDefault, stream_ptr)
 
-    def _plan(self, copies: Sequence[tuple[int, int, int]]) -> tuple:
-        """(2D runs, large copies, the rest, the rest packed for the driver or None)."""
+    def _plan(self, copies: Sequence[tuple[int, int, int]]) -> _Run:
         strided, large, rest = [], [], []
         alone = self.large_min
         for r in strided_runs(copies):
@@ -295,22 +317,22 @@ class Copier:
                 (large if alone is not None and r.width >= alone else rest).append(c)
         return self._packed(tuple(strided), tuple(large), tuple(rest))
 
-    def _local_plan(self, copies: Sequence[tuple[int, int, int]]) -> Any:
-        """Same-device copies: one copy kernel for a cached tuple of many, else cut,
+    def _local_plan(self, copies: Sequence[tuple[int, int, int]], kernel: bool) -> Any:
+        """Same-device copies: one copy kernel for a plan's batch of many, else cut,
         all in the batch ([Note: same-device copies])."""
         live = [c for c in copies if c[2]]
-        if type(copies) is tuple and self.kernel_min and len(live) >= self.kernel_min:
+        if kernel and self.kernel_min and len(live) >= self.kernel_min:
             return _KernelCopy(live, self.device, self.ctas)
         return self._packed((), (), tuple(c for c in cut_copies(copies, self.local_max) if c[2]))
 
-    def _packed(self, strided: tuple, large: tuple, rest: tuple) -> tuple:
+    def _packed(self, strided: tuple, large: tuple, rest: tuple) -> _Run:
         """The plan, the rest packed for the driver: one array per call of at most
         ``batch_max`` copies ([Note: issue in parts]), or None without the driver."""
         packs = None
         if rest and self._driver is not None:
             m = self.batch_max or len(rest)
             packs = tuple(_DriverBatch.pack(rest[i:i + m]) for i in range(0, len(rest), m))
-        return strided, large, rest, packs
+        return _Run(strided, large, rest, packs)
 
     def _one_allocation(self, r: Strided) -> bool:
         """Whether every row's source, and every row's destination, lies in one
@@ -348,7 +370,8 @@ class Copier:
 class _KernelCopy:
     """Same-device copies as one launch of ``pack_bytes`` (``kernels/pack.cu``), its
     segment table uploaded at the first call, on the stream of that call
-    ([Note: same-device copies]). Kept by the copier for a cached tuple."""
+    ([Note: same-device copies]). Owned by a plan's batch; when that goes, the table
+    is kept until the last launch has read it."""
 
     def __init__(self, copies: Sequence[tuple[int, int, int]], device: int, ctas: int) -> None:
         from . import kernels
@@ -371,11 +394,13 @@ class _KernelCopy:
                     (self.dev, np.int32(len(self.table)), np.int64(self.ntiles)))
         self.event.record(stream)
 
-    @staticmethod
-    def release(plan: Any) -> None:
-        """Before a plan is dropped: wait until its last launch has read its table."""
-        if isinstance(plan, _KernelCopy) and plan.event is not None and not plan.event.done:
-            plan.event.synchronize()
+    def __del__(self) -> None:
+        # The launch may still be reading the table: the pool must not reuse it yet.
+        try:
+            if self.event is not None and not self.event.done:
+                self.event.synchronize()
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the context is gone
+            pass
 
 
 def _cupy_stream(ptr: int) -> Any:

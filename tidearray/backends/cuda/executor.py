@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..._errors import TideInvalid
 from .._base import Completion, Executor
+from .copies import CudaBatch
 
 if TYPE_CHECKING:
     from .accumulate import Accumulator
@@ -53,10 +54,6 @@ if TYPE_CHECKING:
     from .flags import FlagOps
     from .nccl import NcclLink
     from .watchdog import Watchdog
-
-#: Pushes smaller than this stay on one stream (the split's events cost more).
-SPLIT_MIN_BYTES = 8 << 20
-
 
 def stream_ptr(stream: Any) -> int:
     """The ``cudaStream_t`` of ``stream`` as an int.
@@ -174,16 +171,16 @@ class CudaExecutor(Executor):
         return s
 
     def _copy(self, lane: int, copies: Any, local: bool) -> None:
-        """One batch; to a peer, split over ``push_split`` streams ([Note: split pushes])."""
+        """One batch; a plan's split push over ``push_split`` streams ([Note: split pushes])."""
+        copier = self.lanes.copier
+        if not isinstance(copies, CudaBatch):  # raw copies: planned for this call only
+            to_peer = lane < self.COMPUTE and lane != self.lanes.local_rank
+            copies = copier.plan(copies, local, self.lanes.push_split if to_peer else 1,
+                                 kernel=False)
         s = self._lane(lane)
-        if local:
-            self.lanes.copier.copy(s.ptr, copies, local=True, stream=s)
-            return
-        to_peer = lane < self.COMPUTE and lane != self.lanes.local_rank
-        runs = self.lanes.copier.runs(copies, self.lanes.push_split if to_peer else 1,
-                                      SPLIT_MIN_BYTES)
+        runs = copies.runs
         if len(runs) == 1:
-            self.lanes.copier.copy(s.ptr, runs[0])
+            copier.issue(s.ptr, runs[0], s)
             return
         fork, joins = self.lanes.events.take(), []
         fork.record(s)
@@ -191,7 +188,7 @@ class CudaExecutor(Executor):
             aux = s if k == 0 else self.lanes.aux_streams[lane][k - 1]
             if k:
                 aux.wait_event(fork)
-            self.lanes.copier.copy(aux.ptr, run)
+            copier.issue(aux.ptr, run, aux)
             if k:
                 joins.append(self.lanes.events.take())
                 joins[-1].record(aux)
