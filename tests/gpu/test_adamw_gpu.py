@@ -104,7 +104,7 @@ def _steps(host: FusedAdamW, dev: FusedAdamW, cp: Any, grads: list[np.ndarray],
         # The same scale on both, so that any difference is the kernel's own.
         cp.cuda.get_current_stream().synchronize()  # g_dev, written on the current stream
         dev.step(g_dev, grad_scale=scale_h, lr=lr_k, stream=stream)
-    (stream or cp.cuda.get_current_stream()).synchronize()
+    cp.cuda.Device().synchronize()
 
 
 def _compare(host: FusedAdamW, dev: FusedAdamW, seed: int) -> None:
@@ -142,11 +142,31 @@ def test_odd_offsets_in_the_arena(cp: Any, rng, dtype: np.dtype) -> None:
     _compare(host, dev, seed)
 
 
-def test_side_stream(cp: Any, rng) -> None:
+class _StreamObj:
+    """A foreign stream: only ``__cuda_stream__``."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.ptr
+
+
+@pytest.mark.parametrize("kind", ["cupy", "int", "cuda_stream", "torch"])
+def test_side_stream(cp: Any, rng, kind: str) -> None:
+    """Every kind of stream the collectives take (``backends.cuda.streams``) runs the step."""
     gen, seed = rng
     master, grads = _data(gen, 100_003)
     host, dev = _pair(cp, master, BF16)
-    _steps(host, dev, cp, grads, stream=cp.cuda.Stream(non_blocking=True))
+    s = cp.cuda.Stream(non_blocking=True)
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("torch without CUDA")
+        stream: Any = torch.cuda.Stream()
+    else:
+        stream = {"cupy": s, "int": s.ptr, "cuda_stream": _StreamObj(s.ptr)}[kind]
+    _steps(host, dev, cp, grads, stream=stream)
     _compare(host, dev, seed)
 
 

@@ -613,6 +613,11 @@ def _is_array(a: Any) -> bool:
 
 
 def on_stream(stream: Any) -> Any:
-    """A ``with`` context making ``stream`` current (a CuPy stream is one); nothing for
-    None (the host backend, or CuPy's current stream)."""
-    return contextlib.nullcontext() if stream is None else stream
+    """A ``with`` context making ``stream`` current: any stream the collectives take
+    (``backends.cuda.streams``); nothing for None (the host backend, or CuPy's
+    current stream)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    from ..backends.cuda.streams import cupy_stream
+
+    return cupy_stream(stream)

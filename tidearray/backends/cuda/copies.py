@@ -83,6 +83,7 @@ from ..._errors import TideBackendError
 from ..._layout import Strided, cut_copies, split_copies, strided_runs
 from .._base import Batch
 from . import driver
+from .streams import cupy_stream
 
 #: Runs of at least this many equal, evenly spaced copies become one 2D copy:
 #: a pair is cheaper as two batch entries.
@@ -289,7 +290,7 @@ class Copier:
         import cupy
 
         if isinstance(run, _KernelCopy):
-            run(stream if stream is not None else _cupy_stream(stream_ptr))
+            run(stream if stream is not None else cupy_stream(stream_ptr))
             return
         rt = cupy.cuda.runtime
         for r in run.strided:
@@ -401,16 +402,3 @@ class _KernelCopy:
                 self.event.synchronize()
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the context is gone
             pass
-
-
-def _cupy_stream(ptr: int) -> Any:
-    """A CuPy stream object for a ``cudaStream_t``."""
-    import cupy
-
-    class _Handle:
-        def __cuda_stream__(self) -> tuple[int, int]:
-            return 0, ptr
-
-    if hasattr(cupy.cuda.Stream, "from_external"):
-        return cupy.cuda.Stream.from_external(_Handle())
-    return cupy.cuda.ExternalStream(ptr)

@@ -44,9 +44,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ..._errors import TideInvalid
 from .._base import Completion, Executor
 from .copies import CudaBatch
+from .streams import stream_ptr
 
 if TYPE_CHECKING:
     from .accumulate import Accumulator
@@ -54,34 +54,6 @@ if TYPE_CHECKING:
     from .flags import FlagOps
     from .nccl import NcclLink
     from .watchdog import Watchdog
-
-def stream_ptr(stream: Any) -> int:
-    """The ``cudaStream_t`` of ``stream`` as an int.
-
-    Args:
-        stream: None (CuPy's current stream), a CuPy stream, an int handle, or
-            any object with ``__cuda_stream__`` returning ``(version, handle)``.
-
-    Raises:
-        TideInvalid: anything else.
-    """
-    import cupy
-
-    if stream is None:
-        return cupy.cuda.get_current_stream().ptr
-    if isinstance(stream, bool):
-        raise TideInvalid("stream: expected a stream, got a bool")
-    if isinstance(stream, int):
-        return stream
-    if isinstance(stream, cupy.cuda.Stream) or isinstance(stream, cupy.cuda.ExternalStream):
-        return stream.ptr
-    if hasattr(stream, "__cuda_stream__"):
-        return int(stream.__cuda_stream__()[1])
-    if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
-        return int(stream.cuda_stream)
-    raise TideInvalid(f"stream: expected None, a CuPy stream, an int handle or an object with "
-                      f"__cuda_stream__, got {type(stream).__name__}")
-
 
 def _event() -> Any:
     import cupy
