@@ -3,15 +3,20 @@
 
 Runs, in order, each in its own process group under a timeout:
 
-1. ``python -m pytest -q tests``: layout, config and helper tests (Hypothesis);
-2. ``mpiexec -n N python -m pytest --with-mpi -q tests/mpi`` for N = 1, 2, 3, 4;
+1. ``python -m pytest -q tests benchmarks/tests``: layout, config and helper tests
+   (Hypothesis), and the benchmark harness's own tests;
+2. ``mpiexec -n N python -m pytest --with-mpi -q tests/mpi benchmarks/tests/mpi`` for
+   N = 1, 2, 3, 4 (the library, then the harness and the baseline comms);
 3. topology overrides: ``TIDE_LOCAL_SIZE=1`` with N = 3 (pairwise inter-node steps)
    and N = 4 (recursive doubling), and ``TIDE_LOCAL_SIZE=2`` with N = 4 (two nodes
    of two ranks); and N = 3 in debug mode (``TIDE_DEBUG=1``: stamps checked);
-4. every example under ``mpiexec -n 2`` (the trainer for 5 steps; the torch, JAX,
-   interop and FSDP2-comparison examples too), and the benchmark harness on small
-   sizes (``python -m tidearray.bench all --quick``), which exits nonzero if any step
-   fails or any output is wrong.
+4. every example under ``mpiexec -n 2`` (the trainer for 5 steps; the torch, JAX
+   and interop examples too);
+5. the benchmarks under ``mpiexec -n 2``: the step comparisons
+   (``benchmarks/steps/``: the trainer under each comm, FSDP2 against
+   ``shard_module``) on a tiny model, and the harness on small sizes
+   (``python -m benchmarks all --quick``), which exits nonzero if any step fails or
+   any output is wrong.
 
 The torch, Hugging Face and JAX tests and examples need the frameworks the ``test``
 extra installs; without one, the script stops before any run (instead of letting
@@ -72,6 +77,7 @@ def plan(ranks: list[int]) -> list[Run]:
         runs.append(Run("mpi n=3 debug", 3, {"TIDE_DEBUG": "1"}))
     if 2 in ranks:
         runs.append(Run("examples n=2", 2, scripts=EXAMPLES))
+        runs.append(Run("benchmarks n=2", 2, scripts=BENCHMARKS))
     return runs
 
 
@@ -102,10 +108,12 @@ def mpiexec_flags(mpiexec: str) -> list[str]:
 #: Every example, as the docs run it (short settings where a flag allows).
 EXAMPLES = (("examples/train.py", "--steps", "5"), ("examples/quickstart.py",),
             ("examples/async_prefetch.py",), ("examples/interop_dlpack.py",),
-            ("examples/torch_train.py",), ("examples/hf_train.py",), ("examples/jax_train.py",),
-            ("examples/compare_fsdp2.py", "--steps", "4"),
-            ("-m", "tidearray.bench", "all", "--quick", "--iters", "20", "--out",
-             str(Path(tempfile.gettempdir()) / "tidearray-ci-bench")))
+            ("examples/torch_train.py",), ("examples/hf_train.py",), ("examples/jax_train.py",))
+#: The benchmarks, on small settings: the step comparisons, then the harness.
+BENCHMARKS = (("benchmarks/steps/compare_train.py", "--steps", "4"),
+              ("benchmarks/steps/compare_fsdp2.py", "--steps", "4"),
+              ("-m", "benchmarks", "all", "--quick", "--iters", "20", "--out",
+               str(Path(tempfile.gettempdir()) / "tidearray-ci-bench")))
 
 
 def command(run: Run, mpiexec: list[str], seed: int, extra: list[str]) -> list[str]:
@@ -118,8 +126,9 @@ def command(run: Run, mpiexec: list[str], seed: int, extra: list[str]) -> list[s
     pytest = [sys.executable, "-m", "pytest", "-q", "--color=no", "-p", "no:cacheprovider",
               f"--hypothesis-seed={seed}"]
     if run.ranks == 0:
-        return pytest + ["tests"] + extra
-    return mpiexec + ["-n", str(run.ranks)] + pytest + ["--with-mpi", "tests/mpi"] + extra
+        return pytest + ["tests", "benchmarks/tests"] + extra
+    return (mpiexec + ["-n", str(run.ranks)] + pytest
+            + ["--with-mpi", "tests/mpi", "benchmarks/tests/mpi"] + extra)
 
 
 def execute(run: Run, cmd: list[str], timeout: float, logdir: Path) -> None:

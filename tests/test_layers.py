@@ -17,9 +17,9 @@ LAYERS = [
     ("base", ("_errors", "_dtypes", "_cache", "_layout", "_config")),
     ("backends", ("backends",)),
     ("core", ("_group", "_board", "_arena", "_stamps", "_plan", "_work", "_validate",
-              "_all_gather", "_reduce_scatter", "_shard")),
-    ("runtime", ("baseline", "fsdp")),
-    ("front ends and tools", ("", "torch", "bench", "info")),
+              "_all_gather", "_reduce_scatter", "_shard", "layout")),
+    ("runtime", ("fsdp",)),
+    ("front ends and tools", ("", "torch", "info")),
 ]
 
 
@@ -96,3 +96,16 @@ def test_the_checks_see_a_known_edge():
     graph = import_graph()
     assert "tidearray._plan" in graph["tidearray.fsdp._comm"]
     assert layer("tidearray.backends.cuda.vmm") == 1 and layer("tidearray") == 4
+
+
+def test_the_package_imports_no_benchmark_code():
+    """The harness, baselines and probes live in the unpackaged ``benchmarks/``."""
+    bad = []
+    for f in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            bad += [f"{f.relative_to(ROOT)}: {n}" for n in names
+                    if n.split(".")[0] in ("benchmarks", "tests")]
+    assert not bad, "the package imports benchmark or test code:\n" + "\n".join(bad)

@@ -4,8 +4,9 @@ The reference is written here from the model and the optimizer's NumPy step
 alone: full fp32 parameters, one forward and backward over every rank's
 samples at once, one AdamW step per parameter. The runtime shards, gathers,
 reduces and steps per rank; its losses must match the reference's within
-1e-5 relative for 20 steps, at any world size, for ``tide``, ``stock`` and
-with gradient accumulation. Checkpoints must resume bit for bit.
+1e-5 relative for 20 steps, at any world size, with and without gradient
+accumulation. Checkpoints must resume bit for bit. (The benchmark's baseline comms
+run these checks too: ``benchmarks/tests/mpi/test_comms.py``.)
 """
 
 from __future__ import annotations
@@ -70,12 +71,12 @@ def reference_losses(world: int, steps: int, micro: int = 1, seed: int = 0,
     return losses
 
 
-def _train(group, *extra: str) -> list[float]:
+def _train(group, *extra: str, comm="tide") -> list[float]:
+    """The trainer's losses with ``comm`` (``"tide"`` or a comm factory)."""
     args = train.parse(["--model", "tiny", "--tokens", str(B * CFG.seq), "--lr", str(LR),
                         "--param-dtype", "float32", *extra])
     log = train.Log(-1)  # quiet
-    kind = args.impl
-    return train.run(args, group, kind, CFG, B, log)["losses"]
+    return train.run(args, group, comm, CFG, B, log)["losses"]
 
 
 def _close(got: list[float], want: list[float], label: str) -> list[str]:
@@ -86,40 +87,49 @@ def _close(got: list[float], want: list[float], label: str) -> list[str]:
     return [f"{label}: step {i}: loss {g!r}, reference {w!r}" for i, g, w in bad[:3]]
 
 
-@pytest.mark.parametrize("impl", ["tide", "stock"])
-def test_losses_match_the_single_process_reference(group, impl):
+def test_losses_match_the_single_process_reference(group):
+    check_against_reference(group, "tide")
+
+
+def check_against_reference(group, comm) -> None:
+    """``comm``'s 20 losses are the single-process reference's, and go down."""
     if group.backend.name != "host":
         pytest.skip("the fp32 CPU reference is for the host backend")
-    got = _train(group, "--impl", impl, "--steps", str(STEPS))
+    label = getattr(comm, "name", comm)
+    got = _train(group, "--steps", str(STEPS), comm=comm)
     want = reference_losses(group.size, STEPS)
-    failures = _close(got, want, impl)
+    failures = _close(got, want, label)
     if not got[-1] < 0.8 * got[0]:
-        failures.append(f"{impl}: loss did not go down: {got[0]:.4f} -> {got[-1]:.4f}")
+        failures.append(f"{label}: loss did not go down: {got[0]:.4f} -> {got[-1]:.4f}")
     agree(group.comm, failures, "trainer vs reference")
 
 
-def test_tide_and_stock_agree_bitwise_at_two_ranks(group):
-    """At two ranks every fp32 sum of two terms is order-free, so the paths agree exactly."""
-    if group.size != 2 or group.backend.name != "host":
-        pytest.skip("bitwise agreement is promised at 2 ranks")
-    a = _train(group, "--impl", "tide", "--steps", "8")
-    b = _train(group, "--impl", "stock", "--steps", "8")
-    agree(group.comm, [] if a == b else [f"tide {a} != stock {b}"], "tide vs stock")
+@pytest.mark.parametrize("kind", ["stock", "local", "nccl"])
+def test_a_comm_kind_other_than_tide_says_where_the_baselines_went(group, kind):
+    from tidearray.fsdp import ShardedModel
+
+    try:
+        ShardedModel([[("w", np.ones((4, 3), np.float32))]], group=group, comm=kind)
+        failures = [f"comm={kind!r} accepted"]
+    except tidearray.TideInvalid as e:
+        want = "benchmarks.baselines" if kind != "nccl" else "a UnitComm factory"
+        failures = [] if want in str(e) else [f"comm={kind!r}: {e} does not say {want!r}"]
+    agree(group.comm, failures, "comm kinds")
 
 
 def test_kept_param_shards_give_the_casting_gathers_losses_bitwise(group):
     """The optimizer's bf16 shards and the gathers' casts round the same masters to
     nearest even: the same parameters, so the same losses, bit for bit."""
     bf16 = ("--param-dtype", "bfloat16", "--steps", "6")
-    cast = _train(group, "--impl", "tide", *bf16)
-    kept = _train(group, "--impl", "tide", "--keep-param-shards", *bf16)
+    cast = _train(group, *bf16)
+    kept = _train(group, "--keep-param-shards", *bf16)
     failures = [] if cast == kept else [f"casting gathers {cast} != kept shards {kept}"]
     if not kept[-1] < kept[0]:
         failures.append(f"loss did not go down: {kept[0]:.4f} -> {kept[-1]:.4f}")
     agree(group.comm, failures, "kept param shards")
 
 
-def _autograd_order_step(sm, net, tokens, targets):
+def autograd_order_step(sm, net, tokens, targets):
     """``train.train_step``, but as autograd may run it: unit ``i``'s backward starts
     before unit ``i+1``'s reduction is issued (the prefetch of ``i-1`` must then wait
     for unit ``i+1``'s slot)."""
@@ -140,29 +150,29 @@ def _autograd_order_step(sm, net, tokens, targets):
     return loss
 
 
-@pytest.mark.parametrize("impl", ["tide", "stock"])
-def test_autograd_order_on_two_slots_gives_the_same_losses(group, impl, monkeypatch):
+def test_autograd_order_on_two_slots_gives_the_same_losses(group, monkeypatch):
     """Two slots (prefetch 1) and the interleaved hook order: bit for bit the in-order run."""
-    _same_losses_with_step(group, impl, monkeypatch, _autograd_order_step, "autograd order")
+    same_losses_with_step(group, "tide", monkeypatch, autograd_order_step, "autograd order")
 
 
-def _same_losses_with_step(group, impl, monkeypatch, train_step, what):
+def same_losses_with_step(group, comm, monkeypatch, train_step, what):
     """Four steps with ``train.train_step`` replaced give the plain run's losses: bit for
     bit on the host; on cuda, where two runs of the same steps can differ in the last bit,
     within the losses' tolerance."""
+    impl = getattr(comm, "name", comm)
     try:
-        want = _train(group, "--impl", impl, "--steps", "4")
+        want = _train(group, "--steps", "4", comm=comm)
     except tidearray.TideInvalid as e:  # raised on every rank, so all skip together
         if "one rank per GPU" in str(e):
             pytest.skip(f"stock needs one rank per GPU: {e}")
         raise
     monkeypatch.setattr(train, "train_step", train_step)
-    got = _train(group, "--impl", impl, "--steps", "4")
+    got = _train(group, "--steps", "4", comm=comm)
     ok = got == want if group.backend.name == "host" else not _close(got, want, impl)
     agree(group.comm, [] if ok else [f"{impl}: {got} != {want}"], what)
 
 
-def _step_after_forward_only_passes(sm, net, tokens, targets):
+def step_after_forward_only_passes(sm, net, tokens, targets):
     """``train.train_step`` after an evaluation forward (every unit, no backward) and a
     forward abandoned half way (a discarded forward), as real loops run them."""
     n = sm.num_units
@@ -182,17 +192,16 @@ def _step_after_forward_only_passes(sm, net, tokens, targets):
 _plain_train_step = train.train_step
 
 
-@pytest.mark.parametrize("impl", ["tide", "stock", "local"])
-def test_forward_only_passes_between_steps_change_nothing(group, impl, monkeypatch):
+def test_forward_only_passes_between_steps_change_nothing(group, monkeypatch):
     """The losses of the run without them: bit for bit on the host."""
-    _same_losses_with_step(group, impl, monkeypatch, _step_after_forward_only_passes,
-                           "forward-only")
+    same_losses_with_step(group, "tide", monkeypatch, step_after_forward_only_passes,
+                          "forward-only")
 
 
 def test_gradient_accumulation_matches_the_reference(group):
     if group.backend.name != "host":
         pytest.skip("the fp32 CPU reference is for the host backend")
-    got = _train(group, "--impl", "tide", "--steps", "6", "--micro-batches", "2")
+    got = _train(group, "--steps", "6", "--micro-batches", "2")
     agree(group.comm, _close(got, reference_losses(group.size, 6, micro=2), "micro-batches"))
 
 
@@ -200,7 +209,7 @@ def test_gradient_clipping_matches_the_reference(group):
     """A clip well below the gradients' norm, so every step is clipped."""
     if group.backend.name != "host":
         pytest.skip("the fp32 CPU reference is for the host backend")
-    got = _train(group, "--impl", "tide", "--steps", "8", "--clip", "0.05")
+    got = _train(group, "--steps", "8", "--clip", "0.05")
     agree(group.comm, _close(got, reference_losses(group.size, 8, clip=0.05), "clip"))
 
 
@@ -210,9 +219,9 @@ def test_checkpoint_resume_reproduces_the_next_losses(group):
     embedding backward is not deterministic, within 1e-5)."""
     path = group.comm.bcast(tempfile.mkdtemp(prefix="tide-ckpt-") if group.rank == 0 else None)
     ckpt = os.path.join(path, "ckpt")
-    straight = _train(group, "--impl", "tide", "--steps", "10")
-    _train(group, "--impl", "tide", "--steps", "5", "--save", ckpt)
-    resumed = _train(group, "--impl", "tide", "--steps", "5", "--resume", ckpt,
+    straight = _train(group, "--steps", "10")
+    _train(group, "--steps", "5", "--save", ckpt)
+    resumed = _train(group, "--steps", "5", "--resume", ckpt,
                      "--export", os.path.join(path, "full.npz"))
     if group.backend.name == "host":
         failures = [] if resumed == straight[5:] else [f"resumed {resumed} != {straight[5:]}"]

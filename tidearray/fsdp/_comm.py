@@ -1,21 +1,19 @@
 """How the runtime moves a unit: gather it into slot ``k``, reduce gradient buffer ``k``.
 
-Three implementations, chosen by ``ShardedModel(comm=...)``, run the same
-trainer so their step times compare like for like:
+``ShardedModel(comm=...)`` takes ``"tide"`` (the default, :class:`TideComm`) or a
+comm factory: a :class:`UnitComm` subclass (or any callable with the same class
+attributes) that the runtime calls as ``factory(group, shapes, dtype, arena,
+num_slots, root)``. The benchmark's baselines (FSDP2's flat path, and the
+no-communication floor) are such factories, in ``benchmarks/baselines/``; they run
+the same trainer, so their step times compare like for like.
 
-* ``tide``: persistent TIDE plans (``Unit.gather_plan`` / ``reduce_plan``).
-  Each gather casts this rank's fp32 masters into its rows of the slot (one
-  kernel) and sends them from there, so no param-dtype send shards are kept
-  (FSDP2 casts in its copy-in the same way); or, where the arena keeps send
-  shards (``keep_param_shards``), gathers those with no cast. The gathered parameters are views
-  into symmetric slots; a unit's gradients are reduced with their staging in
-  the slot the unit just vacated (Slot-Reuse).
-* ``stock``: FSDP2's path: fused copy-in, flat all-gather, fused copy-out; fused
-  fp32 chunk-cat, flat fp32 reduce-scatter (NCCL on cuda, MPI on host), each
-  on a side stream (all-gather, reduce-scatter), as FSDP2 does.
-* ``local``: the no-communication floor: the whole model on each rank
-  (``world = 1``), parameters read in place from the send shards, gradients
-  cast into the fp32 arena.
+``tide`` uses persistent TIDE plans (``Unit.gather_plan`` / ``reduce_plan``).
+Each gather casts this rank's fp32 masters into its rows of the slot (one
+kernel) and sends them from there, so no param-dtype send shards are kept
+(FSDP2 casts in its copy-in the same way); or, where the arena keeps send
+shards (``keep_param_shards``), gathers those with no cast. The gathered parameters are views
+into symmetric slots; a unit's gradients are reduced with their staging in
+the slot the unit just vacated (Slot-Reuse).
 
 Every implementation keeps ``num_slots`` gradient buffers in the param dtype:
 unit ``i`` in slot ``k`` writes its gradients into buffer ``k``, and the
@@ -32,17 +30,20 @@ import numpy as np
 
 from .. import _dtypes
 from .._arena import SlotArena
+from .._errors import TideInvalid
 from .._layout import UnitLayout, cached_unit
 from .._plan import Unit, slot_chunk_nbytes
 from .._work import Work
 from ..backends._base import Completion
-from ._optim import on_stream
 from ._shards import ShardArena
 
 if TYPE_CHECKING:
     from .._group import Group
 
-KINDS = ("tide", "stock", "local")
+#: The comm built into the runtime; any other is a :class:`UnitComm` factory.
+KINDS = ("tide",)
+#: Where the string kinds of earlier versions went.
+MOVED = {"stock": "StockComm", "local": "LocalComm"}
 
 
 class _Ready(Completion):
@@ -58,6 +59,18 @@ class _Ready(Completion):
 class UnitComm(abc.ABC):
     """Gathers and reductions of the runtime's units, over ``num_slots`` slots.
 
+    The interface of a comm factory (``ShardedModel(comm=Factory)``): the runtime
+    reads two class attributes before it builds the shard arena, then calls
+    ``Factory(group, shapes, dtype, arena, num_slots, root)`` once, on every rank,
+    and uses the instance's :meth:`gather`, :meth:`reduce`, :meth:`grads`,
+    :attr:`nbytes` and :meth:`close`:
+
+    * ``Factory.sharded_over(group)``: the ranks parameters are sharded over
+      (``group.size``; 1 for a comm that communicates nothing);
+    * ``Factory.send_shards``: whether the arena keeps param-dtype send shards,
+      which the optimizer writes (True; ``tide`` keeps them only with
+      ``keep_param_shards``).
+
     Args:
         group: the tidearray group (its backend gives the array module).
         shapes: per unit, the parameters' full shapes.
@@ -68,12 +81,22 @@ class UnitComm(abc.ABC):
             ``num_slots``, sized for it alone; the others share the rest.
     """
 
-    #: Ranks a parameter is sharded over (1 for the floor).
+    #: Ranks a parameter is sharded over (``sharded_over(group)``).
     world: int
+    #: The comm's name, as checkpoints record it (``meta.json``'s ``comm``).
+    name: str = "?"
+    #: Whether the shard arena keeps param-dtype send shards for this comm.
+    send_shards: bool = True
+
+    @classmethod
+    def sharded_over(cls, group: Group) -> int:
+        """Ranks parameters are sharded over with this comm (the group's size)."""
+        return group.size
 
     def __init__(self, group: Group, shapes: Sequence[Sequence[tuple[int, ...]]], dtype: Any,
                  arena: ShardArena, num_slots: int, root: bool = False) -> None:
         self.group = group
+        self.world = self.sharded_over(group)
         self.xp = group.backend.xp
         self.dtype = _dtypes.normalize(dtype)
         self.shapes = [tuple(map(tuple, s)) for s in shapes]
@@ -127,9 +150,11 @@ def _views(buf: Any, layout: UnitLayout, dtype: Any) -> list:
 class TideComm(UnitComm):
     """Persistent TIDE plans, built on first use (every rank uses them in the same order)."""
 
+    name = "tide"
+    send_shards = False  # the gathers cast the masters, unless keep_param_shards
+
     def __init__(self, group: Group, shapes: Sequence, dtype: Any, arena: ShardArena,
                  num_slots: int, root: bool = False) -> None:
-        self.world = group.size
         super().__init__(group, shapes, dtype, arena, num_slots, root)
         # Reductions stage in the slot their unit vacated (Slot-Reuse): chunks sized to
         # the slot keep the calls per reduction few.
@@ -175,27 +200,25 @@ class TideComm(UnitComm):
         return plan(stream=stream, async_op=True)
 
 
-class LocalComm(UnitComm):
-    """No communication: parameters are the send shards themselves (``world = 1``)."""
+def comm_factory(comm: Any) -> Any:
+    """The factory ``ShardedModel(comm=...)`` names: :class:`TideComm` for ``"tide"``, or
+    ``comm`` itself when it is a factory (:class:`UnitComm`'s class attributes).
 
-    world = 1
-
-    def gather(self, unit: int, k: int, stream: Any) -> Work:
-        # The same list every step, as the other kinds' gathers return (front ends
-        # keep what they build on it by the list's identity).
-        views = self._param_views.get(unit)
-        if views is None:
-            views = self._param_views[unit] = self.arena.views(self.arena.send, unit)
-        return Work(_Ready(), views)
-
-    def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
-        with on_stream(stream):
-            for o, g in zip(self.arena.views(out, unit), self.grads(unit, k)):
-                self.xp.copyto(o, g, casting="unsafe")
-        return Work(_Ready(), None)
-
-
-def world_of(kind: str, group: Group) -> int:
-    """Ranks parameters are sharded over for ``kind``."""
-    return 1 if kind == "local" else group.size
-
+    Raises:
+        TideInvalid: for any other string (``"stock"`` and ``"local"`` moved to the
+            benchmarks), or an object that is not a comm factory.
+    """
+    if isinstance(comm, str):
+        if comm == "tide":
+            return TideComm
+        if comm in MOVED:
+            raise TideInvalid(f"comm: expected 'tide' or a UnitComm factory, got {comm!r}: the "
+                              f"{comm!r} comm is a benchmark baseline now, not a runtime kind; "
+                              f"pass comm=benchmarks.baselines.{MOVED[comm]} (benchmarks/ in "
+                              "the source tree)")
+        raise TideInvalid(f"comm: expected 'tide' or a UnitComm factory, got {comm!r}")
+    if not (callable(comm) and callable(getattr(comm, "sharded_over", None))
+            and isinstance(getattr(comm, "send_shards", None), bool)):
+        raise TideInvalid(f"comm: expected 'tide' or a UnitComm factory (callable, with "
+                          f"sharded_over(group) and send_shards), got {comm!r}")
+    return comm

@@ -66,7 +66,7 @@ and nothing blocks the host.
 
 [Note: streams]
 Compute runs on the caller's stream (``stream=``, CuPy's current stream if
-None). Gathers and reductions run on tidearray's lanes (or the ``stock``
+None). Gathers and reductions run on tidearray's lanes (or a comm factory's
 side streams), forked from the compute stream when issued and joined back by
 stream waits (events): in the steady state no call blocks the host, except
 the gradient-norm all-reduce when clipping is on.
@@ -83,26 +83,11 @@ import numpy as np
 from .. import _dtypes
 from .._errors import TideInvalid
 from .._group import Group, default_group
-from ._comm import KINDS, LocalComm, TideComm, UnitComm, world_of
+from ._comm import UnitComm, comm_factory
 from ._optim import AdamW, FusedAdamW, ParamGroup, clip_scale, on_stream
 from ._shards import ShardArena, arena_layout
 
 Init = Callable[[str, tuple], Any]
-
-
-def make_comm(kind: str, group: Group, shapes: Sequence, dtype: Any, arena: Any,
-              num_slots: int, root: bool = False) -> UnitComm:
-    """The communication called ``kind`` (one of :data:`KINDS`); ``stock`` (which needs
-    the benchmark's packing kernels) is imported only when asked for."""
-    if kind == "tide":
-        return TideComm(group, shapes, dtype, arena, num_slots, root)
-    if kind == "local":
-        return LocalComm(group, shapes, dtype, arena, num_slots, root)
-    if kind == "stock":
-        from ._stock import StockComm
-
-        return StockComm(group, shapes, dtype, arena, num_slots, root)
-    raise TideInvalid(f"comm: expected one of {KINDS}, got {kind!r}")
 
 
 class ShardedModel:
@@ -121,15 +106,19 @@ class ShardedModel:
         prefetch: units gathered ahead of the one running (1).
         num_slots: slots (and gradient buffers); ``prefetch + 1`` if None (more
             only spread the gathers further apart; see [Note: slots]).
-        comm: ``"tide"`` (default), ``"stock"`` (FSDP2's flat path, the
-            baseline) or ``"local"`` (no communication: every rank holds the
-            whole model; the floor a step is measured against).
+        comm: ``"tide"`` (default), or a comm factory: a
+            :class:`~tidearray.fsdp._comm.UnitComm` subclass, called as
+            ``comm(group, shapes, dtype, arena, num_slots, root)``, whose
+            ``sharded_over(group)`` and ``send_shards`` size the shard arena
+            (see ``UnitComm``). The benchmarks' baselines are such factories
+            (``benchmarks.baselines.StockComm``, FSDP2's flat path, and
+            ``LocalComm``, the no-communication floor).
         keep_param_shards: ``tide`` only: keep a param-dtype copy of this
             rank's shards, written by the optimizer, and gather from it, instead
             of casting the masters into the slot at every gather. Costs
             ``param_dtype.itemsize`` bytes per sharded parameter; saves the cast
-            kernels (one per gather) beside the compute. The other kinds
-            always keep them.
+            kernels (one per gather) beside the compute. A factory's
+            ``send_shards`` says whether it keeps them.
         stream: the compute stream (cuda; CuPy's current stream if None).
         root: unit 0 is the root unit (its own slot; gathered from its
             ``pre_forward`` to its ``post_backward``; see [Note: passes]).
@@ -149,7 +138,7 @@ class ShardedModel:
     def __init__(self, units: Sequence[Sequence[tuple[str, Any]]], *,
                  init: Optional[Init] = None, group: Optional[Group] = None,
                  param_dtype: Any = _dtypes.bfloat16, optimizer: Optional[AdamW] = None,
-                 prefetch: int = 1, comm: str = "tide", stream: Any = None,
+                 prefetch: int = 1, comm: Any = "tide", stream: Any = None,
                  num_slots: Optional[int] = None, keep_param_shards: bool = False,
                  root: bool = False,
                  trainable: Optional[Sequence[Sequence[bool]]] = None,
@@ -162,17 +151,18 @@ class ShardedModel:
         if num_slots < prefetch + 1:
             raise TideInvalid(f"num_slots: expected >= prefetch + 1 = {prefetch + 1}, got "
                               f"{num_slots}")
-        self.group, self.kind, self.stream = group, comm, stream
+        factory = comm_factory(comm)
+        self.group, self.kind, self.stream = group, factory.name, stream
         self.names, self.shapes = names, shapes
         self.root = bool(root)
         self.trainable = _trainable(trainable, shapes)
         self.param_dtype = _dtypes.normalize(param_dtype)
         self.xp = group.backend.xp
-        self.world = world_of(comm, group)
+        self.world = factory.sharded_over(group)
         self.rank = group.rank if self.world > 1 else 0
         # Unless asked to keep them, tide's gathers cast the masters into the slots.
         self.arena = ShardArena(arena_layout(shapes, self.world), self.xp, self.param_dtype,
-                                send=comm != "tide" or keep_param_shards)
+                                send=factory.send_shards or keep_param_shards)
         self._fill_masters(values, init)
         hp = optimizer or AdamW()
         self.optimizer = FusedAdamW(hp, self.arena.master, self.arena.send, self.xp,
@@ -180,8 +170,8 @@ class ShardedModel:
         self._clip_coef: Optional[float] = None
         self.num_slots = num_slots
         self.prefetch = prefetch
-        self.comm = make_comm(comm, group, shapes, self.param_dtype, self.arena, self.num_slots,
-                              self.root)
+        self.comm: UnitComm = factory(group, shapes, self.param_dtype, self.arena,
+                                      self.num_slots, self.root)
         self._free = list(range(self.num_slots + self.root))
         self._gathered: dict[int, tuple[int, Any]] = {}
         self._pending: dict[int, tuple[Any, int, bool]] = {}

@@ -1,0 +1,204 @@
+"""``python -m benchmarks <subcommand>`` (under ``mpirun -n N`` for several ranks).
+
+Subcommands (registered below, like mpi4py's bench):
+
+* ``ag``, ``rs``: all-gather / reduce-scatter over the model units and the sweeps
+  (time, bandwidth, ratio to stock, correctness, breakdowns, SM time);
+* ``interference``: slowdown of a concurrent GEMM;
+* ``memory``: device memory per path;
+* ``plans``: host time per call of persistent plans vs the convenience calls;
+* ``all``: everything above, then ``report`` into ``<out>/report``;
+* ``report``: markdown tables and PNG plots from JSON records;
+* ``results``: the README's Results section from the records in docs/benchmarks.
+
+Example (2 GPUs): ``mpirun -n 2 python -m benchmarks all --out results``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable
+
+from .harness import workloads as W
+from .harness.timing import MIN_ITERS
+
+COMMANDS: dict[str, Callable[[Any], None]] = {}
+
+
+def command(name: str) -> Callable:
+    def deco(fn: Callable) -> Callable:
+        COMMANDS[name] = fn
+        return fn
+    return deco
+
+
+def select_workloads(args: Any) -> list:
+    """The units and sweeps ``--workloads`` asks for (smaller ones with ``--quick``)."""
+    kinds = set(args.workloads.split(","))
+    out = []
+    if "units" in kinds:
+        out += _units(args)
+    if "sizes" in kinds:
+        out += W.size_sweep([1, 2, 4, 8] if args.quick else [2 ** k for k in range(12)])
+    if "counts" in kinds:
+        out += W.count_sweep([1, 4, 16, 64] if args.quick else [2 ** k for k in range(11)],
+                             total_mib=4 if args.quick else 256)
+    return out
+
+
+def _units(args: Any) -> list:
+    units = W.units(16 if args.quick else 1)
+    if args.units:
+        want = args.units.split(",")
+        units = [u for u in units if u.name in want]
+    return units
+
+
+@command("ag")
+def cmd_ag(ctx: Any) -> None:
+    from .harness import speed
+
+    speed.run(ctx, "ag", select_workloads(ctx.args))
+
+
+@command("rs")
+def cmd_rs(ctx: Any) -> None:
+    from .harness import speed
+
+    speed.run(ctx, "rs", select_workloads(ctx.args))
+
+
+@command("interference")
+def cmd_interference(ctx: Any) -> None:
+    from .harness import interference
+
+    unit = next(u for u in W.units(16 if ctx.args.quick else 1) if u.name == ctx.args.unit)
+    interference.run(ctx, unit)
+
+
+@command("memory")
+def cmd_memory(ctx: Any) -> None:
+    from .harness import memory
+
+    memory.run(ctx, _units(ctx.args))
+
+
+@command("plans")
+def cmd_plans(ctx: Any) -> None:
+    from .harness import plans
+
+    plans.run(ctx, _units(ctx.args))
+
+
+@command("all")
+def cmd_all(ctx: Any) -> None:
+    for name in ("ag", "rs", "interference", "memory"):
+        COMMANDS[name](ctx)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split(
+        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("results", help="write the README's Results section from the records")
+    r.add_argument("--readme", default="README.md")
+    r.add_argument("--root", default=".", help="repository root (records in docs/benchmarks)")
+    r.add_argument("--check", action="store_true", help="exit 1 if the section is stale")
+    for name in list(COMMANDS) + ["report"]:
+        helps = {"all": "run every suite, then write the report",
+                 "report": "rebuild tables and plots from JSON records"}
+        s = sub.add_parser(name, help=helps.get(name, f"run the {name} suite"))
+        if name == "report":
+            s.add_argument("--json", action="append", required=True,
+                           help="JSON Lines record file (repeatable)")
+            s.add_argument("--docs", default="docs/benchmarks", help="output directory")
+            s.add_argument("--note", default="", help="a paragraph under the title")
+            continue
+        s.add_argument("--out", default="bench-out",
+                       help="directory for bench.jsonl, bench.log and (all) report/")
+        s.add_argument("--json", default=None, help="record file (default <out>/bench.jsonl)")
+        s.add_argument("--docs", default=None, help="report directory (all; default <out>/report)")
+        s.add_argument("--quick", action="store_true", help="small sizes (CPU smoke runs)")
+        s.add_argument("--iters", type=int, default=MIN_ITERS, help="timed iterations (>= 20)")
+        s.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
+        s.add_argument("--impls", default="", help="comma list (default: all registered)")
+        s.add_argument("--workloads", default="units,sizes,counts",
+                       help="any of units,sizes,counts (ag, rs)")
+        s.add_argument("--units", default="", help="comma list of unit names (default: all four)")
+        s.add_argument("--unit", default="llama3.1-8b", help="unit of the interference suite")
+        s.add_argument("--gemm-priority", default="default", choices=("default", "high"),
+                       help="stream priority of the interference suite's GEMMs: the "
+                            "default (the collectives' own) or the device's highest")
+        s.add_argument("--device", default="auto", choices=("auto", "cuda", "host"))
+        s.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures")
+    return p
+
+
+def main(argv: Any = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "results":
+        from .harness import results
+
+        text = results.render(args.root)
+        if args.check:
+            stale = results.current(args.readme) != text
+            print(f"{args.readme}: Results section " + ("stale" if stale else "up to date"))
+            return int(stale)
+        print(f"{args.readme}: " + ("rewritten" if results.update(args.readme, text)
+                                     else "unchanged"))
+        return 0
+    if args.command == "report":
+        from .harness.report import build
+
+        print(build(args.json, args.docs, args.note))
+        return 0
+    if args.iters < MIN_ITERS:
+        print(f"note: --iters {args.iters} < {MIN_ITERS}: medians over fewer iterations "
+              "than the benchmarks' method asks for", file=sys.stderr)
+    from .harness.context import environment, make_ctx
+
+    ctx = make_ctx(args)
+    try:
+        ctx.sink.add("run", "*", "*", "env", None, **environment(ctx))
+        ctx.log(f"benchmarks {args.command}: {ctx.size} ranks, device {ctx.dev.name}, "
+                f"group {ctx.group!r}" + (f" [{ctx.group_note}]" if ctx.group_note else ""))
+        COMMANDS[args.command](ctx)
+        ctx.out("\n" + _summary(ctx))
+        if args.command == "all" and ctx.rank == 0 and ctx.sink.path:
+            from .harness.report import build
+
+            docs = args.docs or os.path.join(args.out, "report")
+            ctx.log(f"report: {build([ctx.sink.path], docs)}")
+        if ctx.rank == 0 and ctx.sink.path:
+            ctx.log(f"records: {ctx.sink.path}")
+        if ctx.errors:
+            ctx.log(f"FAILED: {len(ctx.errors)} step(s) failed: " + "; ".join(ctx.errors[:5]))
+    finally:
+        ctx.close()
+        ctx.group.close()
+    return 1 if ctx.errors else 0
+
+
+def _summary(ctx: Any) -> str:
+    from .harness.report import summary
+
+    return summary(ctx)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except SystemExit:
+        raise
+    except BaseException:  # fail as a group, like mpi4py.run: never leave peers hanging
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.size > 1:
+            MPI.COMM_WORLD.Abort(1)
+        raise

@@ -1,0 +1,18 @@
+"""What TIDE is measured against, written once.
+
+* :class:`StockComm` (``stock.py``): FSDP2's flat path as a runtime comm factory,
+  ``ShardedModel(comm=StockComm)``;
+* :class:`LocalComm` (``local.py``): the no-communication floor, as a comm factory;
+* ``pack``: FSDP2's layout conversions (fused copy-in, copy-out and fp32
+  chunk-cat kernels from ``kernels/pack.cu``) over a flat layout;
+* ``nccl``: NCCL collectives through nccl4py's thin bindings, with the
+  library's version and the kernels it may launch;
+* ``impls_nccl`` / ``impls_torch``: the collective suites' baselines (``stock``,
+  ``symm``, ``nccl-bf16``, ``nccl-a2a``; ``stock-torch``, ``fsdp2``), registered
+  with the harness when it loads them.
+"""
+
+from .local import LocalComm
+from .stock import StockComm
+
+__all__ = ["LocalComm", "StockComm"]

@@ -1,0 +1,128 @@
+"""Flat rank-major layouts and the fused copy kernels of the baselines (kernels/pack.cu).
+
+FSDP2's collectives work on flat buffers ``[r0: p0 p1 ..][r1: p0 p1 ..]`` of
+padded shards. This module plans that layout, builds the segment tables of
+the three conversions (copy-in, copy-out, chunk-cat), and runs them:
+
+* on the GPU with one fused kernel per conversion per unit (tables uploaded
+  once, at setup);
+* on the host with ``memmove``/NumPy over the same tables, so CPU runs check
+  the table logic that the GPU executes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Sequence
+
+import numpy as np
+
+from tidearray._layout import FLAT_ALIGN_BYTES as ALIGN_BYTES  # noqa: F401  (re-exported)
+from tidearray._layout import FlatLayout, flat_layout  # noqa: F401  (re-exported)
+from tidearray.backends.cuda.kernels import PACK_BYTES_TILE as BYTES_TILE
+from tidearray.backends.cuda.kernels import PACK_CVT_TILE as CVT_TILE
+from tidearray.backends.cuda.kernels import pack_table as seg_table
+
+THREADS = 512
+MAX_GRID = 2**31 - 1
+
+
+Seg = tuple  # (dst, src, valid, total): addresses in bytes, counts in units
+
+
+def copy_in_segs(lay: FlatLayout, shard_ptrs: Sequence[int], flat_ptr: int, rank: int,
+                 itemsize: int) -> list[Seg]:
+    """Local padded shards into this rank's block of the flat buffer (bytes)."""
+    base = flat_ptr + rank * lay.block_numel * itemsize
+    return [(base + off * itemsize, p, s.shard_numel * itemsize, s.shard_numel * itemsize)
+            for s, off, p in zip(lay.specs, lay.offsets, shard_ptrs)]
+
+
+def copy_out_segs(lay: FlatLayout, flat_ptr: int, param_ptrs: Sequence[int],
+                  itemsize: int) -> list[Seg]:
+    """Every rank's valid rows from the flat buffer into each parameter (bytes)."""
+    segs = []
+    for r in range(lay.world):
+        for s, off, p in zip(lay.specs, lay.offsets, param_ptrs):
+            n = s.valid_rows(r) * s.row_numel * itemsize
+            segs.append((p + r * s.shard_numel * itemsize,
+                         flat_ptr + (r * lay.block_numel + off) * itemsize, n, n))
+    return segs
+
+
+def chunk_cat_segs(lay: FlatLayout, grad_ptrs: Sequence[int], flat_ptr: int, in_itemsize: int,
+                   out_itemsize: int) -> list[Seg]:
+    """Each gradient's rank-r rows into block r of the flat buffer, padding zeroed (elements)."""
+    segs = []
+    for r in range(lay.world):
+        for s, off, g in zip(lay.specs, lay.offsets, grad_ptrs):
+            segs.append((flat_ptr + (r * lay.block_numel + off) * out_itemsize,
+                         g + r * s.shard_numel * in_itemsize,
+                         s.valid_rows(r) * s.row_numel, s.shard_numel))
+    return segs
+
+
+def to_bytes(segs: list[Seg], itemsize: int) -> list[Seg]:
+    return [(d, s, v * itemsize, t * itemsize) for d, s, v, t in segs]
+
+
+class HostCopy:
+    """A conversion on the host: the table executed with memmove / NumPy."""
+
+    ctas = 0
+
+    def __init__(self, segs: list[Seg], kind: str) -> None:
+        self.segs = [s for s in segs if s[3] > 0]
+        self.kind = kind
+
+    def __call__(self, stream: Any = None) -> None:
+        for d, s, v, t in self.segs:
+            if self.kind == "bytes":
+                ctypes.memmove(d, s, v)
+                if t > v:
+                    ctypes.memset(d + v, 0, t - v)
+                continue
+            out = np.frombuffer((ctypes.c_char * (t * 4)).from_address(d), np.float32)
+            src = np.frombuffer((ctypes.c_char * (v * 2)).from_address(s), np.uint16) if v else \
+                np.empty(0, np.uint16)
+            out[:v] = (src.astype(np.uint32) << 16).view(np.float32)
+            out[v:] = 0
+
+
+class GpuCopy:
+    """A conversion on the GPU: one launch of a kernel of pack.cu over an uploaded table."""
+
+    def __init__(self, segs: list[Seg], kind: str, num_sms: int) -> None:
+        import cupy
+
+        tile = BYTES_TILE if kind == "bytes" else CVT_TILE
+        table, self.ntiles = seg_table(segs, tile)
+        self.nseg = len(table)
+        self.table = cupy.asarray(table)
+        self.kernel = _function("pack_bytes" if kind == "bytes" else "pack_bf16_f32")
+        # One CTA per tile: a grid-stride grid larger than what fits on the SMs at
+        # once leaves a slow tail wave (measured: 2x slower bf16->fp32 packs).
+        self.ctas = int(min(self.ntiles, MAX_GRID))
+
+    def __call__(self, stream: Any) -> None:
+        if not self.ntiles:
+            return
+        with stream:
+            self.kernel((self.ctas,), (THREADS,),
+                        (self.table, np.int32(self.nseg), np.int64(self.ntiles)))
+
+
+def make_copy(dev: Any, segs: list[Seg], kind: str) -> Any:
+    """``kind`` is ``"bytes"`` (segments in bytes) or ``"bf16_f32"`` (in elements)."""
+    if dev.name == "cuda":
+        return GpuCopy(segs, kind, dev.num_sms)
+    return HostCopy(segs, kind)
+
+
+def _function(name: str) -> Any:
+    """A kernel of ``kernels/pack.cu``, compiled once per device by tidearray's loader."""
+    import cupy
+
+    from tidearray.backends.cuda import kernels as _kernels
+
+    return _kernels.function("pack.cu", name, cupy.cuda.Device().id)

@@ -1,0 +1,219 @@
+"""The runtime's ``stock`` comm: FSDP2's communication path, at its strongest.
+
+``ShardedModel(comm=StockComm)`` (or ``shard_module(comm=StockComm)``) trains with it
+under the same trainer as ``tide``: the baseline of the step comparisons.
+
+Per unit, with the flat rank-major layout ``[r0: p0 p1 ..][r1: p0 p1 ..]``:
+
+* all-gather: one fused copy-in of the send shards into our block of the
+  flat buffer, an in-place flat all-gather, one fused copy-out into each
+  parameter's storage;
+* reduce-scatter: one fused chunk-cat of the gradients into a flat fp32
+  buffer (padding zeroed), a flat fp32 sum reduce-scatter straight into the
+  unit's block of the fp32 gradient arena.
+
+On cuda the copies are the kernels of ``kernels/pack.cu`` (tables uploaded once
+per unit and slot) and the collectives are NCCL through nccl4py, each
+collective kind on its own side stream and communicator (FSDP2's all-gather and
+reduce-scatter streams). On host they are memmove / NumPy over the same tables
+and MPI collectives.
+"""
+
+from __future__ import annotations
+
+import socket
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+from tidearray import _dtypes
+from tidearray._errors import TideInvalid, agree
+from tidearray._layout import FlatLayout, flat_layout, shared_devices
+from tidearray._work import Work
+from tidearray.fsdp._comm import UnitComm, _Ready, _views
+from tidearray.fsdp._shards import ShardArena
+
+from . import pack
+
+if TYPE_CHECKING:
+    from tidearray._group import Group
+
+
+class StockComm(UnitComm):
+    """Flat buffers per slot, conversion tables per (unit, slot), made on first use."""
+
+    name = "stock"
+
+    def __init__(self, group: Group, shapes: Sequence, dtype: Any, arena: ShardArena,
+                 num_slots: int, root: bool = False) -> None:
+        super().__init__(group, shapes, dtype, arena, num_slots, root)
+        if self.dtype not in (_dtypes.bfloat16, _dtypes.float32):
+            raise TideInvalid(f"comm=StockComm: expected param dtype bfloat16 or float32, got "
+                              f"{self.dtype}")
+        xp, W = self.xp, self.world
+        self.flats: list[FlatLayout] = [flat_layout(s, W) for s in self.shapes]
+        slots = range(len(self.slot_units))
+        blocks = [self.slot_max(k, lambda u: self.flats[u].block_numel) for k in slots]
+        self._params = [xp.empty((self.slot_max(k, lambda u: self.layouts[u].nbytes),), np.uint8)
+                        for k in slots]
+        self._ag_flat = [xp.empty((W * b,), self.dtype) for b in blocks]
+        self._rs_flat = [xp.empty((W * b,), np.float32) for b in blocks]
+        self._ops: dict = {}
+        self._lanes = _CudaLanes(group) if group.backend.name == "cuda" else _HostLanes(group)
+
+    @property
+    def nbytes(self) -> int:
+        bufs = self._params + self._ag_flat + self._rs_flat
+        return super().nbytes + sum(b.nbytes for b in bufs)
+
+    def gather(self, unit: int, k: int, stream: Any) -> Work:
+        copy_in, copy_out, params = self._ag_ops(unit, k)
+        flat, lay = self._ag_flat[k], self.flats[unit]
+        n = lay.block_numel * self.dtype.itemsize
+
+        def run(s: Any) -> None:
+            copy_in(s)
+            self._lanes.all_gather(flat, n * self.world, n, s)
+            copy_out(s)
+
+        return Work(self._lanes.run("ag", run, stream), params)
+
+    def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
+        chunk_cat = self._rs_op(unit, k)
+        lay = self.flats[unit]
+        dst = self.arena.block(out, unit)
+        src = self._rs_flat[k][:lay.block_numel * self.world]
+
+        def run(s: Any) -> None:
+            chunk_cat(s)
+            self._lanes.reduce_scatter(src, dst, lay.block_numel, s)
+
+        return Work(self._lanes.run("rs", run, stream), None)
+
+    def _ag_ops(self, unit: int, k: int) -> tuple:
+        key = ("ag", unit, k)
+        ops = self._ops.get(key)
+        if ops is None:
+            lay, size = self.flats[unit], self.dtype.itemsize
+            params = _views(self._params[k], self.layouts[unit], self.dtype)
+            flat = _ptr(self._ag_flat[k])
+            shards = [_ptr(a) for a in self.arena.views(self.arena.send, unit)]
+            copy_in = self._copy(pack.copy_in_segs(lay, shards, flat, self.group.rank, size),
+                                 "bytes")
+            copy_out = self._copy(pack.copy_out_segs(lay, flat, [_ptr(p) for p in params], size),
+                                  "bytes")
+            ops = self._ops[key] = (copy_in, copy_out, params)
+        return ops
+
+    def _rs_op(self, unit: int, k: int) -> Callable[[Any], None]:
+        key = ("rs", unit, k)
+        op = self._ops.get(key)
+        if op is None:
+            grads = [_ptr(g) for g in self.grads(unit, k)]
+            lay, flat = self.flats[unit], _ptr(self._rs_flat[k])
+            if self.dtype == _dtypes.bfloat16:
+                op = self._copy(pack.chunk_cat_segs(lay, grads, flat, 2, 4), "bf16_f32")
+            else:  # fp32 gradients: a byte copy with the padding zeroed
+                op = self._copy(pack.to_bytes(pack.chunk_cat_segs(lay, grads, flat, 4, 4), 4),
+                                "bytes")
+            self._ops[key] = op
+        return op
+
+    def _copy(self, segs: list, kind: str) -> Callable[[Any], None]:
+        dev = SimpleNamespace(name=self.group.backend.name, num_sms=self._lanes.num_sms)
+        return pack.make_copy(dev, segs, kind)
+
+    def close(self) -> None:
+        self._lanes.close()
+
+
+def _ptr(a: Any) -> int:
+    return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
+
+
+class _HostLanes:
+    """MPI collectives in program order, on a private duplicate of the group's comm."""
+
+    num_sms = None
+
+    def __init__(self, group: Group) -> None:
+        self.comm = group.comm.Dup()
+
+    def run(self, kind: str, fn: Callable[[Any], None], stream: Any) -> _Ready:
+        fn(None)
+        return _Ready()
+
+    def all_gather(self, flat: np.ndarray, nbytes: int, each: int, stream: Any) -> None:
+        from mpi4py import MPI
+
+        self.comm.Allgather(MPI.IN_PLACE, [flat.view(np.uint8)[:nbytes], MPI.BYTE])
+
+    def reduce_scatter(self, src: np.ndarray, dst: np.ndarray, count: int, stream: Any) -> None:
+        from mpi4py import MPI
+
+        self.comm.Reduce_scatter_block(src, dst[:count], op=MPI.SUM)
+
+    def close(self) -> None:
+        self.comm.Free()
+
+
+class _CudaLanes:
+    """NCCL on two side streams, one communicator each (FSDP2's AG and RS streams).
+
+    [Note: stock streams]
+    A collective's side stream first waits for an event recorded on the
+    caller's stream (so it reads what compute wrote before the call); the
+    returned completion is an event on the side stream, which the runtime
+    makes the compute stream wait for before it reads the result or reuses
+    the gradient buffer.
+    """
+
+    def __init__(self, group: Group) -> None:
+        import cupy
+
+        from . import nccl
+
+        ok, why = nccl.available()
+        agree(group.comm, None if ok else why, "comm=StockComm on cuda needs nccl4py", TideInvalid)
+        # NCCL refuses (one rank) or hangs (the others) on two ranks of a GPU: say so first.
+        places = group.comm.allgather((0, socket.gethostname(), group.backend.device))
+        pairs = shared_devices(places)
+        if pairs:
+            a, b = pairs[0]
+            raise TideInvalid(f"comm=StockComm on cuda: expected one rank per GPU (NCCL's "
+                              f"communicators refuse two), got ranks {a} and {b} on device "
+                              f"{places[a][2]} of {places[a][1]}; use comm='tide' or LocalComm, "
+                              "or one rank per GPU")
+        self.nccl = nccl
+        self.rank = group.comm.rank
+        self.num_sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+        self.streams = {k: cupy.cuda.Stream(non_blocking=True) for k in ("ag", "rs")}
+        self.comms = {k: nccl.communicator(group.comm) for k in ("ag", "rs")}
+
+    def run(self, kind: str, fn: Callable[[Any], None], stream: Any) -> Any:
+        import cupy
+
+        from tidearray.backends.cuda.executor import CudaCompletion, stream_ptr
+
+        side = self.streams[kind]
+        ready = cupy.cuda.Event(block=False, disable_timing=True)
+        cupy.cuda.runtime.eventRecord(ready.ptr, stream_ptr(stream))
+        side.wait_event(ready)
+        fn(side)
+        done = cupy.cuda.Event(block=False, disable_timing=True)
+        done.record(side)
+        return CudaCompletion([done])
+
+    def all_gather(self, flat: Any, nbytes: int, each: int, stream: Any) -> None:
+        base = int(flat.data.ptr)
+        self.nccl.all_gather(self.comms["ag"], base + self.rank * each, base, each, "uint8",
+                             stream.ptr)
+
+    def reduce_scatter(self, src: Any, dst: Any, count: int, stream: Any) -> None:
+        self.nccl.reduce_scatter(self.comms["rs"], int(src.data.ptr), int(dst.data.ptr),
+                                 count, "float32", self.nccl.SUM, stream.ptr)
+
+    def close(self) -> None:
+        for c in self.comms.values():
+            c.destroy()

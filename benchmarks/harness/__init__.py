@@ -1,0 +1,6 @@
+"""Benchmarks of tidearray against NCCL and FSDP2's collective path.
+
+Run ``python -m benchmarks --help`` (``mpirun -n N`` for N ranks). Every
+run appends JSON records; tables and plots are made from those records
+(``python -m benchmarks report``). See ``docs/benchmarks/README.md``.
+"""

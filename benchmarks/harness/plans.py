@@ -1,0 +1,133 @@
+"""The ``plans`` suite: host time per plan call, against the convenience calls.
+
+A training loop issues its collectives from the thread that launches the
+model's kernels, so the host time of one call is time taken from compute
+launch. For each unit this measures, per call (median of ``--iters``):
+
+* ``plan``: ``GatherPlan(...)(async_op=True)`` / ``ReducePlan(...)(async_op=True)``,
+  the host time to issue (no wait); the reduction's chunks are sized to its
+  Slot-Reuse slot, as ``tidearray.fsdp`` sizes them;
+* ``call``: ``all_gather`` / ``reduce_scatter`` on the same buffers (the
+  convenience path, which validates across ranks on every call, with the
+  group's ``chunk_nbytes``);
+* ``plan-400``: the gather plans of 400 units of the same shapes, called in
+  turn, so each call's plan differs from the last (no cliff at many units).
+
+Every timed call is complete and checked afterwards: the gathered parameters
+against the full ones (bitwise), so calls that skipped their work fail.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from tidearray._dtypes import bfloat16
+
+from . import workloads as W
+
+#: Units of the ``plan-400`` case (the plans share two slots).
+MANY = 400
+
+
+def run(ctx: Any, units: list) -> None:
+    for u in units:
+        _one_unit(ctx, u)
+
+
+def _one_unit(ctx: Any, u: Any) -> None:
+    import tidearray as ta
+    from tidearray._all_gather import unit_nbytes
+    from tidearray._plan import slot_chunk_nbytes
+
+    g, xp, stream = ctx.group, ctx.dev.xp, ctx.dev.stream
+    # Chunks sized to the Slot-Reuse slot, as tidearray.fsdp makes them.
+    chunk = slot_chunk_nbytes(unit_nbytes(u.shapes, bfloat16, group=g), g)
+    unit = ta.Unit(u.shapes, bfloat16, group=g, chunk_nbytes=chunk)
+    arena = ta.SlotArena(max(unit.nbytes, unit.staging_nbytes), num_slots=2, group=g)
+    full = [W.values(xp, 11, i, int(np.prod(s))).reshape(s).astype(bfloat16)
+            for i, s in enumerate(u.shapes)]
+    shards = [ta.shard(f, group=g) for f in full]
+    grads = [xp.ones(s, bfloat16) for s in u.shapes]
+    gather = unit.gather_plan(shards, arena[0])
+    reduce = unit.reduce_plan(grads, op="avg", staging=arena[1])
+    cases = {
+        ("ag", "plan"): lambda: gather(stream=stream, async_op=True),
+        ("ag", "call"): lambda: ta.all_gather(shards, u.shapes, group=g, slot=arena[0],
+                                              stream=stream, async_op=True),
+        ("rs", "plan"): lambda: reduce(stream=stream, async_op=True),
+        ("rs", "call"): lambda: ta.reduce_scatter(grads, op="avg", out=reduce.out, group=g,
+                                                  staging=arena[1], stream=stream,
+                                                  async_op=True)}
+    for (op, impl), fn in cases.items():
+        us = _host_us(ctx, fn)
+        ctx.sink.add("plans", impl, u.name, f"{op}_host_us", us, "us")
+        ctx.log(f"  {u.name:16s} {op} {impl:8s}: {us:8.1f} us host per call")
+    _check(ctx, gather, full)
+    _where_time_goes(ctx, u.name, {"ag": cases[("ag", "plan")], "rs": cases[("rs", "plan")]})
+    plans = [unit.gather_plan(shards, arena[i % 2]) for i in range(MANY)]
+    for p in plans:  # each plan's first call plans its copy batches: not the steady state
+        p(stream=stream, async_op=True)
+    turn = iter(range(10**9))
+    us = _host_us(ctx, lambda: plans[next(turn) % MANY](stream=stream, async_op=True))
+    ctx.sink.add("plans", "plan-400", u.name, "ag_host_us", us, "us")
+    ctx.log(f"  {u.name:16s} ag plan-400: {us:8.1f} us host per call")
+    _check(ctx, plans[-1], full)
+
+
+def _host_us(ctx: Any, fn: Any) -> float:
+    """Median host microseconds of one call, after untimed warm-up, device idle between."""
+    for _ in range(ctx.args.warmup):
+        fn()
+    ctx.dev.sync()
+    ctx.comm.Barrier()
+    times = []
+    for _ in range(ctx.args.iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        ctx.dev.sync()  # each call issues onto idle lanes, as in a loop that keeps up
+        ctx.comm.Barrier()
+    return float(np.median(times)) * 1e6
+
+
+def _where_time_goes(ctx: Any, name: str, calls: dict) -> None:
+    """cProfile of ``--iters`` plan calls: the functions that take the host time (rank 0
+    logs the top entries, and records them)."""
+    import cProfile
+    import pstats
+
+    for op, fn in calls.items():
+        prof = cProfile.Profile()
+        for _ in range(ctx.args.iters):
+            prof.enable()
+            fn()
+            prof.disable()
+            ctx.dev.sync()
+            ctx.comm.Barrier()
+        stats = pstats.Stats(prof)
+        rows = sorted(((v[2] / ctx.args.iters * 1e6, v[1] // ctx.args.iters,
+                        f"{k[0].rsplit('/', 1)[-1]}:{k[1]}({k[2]})")
+                       for k, v in stats.stats.items()), reverse=True)[:12]
+        ctx.sink.add("plans", "plan", name, f"{op}_host_profile", None, status="ok",
+                     top=[{"us": us, "calls": n, "where": w} for us, n, w in rows])
+        ctx.log(f"  {name} {op} plan call, own host time per call (cProfile):")
+        for us, n, where in rows:
+            ctx.log(f"    {us:7.1f} us  x{n:<3d} {where}")
+
+
+def _check(ctx: Any, plan: Any, full: list) -> None:
+    """Poison the slot, gather once more, compare bits on every rank (collective)."""
+    slot = plan.slot
+    slot.view(0, (slot.nbytes,), np.uint8).fill(0xFF)
+    ctx.dev.sync()  # the fill ran on the current stream, which the lanes do not follow
+    ctx.comm.Barrier()  # peers write our slot: none may start before our poison landed
+    got = plan(stream=ctx.dev.stream)
+    ctx.dev.sync()
+    bad = [i for i, (a, b) in enumerate(zip(got, full))
+           if not bool((a.view(np.uint16) == b.view(np.uint16)).all())]
+    everything = ctx.comm.allgather(bad)
+    if any(everything):
+        raise AssertionError(f"plans: gathered parameters differ: {everything}")

@@ -1,0 +1,659 @@
+"""PyTorch FSDP2 against ``tidearray.torch.shard_module``: one model, one data stream, one run.
+
+    mpirun -n 2 python benchmarks/steps/compare_fsdp2.py                       # tiny model
+    mpirun -n 2 python benchmarks/steps/compare_fsdp2.py --model llama3-8b-8l --tokens 8192 \\
+        --steps 50 --lr-warmup 10 --profile --passes 2 --out docs/benchmarks/fsdp2
+
+The same PyTorch Llama-style decoder (``TorchLlama`` below: RMSNorm, RoPE, grouped
+query attention through ``scaled_dot_product_attention``, SwiGLU), trained four ways
+in turn, each from the same initial weights on the same batches:
+
+* ``fsdp2``: ``fully_shard`` on every block and on the root, with
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, and
+  ``torch.optim.AdamW(fused=True)`` on the fp32 shards;
+* ``tide``: ``shard_module`` with units embedding, each block, head: bf16 parameters
+  gathered by TIDE-AG, gradients reduced by TIDE-RS into fp32 shards, tidearray's
+  fused AdamW with the same settings;
+* ``tide-kept``: the same with ``keep_param_shards=True`` (bf16 shards kept by the
+  optimizer, no cast kernel per gather);
+* ``floor``: the same ``shard_module`` code with ``comm=LocalComm``: every rank holds the
+  whole model and nothing is communicated (each rank trains on its own data).
+
+Prints, per step, the loss and time, then a table: median step time (after
+``--warmup`` steps), its ratio to the floor, peak device memory per rank (the device's
+memory in use, sampled after every step, minus what was in use before the model was
+built; PyTorch's and CuPy's caches keep what a step used, so a sample holds the step's
+peak), and the largest loss difference between ``fsdp2`` and ``tide``. ``--out DIR``
+writes ``compare.json`` (with the git commit), ``compare.md`` (the table) and a step
+plot; ``--profile`` adds a CUPTI timeline of one step of each, its kernels' durations
+and, from the saved traces, the GEMMs against the floor's. ``--passes N`` repeats the
+impls, every other pass in reverse order, each median over every pass's timed steps;
+``--compile`` puts each block's forward under ``torch.compile`` in every impl; the GPU's
+clocks, power and temperature are read during the timed steps. ``--report JSON``
+remakes the table and plots from a record. On a machine without a GPU it runs on CPU (gloo and
+the host backend, fp32) as a correctness check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+if not any(os.path.abspath(p or ".") == ROOT for p in sys.path):
+    sys.path.append(ROOT)  # appended: a tree put first on the path (A/B runs) wins
+
+import llama  # noqa: E402
+from train import learning_rate, run_as_group  # noqa: E402
+
+import tidearray as ta  # noqa: E402
+from benchmarks.baselines import LocalComm  # noqa: E402
+from benchmarks.harness.device import ClockLog, clock_median, clock_readings  # noqa: E402
+from benchmarks.harness.records import git_commit  # noqa: E402
+from benchmarks.steps.compare_train import plot_steps, plot_timelines  # noqa: E402
+
+IMPLS = ("floor", "fsdp2", "tide", "tide-kept")
+#: ``shard_module`` impls, each compared with ``fsdp2``: ``tide-kept`` keeps bf16 shards
+#: (``keep_param_shards``) instead of casting the fp32 masters at every gather.
+TIDE_IMPLS = ("tide", "tide-kept")
+#: Largest relative loss difference between fsdp2 and tide accepted as agreement:
+#: both compute in bf16 (fp32 on CPU), reduce in fp32 and step fp32 masters, but sum
+#: in different orders and run different AdamW kernels.
+LOSS_RTOL = 1e-2
+
+
+def parse(argv: Optional[list] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", choices=sorted(llama.MODELS))
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank per step")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--lr-warmup", type=int, default=0)
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="CUPTI timeline of one step each")
+    p.add_argument("--passes", type=int, default=1,
+                   help="run the impls this many times, every other pass in reverse order "
+                        "(so no impl always runs on the warmest GPU); medians pool the passes")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block's forward, in every impl alike")
+    p.add_argument("--out", default=None)
+    p.add_argument("--report", default=None, metavar="COMPARE_JSON")
+    return p.parse_args(argv)
+
+
+def torch_llama(torch: Any, cfg: llama.ModelConfig) -> Any:
+    """The model class, built on ``torch`` (imported lazily: torch is optional)."""
+    nn, F = torch.nn, torch.nn.functional
+    hd = cfg.head_dim
+
+    class RMSNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(cfg.hidden))
+
+        def forward(self, x: Any) -> Any:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.eps)
+            return (h * self.weight.float()).to(x.dtype)
+
+    def rope(x: Any, cos: Any, sin: Any) -> Any:
+        a, b = x[..., : hd // 2], x[..., hd // 2:]
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], -1).to(x.dtype)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            H, kv = cfg.hidden, cfg.kv_heads * hd
+            self.attn_norm, self.mlp_norm = RMSNorm(), RMSNorm()
+            self.wq, self.wk = nn.Linear(H, H, bias=False), nn.Linear(H, kv, bias=False)
+            self.wv, self.wo = nn.Linear(H, kv, bias=False), nn.Linear(H, H, bias=False)
+            self.w_gate = nn.Linear(H, cfg.ffn, bias=False)
+            self.w_up = nn.Linear(H, cfg.ffn, bias=False)
+            self.w_down = nn.Linear(cfg.ffn, H, bias=False)
+
+        def forward(self, x: Any, cos: Any, sin: Any) -> Any:
+            B, S, _ = x.shape
+            h = self.attn_norm(x)
+            q = self.wq(h).view(B, S, cfg.heads, hd).transpose(1, 2)
+            k = self.wk(h).view(B, S, cfg.kv_heads, hd).transpose(1, 2)
+            v = self.wv(h).view(B, S, cfg.kv_heads, hd).transpose(1, 2)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + self.wo(a.transpose(1, 2).reshape(B, S, cfg.hidden))
+            h = self.mlp_norm(x)
+            return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = RMSNorm()
+            self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+        def forward(self, x: Any) -> Any:
+            return self.output(self.norm(x))
+
+    class TorchLlama(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+            self.blocks = nn.ModuleList(Block() for _ in range(cfg.layers))
+            self.head = Head()
+
+        def units(self) -> list:
+            return [self.embed, *self.blocks, self.head]
+
+        def forward(self, tokens: Any) -> Any:
+            x = self.embed(tokens)
+            pos = torch.arange(tokens.shape[1], device=tokens.device, dtype=torch.float32)
+            inv = cfg.rope_theta ** (-torch.arange(0, hd, 2, device=tokens.device,
+                                                   dtype=torch.float32) / hd)
+            ang = pos[:, None] * inv[None, :]
+            cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+            for b in self.blocks:
+                x = b(x, cos, sin)
+            return self.head(x)
+
+    return TorchLlama
+
+
+def build(torch: Any, cfg: llama.ModelConfig, device: Any, seed: int) -> Any:
+    """The model with seeded weights, the same on every rank and for every impl."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = torch_llama(torch, cfg)()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.02 if "embed" in name else 1.0 / math.sqrt(p.shape[-1]),
+                          generator=gen)
+    return model
+
+
+class Impl:
+    """One way to train: ``forward_backward(tokens, targets) -> loss`` and ``step(lr)``."""
+
+    def __init__(self, kind: str, torch: Any, model: Any, g: Any, args: argparse.Namespace,
+                 dtype: Any) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        import tidearray.torch as tt
+        from tidearray.fsdp import AdamW
+
+        self.kind, self.torch, self.model = kind, torch, model
+        if args.compile:
+            compile_blocks(torch, model)
+        hyper = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+        if kind == "fsdp2":
+            mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+            for b in model.blocks:
+                fully_shard(b, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+            self.opt = torch.optim.AdamW(model.parameters(), fused=True, **hyper)
+            self.sm = None
+        else:
+            self.sm = tt.shard_module(model, model.units(), group=g, param_dtype=dtype,
+                                      optimizer=AdamW(**hyper),
+                                      comm=LocalComm if kind == "floor" else "tide",
+                                      keep_param_shards=kind == "tide-kept")
+
+    def forward_backward(self, tokens: Any, targets: Any) -> Any:
+        logits = self.model(tokens)
+        loss = self.torch.nn.functional.cross_entropy(
+            logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        loss.backward()
+        return loss.detach()
+
+    def step(self, lr: float) -> None:
+        if self.sm is not None:
+            self.sm.step(lr=lr)
+            return
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        if self.sm is not None:
+            self.sm.close()
+
+
+def compile_blocks(torch: Any, model: Any) -> None:
+    """``torch.compile`` each block's forward, as torchtitan does: the module's hooks
+    (FSDP2's or ``shard_module``'s) run in ``Module.__call__``, outside the graph; the
+    compiled forward and backward read the parameters those hooks put in place."""
+    # One graph serves every block (parameters are graph inputs); the limit only
+    # guards against a recompile per block should a guard tell them apart.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                4 * len(model.blocks))
+    for b in model.blocks:
+        b.forward = torch.compile(b.forward)
+
+
+def device_used(torch: Any, cuda: bool) -> int:
+    if not cuda:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def memory_parts(torch: Any, g: Any, cuda: bool) -> dict:
+    """Where device memory sits (bytes): torch's allocator (in use, its peak, held) and
+    CuPy's pool (in use, held), so a peak can be traced to an owner."""
+    if not cuda:
+        return {}
+    pool = g.backend.xp.get_default_memory_pool() if g.backend.name == "cuda" else None
+    return {"torch_allocated": torch.cuda.memory_allocated(),
+            "torch_max_allocated": torch.cuda.max_memory_allocated(),
+            "torch_reserved": torch.cuda.memory_reserved(),
+            "cupy_used": pool.used_bytes() if pool else 0,
+            "cupy_held": pool.total_bytes() if pool else 0}
+
+
+def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.ModelConfig,
+        B: int, device: Any, log: Any, with_profile: bool = True) -> dict:
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    _release(torch, g, cuda)
+    base = device_used(torch, cuda)
+    impl = Impl(kind, torch, build(torch, cfg, device, args.seed), g, args, dtype)
+    data = [llama.batch(cfg, step=s, batch_size=B, seed=args.seed, first_sample=g.rank * B)
+            for s in range(args.steps)]
+    losses, times, peak, parts, clock_log = [], [], 0, {}, None
+    try:
+        for s, (tokens, targets) in enumerate(data):
+            tokens = torch.from_numpy(tokens.astype(np.int64)).to(device)
+            targets = torch.from_numpy(targets.astype(np.int64)).to(device)
+            _sync(torch, cuda)
+            if cuda and s == args.warmup:  # the timed steps' clocks, not compilation's
+                clock_log = ClockLog(device.index)
+            t0 = time.perf_counter()
+            loss = impl.forward_backward(tokens, targets)
+            impl.step(learning_rate(args, s))
+            _sync(torch, cuda)
+            times.append(time.perf_counter() - t0)
+            used = device_used(torch, cuda) - base
+            if used > peak or not parts:
+                peak, parts = max(peak, used), memory_parts(torch, g, cuda)
+            losses.append(g.comm.allreduce(float(loss)) / g.size)
+            log(f"[{kind}] step {s + 1:4d}  loss {losses[-1]:.6f}  {times[-1] * 1e3:9.2f} ms  "
+                f"mem {peak / 2**30:6.2f} GiB")
+    finally:  # never leave the background nvidia-smi running
+        clocks = clock_log.close() if clock_log else []
+    prof = (profile(kind, torch, impl, data[-1], device, args, g, log)
+            if args.profile and with_profile else None)
+    impl.close()
+    del impl
+    return {"impl": kind, "losses": losses, "step_s": times, "peak_bytes": peak,
+            "peak_parts": parts, "clocks": clocks,
+            "median_step_s": float(np.median(times[args.warmup:] or times)), "profile": prof}
+
+
+def pooled(passes: list, warmup: int) -> dict:
+    """One impl's record over its passes: the first pass's losses, steps and profile;
+    the median over every pass's timed steps; the highest peak and its memory parts."""
+    first = dict(passes[0])
+    if len(passes) > 1:
+        first["passes"] = [{"step_s": r["step_s"], "median_step_s": r["median_step_s"],
+                            "peak_bytes": r["peak_bytes"], "clocks": r["clocks"]}
+                           for r in passes]
+        first["median_step_s"] = float(np.median(
+            [t for r in passes for t in (r["step_s"][warmup:] or r["step_s"])]))
+        top = max(passes, key=lambda r: r["peak_bytes"])
+        first["peak_bytes"], first["peak_parts"] = top["peak_bytes"], top["peak_parts"]
+    return first
+
+
+def _sync(torch: Any, cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _release(torch: Any, g: Any, cuda: bool) -> None:
+    """Give back what the previous impl cached, so each starts from the same base."""
+    import gc
+
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        g.backend.xp.get_default_memory_pool().free_all_blocks()
+
+
+def profile(kind: str, torch: Any, impl: Impl, batch: tuple, device: Any,
+            args: argparse.Namespace, g: Any, log: Any) -> Optional[dict]:
+    """One more step under CUPTI: device time per role, and the trace for the timeline."""
+    from benchmarks.harness import cupti, timeline
+
+    tokens, targets = (torch.from_numpy(a.astype(np.int64)).to(device) for a in batch)
+
+    def step() -> None:
+        # The profiler starts on each rank in its own time: line the ranks up under it,
+        # or a collective's kernels would be timed waiting for the later rank.
+        _sync(torch, device.type == "cuda")
+        g.comm.Barrier()
+        impl.forward_backward(tokens, targets)
+        impl.step(args.lr)
+        _sync(torch, device.type == "cuda")
+
+    events = cupti.trace(step)
+    if events is None:
+        log(f"profile: skipped ({cupti.available()[1]})")
+        return None
+    if g.rank == 0 and args.out:
+        os.makedirs(args.out, exist_ok=True)
+        cupti.save(events, os.path.join(args.out, f"{kind}_step_trace.json"))
+    return {"ms_per_role": {r: us / 1e3 for r, us in timeline.roles(events).items()},
+            "kernels": kernel_stats(events)}
+
+
+def kernel_stats(events: list) -> dict:
+    """Per kernel name (in full): calls, total and median duration (us)."""
+    kernels: dict = {}
+    for e in events:
+        if e["cat"] == "kernel":
+            kernels.setdefault(e["name"], []).append(e["dur_us"])
+    return {n: {"count": len(d), "total_us": float(sum(d)), "median_us": float(np.median(d))}
+            for n, d in kernels.items()}
+
+
+#: Kernel names are printed to this many characters (templates make them long).
+KERNEL_NAME = 60
+#: Kernels listed in the table: the floor's largest by total time.
+TOP_KERNELS = 8
+
+
+def kernel_lines(runs: list, out: Optional[str] = None) -> list:
+    """The floor's largest compute kernels that every impl runs, and their median
+    duration in each: the same kernels running slower beside communication (or on a
+    hotter GPU). From the traces saved in ``out`` where every impl has one (full
+    kernel names), else from the records."""
+    traces = {r["impl"]: _trace(out, r["impl"]) for r in runs} if out else {}
+    if traces and all(t is not None for t in traces.values()):
+        kern = {k: kernel_stats(t) for k, t in traces.items()}
+    else:
+        kern = {r["impl"]: (r.get("profile") or {}).get("kernels") for r in runs}
+    base = kern.get("floor")
+    if not base or not all(kern.values()):
+        return []
+    from benchmarks.harness import timeline
+
+    common = [n for n in base if timeline.role({"cat": "kernel", "name": n}) == "compute"
+              and all(n in k for k in kern.values())]  # the model's own, not an impl's
+    top = sorted(common, key=lambda n: -base[n]["total_us"])[:TOP_KERNELS]
+    impls = list(kern)
+    lines = ["", "The floor's largest compute kernels in the profiled step: median duration "
+             "(us) in each impl, and its ratio to the floor's.", "",
+             "| kernel | calls | " + " | ".join(impls) + " |",
+             "| --- | ---: |" + " ---: |" * len(impls)]
+    for n in top:
+        cells = []
+        for k in impls:
+            m, m0 = kern[k][n]["median_us"], base[n]["median_us"]
+            cells.append(f"{m:.1f}" if k == "floor" else f"{m:.1f} ({m / m0:.2f}x)")
+        lines.append(f"| `{n[:KERNEL_NAME]}` | {base[n]['count']} | " + " | ".join(cells)
+                     + " |")
+    return lines
+
+
+def compare(records: list) -> dict:
+    """Ratios and agreement, from the records alone."""
+    by = {r["impl"]: r for r in records}
+    out: dict = {}
+    if "floor" in by:
+        floor = by["floor"]["median_step_s"]
+        out["vs_floor"] = {k: r["median_step_s"] / floor for k, r in by.items()}
+    if "fsdp2" in by:  # tide's figures at the top level, each other variant's under its name
+        for k in TIDE_IMPLS:
+            if k in by:
+                v = versus(by["fsdp2"], by[k])
+                if k == "tide":
+                    out.update(v)
+                else:
+                    out[k] = v
+    return out
+
+
+def versus(fsdp2: dict, r: dict) -> dict:
+    """Step time, peak memory and losses of one ``shard_module`` record against FSDP2's."""
+    a, b = np.array(fsdp2["losses"]), np.array(r["losses"])
+    rel = np.abs(a - b) / np.abs(a)
+    return {"tide_vs_fsdp2_step": r["median_step_s"] / fsdp2["median_step_s"],
+            "tide_vs_fsdp2_peak": r["peak_bytes"] / max(fsdp2["peak_bytes"], 1),
+            "loss_max_rel_diff": float(rel.max()), "loss_step_of_max": int(rel.argmax()) + 1,
+            "loss_rtol": LOSS_RTOL, "losses_agree": bool(rel.max() <= LOSS_RTOL)}
+
+
+def versus_lines(name: str, c: dict) -> list:
+    return ["", f"- {name} step time / fsdp2's: **{c['tide_vs_fsdp2_step']:.3f}x** "
+            f"({(1 - c['tide_vs_fsdp2_step']) * 100:.1f}% below)",
+            f"- {name} peak memory / fsdp2's: **{c['tide_vs_fsdp2_peak']:.3f}x**",
+            f"- {name} losses: largest relative difference {c['loss_max_rel_diff']:.2e} (step "
+            f"{c['loss_step_of_max']}), tolerance {c['loss_rtol']:g}: "
+            + ("agree" if c["losses_agree"] else "**differ**")]
+
+
+def table(rec: dict, out: Optional[str] = None) -> str:
+    """The record as markdown; with ``out``, the saved traces there add the GEMM lines."""
+    c = rec["comparison"]
+    lines = [f"# FSDP2 vs tidearray.torch.shard_module: {rec['model']}, {rec['world']} ranks, "
+             f"{rec['tokens_per_rank']} tokens per rank"
+             + (", blocks under torch.compile" if rec.get("compiled") else ""), "",
+             f"Commit `{rec['commit']}`, {rec['time']}, device: {rec['device']}. Command: "
+             f"`{' '.join(rec['argv'])}`.", "",
+             "| impl | median step (ms) | vs floor | peak memory per rank (GiB) | "
+             "first loss | last loss |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rec["runs"]:
+        vs = c.get("vs_floor", {}).get(r["impl"])
+        lines.append(f"| {r['impl']} | {r['median_step_s'] * 1e3:.2f} | "
+                     f"{'-' if vs is None else f'{vs:.3f}x'} | {r['peak_bytes'] / 2**30:.2f} | "
+                     f"{r['losses'][0]:.4f} | {r['losses'][-1]:.4f} |")
+    if "tide_vs_fsdp2_step" in c:
+        lines += versus_lines("tide", c)
+    for k in TIDE_IMPLS[1:]:
+        if k in c:
+            lines += versus_lines(k, c[k])
+    parts = [(r["impl"], r.get("peak_parts")) for r in rec["runs"] if r.get("peak_parts")]
+    if parts:
+        lines += ["", "Memory at each impl's peak sample (GiB): torch's allocator in use (its "
+                  "own peak) and held; CuPy's pool in use and held.", ""]
+        for impl, p in parts:
+            lines.append(f"- {impl}: torch {p['torch_allocated'] / 2**30:.2f} "
+                         f"({p['torch_max_allocated'] / 2**30:.2f}) / "
+                         f"{p['torch_reserved'] / 2**30:.2f}; CuPy {p['cupy_used'] / 2**30:.2f}"
+                         f" / {p['cupy_held'] / 2**30:.2f}")
+    lines += kernel_lines(rec["runs"], out)
+    if out:
+        lines += gemm_lines(rec, out)
+    if any(r.get("passes") for r in rec["runs"]):
+        lines += ["", f"Passes ({rec['passes']}, every other one in reverse order; the "
+                  "table's medians pool them): each pass's median step (ms).", ""]
+        for r in rec["runs"]:
+            lines.append(f"- {r['impl']}: " + ", ".join(
+                f"{p['median_step_s'] * 1e3:.2f}" for p in r.get("passes", [])))
+    if any(clock_readings(r) for r in rec["runs"]):
+        lines += ["", "GPU clocks during each impl's timed steps (`nvidia-smi` every 250 ms, "
+                  "rank 0's GPU): median SM clock, power and temperature.", ""]
+        for r in rec["runs"]:
+            if clock_readings(r):
+                med = {f: clock_median(r, f) or float("nan")
+                       for f in ("sm_mhz", "power_w", "temp_c")}
+                lines.append(f"- {r['impl']}: {med['sm_mhz']:.0f} MHz, {med['power_w']:.0f} W, "
+                             f"{med['temp_c']:.0f} C ({len(clock_readings(r))} samples)")
+    return "\n".join(lines) + "\n"
+
+
+def _trace(out: str, impl: str) -> Optional[list]:
+    from benchmarks.harness import timeline
+
+    for name in (f"{impl}_step_trace.json", f"{impl}_step_trace.json.gz"):
+        if os.path.exists(os.path.join(out, name)):
+            return timeline.load(os.path.join(out, name))
+    return None
+
+
+def _is_gemm(e: dict) -> bool:
+    return e["cat"] == "kernel" and any(k in e["name"].lower() for k in GEMM_NAMES)
+
+
+#: Kernel-name fragments of cuBLAS's GEMMs on Hopper (nvjet), and of older ones.
+GEMM_NAMES = ("nvjet", "gemm", "cutlass")
+
+
+def gemm_lines(rec: dict, out: str) -> list:
+    """The profiled step's GEMMs against the same GEMMs in the floor's (matched in order),
+    split by whether any work the floor does not do (a copy, or a kernel the floor never
+    runs) overlapped them on this rank's GPU: median duration ratios."""
+    floor = _trace(out, "floor")
+    if floor is None:
+        return []
+    gf = sorted((e for e in floor if _is_gemm(e)), key=lambda e: e["ts_us"])
+    floor_names = {e["name"] for e in floor}
+    lines = ["", "The profiled step's GEMMs against the floor's, matched in order: median "
+             "duration ratio, alone (nothing else on rank 0's GPU) and beside a copy or a "
+             "kernel the floor never runs.", ""]
+    for r in rec["runs"]:
+        ev = _trace(out, r["impl"]) if r["impl"] != "floor" else None
+        if ev is None:
+            continue
+        g = sorted((e for e in ev if _is_gemm(e)), key=lambda e: e["ts_us"])
+        if [e["name"] for e in g] != [e["name"] for e in gf]:
+            lines.append(f"- {r['impl']}: its GEMMs differ from the floor's")
+            continue
+        own = [(e["ts_us"], e["ts_us"] + e["dur_us"]) for e in ev
+               if e["cat"] == "gpu_memcpy" or (e["cat"] == "kernel"
+                                               and e["name"] not in floor_names)]
+        split: dict = {False: [], True: []}
+        for a, b in zip(gf, g):
+            s, t = b["ts_us"], b["ts_us"] + b["dur_us"]
+            split[any(x < t and y > s for x, y in own)].append(b["dur_us"] / a["dur_us"])
+        lines.append(f"- {r['impl']}: " + "; ".join(
+            f"{len(v)} {'beside' if k else 'alone'}, {np.median(v):.3f}x"
+            for k, v in split.items() if v))
+    return lines
+
+
+def report(path: str) -> str:
+    """Remake ``compare.md`` and the plots next to a ``compare.json``."""
+    with open(path) as f:
+        rec = json.load(f)
+    out = os.path.dirname(os.path.abspath(path))
+    text = table(rec, out)
+    with open(os.path.join(out, "compare.md"), "w") as f:
+        f.write(text)
+    try:
+        _plots(rec, out)
+    except ImportError:  # matplotlib is optional
+        pass
+    return text
+
+
+def _plots(rec: dict, out: str) -> None:
+    plot_steps(rec["runs"], os.path.join(out, "compare_steps.png"), rec["model"])
+    plot_timelines(rec, out)
+
+
+def init_torch(torch: Any, g: Any, cuda: bool) -> None:
+    """torch.distributed over the MPI ranks (one node: a TCP store on this host)."""
+    import torch.distributed as dist
+
+    port = None
+    if g.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = g.comm.bcast(port)
+    if cuda:
+        torch.cuda.set_device(g.backend.device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=g.rank, world_size=g.size)
+    # Communicator start-up before any memory baseline: counted for no impl.
+    t = torch.ones(1, device="cuda" if cuda else "cpu")
+    dist.all_reduce(t)
+
+
+def main(argv: Optional[list] = None) -> None:
+    args = parse(argv)
+    if args.report:
+        print(report(args.report))
+        return
+    try:
+        import torch
+    except ImportError as e:
+        sys.exit(f"compare_fsdp2.py: needs torch ({e}); pip install 'tidearray[torch]'")
+    g = ta.init()
+    cuda = g.backend.name == "cuda"
+    if g.topology.num_nodes > 1:
+        raise SystemExit("compare_fsdp2.py: one node only (its process group is local)")
+    init_torch(torch, g, cuda)
+    device = torch.device("cuda", g.backend.device) if cuda else torch.device("cpu")
+
+    def log(msg: str) -> None:
+        if g.rank == 0:
+            print(msg, flush=True)
+
+    cfg = llama.MODELS[args.model]
+    tokens = args.tokens or 4 * cfg.seq
+    if tokens % cfg.seq:
+        raise SystemExit(f"--tokens: expected a multiple of {cfg.seq}, got {tokens}")
+    args.lr = args.lr or (3e-4 if cfg.hidden >= 1024 else 3e-3)
+    impls = [k for k in args.impls.split(",") if k]
+    if set(impls) - set(IMPLS):
+        raise SystemExit(f"--impls: expected some of {IMPLS}, got {impls}")
+    log(f"compare: {args.model}, {tokens} tokens/rank, {g.size} ranks, "
+        f"{'cuda bf16' if cuda else 'cpu fp32'}, impls {impls}, {args.steps} steps"
+        + (", blocks compiled" if args.compile else ""))
+    if args.passes < 1:
+        raise SystemExit(f"--passes: expected >= 1, got {args.passes}")
+    by_impl: dict = {k: [] for k in impls}
+    for n in range(args.passes):
+        order = impls if n % 2 == 0 else impls[::-1]
+        if args.passes > 1:
+            log(f"pass {n + 1} of {args.passes}: {', '.join(order)}")
+        for k in order:
+            by_impl[k].append(run(k, torch, g, args, cfg, tokens // cfg.seq, device, log,
+                                  with_profile=n == 0))
+    records = [pooled(by_impl[k], args.warmup) for k in impls]
+    rec = {"commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "argv": ["python", *sys.argv], "model": args.model, "config": cfg.__dict__,
+           "tokens_per_rank": tokens, "world": g.size, "torch": torch.__version__,
+           "compiled": args.compile, "passes": args.passes,
+           "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+           "runs": records}
+    rec["comparison"] = compare(records)
+    log("\n" + table(rec))
+    if args.out and g.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "compare.json")
+        with open(path, "w") as f:
+            json.dump(rec, f, indent=1)
+        report(path)
+        log(f"record: {path}")
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    g.close()
+    c = rec["comparison"]
+    for name, v in [("tide", c), *((k, c[k]) for k in TIDE_IMPLS[1:] if k in c)]:
+        if "losses_agree" in v and not v["losses_agree"]:
+            raise SystemExit(f"compare_fsdp2.py: fsdp2 and {name} losses differ by "
+                             f"{v['loss_max_rel_diff']:.2e} (> {LOSS_RTOL:g})")
+
+
+if __name__ == "__main__":
+    run_as_group(main)

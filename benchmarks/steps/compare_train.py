@@ -1,0 +1,241 @@
+"""The training step under each runtime comm: TIDE against FSDP2's flat path and the floor.
+
+    mpirun -n 2 python benchmarks/steps/compare_train.py --model small --steps 20
+    mpirun -n 2 python benchmarks/steps/compare_train.py --model llama3-8b-8l \\
+        --tokens 8192 --steps 50 --profile --out OUT/train
+
+``examples/train.py``'s trainer (same model, data and optimizer), run once per
+``--impl``: ``tide`` (TIDE plans), ``stock`` (:class:`benchmarks.baselines.StockComm`:
+FSDP2's flat path, fused copy-in/out + flat all-gather, fused fp32 pack + flat fp32
+reduce-scatter; NCCL on cuda), ``local`` (:class:`benchmarks.baselines.LocalComm`: the
+no-communication floor, the whole model on each rank, the same per-rank work), or
+``all`` (the three in turn, in one run, then a comparison; the default). ``--out DIR``
+writes the run's JSON record (with the git commit), a table and plots; ``--profile``
+adds one CUPTI-profiled step of each; ``--report JSON`` remakes the table and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+if not any(Path(p or ".").resolve() == ROOT for p in sys.path):
+    sys.path.append(str(ROOT))  # appended: a tree put first on the path (A/B runs) wins
+
+import train  # noqa: E402
+
+import tidearray as ta  # noqa: E402
+from benchmarks.baselines import LocalComm, StockComm  # noqa: E402
+from benchmarks.harness.records import git_commit  # noqa: E402
+
+#: ``--impl`` name -> what ``ShardedModel(comm=...)`` gets.
+COMMS = {"tide": "tide", "stock": StockComm, "local": LocalComm}
+
+
+def parse(argv: Optional[list] = None) -> argparse.Namespace:
+    p = train.parser()
+    p.description = __doc__.split("\n\n")[0]
+    p.add_argument("--impl", default="all", choices=[*COMMS, "all"])
+    p.add_argument("--out", default=None, help="directory for the record, table and plots")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one step of each impl with CUPTI (torch.profiler) into --out")
+    p.add_argument("--report", default=None, metavar="TRAIN_JSON",
+                   help="only rebuild the table and plot next to this record, then exit")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list] = None) -> None:
+    args = parse(argv)
+    if args.report:
+        print(report(args.report))
+        return
+    g = ta.init(backend=args.backend)
+    log = train.Log(g.rank)
+    cfg, B = train.configure(args, g)
+    tokens = B * cfg.seq
+    impls = list(COMMS) if args.impl == "all" else [args.impl]
+    log(f"compare_train: {args.model} ({cfg.layers} layers, hidden {cfg.hidden}), {tokens} "
+        f"tokens/rank x {args.micro_batches} micro-batches, {g.size} ranks, backend "
+        f"{g.backend.name}, {args.param_dtype}, impls {impls}")
+    records = []
+    for kind in impls:
+        inspect = None
+        if args.profile and args.out:
+            def inspect(sm: Any, net: Any, batches: list, stream: Any, kind: str = kind) -> Any:
+                return profile_step(args, g, kind, sm, net, batches, stream, log)
+        records.append(train.run(args, g, COMMS[kind], cfg, B, log, inspect=inspect))
+    comparison = summarize(records, log)
+    if args.out and g.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        record = {"commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                  "argv": sys.argv, "model": args.model, "config": cfg.__dict__,
+                  "tokens_per_rank": tokens, "world": g.size, "backend": g.backend.name,
+                  "param_dtype": args.param_dtype, "runs": records, "comparison": comparison}
+        path = os.path.join(args.out, "train.json")
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+        log(f"record: {path}; table and plot: {report(path)}")
+    g.close()
+
+
+def profile_step(args: argparse.Namespace, g: Any, kind: str, sm: Any, net: Any,
+                 batches: list, stream: Any, log: Any) -> Optional[dict]:
+    """One more step under CUPTI: its events, a timeline PNG and the device time per
+    role (compute, accumulate, NCCL, layout conversion, copies) go to --out."""
+    from benchmarks.harness import cupti, timeline
+
+    xp = g.backend.xp
+
+    def step() -> None:
+        with stream or contextlib.nullcontext():
+            for tokens, targets in batches:
+                train.train_step(sm, net, xp.asarray(tokens), xp.asarray(targets))
+            sm.step()
+        train.sync(xp)
+
+    events = cupti.trace(step)
+    if events is None:
+        log(f"profile: skipped ({cupti.available()[1]})")
+        return None
+    roles = {r: us / 1e3 for r, us in timeline.roles(events).items()}
+    kernels = {k: v for k, v in cupti.by_name(events).items() if not k.startswith("kernel: ")
+               or timeline.role({"cat": "kernel", "name": k}) != "compute"}
+    if g.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        cupti.save(events, os.path.join(args.out, f"{kind}_step_trace.json"))
+        log(f"[{kind}] profiled step: device ms per role {roles}")
+        log(cupti.summary(events, top=15))
+    return {"ms_per_role": roles, "non_compute_events": kernels}
+
+
+def summarize(records: list, log: Any) -> dict:
+    """Print the comparison of a ``--impl all`` run; return it for the record."""
+    floor = next((r["median_step_s"] for r in records if r["impl"] == "local"), None)
+    log("\nsummary (median step time after warm-up; peak memory per rank)")
+    log(f"{'impl':8s} {'step ms':>10s} {'vs local':>9s} {'peak GiB':>9s} {'last loss':>12s}")
+    for r in records:
+        ratio = f"{r['median_step_s'] / floor:.3f}x" if floor else "-"
+        log(f"{r['impl']:8s} {r['median_step_s'] * 1e3:10.2f} {ratio:>9s} "
+            f"{r['peak_bytes'] / 2**30:9.2f} {r['losses'][-1]:12.6f}")
+    for r in records:
+        log(f"{r['impl']}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} over "
+            f"{len(r['losses'])} steps")
+    rows = goals(records)
+    for g in rows:
+        log(f"{'met   ' if g['met'] else 'MISSED'} {g['goal']}: {g['measured']}")
+    return {"goals": rows}
+
+
+def goals(records: list) -> list[dict]:
+    """The step-time, memory and loss goals of a tide/stock/local run, from its records."""
+    by = {r["impl"]: r for r in records}
+    if not {"tide", "stock"} <= set(by):
+        return []
+    out = []
+    a, b = by["tide"]["losses"], by["stock"]["losses"]
+    diff = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+    out.append({"goal": f"tide and stock losses equal for {len(a)} steps",
+                "measured": "bitwise equal" if a == b else f"max relative difference {diff:.3g}",
+                "met": a == b or diff < 1e-2})
+    peak = by["tide"]["peak_bytes"] / max(by["stock"]["peak_bytes"], 1)
+    out.append({"goal": "tide peak memory <= stock's", "measured": f"{peak:.3f}x",
+                "met": peak <= 1})
+    if "local" not in by:
+        return out
+    t, s, floor = (by[k]["median_step_s"] for k in ("tide", "stock", "local"))
+    out.append({"goal": "tide step <= 1.03 x the local floor", "measured": f"{t / floor:.3f}x "
+                f"(stock {s / floor:.3f}x)", "met": t <= 1.03 * floor})
+    floors = [("the local floor", floor)]
+    prof = {k: (by[k].get("profile") or {}).get("ms_per_role", {}) for k in by}
+    if all("optimizer" in prof[k] for k in ("tide", "local")):
+        # The floor steps AdamW over the whole model, the sharded runs over 1/W of it:
+        # the same floor with the sharded runs' optimizer time, from the measured kernels.
+        adj = floor - (prof["local"]["optimizer"] - prof["tide"]["optimizer"]) / 1e3
+        floors.append(("the floor with a sharded optimizer (CUPTI)", adj))
+    for name, f in floors:
+        out.append({"goal": f"tide - floor <= (stock - floor) / 5, over {name}",
+                    "measured": f"tide {1e3 * (t - f):+.2f} ms, stock {1e3 * (s - f):+.2f} ms "
+                                f"(floor {1e3 * f:.2f} ms)",
+                    "met": t - f <= (s - f) / 5})
+    return out
+
+
+def report(path: str) -> str:
+    """``train.md`` (a table) and ``train_steps.png`` (step times and losses) next to the
+    record ``path``, made from the record alone. Returns the table's path."""
+    with open(path) as f:
+        rec = json.load(f)
+    out = os.path.dirname(os.path.abspath(path))
+    runs = rec["runs"]
+    floor = next((r["median_step_s"] for r in runs if r["impl"] == "local"), None)
+    lines = [f"# Training step: {rec['model']}, {rec['tokens_per_rank']} tokens per rank, "
+             f"{rec['world']} ranks ({rec['backend']}, {rec['param_dtype']})", "",
+             f"Commit `{rec['commit']}`; command `{' '.join(rec['argv'])}`; "
+             f"{len(runs[0]['losses'])} steps, medians after the warm-up steps.", "",
+             "| impl | median step (ms) | vs floor | peak memory (GiB) | first loss | last loss |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in runs:
+        ratio = f"{r['median_step_s'] / floor:.3f}" if floor else "-"
+        lines.append(f"| {r['impl']} | {r['median_step_s'] * 1e3:.2f} | {ratio} | "
+                     f"{r['peak_bytes'] / 2**30:.2f} | {r['losses'][0]:.4f} | "
+                     f"{r['losses'][-1]:.4f} |")
+    lines += ["", "| goal | measured | |", "| --- | --- | --- |"]
+    lines += [f"| {g['goal']} | {g['measured']} | {'met' if g['met'] else 'missed'} |"
+              for g in goals(runs)]
+    table = os.path.join(out, "train.md")
+    with open(table, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        plot_steps(runs, os.path.join(out, "train_steps.png"), rec["model"])
+        plot_timelines(rec, out)
+    except ImportError:
+        pass  # matplotlib is the optional 'bench' extra
+    return table
+
+
+def plot_timelines(rec: dict, out: str) -> None:
+    """A timeline PNG per saved CUPTI trace next to the record (``<impl>_step_trace.json``,
+    gzipped or not)."""
+    from benchmarks.harness import timeline
+
+    for r in rec["runs"]:
+        for name in (f"{r['impl']}_step_trace.json", f"{r['impl']}_step_trace.json.gz"):
+            path = os.path.join(out, name)
+            if os.path.exists(path):
+                timeline.plot(timeline.load(path),
+                              os.path.join(out, f"{r['impl']}_step_timeline.png"),
+                              f"{r['impl']}: one training step, rank 0 ({rec['model']}, "
+                              f"{rec['world']} ranks)")
+
+
+def plot_steps(runs: list, path: str, model: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    for r in runs:
+        steps = range(1, len(r["step_s"]) + 1)
+        a.plot(steps, [t * 1e3 for t in r["step_s"]], label=r["impl"])
+        b.plot(steps, r["losses"], label=r["impl"])
+    a.set(xlabel="step", ylabel="step time (ms)", title=f"{model}: step time")
+    lo = min(min(r["step_s"][2:] or r["step_s"]) for r in runs) * 1e3
+    a.set_ylim(lo * 0.97, lo * 1.08)
+    b.set(xlabel="step", ylabel="loss (mean over ranks)", title="loss")
+    a.legend(), b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    train.run_as_group(main)

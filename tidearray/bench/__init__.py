@@ -1,6 +1,0 @@
-"""Benchmarks of tidearray against NCCL and FSDP2's collective path.
-
-Run ``python -m tidearray.bench --help`` (``mpirun -n N`` for N ranks). Every
-run appends JSON records; tables and plots are made from those records
-(``python -m tidearray.bench report``). See ``docs/benchmarks/README.md``.
-"""
