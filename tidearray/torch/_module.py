@@ -68,7 +68,7 @@ Optimizer = Union[AdamW, Callable[[list], Any], None]
 def shard_module(module: torch.nn.Module, units: Optional[Sequence[Any]] = None, *,
                  group: Optional[Group] = None, param_dtype: Any = None,
                  optimizer: Optimizer = None, param_groups: Sequence[dict] = (),
-                 prefetch: int = 1, comm: str = "tide", keep_param_shards: bool = False,
+                 prefetch: int = 1, comm: Any = "tide", keep_param_shards: bool = False,
                  init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
                  checkpoint: Optional[str] = None, device: Any = None) -> ShardedModule:
     """Shard ``module``'s parameters by ``units``, as ``fully_shard`` on each unit and then
@@ -89,7 +89,8 @@ def shard_module(module: torch.nn.Module, units: Optional[Sequence[Any]] = None,
             ``params`` (parameters or their names) and any of ``lr``, ``betas``,
             ``eps``, ``weight_decay``; the rest of the parameters use ``optimizer``.
         prefetch: units gathered ahead (1).
-        comm: ``"tide"``, ``"stock"`` or ``"local"`` (see ``ShardedModel``).
+        comm: ``"tide"`` (default) or a comm factory (a ``UnitComm`` subclass;
+            see ``ShardedModel``), such as the benchmarks' baselines.
         keep_param_shards: keep param-dtype shards instead of casting the fp32
             masters at every gather (see ``ShardedModel``).
         init_fn: for a model on the meta device: initialises one module
@@ -119,7 +120,7 @@ class ShardedModule:
 
     def __init__(self, module: torch.nn.Module, units: Optional[Sequence[Any]], *,
                  group: Optional[Group], param_dtype: Any, optimizer: Optimizer,
-                 param_groups: Sequence[dict], prefetch: int, comm: str,
+                 param_groups: Sequence[dict], prefetch: int, comm: Any,
                  keep_param_shards: bool, init_fn: Any, checkpoint: Optional[str],
                  device: Any) -> None:
         from .._group import default_group
