@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 import tidearray as ta
+from tidearray.layout import unit_nbytes
 
 HIDDEN, FFN, UNITS, TOKENS = 128, 344, 4, 8
 #: Reduce-scatter chunk. Staging takes at most depth (2) x (local_size - 1) x
@@ -110,7 +111,7 @@ def main() -> None:
     xp = g.backend.xp
     units = [unit_weights(u) for u in range(UNITS)]
     shards = [[ta.shard(xp.asarray(w)) for w in unit] for unit in units]
-    slot_nbytes = ta.unit_nbytes(unit_shapes(), ta.bfloat16)
+    slot_nbytes = unit_nbytes(unit_shapes(), ta.bfloat16)
     arena = ta.SlotArena(slot_nbytes, num_slots=2)  # mapped once, here
 
     x0 = np.random.default_rng(7).standard_normal((TOKENS, HIDDEN)).astype(np.float32)

@@ -23,6 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 import tidearray as ta
+from tidearray.layout import shard_spec, unit_nbytes
 
 
 def layer_shapes(hidden: int = 256, heads: int = 8, kv_heads: int = 2,
@@ -57,7 +58,7 @@ def gather_and_check(g: ta.Group, shapes: list, full: list) -> bool:
     """All-gather this rank's shards into a slot; True if every parameter is bitwise equal."""
     xp = g.backend.xp
     shards = [ta.shard(xp.asarray(w)) for w in full]  # this rank's padded dim-0 shards
-    arena = ta.SlotArena(ta.unit_nbytes(shapes, ta.bfloat16), num_slots=1)
+    arena = ta.SlotArena(unit_nbytes(shapes, ta.bfloat16), num_slots=1)
     params = ta.all_gather(shards, shapes, slot=arena[0])  # views into arena[0]
     # Compare bit patterns (uint16), not values: "equal" must mean the same bytes.
     return all(np.array_equal(to_host(p).view(np.uint16), w.view(np.uint16))
@@ -95,7 +96,7 @@ def traffic(shapes: list, itemsize: int, rank: int, world: int) -> tuple[int, in
     """
     ag = rs = 0
     for s in shapes:
-        spec = ta.shard_spec(s, itemsize, world)
+        spec = shard_spec(s, itemsize, world)
         own = spec.byte_range(rank)[1]
         ag += spec.nbytes - own
         rs += (world - 1) * own

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import tidearray
 from tidearray import _validate
+from tidearray.layout import full_from_shards, shard_shape
 
 from ._util import DTYPES, bits, padded_shard, random_bits, torch_chunk_rows
 
@@ -22,13 +23,13 @@ def test_shard_matches_numpy_slicing(shape, world, dtype, seed):
     for r in range(world):
         s = tidearray.shard(full, rank=r, world=world)
         start, stop = torch_chunk_rows(shape[0], world, r)
-        assert s.dtype == dtype and s.shape == tidearray.shard_shape(shape, world)
+        assert s.dtype == dtype and s.shape == shard_shape(shape, world)
         assert (bits(s[: stop - start]) == bits(full[start:stop])).all()
         assert (bits(s[stop - start:]) == 0).all(), "padding rows must be zero"
         assert (bits(s) == bits(padded_shard(full, world, r))).all()
         assert not np.shares_memory(s, full)
         shards.append(s)
-    back = tidearray.full_from_shards(shards, shape)
+    back = full_from_shards(shards, shape)
     assert back.shape == full.shape and (bits(back) == bits(full)).all()
 
 

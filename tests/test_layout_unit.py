@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import tidearray
 from tidearray import _layout
 from tidearray._layout import ALIGN, ag_pieces, plan_unit, shard_spec
+from tidearray.layout import shard_shape
 
 from ._util import torch_chunk_rows
 
@@ -32,7 +33,7 @@ def test_shard_rows_follow_torch_chunk(shape, itemsize, world):
     assert spec.rows_per_shard == c
     assert spec.shard_shape == (c, *shape[1:])
     assert spec.shard_numel == c * math.prod(shape[1:])
-    assert tidearray.shard_shape(shape, world) == (c, *shape[1:])
+    assert shard_shape(shape, world) == (c, *shape[1:])
     for r in range(world):
         assert spec.rows(r) == torch_chunk_rows(shape[0], world, r), r
         assert spec.valid_rows(r) == torch_chunk_rows(shape[0], world, r)[1] - spec.rows(r)[0]

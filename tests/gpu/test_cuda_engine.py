@@ -15,6 +15,7 @@ import pytest
 
 import tidearray
 from tidearray.backends._base import AccumPiece
+from tidearray.layout import shard_shape
 
 from ._units import UNITS
 
@@ -324,7 +325,7 @@ def test_all_gather_launches_no_kernels(cuda_group, cp, tmp_path):
     torch.cuda.init()
     # 40 repeated shapes: their pieces pull as one 2D copy ([Note: copy plans])
     shapes = [(4096, 512), (512,), (1000, 64), (3, 3)] + [(64, 32)] * 40
-    shards = [cp.ones(tidearray.shard_shape(s, g.size), cp.float16) for s in shapes]
+    shards = [cp.ones(shard_shape(s, g.size), cp.float16) for s in shapes]
     tidearray.all_gather(shards, shapes, group=g)  # warm-up: slots exist, flags zeroed
     cp.cuda.runtime.deviceSynchronize()
     g.comm.Barrier()

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import tidearray
+from tidearray.layout import shard_shape
 
 from ._units import BF16, bf16_normal, bf16_to_f64, padded_shard, shard_rows
 
@@ -122,7 +123,7 @@ def test_torch_dlpack_inputs(cuda_group, cp):
     cp.cuda.runtime.deviceSynchronize()
     bad = _compare(cp, outs, full)
     grads = [torch.ones(sh, dtype=torch.bfloat16, device=f"cuda:{dev}") for sh in SHAPES]
-    outs32 = [torch.full(tidearray.shard_shape(sh, g.size), float("nan"), device=f"cuda:{dev}")
+    outs32 = [torch.full(shard_shape(sh, g.size), float("nan"), device=f"cuda:{dev}")
               for sh in SHAPES]
     torch.cuda.synchronize(dev)
     tidearray.reduce_scatter(grads, op="sum", out=outs32, group=g)
@@ -153,14 +154,14 @@ def test_jax_dlpack_inputs(cuda_group, cp):
 
 def test_host_and_foreign_device_inputs_rejected(cuda_group, cp):
     g = cuda_group
-    host = [np.zeros(tidearray.shard_shape(s, g.size), BF16) for s in SHAPES]
+    host = [np.zeros(shard_shape(s, g.size), BF16) for s in SHAPES]
     with pytest.raises(tidearray.TideInvalid, match="expected an array on cuda"):
         tidearray.all_gather(host, SHAPES, group=g)
     n = cp.cuda.runtime.getDeviceCount()
     if n < 2:
         return
     with cp.cuda.Device((g.backend.device + 1) % n):
-        other = [cp.zeros(tidearray.shard_shape(s, g.size), cp.float32) for s in SHAPES]
+        other = [cp.zeros(shard_shape(s, g.size), cp.float32) for s in SHAPES]
     want = f"expected an array on cuda:{g.backend.device}"
     with pytest.raises(tidearray.TideInvalid, match=want):
         tidearray.all_gather(other, SHAPES, group=g)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import tidearray
+from tidearray.layout import shard_shape, unit_nbytes
 
 from ._units import BF16, UNITS, bf16_normal, bf16_to_f64, padded_shard, shard_rows
 
@@ -69,7 +70,7 @@ def gather_and_check(group, cp, shapes, stream=None, poison=True) -> list[str]:
     shards = [padded_shard(cp, f, W, r) for f in full]
     slot = None
     if poison:
-        nbytes = tidearray.unit_nbytes(shapes, BF16, group=group)
+        nbytes = unit_nbytes(shapes, BF16, group=group)
         slot = tidearray.SlotArena(nbytes, 1, group=group)[0]
         slot.view(0, (slot.nbytes,), np.uint8).fill(0xFF)
     cp.cuda.runtime.deviceSynchronize()
@@ -90,7 +91,7 @@ def reduce_and_check(group, cp, shapes, op="avg") -> list[str]:
     seed = _seed(group)
     W, r = group.size, group.rank
     grads = [bf16_normal(cp, seed + 1000 * r + i, s) for i, s in enumerate(shapes)]
-    outs = [cp.full(tidearray.shard_shape(s, W), np.nan, cp.float32) for s in shapes]
+    outs = [cp.full(shard_shape(s, W), np.nan, cp.float32) for s in shapes]
     res = tidearray.reduce_scatter(grads, op=op, out=outs, group=group)
     _sync(cp)
     scale = 1.0 / W if op == "avg" else 1.0

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 import tidearray
+from tidearray.layout import shard_shape
 
 from .._util import (
     agree,
@@ -188,7 +189,7 @@ def run_reduce_scatter(group: Any, shapes: Sequence[tuple], dtype: np.dtype, see
     grads = [to_xp(xp, g) for g in mine]
     outs: Optional[list] = None
     if out:
-        outs = [xp.full(tidearray.shard_shape(s, W), np.nan, np.float32) for s in shapes]
+        outs = [xp.full(shard_shape(s, W), np.nan, np.float32) for s in shapes]
     res = tidearray.reduce_scatter(grads, op=op, out=outs, group=group, staging=staging,
                                    async_op=async_op)
     if async_op:

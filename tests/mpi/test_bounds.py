@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import tidearray
+from tidearray.layout import shard_shape
 
 from .._guard import guarded
 from .._util import agree, compare_bits, dtypes, seeds, shapes, torch_chunk_rows
@@ -54,7 +55,7 @@ def test_all_gather_never_reads_padding(group, unit, dtype, seed):
     for f in fulls:
         start, stop = torch_chunk_rows(f.shape[0], WORLD, group.rank)
         real = f[start:stop]
-        a = guarded(tidearray.shard_shape(f.shape, WORLD), dtype, readable=real.nbytes)
+        a = guarded(shard_shape(f.shape, WORLD), dtype, readable=real.nbytes)
         a[: stop - start] = real
         shards.append(a)
     outs = tidearray.all_gather(shards, unit, group=group)
@@ -69,7 +70,7 @@ def test_empty_shards_are_never_touched(group):
     shards = []
     for f in fulls:
         start, stop = torch_chunk_rows(f.shape[0], WORLD, group.rank)
-        a = guarded(tidearray.shard_shape(f.shape, WORLD), f.dtype,
+        a = guarded(shard_shape(f.shape, WORLD), f.dtype,
                     readable=f[start:stop].nbytes)
         a[: stop - start] = f[start:stop]
         shards.append(a)

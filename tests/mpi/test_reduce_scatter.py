@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 import tidearray
 from tidearray._layout import plan_reduce_scatter, plan_unit
+from tidearray.layout import shard_shape
 
 from .._util import BF16, FP16, FP32, agree, bits, dtypes, seeds, shapes, to_numpy, to_xp
 from ._cases import (
@@ -136,7 +137,7 @@ def test_a_repeat_reads_new_values_without_resolving_again(group, monkeypatch):
     unit = small_unit(W)
     seed = group.comm.bcast(int(np.random.default_rng().integers(1 << 30)))
     grads = [xp.zeros(s, BF16) for s in unit]
-    outs = [xp.zeros(tidearray.shard_shape(s, W), np.float32) for s in unit]
+    outs = [xp.zeros(shard_shape(s, W), np.float32) for s in unit]
     mine = {id(a) for a in grads + outs}
     seen, resolve = [], group.backend.resolve
     monkeypatch.setattr(group.backend, "resolve",
@@ -161,9 +162,9 @@ def test_a_repeat_reads_new_values_without_resolving_again(group, monkeypatch):
 def test_zero_sized_parameters(group):
     unit = [(0,), (3 * WORLD, 0), (WORLD + 1, 2), (0, 4), (1,)]
     failures, res = run_reduce_scatter(group, unit, BF16, 5, "sum")
-    failures += [f"parameter {i}: shape {r.shape}, expected {tidearray.shard_shape(s, WORLD)}"
+    failures += [f"parameter {i}: shape {r.shape}, expected {shard_shape(s, WORLD)}"
                  for i, (r, s) in enumerate(zip(res, unit))
-                 if r.shape != tidearray.shard_shape(s, WORLD)]
+                 if r.shape != shard_shape(s, WORLD)]
     agree(group.comm, failures)
 
 

@@ -19,6 +19,7 @@ import pytest
 from mpi4py import MPI
 
 import tidearray
+from tidearray.layout import shard_shape
 
 from .._util import BF16, FP16, FP32, agree, compare_bits, to_numpy, to_xp
 from ._cases import (
@@ -56,7 +57,7 @@ class Ctx:
         return [to_xp(self.xp, g) for g in rank_grads(shapes, np.dtype(dtype), 3, 0)]
 
     def outs(self, shapes: list) -> list:
-        return [self.xp.full(tidearray.shard_shape(s, WORLD), np.nan, np.float32)
+        return [self.xp.full(shard_shape(s, WORLD), np.nan, np.float32)
                 for s in shapes]
 
 
@@ -84,7 +85,7 @@ def _ag_bad_shard(make: Callable[[Ctx], Any]) -> Callable[[Ctx], dict]:
 
 
 def _padded_rows(i: int) -> int:
-    return tidearray.shard_shape(unit()[i], WORLD)[0]
+    return shard_shape(unit()[i], WORLD)[0]
 
 
 AG_CASES = {
@@ -362,7 +363,7 @@ def test_a_repeated_reduce_scatter_sees_a_gradient_reshaped_in_place(group):
     shapes = unit()
     seed = group.comm.bcast(int(np.random.default_rng().integers(1 << 30)))
     grads = [to_xp(xp, g) for g in rank_grads(shapes, BF16, seed, group.rank)]
-    outs = [xp.full(tidearray.shard_shape(s, WORLD), np.nan, np.float32) for s in shapes]
+    outs = [xp.full(shard_shape(s, WORLD), np.nan, np.float32) for s in shapes]
     for _ in range(2):  # validated, then found again as a repeat
         tidearray.reduce_scatter(grads, out=outs, group=group)
     bad = group.rank == BAD

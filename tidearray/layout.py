@@ -1,0 +1,25 @@
+"""``tidearray.layout``: the planning helpers, pure sizes and offsets.
+
+How a parameter is cut into padded shards and how a unit's full parameters lie in a
+slot: frozen dataclasses and functions that do no device work and need no group
+(docs/sharding.md). The collectives and plans in :mod:`tidearray` are built on them;
+use these to size arenas, check a layout, or shard and reassemble arrays in set-up and
+tests.
+
+* :func:`shard_spec` / :class:`ShardSpec`: one parameter's padded shard on ``world``
+  ranks (rows per shard, byte ranges, valid rows).
+* :func:`plan_unit` / :class:`UnitLayout`: a unit's parameters back to back in a slot,
+  each aligned to 256 bytes (``offsets``, ``nbytes``).
+* :func:`unit_nbytes`: the slot bytes a unit needs (``world=`` or a group's size).
+* :func:`slot_chunk_nbytes`: the largest reduce-scatter chunk whose staging fits a slot.
+* :func:`shard_shape`, :func:`full_from_shards`: the padded shard shape, and a full
+  array put back together from every rank's shards (a copy).
+"""
+
+from ._all_gather import unit_nbytes
+from ._layout import ALIGN, ShardSpec, UnitLayout, plan_unit, shard_spec
+from ._plan import slot_chunk_nbytes
+from ._shard import full_from_shards, shard_shape
+
+__all__ = ["ALIGN", "ShardSpec", "UnitLayout", "full_from_shards", "plan_unit", "shard_shape",
+           "shard_spec", "slot_chunk_nbytes", "unit_nbytes"]
