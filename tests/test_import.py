@@ -1,4 +1,5 @@
-"""The package surface: imports with NumPy, mpi4py and ml_dtypes only; picklable errors."""
+"""The package surface: imports with NumPy, mpi4py and ml_dtypes only, a small top level,
+lazy optional layers, no implicit group, no global state; picklable errors."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 import tidearray
 
@@ -38,3 +42,127 @@ def test_errors_pickle_and_keep_their_type():
         assert type(back) is type(err) and str(back) == str(err)
     assert issubclass(tidearray.TideInvalid, ValueError)
     assert issubclass(tidearray.TideInvalid, tidearray.TideError)
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (its own sys.modules, warning filters and MPI)."""
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_import_leaves_the_runtime_backends_and_frameworks_unimported():
+    code = ("import sys, tidearray; "
+            "print([m for m in sys.modules if m in ('tidearray.fsdp', 'tidearray.torch', "
+            "'tidearray.backends.cuda') or m.split('.')[0] in ('cupy', 'torch', 'jax')])")
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"import tidearray imported {out.stdout.strip()}"
+
+
+def test_the_top_level_is_small_and_every_name_is_there():
+    assert len(tidearray.__all__) <= 15, sorted(tidearray.__all__)
+    assert len(set(tidearray.__all__)) == len(tidearray.__all__)
+    missing = [n for n in tidearray.__all__ if n not in vars(tidearray)]
+    assert not missing, f"in __all__ but not defined: {missing}"
+    internals = {"UnitLayout", "plan_unit", "slot_chunk_nbytes", "ShardSpec", "shard_spec",
+                 "default_group", "Region", "GatherPlan", "ReducePlan", "fsdp"}
+    assert not internals & set(tidearray.__all__)
+    assert isinstance(tidearray.__version__, str)
+
+
+def test_fsdp_is_imported_on_first_use():
+    code = ("import sys, tidearray; "
+            "assert 'tidearray.fsdp' not in sys.modules; "
+            "cls = tidearray.fsdp.ShardedModel; "
+            "import tidearray.fsdp; "
+            "assert cls is tidearray.fsdp.ShardedModel and 'tidearray.fsdp' in sys.modules; "
+            "assert 'fsdp' in dir(tidearray); "
+            "print(cls.__name__)")
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ShardedModel"
+    try:
+        tidearray.no_such_name  # noqa: B018 - the lazy hook must not swallow typos
+    except AttributeError as e:
+        assert "no_such_name" in str(e)
+    else:
+        raise AssertionError("tidearray.no_such_name did not raise AttributeError")
+
+
+def test_default_group_raises_when_no_group_is_open():
+    """Never a hidden collective: before ``init`` and after ``close`` there is no group,
+    and sizes given ``world=`` need none."""
+    code = """
+import tidearray
+from tidearray._group import default_group
+from tidearray.layout import unit_nbytes
+
+def raises(what):
+    try:
+        default_group()
+    except tidearray.TideInvalid as e:
+        assert "no group is open" in str(e) and "init()" in str(e), str(e)
+    else:
+        raise AssertionError(f"default_group() {what} returned a group")
+    try:
+        unit_nbytes([(4, 3)], tidearray.bfloat16)
+    except tidearray.TideInvalid:
+        pass
+    else:
+        raise AssertionError(f"unit_nbytes without world= {what} did not raise")
+
+raises("before init")
+assert unit_nbytes([(4, 3)], tidearray.bfloat16, world=2) == 256
+g = tidearray.init(backend="host")
+assert default_group() is g
+assert unit_nbytes([(4, 3)], tidearray.bfloat16) == unit_nbytes([(4, 3)], "bfloat16", world=1)
+g.close()
+assert g.closed
+raises("after close")
+print("ok")
+"""
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_layout_names_work_without_a_group():
+    from tidearray import layout
+
+    assert layout.__doc__ and len(layout.__all__) >= 8
+    assert all(hasattr(layout, n) for n in layout.__all__)
+    shapes, world = [(7, 3), (5,), (1, 2, 2)], 3
+    unit = layout.plan_unit(shapes, 2, world)
+    assert isinstance(unit, layout.UnitLayout)
+    assert layout.unit_nbytes(shapes, tidearray.bfloat16, world=world) == unit.nbytes
+    assert all(o % layout.ALIGN == 0 for o in unit.offsets)
+    spec = layout.shard_spec((7, 3), 2, world)
+    assert isinstance(spec, layout.ShardSpec)
+    assert layout.shard_shape((7, 3), world) == spec.shard_shape == (3, 3)
+    full = np.arange(21, dtype=np.float32).reshape(7, 3)
+    shards = [tidearray.shard(full, r, world) for r in range(world)]
+    assert np.array_equal(layout.full_from_shards(shards, full.shape), full)
+
+
+def test_torch_front_end_changes_no_warning_filter():
+    """Neither ``import tidearray.torch`` nor wrapping and running a model touches the
+    process's warning filters (measured after torch itself is imported)."""
+    pytest.importorskip("torch")
+    code = """
+import warnings
+import torch
+import tidearray
+before = list(warnings.filters)
+import tidearray.torch
+assert warnings.filters == before, ("import", [f for f in warnings.filters if f not in before])
+g = tidearray.init(backend="host")
+model = tidearray.torch.shard_module(torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                                         torch.nn.Linear(4, 2)), group=g)
+model(torch.randn(3, 4)).sum().backward()
+assert warnings.filters == before, ("wrap", [f for f in warnings.filters if f not in before])
+g.close()
+print("ok")
+"""
+    out = _run(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"

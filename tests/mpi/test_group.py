@@ -9,6 +9,8 @@ import pytest
 from mpi4py import MPI
 
 import tidearray
+from tidearray._group import default_group
+from tidearray.layout import full_from_shards
 
 from .._util import BF16, agree, bits, compare_bits, padded_shard, random_bits, to_numpy, to_xp
 from ._cases import check_usable
@@ -58,7 +60,7 @@ def test_shard_helper_on_the_group(group, comm):
     failures = [] if (bits(to_numpy(mine)) == bits(padded_shard(full, WORLD, comm.rank))).all() \
         else ["shard() with the group's rank differs from NumPy slicing"]
     shards = [s for s in comm.allgather(to_numpy(mine))]
-    back = tidearray.full_from_shards(shards, full.shape)
+    back = full_from_shards(shards, full.shape)
     if back.shape != full.shape or (bits(back) != bits(full)).any():
         failures.append("full_from_shards(all shards) is not the full parameter")
     agree(comm, failures)
@@ -106,14 +108,20 @@ def test_bad_local_size_raises_everywhere(group, comm):
 
 
 def test_default_group_and_close(group, comm):
-    """``init`` makes the default group; ``close`` is idempotent and clears the default."""
+    """``init`` makes the default group; ``close`` is idempotent and clears the default,
+    so that a collective given no group then raises instead of starting one."""
     g = tidearray.init(backend=group.backend.name)
-    failures = [] if tidearray.default_group() is g else ["init did not set the default group"]
+    failures = [] if default_group() is g else ["init did not set the default group"]
     failures += check_usable(g)
     g.close()
     g.close()
     if not g.closed:
         failures.append("close() did not mark the group closed")
+    try:
+        default_group()
+        failures.append("default_group() after close returned a group")
+    except tidearray.TideInvalid as e:
+        failures += [] if "init()" in str(e) else [f"unclear message: {e}"]
     agree(comm, failures)
 
 

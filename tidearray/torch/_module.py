@@ -45,6 +45,7 @@ placeholder's ``.grad`` is a sentinel that raises when used (so
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
@@ -511,7 +512,10 @@ def _in_backward() -> bool:
 
 def _outside_compile(fn: Any) -> Any:
     """``fn`` run eagerly, never traced by Dynamo: the hooks keep the runtime's state."""
-    return torch._dynamo.disable(fn, recursive=True)
+    # The first call imports torch._dynamo, and with it sympy, whose import adds a
+    # process-wide warnings filter: keep the caller's filters as they were.
+    with warnings.catch_warnings():
+        return torch._dynamo.disable(fn, recursive=True)
 
 
 def _numpy_dtype(dtype: Any) -> np.dtype:
