@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# The GPU benchmark entry point: run on the GPU machine from the repo root. The same
+# conventions as the test runner (tests/gpu/run.sh, whose set-up tests/gpu/_env.sh it
+# shares): .whl/ installed into /tmp/site, TIDE_GIT_COMMIT in every record, every
+# multi-rank command under timeout (TIDE_GPU_TIMEOUT, 300 s), logs and records in $OUT.
+#
+#   bash benchmarks/run.sh                       # the default step: benchall
+#   TIDE_BENCH_STEPS="calls fsdp2" bash benchmarks/run.sh   # some steps:
+#       benchall   (python -m benchmarks all; TIDE_BENCH_DOCS: report directory)
+#       launches   (benchall 3 times, one report of the spread)
+#       suites     (each suite alone; TIDE_BENCH_SUITES, TIDE_BENCH_ARGS)
+#       plans      (python -m benchmarks plans: host time per plan call)
+#       ctas       (TIDE-RS and GEMM interference at each accumulate grid of TIDE_CTAS)
+#       priority   (the interference GEMMs at the default and highest stream priority,
+#                  at each grid of TIDE_PRIO_CTAS)
+#       narrow     (the narrow accumulate against the default: probe, interference, RS)
+#       calls      (benchmarks/probes/call_profile.py: host time per eager all_gather /
+#                  reduce_scatter call and per plan call, and their cProfiles)
+#       footprints (benchmarks/probes/footprints.py: can a GEMM's CTA and ours share an SM)
+#       bounds     (benchmarks/probes/hw_bounds.py: per-CTA streaming rates, GEMM beside
+#                  bare copies; TIDE_BOUNDS_RANKS)
+#       train      (the trainer, small model: tide vs stock vs the floor)
+#       train8b    (the same at the Llama-8B shape, profiled: the step-time comparison)
+#       fsdp2      (benchmarks/steps/compare_fsdp2.py, Llama-8B shape: FSDP2 vs
+#                  shard_module vs the floor)
+#       hf8b, meta70b (benchmarks/steps/hf_models.py: an 8B-shaped HF model trained,
+#                  a 70B-shaped model's deferred init at 4 ranks)
+#       tests      (the harness's and the baselines' tests, benchmarks/tests, at 2 ranks)
+#       ab         (this tree against the one in before/: see below)
+#   TIDE_GPU_TAR=run bash benchmarks/run.sh      # $OUT bundled into $OUT/run.tgz at the end
+#
+# ab: TIDE_AB_PASSES (2) passes, each running the steps named in TIDE_AB_STEPS (fsdp2ab)
+# once against this tree and once against before/ (another commit's tidearray/ and
+# kernels/, untracked; reversed order on odd passes), with that tree first on
+# PYTHONPATH; step logs and outputs get the suffix _<before|after>_<pass>. A/B steps:
+#       fsdp2ab    (one rank: compare_fsdp2.py --impls tide, TIDE_AB_ITERS steps (25))
+#       calls      (host time per eager call, as above: TIDE_AB_STEPS=calls)
+source "$(dirname "$0")/../tests/gpu/_env.sh"
+AB=""  # the A/B suffix of step names and outputs (empty outside ab)
+
+run_benchall() { step "benchall$AB" "${MPI[@]}" -n 2 python3 -m benchmarks all \
+    --out "$OUT/b$AB" ${TIDE_BENCH_DOCS:+--docs "$TIDE_BENCH_DOCS"}; }
+run_launches() {  # 3 separate launches, one report of the spread (TIDE_LAUNCH_SUITES: all;
+    local jsons=() k suite  # TIDE_LAUNCH_ARGS, e.g. "--workloads units", goes to each suite)
+    for k in 1 2 3; do
+        for suite in ${TIDE_LAUNCH_SUITES:-all}; do
+            step "bench_${suite}_launch$k" "${MPI[@]}" -n 2 python3 -m benchmarks "$suite" \
+                --out "$OUT/launch$k" ${TIDE_LAUNCH_ARGS:-}
+        done
+        jsons+=(--json "$OUT/launch$k/bench.jsonl")
+    done
+    step launches_report python3 -m benchmarks report "${jsons[@]}" --docs "$OUT/report3"
+}
+run_suites() {  # the same suites as benchall, each under its own timeout, one record file
+    local suite
+    for suite in ${TIDE_BENCH_SUITES:-interference memory ag rs}; do
+        step "bench_$suite" timeout "${TIDE_BENCH_TIMEOUT:-150}" "${MPIRUN[@]}" -n 2 \
+            python3 -m benchmarks "$suite" --out "$OUT/b" ${TIDE_BENCH_ARGS:-}
+    done
+}
+run_plans() {  # host time per plan call
+    step bench_plans "${MPI[@]}" -n 2 python3 -m benchmarks plans --workloads units \
+        --out "$OUT/b"
+}
+run_ctas() {  # TIDE-RS and the GEMM beside it at each accumulate grid (TIDE_CTAS;
+              # TIDE_CTAS_IMPLS: the reduce-scatters timed beside tide's, e.g. tide,stock)
+    local c
+    for c in ${TIDE_CTAS:-66 33 16 8}; do
+        step "rs_ctas$c" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 python3 -m benchmarks rs \
+            --impls "${TIDE_CTAS_IMPLS:-tide}" --workloads units --out "$OUT/ctas$c"
+        step "interference_ctas$c" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 python3 -m \
+            benchmarks interference --impls tide --out "$OUT/ctas$c"
+    done
+}
+run_priority() {  # the interference GEMMs at the default and the highest stream priority,
+                  # beside the accumulate at each grid of TIDE_PRIO_CTAS (a grid past the
+                  # tile count gives one short CTA per tile), TIDE_PRIO_ROUNDS rounds (2);
+                  # then TIDE-RS there
+    local k c p
+    for k in $(seq "${TIDE_PRIO_ROUNDS:-2}"); do
+        for c in ${TIDE_PRIO_CTAS:-66 100000}; do
+            for p in default high; do
+                step "interference_ctas${c}_${p}_$k" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 \
+                    python3 -m benchmarks interference --impls tide --gemm-priority "$p" \
+                    --out "$OUT/prio/ctas$c-$p-$k"
+            done
+        done
+    done
+    for c in ${TIDE_PRIO_CTAS:-66 100000}; do
+        step "rs_ctas$c" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 python3 -m benchmarks rs \
+            --impls tide,stock --workloads units --units llama3.1-8b --out "$OUT/prio/rs-ctas$c"
+    done
+}
+run_narrow() {  # the narrow accumulate against the default: benchmarks/probes/narrow_probe.py
+                # (one process), then the interference GEMMs (TIDE_NARROW_ROUNDS rounds, 2)
+                # and TIDE-RS with each kernel, launched in turn, at TIDE_NARROW_RANKS ranks (2)
+    local k a n=${TIDE_NARROW_RANKS:-2}
+    step narrow_probe timeout "$T" python3 benchmarks/probes/narrow_probe.py \
+        "$OUT/narrow_probe.json"
+    for k in $(seq "${TIDE_NARROW_ROUNDS:-2}"); do
+        for a in vector narrow; do
+            step "interference_${a}_$k" "${MPI[@]}" -x TIDE_ACCUM_KERNEL="$a" -n "$n" \
+                python3 -m benchmarks interference --impls tide --out "$OUT/narrow/$a-$k"
+        done
+    done
+    for a in vector narrow; do
+        step "rs_$a" "${MPI[@]}" -x TIDE_ACCUM_KERNEL="$a" -n "$n" python3 -m benchmarks rs \
+            --impls tide,stock --workloads units --out "$OUT/narrow/rs-$a"
+    done
+}
+run_calls() {  # host time of repeated eager calls and of plan calls, and their cProfiles; a
+               # script, so the tidearray first on PYTHONPATH is the one measured (ab)
+    step "call_profile$AB" "${MPI[@]}" -n 2 python3 benchmarks/probes/call_profile.py \
+        "${TIDE_PROFILE_UNIT:-qwen3-30b-a3b}"
+}
+run_footprints() {  # which CTAs can share an SM with the GEMMs' (one process, no timing)
+    step footprints timeout "$T" python3 benchmarks/probes/footprints.py "$OUT/footprints.json"; }
+run_bounds() { step hw_bounds "${MPI[@]}" -n "${TIDE_BOUNDS_RANKS:-2}" python3 \
+    benchmarks/probes/hw_bounds.py "$OUT/hw_bounds.json"; }
+run_train() {  # the trainer on cuda: small model, tide vs stock vs the floor (correctness)
+    step train_small "${MPI[@]}" -n 2 python3 benchmarks/steps/compare_train.py --model small \
+        --steps 20 --impl all
+}
+run_train8b() {  # the step-time comparison (TIDE_TRAIN_ARGS adds flags)
+    step train8b "${MPI[@]}" -n 2 python3 benchmarks/steps/compare_train.py --model llama3-8b-8l \
+        --tokens 8192 --steps "${TIDE_TRAIN_STEPS:-50}" --impl all --profile \
+        --out "$OUT/train" ${TIDE_TRAIN_ARGS:-}
+}
+run_fsdp2() {  # real FSDP2 against shard_module, one run (TIDE_FSDP2_ARGS adds flags)
+    step fsdp2 "${MPI[@]}" -n 2 python3 benchmarks/steps/compare_fsdp2.py --model llama3-8b-8l \
+        --tokens 8192 --steps "${TIDE_FSDP2_STEPS:-50}" --lr-warmup 10 --profile \
+        --out "$OUT/fsdp2" ${TIDE_FSDP2_ARGS:-}
+}
+run_fsdp2ab() {  # one rank, shard_module only: the step time an A/B compares
+    step "ab$AB" env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \
+        --model llama3-8b-8l --tokens 8192 --impls tide --steps "${TIDE_AB_ITERS:-25}" \
+        --warmup 5 --out "$OUT/ab$AB"
+}
+run_hf8b() { step hf8b "${MPI[@]}" -n 2 python3 benchmarks/steps/hf_models.py train8b \
+    "$OUT/hf8b.json"; }
+run_meta70b() { step meta70b "${MPI[@]}" -n 4 python3 benchmarks/steps/hf_models.py meta70b \
+    "$OUT/meta70b.json"; }
+run_tests() { step bench_tests "${MPI[@]}" -n 2 "${PYTEST[@]}" benchmarks/tests; }
+run_ab() {  # TIDE_AB_PASSES (2) of: this tree, then before/ (reversed on odd passes)
+    local n build s path=$PYTHONPATH
+    [ -d before/tidearray ] || { echo "== ab: no before/ tree"; status=1; return; }
+    for n in $(seq 0 $((${TIDE_AB_PASSES:-2} - 1))); do
+        for build in $([ $((n % 2)) -eq 0 ] && echo "after before" || echo "before after"); do
+            AB="_${build}_$n"
+            export PYTHONPATH=$path
+            [ "$build" = before ] && export PYTHONPATH=/tmp/site:$PWD/before:$PWD
+            for s in ${TIDE_AB_STEPS:-fsdp2ab}; do
+                if declare -F "run_$s" > /dev/null; then "run_$s"
+                else echo "== ab: no such step $s"; status=1; fi
+            done
+        done
+    done
+    export PYTHONPATH=$path
+    AB=""
+}
+
+for s in ${TIDE_BENCH_STEPS:-benchall}; do
+    if declare -F "run_$s" > /dev/null; then "run_$s"; else echo "== $s: no such step"; status=1; fi
+done
+bundle
+exit $status

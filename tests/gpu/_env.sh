@@ -1,0 +1,40 @@
+# Shared by tests/gpu/run.sh (the GPU tests) and benchmarks/run.sh (the benchmarks):
+# installs the carried wheels (.whl/: nccl4py, pytest-mpi) into /tmp/site once per
+# machine, sets PYTHONPATH, TIDE_GIT_COMMIT and the mpirun command line, and
+# defines step (a logged, timed command) and bundle ($OUT into $OUT/$TIDE_GPU_TAR.tgz).
+# Sourced from the repo root.
+set -u -o pipefail
+OUT=${OUT:-$PWD/gpu-logs}
+LOGS=${TIDE_GPU_LOGS:-$OUT}  # step logs (elsewhere, to keep few files under $OUT)
+mkdir -p "$OUT" "$LOGS"
+if [ ! -d /tmp/site/nccl ] && compgen -G ".whl/*.whl" > /dev/null; then  # once per machine
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD
+# Records name the commit; a copied tree's .git may be stale, so the launcher may set it.
+export TIDE_GIT_COMMIT=${TIDE_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+T=${TIDE_GPU_TIMEOUT:-300}
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe ${TIDE_MPI_ARGS:-} -x PYTHONPATH
+        -x PYTHONUNBUFFERED -x XLA_PYTHON_CLIENT_PREALLOCATE -x TIDE_BACKEND=cuda)
+for v in $(compgen -e | grep '^TIDE_'); do MPIRUN+=(-x "$v"); done  # settings reach every rank
+MPI=(timeout "$T" "${MPIRUN[@]}")
+PYTEST=(python3 -m pytest --with-mpi -q -p no:cacheprovider -o faulthandler_timeout=60 -rf)
+status=0
+
+step() {  # step NAME CMD...: run, log to $LOGS/NAME.log, remember failures
+    local name=$1; shift
+    echo "== $name: $*"
+    local t0=$SECONDS
+    "$@" 2>&1 | tee "$LOGS/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc after $((SECONDS - t0)) s"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+bundle() {  # TIDE_GPU_TAR=NAME: everything under $OUT into $OUT/NAME.tgz (few files come back)
+    [ -n "${TIDE_GPU_TAR:-}" ] || return 0
+    local tmp; tmp=$(mktemp -d)
+    tar czf "$tmp/$TIDE_GPU_TAR.tgz" -C "$OUT" --exclude=report . && rm -rf "${OUT:?}"/* &&
+        mv "$tmp/$TIDE_GPU_TAR.tgz" "$OUT/" && echo "== bundled into $OUT/$TIDE_GPU_TAR.tgz"
+}
