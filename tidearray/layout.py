@@ -1,17 +1,19 @@
 """``tidearray.layout``: the planning helpers, pure sizes and offsets.
 
 How a parameter is cut into padded shards and how a unit's full parameters lie in a
-slot: frozen dataclasses and functions that do no device work and need no group
-(docs/sharding.md). The collectives and plans in :mod:`tidearray` are built on them;
-use these to size arenas, check a layout, or shard and reassemble arrays in set-up and
-tests.
+slot: frozen dataclasses and functions that do no device work and are never collective
+(docs/sharding.md). Only the sizes that depend on a group read one (``group=``, or the
+open group of :func:`tidearray.init`); ``unit_nbytes(..., world=W)`` needs none. The
+collectives and plans in :mod:`tidearray` are built on these; use them to size arenas,
+check a layout, or reassemble arrays in set-up and tests.
 
 * :func:`shard_spec` / :class:`ShardSpec`: one parameter's padded shard on ``world``
   ranks (rows per shard, byte ranges, valid rows).
 * :func:`plan_unit` / :class:`UnitLayout`: a unit's parameters back to back in a slot,
   each aligned to 256 bytes (``offsets``, ``nbytes``).
 * :func:`unit_nbytes`: the slot bytes a unit needs (``world=`` or a group's size).
-* :func:`slot_chunk_nbytes`: the largest reduce-scatter chunk whose staging fits a slot.
+* :func:`slot_chunk_nbytes`: the largest reduce-scatter chunk whose staging fits a slot
+  (on a group).
 * :func:`shard_shape`, :func:`full_from_shards`: the padded shard shape, and a full
   array put back together from every rank's shards (a copy).
 """
