@@ -53,10 +53,10 @@ class Config:
     """How the node-local all-gather moves data, by copy engine between GPUs (the
     own copy, within the GPU, the driver runs on the SMs: ``local_copy_max``):
     ``"push"`` (default: one batch per peer, each on its own lane, straight from
-    the shards into the peer's slot, and our own copy beside them; on 2xH200 a
-    copy-engine write into a peer's VMM memory ran at 388 GB/s), ``"pull"``
+    the shards into the peer's slot, and our own copy beside them: copy-engine
+    writes into a peer's memory were the fastest route measured), ``"pull"``
     (each rank stages its shards in its own slot, in parts, and every peer reads
-    them from there: reads ran at 369 GB/s, and the staging copy slows them), or
+    them from there: reads were slower, and the staging copy slows them), or
     ``"push-batch"`` (own copy and every push in one batch on one lane, like
     NCCL's CE all-gather). Env: ``TIDE_AG_TRANSPORT``."""
 
@@ -87,8 +87,8 @@ class Config:
     """How symmetric memory (slots, staging) is allocated and mapped on the cuda
     backend: ``"auto"`` (default: VMM where every node-local rank can pass
     descriptors, else legacy IPC), ``"vmm"`` (``cuMemCreate``, file descriptors
-    passed over Unix sockets; on 2xH200 a copy-engine write into a peer's VMM
-    memory ran at 388 GB/s, into legacy-IPC memory at 273 GB/s), or ``"ipc"``
+    passed over Unix sockets; copy-engine writes into a peer's VMM memory were
+    faster than into legacy-IPC memory: docs/config.md), or ``"ipc"``
     (``cudaMalloc`` and legacy IPC handles over MPI; works wherever the driver
     allows IPC). Env: ``TIDE_SYMMETRIC_MEMORY``."""
 
@@ -104,10 +104,9 @@ class Config:
     (8 MiB), in the call's batch (one memcpy each where batches are off), never
     merged into 2D copies.
     The driver runs such copies on the SMs, and large ones slow a concurrent
-    kernel most: on H200 a single-wave GEMM beside the Llama-3.1-8B unit's own
-    copy ran 2.03x its time alone with one copy, 1.20x with one copy per
-    parameter and 1.06x with 8 MiB pieces ([Note: same-device copies] in the
-    cuda backend's ``copies``). 0 leaves them whole; otherwise a multiple of 64 KiB.
+    kernel most; pieces of this size in one batch slowed it least
+    ([Note: same-device copies] in the cuda backend's ``copies``). 0 leaves them
+    whole; otherwise a multiple of 64 KiB.
     Env: ``TIDE_LOCAL_COPY_MAX``."""
 
     local_copy_kernel_min: int = 64
@@ -115,18 +114,15 @@ class Config:
     own copy, the pull transport's staging, the reduce-scatter's copy out of
     NCCL's buffer across nodes) goes as one copy kernel (``kernels/pack.cu``, on
     a quarter of the SMs) instead of the driver's batch: the driver spends
-    microseconds of host time on each same-device copy (on H200, 1,515 us for
-    393 in one batch), so a unit of many parameters held as separate arrays was
-    bound by that issue. The driver runs such copies on the SMs either way.
+    microseconds of host time on each same-device copy, so a unit of many
+    parameters held as separate arrays was bound by that issue. The driver runs such copies on the SMs either way.
     0: never (TIDE-AG then launches no kernel). Env: ``TIDE_LOCAL_COPY_KERNEL_MIN``."""
 
     copy_batch_max: int = 32
     """The most copies in one batched-copy call (32; 0: any number). A planned
     batch of more goes as several calls in order, so the copy engines start on
-    the first part while the host issues the rest: on 2xH200 the gather plan of a
-    layer of 393 separate parameters (Qwen3-30B-A3B) took 1,722 us with calls of
-    32 against 1,982 us with one call per peer, and its push alone 1,608 us
-    ([Note: issue in parts] in the cuda backend's ``copies``). Env:
+    the first part while the host issues the rest ([Note: issue in parts] in the
+    cuda backend's ``copies``). Env:
     ``TIDE_COPY_BATCH_MAX``."""
 
     debug: bool = False

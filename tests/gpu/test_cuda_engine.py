@@ -196,11 +196,12 @@ def test_copier_many_small_segments(cuda_group, cp, batched, batch_max):
     cp.cuda.runtime.deviceSynchronize()
     copies = tuple((dst.data.ptr + k * 4096 + 1, src.data.ptr + k * 4096 + 1, 4000 - k % 3)
                    for k in range(200))  # unequal sizes: no 2D runs, all in the batch
-    c.copy(be.streams[0].ptr, copies)
+    batch = c.plan(copies)
+    assert len(batch) == 200 and len(batch.runs) == 1
+    c.issue(be.streams[0].ptr, batch.runs[0])
     be.streams[0].synchronize()
     if batched and c.batched:
-        plans = []  # the plan the call made: a miss raises
-        packs = c._plans.get(copies, lambda _: plans.pop())[3]
+        packs = batch.runs[0].packs
         assert [p[-1] for p in packs] == ([200] if not batch_max else
                                           [7] * (200 // 7) + [200 % 7])
     want = cp.zeros_like(src)
@@ -233,11 +234,11 @@ def test_copier_local_copies_cut_and_exact(cuda_group, cp, batched):
                for k in range(4)]
     copies = tuple(copies)
     cp.cuda.runtime.deviceSynchronize()
-    c.copy(be.streams[0].ptr, copies, local=True)
+    batch = c.plan(copies, local=True)
+    (run,) = batch.runs
+    c.issue(be.streams[0].ptr, run)
     be.streams[0].synchronize()
-    plans = []  # the plan the call made, not one made here: a miss raises
-    strided, large, rest, _ = c._local_plans.get(copies, lambda _: plans.pop())
-    assert not c._plans.get(copies, lambda _: None), "planned as copies between devices"
+    strided, large, rest, _ = run
     assert not strided and not large
     assert max(n for _, _, n in rest) <= cap and sum(n for _, _, n in rest) == sum(
         n for _, _, n in copies)
@@ -249,10 +250,10 @@ def test_copier_local_copies_cut_and_exact(cuda_group, cp, batched):
 
 
 def test_copier_many_local_copies_go_as_one_kernel(cuda_group, cp):
-    """A cached tuple of at least ``kernel_min`` same-device copies goes as one copy
+    """A plan's batch of at least ``kernel_min`` same-device copies goes as one copy
     kernel (``pack_bytes``) and lands bitwise into a poisoned buffer, odd sizes and
-    unaligned addresses included, call after call with new data; fewer copies go in
-    the batch."""
+    unaligned addresses included, call after call with new data; fewer copies, or
+    copies of one call, go in the driver's batch."""
     from tidearray.backends.cuda.copies import Copier, _KernelCopy
 
     be = cuda_group.backend.lanes
@@ -266,23 +267,24 @@ def test_copier_many_local_copies_go_as_one_kernel(cuda_group, cp):
         copies.append((dst.data.ptr + at + int(rng.integers(0, 16)), src.data.ptr + at + 5, n))
         at += n + 4096 + 32
     copies = tuple(copies)
-    for _ in range(2):  # the table is uploaded once, the data changes
+    batch = c.plan(copies, local=True)
+    assert isinstance(batch.runs[0], _KernelCopy)
+    for k in range(3):  # the table is uploaded once, the data changes
         src[...] = cp.asarray(rng.integers(0, 256, src.size, dtype=np.uint8))
         dst.fill(0xA5)
         cp.cuda.runtime.deviceSynchronize()
-        c.copy(be.streams[0].ptr, copies, local=True)
+        if k < 2:
+            c.issue(be.streams[0].ptr, batch.runs[0], be.streams[0])
+        else:  # one call's copies: the driver's batch, no kernel table
+            c.copy(be.streams[0].ptr, copies, local=True)
         be.streams[0].synchronize()
         want = cp.full_like(src, 0xA5)
         base_d, base_s = dst.data.ptr, src.data.ptr
         for d, s_, n in copies:
             want[d - base_d: d - base_d + n] = src[s_ - base_s: s_ - base_s + n]
         assert bool((dst == want).all())
-    plans = []  # the plan the call made: a miss raises
-    assert isinstance(c._local_plans.get(copies, lambda _: plans.pop()), _KernelCopy)
-    few = copies[:7]
-    c.copy(be.streams[0].ptr, few, local=True)
-    be.streams[0].synchronize()
-    assert isinstance(c._local_plans.get(few, lambda _: plans.pop()), tuple)
+    assert not isinstance(c.plan(copies, local=True, kernel=False).runs[0], _KernelCopy)
+    assert not isinstance(c.plan(copies[:7], local=True).runs[0], _KernelCopy)
 
 
 def test_capabilities_reported(cuda_group):
@@ -346,7 +348,7 @@ def test_all_gather_launches_no_kernels(cuda_group, cp, tmp_path):
 
 
 def test_repeated_all_gather_follows_its_arrays(cuda_group, cp):
-    """The fingerprint cache (``CudaBackend.fingerprint``): the same list gathered
+    """Eager plans found by their arrays (``CudaBackend.array_key``): the same list gathered
     again, then with one entry replaced in place, then new arrays after the old
     ones died (ids and addresses may be reused), each bitwise against NumPy."""
     g = cuda_group
