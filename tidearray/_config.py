@@ -115,7 +115,8 @@ class Config:
     NCCL's buffer across nodes) goes as one copy kernel (``kernels/pack.cu``, on
     a quarter of the SMs) instead of the driver's batch: the driver spends
     microseconds of host time on each same-device copy, so a unit of many
-    parameters held as separate arrays was bound by that issue. The driver runs such copies on the SMs either way.
+    parameters held as separate arrays was bound by that issue. The driver runs
+    such copies on the SMs either way.
     0: never (TIDE-AG then launches no kernel). Env: ``TIDE_LOCAL_COPY_KERNEL_MIN``."""
 
     copy_batch_max: int = 32
