@@ -142,7 +142,7 @@ def _gather(sm: ShardedModule, u: int, k: int, root: Optional[int], cpu: bool) -
     model, comm = sm.model, sm.group.comm
     spec = model.arena.layout.units[u].specs[k]
     mine = np.ascontiguousarray(_host(_rows(sm, model.params(u), u, k)))
-    if model.world == 1:  # one shard (or comm="local": every rank holds the whole model)
+    if model.world == 1:  # one shard (or a comm over one rank: every rank holds the model)
         full = np.array(mine, copy=True)
     else:
         wanted = root is None or comm.rank == root

@@ -1,6 +1,6 @@
 """Device copies: one batched memcpy per call, or one memcpy per copy.
 
-A separate ``cudaMemcpyAsync`` costs about 3.5 us to issue, which caps a unit of
+A separate ``cudaMemcpyAsync`` costs microseconds to issue, which caps a unit of
 small parameters at a fraction of the link; a batch is one call for any
 number of copies (DESIGN.md, "Measured facts"). Peer addresses are mappings
 of peers' memory (VMM or IPC), so the copies are peer-to-peer over NVLink,
@@ -8,11 +8,11 @@ done by copy engines.
 
 [Note: copy plans]
 A batch is one call, but not free: the driver spends microseconds per entry
-on every call, and the copy engine several more per entry (run 3: 384 pulls
-of 1.5 MiB as one batch moved 195 GB/s; the same rows as one 2D copy, 364 GB/s,
-and 12 us of host time instead of 720). So each batch a collective passes
-is planned once, when its plan is built (a :class:`CudaBatch`, which the plan
-owns: [Note: compiled batches] in ``backends._base``):
+on every call, and the copy engine more per entry; equal rows as one 2D copy
+moved faster and cost the host a small fraction of the same rows as batch
+entries (development record run3). So each batch a collective passes is planned
+once, when its plan is built (a :class:`CudaBatch`, which the plan owns:
+[Note: compiled batches] in ``backends._base``):
 
 * runs of ``STRIDED_MIN_ROWS`` or more equal-sized copies at constant
   strides (``_layout.strided_runs``), rows within one allocation on both sides
@@ -21,54 +21,45 @@ owns: [Note: compiled batches] in ``backends._base``):
 * the rest go in one ``cuMemcpyBatchAsync``, its addresses packed once into
   ``uint64`` arrays and passed through ctypes (``driver``): cuda-python
   converts list arguments element by element on every call. Large copies too:
-  on 2xH200 the Llama-3.1-8B gather's pushes as one batch took 586 us back to
-  back, against 599 us with each large copy alone and pairs of equal ones as
-  2D copies, and the reduce-scatter's 660 against 683 us (quick bench,
-  ``tide_ag`` against ``tide_ag_singles``). ``configure(large_min=...)`` sends
-  large copies alone.
+  sending them alone was no faster (the quick bench's ``tide_ag_singles``).
+  ``configure(large_min=...)`` sends large copies alone.
 
 [Note: same-device copies]
 A copy between two buffers of one device is not done by a copy engine: the
-driver runs it on the SMs. On H200 (driver 580) every same-device copy, one
+driver runs it on the SMs. On H200 every same-device copy, one
 ``cudaMemcpyAsync``, a batch or a 2D copy, waited for a kernel that held every
 SM and ran as soon as it ended, while a host-to-device copy ran beside it; CUPTI
 still reports such copies as memcpys ("Memcpy DtoD"), not as kernels
-(``tests/gpu/hw_bounds.py``). How they are cut decides what they cost a
-concurrent kernel: a single-wave GEMM beside the Llama-3.1-8B unit's own copy
-(218 MB) ran 2.03x as long as alone with it as one copy, 1.20x with its
-per-parameter pieces in one batch, 1.67x with them cut into 8 MiB pieces sent
-as 2D copies, and 1.06x with those pieces in one batch (one H200; the
-development record in docs/benchmarks/run13-bounds). So copies a caller marks
-``local`` are cut into pieces of at most ``Config.local_copy_max`` bytes and go
-in the batch, never as 2D copies.
+(``benchmarks/probes/hw_bounds.py``). How they are cut decides what they cost a
+concurrent kernel: one large copy slowed a single-wave GEMM most, pieces sent as
+2D copies less, and pieces of at most 8 MiB in one batch least (development record
+run13-bounds). So copies a caller marks ``local`` are cut into pieces of at most
+``Config.local_copy_max`` bytes and go in the batch, never as 2D copies.
 
-Each such copy also costs the host microseconds to issue, in a batch or not:
-393 copies of 1 MiB within one H200 took 1,515 us in one batch, the same copies
-from pinned host memory 6 us, and into it 195 us (copy engines; the development
-record in docs/benchmarks/run13-issue). So an own copy of many separate arrays
-(Qwen3-30B-A3B's layer: 393) bound a gather by its issue, not by the link. A
-tuple of at least ``Config.local_copy_kernel_min`` such copies goes instead as
-one launch of ``pack_bytes`` (``kernels/pack.cu``) over a segment table
-uploaded once, on ``ctas`` CTAs (a quarter of the SMs: on H200, 393 copies of
-1.5 MiB in 822 us on 33 CTAs, 1,529 us on 16; run13-issue): the same SM work
-the driver would do, in one launch.
+Each such copy also costs the host microseconds to issue, in a batch or not, far
+more than the same copies from or into pinned host memory (development record
+run13-issue). So an own copy of many separate arrays (Qwen3-30B-A3B's layer: 393)
+bound a gather by its issue, not by the link. A plan's batch of at least
+``Config.local_copy_kernel_min`` such copies goes instead as one launch of
+``pack_bytes`` (``kernels/pack.cu``) over a segment table uploaded once, on
+``ctas`` CTAs (a quarter of the SMs, which ran them about as fast as twice as
+many and twice as fast as half: run13-issue): the same SM work the driver would
+do, in one launch.
 
 Asking for a copy engine does not help: a batch within one GPU with
 ``PREFER_OVERLAP_WITH_COMPUTE`` still waited for a kernel that held every SM, ran
-as long and cost the host as much (H200, driver 580; run13-bounds, run13-issue).
+as long and cost the host as much (run13-bounds, run13-issue).
 
 Copies to and from a peer's memory go over NVLink by copy engine.
 
 [Note: issue in parts]
 A copy to a peer costs the host microseconds per batch entry, and a batch's copies
-started only after the call that issued them returned: on 2xH200 the pushes of
-Qwen3-30B-A3B's layer (393 parameters held apart) took 240 us of host time as one
-batch, and the gather 1,980 us on the device against 1,614 us with the same work
-issued before the stream could start (``tests/gpu/host_profile.py``, run13-issue).
-So a planned batch of more than ``batch_max`` copies goes as several calls, in
-order on the same stream: the copy engines start on the first part while the host
-issues the next. With calls of 32 the same gather took 1,731 us on the device, and
-its plan 1,722 us against 1,982 us in one call per peer (run14-sweeps).
+start only after the call that issued them returns: a gather of many separate
+parameters ran longer on the device than the same work issued before its stream
+could start (``benchmarks/probes/host_profile.py``, run13-issue). So a planned
+batch of more than ``batch_max`` copies goes as several calls, in order on the
+same stream: the copy engines start on the first part while the host issues the
+next, which shortened the gather (run14-sweeps).
 """
 
 from __future__ import annotations

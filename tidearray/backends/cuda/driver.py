@@ -1,9 +1,9 @@
 """Driver entry points on the issue path of every collective, called through ctypes.
 
 cuda-python converts its arguments on every call (a batch's address lists
-element by element, about 2 us per copy); a collective issues tens of these
+element by element, microseconds per copy); a collective issues tens of these
 calls per step. Taking the C entry points with ``cuGetProcAddress`` at a
-fixed ABI version and calling them through ctypes costs about a microsecond
+fixed ABI version and calling them through ctypes costs the same small amount
 per call, whatever the batch length. Everything else stays with cuda-python.
 
 Only the calls are ctypes: the structs they take and the enum and flag values

@@ -4,7 +4,7 @@ Every node-local rank ``cudaMalloc``s the same number of bytes, exports an
 IPC handle (``cudaIpcGetMemHandle``), and the handles are exchanged with one
 ``allgather`` over the node communicator. Each rank then opens every peer's
 handle once (``cudaIpcOpenMemHandle``), at allocation, never per step, since
-an import costs milliseconds (22 ms measured on 2xH200).
+an import costs milliseconds.
 
 Legacy IPC is the fallback of ``Config.symmetric_memory="auto"`` (the
 default prefers VMM, ``vmm``, which peers write faster) and the route
