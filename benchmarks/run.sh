@@ -25,7 +25,8 @@
 #                  shard_module vs the floor)
 #       hf8b, meta70b (benchmarks/steps/hf_models.py: an 8B-shaped HF model trained,
 #                  a 70B-shaped model's deferred init at 4 ranks)
-#       tests      (the harness's and the baselines' tests, benchmarks/tests, at 2 ranks)
+#       tests      (the harness's, the baselines' and the variants' tests, benchmarks/tests,
+#                  at 2 ranks)
 #       ab         (this tree against the one in before/: see below)
 #   TIDE_GPU_TAR=run bash benchmarks/run.sh      # $OUT bundled into $OUT/run.tgz at the end
 #
@@ -91,21 +92,22 @@ run_priority() {  # the interference GEMMs at the default and the highest stream
             --impls tide,stock --workloads units --units llama3.1-8b --out "$OUT/prio/rs-ctas$c"
     done
 }
+narrow_impl() { [ "$1" = narrow ] && echo tide-narrow || echo tide; }
 run_narrow() {  # the narrow accumulate against the default: benchmarks/probes/narrow_probe.py
                 # (one process), then the interference GEMMs (TIDE_NARROW_ROUNDS rounds, 2)
                 # and TIDE-RS with each kernel, launched in turn, at TIDE_NARROW_RANKS ranks (2)
-    local k a n=${TIDE_NARROW_RANKS:-2}
+    local k a n=${TIDE_NARROW_RANKS:-2}  # vector: tide; narrow: tide-narrow (benchmarks/variants)
     step narrow_probe timeout "$T" python3 benchmarks/probes/narrow_probe.py \
         "$OUT/narrow_probe.json"
     for k in $(seq "${TIDE_NARROW_ROUNDS:-2}"); do
         for a in vector narrow; do
-            step "interference_${a}_$k" "${MPI[@]}" -x TIDE_ACCUM_KERNEL="$a" -n "$n" \
-                python3 -m benchmarks interference --impls tide --out "$OUT/narrow/$a-$k"
+            step "interference_${a}_$k" "${MPI[@]}" -n "$n" python3 -m benchmarks \
+                interference --impls "$(narrow_impl "$a")" --out "$OUT/narrow/$a-$k"
         done
     done
     for a in vector narrow; do
-        step "rs_$a" "${MPI[@]}" -x TIDE_ACCUM_KERNEL="$a" -n "$n" python3 -m benchmarks rs \
-            --impls tide,stock --workloads units --out "$OUT/narrow/rs-$a"
+        step "rs_$a" "${MPI[@]}" -n "$n" python3 -m benchmarks rs \
+            --impls "$(narrow_impl "$a")",stock --workloads units --out "$OUT/narrow/rs-$a"
     done
 }
 run_calls() {  # host time of repeated eager calls and of plan calls, and their cProfiles; a

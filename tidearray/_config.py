@@ -11,7 +11,6 @@ from ._errors import TideInvalid
 
 AG_TRANSPORTS = ("pull", "push", "push-batch")
 SYMMETRIC_MEMORY = ("auto", "vmm", "ipc")
-ACCUM_KERNELS = ("vector", "bulk", "narrow")
 #: ``local_copy_max`` is a multiple of this (``_layout.SPLIT_ALIGN``): pieces keep their
 #: copy's vector alignment, and a tiny value cannot make millions of pieces.
 LOCAL_COPY_ALIGN = 1 << 16
@@ -61,22 +60,8 @@ class Config:
     NCCL's CE all-gather). Env: ``TIDE_AG_TRANSPORT``."""
 
     accum_ctas: Optional[int] = None
-    """CTAs of the reduce-scatter's accumulate kernel; None means half the SMs (one
-    per SM for ``accum_kernel="narrow"``). Env: ``TIDE_ACCUM_CTAS``."""
-
-    accum_kernel: str = "vector"
-    """Which accumulate kernel reduces 16-bit gradients into fp32 (cuda):
-    ``"vector"`` (default: ``kernels/accumulate.cu``, streaming loads from every
-    thread, sixteen in flight, and whole-sector stores) or ``"bulk"`` (opt-in:
-    ``kernels/accumulate_bulk.cu``, Hopper bulk async copies stream the sources through
-    shared memory, up to 192 KB in flight per CTA; sm_90 or newer; no faster than the
-    earlier vector kernel on 2xH200) or ``"narrow"`` (opt-in:
-    ``kernels/accumulate_narrow.cu``, the sources streamed by bulk copies into one warp
-    per CTA at 32 registers with 16 KB of shared memory, one CTA per SM: small enough to
-    share every SM with a Hopper GEMM's CTA instead of holding SMs the GEMM waits for;
-    sm_90 or newer; one or two sources, more use the vector kernel). All give the same
-    bits; fp32 sources and casts always use the vector kernels.
-    Env: ``TIDE_ACCUM_KERNEL``."""
+    """CTAs of the reduce-scatter's accumulate kernel; None means half the SMs.
+    Env: ``TIDE_ACCUM_CTAS``."""
 
     ce_split: int = 1
     """Copy-engine streams per peer lane: a copy batch of 8 MiB or more to or from
@@ -164,9 +149,6 @@ class Config:
         if self.ag_transport not in AG_TRANSPORTS:
             raise TideInvalid(f"ag_transport: expected one of {AG_TRANSPORTS}, got "
                               f"{self.ag_transport!r}")
-        if self.accum_kernel not in ACCUM_KERNELS:
-            raise TideInvalid(f"accum_kernel: expected one of {ACCUM_KERNELS}, got "
-                              f"{self.accum_kernel!r}")
         if self.symmetric_memory not in SYMMETRIC_MEMORY:
             raise TideInvalid(f"symmetric_memory: expected one of {SYMMETRIC_MEMORY}, got "
                               f"{self.symmetric_memory!r}")

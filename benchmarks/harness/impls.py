@@ -152,11 +152,12 @@ class TidePull(Tide):
 
 @register
 class TideNarrow(Tide):
-    """TIDE-RS with the narrow accumulate, in the same run as ``tide``."""
+    """TIDE-RS with the narrow accumulate (``benchmarks/variants``), in the same run as
+    ``tide``."""
 
     name = "tide-narrow"
-    description = ("TIDE-RS with accum_kernel='narrow' (one warp per SM: shares every SM "
-                   "with a GEMM's CTAs)")
+    description = ("TIDE-RS with the narrow accumulate variant (one warp per SM: shares "
+                   "every SM with a GEMM's CTAs)")
     backends = ("cuda",)
     ops = ("rs",)
 
@@ -173,12 +174,12 @@ class TideNarrow(Tide):
     def setup(self, data: UnitData) -> Prepared:
         import dataclasses
 
-        from tidearray.backends.cuda.accumulate import Accumulator
+        from benchmarks.variants.accumulate import StreamedAccumulator
 
         prep = super().setup(data)
         lanes = self.ctx.group.backend.lanes
-        narrow = Accumulator(lanes.accumulator.device, lanes.accumulator.sm_count,
-                             self.ctx.group.config.accum_ctas, kernel="narrow")
+        narrow = StreamedAccumulator(lanes.accumulator.device, lanes.accumulator.sm_count,
+                                     self.ctx.group.config.accum_ctas, kernel="narrow")
         # The executor reads lanes.accumulator at each launch.
         rs = _swapped(lanes, "accumulator", narrow, prep.rs)
         return dataclasses.replace(prep, ag=None, ag_out=None, rs=rs, phases={})

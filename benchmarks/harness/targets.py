@@ -251,7 +251,8 @@ def _narrow(res: Results, op: str, unit: str) -> str:
     if r is None or r.get("value") is None:
         return ""
     ex = r.get("extra") or {}
-    return (f"; with accum_kernel='narrow' (tide-narrow, opt-in): {r['value'] * 100:+.1f}%"
+    return (f"; with the narrow accumulate variant (tide-narrow, opt-in): "
+            f"{r['value'] * 100:+.1f}%"
             f"{_pairs(ex)}, TIDE-RS per call {us(ex.get('collective_alone_s'))} us timed alone")
 
 

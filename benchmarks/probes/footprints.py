@@ -26,15 +26,17 @@ from benchmarks.harness import cupti  # noqa: E402
 from benchmarks.harness.device import CudaDevice  # noqa: E402
 from benchmarks.harness.interference import GEMMS  # noqa: E402
 from benchmarks.harness.records import git_commit  # noqa: E402
+from benchmarks.variants import accumulate as variants  # noqa: E402
 from tidearray.backends.cuda import accumulate, copies, kernels  # noqa: E402
 
-#: tidearray's kernels that may run beside a GEMM: (file, kernel, threads, dynamic smem).
-OURS = (("accumulate.cu", "tide_accumulate_bf16", accumulate.BLOCK, 0),
-        ("accumulate_bulk.cu", "tide_accumulate_bf16_bulk", accumulate.BULK_BLOCK,
-         accumulate.BULK_SMEM),
-        ("accumulate_narrow.cu", "tide_accumulate_bf16_narrow", accumulate.NARROW_BLOCK,
-         accumulate.NARROW_SMEM),
-        ("pack.cu", "pack_bytes", copies.KERNEL_THREADS, 0))
+#: tidearray's kernels that may run beside a GEMM, and the accumulate variants of
+#: benchmarks/variants: (file, kernel, threads, dynamic smem, directory or None: kernels/).
+OURS = (("accumulate.cu", "tide_accumulate_bf16", accumulate.BLOCK, 0, None),
+        (variants.STREAMED["bulk"][0], "tide_accumulate_bf16_bulk", variants.BULK_BLOCK,
+         variants.BULK_SMEM, variants.DIR),
+        (variants.STREAMED["narrow"][0], "tide_accumulate_bf16_narrow",
+         variants.NARROW_BLOCK, variants.NARROW_SMEM, variants.DIR),
+        ("pack.cu", "pack_bytes", copies.KERNEL_THREADS, 0, None))
 
 
 def regs_per_cta(registers: int, threads: int) -> int:
@@ -73,8 +75,8 @@ def main() -> None:
         record["gemms"][name] = {key: main_kernel[key] for key in
                                  ("name", "blocks", "threads", "registers", "shared_bytes")}
 
-    for file, kernel, threads, dynamic in OURS:
-        fn = kernels.function(file, kernel, dev.id)
+    for file, kernel, threads, dynamic, path in OURS:
+        fn = kernels.function(file, kernel, dev.id, path)
         record["ours"][kernel] = {"threads": threads, "registers": fn.num_regs,
                                   "shared_bytes": fn.shared_size_bytes + dynamic,
                                   "local_bytes": fn.local_size_bytes}  # spills

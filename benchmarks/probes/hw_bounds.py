@@ -58,6 +58,7 @@ from benchmarks.harness.device import CudaDevice  # noqa: E402
 from benchmarks.harness.records import git_commit  # noqa: E402
 from benchmarks.harness.timing import measure  # noqa: E402
 from benchmarks.harness.workloads import units  # noqa: E402
+from benchmarks.variants.accumulate import StreamedAccumulator  # noqa: E402
 from tests.gpu._copies import FlaggedBatch  # noqa: E402
 from tests.gpu._timing import timed_on  # noqa: E402
 from tidearray._all_gather import build_program  # noqa: E402
@@ -171,7 +172,8 @@ def streaming() -> dict:
     sums = src[0].astype(cp.float32) + src[1].astype(cp.float32)
     rows: dict = {}
     for kernel in ("vector", "bulk"):
-        acc = Accumulator(dev.dev.id, dev.num_sms, kernel=kernel)
+        acc = (Accumulator(dev.dev.id, dev.num_sms) if kernel == "vector"
+               else StreamedAccumulator(dev.dev.id, dev.num_sms, kernel=kernel))
         per = {}
         for g in GRIDS:
             acc.set_grid(g)

@@ -35,15 +35,17 @@ sys.path.insert(0, os.getcwd())
 from benchmarks.harness import interference  # noqa: E402
 from benchmarks.harness.device import CudaDevice  # noqa: E402
 from benchmarks.harness.records import git_commit  # noqa: E402
+from benchmarks.variants.accumulate import (  # noqa: E402
+    NARROW_MAX_SOURCES,
+    NARROW_SMEM,
+    StreamedAccumulator,
+)
+from benchmarks.variants.accumulate import source as variant_source  # noqa: E402
 from tests.gpu._timing import timed_on  # noqa: E402
 from tidearray._dtypes import bfloat16  # noqa: E402
 from tidearray.backends._base import AccumPiece  # noqa: E402
 from tidearray.backends.cuda import kernels  # noqa: E402
-from tidearray.backends.cuda.accumulate import (  # noqa: E402
-    NARROW_MAX_SOURCES,
-    NARROW_SMEM,
-    Accumulator,
-)
+from tidearray.backends.cuda.accumulate import Accumulator, Kernel  # noqa: E402
 
 #: Elements per source: the Llama-3.1-8B unit's shard per rank at two ranks.
 N = 109 * (1 << 20)
@@ -246,12 +248,14 @@ def narrow_kernel(n_src: int, chunk: int, stages: int, unroll: int, bounds: str,
 
 
 def library_kernel(acc: Accumulator, text: str):
-    """The library's narrow kernel compiled from ``text``, installed in ``acc``."""
+    """The narrow variant's kernel compiled from ``text``, installed in ``acc`` for the
+    source counts it takes."""
     mod = cp.RawModule(code=text, options=("--std=c++14",))
     fn = mod.get_function("tide_accumulate_bf16_narrow")
     fn.max_dynamic_shared_size_bytes = NARROW_SMEM
     fn.preferred_shared_memory_carveout = 100
-    acc._kernels[bfloat16, "float32"] = (fn, 32, NARROW_SMEM)
+    for n_src in range(1, NARROW_MAX_SOURCES + 1):
+        acc._kernels[bfloat16, "float32", n_src] = Kernel(fn, 32, NARROW_SMEM, acc.max_grid)
     return fn, mod
 
 
@@ -288,8 +292,8 @@ def main() -> None:
                       lambda vec=vec, pieces=pieces: vec.launch(dev.stream, pieces, bfloat16,
                                                              float(scale))))
         for name, edits in LIBRARY_VARIANTS:
-            acc = Accumulator(dev.dev.id, sms, kernel="narrow")
-            fn, _ = library_kernel(acc, edited(kernels.source("accumulate_narrow.cu"), edits))
+            acc = StreamedAccumulator(dev.dev.id, sms, kernel="narrow")
+            fn, _ = library_kernel(acc, edited(variant_source("narrow"), edits))
             cases.append((f"narrow (library, {name})", acc.max_grid, 32, fn,
                           lambda acc=acc, pieces=pieces: acc.launch(
                               dev.stream, pieces, bfloat16, float(scale))))
@@ -333,9 +337,9 @@ def main() -> None:
                 record["failed"] = True
         counted = []
         if n_src <= NARROW_MAX_SOURCES:  # more go to the vector kernel: nothing to count
-            acc = Accumulator(dev.dev.id, sms, kernel="narrow")
+            acc = StreamedAccumulator(dev.dev.id, sms, kernel="narrow")
             _, mod = library_kernel(acc, _COUNTERS + edited(
-                kernels.source("accumulate_narrow.cu"), TIMED_LIBRARY))
+                variant_source("narrow"), TIMED_LIBRARY))
             counted.append(("library", cycles(mod, partial(
                 acc.launch, dev.stream, pieces, bfloat16, float(scale)))))
         if n_src <= 2:

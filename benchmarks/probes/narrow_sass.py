@@ -38,15 +38,15 @@ def launch() -> None:
     import numpy as np
 
     from benchmarks.probes import narrow_probe as probe
+    from benchmarks.variants.accumulate import StreamedAccumulator
     from tidearray._dtypes import bfloat16
     from tidearray.backends._base import AccumPiece
-    from tidearray.backends.cuda.accumulate import Accumulator
 
     dev, sms = probe.dev, probe.dev.num_sms
     scale = np.float32(0.5)
     srcs, want = probe.sources(2, scale)
     out = cp.full(probe.N, np.nan, cp.float32)
-    acc = Accumulator(dev.dev.id, sms, kernel="narrow")
+    acc = StreamedAccumulator(dev.dev.id, sms, kernel="narrow")
     acc.launch(dev.stream, (AccumPiece(out.data.ptr, tuple(s.data.ptr for s in srcs),
                                        probe.N),), bfloat16, float(scale))
     dev.sync()

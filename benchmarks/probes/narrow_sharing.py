@@ -33,8 +33,8 @@ from benchmarks.probes.narrow_probe import (  # noqa: E402
     GEMM,
     SOURCE,
     AccumPiece,
-    Accumulator,
     N,
+    StreamedAccumulator,
     bfloat16,
     ctx,
     dev,
@@ -42,11 +42,11 @@ from benchmarks.probes.narrow_probe import (  # noqa: E402
     finish,
     git_commit,
     interference,
-    kernels,
     library_kernel,
     narrow_kernel,
     sources,
     timed,
+    variant_source,
 )
 
 _GLOBALS = "__device__ int tide_occ[1024];\n__device__ int tide_peak[1024];\n"
@@ -76,9 +76,8 @@ def main() -> None:
         srcs, want = sources(n_src, scale)
         out = cp.empty(N, cp.float32)
         pieces = (AccumPiece(out.data.ptr, tuple(s.data.ptr for s in srcs), N),)
-        acc = Accumulator(dev.dev.id, sms, kernel="narrow")
-        _, lib_mod = library_kernel(acc, _GLOBALS + edited(
-            kernels.source("accumulate_narrow.cu"), LIBRARY))
+        acc = StreamedAccumulator(dev.dev.id, sms, kernel="narrow")
+        _, lib_mod = library_kernel(acc, _GLOBALS + edited(variant_source("narrow"), LIBRARY))
         cases = [("narrow (library)", lib_mod,
                   partial(acc.launch, dev.stream, pieces, bfloat16, float(scale)))]
         fn, smem, flat_mod = narrow_kernel(n_src, 2048, 2, 2, "__maxnreg__(32)", 1, 0,

@@ -1,10 +1,10 @@
 """The reduce-scatter's accumulate: one kernel launch per chunk, tables built on the host.
 
 :func:`build_table` is pure NumPy (tested on CPU); :class:`Accumulator` uploads
-a table and launches ``kernels/accumulate.cu`` on a lane stream, or, for 16-bit
-sources into fp32 with ``Config.accum_kernel`` ``"bulk"`` or ``"narrow"``,
-``kernels/accumulate_bulk.cu`` or ``kernels/accumulate_narrow.cu`` (the same table and
-arguments, the same bits; sources streamed through shared memory by bulk async copies).
+a table and launches ``kernels/accumulate.cu`` on a lane stream: the library's one
+accumulate. Other kernels that take the same table and arguments and give the same
+bits (the bulk-copy and narrow experiments, ``benchmarks/variants/``) plug in through
+:meth:`Accumulator._select`, in a subclass.
 
 [Note: table lifetime]
 A plan's pieces become an :class:`AccumTable` when the plan is built; its table
@@ -21,11 +21,10 @@ whose inputs are all issued already, so it cannot deadlock against a peer.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ..._config import ACCUM_KERNELS
 from ..._dtypes import normalize
 from .._base import AccumPiece, Batch
 
@@ -38,31 +37,27 @@ TILES_PER_BLOCK = 4
 BLOCK = 512
 #: Table slots in flight (see [Note: table lifetime]).
 RING = 16
-#: Threads per block of the bulk kernel (``THREADS`` in ``kernels/accumulate_bulk.cu``).
-BULK_BLOCK = 256
-#: Dynamic shared memory of the bulk kernel (``SMEM_BYTES`` there): 6 stages of two
-#: 16 KB source slots, then an 8-byte mbarrier per stage. The kernel traps on less.
-BULK_SMEM = 6 * 2 * 16384 + 6 * 8
-#: The narrow kernel's (``kernels/accumulate_narrow.cu``): one warp, two stages of
-#: 8 KB, then 512 bytes for the mbarriers, the stages' items and the walk's cursor.
-NARROW_BLOCK = 32
-NARROW_SMEM = 2 * 8192 + 512
-#: Sources the narrow kernel takes (one rank's or two); a launch with more uses the
-#: vector kernel. With four or eight, each source's part of an 8 KB stage is 2 or 1 KB,
-#: and on one H200 the narrow kernel streamed at 0.58 and 0.29 elements per ns per SM,
-#: against the vector kernel's 1.9 and 1.1 (``tests/gpu/narrow_probe.py``).
-NARROW_MAX_SOURCES = 2
-#: Per streaming kernel: its file, block and dynamic shared memory.
-STREAMED = {"bulk": ("accumulate_bulk.cu", BULK_BLOCK, BULK_SMEM),
-            "narrow": ("accumulate_narrow.cu", NARROW_BLOCK, NARROW_SMEM)}
-#: Streaming kernel name per 16-bit source dtype (then ``_bulk`` or ``_narrow``); fp32 out.
-STREAMED_KERNELS = {"bfloat16": "tide_accumulate_bf16", "float16": "tide_accumulate_fp16"}
 #: Kernel name per (source dtype, output dtype).
 KERNELS = {("bfloat16", "float32"): "tide_accumulate_bf16",
            ("float16", "float32"): "tide_accumulate_fp16",
            ("float32", "float32"): "tide_accumulate_fp32",
            ("float32", "bfloat16"): "tide_cast_bf16",
            ("float32", "float16"): "tide_cast_fp16"}
+
+
+class Kernel(NamedTuple):
+    """One accumulate kernel, as :meth:`Accumulator.launch` launches it."""
+
+    fn: Any
+    """The ``cupy.RawKernel``: arguments and table as ``tide_accumulate_*`` in
+    ``kernels/accumulate.cu``."""
+    block: int
+    """Threads per block."""
+    smem: int
+    """Dynamic shared memory per block, in bytes."""
+    grid: int
+    """Grid cap: a launch takes ``min(tiles, grid)`` blocks, and its tiles are sized
+    for about ``TILES_PER_BLOCK * grid`` (:func:`choose_tile`)."""
 
 
 def choose_tile(total: int, max_grid: int) -> int:
@@ -127,7 +122,7 @@ class AccumTable(Batch):
     in stream order ([Note: table lifetime])."""
 
     def __init__(self, table: np.ndarray, n_tiles: int, tile: int, n_pieces: int,
-                 n_srcs: int, kernel: tuple, grid: int) -> None:
+                 n_srcs: int, kernel: Kernel, grid: int) -> None:
         self.table, self.n_tiles, self.tile = table, n_tiles, tile
         self.n_pieces, self.n_srcs = n_pieces, n_srcs
         self.kernel, self.grid = kernel, grid
@@ -152,24 +147,20 @@ class Accumulator:
     Args:
         device: the CUDA device id.
         sm_count: multiprocessors.
-        ctas: grid cap (``Config.accum_ctas``); None means half the SMs (one CTA per
-            SM for ``"narrow"``). The accumulate of chunk k runs while chunk k+1 is
-            still on the copy engines, so it needs to keep pace with them, not to
-            fill the GPU: a small grid leaves the other SMs to concurrent compute.
-        kernel: ``"vector"`` (``kernels/accumulate.cu``), ``"bulk"``
-            (``kernels/accumulate_bulk.cu``) or ``"narrow"``
-            (``kernels/accumulate_narrow.cu``); the last two for 16-bit sources into
-            fp32, other dtype pairs keep the vector kernels, and so do narrow
-            launches of more than :data:`NARROW_MAX_SOURCES` sources. See
-            ``Config.accum_kernel``.
+        ctas: grid cap (``Config.accum_ctas``); None means half the SMs. The
+            accumulate of chunk k runs while chunk k+1 is still on the copy engines,
+            so it needs to keep pace with them, not to fill the GPU: a small grid
+            leaves the other SMs to concurrent compute.
+
+    The kernel of a launch is :meth:`_select`'s for its dtypes and source count:
+    ``kernels/accumulate.cu`` here. A subclass may override it to launch another
+    kernel that takes the same table and arguments and gives the same bits
+    (``benchmarks/variants/accumulate.py``).
     """
 
-    def __init__(self, device: int, sm_count: int, ctas: Optional[int] = None,
-                 kernel: str = "vector") -> None:
-        assert kernel in ACCUM_KERNELS, kernel  # Config.check refuses others
+    def __init__(self, device: int, sm_count: int, ctas: Optional[int] = None) -> None:
         self.device = device
         self.sm_count = sm_count
-        self.kernel = kernel
         self._ring = [_Slot() for _ in range(RING)]
         self._next = 0
         self._kernels: dict = {}
@@ -177,29 +168,25 @@ class Accumulator:
 
     def set_grid(self, ctas: Optional[int]) -> None:
         """Cap the grid at ``ctas`` (None: the default), for tables made from now on.
-        ``max_grid`` is the configured kernel's cap, ``vector_grid`` that of launches
-        the vector kernel takes instead (other dtypes, too many sources)."""
-        self.max_grid = self._grid(ctas, self.kernel)
-        self.vector_grid = self._grid(ctas, "vector")
+        ``max_grid`` is the vector kernel's cap."""
+        self.ctas = ctas
+        self._kernels.clear()  # each Kernel holds its grid cap
+        self.max_grid = self._cap(self.sm_count // 2)
 
-    def _grid(self, ctas: Optional[int], kernel: str) -> int:
-        """The grid cap: ``ctas``, else one narrow CTA per SM or half the SMs."""
-        if ctas:
-            return max(1, ctas)
-        return self.sm_count if kernel == "narrow" else max(1, self.sm_count // 2)
+    def _cap(self, default: int) -> int:
+        """The grid cap: ``ctas`` where set, else ``default`` (at least 1)."""
+        return max(1, self.ctas) if self.ctas else max(1, default)
 
     def table(self, pieces: Sequence[AccumPiece], src_dtype: Any,
               out_dtype: Any = "float32") -> AccumTable:
         """A plan's non-empty ``pieces`` (all with as many sources), tiled and with
         their kernel chosen, for :meth:`launch` call after call."""
-        key = (src_dtype, out_dtype)
-        if self.kernel == "narrow" and len(pieces[0].srcs) > NARROW_MAX_SOURCES:
-            key += ("vector",)  # more sources than the narrow kernel takes
-        kernel = self._kernel(*key)
-        tile = choose_tile(sum(p.numel for p in pieces), self.max_grid)
+        n_srcs = len(pieces[0].srcs)
+        kernel = self._kernel(src_dtype, out_dtype, n_srcs)
+        tile = choose_tile(sum(p.numel for p in pieces), kernel.grid)
         table, n_tiles = build_table(pieces, tile)
-        grid = min(n_tiles, self.max_grid if kernel[1] == NARROW_BLOCK else self.vector_grid)
-        return AccumTable(table, n_tiles, tile, len(pieces), len(pieces[0].srcs), kernel, grid)
+        return AccumTable(table, n_tiles, tile, len(pieces), n_srcs, kernel,
+                          min(n_tiles, kernel.grid))
 
     def launch(self, stream: Any, pieces: Any, src_dtype: Any, scale: float,
                out_dtype: Any = "float32") -> None:
@@ -218,12 +205,12 @@ class Accumulator:
         else:
             t = self.table(pieces, src_dtype, out_dtype)
             dev, event = self._upload(stream, t.table)
-        kernel, block, smem = t.kernel
+        k = t.kernel
         with stream:
-            kernel((t.grid,), (block,), (dev, np.int32(t.n_pieces), np.int32(t.n_srcs),
+            k.fn((t.grid,), (k.block,), (dev, np.int32(t.n_pieces), np.int32(t.n_srcs),
                                          np.int64(t.n_tiles), np.int64(t.tile),
                                          np.float32(scale), np.int32(np.float32(scale) != 1)),
-                   shared_mem=smem)
+                   shared_mem=k.smem)
         event.record(stream)
 
     def _upload(self, stream: Any, table: np.ndarray) -> tuple:
@@ -240,32 +227,36 @@ class Accumulator:
             slot.event = cupy.cuda.Event(block=False, disable_timing=True)
         return slot.dev, slot.event
 
-    def _kernel(self, src_dtype: Any, out_dtype: Any,
-                which: Optional[str] = None) -> tuple[Any, int, int]:
-        """The RawKernel for (source, output) dtypes, its block and its dynamic shared
-        memory in bytes; kept under the dtypes as given too (when hashable). ``which``
-        names a kernel other than the configured one (kept under its name, after the
-        dtypes)."""
-        src, out = normalize(src_dtype).name, normalize(out_dtype).name
-        which = which or self.kernel
-        key = (src, out) if which == self.kernel else (src, out, which)
+    def _kernel(self, src_dtype: Any, out_dtype: Any, n_srcs: int) -> Kernel:
+        """:meth:`_select`'s kernel, kept under the normalized dtypes and under the
+        dtypes as given too (when hashable), so the next launch normalizes nothing."""
+        given = (src_dtype, out_dtype, n_srcs)
+        try:
+            return self._kernels[given]
+        except (KeyError, TypeError):
+            pass
+        key = (normalize(src_dtype).name, normalize(out_dtype).name, n_srcs)
         if key not in self._kernels:
-            from . import kernels as _kernels
-
-            if which in STREAMED and out == "float32" and src in STREAMED_KERNELS:
-                file, block, smem = STREAMED[which]
-                fn = _kernels.function(file, f"{STREAMED_KERNELS[src]}_{which}", self.device)
-                fn.max_dynamic_shared_size_bytes = smem  # the bulk kernel's is above 48 KB
-                # As much shared memory as the SM has (the split is set per SM, while
-                # idle): a GEMM's CTA then fits beside a narrow one.
-                fn.preferred_shared_memory_carveout = 100
-                self._kernels[key] = (fn, block, smem)
-            else:
-                fn = _kernels.function("accumulate.cu", KERNELS[src, out], self.device)
-                self._kernels[key] = (fn, BLOCK, 0)
+            self._kernels[key] = self._select(*key)
         found = self._kernels[key]
         try:
-            self._kernels[(src_dtype, out_dtype) + key[2:]] = found
+            self._kernels[given] = found
         except TypeError:  # an unhashable spelling: normalized every time
             pass
         return found
+
+    def _select(self, src: str, out: str, n_srcs: int) -> Kernel:
+        """The seam: the kernel for ``n_srcs`` sources of dtype ``src`` into ``out``
+        (normalized names, e.g. ``"bfloat16"``, ``"float32"``); called once per such
+        triple and kept. Here :meth:`_vector`'s. An override returns a :class:`Kernel`
+        that walks :func:`build_table`'s table with the arguments of ``launch`` and
+        gives the same bits, and returns ``super()._select(...)`` for what it does not
+        take. :meth:`set_grid` forgets the choices (their grid caps change)."""
+        return self._vector(src, out)
+
+    def _vector(self, src: str, out: str) -> Kernel:
+        """``kernels/accumulate.cu``'s kernel for (``src``, ``out``), on half the SMs."""
+        from . import kernels as _kernels
+
+        return Kernel(_kernels.function("accumulate.cu", KERNELS[src, out], self.device),
+                      BLOCK, 0, self.max_grid)

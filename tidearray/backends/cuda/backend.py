@@ -33,7 +33,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..._dtypes import float32, normalize
-from ..._errors import TideBackendError, TideInvalid, agree, fail_together
+from ..._errors import TideBackendError, TideInvalid, fail_together
 from ..._layout import Copy, shared_devices
 from .._base import (
     AccumPiece,
@@ -43,7 +43,7 @@ from .._base import (
     TupleBatch,
     check_accumulate,
 )
-from .accumulate import STREAMED, Accumulator
+from .accumulate import Accumulator
 from .copies import Copier, CudaBatch
 from .executor import CudaExecutor, Lanes
 from .flags import FlagOps
@@ -153,9 +153,7 @@ class CudaBackend(Backend):
         self.xp = cupy
         local = physical_local_rank(self.group.comm)  # collective: before anything can fail
         with fail_together(self.group.comm, "cuda backend setup failed"):
-            refusal = self._setup_device(local)
-        # A setting the device cannot honour is the caller's error, on every rank.
-        agree(self.group.comm, refusal, "accum_kernel", TideInvalid)
+            self._setup_device(local)
         self.capabilities["symmetric memory"] = self._choose_memory()
         if self.group.topology.num_nodes > 1:
             self._check_nccl_layout()
@@ -183,9 +181,8 @@ class CudaBackend(Backend):
                 f"{places[a][2]} of {places[a][1]} ({len(pairs)} such pair(s)); use fewer "
                 "ranks per GPU, or a local_size that keeps emulated nodes on their own GPUs")
 
-    def _setup_device(self, local_rank: int) -> Optional[str]:
-        """Pick the device and build the lanes; returns why the settings cannot be
-        honoured on this device, or None."""
+    def _setup_device(self, local_rank: int) -> None:
+        """Pick the device and build the lanes."""
         import cupy
 
         # The host's rank, not the emulated topology's: TIDE_LOCAL_SIZE=1 must not
@@ -202,11 +199,6 @@ class CudaBackend(Backend):
         split = config.ce_split
         props = cupy.cuda.runtime.getDeviceProperties(self.device)
         sms = props["multiProcessorCount"]
-        refusal = None
-        if config.accum_kernel in STREAMED and props["major"] < 9:  # cp.async.bulk: sm_90
-            refusal = (f"expected a device of compute capability 9.0 or newer for "
-                       f"{config.accum_kernel!r}, got {props['major']}.{props['minor']} on "
-                       f"cuda:{self.device}")
 
         def stream() -> Any:
             return cupy.cuda.Stream(non_blocking=True)
@@ -221,8 +213,7 @@ class CudaBackend(Backend):
                                             config.local_copy_kernel_min, self.device,
                                             max(1, sms // 4), config.copy_batch_max),
             flags=FlagOps(self.device),
-            accumulator=Accumulator(self.device, sms, config.accum_ctas,
-                                    kernel=config.accum_kernel),
+            accumulator=Accumulator(self.device, sms, config.accum_ctas),
             watchdog=Watchdog(self.device, config.timeout), retire=self.retire)
         probe_stream = lanes.streams[-1]
         self.capabilities = {
@@ -232,12 +223,7 @@ class CudaBackend(Backend):
             "NCCL put/signal": put_signal_capability(),
             "split pushes": (split > 1, f"{split} copy-engine stream(s) per peer push "
                              "(TIDE_CE_SPLIT)"),
-            "bulk accumulate": (config.accum_kernel in STREAMED,
-                                "16-bit sources into fp32 by kernels/"
-                                + STREAMED.get(config.accum_kernel, STREAMED["bulk"])[0]
-                                + ", else kernels/accumulate.cu (TIDE_ACCUM_KERNEL)"),
         }
-        return refusal
 
     def _choose_memory(self) -> tuple[bool, str]:
         """The symmetric-memory route (``Config.symmetric_memory``). Collective over the node.

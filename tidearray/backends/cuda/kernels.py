@@ -8,6 +8,10 @@ file once (CuPy also caches the binary on disk across processes).
 
 A line ``#include "name.cuh"`` is replaced by that file's text (once per
 source), so shared device helpers need no include path, installed or not.
+
+``path=`` names another directory to read a source (and headers) from first, e.g.
+``benchmarks/variants/``: kernels kept outside the library, which may include the
+library's headers.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -28,12 +32,13 @@ PACK_CVT_TILE = 32768
 _INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"[ \t]*$', re.M)
 
 
-def source(name: str) -> str:
-    """The text of ``kernels/<name>``, with its ``#include "x.cuh"`` lines inlined.
+def source(name: str, path: Optional[Path] = None) -> str:
+    """The text of ``kernels/<name>`` (``<path>/<name>`` where ``path`` is given), with
+    its ``#include "x.cuh"`` lines inlined (each read from ``path`` first, then from
+    ``kernels/``).
 
     Raises:
-        TideBackendError: the file (or a header) is neither package data nor
-            in the checkout.
+        TideBackendError: the file (or a header) is in none of those places.
     """
     seen: set[str] = set()
 
@@ -42,46 +47,52 @@ def source(name: str) -> str:
         if header in seen:  # #pragma once, for a text include
             return ""
         seen.add(header)
-        return _INCLUDE.sub(inline, _read(header))
+        return _INCLUDE.sub(inline, _read(header, path))
 
-    return _INCLUDE.sub(inline, _read(name))
+    return _INCLUDE.sub(inline, _read(name, path))
 
 
-def _read(name: str) -> str:
+def _read(name: str, path: Optional[Path] = None) -> str:
+    if path is not None and (Path(path) / name).is_file():
+        return (Path(path) / name).read_text()
     try:
         from importlib import resources
 
-        path = resources.files("tidearray.kernels").joinpath(name)
-        if path.is_file():
-            return path.read_text()
+        found = resources.files("tidearray.kernels").joinpath(name)
+        if found.is_file():
+            return found.read_text()
     except (ImportError, ModuleNotFoundError, OSError, TypeError):
         pass  # not installed as a package: try the checkout below
     local = Path(__file__).resolve().parents[3] / "kernels" / name
     if local.is_file():
         return local.read_text()
-    raise TideBackendError(f"kernel source {name!r}: expected it in the package "
-                           f"tidearray.kernels or at {local}, found neither")
+    where = f"{path}, " if path is not None else ""
+    raise TideBackendError(f"kernel source {name!r}: expected it in {where}the package "
+                           f"tidearray.kernels or at {local}, found none")
 
 
 @functools.cache
-def module(name: str, device: int) -> Any:
-    """``cupy.RawModule`` of ``kernels/<name>``, compiled for ``device`` (cached).
+def module(name: str, device: int, path: Optional[Path] = None) -> Any:
+    """``cupy.RawModule`` of ``kernels/<name>`` (or ``<path>/<name>``), compiled for
+    ``device`` (cached).
 
     ``device`` only keys the cache: CuPy compiles for the current device.
     """
     import cupy
 
     try:
-        mod = cupy.RawModule(code=source(name), options=("--std=c++14",))
+        mod = cupy.RawModule(code=source(name, path), options=("--std=c++14",))
         mod.compile()
     except Exception as e:  # CompileException, CUDADriverError: wrap with the file name
-        raise TideBackendError(f"compiling kernels/{name} failed: {e}") from e
+        where = f"{path}/" if path is not None else "kernels/"
+        raise TideBackendError(f"compiling {where}{name} failed: {e}") from e
     return mod
 
 
-def function(name: str, kernel: str, device: int) -> Any:
-    """The ``cupy.RawKernel`` called ``kernel`` in ``kernels/<name>``."""
-    return module(name, device).get_function(kernel)
+def function(name: str, kernel: str, device: int, path: Optional[Path] = None) -> Any:
+    """The ``cupy.RawKernel`` called ``kernel`` in ``kernels/<name>`` (or
+    ``<path>/<name>``)."""
+    return module(name, device, path).get_function(kernel)
 
 
 def pack_table(segs: list, tile: int) -> tuple[np.ndarray, int]:

@@ -1,5 +1,5 @@
-// Opt-in accumulate for bf16 / fp16 sources and fp32 out (Config.accum_kernel =
-// "narrow"): one warp per CTA at most 32 registers per thread, 16 KB of stages,
+// A variant accumulate for bf16 / fp16 sources and fp32 out (StreamedAccumulator
+// kernel="narrow", benchmarks/variants/accumulate.py): one warp per CTA at most 32 registers per thread, 16 KB of stages,
 // one CTA per SM, one or two sources (the host sends more to accumulate.cu). It
 // takes the arguments and the table of tide_accumulate_bf16 / fp16 in
 // accumulate.cu and does the same arithmetic in the same order, so the results
@@ -7,12 +7,12 @@
 //
 // Why: a Hopper GEMM's CTA takes nearly a whole SM. The interference suite's
 // cuBLAS kernels run 384 threads at 168 registers (64,512 of the SM's 65,536)
-// with 184-208 KB of shared memory (tests/gpu/footprints.py), so no CTA of the
+// with 184-208 KB of shared memory (benchmarks/probes/footprints.py), so no CTA of the
 // vector or bulk kernel fits beside one: while those hold an SM, a GEMM's CTA
 // waits for it. What a GEMM's CTA leaves is 1,024 registers and about 19 KB of
 // shared memory: one warp at 32 registers, and this kernel's footprint. The
 // bytes in flight are the bulk copies', which need no registers, and each
-// stage's 8 KB is one bulk copy per source (tests/gpu/narrow_probe.py: stages
+// stage's 8 KB is one bulk copy per source (benchmarks/probes/narrow_probe.py: stages
 // of 2 KB took 1.55 times as long as stages of 8 KB).
 //
 // Work: CTA b takes the contiguous tiles [b * T / G, (b + 1) * T / G) and walks
@@ -38,7 +38,7 @@
 #include "accumulate_common.cuh"
 #include "bulk_copy.cuh"
 
-// Accumulator's NARROW_BLOCK, NARROW_SMEM and NARROW_MAX_SOURCES (checked at entry).
+// NARROW_BLOCK, NARROW_SMEM and NARROW_MAX_SOURCES in accumulate.py (checked at entry).
 #define THREADS 32
 #define STAGES 2
 #define STAGE_BYTES 8192

@@ -1,5 +1,5 @@
-// Opt-in accumulate for bf16 / fp16 sources and fp32 out (Config.accum_kernel
-// = "bulk"). It takes the arguments and the table of tide_accumulate_bf16 /
+// A variant accumulate for bf16 / fp16 sources and fp32 out (StreamedAccumulator
+// kernel="bulk", benchmarks/variants/accumulate.py). It takes the arguments and the table of tide_accumulate_bf16 /
 // fp16 in accumulate.cu and does the same arithmetic in the same order, so the
 // results are bitwise the same; only the way the sources reach the SM differs.
 //
@@ -36,7 +36,7 @@
 #include "accumulate_common.cuh"
 #include "bulk_copy.cuh"
 
-// Threads per block: Accumulator's BULK_BLOCK (checked at entry).
+// Threads per block: BULK_BLOCK in accumulate.py (checked at entry).
 #define THREADS 256
 // Elements per source per stage (16 KB). Tiles are multiples of 8192
 // elements, so only a piece's last sub-chunk is ever short; six stages of
@@ -50,7 +50,7 @@
 #define SRC_BYTES (2 * CHUNK)  // one source's slot in a stage
 #define DATA_BYTES (STAGES * GROUP * SRC_BYTES)
 // Dynamic shared memory: the stages, then one 8-byte mbarrier per stage.
-// Accumulator's BULK_SMEM (checked at entry).
+// BULK_SMEM in accumulate.py (checked at entry).
 #define SMEM_BYTES (DATA_BYTES + 8 * STAGES)
 // 4-element units of a sub-chunk per thread: unit u is elements [4u, 4u + 4).
 #define UNITS (CHUNK / 4 / THREADS)
