@@ -7,13 +7,14 @@ copies (sm_90 or newer) and write fp32. They live here, not in the library, beca
 neither has a measured reason to be a user's choice:
 
 - ``"bulk"`` (``accumulate_bulk.cu``): up to 192 KB in flight per CTA; no faster than
-  the earlier vector kernel on 2xH200 (``docs/benchmarks/run10-accum``), and its CTA's
+  the earlier vector kernel on 2xH200 (run 10: ``docs/benchmarks/run10-accum`` in git
+  history), and its CTA's
   shared memory keeps anything else that needs some off its SM.
 - ``"narrow"`` (``accumulate_narrow.cu``): one warp per CTA at 32 registers with 16 KB
   of shared memory, one CTA per SM, small enough to share every SM with a Hopper
   GEMM's CTA; one or two sources (more take the vector kernel). On one H200 a
   single-wave GEMM beside it ran within 3% of alone in most pairs, but it streams two
-  sources at about 0.6 of the vector kernel's rate (``docs/benchmarks/run16-one-h200``);
+  sources at about 0.6 of the vector kernel's rate (``benchmarks/results/run16-one-h200``);
   not measured between two GPUs.
 
 :class:`StreamedAccumulator` is the library's ``Accumulator`` with its ``_select`` seam
