@@ -8,8 +8,7 @@ neither has a measured reason to be a user's choice:
 
 - ``"bulk"`` (``accumulate_bulk.cu``): up to 192 KB in flight per CTA; no faster than
   the earlier vector kernel on 2xH200 (run 10: ``docs/benchmarks/run10-accum`` in git
-  history), and its CTA's
-  shared memory keeps anything else that needs some off its SM.
+  history), and its CTA's shared memory keeps anything else that needs some off its SM.
 - ``"narrow"`` (``accumulate_narrow.cu``): one warp per CTA at 32 registers with 16 KB
   of shared memory, one CTA per SM, small enough to share every SM with a Hopper
   GEMM's CTA; one or two sources (more take the vector kernel). On one H200 a
