@@ -1,0 +1,629 @@
+"""docs/performance.md, its plots and the README's summary, from benchmarks/results/.
+
+Run from the repository root::
+
+    python -m benchmarks.performance            # write the page, the plots, the README block
+    python -m benchmarks.performance --check    # exit 1 if the page or the block is stale
+
+(``python benchmarks/performance.py`` works the same.) Every figure on the page is read
+from the records of one run folder, ``benchmarks/results/<run>/``, whose ``run.json``
+names its commit, machine kind and command. The same records give byte-identical
+markdown; ``--check`` compares the markdown only and needs nothing beyond the standard
+library, while writing the plots needs matplotlib. A test
+(``tests/test_performance.py``) fails when the page or the block is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = "benchmarks/results"
+PAGE = "docs/performance.md"
+README = "README.md"
+BEGIN = "<!-- performance:begin -->"
+END = "<!-- performance:end -->"
+COMMAND = "python -m benchmarks.performance"
+GEMM = "gemm-1024x2048x16384"
+UNIT = "llama3.1-8b"
+QWEN = "qwen3-30b-a3b"
+GIB = 2 ** 30
+#: The plots the generator writes (paths from the repository root), and the only
+#: images under benchmarks/results/ that a doc may embed.
+PLOTS = ("benchmarks/results/run14/collectives.png", "benchmarks/results/run12-fsdp2/steps.png")
+MACHINES = {
+    "nvidia-h200-x2": "2 NVIDIA H200 joined by NVLink, one process per GPU",
+    "nvidia-h200": "one NVIDIA H200; ranks share it where there are several, so no timing "
+                   "between ranks comes from it",
+}
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One row of the page: what is measured, the goal, the value, and whether it is met."""
+
+    what: str
+    goal: str
+    measured: str
+    met: Optional[bool] = None  # None: no pass/fail goal (a reference figure)
+
+
+@dataclass(frozen=True)
+class Section:
+    """The figures of one run folder, with its heading and optional plot."""
+
+    run: str
+    title: str
+    about: str
+    figures: tuple[Figure, ...]
+    plot: Optional[str] = None
+
+
+# ---- reading the records -------------------------------------------------------------
+
+
+class Run:
+    """One folder of benchmarks/results: its run.json and its records files."""
+
+    def __init__(self, root: str, name: str) -> None:
+        self.name = name
+        self.path = os.path.join(root, RESULTS, name)
+        with open(os.path.join(self.path, "run.json")) as f:
+            self.meta = json.load(f)
+
+    def json(self, name: str) -> dict:
+        with open(os.path.join(self.path, name)) as f:
+            return json.load(f)
+
+    def bench(self, name: str) -> dict:
+        """A bench records file as {(suite, impl, workload, metric): record}, ok only."""
+        out = {}
+        with open(os.path.join(self.path, name)) as f:
+            for line in f:
+                r = json.loads(line)
+                if r.get("status") == "ok" and r["suite"] != "run":
+                    out[(r["suite"], r["impl"], r["workload"], r["metric"])] = r
+        return out
+
+    def launches(self, names: list[str]) -> list[dict]:
+        return [self.bench(n) for n in names]
+
+
+def value(recs: dict, suite: str, impl: str, metric: str, w: str = UNIT) -> Optional[float]:
+    r = recs.get((suite, impl, w, metric))
+    return None if r is None else r.get("value")
+
+
+def extra(recs: dict, suite: str, impl: str, metric: str, w: str = UNIT) -> dict:
+    r = recs.get((suite, impl, w, metric))
+    return {} if r is None else (r.get("extra") or {})
+
+
+def over(launches: list[dict], suite: str, impl: str, metric: str,
+         w: str = UNIT) -> list[float]:
+    return [v for v in (value(L, suite, impl, metric, w) for L in launches) if v is not None]
+
+
+# ---- formatting ----------------------------------------------------------------------
+
+
+def us(s: float) -> str:
+    return f"{s * 1e6:,.0f} us"
+
+
+def ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms"
+
+
+def x(r: float, digits: int = 2) -> str:
+    return f"{r:.{digits}f}x"
+
+
+def pct(f: float) -> str:
+    return f"{f * 100:+.1f}%"
+
+
+def gib(b: float) -> str:
+    return f"{b / GIB:.2f} GiB"
+
+
+def spread(vals: list[float], fmt: Callable[[float], str]) -> str:
+    """Median [min, max] over launches, and how many."""
+    return (f"{fmt(statistics.median(vals))} [{fmt(min(vals))}, {fmt(max(vals))}], "
+            f"{len(vals)} launches")
+
+
+def faster(what: str, goal: float, t: float, base: float, base_name: str) -> Figure:
+    r = base / t
+    return Figure(what, f">= {goal:g}x", f"{x(r)} ({us(t)} against {base_name} {us(base)})",
+                  r >= goal)
+
+
+# ---- 2xH200: the collectives (run14) -------------------------------------------------
+
+
+def collectives(run: Run) -> tuple[Figure, ...]:
+    R = run.bench("records.jsonl")
+
+    def t(suite: str, impl: str, w: str = UNIT) -> float:
+        return value(R, suite, impl, "time", w)
+
+    push, ce = value(R, "ag", "tide", "phase:peer_copy"), value(R, "ag", "symm", "phase:collective")
+    sm = extra(R, "ag", "tide", "sm_time_cupti")
+    n_sm = sm.get("kernel_launches", 0) + sm.get("same_device_copies", 0)
+    bw = value(R, "ag", "tide", "bandwidth")
+    figs = [
+        faster("TIDE-AG faster than `stock` (FSDP2's path: copy-in, NCCL all-gather, copy-out)",
+               1.5, t("ag", "tide"), t("ag", "stock"), "stock"),
+        faster("TIDE-AG faster than `symm` (NCCL's copy-engine all-gather, with copy-in/out)",
+               1.2, t("ag", "tide"), t("ag", "symm"), "symm"),
+        faster("TIDE-AG faster than FSDP2's own unit (`fsdp2`)", 1.0, t("ag", "tide"),
+               t("ag", "fsdp2"), "fsdp2"),
+        faster("TIDE-AG within 3% of its own push timed alone (the copy-engine bound)",
+               round(1 / 1.03, 3), t("ag", "tide"), push, "the push"),
+        faster("TIDE-AG as a plan (`tide-plan`) within 3% of the push", round(1 / 1.03, 3),
+               t("ag", "tide-plan"), push, "the push"),
+        faster("TIDE-AG faster than NCCL's copy-engine all-gather in place", 1.0,
+               t("ag", "tide"), ce, "NCCL CE"),
+        Figure("TIDE-AG bandwidth per rank, one call", ">= 350 GB/s",
+               f"{bw:.0f} GB/s", bw >= 350),
+        Figure("TIDE-AG work on the SMs (CUPTI)", "none",
+               f"{sm.get('kernel_launches', 0):g} kernels, {sm.get('same_device_copies', 0):g} "
+               f"same-device copies ({sm.get('same_device_copy_us', 0):.0f} us, run by the "
+               "driver on the SMs) per call", n_sm == 0),
+        faster("TIDE-RS (bf16 in, fp32 out) faster than `stock` (fp32 pack, NCCL fp32 RS)",
+               2.0, t("rs", "tide"), t("rs", "stock"), "stock"),
+        faster("TIDE-RS faster than FSDP2's own unit (`fsdp2`)", 1.0, t("rs", "tide"),
+               t("rs", "fsdp2"), "fsdp2"),
+        faster("TIDE-RS faster than a Megatron-style bf16 all-to-all + fp32 accumulate",
+               1.0, t("rs", "tide"), t("rs", "nccl-a2a"), "nccl-a2a"),
+    ]
+    sm_t, sm_s = value(R, "rs", "tide", "sm_time_cupti"), value(R, "rs", "stock", "sm_time_cupti")
+    err, err_s = value(R, "rs", "tide", "rs_error"), value(R, "rs", "stock", "rs_error")
+    figs += [
+        Figure("TIDE-RS SM time 12.5x below `stock`'s (CUPTI)", ">= 12.5x",
+               f"{x(sm_s / sm_t)} ({us(sm_t)} against {us(sm_s)})", sm_s / sm_t >= 12.5),
+        Figure("TIDE-RS error against fp64 (normwise), as fp32 NCCL's", "<= 1e-05",
+               f"{err:.1e} (`stock`: {err_s:.1e})", err <= 1e-5),
+    ]
+    return tuple(figs + interference(R) + memory(R) + qwen(R))
+
+
+def interference(R: dict) -> list[Figure]:
+    out = []
+    for op in ("ag", "rs"):
+        v = value(R, "interference", "tide", f"{op}:{GEMM}")
+        s = value(R, "interference", "stock", f"{op}:{GEMM}")
+        out.append(Figure(f"A single-wave GEMM ({GEMM}) beside TIDE-{op.upper()}: slowdown",
+                          "<= +10%", f"{pct(v)} (beside `stock`: {pct(s)}; median of 3 pairs)",
+                          v <= 0.10))
+    return out
+
+
+def memory(R: dict) -> list[Figure]:
+    units = ("llama3.1-8b", "llama3.1-70b", QWEN, "wan2.2-dit")
+    ratios = {w: value(R, "memory", "tide", "peak", w) / value(R, "memory", "stock", "peak", w)
+              for w in units}
+    text = ", ".join(f"{w} {x(r)}" for w, r in ratios.items())
+    return [Figure("Peak memory beyond the inputs, TIDE against `stock`", "<= 1x", text,
+                   max(ratios.values()) <= 1.0)]
+
+
+def qwen(R: dict) -> list[Figure]:
+    def t(suite: str, impl: str) -> float:
+        return value(R, suite, impl, "time", QWEN)
+
+    push = value(R, "ag", "tide", "phase:peer_copy", QWEN)
+    return [
+        faster("Qwen3-30B-A3B (393 parameters): TIDE-AG faster than `stock`", 1.0,
+               t("ag", "tide"), t("ag", "stock"), "stock"),
+        faster("Qwen3-30B-A3B: TIDE-AG as a plan within 10% of its push", round(1 / 1.1, 3),
+               t("ag", "tide-plan"), push, "the push"),
+        faster("Qwen3-30B-A3B: TIDE-RS faster than `stock`", 2.0, t("rs", "tide"),
+               t("rs", "stock"), "stock"),
+        faster("Qwen3-30B-A3B: TIDE-RS as a plan faster than `stock`", 2.0,
+               t("rs", "tide-plan"), t("rs", "stock"), "stock"),
+    ]
+
+
+# ---- 2xH200: variants launched in turn (run14-sweeps) --------------------------------
+
+
+def sweeps(run: Run) -> tuple[Figure, ...]:
+    files = sorted(f for f in run.meta["records"] if f.endswith(".jsonl"))
+
+    def pick(*prefixes: str) -> list[dict]:
+        return run.launches([f for f in files if f.startswith(prefixes)])
+
+    cut = pick("ag-a-new-", "ag-b-new-1", "ag-b-new-2", "ag-b-new-3", "ag-b-new-4", "ag-c-new-1",
+               "ag-c-new-2", "ag-c-new-3")
+    whole, old = pick("ag-b-new-whole", "ag-c-new-whole"), pick("ag-a-old", "ag-b-old")
+    ag_cut, ag_whole = over(cut, "ag", "tide", "time"), over(whole, "ag", "tide", "time")
+    ag_old = over(old, "ag", "tide", "time")
+    at66 = pick("int-new-", "int-ctas66-", "ctas66")
+    gemm_ag = over(at66, "interference", "tide", f"ag:{GEMM}")
+    gemm_rs = over(at66, "interference", "tide", f"rs:{GEMM}")
+    grids = {"16": pick("ctas16"), "33": pick("ctas33"), "66": at66,
+             "132": pick("int-ctas132-")}
+    by_grid = {g: statistics.median(over(L, "interference", "tide", f"rs:{GEMM}"))
+               for g, L in grids.items()}
+    b0 = over(pick("ag-d-batch0-"), "ag", "tide-plan", "time", QWEN)
+    b32 = over(pick("ag-d-batch32-"), "ag", "tide-plan", "time", QWEN)
+    best = min(by_grid, key=by_grid.get)
+    return (
+        Figure("TIDE-AG, Llama-3.1-8B: own copy cut to 8 MiB (`local_copy_max`, the default)",
+               "no slower than the own copy whole", f"{spread(ag_cut, us)}; whole "
+               f"{spread(ag_whole, us)}; run 11's code (`d7d2200`) {spread(ag_old, us)}",
+               statistics.median(ag_cut) <= statistics.median(ag_whole)),
+        Figure("A single-wave GEMM beside TIDE-AG, over launches", "<= +10%",
+               spread(gemm_ag, pct), statistics.median(gemm_ag) <= 0.10),
+        Figure("A single-wave GEMM beside TIDE-RS, over launches", "<= +10%",
+               spread(gemm_rs, pct), statistics.median(gemm_rs) <= 0.10),
+        Figure("The GEMM beside TIDE-RS by the accumulate's grid (`accum_ctas`)",
+               "the default (66 CTAs) slows it least",
+               ", ".join(f"{g} CTAs {pct(v)}" for g, v in by_grid.items()), best == "66"),
+        Figure("Qwen3-30B-A3B gather plan: pushes in driver calls of 32 (`copy_batch_max`, "
+               "the default, at `a5bd203`)", "faster than one call per peer",
+               f"{us(statistics.median(b32))} against {us(statistics.median(b0))} "
+               f"(medians of {len(b32)} and {len(b0)} launches)",
+               statistics.median(b32) < statistics.median(b0)),
+    )
+
+
+# ---- 2xH200: what the hardware leaves (run13-bounds) ---------------------------------
+
+
+def bounds(run: Run) -> tuple[Figure, ...]:
+    d = run.json("hw_bounds-c184aa8.json")
+    # SM time is SM-seconds over the device's SMs: bytes / (rate per CTA) / SMs.
+    need = d["accumulate_bytes"] / (d["stock_sm_time_s"] / 12.5) / d["device"]["sms"]
+    held = d["held_sms"]
+    waited = sorted(k for k, v in held.items() if v["waited"])
+    ran = sorted(k for k, v in held.items() if not v["waited"])
+    own = d["own_copy_beside"]
+    shipped = own["cut to 8 MiB, one batch (shipped)"]["median"]
+    return (
+        Figure("The accumulate's streaming rate per CTA, best grid",
+               f">= {need / 1e9:.1f} GB/s (RS SM time 12.5x below `stock`)",
+               f"{d['best_accumulate_rate'] / 1e9:.1f} GB/s; a plain copy kernel "
+               f"{d['best_probe_rate'] / 1e9:.1f} GB/s; SM-time floor "
+               f"{us(d['sm_time_floor_s'])} against `stock`'s {us(d['stock_sm_time_s'])}",
+               d["best_accumulate_rate"] >= need),
+        Figure("Copies beside a kernel that holds every SM (which copies need the SMs)",
+               "the own copy runs beside it", f"waited: {'; '.join(waited)}. Ran beside: "
+               f"{'; '.join(ran)}", not any("within the device" in k for k in waited)),
+        Figure("A single-wave GEMM beside the own copy alone, cut to 8 MiB in one batch",
+               "<= +10%", f"{pct(shipped)} (one copy whole: "
+               f"{pct(own['one copy']['median'])}; median of 3 pairs)", shipped <= 0.10),
+    )
+
+
+# ---- 2xH200: training steps (run12-fsdp2, run12-fsdp2-compile, run7) -----------------
+
+
+def fsdp2(run: Run) -> tuple[Figure, ...]:
+    d = run.json("compare.json")
+    by = {r["impl"]: r for r in d["runs"]}
+    t, f, floor = (by[k]["median_step_s"] for k in ("tide", "fsdp2", "floor"))
+    kept = by.get("tide-kept")
+    c = d["comparison"]
+    figs = [
+        Figure("`shard_module` step 10% below `fully_shard`'s", "<= 0.90x",
+               f"{x(t / f, 3)} ({ms(t)} against {ms(f)}; medians, {d['passes']} passes)",
+               t / f <= 0.90),
+        Figure("`shard_module` step within 3% of the no-communication floor", "<= 1.03x",
+               f"{x(t / floor, 3)} (floor {ms(floor)}; `fully_shard` {x(f / floor, 3)})",
+               t / floor <= 1.03),
+        Figure("`shard_module` peak memory no higher than `fully_shard`'s", "<= 1x",
+               f"{x(by['tide']['peak_bytes'] / by['fsdp2']['peak_bytes'], 3)} "
+               f"({gib(by['tide']['peak_bytes'])} against {gib(by['fsdp2']['peak_bytes'])})",
+               by["tide"]["peak_bytes"] <= by["fsdp2"]["peak_bytes"]),
+        Figure("Losses agree with `fully_shard`'s", f"rel. diff <= {c['loss_rtol']:g}",
+               f"{c['loss_max_rel_diff']:.1e} (step {c['loss_step_of_max']})",
+               c["losses_agree"]),
+    ]
+    if kept:
+        figs.append(Figure("`keep_param_shards=True` (`tide-kept`): step and memory against "
+                           "the casting gathers", "(a user choice: reference)",
+                           f"step {x(kept['median_step_s'] / t, 3)}, peak "
+                           f"{x(kept['peak_bytes'] / by['tide']['peak_bytes'], 3)}"))
+    return tuple(figs)
+
+
+def trainer(run: Run) -> tuple[Figure, ...]:
+    d = run.json("train.json")
+    by = {r["impl"]: r for r in d["runs"]}
+    t, s = by["tide"]["median_step_s"], by["stock"]["median_step_s"]
+    c = d["comparison"]
+    P = run.bench("plans.jsonl")
+    figs = [
+        Figure("Trainer step on `tide` within 3% of the floor (`local`)", "<= 1.03x",
+               f"{x(c['tide_over_floor'], 3)} ({ms(t)}; `stock` {x(c['stock_over_floor'], 3)})",
+               c["tide_over_floor"] <= 1.03),
+        Figure("Trainer step on `tide` below `stock` (FSDP2's path over NCCL)", "< 1x",
+               f"{x(t / s, 3)} ({ms(t)} against {ms(s)})", t < s),
+        Figure("Trainer peak memory, `tide` against `stock`", "<= 1x",
+               f"{x(by['tide']['peak_bytes'] / by['stock']['peak_bytes'], 3)} "
+               f"({gib(by['tide']['peak_bytes'])} against {gib(by['stock']['peak_bytes'])})",
+               by["tide"]["peak_bytes"] <= by["stock"]["peak_bytes"]),
+        Figure("Trainer losses, `tide` against `stock`", "bitwise equal",
+               "bitwise equal" if c["tide_vs_stock_losses"]["bitwise"] else
+               f"max rel. diff {c['tide_vs_stock_losses']['max_rel_diff']:.1e}",
+               c["tide_vs_stock_losses"]["bitwise"]),
+    ]
+    for w in (UNIT, QWEN):
+        for op in ("ag", "rs"):
+            plan = value(P, "plans", "plan", f"{op}_host_us", w)
+            call = value(P, "plans", "call", f"{op}_host_us", w)
+            figs.append(Figure(f"Host time per {op.upper()} call, {w}: plan against eager call",
+                               "plan below the call", f"{plan:,.0f} us against {call:,.0f} us",
+                               plan < call))
+    return tuple(figs)
+
+
+# ---- one H200 (run15, run16, run17) --------------------------------------------------
+
+
+def _gemm_rs(run: Run, name: str) -> tuple[float, float]:
+    """(GEMM slowdown beside TIDE-RS, TIDE-RS's own time alone) of a one-rank record."""
+    R = run.bench(name)
+    ex = extra(R, "interference", "tide", f"rs:{GEMM}")
+    return value(R, "interference", "tide", f"rs:{GEMM}"), ex["collective_alone_s"]
+
+
+def one_h200_kernels(run: Run) -> tuple[Figure, ...]:
+    fp = run.json("footprints-a3d4b71.json")
+    g = fp["gemms"][GEMM]
+    regs = g["threads"] * g["registers"]
+    acc = next(f for f in fp["fits"] if f["gemm"] == GEMM and f["kernel"] == "tide_accumulate_bf16")
+    hi, hi_t = _gemm_rs(run, "priority-short/ctas100000-high.jsonl")
+    lo, lo_t = _gemm_rs(run, "priority-short/ctas66-default.jsonl")
+    return (
+        Figure("A CTA of the accumulate fits on an SM beside a GEMM CTA", "fits",
+               f"GEMM CTA {regs:,} of {fp['sm']['registers']:,} registers; the accumulate's "
+               f"needs {acc['needs']['registers']:,} (`{fp['commit']}`)", acc["fits"]),
+        Figure("A GEMM at high stream priority beside short accumulate CTAs (`c95989f`)",
+               "<= +10%", f"{pct(hi)} against {pct(lo)} at the defaults; TIDE-RS alone "
+               f"{us(hi_t)} against {us(lo_t)}", hi <= 0.10),
+    )
+
+
+def one_h200_narrow(run: Run) -> tuple[Figure, ...]:
+    n, n_t = _gemm_rs(run, "interference-narrow-d7d9d83.jsonl")
+    v, v_t = _gemm_rs(run, "interference-vector-d7d9d83.jsonl")
+    probe = run.json("narrow-probe-d7d9d83.json")
+    two = {r["kernel"]: r for r in probe["rows"] if r["sources"] == 2 and "grid" in r}
+    nar, vec = two["narrow (library, as shipped)"], two["vector (library)"]
+    return (
+        Figure("A GEMM beside TIDE-RS with the narrow accumulate (opt-in, `d7d9d83`)",
+               "<= +10%", f"{pct(n)} against the vector kernel's {pct(v)}; TIDE-RS alone "
+               f"{us(n_t)} against {us(v_t)}", n <= 0.10),
+        Figure("The narrow accumulate's rate, 2 sources, per SM (`narrow_probe.py`)",
+               ">= 1.2 elements/ns (the pace between two H200s)",
+               f"{nar['per_sm_elems_per_ns']:.2f} (vector kernel {vec['per_sm_elems_per_ns']:.2f}"
+               f"); the GEMM looped beside it {pct(nar['gemm_slowdown'])}, beside the vector "
+               f"kernel {pct(vec['gemm_slowdown'])}", nar["per_sm_elems_per_ns"] >= 1.2),
+    )
+
+
+def one_h200_torch(run: Run) -> tuple[Figure, ...]:
+    figs = []
+    for name, what in (("hf8b.json", "8B-shaped `transformers` Llama, trained"),
+                       ("meta70b.json", "70B-shaped `transformers` Llama, wrapped from meta")):
+        d = run.json(name)
+        dev = max(r["device_bytes"] for r in d["ranks"])
+        bound = min(r["bound_bytes"] for r in d["ranks"])
+        ok = all(r["device_ok"] and r["rss_ok"] for r in d["ranks"])
+        figs.append(Figure(f"{what}, {d['world']} ranks: device memory per rank",
+                           "<= the bound, host RSS too",
+                           f"{gib(dev)} against {gib(bound)} (`{d['commit']}`)", ok))
+    steps = {k: statistics.median(run.json(f"ab_{k}_{i}.json")["runs"][0]["median_step_s"]
+                                  for i in (0, 1)) for k in ("before", "after")}
+    figs.append(Figure("One-rank `shard_module` step after the change against before",
+                       "<= 1.01x", f"{x(steps['after'] / steps['before'], 3)} "
+                       f"({ms(steps['after'])} against {ms(steps['before'])})",
+                       steps["after"] / steps["before"] <= 1.01))
+    return tuple(figs)
+
+
+# ---- the page --------------------------------------------------------------------------
+
+
+def sections(root: str) -> list[Section]:
+    def S(name: str, title: str, about: str, fn: Callable[[Run], tuple],
+          plot: Optional[str] = None) -> Section:
+        return Section(name, title, about, fn(Run(root, name)), plot)
+
+    return [
+        S("run14", "Collectives against NCCL and FSDP2's path",
+          "One Llama-3.1-8B layer (9 parameters, 436 MB bf16) unless named; medians of 20 "
+          "timed calls.", collectives, PLOTS[0]),
+        S("run14-sweeps", "The same code, launched in turn",
+          "Medians over launches, where one launch's draw misleads.", sweeps),
+        S("run13-bounds", "What the hardware leaves", "Probes beside the suite.", bounds),
+        S("run12-fsdp2", "`shard_module` against `fully_shard`, eager",
+          "One PyTorch Llama-style model (llama3-8b-8l: 8 layers, hidden 4096, 8192 tokens "
+          "per GPU).", fsdp2, PLOTS[1]),
+        S("run12-fsdp2-compile", "`shard_module` against `fully_shard`, each block compiled",
+          "As above, each block under `torch.compile`.", fsdp2),
+        S("run7", "The trainer of examples/train.py, and host time per call",
+          "A Llama-3.1-8B-shaped model (8 layers, 8192 tokens per GPU).", trainer),
+        S("run15-one-h200", "Kernels beside a GEMM", "At one rank, no copy engines between "
+          "GPUs.", one_h200_kernels),
+        S("run16-one-h200", "The narrow accumulate", "At one rank.", one_h200_narrow),
+        S("run17-one-h200", "The torch front end on real models", "Memory and correctness; "
+          "the step at one rank.", one_h200_torch),
+    ]
+
+
+def _status(f: Figure) -> str:
+    return "reference" if f.met is None else ("met" if f.met else "**missed**")
+
+
+def _section(root: str, s: Section) -> list[str]:
+    meta = Run(root, s.run).meta
+    out = [f"### {s.title} ({s.run}, {meta['machine']})", "",
+           f"Record [`{RESULTS}/{s.run}`](../{RESULTS}/{s.run}/) at commit `{meta['commit']}`"
+           f", {meta['date']}, on `{meta['machine']}`. {s.about} Command:", "",
+           "```", *meta["command"].split("; "), "```", "",
+           "| figure | goal | measured | status |", "| --- | --- | --- | --- |"]
+    out += [f"| {f.what} | {f.goal} | {f.measured} | {_status(f)} |" for f in s.figures]
+    if s.plot:
+        out += ["", f"![{s.title}](../{s.plot})"]
+    return out + [""]
+
+
+def render_page(root: str = ROOT) -> str:
+    """docs/performance.md, from the records alone."""
+    secs = sections(root)
+    out = [f"<!-- Generated by `{COMMAND}` from {RESULTS}/; edit benchmarks/performance.py, "
+           "not this page. -->", "", "# Performance", "",
+           "Every figure below comes from the records of one run folder under "
+           f"[`{RESULTS}/`](../{RESULTS}/), whose `run.json` gives its commit, machine kind "
+           "and command. Figures of different machine kinds are never compared with each "
+           "other. `stock` is the harness's re-implementation of FSDP2's collective path "
+           "over NCCL (copy-in, flat NCCL collective, copy-out; fp32 pack for the "
+           "reduce-scatter). A goal is what the project targets; *missed* goals stay "
+           f"listed. Rebuild this page, its plots and the README's summary with `{COMMAND}`.",
+           ""]
+    for kind, about in MACHINES.items():
+        out += [f"## `{kind}`: {about}", ""]
+        for s in secs:
+            if Run(root, s.run).meta["machine"] == kind:
+                out += _section(root, s)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def render_summary(root: str = ROOT) -> str:
+    """The README's block between the markers (markers included)."""
+    by = {s.run: s for s in sections(root)}
+    c, f = by["run14"].figures, by["run12-fsdp2"].figures
+
+    def first(figs: tuple, start: str) -> Figure:
+        return next(g for g in figs if g.what.startswith(start))
+
+    ag, rs = first(c, "TIDE-AG faster than `stock`"), first(c, "TIDE-RS (bf16")
+    gemm = [g for g in c if g.what.startswith("A single-wave GEMM")]
+    lines = [
+        BEGIN, f"<!-- Generated by `{COMMAND}`; edit benchmarks/performance.py. -->", "",
+        f"On `nvidia-h200-x2` (2 H200, NVLink), one Llama-3.1-8B layer "
+        f"([run14](benchmarks/results/run14/)): `all_gather` **{ag.measured.split()[0]}** "
+        f"faster than FSDP2's collective path over NCCL, `reduce_scatter` (bf16 in, fp32 out) "
+        f"**{rs.measured.split()[0]}**; a GEMM beside them slows by "
+        f"{gemm[0].measured.split()[0]} and {gemm[1].measured.split()[0]} (goal +10%).",
+        "",
+        f"On `nvidia-h200-x2`, a PyTorch Llama-style model "
+        f"([run12-fsdp2](benchmarks/results/run12-fsdp2/)): `shard_module`'s step is "
+        f"**{f[0].measured.split()[0]}** `fully_shard`'s, {f[1].measured.split()[0]} the "
+        f"no-communication floor, at {f[2].measured.split()[0]} its peak memory.",
+        "",
+        "Every figure, its goal, machine, record and command: "
+        "[docs/performance.md](docs/performance.md).", END]
+    return "\n".join(lines)
+
+
+def readme_block(text: str) -> Optional[str]:
+    """The README's current block (markers included), or None where it has none."""
+    i, j = text.find(BEGIN), text.find(END)
+    return None if i < 0 or j < i else text[i:j + len(END)]
+
+
+def stale(root: str = ROOT) -> list[str]:
+    """The outputs (paths from root) whose text differs from what the records give."""
+    out = []
+    page = os.path.join(root, PAGE)
+    if not os.path.exists(page) or open(page).read() != render_page(root):
+        out.append(PAGE)
+    with open(os.path.join(root, README)) as f:
+        if readme_block(f.read()) != render_summary(root):
+            out.append(README)
+    return out
+
+
+# ---- plots (matplotlib only here) ------------------------------------------------------
+
+
+def plot(root: str = ROOT) -> list[str]:
+    """Write PLOTS from the records; deterministic (no dates or versions in the files)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plt.rcParams.update({"svg.hashsalt": "tidearray", "font.family": "DejaVu Sans"})
+    R = Run(root, "run14").bench("records.jsonl")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for ax, op, impls in ((axes[0], "ag", ("tide", "tide-plan", "symm", "stock", "fsdp2")),
+                          (axes[1], "rs", ("tide", "tide-plan", "nccl-a2a", "stock", "fsdp2"))):
+        ts = [value(R, op, i, "time") * 1e6 for i in impls]
+        ax.barh(impls, ts, color=["#1f77b4" if i.startswith("tide") else "#999999"
+                                  for i in impls])
+        ax.invert_yaxis()
+        ax.set_title(f"{op.upper()}, {UNIT} (run14, nvidia-h200-x2)", fontsize=9)
+        ax.set_xlabel("median time per call (us)")
+    _save(fig, os.path.join(root, PLOTS[0]))
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    names, eager, comp = ("floor", "fsdp2", "tide", "tide-kept"), [], []
+    for label, acc in (("run12-fsdp2", eager), ("run12-fsdp2-compile", comp)):
+        by = {r["impl"]: r for r in Run(root, label).json("compare.json")["runs"]}
+        acc += [by[n]["median_step_s"] * 1e3 for n in names]
+    ys = range(len(names))
+    ax.barh([y - 0.2 for y in ys], eager, 0.4, label="eager")
+    ax.barh([y + 0.2 for y in ys], comp, 0.4, label="torch.compile")
+    ax.set_yticks(list(ys), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("median step (ms)")
+    ax.set_title("llama3-8b-8l step (run12-fsdp2, nvidia-h200-x2)", fontsize=9)
+    ax.set_xlim(0, max(eager + comp) * 1.35)  # room for the legend beside the bars
+    ax.legend(fontsize=8, loc="lower right")
+    _save(fig, os.path.join(root, PLOTS[1]))
+    return list(PLOTS)
+
+
+def _save(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+# ---- the command -----------------------------------------------------------------------
+
+
+def write(root: str = ROOT) -> None:
+    with open(os.path.join(root, PAGE), "w") as f:
+        f.write(render_page(root))
+    path = os.path.join(root, README)
+    with open(path) as f:
+        text = f.read()
+    old = readme_block(text)
+    if old is None:
+        raise SystemExit(f"{README} has no {BEGIN} ... {END} block to rewrite")
+    with open(path, "w") as f:
+        f.write(text.replace(old, render_summary(root)))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 if docs/performance.md or the README block is stale")
+    p.add_argument("--no-plots", action="store_true", help="write the markdown only")
+    p.add_argument("--root", default=ROOT, help="repository root")
+    a = p.parse_args(argv)
+    if a.check:
+        bad = stale(a.root)
+        for path in bad:
+            print(f"{path} is stale: run `{COMMAND}`", file=sys.stderr)
+        return 1 if bad else 0
+    write(a.root)
+    if not a.no_plots:
+        plot(a.root)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
