@@ -5,7 +5,8 @@ elementwise maximum of three integers over the group. As an MPI ``Allreduce``
 it took microseconds on the host, on the critical path of every call. When the
 whole group is on one node, ranks instead post their values on a board in an
 MPI shared-memory window and read each other's: an order of magnitude less once
-every rank has arrived (measured on 2xH200's host, development run 6 on).
+every rank has arrived (measured on 2xH200's host; development records from run 6,
+in git history).
 
 [Note: board rounds]
 Round ``k`` uses half ``k % 2`` of the board. A rank posts its values, then

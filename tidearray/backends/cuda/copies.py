@@ -10,7 +10,7 @@ done by copy engines.
 A batch is one call, but not free: the driver spends microseconds per entry
 on every call, and the copy engine more per entry; equal rows as one 2D copy
 moved faster and cost the host a small fraction of the same rows as batch
-entries (development record run3). So each batch a collective passes is planned
+entries (development record run3, in git history). So each batch a collective passes is planned
 once, when its plan is built (a :class:`CudaBatch`, which the plan owns:
 [Note: compiled batches] in ``backends._base``):
 
@@ -38,17 +38,17 @@ run13-bounds). So copies a caller marks ``local`` are cut into pieces of at most
 
 Each such copy also costs the host microseconds to issue, in a batch or not, far
 more than the same copies from or into pinned host memory (development record
-run13-issue). So an own copy of many separate arrays (Qwen3-30B-A3B's layer: 393)
+run13-issue, in git history). So an own copy of many separate arrays (Qwen3-30B-A3B's layer: 393)
 bound a gather by its issue, not by the link. A plan's batch of at least
 ``Config.local_copy_kernel_min`` such copies goes instead as one launch of
 ``pack_bytes`` (``kernels/pack.cu``) over a segment table uploaded once, on
 ``ctas`` CTAs (a quarter of the SMs, which ran them about as fast as twice as
-many and twice as fast as half: run13-issue): the same SM work the driver would
+many and twice as fast as half: run13-issue, in git history): the same SM work the driver would
 do, in one launch.
 
 Asking for a copy engine does not help: a batch within one GPU with
 ``PREFER_OVERLAP_WITH_COMPUTE`` still waited for a kernel that held every SM, ran
-as long and cost the host as much (run13-bounds, run13-issue).
+as long and cost the host as much (run13-bounds; run13-issue, in git history).
 
 Copies to and from a peer's memory go over NVLink by copy engine.
 
@@ -56,7 +56,7 @@ Copies to and from a peer's memory go over NVLink by copy engine.
 A copy to a peer costs the host microseconds per batch entry, and a batch's copies
 start only after the call that issued them returns: a gather of many separate
 parameters ran longer on the device than the same work issued before its stream
-could start (``benchmarks/probes/host_profile.py``, run13-issue). So a planned
+could start (``benchmarks/probes/host_profile.py``; run13-issue, in git history). So a planned
 batch of more than ``batch_max`` copies goes as several calls, in order on the
 same stream: the copy engines start on the first part while the host issues the
 next, which shortened the gather (run14-sweeps).

@@ -26,7 +26,7 @@ A large batch to or from a peer can be cut into ``push_split`` runs of equal
 bytes (``TIDE_CE_SPLIT``), each on its own stream forked from the lane and
 joined back before the lane's next operation, so several copy engines share
 the link. Still no SM. On 2xH200 one engine per lane was as fast as two or
-three (development record run3's sweep), so the default is 1.
+three (development record run3's sweep, in git history), so the default is 1.
 
 [Note: buffer lifetimes]
 Buffers the collective allocates (``Backend.empty``: the reduce-scatter's

@@ -6,7 +6,8 @@ Unix socket (:func:`exchange_fds`); each rank then imports and maps every
 peer's memory once, at allocation. Used for multicast slots, which only VMM
 memory can be bound to (``multicast``), and for ordinary symmetric
 memory by default (``Config.symmetric_memory``): peers write VMM memory at the
-link's rate, and legacy-IPC memory markedly slower (development record run5's quick bench).
+link's rate, and legacy-IPC memory markedly slower (development record run5's
+quick bench, in git history).
 See ``memory`` for where legacy IPC is still needed.
 """
 
