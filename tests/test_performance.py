@@ -144,3 +144,15 @@ def test_each_section_names_the_machine_of_its_record():
         run, machine = heading
         meta = json.loads((ROOT / performance.RESULTS / run / "run.json").read_text())
         assert meta["machine"] == machine
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    pattern = re.compile(r"\]\(([^)\s]+)\)")
+    missing = []
+    for doc in _docs():
+        for ref in pattern.findall(doc.read_text()):
+            if re.match(r"[a-z][a-z0-9+.-]*:", ref) or ref.startswith("#"):
+                continue
+            if not (doc.parent / ref.split("#")[0]).resolve().exists():
+                missing.append(f"{doc.relative_to(ROOT)}: {ref}")
+    assert missing == [], "links to missing paths:\n" + "\n".join(missing)
