@@ -8,8 +8,10 @@ Subcommands (registered below, like mpi4py's bench):
 * ``memory``: device memory per path;
 * ``plans``: host time per call of persistent plans vs the convenience calls;
 * ``all``: everything above, then ``report`` into ``<out>/report``;
-* ``report``: markdown tables and PNG plots from JSON records;
-* ``results``: the README's Results section from the records in docs/benchmarks.
+* ``report``: markdown tables and PNG plots from JSON records.
+
+The records kept for the docs are in benchmarks/results; ``python -m
+benchmarks.performance`` writes docs/performance.md and the README's summary from them.
 
 Example (2 GPUs): ``mpirun -n 2 python -m benchmarks all --out results``.
 """
@@ -102,10 +104,6 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("results", help="write the README's Results section from the records")
-    r.add_argument("--readme", default="README.md")
-    r.add_argument("--root", default=".", help="repository root (records in docs/benchmarks)")
-    r.add_argument("--check", action="store_true", help="exit 1 if the section is stale")
     for name in list(COMMANDS) + ["report"]:
         helps = {"all": "run every suite, then write the report",
                  "report": "rebuild tables and plots from JSON records"}
@@ -113,7 +111,9 @@ def parser() -> argparse.ArgumentParser:
         if name == "report":
             s.add_argument("--json", action="append", required=True,
                            help="JSON Lines record file (repeatable)")
-            s.add_argument("--docs", default="docs/benchmarks", help="output directory")
+            s.add_argument("--docs", default=os.path.join(os.environ.get("OUT", "bench-out"),
+                                                          "report"),
+                           help="output directory (default $OUT/report, else bench-out/report)")
             s.add_argument("--note", default="", help="a paragraph under the title")
             continue
         s.add_argument("--out", default="bench-out",
@@ -138,17 +138,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Any = None) -> int:
     args = parser().parse_args(argv)
-    if args.command == "results":
-        from .harness import results
-
-        text = results.render(args.root)
-        if args.check:
-            stale = results.current(args.readme) != text
-            print(f"{args.readme}: Results section " + ("stale" if stale else "up to date"))
-            return int(stale)
-        print(f"{args.readme}: " + ("rewritten" if results.update(args.readme, text)
-                                     else "unchanged"))
-        return 0
     if args.command == "report":
         from .harness.report import build
 

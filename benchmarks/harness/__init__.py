@@ -2,5 +2,6 @@
 
 Run ``python -m benchmarks --help`` (``mpirun -n N`` for N ranks). Every
 run appends JSON records; tables and plots are made from those records
-(``python -m benchmarks report``). See ``docs/benchmarks/README.md``.
+(``python -m benchmarks report``). The kept records are in ``benchmarks/results/``;
+``docs/performance.md`` is generated from them (``python -m benchmarks.performance``).
 """

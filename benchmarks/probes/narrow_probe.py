@@ -154,7 +154,7 @@ SHAPES = (("c2048x2", 2048, 2, 2, "__maxnreg__(32)", 0, 0),
 #: stood at their commits: at 33bdde7 the flat kernel with TOUCH 1-3 (lane 0 storing to
 #: or loading from shared memory around its copies), at 83f23ab the library's kernel
 #: without its register cap, with the proxy fence first, and inlined
-#: (docs/benchmarks/run16-one-h200).
+#: (benchmarks/results/run16-one-h200).
 LIBRARY_VARIANTS = (("as shipped", ()),)
 
 #: Cycle counters, edited into a kernel's text: per item, lane 0's clock64() time

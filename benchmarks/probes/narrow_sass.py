@@ -15,7 +15,7 @@ once per item (the hot path) with its counts:
 
 With the narrow kernel's scale flag a run-time value, its source page showed the scale
 loaded from the constant bank (``LDC``) before each multiply of a step
-(docs/benchmarks/run16-one-h200).
+(benchmarks/results/run16-one-h200).
 """
 
 from __future__ import annotations

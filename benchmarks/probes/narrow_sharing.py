@@ -16,7 +16,7 @@ GEMM (the counters slow the library's kernel).
 On one H200 the answer was no: pairs with dozens of SMs doubled ran the GEMM within 3%
 of alone, and a kernel that let only one CTA per SM work (at ``da6723a``, where this
 script also ran those variants) slowed the GEMM in nearly every pair
-(docs/benchmarks/run16-one-h200).
+(benchmarks/results/run16-one-h200).
 """
 
 from __future__ import annotations

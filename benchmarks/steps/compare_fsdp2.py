@@ -2,7 +2,10 @@
 
     mpirun -n 2 python benchmarks/steps/compare_fsdp2.py                       # tiny model
     mpirun -n 2 python benchmarks/steps/compare_fsdp2.py --model llama3-8b-8l --tokens 8192 \\
-        --steps 50 --lr-warmup 10 --profile --passes 2 --out docs/benchmarks/fsdp2
+        --steps 50 --lr-warmup 10 --profile --passes 2 --out benchmarks/results/RUN
+
+(``RUN``: a new run folder; give it a ``run.json`` with the commit, machine and command,
+like ``benchmarks/results/run12-fsdp2/``.)
 
 The same PyTorch Llama-style decoder (``TorchLlama`` below: RMSNorm, RoPE, grouped
 query attention through ``scaled_dot_product_attention``, SwiGLU), trained four ways

@@ -7,8 +7,9 @@ copies (sm_90 or newer) and write fp32. They live here, not in the library, beca
 neither has a measured reason to be a user's choice:
 
 - ``"bulk"`` (``accumulate_bulk.cu``): up to 192 KB in flight per CTA; no faster than
-  the earlier vector kernel on 2xH200 (run 10: ``docs/benchmarks/run10-accum`` in git
-  history), and its CTA's shared memory keeps anything else that needs some off its SM.
+  the earlier vector kernel on 2xH200 (development record run10-accum, in git history;
+  its per-CTA rate beside today's kernel: ``benchmarks/results/run13-bounds``), and
+  its CTA's shared memory keeps anything else that needs some off its SM.
 - ``"narrow"`` (``accumulate_narrow.cu``): one warp per CTA at 32 registers with 16 KB
   of shared memory, one CTA per SM, small enough to share every SM with a Hopper
   GEMM's CTA; one or two sources (more take the vector kernel). On one H200 a
