@@ -32,6 +32,7 @@ agrees on the plan's build number and raises on every rank if they differ.
 from __future__ import annotations
 
 import operator
+from itertools import chain
 from typing import Any, Optional, Sequence
 
 from . import _all_gather as ag
@@ -44,6 +45,7 @@ from ._group import Group, default_group
 from ._layout import RsPlan, UnitLayout, cached_unit, plan_reduce_scatter
 from ._work import finish
 
+_INT = {int}
 #: Programs an eager reduction without ``out=`` keeps, one per receive buffer: each
 #: call returns new arrays, and the memory pool often hands back the same address.
 FRESH_PROGRAMS = 8
@@ -356,9 +358,13 @@ class ReducePlan(_Plan):
 
 def _shapes_key(shapes: Any) -> Optional[tuple]:
     """``shapes`` as int tuples for a key, or None (validation will say why): 5.0 is
-    no dimension, though it hashes and compares equal to 5."""
+    no dimension, though it hashes and compares equal to 5. Plain ints (the usual
+    case) are checked in one pass instead of converted one by one."""
     try:
-        return tuple(tuple(map(operator.index, s)) for s in shapes)
+        key = tuple(map(tuple, shapes))
+        if set(map(type, chain.from_iterable(key))) <= _INT:
+            return key
+        return tuple(tuple(map(operator.index, s)) for s in key)
     except TypeError:
         return None
 

@@ -57,9 +57,9 @@ if TYPE_CHECKING:
     from ..._group import Group
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types addressable as device memory
-#: What an eager collective's plan depends on, per CuPy array (``array_key``).
-_ARRAY_KEY = operator.attrgetter("data.ptr", "shape", "dtype", "_c_contiguous",
-                                 "data.device_id")
+#: What an eager collective's plan depends on, per CuPy array (``array_key``). The
+#: address names the device too: device memory shares one virtual address space (UVA).
+_ARRAY_KEY = operator.attrgetter("data.ptr", "shape", "dtype", "_c_contiguous")
 _DL_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 13: "cuda_managed", 10: "rocm"}
 
 
