@@ -432,6 +432,39 @@ def one_h200_torch(run: Run) -> tuple[Figure, ...]:
     return tuple(figs)
 
 
+def one_h200_eager(run: Run) -> tuple[Figure, ...]:
+    """Host time per eager call after the one-pipeline change against before, per unit
+    and world size: the median over both device calls' rounds, beside the plan calls
+    (the spread between launches)."""
+    times: dict = {}
+    with open(os.path.join(run.path, "eager_ab.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            times.setdefault((r["world"], r["unit"], r["call"], r["label"]), []).append(
+                r["host_us"])
+    figs = []
+    for world in (1, 2):
+        every = []
+        for unit in (QWEN, UNIT):
+            def ratio(call: str, w: int = world, u: str = unit) -> float:
+                return (statistics.median(times[(w, u, call, "after")])
+                        / statistics.median(times[(w, u, call, "before")]))
+            eager = [ratio(c) for c in ("all_gather slot=", "all_gather", "reduce_scatter out=",
+                                        "reduce_scatter")]
+            every += eager
+            figs.append(Figure(
+                f"{unit}, {world} rank{'s' if world > 1 else ''}: eager call host time after "
+                "against before (AG slot=, AG, RS out=, RS)", "reference (the plan calls, in "
+                "brackets, show the spread between launches)",
+                ", ".join(x(r) for r in eager) + " (plans: "
+                + ", ".join(x(ratio(c)) for c in ("all_gather plan", "reduce_scatter plan"))
+                + ")"))
+        mid = statistics.median(every)
+        figs.append(Figure(f"{world} rank{'s' if world > 1 else ''}: median of the 8 eager "
+                           "calls' after/before", "<= 1.00x", x(mid), mid <= 1.0))
+    return tuple(figs)
+
+
 # ---- the page --------------------------------------------------------------------------
 
 
@@ -459,6 +492,8 @@ def sections(root: str) -> list[Section]:
         S("run16-one-h200", "The narrow accumulate", "At one rank.", one_h200_narrow),
         S("run17-one-h200", "The torch front end on real models", "Memory and correctness; "
           "the step at one rank.", one_h200_torch),
+        S("run18-one-h200", "Host time per eager call: one pipeline against the caches",
+          "Medians of 30 calls per launch, then over 4 launches per tree.", one_h200_eager),
     ]
 
 
