@@ -16,7 +16,6 @@ node-local transport then spreads everything the column holds.
 from __future__ import annotations
 
 import functools
-import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -24,7 +23,14 @@ from . import _dtypes, _stamps, _validate
 from ._arena import AG_CHANNEL, ARRIVED, DONE, FREE, READY, STAMP, Region
 from ._errors import TideInvalid
 from ._group import Group, default_group
-from ._layout import UnitLayout, ag_pieces, cached_unit, internode_ag_steps, split_copies
+from ._layout import (
+    UnitLayout,
+    ag_pieces,
+    cached_unit,
+    int_shapes,
+    internode_ag_steps,
+    split_copies,
+)
 from .backends._base import AccumPiece
 
 if TYPE_CHECKING:
@@ -45,8 +51,7 @@ def unit_nbytes(shapes: Sequence[Sequence[int]], dtype: Any, group: Optional[Gro
     """Slot bytes that the full parameters of ``shapes`` need (with alignment), on
     ``world`` ranks (the group's size if None). A size query: never collective."""
     world = world or (group or default_group()).size
-    shapes = tuple(tuple(operator.index(d) for d in s) for s in shapes)
-    return cached_unit(shapes, _dtypes.normalize(dtype).itemsize, world).nbytes
+    return cached_unit(int_shapes(shapes), _dtypes.normalize(dtype).itemsize, world).nbytes
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ class Gather:
 
 def _int_shapes(shapes: Any) -> tuple[Optional[tuple], list[str]]:
     try:
-        return tuple(tuple(operator.index(d) for d in s) for s in shapes), []  # 2.5 is no dim
+        return int_shapes(shapes), []  # 2.5 is no dim
     except (TypeError, ValueError):
         return None, [f"expected shapes as a list of int tuples, got {shapes!r}"]
 

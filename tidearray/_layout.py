@@ -16,7 +16,8 @@ import functools
 import math
 import operator
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from itertools import chain
+from typing import Any, NamedTuple, Sequence
 
 from ._errors import TideInvalid
 
@@ -83,6 +84,23 @@ class ShardSpec:
         """``(offset, nbytes)`` of ``rank``'s rows inside the full parameter."""
         start, stop = self.rows(rank)
         return start * self.row_nbytes, (stop - start) * self.row_nbytes
+
+
+def int_shapes(shapes: Any) -> tuple[tuple[int, ...], ...]:
+    """``shapes`` as tuples of ints: each dimension through ``operator.index``, so 5.0
+    is refused though it hashes and compares equal to 5. Plain ints (the usual case)
+    are checked in one pass instead of converted one by one.
+
+    Raises:
+        TypeError: a shape is not a sequence, or a dimension is not an integer.
+    """
+    shapes = tuple(map(tuple, shapes))
+    if set(map(type, chain.from_iterable(shapes))) <= _INT:
+        return shapes
+    return tuple(tuple(map(operator.index, s)) for s in shapes)
+
+
+_INT = {int}
 
 
 def shard_spec(shape: Sequence[int], itemsize: int, world: int, index: int = 0) -> ShardSpec:

@@ -31,8 +31,6 @@ agrees on the plan's build number and raises on every rank if they differ.
 
 from __future__ import annotations
 
-import operator
-from itertools import chain
 from typing import Any, Optional, Sequence
 
 from . import _all_gather as ag
@@ -42,10 +40,9 @@ from ._arena import Region, default_region
 from ._cache import BoundedCache
 from ._errors import TideInvalid
 from ._group import Group, default_group
-from ._layout import RsPlan, UnitLayout, cached_unit, plan_reduce_scatter
+from ._layout import RsPlan, UnitLayout, cached_unit, int_shapes, plan_reduce_scatter
 from ._work import finish
 
-_INT = {int}
 #: Programs an eager reduction without ``out=`` keeps, one per receive buffer: each
 #: call returns new arrays, and the memory pool often hands back the same address.
 FRESH_PROGRAMS = 8
@@ -80,7 +77,7 @@ class Unit:
         group = group or default_group()
         errors: list[str] = []
         try:
-            self.shapes = tuple(tuple(operator.index(d) for d in s) for s in shapes)
+            self.shapes = int_shapes(shapes)
         except TypeError:  # 2.5 is no dim
             self.shapes = ()
             errors.append(f"expected shapes as a list of int tuples, got {shapes!r}")
@@ -357,14 +354,10 @@ class ReducePlan(_Plan):
 
 
 def _shapes_key(shapes: Any) -> Optional[tuple]:
-    """``shapes`` as int tuples for a key, or None (validation will say why): 5.0 is
-    no dimension, though it hashes and compares equal to 5. Plain ints (the usual
-    case) are checked in one pass instead of converted one by one."""
+    """``shapes`` as int tuples for a key (``_layout.int_shapes``), or None: validation
+    will say why."""
     try:
-        key = tuple(map(tuple, shapes))
-        if set(map(type, chain.from_iterable(key))) <= _INT:
-            return key
-        return tuple(tuple(map(operator.index, s)) for s in key)
+        return int_shapes(shapes)
     except TypeError:
         return None
 
