@@ -27,7 +27,6 @@ import numpy as np
 
 from ..._dtypes import normalize
 from .._base import AccumPiece, Batch
-from .streams import wait_for_last_launch
 
 #: Smallest tile, in elements: one block's unit of work (a multiple of every vector width).
 TILE = 8192
@@ -134,7 +133,12 @@ class AccumTable(Batch):
         return self.n_pieces
 
     def __del__(self) -> None:
-        wait_for_last_launch(self.event)
+        # Its last kernel may still be reading the table: the pool must not reuse it yet.
+        try:
+            if self.event is not None and not self.event.done:
+                self.event.synchronize()
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the context is gone
+            pass
 
 
 class Accumulator:

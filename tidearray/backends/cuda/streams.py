@@ -61,14 +61,3 @@ class _Handle:
 
     def __cuda_stream__(self) -> tuple[int, int]:
         return 0, self.ptr
-
-
-def wait_for_last_launch(event: Any) -> None:
-    """Before a plan's device table goes: wait (on the host) until the last launch that
-    reads it has run, so the memory pool cannot hand the table out while a kernel may
-    still read it ([Note: table lifetime] in ``accumulate``). None: never launched."""
-    try:
-        if event is not None and not event.done:
-            event.synchronize()
-    except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the context is gone
-        pass
