@@ -17,7 +17,7 @@ from benchmarks.harness import impls
 
 pytestmark = pytest.mark.mpi
 ARGS = ["rs", "--quick", "--iters", "2", "--warmup", "1", "--workloads", "units",
-        "--impls", "tide,stock"]
+        "--impls", "tide,stock", "--units", "llama3.1-8b"]
 
 
 def _run(group, tmp_path_factory) -> int:
