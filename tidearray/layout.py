@@ -12,6 +12,9 @@ check a layout, or reassemble arrays in set-up and tests.
 * :func:`plan_unit` / :class:`UnitLayout`: a unit's parameters back to back in a slot,
   each aligned to 256 bytes (``offsets``, ``nbytes``).
 * :func:`unit_nbytes`: the slot bytes a unit needs (``world=`` or a group's size).
+* :func:`memory_report` / :class:`MemoryReport`: per-rank bytes of a unit's slot and
+  reduce-scatter buffers on ``world`` ranks of ``local_size`` per node, beside stock
+  FSDP2's for the same unit (docs/memory.md).
 * :func:`slot_chunk_nbytes`: the largest reduce-scatter chunk whose staging fits a slot
   (on a group).
 * :func:`shard_shape`, :func:`full_from_shards`: the padded shard shape, and a full
@@ -19,9 +22,18 @@ check a layout, or reassemble arrays in set-up and tests.
 """
 
 from ._all_gather import unit_nbytes
-from ._layout import ALIGN, ShardSpec, UnitLayout, plan_unit, shard_spec
+from ._layout import (
+    ALIGN,
+    MemoryReport,
+    ShardSpec,
+    UnitLayout,
+    memory_report,
+    plan_unit,
+    shard_spec,
+)
 from ._plan import slot_chunk_nbytes
 from ._shard import full_from_shards, shard_shape
 
-__all__ = ["ALIGN", "ShardSpec", "UnitLayout", "full_from_shards", "plan_unit", "shard_shape",
-           "shard_spec", "slot_chunk_nbytes", "unit_nbytes"]
+__all__ = ["ALIGN", "MemoryReport", "ShardSpec", "UnitLayout", "full_from_shards",
+           "memory_report", "plan_unit", "shard_shape", "shard_spec", "slot_chunk_nbytes",
+           "unit_nbytes"]
