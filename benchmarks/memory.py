@@ -176,14 +176,10 @@ def stale(root: str = ROOT) -> bool:
 
 
 def write(root: str = ROOT) -> None:
-    path = os.path.join(root, PAGE)
-    with open(path) as f:
-        text = f.read()
-    old = page_section(text)
-    if old is None:
-        raise SystemExit(f"{PAGE} has no {BEGIN} ... {END} section to rewrite")
-    with open(path, "w") as f:
-        f.write(text.replace(old, section()))
+    from .performance import rewrite_block
+
+    rewrite_block(os.path.join(root, PAGE), page_section, section(),
+                  f"{PAGE} has no {BEGIN} ... {END} section to rewrite")
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -153,3 +153,24 @@ def shapes(world: int, max_count: int = 12, max_rows: Optional[int] = None,
 
 seeds = st.integers(0, 2**32 - 1)
 dtypes = st.sampled_from(DTYPES)
+
+
+def recording_executor(make: Any, names: Sequence[str]) -> tuple[list, Any]:
+    """``(log, executor)``: ``executor(stream)`` calls ``make`` (a backend's ``executor``)
+    and makes each primitive in ``names`` append ``(name, lane, args)`` to ``log`` before
+    it runs, so a test or probe reads the order in which lanes were given work."""
+    log: list = []
+
+    def recording(name: str, real: Any) -> Any:
+        def recorded(lane: int, *args: Any, **kw: Any) -> Any:
+            log.append((name, lane, args))
+            return real(lane, *args, **kw)
+        return recorded
+
+    def executor(stream: Any = None) -> Any:
+        ex = make(stream)
+        for name in names:
+            setattr(ex, name, recording(name, getattr(ex, name)))
+        return ex
+
+    return log, executor

@@ -7,10 +7,14 @@ Runs, in order, each in its own process group under a timeout:
    (Hypothesis), and the benchmark harness's own tests;
 2. ``mpiexec -n N python -m pytest --with-mpi -q tests/mpi benchmarks/tests/mpi`` for
    N = 1, 2, 3, 4 (the library, then the harness and the baseline comms);
-3. topology overrides: ``TIDE_LOCAL_SIZE=1`` with N = 3 (pairwise inter-node steps)
-   and N = 4 (recursive doubling), and ``TIDE_LOCAL_SIZE=2`` with N = 4 (two nodes
-   of two ranks); and N = 3 in debug mode (``TIDE_DEBUG=1``: stamps checked); these
-   runs leave out the framework front ends and the harness (``CORE_TESTS``);
+3. topology overrides: ``TIDE_LOCAL_SIZE=1`` with N = 2, 3 (pairwise inter-node
+   steps) and 4 (recursive doubling), and ``TIDE_LOCAL_SIZE=2`` with N = 4 (two
+   nodes of two ranks); and N = 3 in debug mode (``TIDE_DEBUG=1``: stamps checked);
+   these runs leave out the framework front ends and the harness (``CORE_TESTS``);
+   then 8 ranks as 2 x 4, 4 x 2 and 8 x 1 nodes, on the collectives and their
+   pipelines (``WIDE_TESTS``; ``--no-wide`` skips them). These re-checks take 10
+   Hypothesis examples per property (``AGAIN``), the plain runs 40 at 1-2 ranks and
+   20 at 3-4 (``WIDER``);
 4. every example under ``mpiexec -n 2`` (the trainer for 5 steps; the torch, JAX
    and interop examples too);
 5. the benchmarks under ``mpiexec -n 2``: the step comparisons
@@ -79,14 +83,29 @@ CORE_TESTS = ("tests/mpi", "--ignore=tests/mpi/test_torch.py",
               "--ignore=tests/mpi/test_jax.py")
 
 
-def plan(ranks: list[int]) -> list[Run]:
+#: The runs that re-check on another split or mode what the plain runs searched take
+#: fewer Hypothesis examples per property (10; the plain runs at 1-2 ranks take 40).
+AGAIN = {"TIDE_TEST_EXAMPLES": "10"}
+#: The plain runs at 3 and 4 ranks, slower per example on CI's two cores: 20.
+WIDER = {"TIDE_TEST_EXAMPLES": "20"}
+#: Eight ranks as 2 x 4, 4 x 2 and 8 x 1 nodes: the collectives and their inter-node
+#: pipelines only (eight processes share CI's two cores).
+WIDE_TESTS = ("tests/mpi/test_all_gather.py", "tests/mpi/test_reduce_scatter.py",
+              "tests/mpi/test_pipeline.py")
+WIDE = 8
+
+
+def plan(ranks: list[int], wide: bool = True) -> list[Run]:
     runs = [Run("single-process", 0)]
-    runs += [Run(f"mpi n={n}", n) for n in ranks]
-    overrides = [(3, 1), (4, 1), (4, 2)]  # (ranks, TIDE_LOCAL_SIZE)
-    runs += [Run(f"mpi n={n} local_size={L}", n, {"TIDE_LOCAL_SIZE": str(L)},
+    runs += [Run(f"mpi n={n}", n, {} if n <= 2 else WIDER) for n in ranks]
+    overrides = [(2, 1), (3, 1), (4, 1), (4, 2)]  # (ranks, TIDE_LOCAL_SIZE)
+    runs += [Run(f"mpi n={n} local_size={L}", n, {"TIDE_LOCAL_SIZE": str(L), **AGAIN},
                  targets=CORE_TESTS) for n, L in overrides if n in ranks]
     if 3 in ranks:  # debug mode: plan order re-checked, every transfer's stamps checked
-        runs.append(Run("mpi n=3 debug", 3, {"TIDE_DEBUG": "1"}, targets=CORE_TESTS))
+        runs.append(Run("mpi n=3 debug", 3, {"TIDE_DEBUG": "1", **AGAIN}, targets=CORE_TESTS))
+    if wide:
+        runs += [Run(f"mpi n={WIDE} local_size={L}", WIDE, {"TIDE_LOCAL_SIZE": str(L), **AGAIN},
+                     targets=WIDE_TESTS) for L in (4, 2, 1)]
     if 2 in ranks:
         runs.append(Run("examples n=2", 2, scripts=EXAMPLES))
         runs.append(Run("benchmarks n=2", 2, scripts=BENCHMARKS))
@@ -211,6 +230,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=None,
                     help="Hypothesis seed for every run (default: TIDE_TEST_SEED or random)")
     ap.add_argument("--ranks", default="1,2,3,4", help="world sizes (default 1,2,3,4)")
+    ap.add_argument("--no-wide", action="store_true",
+                    help=f"skip the {WIDE}-rank runs (2x4, 4x2, 8x1 nodes)")
     ap.add_argument("--only", default=None, help="run only the runs whose name contains this")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
     ap.add_argument("--logs", default=None, help="directory for the logs (default: a temp dir)")
@@ -222,7 +243,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if missing:
         sys.exit(f"tests/run.py: {', '.join(missing)} not installed in {sys.prefix}; the torch, "
                  "Hugging Face and JAX tests and examples need them (pip install -e '.[test]')")
-    runs = plan([int(n) for n in args.ranks.split(",") if n])
+    runs = plan([int(n) for n in args.ranks.split(",") if n], wide=not args.no_wide)
     if args.only:
         runs = [r for r in runs if args.only in r.name]
     mpi = find_mpiexec()

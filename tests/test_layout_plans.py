@@ -119,8 +119,21 @@ def test_rs_plan_covers_every_row_once_within_budget(shapes, itemsize, topo, chu
     assert plan.source_nbytes == max((c.block_nbytes for c in plan.chunks), default=0) * \
         topo.num_nodes
     assert plan.buffer_nbytes == plan.source_nbytes * (topo.local_size - 1)
-    # Only buffers that some chunk uses are allocated.
-    assert plan.staging_nbytes == min(depth, len(plan.chunks)) * plan.buffer_nbytes
+    # Only buffers that some chunk uses are allocated; across nodes, as many fp32
+    # partial-sum buffers of one block per node, and one receive buffer of the others'.
+    used = min(depth, len(plan.chunks))
+    nodes = topo.num_nodes
+    widest = max((c.block_nbytes for c in plan.chunks), default=0) // itemsize
+    assert plan.net_numel == (widest if nodes > 1 else 0)
+    assert plan.local_nbytes == used * plan.buffer_nbytes
+    assert plan.partial_nbytes == (used * nodes * widest * 4 if nodes > 1 else 0)
+    assert plan.receive_nbytes == (nodes - 1) * widest * 4
+    assert plan.staging_nbytes == plan.local_nbytes + plan.partial_nbytes + plan.receive_nbytes
+    assert plan.partial_offset == plan.local_nbytes
+    assert plan.receive_offset == plan.local_nbytes + plan.partial_nbytes
+    for k, ch in enumerate(plan.chunks):  # a chunk's fp32 partial sums fit one block
+        assert plan.chunk_numel(k) * itemsize == ch.block_nbytes
+        assert nodes == 1 or plan.chunk_numel(k) <= plan.net_numel
     assert [plan.buffer_of(k) for k in range(5)] == [k % depth for k in range(5)]
     end = 0
     for off, spec in zip(plan.out_offsets, unit.specs):
@@ -144,14 +157,18 @@ def test_rs_plan_rejects_depth_zero():
         plan_reduce_scatter(unit, Topology(2, 0, 2), 4096, 0)
 
 
-@pytest.mark.parametrize("world,local", [(3, 1), (6, 2)])
+@pytest.mark.parametrize("world,local", [(3, 1), (6, 2), (64, 8), (512, 8)])
 def test_rs_staging_within_the_documented_bound(world, local):
     """plan_reduce_scatter's docstring: ``chunk_nbytes`` bounds one remote source's bytes
-    per chunk, summed over target nodes, so staging <= depth * (L-1) * chunk_nbytes."""
+    per chunk, summed over target nodes, so node-local staging <= depth * (L-1) *
+    chunk_nbytes; across nodes the fp32 partial sums (depth buffers) and the receive
+    buffer add at most (depth + 1) * chunk_nbytes * 4 / itemsize."""
     unit = plan_unit([(60 * world, 50)], 2, world)  # 100-byte rows: 13 fit 1365 B, 1536 aligned
-    plan = plan_reduce_scatter(unit, Topology(world, 0, local), 4096, 2)
-    assert plan.source_nbytes <= 4096
-    assert plan.staging_nbytes <= 2 * (local - 1) * 4096
+    plan = plan_reduce_scatter(unit, Topology(world, 0, local), 4096 * world // local, 2)
+    chunk = 4096 * world // local
+    assert plan.source_nbytes <= chunk
+    assert plan.local_nbytes <= 2 * (local - 1) * chunk
+    assert plan.partial_nbytes + plan.receive_nbytes <= 3 * chunk * 4 // 2
 
 
 copy_lists = st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 40),

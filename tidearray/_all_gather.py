@@ -149,7 +149,8 @@ class Program:
     Attributes:
         exchanges: inter-node steps as (sends, recvs) of (peer, addr, nbytes).
         column: (offset, src, nbytes) of everything this rank's column holds,
-            for a multicast write.
+            for a multicast write, in arrival groups: our own shards, then what
+            each inter-node step delivers (one group on one node).
         cast: for a cast plan, the compiled pieces that round this rank's fp32
             shards into its rows of the slot (then the gather runs in place: no
             own copies); None otherwise.
@@ -182,9 +183,10 @@ class Program:
                        for q, runs in pulls.items()})
         if transport == "push-batch":
             return Batches(batch=be.compile_copies(
-                own + tuple(c for p in self._peers for c in pushes[p])))
+                own + tuple(c for p in self._peers for group in pushes[p] for c in group)))
         return Batches(own=be.compile_copies(own, local=True),
-                       pushes={p: be.compile_copies(c, split=True) for p, c in pushes.items()})
+                       pushes={p: tuple(be.compile_copies(group, split=True) for group in groups)
+                               for p, groups in pushes.items()})
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,8 @@ class Batches:
 
     Attributes:
         own: copies of this rank's shards into its own slot (``push``).
-        pushes: per node-local peer, the copies into that peer's slot (``push``).
+        pushes: per node-local peer, the copies into that peer's slot in arrival
+            groups, as ``Program.column`` (``push``).
         batch: the own copies, then every peer's pushes in issue order, as one
             batch (``push-batch``).
         own_parts: the own copies cut into the pull transport's parts.
@@ -243,9 +246,11 @@ def build_program(group: Group, unit: UnitLayout, shard_ptrs: Sequence[int],
             ([(step.send_peer, src(pc), pc.nbytes) for pc in _pieces(unit, col_s)],
              [(step.recv_peer, base + pc.offset, pc.nbytes) for pc in _pieces(unit, col_r)]))
     column = _pieces(unit, topo.column(me))
+    groups = _arrival_groups(column, topo)
     own = tuple((base + pc.offset, src(pc), pc.nbytes) for pc in column
                 if pc.rank == topo.rank and base + pc.offset != src(pc))
-    pushes = {p: tuple((slot.ptr(p) + pc.offset, src(pc), pc.nbytes) for pc in column)
+    pushes = {p: tuple(tuple((slot.ptr(p) + pc.offset, src(pc), pc.nbytes) for pc in group)
+                       for group in groups)
               for p in range(L) if p != me}
     # Cut points depend only on piece sizes and order, so an owner and its
     # readers cut the owner's column identically.
@@ -255,10 +260,22 @@ def build_program(group: Group, unit: UnitLayout, shard_ptrs: Sequence[int],
                               for pc in _pieces(unit, topo.column(q))], parts)
              for q in range(L) if q != me}
     program = Program(be, tuple(exchanges), own, pushes,
-                      tuple((pc.offset, src(pc), pc.nbytes) for pc in column), own_parts, pulls,
+                      tuple(tuple((pc.offset, src(pc), pc.nbytes) for pc in group)
+                            for group in groups), own_parts, pulls,
                       cast, cast_to, [(me + k) % L for k in range(1, L)])
     program.batches(_transport(group, slot))  # compiled now, not at the first call
     return program
+
+
+def _arrival_groups(column: tuple, topo: Any) -> tuple:
+    """The column's pieces in the order they reach us: our own shards, then those of
+    the nodes each inter-node step delivers (every piece, in one group, on one node)."""
+    if topo.num_nodes == 1:
+        return (column,)
+    arrivals = [(topo.node,)] + [step.recv_nodes
+                                 for step in internode_ag_steps(topo.num_nodes, topo.node)]
+    L = topo.local_size
+    return tuple(tuple(pc for pc in column if pc.rank // L in nodes) for nodes in arrivals)
 
 
 def _transport(group: Group, slot: Region) -> str:
@@ -301,21 +318,26 @@ def issue(group: Group, ex: Executor, program: Program, slot: Region,
     me, L = topo.local_rank, topo.local_size
     use = slot.uses[AG_CHANNEL] = slot.uses[AG_CHANNEL] + 1
     peers = [(me + k) % L for k in range(1, L)]
-    after_net = topo.num_nodes > 1
     transport = _transport(group, slot)
     if program.cast:
         # On COMPUTE, after its earlier work: our rows may hold staging that a
         # reduce-scatter still reads (Slot-Reuse). Every copy that reads them
         # depends on COMPUTE from here on.
         ex.accumulate(ex.COMPUTE, program.cast, _dtypes.float32, 1.0, program.out_dtype)
-        if program.exchanges:
-            ex.depend(ex.NET, ex.COMPUTE)
-    for sends, recvs in program.exchanges:
-        ex.exchange(ex.NET, sends, recvs)
-    if transport == "pull":
-        _pull(ex, slot, program, me, peers, use, after_net, stamps)
-        return
-    _PUSHES[transport](ex, slot, program, me, peers, use, after_net, stamps)
+    if program.exchanges:
+        # The exchanges write our slot, which may still hold staging that a
+        # reduce-scatter reads on COMPUTE (Slot-Reuse), and send the cast's rows.
+        ex.depend(ex.NET, ex.COMPUTE)
+    if transport in _STEPWISE:
+        _STEPWISE[transport](ex, slot, program, me, peers, use, stamps)
+    else:  # these spread the whole column at once: after every exchange
+        for sends, recvs in program.exchanges:
+            ex.exchange(ex.NET, sends, recvs)
+        after_net = bool(program.exchanges)
+        if transport == "pull":
+            _pull(ex, slot, program, me, peers, use, after_net, stamps)
+            return
+        _push_single_batch(ex, slot, program, me, peers, use, after_net, stamps)
     for q in peers:
         ex.wait(ex.COMPUTE, slot.flag(me, AG_CHANNEL, ARRIVED, q), use)
     if stamps is not None:
@@ -329,6 +351,16 @@ def _start(ex: Executor, lane: int, after_net: bool) -> None:
     ex.depend(lane, ex.COMPUTE)
     if after_net:
         ex.depend(lane, ex.NET)
+
+
+def _in_steps(ex: Executor, program: Program, deliver: Any) -> None:
+    """``deliver(0)``: spread what we hold already (our own shards); then, after each
+    inter-node step ``s``, ``deliver(s + 1)``: what that step brought, while the next
+    step's exchange runs ([Note: inter-node pipeline] in ``_reduce_scatter``)."""
+    deliver(0)
+    for s, (sends, recvs) in enumerate(program.exchanges):
+        ex.exchange(ex.NET, sends, recvs)
+        deliver(s + 1)
 
 
 def _pull(ex: Executor, slot: Region, program: Program, me: int, peers: list, use: int,
@@ -362,26 +394,33 @@ def _pull(ex: Executor, slot: Region, program: Program, me: int, peers: list, us
 
 
 def _push_per_peer(ex: Executor, slot: Region, program: Program, me: int, peers: list, use: int,
-                   after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
-    """One copy-engine batch per peer, each on that peer's lane; then our own copy.
+                   stamps: Optional[_stamps.Stamps]) -> None:
+    """One copy-engine batch per peer and arrival group, each on that peer's lane; our
+    own copy after the first group.
 
     The pushes are issued first: they are the long pole, and the own copy (a
     local copy at several times the link's rate) overlaps them.
     """
     b = program.batches("push")
     for p in peers:
-        if after_net:
-            ex.depend(p, ex.NET)
         if program.cast:
             ex.depend(p, ex.COMPUTE)
         ex.wait(p, slot.flag(me, AG_CHANNEL, FREE, p), use)
-        ex.copy(p, b.pushes[p])
+
+    def deliver(group: int) -> None:
+        for p in peers:
+            if group:  # what the exchange just issued brings
+                ex.depend(p, ex.NET)
+            ex.copy(p, b.pushes[p][group])
+        if group == 0 and b.own:  # none when the shards were cast into the slot
+            _start(ex, me, False)
+            ex.copy(me, b.own)
+
+    _in_steps(ex, program, deliver)
+    for p in peers:
         if stamps is not None:
             stamps.send(ex, p, slot, AG_CHANNEL, p, use)
         ex.signal(p, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
-    if b.own:  # none when the shards were cast into the slot
-        _start(ex, me, after_net)
-        ex.copy(me, b.own)
 
 
 def _push_single_batch(ex: Executor, slot: Region, program: Program, me: int, peers: list,
@@ -401,15 +440,21 @@ def _push_single_batch(ex: Executor, slot: Region, program: Program, me: int, pe
 
 
 def _push_multicast(ex: Executor, slot: Region, program: Program, me: int, peers: list, use: int,
-                    after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
+                    stamps: Optional[_stamps.Stamps]) -> None:
     """Each piece written once, to the multicast address: every peer's slot gets it."""
-    _start(ex, me, after_net)
-    for p in peers:  # every peer must have granted before the single write
+    _start(ex, me, False)
+    for p in peers:  # every peer must have granted before the first write
         ex.wait(me, slot.flag(me, AG_CHANNEL, FREE, p), use)
-    # Across nodes the column holds other nodes' shards, already in our slot:
-    # they are written from there to the multicast address, which also maps our
-    # slot, so those bytes are rewritten in place with the same values.
-    ex.multicast_copy(me, slot.buffer, program.column)
+
+    # Across nodes the pieces from other nodes are already in our slot: they are
+    # written from there to the multicast address, which also maps our slot, so
+    # those bytes are rewritten in place with the same values.
+    def deliver(group: int) -> None:
+        if group:
+            ex.depend(me, ex.NET)
+        ex.multicast_copy(me, slot.buffer, program.column[group])
+
+    _in_steps(ex, program, deliver)
     _arrive(ex, me, slot, peers, use, stamps)
 
 
@@ -422,5 +467,5 @@ def _arrive(ex: Executor, me: int, slot: Region, peers: list, use: int,
         ex.signal(me, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
 
 
-_PUSHES = {"push": _push_per_peer, "push-batch": _push_single_batch,
-           "multicast": _push_multicast}
+#: Transports that spread each arrival group as soon as it is in our slot.
+_STEPWISE = {"push": _push_per_peer, "multicast": _push_multicast}

@@ -408,7 +408,9 @@ class RsPiece:
     """Shard rows ``[row_start, row_stop)`` of ``param`` inside one chunk.
 
     In a staging buffer, the piece for target node ``m`` from source slot ``j``
-    sits at ``j * source_nbytes + m * block_nbytes + offset``.
+    sits at ``j * source_nbytes + m * block_nbytes + offset``. Across nodes, its
+    fp32 partial sums for node ``m`` sit at element ``m * net_numel + offset //
+    itemsize`` of the chunk's partial buffer (the same layout, counted in elements).
     """
 
     param: int
@@ -427,14 +429,24 @@ class RsChunk:
 class RsPlan:
     """Chunks of a unit's reduce-scatter and the buffers it needs.
 
+    A staging region holds, back to back: ``min(depth, chunks)`` node-local staging
+    buffers; across nodes, as many fp32 partial-sum buffers (``num_nodes`` blocks of
+    ``net_numel`` each) and one fp32 receive buffer (``num_nodes - 1`` blocks). All
+    are bounded by the chunk and the depth, not by the world size
+    ([Note: inter-node pipeline] in ``_reduce_scatter``).
+
     Attributes:
         chunks: chunks in issue order; chunk k uses staging buffer ``k % depth``.
         depth: staging buffers in flight (the two-phase pipeline depth).
         source_nbytes: one remote source's share of a staging buffer.
         buffer_nbytes: one staging buffer, for ``local_size - 1`` sources.
-        out_offsets: fp32 element offset of each parameter's shard in a
-            rank's block of the partial buffer (used across nodes).
-        block_numel: fp32 elements of one rank's block of partial sums.
+        out_offsets: fp32 element offset of each parameter's shard in a rank's
+            block of results (the receive block without ``out=``).
+        block_numel: fp32 elements of one rank's block of results.
+        num_nodes: the nodes the plan reduces over.
+        itemsize: bytes per gradient element.
+        net_numel: fp32 elements of one node's block of a chunk's partial sums
+            (the largest chunk's); 0 on one node.
     """
 
     chunks: tuple[RsChunk, ...]
@@ -443,13 +455,48 @@ class RsPlan:
     buffer_nbytes: int
     out_offsets: tuple[int, ...]
     block_numel: int
+    num_nodes: int = 1
+    itemsize: int = 2
+    net_numel: int = 0
+
+    @property
+    def buffers(self) -> int:
+        """Staging (and partial-sum) buffers in use: no more than there are chunks."""
+        return min(self.depth, len(self.chunks))
+
+    @property
+    def local_nbytes(self) -> int:
+        """Node-local staging: what peers push gradient rows into."""
+        return self.buffers * self.buffer_nbytes
+
+    @property
+    def partial_nbytes(self) -> int:
+        """fp32 node partial sums, one buffer per chunk in flight (across nodes)."""
+        return self.buffers * self.num_nodes * self.net_numel * 4 if self.num_nodes > 1 else 0
+
+    @property
+    def receive_nbytes(self) -> int:
+        """fp32 partial sums received from the other nodes, for one chunk (across nodes)."""
+        return (self.num_nodes - 1) * self.net_numel * 4
+
+    @property
+    def partial_offset(self) -> int:
+        return self.local_nbytes
+
+    @property
+    def receive_offset(self) -> int:
+        return self.local_nbytes + self.partial_nbytes
 
     @property
     def staging_nbytes(self) -> int:
-        return min(self.depth, len(self.chunks)) * self.buffer_nbytes
+        return self.local_nbytes + self.partial_nbytes + self.receive_nbytes
 
     def buffer_of(self, chunk: int) -> int:
         return chunk % self.depth
+
+    def chunk_numel(self, chunk: int) -> int:
+        """fp32 elements of one node's block of chunk ``chunk``'s partial sums."""
+        return self.chunks[chunk].block_nbytes // self.itemsize
 
 
 def _chunk_pieces(unit: UnitLayout, budget: int) -> list[list[tuple[int, int, int]]]:
@@ -480,11 +527,13 @@ def plan_reduce_scatter(
 
     ``chunk_nbytes`` bounds one remote source's bytes per chunk, summed over
     target nodes, so staging stays ``depth * (local_size-1) * chunk_nbytes``
-    whatever the world size.
+    whatever the world size; across nodes the partial sums and the receive buffer
+    are bounded by the chunk too (``RsPlan``).
     """
     if depth < 1:
         raise TideInvalid(f"expected a pipeline depth >= 1, got {depth}")
     nodes = topo.num_nodes
+    itemsize = unit.specs[0].itemsize if unit.specs else 2
     chunks = []
     for raw in _chunk_pieces(unit, max(ALIGN, chunk_nbytes // nodes // ALIGN * ALIGN)):
         pieces, cursor = [], 0
@@ -497,8 +546,9 @@ def plan_reduce_scatter(
     for spec in unit.specs:
         out_offsets.append(cursor)
         cursor += align_up(spec.shard_numel * 4) // 4
+    net = max((ch.block_nbytes for ch in chunks), default=0) // itemsize if nodes > 1 else 0
     return RsPlan(tuple(chunks), depth, source, source * (topo.local_size - 1),
-                  tuple(out_offsets), cursor)
+                  tuple(out_offsets), cursor, nodes, itemsize, net)
 
 
 # -- memory -------------------------------------------------------------------

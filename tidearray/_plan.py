@@ -167,7 +167,12 @@ def slot_chunk_nbytes(slot_nbytes: int, group: Optional[Group] = None,
     """
     group = group or default_group()
     cfg, L = group.config, group.local_size
-    fit = slot_nbytes // (cfg.depth * max(L - 1, 1) * pipeline)
+    per_chunk = cfg.depth * max(L - 1, 1)  # node-local staging, in chunks
+    if group.topology.num_nodes > 1:
+        # fp32 partial sums (depth buffers) and one receive buffer, each up to one
+        # chunk of fp32 per chunk of (at narrowest, 2-byte) gradients.
+        per_chunk += 2 * (cfg.depth + 1)
+    fit = slot_nbytes // (per_chunk * pipeline)
     return max(cfg.chunk_nbytes, fit // 4096 * 4096)
 
 
@@ -308,17 +313,11 @@ class ReducePlan(_Plan):
         elif out is not None:
             self.out = red.outs
         self._out_ptrs = out_ptrs
-        # Across nodes the node partial sums (and, with outputs, the inter-node
-        # result) need buffers of their own, made once, here.
-        self._final, partial = rs.receive_buffers(group, red.plan, own=False)
-        self._final_ptr = None if self._final is None else be.resolve(self._final).ptr
-        self._partial_ptr = None if partial is None else be.resolve(partial).ptr
-        self._keep = partial
         self._programs = BoundedCache(FRESH_PROGRAMS if self._fresh else 4)
         if not eager:
             if staging is None:
                 self.staging = default_region(group, "staging", red.plan.staging_nbytes)
-            self._program(self.staging, self._final_ptr)
+            self._program(self.staging, None)
 
     def _program(self, staging: Region, final_ptr: Optional[int]) -> rs.Program:
         key = (staging.id, final_ptr)
@@ -326,7 +325,7 @@ class ReducePlan(_Plan):
         if program is None:
             program = self._programs.put(key, rs.build_program(
                 self.group, self._red, None if self._fresh else self._out_ptrs, final_ptr,
-                self._partial_ptr, staging))
+                staging))
         return program
 
     def _run(self, stream: Any, async_op: bool) -> Any:
@@ -335,7 +334,7 @@ class ReducePlan(_Plan):
         staging = self.staging
         if staging is None:
             staging = default_region(group, "staging", plan.staging_nbytes)
-        final_ptr, results = self._final_ptr, self.out
+        final_ptr, results = None, self.out
         if self._fresh:
             be = group.backend
             final = be.empty((plan.block_numel,), _dtypes.float32)

@@ -8,8 +8,30 @@ fused in. Chunk ``k`` uses staging buffer ``k % depth``, so pushes of chunk
 ``k+1`` overlap the accumulate of chunk ``k`` (the two-phase pipeline).
 
 Across nodes, the accumulate writes node partial sums for every node's rank of
-this column, and an fp32 reduce-scatter over the inter-node ranks finishes the
-sum; the outputs are then views into its receive buffer.
+this column, chunk by chunk, and each chunk crosses the network as soon as its
+partial sums are complete.
+
+[Note: inter-node pipeline]
+Chunk ``k``'s node partial sums (one fp32 block per node) land in partial buffer
+``k % depth`` of the staging region. The NET lane then sends block ``m`` to node
+``m`` and receives every other node's block for our rows into the receive
+buffer, one grouped exchange over ``inter_comm``, while COMPUTE goes on to
+chunk ``k+1``. Once the exchange is done, COMPUTE sums chunk ``k``'s blocks into
+our outputs, before the next chunk's exchange reuses the receive buffer. So
+
+  COMPUTE:  acc(0)  acc(1) sum(0)  acc(2) sum(1)  ...  sum(n-1)
+  NET:             xchg(0)        xchg(1)        xchg(2) ...
+
+Lanes are ordered by marks and dependencies (events on cuda), never by host
+waits. Every buffer is one chunk's, so the reduce-scatter's memory stays
+``depth`` staging buffers, ``depth`` partial buffers and one receive buffer,
+whatever the world size (``RsPlan``).
+
+The summation order is fixed and does not depend on chunking, depth, backend
+or library: each node sums its ``local_size`` sources in local-rank order in
+fp32, scaled once (``avg``); then the ``num_nodes`` partial sums are added in
+node order. A sum of our own (not NCCL's or MPI's reduce-scatter, whose order
+depends on their algorithm and message size) keeps that order.
 """
 
 from __future__ import annotations
@@ -24,6 +46,7 @@ from ._errors import TideInvalid
 from ._group import Group
 from ._layout import (
     RsChunk,
+    RsPiece,
     RsPlan,
     ShardSpec,
     Topology,
@@ -138,20 +161,26 @@ def _check_outs(unit: UnitLayout, grads: list, outs: list) -> list[str]:
     return errors
 
 
-def receive_buffers(group: Group, plan: RsPlan, own: bool) -> tuple:
-    """fp32 ``(final, partial)`` buffers, each None where not needed: our own receive
-    buffer (``own``: the outputs cannot take the sums directly; always across nodes,
-    where it is the inter-node reduce-scatter's output) and the node partial sums
-    (across nodes)."""
-    be, nodes = group.backend, group.topology.num_nodes
-    final = be.empty((plan.block_numel,), _dtypes.float32) if own or nodes > 1 else None
-    partial = be.empty((nodes * plan.block_numel,), _dtypes.float32) if nodes > 1 else None
-    return final, partial
-
-
 def start_stamps(group: Group, plan: RsPlan) -> Optional[_stamps.Stamps]:
     """Debug stamps for one call: one per peer and chunk ([Note: stamps])."""
     return _stamps.start(group, "reduce_scatter", len(plan.chunks) * (group.local_size - 1))
+
+
+@dataclass(frozen=True)
+class NetStage:
+    """One chunk's inter-node phase: its partial sums sent to every other node, the
+    other nodes' partial sums for our shard received, and their sum.
+
+    Attributes:
+        sends, recvs: ``(node, addr, nbytes)`` of the grouped exchange over
+            ``inter_comm`` (node index = inter-node rank).
+        sums: the compiled accumulate pieces: ``out = sum over nodes in node order``
+            of the partial sums for our rows (our own node's read in place).
+    """
+
+    sends: tuple
+    recvs: tuple
+    sums: Any
 
 
 @dataclass(frozen=True)
@@ -160,81 +189,108 @@ class Program:
     each batch in its backend's form ([Note: compiled batches] in ``backends._base``).
 
     Attributes:
-        chunks: per chunk, ``(pushes, pieces)``: copies into each node-local
-            peer's staging, and the accumulate pieces of our own shard rows.
-        reduce: ``(send, recv, count)`` of the inter-node fp32 reduce-scatter, or None.
-        copy_out: copies from the receive buffer into the caller's ``out`` (across nodes).
+        chunks: per chunk, ``(pushes, pieces, net)``: copies into each node-local
+            peer's staging, the accumulate pieces of our own shard rows (node
+            partial sums across nodes), and the chunk's :class:`NetStage` (None on
+            one node).
         zeros: ``(addr, nbytes)`` of padding rows in the outputs.
         dtype: the gradients' dtype (the accumulate's sources).
     """
 
     chunks: tuple
-    reduce: Optional[tuple]
-    copy_out: Any
     zeros: tuple
     dtype: Any
 
 
 def build_program(group: Group, red: Reduce, outs: Optional[Sequence[int]],
-                  final_ptr: Optional[int], partial_ptr: Optional[int],
-                  staging: Region) -> Program:
-    """Every copy and accumulate of ``red`` staged in ``staging``, compiled for the
-    group's backend. ``outs``: the addresses of fp32 outputs (validated: each its
-    shard's shape), or None (into ``final_ptr``, a receive buffer)."""
+                  final_ptr: Optional[int], staging: Region) -> Program:
+    """Every copy, accumulate and exchange of ``red`` staged in ``staging``, compiled
+    for the group's backend. ``outs``: the addresses of fp32 outputs (validated: each
+    its shard's shape), or None (into ``final_ptr``, a receive block)."""
     be, topo, unit, plan = group.backend, group.topology, red.layout, red.plan
     grad_ptrs = red.grad_ptrs
-    me, L = topo.local_rank, topo.local_size
+    me, L, nodes = topo.local_rank, topo.local_size, topo.num_nodes
     if final_ptr is None:
         out_ptrs = list(outs)
     else:
         out_ptrs = [final_ptr + o * 4 for o in plan.out_offsets]
-    dst = out_ptrs if partial_ptr is None else _partial_ptrs(partial_ptr, plan, topo)
     chunks = []
     for k, chunk in enumerate(plan.chunks):
-        boff = plan.buffer_of(k) * plan.buffer_nbytes
+        b = plan.buffer_of(k)
+        boff = b * plan.buffer_nbytes
         pushes = {p: be.compile_copies(_push_copies(
             unit, chunk, topo, p, grad_ptrs,
             staging.ptr(p) + boff + ((me - p) % L - 1) * plan.source_nbytes), split=True)
                   for p in range(L) if p != me}
         src_base = {q: staging.ptr(me) + boff + ((q - me) % L - 1) * plan.source_nbytes
                     for q in range(L) if q != me}
-        pieces = _accum_pieces(unit, chunk, topo, grad_ptrs, dst, src_base)
-        chunks.append((pushes, be.compile_pieces(pieces, red.dtype)))
-    reduce = copy_out = None
-    if partial_ptr is not None:
-        reduce = (partial_ptr, final_ptr, plan.block_numel)
-        if outs is not None:
-            copy_out = tuple((o, p, s.shard_numel * 4)
-                             for o, p, s in zip(outs, out_ptrs, unit.specs))
-            out_ptrs = list(outs)
+        net = None
+        if nodes == 1:
+            out = functools.partial(_into_shards, out_ptrs)
+        else:
+            partial = (staging.ptr(me) + plan.partial_offset
+                       + b * nodes * plan.net_numel * 4)
+            out = functools.partial(_into_partials, plan, partial)
+            net = _net_stage(group, unit, plan, k, partial, staging.ptr(me) + plan.receive_offset,
+                             out_ptrs)
+        pieces = _accum_pieces(unit, chunk, topo, grad_ptrs, out, src_base)
+        chunks.append((pushes, be.compile_pieces(pieces, red.dtype), net))
     zeros = []
     for spec, ptr in zip(unit.specs, out_ptrs):  # padding rows: nobody contributes
         v = spec.valid_rows(topo.rank)
         if v < spec.rows_per_shard:
             zeros.append((ptr + v * spec.row_numel * 4,
                           (spec.rows_per_shard - v) * spec.row_numel * 4))
-    return Program(tuple(chunks), reduce, be.compile_copies(copy_out or (), local=True),
-                   tuple(zeros), red.dtype)
+    return Program(tuple(chunks), tuple(zeros), red.dtype)
 
 
-def _partial_ptrs(base: int, plan: RsPlan, topo: Topology) -> list[list[int]]:
-    """``[node][param]`` addresses of node partial sums, rank-major for the inter-node RS."""
-    return [[base + (m * plan.block_numel + o) * 4 for o in plan.out_offsets]
-            for m in range(topo.num_nodes)]
+def _net_stage(group: Group, unit: UnitLayout, plan: RsPlan, k: int, partial: int,
+               receive: int, out_ptrs: list[int]) -> NetStage:
+    """Chunk ``k``'s exchange of node partial sums and their sum into our outputs."""
+    topo = group.topology
+    node, nodes, block = topo.node, topo.num_nodes, plan.net_numel * 4
+    nbytes = plan.chunk_numel(k) * 4
+
+    def received(m: int) -> int:  # node m's block in the receive buffer (ours is not there)
+        return receive + (m - (m > node)) * block
+
+    others = [m for m in range(nodes) if m != node]
+    sends = tuple((m, partial + m * block, nbytes) for m in others)
+    recvs = tuple((m, received(m), nbytes) for m in others)
+    sums = []
+    for pc in plan.chunks[k].pieces:
+        spec = unit.specs[pc.param]
+        _, n = _slice(spec, topo.rank, pc.row_start, pc.row_stop)
+        off = pc.offset // plan.itemsize * 4
+        srcs = tuple(partial + node * block + off if m == node else received(m) + off
+                     for m in range(nodes))
+        sums.append(AccumPiece(out_ptrs[pc.param] + pc.row_start * spec.row_numel * 4, srcs,
+                               n * spec.row_numel))
+    return NetStage(sends, recvs, group.backend.compile_pieces(sums, _dtypes.float32))
 
 
 def run(group: Group, ex: Executor, plan: RsPlan, program: Program, staging: Region,
         scale: float, stamps: Optional[_stamps.Stamps] = None) -> None:
-    """Issue one reduction: CE pushes into peers' staging, accumulate from ours; then
-    across nodes. ``stamps``: debug mode's ([Note: stamps])."""
+    """Issue one reduction: CE pushes into peers' staging, accumulate from ours; across
+    nodes, each chunk's exchange and sum as soon as its partial sums are complete
+    ([Note: inter-node pipeline]). ``stamps``: debug mode's ([Note: stamps])."""
     me, L = group.topology.local_rank, group.topology.local_size
     peers = [(me + k) % L for k in range(1, L)]
     n_chunks = len(plan.chunks)
-    for b in range(min(plan.depth, n_chunks)):  # grant this call's first use of each buffer
+    for b in range(plan.buffers):  # grant this call's first use of each buffer
         for p in peers:
             ex.signal(ex.COMPUTE, staging.flag(p, RS_CHANNEL0 + b, FREE, me),
                       staging.uses[RS_CHANNEL0 + b] + 1)
-    for k, (pushes, pieces) in enumerate(program.chunks):
+    # With one partial buffer, chunk k's partial sums may be written only once chunk
+    # k-1's have been sent: its sum (which waits for that exchange) goes first.
+    sum_first = plan.depth == 1
+    sent: list = []  # per chunk: the NET lane's mark after its exchange
+
+    def net_sum(j: int) -> None:
+        ex.after(ex.COMPUTE, sent[j])
+        ex.accumulate(ex.COMPUTE, program.chunks[j][2].sums, _dtypes.float32, 1.0)
+
+    for k, (pushes, pieces, net) in enumerate(program.chunks):
         ch = RS_CHANNEL0 + plan.buffer_of(k)
         use = staging.uses[ch] = staging.uses[ch] + 1
         for p in peers:
@@ -248,18 +304,25 @@ def run(group: Group, ex: Executor, plan: RsPlan, program: Program, staging: Reg
         if stamps is not None:
             stamps.snapshot(ex, ex.COMPUTE, staging, ch, peers, use,
                             f"staging {staging.id}, chunk {k}")
+        if net is not None and sum_first and k:
+            net_sum(k - 1)
         ex.accumulate(ex.COMPUTE, pieces, program.dtype, scale)
         if k + plan.depth < n_chunks:
             for p in peers:
                 ex.signal(ex.COMPUTE, staging.flag(p, ch, FREE, me), use + 1)
-    lane = ex.COMPUTE
-    if program.reduce is not None:
-        lane = ex.NET
-        ex.depend(lane, ex.COMPUTE)
-        ex.reduce_scatter_f32(lane, *program.reduce)
-        ex.copy(lane, program.copy_out)
+        if net is None:
+            continue
+        if not sum_first and k:
+            net_sum(k - 1)  # before the exchange that reuses its receive buffer
+        # After COMPUTE so far: this chunk's partial sums, and the sum that read the
+        # receive buffer last.
+        ex.depend(ex.NET, ex.COMPUTE)
+        ex.exchange(ex.NET, net.sends, net.recvs)
+        sent.append(ex.mark(ex.NET))
+    if sent:
+        net_sum(n_chunks - 1)
     for addr, nbytes in program.zeros:
-        ex.zero(lane, addr, nbytes)
+        ex.zero(ex.COMPUTE, addr, nbytes)
 
 
 def _slice(spec: ShardSpec, target: int, a: int, b: int) -> tuple[int, int]:
@@ -282,18 +345,28 @@ def _push_copies(unit: UnitLayout, chunk: RsChunk, topo: Topology, p: int, grad_
     return tuple(copies)
 
 
-def _accum_pieces(unit: UnitLayout, chunk: RsChunk, topo: Topology, grad_ptrs: list[int], dst: list,
-                  src_base: dict) -> list[AccumPiece]:
+def _into_shards(out_ptrs: list[int], m: int, pc: RsPiece, spec: ShardSpec) -> int:
+    """Where a node-local sum goes on one node: the piece's rows of our output shard."""
+    return out_ptrs[pc.param] + pc.row_start * spec.row_numel * 4
+
+
+def _into_partials(plan: RsPlan, partial: int, m: int, pc: RsPiece, spec: ShardSpec) -> int:
+    """Where a node-local sum goes across nodes: node ``m``'s block of the partial sums."""
+    return partial + (m * plan.net_numel + pc.offset // plan.itemsize) * 4
+
+
+def _accum_pieces(unit: UnitLayout, chunk: RsChunk, topo: Topology, grad_ptrs: list[int],
+                  out: Any, src_base: dict) -> list[AccumPiece]:
+    """The node-local sums of ``chunk``: for each node's rank of our column (only us on
+    one node), our node's sources in local-rank order, into ``out(node, piece, spec)``."""
     me, L = topo.local_rank, topo.local_size
     pieces = []
     for m in range(topo.num_nodes):
         target = topo.global_rank(m, me)
-        outs = dst if topo.num_nodes == 1 else dst[m]
         for pc in chunk.pieces:
             spec = unit.specs[pc.param]
             row, n = _slice(spec, target, pc.row_start, pc.row_stop)
             srcs = tuple(grad_ptrs[pc.param] + row * spec.row_nbytes if q == me else
                          src_base[q] + m * chunk.block_nbytes + pc.offset for q in range(L))
-            pieces.append(AccumPiece(outs[pc.param] + pc.row_start * spec.row_numel * 4,
-                                     srcs, n * spec.row_numel))
+            pieces.append(AccumPiece(out(m, pc, spec), srcs, n * spec.row_numel))
     return pieces

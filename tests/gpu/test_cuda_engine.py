@@ -17,6 +17,7 @@ import tidearray
 from tidearray.backends._base import AccumPiece
 from tidearray.layout import shard_shape
 
+from .._util import stall
 from ._units import UNITS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
@@ -210,6 +211,35 @@ def test_copier_many_local_copies_go_as_one_kernel(cuda_group, cp):
         assert bool((dst == want).all())
     assert not isinstance(c.plan(copies, local=True, kernel=False).runs[0], _KernelCopy)
     assert not isinstance(c.plan(copies[:7], local=True).runs[0], _KernelCopy)
+
+
+@pytest.mark.parametrize("order", ["after", "depend"])
+def test_after_a_mark_waits_for_that_point_only(cuda_group, cp, order):
+    """COMPUTE: slow work, flag = 1, a mark, slow work, flag = 2. NET, after the mark,
+    copies the flag: it reads 1 (the marked point reached, COMPUTE's later work not
+    waited for). ``depend`` at the same place orders after everything COMPUTE issued
+    so far, so it reads 2. Each spin is 0.3 s: the copy cannot win by luck."""
+    ex = cuda_group.backend.executor()
+    lanes = ex.lanes.streams
+    flag = cp.zeros(1, cp.int32)
+    seen = cp.full(1, -1, cp.int32)
+    ptr = flag.data.ptr
+    ex.signal(ex.COMPUTE, ptr, 0)  # the lane's first use: it waits for the fork here
+    with lanes[ex.COMPUTE]:
+        stall(cp, 0.3)
+    ex.signal(ex.COMPUTE, ptr, 1)
+    mark = ex.mark(ex.COMPUTE)
+    with lanes[ex.COMPUTE]:
+        stall(cp, 0.3)
+    ex.signal(ex.COMPUTE, ptr, 2)
+    if order == "after":
+        ex.after(ex.NET, mark)
+    else:
+        ex.depend(ex.NET, ex.COMPUTE)
+    ex.copy(ex.NET, [(seen.data.ptr, ptr, 4)], local=True)
+    ex.finish().wait()
+    cp.cuda.runtime.deviceSynchronize()
+    assert int(seen[0]) == (1 if order == "after" else 2)
 
 
 def test_capabilities_reported(cuda_group):

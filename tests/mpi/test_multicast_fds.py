@@ -74,7 +74,7 @@ def test_exchange_fds_failure_raises_on_every_rank(group, monkeypatch):
     fd = os.memfd_create("tide-test")
     try:
         with pytest.raises(TideBackendError, match=f"rank {comm.size - 1}: .*refused"):
-            exchange_fds(comm, [fd], timeout=5.0)
+            exchange_fds(comm, [fd], timeout=2.0)
     finally:
         os.close(fd)
 

@@ -165,15 +165,19 @@ class Executor(abc.ABC):
         if sends or recvs:
             self._exchange(lane, sends, recvs)
 
-    def reduce_scatter_f32(self, lane: int, send: int, recv: int, count: int) -> None:
-        """Inter-node fp32 sum reduce-scatter; ``count`` elements received per node."""
-        if count:
-            self._reduce_scatter_f32(lane, send, recv, count)
-
     def depend(self, lane: int, on: int) -> None:
         """Order ``lane``'s later work after ``on``'s work issued so far."""
         if lane != on:
             self._depend(lane, on)
+
+    def mark(self, lane: int) -> Any:
+        """A point in ``lane``'s work: everything issued on it so far. :meth:`after`
+        orders another lane after that point, not after what ``lane`` issues later."""
+        return self._mark(lane)
+
+    def after(self, lane: int, mark: Any) -> None:
+        """Order ``lane``'s later work after a :meth:`mark` of this collective's."""
+        self._after(lane, mark)
 
     @abc.abstractmethod
     def finish(self) -> Completion:
@@ -201,10 +205,13 @@ class Executor(abc.ABC):
     def _exchange(self, lane: int, sends: list, recvs: list) -> None: ...
 
     @abc.abstractmethod
-    def _reduce_scatter_f32(self, lane: int, send: int, recv: int, count: int) -> None: ...
+    def _depend(self, lane: int, on: int) -> None: ...
 
     @abc.abstractmethod
-    def _depend(self, lane: int, on: int) -> None: ...
+    def _mark(self, lane: int) -> Any: ...
+
+    @abc.abstractmethod
+    def _after(self, lane: int, mark: Any) -> None: ...
 
 
 class TupleBatch(Batch):

@@ -8,7 +8,7 @@ It is a real engine, not a mock, and what CI runs:
 * the "CTA" is NumPy: fp32 accumulation in a fixed source order;
 * flags are int32 words in shared windows, written after a memory fence and
   polled, with a timeout instead of a hang;
-* between nodes, MPI point-to-point and ``Reduce_scatter_block``.
+* between nodes, MPI point-to-point.
 
 Lanes execute in program order, so every primitive is complete when it returns.
 """
@@ -149,15 +149,14 @@ class HostExecutor(Executor):
         reqs += [comm.Isend(_bytes_at(a, n), dest=peer, tag=7) for peer, a, n in sends]
         MPI.Request.Waitall(reqs)
 
-    def _reduce_scatter_f32(self, lane: int, send: int, recv: int, count: int) -> None:
-        from mpi4py import MPI
-
-        comm = self.backend.group.inter_comm
-        comm.Reduce_scatter_block(_array_at(send, count * comm.size, float32),
-                                  _array_at(recv, count, float32), op=MPI.SUM)
-
     def _depend(self, lane: int, on: int) -> None:
         pass  # program order already
+
+    def _mark(self, lane: int) -> None:
+        return None
+
+    def _after(self, lane: int, mark: Any) -> None:
+        pass
 
     def finish(self) -> Completion:
         return _Done()

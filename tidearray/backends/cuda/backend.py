@@ -15,7 +15,7 @@ How each primitive runs (all asynchronous, on the lane streams of
   zero SMs (``flags``);
 * ``accumulate``: one short kernel per call (``kernels/accumulate.cu``,
   ``accumulate``);
-* ``exchange`` / ``reduce_scatter_f32``: NCCL through nccl4py (``nccl``).
+* ``exchange``: NCCL grouped send/recv through nccl4py (``nccl``).
 
 So TIDE-AG launches no kernel (only its own copy, within the device, runs on the
 SMs; one copy kernel when it is ``Config.local_copy_kernel_min`` copies or more),

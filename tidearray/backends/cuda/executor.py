@@ -8,7 +8,7 @@ never synchronise with the legacy default stream):
   so pushes to different peers run on different copy engines at once, and a
   lane blocked on one peer's grant never holds up another peer;
 * ``COMPUTE`` runs grants, arrival waits and the accumulate kernel;
-* ``NET`` runs NCCL (inter-node exchanges and the fp32 reduce-scatter).
+* ``NET`` runs NCCL (the inter-node exchanges of both collectives).
 
 An executor records one event on the user's stream when it is created (from
 the backend's spare fork events, returned by ``finish``: a stream wait takes
@@ -80,6 +80,7 @@ class Lanes:
     nccl: Optional[NcclLink] = None  # between nodes only
     events: EventRing = field(default_factory=lambda: EventRing())
     fork_events: list = field(default_factory=list)  # spare fork events, reused
+    mark_events: list = field(default_factory=list)  # spare mark events, reused
 
 
 class EventRing:
@@ -133,6 +134,7 @@ class CudaExecutor(Executor):
         self._started: set[int] = set()
         self._waits: list[tuple[int, int]] = []  # for the watchdog ([Note: watchdog])
         self._uses_nccl = False
+        self._marks: list = []  # back to the spare marks at finish, every wait issued
 
     def _lane(self, lane: int) -> Any:
         """Lane ``lane``'s stream, made to wait for the fork on first use."""
@@ -192,14 +194,21 @@ class CudaExecutor(Executor):
         self._uses_nccl = True
         self.lanes.nccl.exchange(self._lane(lane).ptr, sends, recvs)
 
-    def _reduce_scatter_f32(self, lane: int, send: int, recv: int, count: int) -> None:
-        self._uses_nccl = True
-        self.lanes.nccl.reduce_scatter_f32(self._lane(lane).ptr, send, recv, count)
-
     def _depend(self, lane: int, on: int) -> None:
         ev = self.lanes.events.take()
         ev.record(self._lane(on))
         self._lane(lane).wait_event(ev)
+
+    def _mark(self, lane: int) -> Any:
+        # Its own event, not the ring's: a mark may be waited on many operations later.
+        marks = self.lanes.mark_events
+        ev = marks.pop() if marks else _event()
+        ev.record(self._lane(lane))
+        self._marks.append(ev)
+        return ev
+
+    def _after(self, lane: int, mark: Any) -> None:
+        self._lane(lane).wait_event(mark)
 
     def finish(self) -> CudaCompletion:
         events = []
@@ -211,6 +220,7 @@ class CudaExecutor(Executor):
             self.lanes.fork_events.append(self._fork)
         else:  # nothing issued: completion is the fork itself
             events.append(self._fork)
+        self.lanes.mark_events += self._marks  # likewise every wait on a mark
         self.lanes.retire(events)
         nccl = self.lanes.nccl
         self.lanes.watchdog.watch("collective", events, self._waits,

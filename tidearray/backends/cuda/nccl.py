@@ -1,4 +1,4 @@
-"""NCCL through nccl4py: the inter-node exchange and fp32 reduce-scatter.
+"""NCCL through nccl4py: the inter-node exchanges (grouped send/recv).
 
 The communicator spans ``group.inter_comm`` (one rank per node with the same
 local rank), so NCCL ranks are node indices. It is bootstrapped over MPI as in
@@ -99,16 +99,15 @@ class NcclLink:
         ``ncclGroupEnd`` until the peer joins: a call to a dead peer would then hang
         on the host, where the watchdog ([Note: watchdog]) cannot release it. After
         this, calls only enqueue, and the watchdog's ``ncclCommAbort`` ends their
-        kernels. One 4-byte send and receive with every peer, and one reduce-scatter.
+        kernels. One 4-byte send and receive with every peer.
         """
         import cupy
 
-        buf = cupy.zeros(3 * size, cupy.float32)
+        buf = cupy.zeros(2 * size, cupy.float32)
         base, stream = buf.data.ptr, cupy.cuda.Stream(non_blocking=True)
         peers = [p for p in range(size) if p != rank]
         self.exchange(stream.ptr, [(p, base + 4 * p, 4) for p in peers],
                       [(p, base + 4 * (size + p), 4) for p in peers])
-        self.reduce_scatter_f32(stream.ptr, base, base + 8 * size, 1)
         stream.synchronize()
 
     def exchange(self, stream: int, sends: list, recvs: list) -> None:
@@ -122,11 +121,6 @@ class NcclLink:
                 nb.send(addr, n, u8, peer, self._raw, stream)
         finally:
             self._nccl.group_end()
-
-    def reduce_scatter_f32(self, stream: int, send: int, recv: int, count: int) -> None:
-        """fp32 sum reduce-scatter, ``count`` elements received, on ``stream``."""
-        self._nb.reduce_scatter(send, recv, count, int(self._nccl.FLOAT32),
-                                int(self._nccl.SUM), self._raw, stream)
 
     def abort(self) -> None:
         """``ncclCommAbort``: ends this rank's NCCL kernels that wait for a dead peer.
