@@ -121,7 +121,7 @@ def push_and_own() -> None:
     stream.wait_event(join)
 
 
-pieces = plan._program.pushes[(me + 1) % L] if L > 1 else ()
+pieces = plan._program(arena[0]).raw_copies()[1][(me + 1) % L] if L > 1 else ()
 
 
 def plain_pieces() -> None:

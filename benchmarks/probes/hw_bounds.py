@@ -247,6 +247,7 @@ def bare_copies() -> dict:
     slot = ta.SlotArena(max(2 * share, layout.nbytes), num_slots=1)[0]
     # TIDE-AG's own copy list into this slot: its pieces, as its lanes issue them
     program = build_program(group, layout, [s.data.ptr for s in shards], slot)
+    own_copies, pushes = program.raw_copies()
     copier = Copier(None)
     copier.probe(dev.stream.ptr)
     cut_copier = Copier(None, local_max=LOCAL_MAX)
@@ -273,14 +274,14 @@ def bare_copies() -> dict:
         dev.stream.wait_event(join)
 
     def own_cut() -> None:  # the own copy as TIDE-AG now issues it
-        cut_copier.copy(dev.stream.ptr, program.own, local=True)
+        cut_copier.copy(dev.stream.ptr, own_copies, local=True)
 
     def pieces(own_copier=copier) -> None:  # TIDE-AG's pieces, batched, with no flags
         fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
         fork.record(dev.stream)
         own_stream.wait_event(fork)
-        own_copier.copy(own_stream.ptr, program.own, local=own_copier is not copier)
-        copier.copy(dev.stream.ptr, program.pushes[peer])
+        own_copier.copy(own_stream.ptr, own_copies, local=own_copier is not copier)
+        copier.copy(dev.stream.ptr, pushes[peer])
         join.record(own_stream)
         dev.stream.wait_event(join)
 
