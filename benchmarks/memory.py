@@ -147,6 +147,13 @@ def render(s: Settings = Settings(), names: Sequence[str] = UNITS) -> str:
         lines.append(_fill(f"- {unit.label}: TIDE-RS total {spread(rs) * 100:.1f}%, stock RS "
                            f"fp32 input {grow:.1f}x, output {lo}"
                            + (f" to {hi}" if hi != lo else "") + " MiB", indent="  "))
+    c, d, L = s.chunk_nbytes, s.depth, s.local_size
+    bound = d * (L - 1) * c + (d + 1) * c * 2  # bf16 gradients: fp32 blocks are 2x
+    lines += ["", _fill(
+        f"Every total is at most the bound `depth x (local_size - 1) x chunk + (depth + 1) x "
+        f"chunk x 4 / itemsize` ({mib(bound)} MiB here) at any world size. A unit of no more "
+        "chunks than buffers has its chunks evened out and stays below it (the Llama-3.1-8B "
+        "layer at the smallest count), which is all its larger spread says.")]
     return "\n".join(body + lines) + "\n"
 
 

@@ -534,8 +534,24 @@ def plan_reduce_scatter(
         raise TideInvalid(f"expected a pipeline depth >= 1, got {depth}")
     nodes = topo.num_nodes
     itemsize = unit.specs[0].itemsize if unit.specs else 2
+    budget = max(ALIGN, chunk_nbytes // nodes // ALIGN * ALIGN)
+    raws = _chunk_pieces(unit, budget)
+    if 1 < len(raws) <= depth:
+        # As many chunks, evened out: the buffers are sized by the largest chunk, so a
+        # unit of 1.2 chunks takes two of 0.6, not a full one and a sliver (with more
+        # chunks than buffers, the largest is one of many: left as it is). Rows and
+        # alignment may need a little more than the even share: a few budgets between
+        # it and the full one are tried, the smallest that keeps the count wins.
+        used = sum(align_up((b - a) * unit.specs[i].row_nbytes) for raw in raws
+                   for i, a, b in raw)
+        share = -(-used // len(raws))
+        for slack in (1.0, 1.02, 1.1, 1.25):
+            even = _chunk_pieces(unit, align_up(int(share * slack)))
+            if len(even) == len(raws) and align_up(int(share * slack)) < budget:
+                raws = even
+                break
     chunks = []
-    for raw in _chunk_pieces(unit, max(ALIGN, chunk_nbytes // nodes // ALIGN * ALIGN)):
+    for raw in raws:
         pieces, cursor = [], 0
         for i, a, b in raw:
             pieces.append(RsPiece(i, a, b, cursor))

@@ -72,6 +72,10 @@ def test_memory_report_reads_the_plans():
 def test_memory_report_on_one_node_has_no_inter_node_buffers():
     r = memory_report(UNITS["llama3.1-8b"].shapes, 2, 8, 8)
     assert r.partial == r.receive == 0
+    # Two chunks, evened out: under the bound of two full buffers of 7 sources.
+    assert r.staging == r.rs_nbytes < 2 * 7 * (32 << 20)
+    r = memory_report(UNITS["llama3.1-70b"].shapes, 2, 8, 8)  # many chunks: full buffers
+    assert r.partial == r.receive == 0
     assert r.staging == r.rs_nbytes == 2 * 7 * (32 << 20)
 
 
