@@ -216,3 +216,22 @@ def check_usable(group: Any, seed: int = 7) -> list[str]:
     failures, _ = run_all_gather(group, shapes, bf16, seed)
     f2, _ = run_reduce_scatter(group, shapes, bf16, seed, "avg")
     return failures + f2
+
+
+def documented_sum(grads: Sequence[np.ndarray], topo: Any, scale: float) -> np.ndarray:
+    """One parameter's gradients (one per rank, in rank order) reduced in the documented
+    order: on each node its ranks' in local-rank order in fp32, times ``scale``; then
+    the nodes' partial sums in node order (docs/topology.md)."""
+    L = topo.local_size
+    parts = []
+    for m in range(topo.num_nodes):
+        acc = grads[m * L].astype(np.float32)
+        for q in range(1, L):
+            acc = acc + grads[m * L + q].astype(np.float32)
+        if scale != 1:
+            acc = acc * np.float32(scale)
+        parts.append(acc)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total

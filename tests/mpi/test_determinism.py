@@ -3,7 +3,8 @@
 The same gradients reduced under every transport setting (symmetric memory by VMM or
 legacy IPC, pushes split over copy engines, batched or single copies), every chunk size
 and staging depth, as a call and as a plan, twice each: every result must equal, bit for
-bit, the documented fold (sources in local-rank order, then the scale). The data spans
+bit, the documented fold (sources in local-rank order, then the scale; across nodes,
+then the nodes' partial sums in node order). The data spans
 magnitudes 2**-10..2**14, so fp32 sums depend on their order. On the host backend the
 transport settings do not apply and the test checks chunks, depths and repeats.
 """
@@ -17,6 +18,7 @@ from mpi4py import MPI
 import tidearray as ta
 
 from .._util import BF16, FP32, agree, bits, padded_shard, to_numpy, to_xp
+from ._cases import documented_sum
 
 WORLD = MPI.COMM_WORLD.Get_size()
 pytestmark = pytest.mark.mpi
@@ -38,12 +40,11 @@ def transport_group(request, group):
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
 def test_bits_equal_the_documented_fold_everywhere(transport_group, xp, dtype):
     g = transport_group
-    if g.topology.num_nodes > 1:
-        pytest.skip("across nodes the node partial sums are reduced by MPI/NCCL")
     rng = np.random.default_rng(g.comm.bcast(int(np.random.default_rng().integers(1 << 30))))
     every = [[(rng.standard_normal(s) * np.exp2(rng.integers(-10, 15, s))).astype(dtype)
               for s in SHAPES] for _ in range(WORLD)]
-    want = [padded_shard(_fold([e[j] for e in every]), WORLD, g.rank)
+    want = [padded_shard(documented_sum([e[j] for e in every], g.topology, 1.0 / WORLD),
+                         WORLD, g.rank)
             for j in range(len(SHAPES))]
     grads = [to_xp(xp, a) for a in every[g.rank]]
     plan = ta.Unit(SHAPES, dtype, group=g).reduce_plan(grads, op="avg")
@@ -56,10 +57,3 @@ def test_bits_equal_the_documented_fold_everywhere(transport_group, xp, dtype):
                     failures.append(f"run {run} {how}: parameter {j}: {n} elements differ "
                                     "from the fold")
     agree(g.comm, failures, f"{dtype}")
-
-
-def _fold(grads: list) -> np.ndarray:
-    acc = grads[0].astype(np.float32)
-    for a in grads[1:]:
-        acc = acc + a.astype(np.float32)
-    return acc * np.float32(1.0 / len(grads))

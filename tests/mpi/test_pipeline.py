@@ -38,7 +38,7 @@ from .._util import (
     to_numpy,
     to_xp,
 )
-from ._cases import poison, rank_grads
+from ._cases import documented_sum, poison, rank_grads
 
 WORLD = MPI.COMM_WORLD.Get_size()
 pytestmark = pytest.mark.mpi
@@ -136,24 +136,6 @@ def test_gather_spreads_each_step_before_the_next_exchange(group, xp, monkeypatc
                                 f"{'multicast' if multicast else 'push'}")
 
 
-def fixed_order_sum(every: list, i: int, topo: Any, scale: float) -> np.ndarray:
-    """Parameter ``i`` reduced in the documented order: on each node its ranks' gradients
-    in local-rank order in fp32, times ``scale``; then the nodes in node order."""
-    L = topo.local_size
-    parts = []
-    for m in range(topo.num_nodes):
-        acc = every[m * L][i].astype(np.float32)
-        for q in range(1, L):
-            acc = acc + every[m * L + q][i].astype(np.float32)
-        if scale != 1:
-            acc = acc * np.float32(scale)
-        parts.append(acc)
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
-
-
 @settings(max_examples=int(os.environ.get("TIDE_TEST_EXAMPLES", "0") or 0) or 12)
 @given(dtype=st.sampled_from(DTYPES), seed=seeds, op=st.sampled_from(["sum", "avg"]),
        chunk=st.sampled_from([4096, 16384, None]))
@@ -170,8 +152,8 @@ def test_reduction_is_summed_in_the_documented_order(group, xp, dtype, seed, op,
     scale = 1.0 / WORLD if op == "avg" else 1.0
     failures = []
     for i, o in enumerate(out):
-        want = padded_shard(fixed_order_sum(every, i, group.topology, scale), WORLD,
-                            group.rank)
+        want = padded_shard(documented_sum([e[i] for e in every], group.topology, scale),
+                            WORLD, group.rank)
         got = to_numpy(o)
         if got.tobytes() != want.tobytes():
             bad = int(np.sum(got.view(np.uint32) != want.view(np.uint32)))
