@@ -22,15 +22,8 @@ check a layout, or reassemble arrays in set-up and tests.
 """
 
 from ._all_gather import unit_nbytes
-from ._layout import (
-    ALIGN,
-    MemoryReport,
-    ShardSpec,
-    UnitLayout,
-    memory_report,
-    plan_unit,
-    shard_spec,
-)
+from ._layout import ALIGN, ShardSpec, UnitLayout, plan_unit, shard_spec
+from ._memory import MemoryReport, memory_report
 from ._plan import slot_chunk_nbytes
 from ._shard import full_from_shards, shard_shape
 
