@@ -8,7 +8,7 @@ It is a real engine, not a mock, and what CI runs:
 * the "CTA" is NumPy: fp32 accumulation in a fixed source order;
 * flags are int32 words in shared windows, written after a memory fence and
   polled, with a timeout instead of a hang;
-* between nodes, MPI point-to-point.
+* between nodes, MPI point-to-point, polled with the same timeout.
 
 Lanes execute in program order, so every primitive is complete when it returns.
 """
@@ -16,6 +16,7 @@ Lanes execute in program order, so every primitive is complete when it returns.
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -111,17 +112,30 @@ class HostExecutor(Executor):
 
     def _wait(self, lane: int, addr: int, value: int) -> None:
         flag = ctypes.c_int32.from_address(addr)
-        deadline, pause = time.monotonic() + self.backend.group.config.timeout, 0.0
-        while flag.value < value:
-            if time.monotonic() > deadline:
+        self._poll(lambda: flag.value >= value,
+                   lambda: f"waiting for a peer's signal (flag {flag.value}, expected >= {value})")
+        self.backend.fence()  # flag before data
+
+    def _poll(self, done: Any, waiting: Any, spin: float = 0.0) -> None:
+        """Return once ``done()``; after ``Config.timeout`` seconds raise, saying what was
+        ``waiting()`` for, instead of hanging on a peer that never comes. For the first
+        ``spin`` seconds ``done`` is called back to back, yielding the CPU in between (it
+        may be what makes progress), then with pauses that double up to 1 ms."""
+        timeout = self.backend.group.config.timeout
+        now = time.monotonic()
+        deadline, spin_until, pause = now + timeout, now + spin, 0.0
+        while not done():
+            now = time.monotonic()
+            if now > deadline:
                 raise TideBackendError(
-                    f"rank {self.backend.group.rank}: timed out after "
-                    f"{self.backend.group.config.timeout:g} s waiting for a peer's signal "
-                    f"(flag {flag.value}, expected >= {value}); did every rank call the "
-                    "same collectives in the same order?")
+                    f"rank {self.backend.group.rank}: timed out after {timeout:g} s "
+                    f"{waiting()}; did every rank call the same collectives in the same "
+                    "order?")
+            if now < spin_until:
+                os.sched_yield()  # peers on the same cores may be what we wait for
+                continue
             time.sleep(pause)
             pause = min(pause * 2 or 1e-6, 1e-3)
-        self.backend.fence()  # flag before data
 
     def _accumulate(self, lane: int, pieces: list, src_dtype: Any, scale: float,
                     out_dtype: Any) -> None:
@@ -147,7 +161,21 @@ class HostExecutor(Executor):
         comm = self.backend.group.inter_comm
         reqs = [comm.Irecv(_bytes_at(a, n), source=peer, tag=7) for peer, a, n in recvs]
         reqs += [comm.Isend(_bytes_at(a, n), dest=peer, tag=7) for peer, a, n in sends]
-        MPI.Request.Waitall(reqs)
+        # Polled, not Waitall: a node that never posts its side must end in an error
+        # on this rank within the timeout, as a flag wait does, not in a hang. Testall
+        # is what moves MPI's messages along, so it spins first: with pauses from the
+        # start, each step of a large message's handshake waited for one.
+        try:
+            self._poll(lambda: MPI.Request.Testall(reqs),
+                       lambda: "in an inter-node exchange with nodes "
+                               f"{sorted({p for p, _, _ in (*sends, *recvs)})}", spin=0.05)
+        except TideBackendError:
+            for r in reqs:
+                try:
+                    r.Cancel()
+                except MPI.Exception:  # a send may be past cancelling: the job ends anyway
+                    pass
+            raise
 
     def _depend(self, lane: int, on: int) -> None:
         pass  # program order already
