@@ -63,3 +63,23 @@ def test_mismatch_names_the_parameter_and_rank():
     assert "number of shapes" in msg and "rank 1" in msg
     fp16 = (("shapes", ((4, 3), (2,))), ("dtype", "float16"))
     assert "float16" in _validate._mismatch([base, fp16])
+
+
+def test_a_device_table_waits_for_its_readers_before_it_is_freed():
+    """``__del__`` of the cuda tables: a pending event is waited on, a fired one is not,
+    and an event whose context is gone (interpreter shutdown) raises nothing."""
+    from tidearray.backends.cuda.streams import wait_for_readers
+
+    class Event:
+        def __init__(self, done: bool, fail: bool = False) -> None:
+            self.done, self.fail, self.waited = done, fail, 0
+
+        def synchronize(self) -> None:
+            if self.fail:
+                raise RuntimeError("context destroyed")
+            self.waited += 1
+
+    pending, fired, gone = Event(False), Event(True), Event(False, fail=True)
+    for ev in (pending, fired, gone, None):
+        wait_for_readers(ev)
+    assert (pending.waited, fired.waited, gone.waited) == (1, 0, 0)

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..._dtypes import normalize
 from .._base import AccumPiece, Batch
+from .streams import wait_for_readers
 
 #: Smallest tile, in elements: one block's unit of work (a multiple of every vector width).
 TILE = 8192
@@ -133,12 +134,7 @@ class AccumTable(Batch):
         return self.n_pieces
 
     def __del__(self) -> None:
-        # Its last kernel may still be reading the table: the pool must not reuse it yet.
-        try:
-            if self.event is not None and not self.event.done:
-                self.event.synchronize()
-        except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the context is gone
-            pass
+        wait_for_readers(self.event)  # its last launch may still read the table
 
 
 class Accumulator:

@@ -74,7 +74,7 @@ from ..._errors import TideBackendError
 from ..._layout import Strided, cut_copies, split_copies, strided_runs
 from .._base import Batch
 from . import driver
-from .streams import cupy_stream
+from .streams import cupy_stream, wait_for_readers
 
 #: Runs of at least this many equal, evenly spaced copies become one 2D copy:
 #: a pair is cheaper as two batch entries.
@@ -387,9 +387,4 @@ class _KernelCopy:
         self.event.record(stream)
 
     def __del__(self) -> None:
-        # The launch may still be reading the table: the pool must not reuse it yet.
-        try:
-            if self.event is not None and not self.event.done:
-                self.event.synchronize()
-        except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the context is gone
-            pass
+        wait_for_readers(self.event)  # its last launch may still read the table

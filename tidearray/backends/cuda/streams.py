@@ -61,3 +61,17 @@ class _Handle:
 
     def __cuda_stream__(self) -> tuple[int, int]:
         return 0, self.ptr
+
+
+def wait_for_readers(event: Any) -> None:
+    """Block until ``event``, recorded after a device table's last reader, has fired.
+
+    For the ``__del__`` of tables in CuPy memory: the pool must not hand their memory
+    to another allocation while a kernel or copy may still read it. At interpreter
+    shutdown the context may be gone; then there is nothing left to wait for.
+    """
+    try:
+        if event is not None and not event.done:
+            event.synchronize()
+    except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the context is gone
+        pass
