@@ -302,11 +302,10 @@ def grant(group: Group, ex: Executor, slot: Region) -> None:
         return
     topo = group.topology
     me, L = topo.local_rank, topo.local_size
-    use = slot.uses[AG_CHANNEL] + 1
     # On COMPUTE: after its earlier work, which may still read staging that a
     # reduce-scatter kept in this slot (Slot-Reuse).
     for k in range(1, L):
-        ex.signal(ex.COMPUTE, slot.flag((me + k) % L, AG_CHANNEL, FREE, me), use)
+        ex.signal(ex.COMPUTE, slot.flag((me + k) % L, AG_CHANNEL, FREE, me), 1)
 
 
 def run(group: Group, ex: Executor, program: Program, slot: Region,
@@ -346,7 +345,7 @@ def issue(group: Group, ex: Executor, program: Program, slot: Region,
             return
         _push_single_batch(ex, slot, program, me, peers, use, after_net, stamps)
     for q in peers:
-        ex.wait(ex.COMPUTE, slot.flag(me, AG_CHANNEL, ARRIVED, q), use)
+        ex.consume(ex.COMPUTE, slot.flag(me, AG_CHANNEL, ARRIVED, q), 1)
     if stamps is not None:
         stamps.snapshot(ex, ex.COMPUTE, slot, AG_CHANNEL, peers, use, f"slot {slot.id}")
 
@@ -378,26 +377,28 @@ def _pull(ex: Executor, slot: Region, program: Program, me: int, peers: list, us
     grant is needed; our completion waits until every reader is done with it.
     """
     b = program.batches("pull")
-    first = slot.parts_ready
-    slot.parts_ready += len(b.own_parts)
     _start(ex, me, after_net)
     for k, part in enumerate(b.own_parts):
         ex.copy(me, part)
         if stamps is not None and k == len(b.own_parts) - 1:
             stamps.send(ex, me, slot, AG_CHANNEL, me, use)  # before the last READY
         for p in peers:
-            ex.signal(me, slot.flag(p, AG_CHANNEL, READY, me), first + k + 1)
+            ex.signal(me, slot.flag(p, AG_CHANNEL, READY, me), k + 1)
     for q in peers:
         _start(ex, q, after_net)  # lane q writes into our slot too
+        last = len(b.pulls[q]) - 1
         for k, part in enumerate(b.pulls[q]):
-            ex.wait(q, slot.flag(me, AG_CHANNEL, READY, q), first + k + 1)
+            (ex.consume if k == last else ex.wait)(
+                q, slot.flag(me, AG_CHANNEL, READY, q), k + 1)
             ex.copy(q, part)
         if stamps is not None:  # q's stamp, read from q's slot after its last part
             stamps.fetch(ex, q, slot.flag(q, AG_CHANNEL, STAMP, q), q, use,
                          f"slot {slot.id} (pulled)")
-        ex.signal(q, slot.flag(q, AG_CHANNEL, DONE, me), use)
+        ex.signal(q, slot.flag(q, AG_CHANNEL, DONE, me), 1)
     for q in peers:
-        ex.wait(ex.COMPUTE, slot.flag(me, AG_CHANNEL, DONE, q), use)
+        ex.consume(ex.COMPUTE, slot.flag(me, AG_CHANNEL, DONE, q), 1)
+    if stamps is not None:  # our own stamp, which every reader has fetched by now
+        stamps.reset(ex, ex.COMPUTE, slot.flag(me, AG_CHANNEL, STAMP, me))
 
 
 def _push_per_peer(ex: Executor, slot: Region, program: Program, me: int, peers: list, use: int,
@@ -412,7 +413,7 @@ def _push_per_peer(ex: Executor, slot: Region, program: Program, me: int, peers:
     for p in peers:
         if program.cast:
             ex.depend(p, ex.COMPUTE)
-        ex.wait(p, slot.flag(me, AG_CHANNEL, FREE, p), use)
+        ex.consume(p, slot.flag(me, AG_CHANNEL, FREE, p), 1)
 
     def deliver(group: int) -> None:
         for p in peers:
@@ -427,7 +428,7 @@ def _push_per_peer(ex: Executor, slot: Region, program: Program, me: int, peers:
     for p in peers:
         if stamps is not None:
             stamps.send(ex, p, slot, AG_CHANNEL, p, use)
-        ex.signal(p, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
+        ex.signal(p, slot.flag(p, AG_CHANNEL, ARRIVED, me), 1)
 
 
 def _push_single_batch(ex: Executor, slot: Region, program: Program, me: int, peers: list,
@@ -441,7 +442,7 @@ def _push_single_batch(ex: Executor, slot: Region, program: Program, me: int, pe
     """
     _start(ex, me, after_net)
     for p in peers:
-        ex.wait(me, slot.flag(me, AG_CHANNEL, FREE, p), use)
+        ex.consume(me, slot.flag(me, AG_CHANNEL, FREE, p), 1)
     ex.copy(me, program.batches("push-batch").batch)
     _arrive(ex, me, slot, peers, use, stamps)
 
@@ -451,7 +452,7 @@ def _push_multicast(ex: Executor, slot: Region, program: Program, me: int, peers
     """Each piece written once, to the multicast address: every peer's slot gets it."""
     _start(ex, me, False)
     for p in peers:  # every peer must have granted before the first write
-        ex.wait(me, slot.flag(me, AG_CHANNEL, FREE, p), use)
+        ex.consume(me, slot.flag(me, AG_CHANNEL, FREE, p), 1)
 
     # Across nodes the pieces from other nodes are already in our slot: they are
     # written from there to the multicast address, which also maps our slot, so
@@ -471,7 +472,7 @@ def _arrive(ex: Executor, me: int, slot: Region, peers: list, use: int,
     for p in peers:
         if stamps is not None:
             stamps.send(ex, me, slot, AG_CHANNEL, p, use)
-        ex.signal(me, slot.flag(p, AG_CHANNEL, ARRIVED, me), use)
+        ex.signal(me, slot.flag(p, AG_CHANNEL, ARRIVED, me), 1)
 
 
 #: Transports that spread each arrival group as soon as it is in our slot.

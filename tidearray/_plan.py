@@ -22,6 +22,26 @@ validation is), so ranks whose caches differ still pair their agreements.
 Eager plans keep no references to the arrays: a plan's key is every address it
 touches, so arrays freed and remade at the same addresses are the same call.
 
+[Note: graph plans]
+A plan made with ``graph=True`` runs once at build (outside any capture: its
+tables are uploaded, its kernels compiled), then captures what one call
+issues with ``Backend.capture``: a CUDA graph on the cuda backend
+(``backends/cuda/graphs.py``), a recording replayed primitive by primitive on
+the host backend. Every call then replays it. Its flags take the same values
+on every call ([Note: replay-safe flags] in ``_arena``), so a replay is a call;
+eager calls and other plans use the same protocol and may come between
+replays. In debug mode each replay poisons and checks the stamps it was
+captured with.
+
+[Note: graph order]
+Eager calls on the same lanes run in issue order; a graph's replay runs in its
+stream's order instead, beside the lanes. So that a replay never overtakes
+the collective before it on the same slot or staging (a grant landing before
+the last call's was consumed would be lost), each region remembers its last
+collective (``Region.last``): a replay waits on it unless it was this graph
+(launches of one graph are ordered), and an eager call waits on it when it
+was a graph. Only a switch costs a stream wait.
+
 [Note: plan order]
 Plan calls carry no per-call agreement: every rank must call the same plans in
 the same order, as FSDP does. A rank that calls another unit's plan breaks the
@@ -31,7 +51,7 @@ agrees on the plan's build number and raises on every rank if they differ.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import _all_gather as ag
 from . import _dtypes, _stamps, _validate
@@ -41,7 +61,10 @@ from ._cache import BoundedCache
 from ._errors import TideInvalid
 from ._group import Group, default_group
 from ._layout import RsPlan, UnitLayout, cached_unit, int_shapes, plan_reduce_scatter
-from ._work import finish
+from ._work import Work, finish
+
+if TYPE_CHECKING:
+    from .backends._base import Executor
 
 #: Programs an eager reduction without ``out=`` keeps, one per receive buffer: each
 #: call returns new arrays, and the memory pool often hands back the same address.
@@ -117,7 +140,7 @@ class Unit:
         return [s.shard_shape for s in self.layout.specs]
 
     def gather_plan(self, shards: Sequence[Any], slot: Region, *,
-                    cast: bool = False) -> GatherPlan:
+                    cast: bool = False, graph: bool = False) -> GatherPlan:
         """A plan that gathers ``shards`` into ``slot`` (collective).
 
         Args:
@@ -131,13 +154,17 @@ class Unit:
                 slot, then gathers from there, so no param-dtype copy of the
                 shards needs to be kept (FSDP2's mixed precision casts the same
                 way, in its copy-in). The cast is one kernel on the cuda backend.
+            graph: capture one call once and replay it at every call (one graph
+                launch of host time on cuda); building runs the gather once
+                ([Note: graph plans]).
         """
         return GatherPlan(self.group, shards, self.shapes, slot,
                           cast_to=self.dtype if cast else None,
-                          expect_dtype=_dtypes.float32 if cast else self.dtype)
+                          expect_dtype=_dtypes.float32 if cast else self.dtype, graph=graph)
 
     def reduce_plan(self, grads: Sequence[Any], out: Optional[Sequence[Any]] = None, *,
-                    op: str = "avg", staging: Optional[Region] = None) -> ReducePlan:
+                    op: str = "avg", staging: Optional[Region] = None,
+                    graph: bool = False) -> ReducePlan:
         """A plan that reduces ``grads`` into fp32 shards ``out`` (collective).
 
         Args:
@@ -148,9 +175,11 @@ class Unit:
             staging: where peers stage their slices: a slot whose parameters are
                 dead when the plan runs (Slot-Reuse), at least
                 :attr:`staging_nbytes`; the group's own staging if None.
+            graph: capture one call once and replay it at every call; building
+                runs the reduction once ([Note: graph plans]).
         """
         return ReducePlan(self.group, grads, out, op, staging, chunk_nbytes=self.chunk_nbytes,
-                          expect=(self.layout, self.dtype))
+                          expect=(self.layout, self.dtype), graph=graph)
 
     def __repr__(self) -> str:
         return f"Unit({len(self.shapes)} parameters, {self.dtype}, nbytes={self.nbytes})"
@@ -185,6 +214,8 @@ class _Plan:
     def __init__(self, group: Group, signature: tuple, digest: int, eager: bool) -> None:
         self.group = group
         self.eager = eager
+        self.graph: Any = None  # the captured call ([Note: graph plans])
+        self._graph_stamps: Optional[_stamps.Stamps] = None
         self.number: Optional[int] = None
         if not eager:
             # Every rank of the group builds its plans in the same order, so numbers
@@ -211,10 +242,48 @@ class _Plan:
         """
         if self.group.config.debug:
             self.agree()
+        if self.graph is not None:
+            return self._replay(stream, async_op)
         return self._run(stream, async_op)
 
     def _run(self, stream: Any, async_op: bool) -> Any:
         raise NotImplementedError
+
+    def _issue(self, ex: Executor, stamps: Optional[_stamps.Stamps]) -> Any:
+        """Issue one call on ``ex``; returns what the issued work reads (its program)."""
+        raise NotImplementedError
+
+    def _stamps(self) -> Optional[_stamps.Stamps]:
+        raise NotImplementedError
+
+    def _capture(self, region: Region, result: Any) -> None:
+        """Run once, then capture one call ([Note: graph plans])."""
+        self._run(None, False)
+        self.group.backend.synchronize()
+        stamps = self._graph_stamps = self._stamps()
+        self.graph = self.group.backend.capture(lambda ex: self._issue(ex, stamps), self.what)
+        self._graph_region, self._graph_result = region, result
+
+    def _replay(self, stream: Any, async_op: bool) -> Any:
+        region, graph, stamps = self._graph_region, self.graph, self._graph_stamps
+        last = region.last
+        if last is not None and last[0] is not graph:  # [Note: graph order]
+            last[1].wait(stream)
+        if stamps is not None:
+            stamps.poison()
+        completion = graph.launch(stream)
+        region.last = (graph, completion)
+        if stamps is not None:
+            stamps.check()
+        # Launched on the stream itself: it is ordered after the replay already.
+        return Work(completion, self._graph_result) if async_op else self._graph_result
+
+
+def _after_graph(region: Region, stream: Any) -> None:
+    """An eager call waits for a graph's replay on its region ([Note: graph order])."""
+    last = region.last
+    if last is not None and last[0] is not None:
+        last[1].wait(stream)
 
 
 def _region_check(value: Any, name: str, optional: bool) -> list[str]:
@@ -235,7 +304,7 @@ class GatherPlan(_Plan):
 
     def __init__(self, group: Group, shards: Sequence[Any], shapes: Any,
                  slot: Optional[Region], *, cast_to: Any = None, expect_dtype: Any = None,
-                 eager: bool = False) -> None:
+                 eager: bool = False, graph: bool = False) -> None:
         if eager:
             self.what = "all_gather"
         errors = _region_check(slot, "slot", optional=eager)
@@ -251,6 +320,8 @@ class GatherPlan(_Plan):
         if slot is not None:
             self._program(slot)
             self.params = slot.views(self.layout, self.dtype)
+        if graph:
+            self._capture(slot, self.params)
 
     def _program(self, slot: Region) -> ag.Program:
         program = self._programs.get(slot.id)
@@ -264,14 +335,24 @@ class GatherPlan(_Plan):
         slot = self.slot
         if slot is None:
             slot = default_region(group, "slot", self.layout.nbytes, ring=2)
-        program = self._program(slot)
+        _after_graph(slot, stream)
         ex = group.backend.executor(stream)
-        stamps = _stamps.start(group, self.what, group.local_size)
+        stamps = self._stamps()
+        self._issue(ex, stamps, slot)
+        params = self.params if self.slot is not None else slot.views(self.layout, self.dtype)
+        return finish(ex, params, stream, async_op, stamps, slot)
+
+    def _stamps(self) -> Optional[_stamps.Stamps]:
+        return _stamps.start(self.group, self.what, self.group.local_size)
+
+    def _issue(self, ex: Executor, stamps: Optional[_stamps.Stamps],
+               slot: Optional[Region] = None) -> ag.Program:
+        slot = slot or self.slot
+        program = self._program(slot)
         # Grants only after the ranks agreed: a grant lets peers write our slot, and
         # a call that some rank rejects must leave every slot to its owner.
-        ag.run(group, ex, program, slot, stamps)
-        params = self.params if self.slot is not None else slot.views(self.layout, self.dtype)
-        return finish(ex, params, stream, async_op, stamps)
+        ag.run(self.group, ex, program, slot, stamps)
+        return program
 
     def __repr__(self) -> str:
         return (f"GatherPlan({len(self.layout.specs)} parameters, {self.dtype}, "
@@ -291,7 +372,8 @@ class ReducePlan(_Plan):
 
     def __init__(self, group: Group, grads: Sequence[Any], out: Optional[Sequence[Any]],
                  op: str, staging: Optional[Region], *, chunk_nbytes: Optional[int] = None,
-                 expect: Optional[tuple] = None, eager: bool = False) -> None:
+                 expect: Optional[tuple] = None, eager: bool = False,
+                 graph: bool = False) -> None:
         if eager:
             self.what = "reduce_scatter"
         be = group.backend
@@ -318,6 +400,8 @@ class ReducePlan(_Plan):
             if staging is None:
                 self.staging = default_region(group, "staging", red.plan.staging_nbytes)
             self._program(self.staging, None)
+        if graph:
+            self._capture(self.staging, self.out)
 
     def _program(self, staging: Region, final_ptr: Optional[int]) -> rs.Program:
         key = (staging.id, final_ptr)
@@ -341,11 +425,21 @@ class ReducePlan(_Plan):
             final_ptr = be.resolve(final).ptr
             results = [final[o:o + s.shard_numel].reshape(s.shard_shape)
                        for o, s in zip(plan.out_offsets, red.layout.specs)]
-        program = self._program(staging, final_ptr)
+        _after_graph(staging, stream)
         ex = group.backend.executor(stream)
-        stamps = rs.start_stamps(group, plan)
-        rs.run(group, ex, plan, program, staging, self.scale, stamps)
-        return finish(ex, results, stream, async_op, stamps)
+        stamps = self._stamps()
+        self._issue(ex, stamps, staging, final_ptr)
+        return finish(ex, results, stream, async_op, stamps, staging)
+
+    def _stamps(self) -> Optional[_stamps.Stamps]:
+        return rs.start_stamps(self.group, self._red.plan)
+
+    def _issue(self, ex: Executor, stamps: Optional[_stamps.Stamps],
+               staging: Optional[Region] = None, final_ptr: Optional[int] = None) -> rs.Program:
+        staging = staging or self.staging
+        program = self._program(staging, final_ptr)
+        rs.run(self.group, ex, self._red.plan, program, staging, self.scale, stamps)
+        return program
 
     def __repr__(self) -> str:
         return (f"ReducePlan({len(self._red.layout.specs)} parameters, {self._red.dtype}, "

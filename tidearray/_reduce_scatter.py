@@ -279,8 +279,7 @@ def run(group: Group, ex: Executor, plan: RsPlan, program: Program, staging: Reg
     n_chunks = len(plan.chunks)
     for b in range(plan.buffers):  # grant this call's first use of each buffer
         for p in peers:
-            ex.signal(ex.COMPUTE, staging.flag(p, RS_CHANNEL0 + b, FREE, me),
-                      staging.uses[RS_CHANNEL0 + b] + 1)
+            ex.signal(ex.COMPUTE, staging.flag(p, RS_CHANNEL0 + b, FREE, me), 1)
     # With one partial buffer, chunk k's partial sums may be written only once chunk
     # k-1's have been sent: its sum (which waits for that exchange) goes first.
     sum_first = plan.depth == 1
@@ -294,13 +293,13 @@ def run(group: Group, ex: Executor, plan: RsPlan, program: Program, staging: Reg
         ch = RS_CHANNEL0 + plan.buffer_of(k)
         use = staging.uses[ch] = staging.uses[ch] + 1
         for p in peers:
-            ex.wait(p, staging.flag(me, ch, FREE, p), use)
+            ex.consume(p, staging.flag(me, ch, FREE, p), 1)
             ex.copy(p, pushes[p])
             if stamps is not None:
                 stamps.send(ex, p, staging, ch, p, use)
-            ex.signal(p, staging.flag(p, ch, ARRIVED, me), use)
+            ex.signal(p, staging.flag(p, ch, ARRIVED, me), 1)
         for q in peers:
-            ex.wait(ex.COMPUTE, staging.flag(me, ch, ARRIVED, q), use)
+            ex.consume(ex.COMPUTE, staging.flag(me, ch, ARRIVED, q), 1)
         if stamps is not None:
             stamps.snapshot(ex, ex.COMPUTE, staging, ch, peers, use,
                             f"staging {staging.id}, chunk {k}")
@@ -309,7 +308,7 @@ def run(group: Group, ex: Executor, plan: RsPlan, program: Program, staging: Reg
         ex.accumulate(ex.COMPUTE, pieces, program.dtype, scale)
         if k + plan.depth < n_chunks:
             for p in peers:
-                ex.signal(ex.COMPUTE, staging.flag(p, ch, FREE, me), use + 1)
+                ex.signal(ex.COMPUTE, staging.flag(p, ch, FREE, me), 1)
         if net is None:
             continue
         if not sum_first and k:

@@ -9,10 +9,13 @@ word for that writer. The copy goes by the copy engine, like the data, and
 after it in lane order, so a stamp that has arrived means the data before it
 has. The reader, at the point where it starts reading (after its waits, on
 the lane that reads), snapshots the STAMP words of every writer into a small
-array of its own. After the call, the snapshot must hold exactly this call's
-use numbers: an older number means the reader went ahead without the data
-(a protocol bug, such as a grant that a rejected call left behind); another
-number means the writer was in another call.
+array of its own, and writes 0 back into each STAMP word it read (as flags are
+reset: [Note: replay-safe flags] in ``_arena``). After the call, the snapshot
+must hold exactly this call's use numbers: 0 means the reader went ahead
+without the data (a protocol bug, such as a grant that a rejected call left
+behind); another number means the writer was in another call. A replayed
+call (a graph) repeats the use numbers it was captured with, and the reset
+keeps a stale stamp from passing for a new one.
 
 The check synchronizes and agrees across ranks, so debug mode is for finding
 bugs, not for timing. Inter-node transfers (NCCL, MPI) are not stamped.
@@ -45,10 +48,15 @@ class Stamps:
         self.group = group
         self.what = what
         self._snap = group.backend.empty((max(capacity, 1),), np.int32)
-        self._snap[...] = -1
-        group.backend.synchronize()  # poisoned before any lane can write it
+        self.poison()
         self._snap_ptr = group.backend.resolve(self._snap).ptr
         self._expect: list[tuple[str, int, int]] = []  # (where, writer's rank, use)
+
+    def poison(self) -> None:
+        """Fill the snapshot with -1 before any lane can write it (again, before each
+        replay of a graph plan)."""
+        self._snap[...] = -1
+        self.group.backend.synchronize()
 
     def send(self, ex: Executor, lane: int, region: Region, channel: int, reader: int,
              use: int) -> None:
@@ -69,10 +77,16 @@ class Stamps:
 
     def snapshot(self, ex: Executor, lane: int, region: Region, channel: int, writers: list,
                  use: int, where: str) -> None:
-        """Before ``lane`` reads ``region``: snapshot every writer's stamp."""
+        """Before ``lane`` reads ``region``: snapshot every writer's stamp, and reset it."""
         me = self.group.topology.local_rank
         for q in writers:
             self.fetch(ex, lane, region.flag(me, channel, STAMP, q), q, use, where)
+            self.reset(ex, lane, region.flag(me, channel, STAMP, q))
+
+    @staticmethod
+    def reset(ex: Executor, lane: int, addr: int) -> None:
+        """Write 0 into a stamp word once every reader has fetched it (on ``lane``)."""
+        ex.signal(lane, addr, 0)
 
     def check(self) -> None:
         """Wait for the call, then raise TideBackendError on every rank if any stamp

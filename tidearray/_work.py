@@ -32,10 +32,15 @@ class Work(Generic[T]):
 
 
 def finish(ex: Executor, result: T, stream: Any, async_op: bool,
-           stamps: Optional[Stamps] = None) -> Any:
+           stamps: Optional[Stamps] = None, region: Any = None) -> Any:
     """End one issued collective: its :class:`Work`, checked first in debug mode (``stamps``,
-    [Note: stamps] in ``_stamps``), returned as is if ``async_op``, else waited on."""
-    work = Work(ex.finish(), result)
+    [Note: stamps] in ``_stamps``), returned as is if ``async_op``, else waited on.
+    ``region``: the slot or staging it used, which remembers it ([Note: graph order]
+    in ``_plan``)."""
+    completion = ex.finish()
+    if region is not None:
+        region.last = (None, completion)
+    work = Work(completion, result)
     if stamps is not None:
         stamps.check()
     return work if async_op else work.wait(stream)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 from .. import _dtypes
 from .._dtypes import float32
@@ -91,6 +91,14 @@ class Completion(abc.ABC):
         """True once the device work has finished."""
 
 
+class Graph(abc.ABC):
+    """One collective captured once (:meth:`Backend.capture`), replayed per call."""
+
+    @abc.abstractmethod
+    def launch(self, stream: Any = None) -> Completion:
+        """Replay it after ``stream``'s earlier work (cuda: current stream if None)."""
+
+
 class Executor(abc.ABC):
     """Issues one collective's primitives; built by :meth:`Backend.executor`."""
 
@@ -137,6 +145,13 @@ class Executor(abc.ABC):
     def wait(self, lane: int, addr: int, value: int) -> None:
         """Hold ``lane`` until the local int32 flag at ``addr`` is >= ``value``."""
         self._wait(lane, addr, value)
+
+    def consume(self, lane: int, addr: int, value: int) -> None:
+        """:meth:`wait`, then write 0 back into the flag on ``lane``: the reader's reset
+        that keeps every flag's values the same on every call ([Note: replay-safe
+        flags] in ``_arena``)."""
+        self._wait(lane, addr, value)
+        self._signal(lane, addr, 0)
 
     def accumulate(self, lane: int, pieces: Any, src_dtype: Any, scale: float,
                    out_dtype: Any = float32) -> None:
@@ -328,5 +343,66 @@ class Backend(abc.ABC):
     def executor(self, stream: Any = None) -> Executor:
         """Start one collective, its lanes ordered after ``stream``."""
 
+    def capture(self, issue: Callable[[Executor], Any], what: str) -> Graph:
+        """``issue(executor)``, one collective's primitives, captured once as a
+        :class:`Graph` whose launches replay them ([Note: replay-safe flags] in
+        ``_arena``). What ``issue`` returns stays alive while the graph does. The
+        collective must have run once before (nothing may be uploaded in a capture)."""
+        return RecordedGraph(self, issue, what)
+
     def synchronize(self) -> None:
         """Wait for all device work of this process."""
+
+
+class _Recorder(Executor):
+    """An executor that issues nothing: it records every primitive, for a replay."""
+
+    def __init__(self, local_size: int) -> None:
+        super().__init__(local_size)
+        self.ops: list[tuple[str, tuple]] = []
+
+    def _record(name: str) -> Any:  # noqa: N805 - builds the recording hooks below
+        def hook(self: _Recorder, *args: Any) -> Any:
+            self.ops.append((name, args))
+            return len(self.ops)  # a mark names the point it was taken at
+        hook.__name__ = name
+        return hook
+
+    _copy = _record("_copy")
+    _multicast_copy = _record("_multicast_copy")
+    _signal = _record("_signal")
+    _wait = _record("_wait")
+    _accumulate = _record("_accumulate")
+    _zero = _record("_zero")
+    _exchange = _record("_exchange")
+    _depend = _record("_depend")
+    _mark = _record("_mark")
+    _after = _record("_after")
+    del _record
+
+    def finish(self) -> Completion:
+        raise AssertionError("a recording is replayed, not finished")
+
+
+class RecordedGraph(Graph):
+    """A collective's primitives recorded once and replayed in order on a new executor
+    per launch: the graph of backends without one of their own (the host backend).
+    The replay issues exactly what a capture would hold, so the replay-safe protocol
+    ([Note: replay-safe flags] in ``_arena``) is what makes it correct."""
+
+    def __init__(self, backend: Backend, issue: Callable[[Executor], Any], what: str) -> None:
+        self._backend, self.what = backend, what
+        rec = _Recorder(backend.group.local_size)
+        self._keep = issue(rec)
+        self.ops = tuple(rec.ops)
+
+    def launch(self, stream: Any = None) -> Completion:
+        ex = self._backend.executor(stream)
+        marks: dict[int, Any] = {}
+        for k, (name, args) in enumerate(self.ops, 1):
+            if name == "_after":
+                args = (args[0], marks[args[1]])
+            got = getattr(ex, name)(*args)
+            if name == "_mark":
+                marks[k] = got
+        return ex.finish()

@@ -127,10 +127,13 @@ class HostExecutor(Executor):
         while not done():
             now = time.monotonic()
             if now > deadline:
-                raise TideBackendError(
-                    f"rank {self.backend.group.rank}: timed out after {timeout:g} s "
-                    f"{waiting()}; did every rank call the same collectives in the same "
-                    "order?")
+                msg = (f"rank {self.backend.group.rank}: timed out after {timeout:g} s "
+                       f"{waiting()}; did every rank call the same collectives in the same "
+                       "order?")
+                # Its flags are left mid-protocol: no later call may trust them.
+                self.backend.broken = (f"an earlier collective failed ({msg}); this group "
+                                       "can no longer be used")
+                raise TideBackendError(msg)
             if now < spin_until:
                 os.sched_yield()  # peers on the same cores may be what we wait for
                 continue
@@ -199,6 +202,11 @@ class HostBackend(Backend):
     def __init__(self, group: Group) -> None:
         super().__init__(group)
         self._fence_win: Any = None
+        self.broken: Optional[str] = None  # set by a timed-out wait
+
+    def check(self) -> None:
+        if self.broken is not None:
+            raise TideBackendError(self.broken)
 
     def setup(self) -> None:
         from mpi4py import MPI
@@ -259,4 +267,5 @@ class HostBackend(Backend):
         return HostSymmetricBuffer(self.group.node_comm, nbytes, multicast=True)
 
     def executor(self, stream: Any = None) -> HostExecutor:
+        self.check()  # a timed-out collective broke the group
         return HostExecutor(self)

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..._dtypes import normalize
 from .._base import AccumPiece, Batch
-from .streams import wait_for_readers
+from .streams import check_uploaded, wait_for_readers
 
 #: Smallest tile, in elements: one block's unit of work (a multiple of every vector width).
 TILE = 8192
@@ -185,20 +185,23 @@ class Accumulator:
                           min(n_tiles, kernel.grid))
 
     def launch(self, stream: Any, pieces: Any, src_dtype: Any, scale: float,
-               out_dtype: Any = "float32") -> None:
+               out_dtype: Any = "float32", capture: bool = False) -> None:
         """``out = scale * sum(srcs)`` per piece, one launch on ``stream`` (a cupy Stream):
         fp32, rounded to ``out_dtype`` (bf16 or fp16 for fp32 sources only).
-        ``pieces``: an :class:`AccumTable` (a plan's), or pieces of this call only."""
+        ``pieces``: an :class:`AccumTable` (a plan's), or pieces of this call only.
+        ``capture``: the stream is capturing a graph, which keeps the table alive."""
         import cupy
 
         if isinstance(pieces, AccumTable):
             t = pieces
             if t.dev is None:  # uploaded in stream order, before the launch reads it
+                check_uploaded(capture)
                 with stream:
                     t.dev = cupy.asarray(t.table)
                 t.event = cupy.cuda.Event(block=False, disable_timing=True)
             dev, event = t.dev, t.event
         else:
+            check_uploaded(capture, "an accumulate of raw pieces")
             t = self.table(pieces, src_dtype, out_dtype)
             dev, event = self._upload(stream, t.table)
         k = t.kernel
@@ -207,7 +210,8 @@ class Accumulator:
                                          np.int64(t.n_tiles), np.int64(t.tile),
                                          np.float32(scale), np.int32(np.float32(scale) != 1)),
                    shared_mem=k.smem)
-        event.record(stream)
+        if not capture:
+            event.record(stream)
 
     def _upload(self, stream: Any, table: np.ndarray) -> tuple:
         """One call's table, through the ring ([Note: table lifetime])."""

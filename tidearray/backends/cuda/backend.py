@@ -43,6 +43,7 @@ from .._base import (
     TupleBatch,
     check_accumulate,
 )
+from . import driver
 from .accumulate import Accumulator
 from .copies import Copier, CudaBatch
 from .executor import CudaExecutor, Lanes
@@ -214,7 +215,8 @@ class CudaBackend(Backend):
                                             max(1, sms // 4), config.copy_batch_max),
             flags=FlagOps(self.device),
             accumulator=Accumulator(self.device, sms, config.accum_ctas),
-            watchdog=Watchdog(self.device, config.timeout), retire=self.retire)
+            watchdog=Watchdog(self.device, config.timeout), retire=self.retire,
+            capturing=driver.stream_is_capturing())
         probe_stream = lanes.streams[-1]
         self.capabilities = {
             "batched copies": lanes.copier.probe(probe_stream.ptr),
@@ -363,6 +365,13 @@ class CudaBackend(Backend):
     def executor(self, stream: Any = None) -> CudaExecutor:
         self.check()  # a timed-out collective broke the group ([Note: watchdog])
         return CudaExecutor(self.lanes, self.group.local_size, stream)
+
+    def capture(self, issue: Any, what: str) -> Any:
+        """One collective captured as a CUDA graph ([Note: graph plans] in ``graphs``)."""
+        from .graphs import capture
+
+        self.check()
+        return capture(self.lanes, self.group.local_size, issue, what)
 
     def check(self) -> None:
         """Raise TideBackendError if a collective timed out ([Note: watchdog])."""

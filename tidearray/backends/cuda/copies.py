@@ -74,7 +74,7 @@ from ..._errors import TideBackendError
 from ..._layout import Strided, cut_copies, split_copies, strided_runs
 from .._base import Batch
 from . import driver
-from .streams import cupy_stream, wait_for_readers
+from .streams import check_uploaded, cupy_stream, wait_for_readers
 
 #: Runs of at least this many equal, evenly spaced copies become one 2D copy:
 #: a pair is cheaper as two batch entries.
@@ -269,19 +269,23 @@ class Copier:
         return CudaBatch(tuple(self._plan(run) for run in runs), count)
 
     def copy(self, stream_ptr: int, copies: Sequence[tuple[int, int, int]],
-             local: bool = False, stream: Any = None) -> None:
+             local: bool = False, stream: Any = None, capture: bool = False) -> None:
         """Plan ``copies`` for this call only and issue them on one stream."""
         if copies:
-            self.issue(stream_ptr, self.plan(copies, local, kernel=False).runs[0], stream)
+            self.issue(stream_ptr, self.plan(copies, local, kernel=False).runs[0], stream,
+                       capture)
 
-    def issue(self, stream_ptr: int, run: Any, stream: Any = None) -> None:
+    def issue(self, stream_ptr: int, run: Any, stream: Any = None,
+              capture: bool = False) -> None:
         """Issue one planned run on the stream: 2D runs, large copies alone, then the
         rest in one batch; or the copy kernel, on ``stream`` (the CuPy stream of
-        ``stream_ptr``; else made from it)."""
+        ``stream_ptr``; else made from it). ``capture``: the stream is capturing a
+        graph, which takes no batched copy, so the rest go one ``cudaMemcpyAsync``
+        each ([Note: graph plans] in ``graphs``)."""
         import cupy
 
         if isinstance(run, _KernelCopy):
-            run(stream if stream is not None else cupy_stream(stream_ptr))
+            run(stream if stream is not None else cupy_stream(stream_ptr), capture)
             return
         rt = cupy.cuda.runtime
         for r in run.strided:
@@ -291,7 +295,7 @@ class Copier:
             rt.memcpyAsync(dst, src, n, rt.memcpyDefault, stream_ptr)
         if not run.rest:
             return
-        if self.batched:
+        if self.batched and not capture:
             self._batch(stream_ptr, run.rest, run.packs)
             return
         for dst, src, n in run.rest:
@@ -375,16 +379,18 @@ class _KernelCopy:
         self.dev: Any = None
         self.event: Any = None
 
-    def __call__(self, stream: Any) -> None:
+    def __call__(self, stream: Any, capture: bool = False) -> None:
         import cupy
 
         with stream:
             if self.dev is None:  # uploaded in stream order, before the launch reads it
+                check_uploaded(capture)
                 self.dev = cupy.asarray(self.table)
                 self.event = cupy.cuda.Event(block=False, disable_timing=True)
             self.fn((self.grid,), (KERNEL_THREADS,),
                     (self.dev, np.int32(len(self.table)), np.int64(self.ntiles)))
-        self.event.record(stream)
+        if not capture:  # a graph keeps its own tables alive ([Note: graph plans])
+            self.event.record(stream)
 
     def __del__(self) -> None:
         wait_for_readers(self.event)  # its last launch may still read the table

@@ -79,3 +79,32 @@ def address_range() -> Callable[[int], tuple[int, int]]:
             return 0, 0
         return base.value, size.value
     return query
+
+
+def stream_is_capturing() -> Callable[[int], bool]:
+    """``stream -> bool``: whether ``stream`` is capturing a graph (``cuStreamIsCapturing``)."""
+    fn = entry("cuStreamIsCapturing", CUDA_12_0, ctypes.c_void_p, ctypes.c_void_p)
+    status = ctypes.c_int()
+    pstatus = ctypes.addressof(status)
+
+    def query(stream: int) -> bool:
+        err = fn(stream, pstatus)
+        if err:
+            raise RuntimeError(f"cuStreamIsCapturing: CUresult {err}")
+        return status.value != 0  # ACTIVE, or INVALIDATED by an earlier error
+    return query
+
+
+class GraphCalls:
+    """The graph entry points: capture on a stream, instantiate, launch, destroy."""
+
+    def __init__(self) -> None:
+        p = ctypes.c_void_p
+        self.begin = entry("cuStreamBeginCapture", CUDA_12_0, p, ctypes.c_int)
+        self.end = entry("cuStreamEndCapture", CUDA_12_0, p, p)
+        self.instantiate = entry("cuGraphInstantiateWithFlags", CUDA_12_0, p, p,
+                                 ctypes.c_ulonglong)
+        self.upload = entry("cuGraphUpload", CUDA_12_0, p, p)
+        self.launch = entry("cuGraphLaunch", CUDA_12_0, p, p)
+        self.destroy_exec = entry("cuGraphExecDestroy", CUDA_12_0, p)
+        self.destroy = entry("cuGraphDestroy", CUDA_12_0, p)

@@ -78,6 +78,8 @@ class Lanes:
     watchdog: Watchdog
     retire: Callable[[list], None]  # holds the call's buffers ([Note: buffer lifetimes])
     nccl: Optional[NcclLink] = None  # between nodes only
+    #: ``stream -> bool``: whether a stream is capturing a graph (``driver``).
+    capturing: Callable[[int], bool] = lambda stream: False
     events: EventRing = field(default_factory=lambda: EventRing())
     fork_events: list = field(default_factory=list)  # spare fork events, reused
     mark_events: list = field(default_factory=list)  # spare mark events, reused
@@ -117,7 +119,14 @@ class CudaCompletion(Completion):
 
 
 class CudaExecutor(Executor):
-    """Issues one collective's primitives onto the lane streams of ``lanes``."""
+    """Issues one collective's primitives onto the lane streams of ``lanes``.
+
+    On a stream that is capturing a graph (the user's, or a graph plan's own:
+    [Note: graph plans] in ``graphs``), the lanes fork from it and ``finish``'s
+    events join them back into it; copies go one by one (a graph takes no batch),
+    and nothing is registered with the watchdog or retired, since events
+    recorded in a capture cannot be queried.
+    """
 
     def __init__(self, lanes: Lanes, local_size: int, stream: Any) -> None:
         super().__init__(local_size)
@@ -130,7 +139,9 @@ class CudaExecutor(Executor):
             rt.setDevice(lanes.device)
         forks = lanes.fork_events
         self._fork = forks.pop() if forks else _event()
-        rt.eventRecord(self._fork.ptr, stream_ptr(stream))
+        ptr = stream_ptr(stream)
+        self.capture = lanes.capturing(ptr)
+        rt.eventRecord(self._fork.ptr, ptr)
         self._started: set[int] = set()
         self._waits: list[tuple[int, int]] = []  # for the watchdog ([Note: watchdog])
         self._uses_nccl = False
@@ -154,7 +165,7 @@ class CudaExecutor(Executor):
         s = self._lane(lane)
         runs = copies.runs
         if len(runs) == 1:
-            copier.issue(s.ptr, runs[0], s)
+            copier.issue(s.ptr, runs[0], s, self.capture)
             return
         fork, joins = self.lanes.events.take(), []
         fork.record(s)
@@ -162,7 +173,7 @@ class CudaExecutor(Executor):
             aux = s if k == 0 else self.lanes.aux_streams[lane][k - 1]
             if k:
                 aux.wait_event(fork)
-            copier.issue(aux.ptr, run, aux)
+            copier.issue(aux.ptr, run, aux, self.capture)
             if k:
                 joins.append(self.lanes.events.take())
                 joins[-1].record(aux)
@@ -172,7 +183,8 @@ class CudaExecutor(Executor):
     def _multicast_copy(self, lane: int, buffer: Any, copies: list) -> None:
         # One write per piece, to the multicast mapping: the switch fans it out.
         self.lanes.copier.copy(self._lane(lane).ptr,
-                            [(buffer.mc_ptr + off, src, n) for off, src, n in copies])
+                               [(buffer.mc_ptr + off, src, n) for off, src, n in copies],
+                               capture=self.capture)
 
     def _signal(self, lane: int, addr: int, value: int) -> None:
         self.lanes.flags.signal(self._lane(lane), addr, value)
@@ -183,7 +195,8 @@ class CudaExecutor(Executor):
 
     def _accumulate(self, lane: int, pieces: list, src_dtype: Any, scale: float,
                     out_dtype: Any) -> None:
-        self.lanes.accumulator.launch(self._lane(lane), pieces, src_dtype, scale, out_dtype)
+        self.lanes.accumulator.launch(self._lane(lane), pieces, src_dtype, scale, out_dtype,
+                                      self.capture)
 
     def _zero(self, lane: int, addr: int, nbytes: int) -> None:
         import cupy
@@ -210,6 +223,17 @@ class CudaExecutor(Executor):
     def _after(self, lane: int, mark: Any) -> None:
         self._lane(lane).wait_event(mark)
 
+    @property
+    def waits(self) -> list[tuple[int, int]]:
+        """The (flag address, value) pairs this collective's lanes wait for."""
+        return self._waits
+
+    @property
+    def abort(self) -> Optional[Callable[[], None]]:
+        """What ends this collective's NCCL work (None: it issued none)."""
+        nccl = self.lanes.nccl
+        return nccl.abort if self._uses_nccl and nccl else None
+
     def finish(self) -> CudaCompletion:
         events = []
         for lane in sorted(self._started):
@@ -221,10 +245,9 @@ class CudaExecutor(Executor):
         else:  # nothing issued: completion is the fork itself
             events.append(self._fork)
         self.lanes.mark_events += self._marks  # likewise every wait on a mark
-        self.lanes.retire(events)
-        nccl = self.lanes.nccl
-        self.lanes.watchdog.watch("collective", events, self._waits,
-                                  nccl.abort if self._uses_nccl and nccl else None)
+        if not self.capture:
+            self.lanes.retire(events)
+            self.lanes.watchdog.watch("collective", events, self._waits, self.abort)
         if self._prev_device != self.lanes.device:
             import cupy
 

@@ -75,3 +75,12 @@ def wait_for_readers(event: Any) -> None:
             event.synchronize()
     except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the context is gone
         pass
+
+
+def check_uploaded(capture: bool, what: str = "a table this call uploads at its first run") -> None:
+    """Raise if a capture would have to upload (or allocate) ``what``: a graph cannot
+    take that, so a collective is captured only after one run outside the capture."""
+    if capture:
+        raise TideInvalid(f"stream capture: expected a collective that ran once before "
+                          f"being captured, got {what} (call it once outside the capture "
+                          "first, as a warm-up)")
