@@ -38,7 +38,7 @@ def finish(ex: Executor, result: T, stream: Any, async_op: bool,
     ``region``: the slot or staging it used, which remembers it ([Note: graph order]
     in ``_plan``)."""
     completion = ex.finish()
-    if region is not None:
+    if region is not None and not ex.capture:  # a user's capture: its replays are theirs
         region.last = (None, completion)
     work = Work(completion, result)
     if stamps is not None:

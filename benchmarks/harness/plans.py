@@ -10,6 +10,8 @@ launch. For each unit this measures, per call (median of ``--iters``):
 * ``call``: ``all_gather`` / ``reduce_scatter`` on the same buffers (the
   convenience path, which validates across ranks on every call, with the
   group's ``chunk_nbytes``);
+* ``graph``: the same plans made with ``graph=True``, each call one replay of
+  a captured CUDA graph (on the host backend, of the recorded primitives);
 * ``plan-400``: the gather plans of 400 units of the same shapes, called in
   turn, so each call's plan differs from the last (no cliff at many units).
 
@@ -53,7 +55,11 @@ def _one_unit(ctx: Any, u: Any) -> None:
     grads = [xp.ones(s, bfloat16) for s in u.shapes]
     gather = unit.gather_plan(shards, arena[0])
     reduce = unit.reduce_plan(grads, op="avg", staging=arena[1])
+    graph_gather = unit.gather_plan(shards, arena[0], graph=True)
+    graph_reduce = unit.reduce_plan(grads, op="avg", staging=arena[1], graph=True)
     cases = {
+        ("ag", "graph"): lambda: graph_gather(stream=stream, async_op=True),
+        ("rs", "graph"): lambda: graph_reduce(stream=stream, async_op=True),
         ("ag", "plan"): lambda: gather(stream=stream, async_op=True),
         ("ag", "call"): lambda: ta.all_gather(shards, u.shapes, group=g, slot=arena[0],
                                               stream=stream, async_op=True),
@@ -66,7 +72,8 @@ def _one_unit(ctx: Any, u: Any) -> None:
         ctx.sink.add("plans", impl, u.name, f"{op}_host_us", us, "us")
         ctx.log(f"  {u.name:16s} {op} {impl:8s}: {us:8.1f} us host per call")
     _check(ctx, gather, full)
-    _where_time_goes(ctx, u.name, {"ag": cases[("ag", "plan")], "rs": cases[("rs", "plan")]})
+    _check(ctx, graph_gather, full)
+    _where_time_goes(ctx, u.name, {k: cases[k] for k in cases if k[1] != "call"})
     plans = [unit.gather_plan(shards, arena[i % 2]) for i in range(MANY)]
     for p in plans:  # each plan's first call plans its copy batches: not the steady state
         p(stream=stream, async_op=True)
@@ -99,7 +106,7 @@ def _where_time_goes(ctx: Any, name: str, calls: dict) -> None:
     import cProfile
     import pstats
 
-    for op, fn in calls.items():
+    for (op, impl), fn in calls.items():
         prof = cProfile.Profile()
         for _ in range(ctx.args.iters):
             prof.enable()
@@ -111,9 +118,9 @@ def _where_time_goes(ctx: Any, name: str, calls: dict) -> None:
         rows = sorted(((v[2] / ctx.args.iters * 1e6, v[1] // ctx.args.iters,
                         f"{k[0].rsplit('/', 1)[-1]}:{k[1]}({k[2]})")
                        for k, v in stats.stats.items()), reverse=True)[:12]
-        ctx.sink.add("plans", "plan", name, f"{op}_host_profile", None, status="ok",
+        ctx.sink.add("plans", impl, name, f"{op}_host_profile", None, status="ok",
                      top=[{"us": us, "calls": n, "where": w} for us, n, w in rows])
-        ctx.log(f"  {name} {op} plan call, own host time per call (cProfile):")
+        ctx.log(f"  {name} {op} {impl} call, own host time per call (cProfile):")
         for us, n, where in rows:
             ctx.log(f"    {us:7.1f} us  x{n:<3d} {where}")
 

@@ -102,6 +102,9 @@ class Graph(abc.ABC):
 class Executor(abc.ABC):
     """Issues one collective's primitives; built by :meth:`Backend.executor`."""
 
+    #: Whether the primitives are captured into a graph, not run (a stream capture).
+    capture = False
+
     def __init__(self, local_size: int) -> None:
         self.COMPUTE = local_size
         self.NET = local_size + 1
