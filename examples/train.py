@@ -2,6 +2,7 @@
 
     mpirun -n 2 python examples/train.py                      # tiny model, default backend
     mpirun -n 2 python examples/train.py --model llama3-8b-8l --tokens 8192
+    mpirun -n 2 python examples/train.py --graph                # cuda: the step as a CUDA graph
 
 Each rank trains on its own ``--tokens`` per step (data parallel); the model's
 units are sharded over the ranks by ``tidearray.fsdp.ShardedModel``. The
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -30,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama  # noqa: E402
 
 import tidearray as ta  # noqa: E402
-from tidearray.fsdp import AdamW, ShardedModel  # noqa: E402
+from tidearray.fsdp import AdamW, CapturedStep, ShardedModel  # noqa: E402
 
 
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
@@ -64,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, help="load a sharded checkpoint first")
     p.add_argument("--export", default=None, help="write the full fp32 model (.npz) at the end")
     p.add_argument("--backend", default=None, help="tidearray backend (default: auto)")
+    p.add_argument("--graph", action="store_true",
+                   help="cuda: capture the whole step once (after one eager step) as a CUDA "
+                        "graph and replay it (tidearray.fsdp.CapturedStep)")
     return p
 
 
@@ -126,6 +131,14 @@ def train_step(sm: ShardedModel, net: llama.Llama, tokens: Any, targets: Any) ->
     return loss
 
 
+def whole_step(sm: ShardedModel, net: llama.Llama, inputs: list) -> list:
+    """Every micro-batch's forward and backward, then the optimizer: what a captured step
+    holds. Returns the micro-batches' losses (device arrays)."""
+    losses = [train_step(sm, net, tok, tgt) for tok, tgt in inputs]
+    sm.step()
+    return losses
+
+
 class Memory:
     """Peak device bytes in use (sampled after each step; the pool keeps what a step
     allocated, so the sample holds the step's peak), or host RSS on the host backend."""
@@ -169,15 +182,32 @@ def run(args: argparse.Namespace, g: Any, comm: Any, cfg: llama.ModelConfig, B: 
     data = [[llama.batch(cfg, step=first + s, batch_size=B, seed=args.seed,
                          first_sample=(rank * args.micro_batches + m) * B)
              for m in range(args.micro_batches)] for s in range(args.steps)]
-    losses, times = [], []
+    losses, times, host = [], [], []
+    graph = getattr(args, "graph", False)
+    if graph:  # the step reads its batch from the same arrays every time
+        inputs = [(xp.empty(t.shape, t.dtype), xp.empty(y.shape, y.dtype)) for t, y in data[0]]
+    captured = None
     sync(xp)
     for s in range(args.steps):
         t0 = time.perf_counter()
-        dev_losses = []
+        lr = learning_rate(args, first + s)
         with stream or contextlib.nullcontext():
-            for tokens, targets in data[s]:
-                dev_losses.append(train_step(sm, net, xp.asarray(tokens), xp.asarray(targets)))
-            sm.step(lr=learning_rate(args, first + s))
+            if not graph:
+                dev_losses = [train_step(sm, net, xp.asarray(tokens), xp.asarray(targets))
+                              for tokens, targets in data[s]]
+                sm.step(lr=lr)
+            else:
+                for (tok, tgt), (tokens, targets) in zip(inputs, data[s]):
+                    tok.set(tokens, stream=stream)
+                    tgt.set(targets, stream=stream)
+                if s == 0:  # one eager step first: it builds the plans and kernels
+                    dev_losses = [train_step(sm, net, tok, tgt) for tok, tgt in inputs]
+                    sm.step(lr=lr)
+                else:
+                    if captured is None:
+                        captured = CapturedStep(sm, functools.partial(whole_step, sm, net, inputs))
+                    dev_losses = captured(lr=lr)
+        host.append(time.perf_counter() - t0)
         sync(xp)
         dt = time.perf_counter() - t0
         mem.sample()
@@ -193,9 +223,12 @@ def run(args: argparse.Namespace, g: Any, comm: Any, cfg: llama.ModelConfig, B: 
     if args.export:
         sm.export(args.export)
     prof = inspect(sm, net, data[-1], stream) if inspect else None
+    if captured is not None:
+        captured.close()
     steady = times[args.warmup:] or times
-    rec = {"impl": kind, "losses": losses, "step_s": times,
-           "median_step_s": float(np.median(steady)), "peak_bytes": mem.peak,
+    rec = {"impl": kind + ("-graph" if graph else ""), "losses": losses, "step_s": times,
+           "median_step_s": float(np.median(steady)), "host_s": host,
+           "median_host_s": float(np.median(host[args.warmup:] or host)), "peak_bytes": mem.peak,
            "comm_bytes": sm.comm.nbytes, "arena_bytes": sm.arena.nbytes, "profile": prof}
     sm.close()
     del sm
@@ -240,6 +273,9 @@ def configure(args: argparse.Namespace, g: Any) -> tuple[llama.ModelConfig, int]
     if tokens % cfg.seq:
         raise SystemExit(f"--tokens: expected a multiple of the sequence length {cfg.seq}, "
                          f"got {tokens}")
+    if getattr(args, "graph", False) and g.backend.name != "cuda":
+        raise SystemExit(f"--graph: expected the cuda backend (a CUDA graph), got "
+                         f"{g.backend.name}")
     if args.lr is None:
         args.lr = 3e-4 if cfg.hidden >= 1024 else 3e-3
     args.param_dtype = args.param_dtype or ("bfloat16" if g.backend.name == "cuda" else

@@ -152,3 +152,28 @@ ADAMW_GROUPED_KERNEL(adamw_grouped_bf16, SendBf16, u16)
 ADAMW_GROUPED_KERNEL(adamw_grouped_f16, SendF16, u16)
 ADAMW_GROUPED_KERNEL(adamw_grouped_f32, SendF32, float)
 ADAMW_GROUPED_KERNEL(adamw_grouped_none, SendNone, float)
+
+// Entry points that read the coefficients from device memory: what a captured
+// step launches (tidearray/fsdp/_graph.py), since a CUDA graph replays its kernel
+// arguments as captured, while the step number and the learning rate change on
+// every replay. The host writes the same float32 table before each replay
+// (_optim._coeff_table), so the bits are those of the by-value kernels. group is
+// null for the default group only. Arguments, in order: master, exp_avg,
+// exp_avg_sq, grad, send, n, group, table.
+#define ADAMW_TABLE_KERNEL(NAME, SEND, SEND_ELEM)                                            \
+    extern "C" __global__ void NAME(float* master, float* exp_avg, float* exp_avg_sq,        \
+                                    const float* grad, SEND_ELEM* send, i64 n,               \
+                                    const unsigned char* group, const CoeffTable* table) {   \
+        if (group) {                                                                         \
+            adamw_loop(master, exp_avg, exp_avg_sq, grad, SEND{send}, n,                     \
+                       Grouped{group, *table});                                              \
+        } else {                                                                             \
+            adamw_loop(master, exp_avg, exp_avg_sq, grad, SEND{send}, n,                     \
+                       OneGroup{table->c[0]});                                               \
+        }                                                                                    \
+    }
+
+ADAMW_TABLE_KERNEL(adamw_table_bf16, SendBf16, u16)
+ADAMW_TABLE_KERNEL(adamw_table_f16, SendF16, u16)
+ADAMW_TABLE_KERNEL(adamw_table_f32, SendF32, float)
+ADAMW_TABLE_KERNEL(adamw_table_none, SendNone, float)

@@ -9,7 +9,10 @@
 FSDP2's flat path, fused copy-in/out + flat all-gather, fused fp32 pack + flat fp32
 reduce-scatter; NCCL on cuda), ``local`` (:class:`benchmarks.baselines.LocalComm`: the
 no-communication floor, the whole model on each rank, the same per-rank work), or
-``all`` (the three in turn, in one run, then a comparison; the default). ``--out DIR``
+``all`` (the three in turn, in one run, then a comparison; the default), or ``graph``
+(``tide`` eager, then ``tide`` with the whole step captured as a CUDA graph and
+replayed: ``train.py --graph``; host time per step and step time side by side, and the
+losses, which must be bitwise equal). ``--out DIR``
 writes the run's JSON record (with the git commit), a table and plots; ``--profile``
 adds one CUPTI-profiled step of each; ``--report JSON`` remakes the table and plots.
 """
@@ -43,7 +46,7 @@ COMMS = {"tide": "tide", "stock": StockComm, "local": LocalComm}
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p = train.parser()
     p.description = __doc__.split("\n\n")[0]
-    p.add_argument("--impl", default="all", choices=[*COMMS, "all"])
+    p.add_argument("--impl", default="all", choices=[*COMMS, "all", "graph"])
     p.add_argument("--out", default=None, help="directory for the record, table and plots")
     p.add_argument("--profile", action="store_true",
                    help="profile one step of each impl with CUPTI (torch.profiler) into --out")
@@ -61,7 +64,7 @@ def main(argv: Optional[list] = None) -> None:
     log = train.Log(g.rank)
     cfg, B = train.configure(args, g)
     tokens = B * cfg.seq
-    impls = list(COMMS) if args.impl == "all" else [args.impl]
+    impls = {"all": list(COMMS), "graph": ["tide", "tide-graph"]}.get(args.impl, [args.impl])
     log(f"compare_train: {args.model} ({cfg.layers} layers, hidden {cfg.hidden}), {tokens} "
         f"tokens/rank x {args.micro_batches} micro-batches, {g.size} ranks, backend "
         f"{g.backend.name}, {args.param_dtype}, impls {impls}")
@@ -71,7 +74,9 @@ def main(argv: Optional[list] = None) -> None:
         if args.profile and args.out:
             def inspect(sm: Any, net: Any, batches: list, stream: Any, kind: str = kind) -> Any:
                 return profile_step(args, g, kind, sm, net, batches, stream, log)
-        records.append(train.run(args, g, COMMS[kind], cfg, B, log, inspect=inspect))
+        run_args = argparse.Namespace(**{**vars(args), "graph": kind.endswith("-graph")})
+        records.append(train.run(run_args, g, COMMS[kind.removesuffix("-graph")], cfg, B, log,
+                                 inspect=inspect))
     comparison = summarize(records, log)
     if args.out and g.rank == 0:
         os.makedirs(args.out, exist_ok=True)
@@ -119,12 +124,14 @@ def profile_step(args: argparse.Namespace, g: Any, kind: str, sm: Any, net: Any,
 def summarize(records: list, log: Any) -> dict:
     """Print the comparison of a ``--impl all`` run; return it for the record."""
     floor = next((r["median_step_s"] for r in records if r["impl"] == "local"), None)
-    log("\nsummary (median step time after warm-up; peak memory per rank)")
-    log(f"{'impl':8s} {'step ms':>10s} {'vs local':>9s} {'peak GiB':>9s} {'last loss':>12s}")
+    log("\nsummary (medians after warm-up: step time, host time to issue a step; peak "
+        "memory per rank)")
+    log(f"{'impl':10s} {'step ms':>10s} {'host ms':>9s} {'vs local':>9s} {'peak GiB':>9s} "
+        f"{'last loss':>12s}")
     for r in records:
         ratio = f"{r['median_step_s'] / floor:.3f}x" if floor else "-"
-        log(f"{r['impl']:8s} {r['median_step_s'] * 1e3:10.2f} {ratio:>9s} "
-            f"{r['peak_bytes'] / 2**30:9.2f} {r['losses'][-1]:12.6f}")
+        log(f"{r['impl']:10s} {r['median_step_s'] * 1e3:10.2f} {r['median_host_s'] * 1e3:9.3f} "
+            f"{ratio:>9s} {r['peak_bytes'] / 2**30:9.2f} {r['losses'][-1]:12.6f}")
     for r in records:
         log(f"{r['impl']}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} over "
             f"{len(r['losses'])} steps")
@@ -137,6 +144,8 @@ def summarize(records: list, log: Any) -> dict:
 def goals(records: list) -> list[dict]:
     """The step-time, memory and loss goals of a tide/stock/local run, from its records."""
     by = {r["impl"]: r for r in records}
+    if {"tide", "tide-graph"} <= set(by):
+        return graph_goals(by["tide"], by["tide-graph"])
     if not {"tide", "stock"} <= set(by):
         return []
     out = []
@@ -168,6 +177,26 @@ def goals(records: list) -> list[dict]:
     return out
 
 
+def graph_goals(eager: dict, graph: dict) -> list[dict]:
+    """The captured step against the eager one: the same losses, less host time, no
+    slower a step."""
+    a, b = eager["losses"], graph["losses"]
+    host = graph["median_host_s"] / eager["median_host_s"]
+    step = graph["median_step_s"] / eager["median_step_s"]
+    return [{"goal": f"captured and eager losses bitwise equal for {len(a)} steps",
+             "measured": "bitwise equal" if a == b else
+             f"differ from step {next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) + 1}",
+             "met": a == b},
+            {"goal": "captured step's host time < eager's",
+             "measured": f"{graph['median_host_s'] * 1e3:.3f} ms vs "
+                         f"{eager['median_host_s'] * 1e3:.3f} ms ({host:.3f}x)",
+             "met": host < 1},
+            {"goal": "captured step time <= eager's",
+             "measured": f"{graph['median_step_s'] * 1e3:.2f} ms vs "
+                         f"{eager['median_step_s'] * 1e3:.2f} ms ({step:.3f}x)",
+             "met": step <= 1.0}]
+
+
 def report(path: str) -> str:
     """``train.md`` (a table) and ``train_steps.png`` (step times and losses) next to the
     record ``path``, made from the record alone. Returns the table's path."""
@@ -180,11 +209,13 @@ def report(path: str) -> str:
              f"{rec['world']} ranks ({rec['backend']}, {rec['param_dtype']})", "",
              f"Commit `{rec['commit']}`; command `{' '.join(rec['argv'])}`; "
              f"{len(runs[0]['losses'])} steps, medians after the warm-up steps.", "",
-             "| impl | median step (ms) | vs floor | peak memory (GiB) | first loss | last loss |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| impl | median step (ms) | host per step (ms) | vs floor | peak memory (GiB) "
+             "| first loss | last loss |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in runs:
         ratio = f"{r['median_step_s'] / floor:.3f}" if floor else "-"
-        lines.append(f"| {r['impl']} | {r['median_step_s'] * 1e3:.2f} | {ratio} | "
+        host = f"{r['median_host_s'] * 1e3:.3f}" if "median_host_s" in r else "-"
+        lines.append(f"| {r['impl']} | {r['median_step_s'] * 1e3:.2f} | {host} | {ratio} | "
                      f"{r['peak_bytes'] / 2**30:.2f} | {r['losses'][0]:.4f} | "
                      f"{r['losses'][-1]:.4f} |")
     lines += ["", "| goal | measured | |", "| --- | --- | --- |"]

@@ -91,6 +91,8 @@ KERNELS = {"bfloat16": "adamw_bf16", "float16": "adamw_f16", "float32": "adamw_f
            None: "adamw_none"}
 #: Kernel per send dtype where parameter groups are given.
 GROUPED_KERNELS = {k: v.replace("adamw_", "adamw_grouped_") for k, v in KERNELS.items()}
+#: Kernel per send dtype in a captured step: coefficients read from the device.
+TABLE_KERNELS = {k: v.replace("adamw_", "adamw_table_") for k, v in KERNELS.items()}
 #: Most parameter groups, the default one included: ``ADAMW_MAX_GROUPS`` in
 #: ``kernels/adamw.cu``, and what a uint8 group index holds with room to spare.
 MAX_GROUPS = 16
@@ -386,6 +388,8 @@ class FusedAdamW:
             self._exp_avg = xp.zeros(master.size, dtype=np.float32)
             self._exp_avg_sq = xp.zeros(master.size, dtype=np.float32)
         self._kernel: Any = None  # compiled at the first cupy step
+        self.coeff_dev: Any = None  # a captured step's coefficients (prepare_capture)
+        self.captured_grad_scale: Optional[float] = None
         self.step_count = 0
         """Steps taken; step ``k`` (1-based) uses bias corrections ``1 - beta**k``."""
 
@@ -558,14 +562,47 @@ class FusedAdamW:
             send = self._send
         else:
             send = self._send.view(cupy.uint16)
+        kernel = self._kernel
         if self._group_index is None:  # the default group only: today's kernel, nine floats
             coeffs: tuple = tuple(cs[0])
         else:  # the table goes by value, so a step copies nothing to the device
             coeffs = (self._group_index, _coeff_table(cs))
         blocks = min(-(-n // BLOCK), MAX_BLOCKS)
         with self._device(), on_stream(stream):
-            self._kernel((blocks,), (BLOCK,), (self._master, self._exp_avg, self._exp_avg_sq,
-                                               grad, send, np.int64(n), *coeffs))
+            if cupy.cuda.get_current_stream().is_capturing():  # [Note: captured steps] in _graph
+                kernel, coeffs = self._table_kernel(dev), (self._group_index, self.coeff_dev)
+                self.captured_grad_scale = cs[0].grad_scale
+            kernel((blocks,), (BLOCK,), (self._master, self._exp_avg, self._exp_avg_sq,
+                                         grad, send, np.int64(n), *coeffs))
+
+    def _table_kernel(self, dev: int) -> Any:
+        """The kernel of a captured step, and its device table (made outside the capture:
+        :meth:`prepare_capture`)."""
+        if self.coeff_dev is None:
+            raise TideInvalid("a captured optimizer step: expected prepare_capture() before "
+                              "the capture, got none")
+        return _kernels.function("adamw.cu", TABLE_KERNELS[self._kind], dev)
+
+    def prepare_capture(self) -> None:
+        """Make what a captured step reads, outside the capture: the device table of
+        coefficients and its kernel ([Note: captured steps] in ``_graph``)."""
+        if self._xp is np or self.coeff_dev is not None:
+            return
+        with self._device():
+            self.coeff_dev = self._xp.zeros(_COEFF_TABLE.itemsize // 4, np.float32)
+            _kernels.function("adamw.cu", TABLE_KERNELS[self._kind], self._master.device.id)
+
+    def stage_step(self, lr: Union[float, Sequence[float], None], grad_scale: float,
+                   stream: Any = None) -> None:
+        """The next step's coefficients into the device table, on ``stream``, for a
+        replayed step to read; counts the step, as :meth:`step` does."""
+        lrs = self._group_lrs(lr)
+        self.step_count += 1
+        cs = [coefficients(h, self.step_count, x, float(grad_scale))
+              for h, x in zip(self._hps, lrs)]
+        table = _coeff_table(cs).view(np.float32)
+        with self._device(), on_stream(stream):
+            self.coeff_dev.set(table, stream=self._xp.cuda.get_current_stream())
 
     def _device(self) -> Any:
         """Context with the master's GPU current (nothing for NumPy)."""

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 #: to query events while this one captures.
 THREAD_LOCAL = 1
 _calls: Any = None
-_record: Any = None
+#: Completion events per graph, taken in turn.
+EVENTS = 8
 
 
 def _graph_calls() -> driver.GraphCalls:
@@ -65,20 +66,27 @@ class CudaGraph(Graph):
         self._keep = keep  # what the graph's nodes read (tables): alive while it lives
         self._last: Any = None
         self._launch = _graph_calls().launch
+        # Completion events, reused in turn (creating one per launch cost microseconds).
+        # Launches of one graph run in order, so an event re-recorded by a later launch
+        # only ever fires later: a stale Work waits a little longer, never less.
+        self._events = [_event() for _ in range(EVENTS)]
+        self._turn = 0
         import cupy
 
-        global _record
-        _record = cupy.cuda.runtime.eventRecord
+        self._record = cupy.cuda.runtime.eventRecord
 
     def launch(self, stream: Any = None) -> CudaCompletion:
-        lanes = self._lanes
-        lanes.watchdog.check()
+        watchdog = self._lanes.watchdog
+        if watchdog.broken is not None:
+            watchdog.check()
         ptr = stream_ptr(stream)
-        _checked(self._launch(self._exec, ptr), "cuGraphLaunch")
-        ev = _event()  # recorded outside any capture: the watchdog may query it
-        _record(ev.ptr, ptr)
-        self._last = ev
-        lanes.watchdog.watch(self._what, (ev,), self._waits, self._abort)
+        err = self._launch(self._exec, ptr)
+        if err:
+            _checked(err, "cuGraphLaunch")
+        self._turn = turn = (self._turn + 1) % EVENTS
+        ev = self._last = self._events[turn]
+        self._record(ev.ptr, ptr)  # outside any capture: the watchdog may query it
+        watchdog.watch(self._what, (ev,), self._waits, self._abort)
         return CudaCompletion([ev])
 
     def __del__(self) -> None:
@@ -120,4 +128,4 @@ def capture(lanes: Lanes, local_size: int, issue: Callable[[Any], Any], what: st
         _checked(calls.instantiate(ctypes.byref(exec_), graph, 0), "cuGraphInstantiate")
         _checked(calls.upload(exec_, origin.ptr), "cuGraphUpload")
         origin.synchronize()
-    return CudaGraph(lanes, graph.value, exec_.value, list(ex.waits), ex.abort, what, keep)
+    return CudaGraph(lanes, graph.value, exec_.value, tuple(ex.waits), ex.abort, what, keep)

@@ -60,7 +60,9 @@ class Watchdog:
     def watch(self, what: str, events: Sequence[Any], waits: Sequence[tuple[int, int]],
               abort: Optional[Callable[[], None]] = None) -> None:
         """Register one issued collective: its completion ``events``, the flag
-        ``waits`` its lanes hold on, and ``abort`` for the NCCL work it issued."""
+        ``waits`` its lanes hold on, and ``abort`` for the NCCL work it issued. Both
+        sequences are kept as given (a graph passes the same ones at every launch):
+        callers do not change them afterwards."""
         self._seq += 1
         if not waits and abort is None:
             return  # nothing it does can wait on a peer
@@ -68,7 +70,7 @@ class Watchdog:
             self._start()
         with self._lock:
             self._pending.append((time.monotonic() + self.timeout, self._seq, what,
-                                  list(events), list(waits), abort))
+                                  events, waits, abort))
 
     def check(self) -> None:
         """Raise TideBackendError if a collective has timed out."""

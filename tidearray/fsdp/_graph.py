@@ -1,0 +1,96 @@
+"""A whole training step captured once as a CUDA graph, then replayed.
+
+[Note: captured steps]
+A step of :class:`ShardedModel` (forward and backward through its hooks, the
+gathers and reductions they issue, and :meth:`ShardedModel.step`) issues the
+same device work every time, on the same buffers. :class:`CapturedStep` runs
+the user's step function once inside a stream capture on the model's stream and
+launches the graph at every later step:
+
+* the collectives are captured as they are issued (a capturing stream makes
+  the executor fork its lanes from it and join them back: [Note: graph plans] in
+  ``_plan``), and the flags take the same values on every replay
+  ([Note: replay-safe flags] in ``_arena``);
+* what changes from step to step, the step number's bias corrections and the
+  learning rate, reaches the optimizer through a device table of its float32
+  coefficients (``adamw_table_*`` in ``kernels/adamw.cu``): each replay is
+  preceded by one small copy of the next step's table, computed on the host as
+  an eager step computes it, so the bits are the eager step's;
+* every array the step allocates comes from a memory pool of its own, kept
+  while the captured step lives, so the graph's addresses stay its own; the
+  capture is relaxed, so that pool may still grow while capturing.
+
+What the step reads must be in place before each replay: write the next batch
+into the same arrays (``CapturedStep`` returns what the step function returned,
+arrays the replays overwrite). The model must have stepped eagerly at least
+once first (that step builds the plans, uploads their tables and compiles the
+kernels). Clipping is not captured: the norm is agreed on the host.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
+
+from .._errors import TideInvalid
+
+if TYPE_CHECKING:
+    from ._runtime import ShardedModel
+
+
+class CapturedStep:
+    """``step()`` captured on ``model``'s stream; calling this replays it.
+
+    Args:
+        model: a model on the cuda backend that has stepped eagerly at least once.
+        step: a function that runs one whole step (every micro-batch's forward and
+            backward, then ``model.step()``) and returns what the caller reads
+            (the losses, as device arrays).
+
+    Raises:
+        TideInvalid: on the host backend, before any eager step, or with clipping.
+    """
+
+    def __init__(self, model: ShardedModel, step: Callable[[], Any]) -> None:
+        import cupy
+
+        if model.xp is not cupy:
+            raise TideInvalid("CapturedStep: expected a model on the cuda backend (a CUDA "
+                              f"graph), got the {model.group.backend.name} backend")
+        opt = model.optimizer
+        if opt.step_count == 0:
+            raise TideInvalid("CapturedStep: expected a model that has stepped eagerly once "
+                              "(its plans and kernels are made by that step), got none")
+        if opt.hp.max_grad_norm is not None:
+            raise TideInvalid("CapturedStep: clipping is not captured (its norm is agreed on "
+                              "the host); expected max_grad_norm=None")
+        self.model = model
+        self.stream = model.stream or cupy.cuda.get_current_stream()
+        opt.prepare_capture()
+        model.synchronize()
+        self.pool = cupy.cuda.MemoryPool()  # the graph's own memory ([Note: captured steps])
+        count, opt.captured_grad_scale = opt.step_count, None
+        with self.stream, cupy.cuda.using_allocator(self.pool.malloc):
+            self.stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
+            try:
+                self.result = step()
+            finally:
+                self.graph = self.stream.end_capture()
+        opt.step_count = count  # the capture ran no step; each replay counts one
+        if opt.captured_grad_scale is None:
+            raise TideInvalid("CapturedStep: expected a step function that calls "
+                              "model.step(), got one that does not")
+        self.grad_scale = opt.captured_grad_scale
+
+    def __call__(self, lr: Union[float, Sequence[float], None] = None) -> Any:
+        """Replay one step with learning rate ``lr`` (as :meth:`ShardedModel.step` takes
+        it); returns the step function's result, overwritten by this replay."""
+        self.model.optimizer.stage_step(lr, self.grad_scale, self.stream)
+        self.graph.launch(self.stream)
+        return self.result
+
+    def close(self) -> None:
+        """Drop the graph and its memory (after the last replay has finished)."""
+        self.stream.synchronize()
+        self.graph = self.result = None
+        self.pool.free_all_blocks()
+
