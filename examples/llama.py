@@ -200,10 +200,94 @@ def _scatter_add(xp: Any, out: Array, index: Array, values: Array) -> None:
     """``out[index] += values`` with repeated indices accumulated (NumPy or CuPy)."""
     if xp is np:
         np.add.at(out, index, values)
+    elif isinstance(xp, Capturable):
+        xp.scatter_add_rows(out, index, values)
     else:
         import cupyx  # only reached with xp = cupy
 
         cupyx.scatter_add(out, index, values)
+
+
+_SCATTER_ROWS = r"""
+extern "C" __global__ void scatter_add_rows(float* out, const int* index, const float* values,
+                                            long long n, long long d) {
+    // One thread per column, over every row in order: a fixed order of additions.
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= d) return;
+    for (long long p = 0; p < n; ++p) out[index[p] * d + j] += values[p * d + j];
+}
+"""
+
+
+class Capturable:
+    """CuPy, with the model's two calls that a stream capture refuses or that vary from run
+    to run replaced, for a step captured as a CUDA graph and replayed bitwise as it ran
+    eagerly (``train.py --graph``):
+
+    * ``matmul``: CuPy sets its cuBLAS handle's stream at every call and refuses to while
+      capturing, though cuBLAS itself captures; here a handle of our own is bound to
+      ``stream`` once, before any capture, with a workspace of its own (so cuBLAS picks
+      the same kernels eagerly and captured);
+    * the embedding gradient's scatter-add: one thread per column adds the rows in
+      order, instead of atomics whose order varies.
+
+    Everything else is CuPy's (``getattr``). Use the same object for the eager steps that
+    the captured ones are compared with.
+    """
+
+    WORKSPACE = 32 << 20
+
+    def __init__(self, stream: Any) -> None:
+        import cupy
+        from cupy_backends.cuda.libs import cublas
+
+        self._cupy, self._cublas = cupy, cublas
+        self.handle = cublas.create()
+        cublas.setStream(self.handle, stream.ptr)
+        self.workspace = cupy.empty(self.WORKSPACE, np.uint8)
+        if hasattr(cublas, "setWorkspace"):
+            cublas.setWorkspace(self.handle, self.workspace.data.ptr, self.WORKSPACE)
+        self._one, self._zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+        self._scatter = cupy.RawKernel(_SCATTER_ROWS, "scatter_add_rows")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cupy, name)
+
+    def matmul(self, a: Array, b: Array, out: Optional[Array] = None) -> Array:
+        if a.ndim == 3:
+            if out is None:
+                out = self._cupy.empty((a.shape[0], a.shape[1], b.shape[2]), a.dtype)
+            for i in range(a.shape[0]):
+                self.matmul(a[i], b[i], out=out[i])
+            return out
+        m, k = a.shape
+        n = b.shape[1]
+        if out is None:
+            out = self._cupy.empty((m, n), a.dtype)
+        cuda_type = {np.dtype(np.float32): 0, np.dtype(np.float16): 2}.get(a.dtype, 14)  # bf16
+        # Row-major C = A @ B is column-major C^T = B^T A^T: each operand is read as it
+        # lies (C-order: as is; F-order, a transpose's view: transposed by cuBLAS).
+        ops = []
+        for x, rows in ((b, n), (a, k)):
+            if not (x.flags.c_contiguous or x.flags.f_contiguous):
+                x = self._cupy.ascontiguousarray(x)
+            ops.append((x, 0 if x.flags.c_contiguous else 1,
+                        rows if x.flags.c_contiguous else x.shape[0]))
+        (bb, tb, ldb), (aa, ta, lda) = ops
+        self._cublas.gemmEx(self.handle, tb, ta, n, m, k, self._one.ctypes.data,
+                            bb.data.ptr, cuda_type, ldb, aa.data.ptr, cuda_type, lda,
+                            self._zero.ctypes.data, out.data.ptr, cuda_type, n,
+                            68, -1)  # CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT
+        return out
+
+    def scatter_add_rows(self, out: Array, index: Array, values: Array) -> None:
+        if out.dtype != np.float32:
+            raise TypeError(f"scatter_add_rows: expected a float32 output, got {out.dtype}")
+        n, d = values.shape[0], out.shape[1]
+        index = self._cupy.ascontiguousarray(index.reshape(-1), dtype=np.int32)
+        values = self._cupy.ascontiguousarray(values.reshape(n, d), dtype=np.float32)
+        self._scatter(((d + 255) // 256,), (256,), (out, index, values, np.int64(n),
+                                                    np.int64(d)))
 
 
 _BATCHED = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))

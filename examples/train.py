@@ -68,7 +68,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=None, help="tidearray backend (default: auto)")
     p.add_argument("--graph", action="store_true",
                    help="cuda: capture the whole step once (after one eager step) as a CUDA "
-                        "graph and replay it (tidearray.fsdp.CapturedStep)")
+                        "graph and replay it (tidearray.fsdp.CapturedStep); implies "
+                        "--capturable-model")
+    p.add_argument("--capturable-model", action="store_true",
+                   help="cuda: the model's matmuls and embedding gradient in the forms a "
+                        "capture takes (llama.Capturable), as --graph runs them eagerly too")
     return p
 
 
@@ -174,7 +178,9 @@ def run(args: argparse.Namespace, g: Any, comm: Any, cfg: llama.ModelConfig, B: 
         xp.get_default_memory_pool().free_all_blocks()
     mem = Memory(xp)
     sm = build(args, g, comm, cfg, stream)
-    net = llama.Llama(cfg, xp)
+    graph = getattr(args, "graph", False)
+    capturable = xp is not np and (graph or getattr(args, "capturable_model", False))
+    net = llama.Llama(cfg, llama.Capturable(stream) if capturable else xp)
     rank = g.rank
     if args.resume:
         sm.load(args.resume)
@@ -183,7 +189,6 @@ def run(args: argparse.Namespace, g: Any, comm: Any, cfg: llama.ModelConfig, B: 
                          first_sample=(rank * args.micro_batches + m) * B)
              for m in range(args.micro_batches)] for s in range(args.steps)]
     losses, times, host = [], [], []
-    graph = getattr(args, "graph", False)
     if graph:  # the step reads its batch from the same arrays every time
         inputs = [(xp.empty(t.shape, t.dtype), xp.empty(y.shape, y.dtype)) for t, y in data[0]]
     captured = None

@@ -74,7 +74,9 @@ def main(argv: Optional[list] = None) -> None:
         if args.profile and args.out:
             def inspect(sm: Any, net: Any, batches: list, stream: Any, kind: str = kind) -> Any:
                 return profile_step(args, g, kind, sm, net, batches, stream, log)
-        run_args = argparse.Namespace(**{**vars(args), "graph": kind.endswith("-graph")})
+        # Both runs of --impl graph use the model's capturable kernels: bitwise comparable.
+        run_args = argparse.Namespace(**{**vars(args), "graph": kind.endswith("-graph"),
+                                         "capturable_model": args.impl == "graph"})
         records.append(train.run(run_args, g, COMMS[kind.removesuffix("-graph")], cfg, B, log,
                                  inspect=inspect))
     comparison = summarize(records, log)

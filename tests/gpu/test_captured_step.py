@@ -27,7 +27,7 @@ STEPS = 50
 def _run(group, graph: bool, **extra) -> dict:
     argv = ["--model", "tiny", "--steps", str(STEPS), "--micro-batches", "2",
             "--lr-warmup", "20", "--seed", "3"]
-    argv += ["--graph"] if graph else []
+    argv += ["--graph"] if graph else ["--capturable-model"]
     for k, v in extra.items():
         argv += [f"--{k}", str(v)]
     args = train.parse(argv)
