@@ -219,6 +219,26 @@ extern "C" __global__ void scatter_add_rows(float* out, const int* index, const 
 """
 
 
+def _cublas_library() -> Any:
+    """The libcublas CuPy loaded (its cuBLAS module links it), opened by ctypes: CuPy's own
+    wrappers set the handle's stream at every call, which a capture refuses."""
+    import ctypes
+
+    from cupy_backends.cuda.libs import cublas  # noqa: F401 - loads libcublas
+
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libcublas.so" in line}
+    path = next((p for p in sorted(paths) if "libcublasLt" not in p), None)
+    if path is None:
+        raise RuntimeError("libcublas: not loaded by CuPy")
+    return ctypes.CDLL(path)
+
+
+def _checked(status: int, what: str) -> None:
+    if status:
+        raise RuntimeError(f"{what} failed: cublasStatus_t {status}")
+
+
 class Capturable:
     """CuPy, with the model's two calls that a stream capture refuses or that vary from run
     to run replaced, for a step captured as a CUDA graph and replayed bitwise as it ran
@@ -238,16 +258,25 @@ class Capturable:
     WORKSPACE = 32 << 20
 
     def __init__(self, stream: Any) -> None:
-        import cupy
-        from cupy_backends.cuda.libs import cublas
+        import ctypes
 
-        self._cupy, self._cublas = cupy, cublas
-        self.handle = cublas.create()
-        cublas.setStream(self.handle, stream.ptr)
+        import cupy
+
+        self._cupy = cupy
+        lib = self._lib = _cublas_library()
+        handle = ctypes.c_void_p()
+        _checked(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
+        self.handle = handle
+        _checked(lib.cublasSetStream_v2(handle, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
         self.workspace = cupy.empty(self.WORKSPACE, np.uint8)
-        if hasattr(cublas, "setWorkspace"):
-            cublas.setWorkspace(self.handle, self.workspace.data.ptr, self.WORKSPACE)
+        _checked(lib.cublasSetWorkspace_v2(handle, ctypes.c_void_p(self.workspace.data.ptr),
+                                           ctypes.c_size_t(self.WORKSPACE)), "cublasSetWorkspace")
         self._one, self._zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+        self._gemm = lib.cublasGemmEx
+        p, i = ctypes.c_void_p, ctypes.c_int
+        # handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C,
+        # Ctype, ldc, computeType, algo
+        self._gemm.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i]
         self._scatter = cupy.RawKernel(_SCATTER_ROWS, "scatter_add_rows")
 
     def __getattr__(self, name: str) -> Any:
@@ -274,10 +303,10 @@ class Capturable:
             ops.append((x, 0 if x.flags.c_contiguous else 1,
                         rows if x.flags.c_contiguous else x.shape[0]))
         (bb, tb, ldb), (aa, ta, lda) = ops
-        self._cublas.gemmEx(self.handle, tb, ta, n, m, k, self._one.ctypes.data,
+        _checked(self._gemm(self.handle, tb, ta, n, m, k, self._one.ctypes.data,
                             bb.data.ptr, cuda_type, ldb, aa.data.ptr, cuda_type, lda,
                             self._zero.ctypes.data, out.data.ptr, cuda_type, n,
-                            68, -1)  # CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT
+                            68, -1), "cublasGemmEx")  # CUBLAS_COMPUTE_32F, GEMM_DEFAULT
         return out
 
     def scatter_add_rows(self, out: Array, index: Array, values: Array) -> None:
