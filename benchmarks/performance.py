@@ -465,6 +465,40 @@ def one_h200_eager(run: Run) -> tuple[Figure, ...]:
     return tuple(figs)
 
 
+def one_h200_graphs(run: Run) -> tuple[Figure, ...]:
+    """Host time per graph plan call against the plan's eager call, per unit; the captured
+    trainer step against the eager one."""
+    P = run.bench("plans.jsonl")
+    figs = []
+    for w in (UNIT, "llama3.1-70b", QWEN, "wan2.2-dit"):
+        for op in ("ag", "rs"):
+            graph = value(P, "plans", "graph", f"{op}_host_us", w)
+            plan = value(P, "plans", "plan", f"{op}_host_us", w)
+            launch = next((t["us"] for t in extra(P, "plans", "graph", f"{op}_host_profile",
+                                                  w).get("top", ())
+                           if "(launch)" in t["where"]), None)
+            figs.append(Figure(
+                f"Host time per {op.upper()} graph plan call, {w} (the plan's eager call; the "
+                "graph launch's own time under cProfile)", "<= 10 us",
+                f"{graph:,.1f} us ({plan:,.0f} us; launch {launch:,.1f} us)", graph <= 10))
+    d = run.json("train.json")
+    by = {r["impl"]: r for r in d["runs"]}
+    e, g = by["tide"], by["tide-graph"]
+    figs += [
+        Figure("Captured trainer step: losses against the eager step's", "bitwise equal",
+               "bitwise equal" if e["losses"] == g["losses"] else "differ",
+               e["losses"] == g["losses"]),
+        Figure("Captured trainer step: host time per step against eager", "below eager",
+               f"{x(g['median_host_s'] / e['median_host_s'], 4)} "
+               f"({g['median_host_s'] * 1e3:.3f} ms against {ms(e['median_host_s'])})",
+               g["median_host_s"] < e["median_host_s"]),
+        Figure("Captured trainer step: step time against eager", "<= 1x",
+               f"{x(g['median_step_s'] / e['median_step_s'], 3)} ({ms(g['median_step_s'])} "
+               f"against {ms(e['median_step_s'])})", g["median_step_s"] <= e["median_step_s"]),
+    ]
+    return tuple(figs)
+
+
 # ---- the page --------------------------------------------------------------------------
 
 
@@ -494,6 +528,11 @@ def sections(root: str) -> list[Section]:
           "the step at one rank.", one_h200_torch),
         S("run18-one-h200", "Host time per eager call: one pipeline against the caches",
           "Medians of 30 calls per launch, then over 4 launches per tree.", one_h200_eager),
+        S("run19-one-h200", "CUDA graphs: graph plans and the captured step",
+          "Host time per plan call at 2 ranks sharing the GPU (medians of 20 calls, the "
+          "device idle between calls); the trainer at one rank: llama3-8b-8l, 8192 tokens, "
+          "medians after 2 warm-up steps, each run's model in its capturable form.",
+          one_h200_graphs),
     ]
 
 

@@ -570,7 +570,8 @@ class FusedAdamW:
         blocks = min(-(-n // BLOCK), MAX_BLOCKS)
         with self._device(), on_stream(stream):
             if cupy.cuda.get_current_stream().is_capturing():  # [Note: captured steps] in _graph
-                kernel, coeffs = self._table_kernel(dev), (self._group_index, self.coeff_dev)
+                index = np.uint64(0) if self._group_index is None else self._group_index
+                kernel, coeffs = self._table_kernel(dev), (index, self.coeff_dev)
                 self.captured_grad_scale = cs[0].grad_scale
             kernel((blocks,), (BLOCK,), (self._master, self._exp_avg, self._exp_avg_sq,
                                          grad, send, np.int64(n), *coeffs))
