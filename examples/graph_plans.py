@@ -43,7 +43,7 @@ def main() -> None:
     rng = np.random.default_rng(g.rank)
     host = {"eager": [], "graph": []}
     ok = True
-    for step in range(STEPS):
+    for _ in range(STEPS):
         for s in shards:  # new data, in place: the plans read these very arrays
             s[...] = xp.asarray(rng.standard_normal(s.shape).astype(ta.bfloat16))
         for a in grads:
