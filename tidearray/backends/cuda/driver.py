@@ -108,3 +108,16 @@ class GraphCalls:
         self.launch = entry("cuGraphLaunch", CUDA_12_0, p, p)
         self.destroy_exec = entry("cuGraphExecDestroy", CUDA_12_0, p)
         self.destroy = entry("cuGraphDestroy", CUDA_12_0, p)
+
+
+def relax_capture_mode() -> bool:
+    """Set this thread's stream-capture interaction mode to relaxed
+    (``cuThreadExchangeStreamCaptureMode``): its event queries then never invalidate a
+    global-mode capture running on another thread (``torch.cuda.graph``'s default), as
+    PyTorch's NCCL watchdog does for itself. False where the driver has no such call."""
+    try:
+        fn = entry("cuThreadExchangeStreamCaptureMode", CUDA_12_0, ctypes.c_void_p)
+    except (OSError, RuntimeError):
+        return False
+    mode = ctypes.c_int(2)  # CU_STREAM_CAPTURE_MODE_RELAXED
+    return fn(ctypes.byref(mode)) == 0

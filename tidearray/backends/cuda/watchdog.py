@@ -97,6 +97,7 @@ class Watchdog:
         import cupy
 
         cupy.cuda.Device(self.device).use()
+        driver.relax_capture_mode()  # its queries must not break a user's capture
         while not self._stop.wait(POLL_S):
             now = time.monotonic()
             with self._lock:
