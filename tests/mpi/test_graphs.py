@@ -204,3 +204,25 @@ def test_a_replayed_stamp_that_never_arrives_fails_every_rank(group, xp, monkeyp
     agree(g.comm, failures, "debug replay")
     g.comm.Barrier()
     g.close()
+
+
+def test_a_captured_step_needs_the_cuda_backend(group):
+    """``CapturedStep`` captures a CUDA graph: on the host backend it refuses, clearly, on
+    every rank (and ``train.py --graph`` says so before building anything)."""
+    if group.backend.name != "host":
+        pytest.skip("the cuda backend captures (tests/gpu/test_captured_step.py)")
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    import train
+
+    from tidearray.fsdp import CapturedStep, ShardedModel
+
+    model = ShardedModel([[("w", np.ones((4 * group.size, 3), np.float32))]], group=group,
+                         param_dtype="float32")
+    with pytest.raises(ta.TideInvalid, match="expected a model on the cuda backend"):
+        CapturedStep(model, lambda: None)
+    model.close()
+    with pytest.raises(SystemExit, match="--graph: expected the cuda backend"):
+        train.configure(train.parse(["--graph"]), group)

@@ -51,11 +51,11 @@ class CapturedStep:
     """
 
     def __init__(self, model: ShardedModel, step: Callable[[], Any]) -> None:
-        import cupy
-
-        if model.xp is not cupy:
+        if model.group.backend.name != "cuda":
             raise TideInvalid("CapturedStep: expected a model on the cuda backend (a CUDA "
                               f"graph), got the {model.group.backend.name} backend")
+        import cupy
+
         opt = model.optimizer
         if opt.step_count == 0:
             raise TideInvalid("CapturedStep: expected a model that has stepped eagerly once "
