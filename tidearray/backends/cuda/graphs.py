@@ -59,7 +59,7 @@ def _checked(err: int, what: str) -> None:
 class CudaGraph(Graph):
     """One collective as an instantiated CUDA graph, and what a launch registers."""
 
-    def __init__(self, lanes: Lanes, graph: int, exec_: int, waits: list,
+    def __init__(self, lanes: Lanes, graph: int, exec_: int, waits: tuple,
                  abort: Any, what: str, keep: Any) -> None:
         self._lanes, self._graph, self._exec = lanes, graph, exec_
         self._waits, self._abort, self._what = waits, abort, what
