@@ -135,11 +135,12 @@ def train_step(sm: ShardedModel, net: llama.Llama, tokens: Any, targets: Any) ->
     return loss
 
 
-def whole_step(sm: ShardedModel, net: llama.Llama, inputs: list) -> list:
-    """Every micro-batch's forward and backward, then the optimizer: what a captured step
-    holds. Returns the micro-batches' losses (device arrays)."""
+def whole_step(sm: ShardedModel, net: llama.Llama, inputs: list,
+               lr: Optional[float] = None) -> list:
+    """Every micro-batch's forward and backward, then the optimizer (at ``lr``): one step,
+    what a captured step holds. Returns the micro-batches' losses (device arrays)."""
     losses = [train_step(sm, net, tok, tgt) for tok, tgt in inputs]
-    sm.step()
+    sm.step(lr=lr)
     return losses
 
 
@@ -198,16 +199,14 @@ def run(args: argparse.Namespace, g: Any, comm: Any, cfg: llama.ModelConfig, B: 
         lr = learning_rate(args, first + s)
         with stream or contextlib.nullcontext():
             if not graph:
-                dev_losses = [train_step(sm, net, xp.asarray(tokens), xp.asarray(targets))
-                              for tokens, targets in data[s]]
-                sm.step(lr=lr)
+                dev_losses = whole_step(sm, net, [(xp.asarray(t), xp.asarray(y))
+                                                  for t, y in data[s]], lr)
             else:
                 for (tok, tgt), (tokens, targets) in zip(inputs, data[s]):
                     tok.set(tokens, stream=stream)
                     tgt.set(targets, stream=stream)
                 if s == 0:  # one eager step first: it builds the plans and kernels
-                    dev_losses = [train_step(sm, net, tok, tgt) for tok, tgt in inputs]
-                    sm.step(lr=lr)
+                    dev_losses = whole_step(sm, net, inputs, lr)
                 else:
                     if captured is None:
                         captured = CapturedStep(sm, functools.partial(whole_step, sm, net, inputs))

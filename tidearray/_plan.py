@@ -258,17 +258,14 @@ class _Plan:
 
     def _capture(self, region: Region, result: Any) -> None:
         """Run once, then capture one call ([Note: graph plans])."""
-        self._run(None, False)
-        self.group.backend.synchronize()
+        self._run(None, False)  # Backend.capture waits for it before capturing
         stamps = self._graph_stamps = self._stamps()
         self.graph = self.group.backend.capture(lambda ex: self._issue(ex, stamps), self.what)
         self._graph_region, self._graph_result = region, result
 
     def _replay(self, stream: Any, async_op: bool) -> Any:
         region, graph, stamps = self._graph_region, self.graph, self._graph_stamps
-        last = region.last
-        if last is not None and last[0] is not graph:  # [Note: graph order]
-            last[1].wait(stream)
+        _order_after(region, stream, graph)
         if stamps is not None:
             stamps.poison()
         completion = graph.launch(stream)
@@ -279,10 +276,12 @@ class _Plan:
         return Work(completion, self._graph_result) if async_op else self._graph_result
 
 
-def _after_graph(region: Region, stream: Any) -> None:
-    """An eager call waits for a graph's replay on its region ([Note: graph order])."""
+def _order_after(region: Region, stream: Any, graph: Any = None) -> None:
+    """Order ``stream`` after the last collective on ``region`` unless that one runs in
+    this call's order already: for a replay of ``graph``, a launch of the same graph; for
+    an eager call (``graph`` None), another eager call ([Note: graph order])."""
     last = region.last
-    if last is not None and last[0] is not None:
+    if last is not None and last[0] is not graph:
         last[1].wait(stream)
 
 
@@ -335,7 +334,7 @@ class GatherPlan(_Plan):
         slot = self.slot
         if slot is None:
             slot = default_region(group, "slot", self.layout.nbytes, ring=2)
-        _after_graph(slot, stream)
+        _order_after(slot, stream)
         ex = group.backend.executor(stream)
         stamps = self._stamps()
         self._issue(ex, stamps, slot)
@@ -425,7 +424,7 @@ class ReducePlan(_Plan):
             final_ptr = be.resolve(final).ptr
             results = [final[o:o + s.shard_numel].reshape(s.shard_shape)
                        for o, s in zip(plan.out_offsets, red.layout.specs)]
-        _after_graph(staging, stream)
+        _order_after(staging, stream)
         ex = group.backend.executor(stream)
         stamps = self._stamps()
         self._issue(ex, stamps, staging, final_ptr)

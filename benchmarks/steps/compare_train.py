@@ -103,9 +103,7 @@ def profile_step(args: argparse.Namespace, g: Any, kind: str, sm: Any, net: Any,
 
     def step() -> None:
         with stream or contextlib.nullcontext():
-            for tokens, targets in batches:
-                train.train_step(sm, net, xp.asarray(tokens), xp.asarray(targets))
-            sm.step()
+            train.whole_step(sm, net, [(xp.asarray(t), xp.asarray(y)) for t, y in batches])
         train.sync(xp)
 
     events = cupti.trace(step)

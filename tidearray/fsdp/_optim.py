@@ -389,6 +389,7 @@ class FusedAdamW:
             self._exp_avg_sq = xp.zeros(master.size, dtype=np.float32)
         self._kernel: Any = None  # compiled at the first cupy step
         self.coeff_dev: Any = None  # a captured step's coefficients (prepare_capture)
+        self._table_kernel: Any = None  # and the kernel that reads them
         self.captured_grad_scale: Optional[float] = None
         self.step_count = 0
         """Steps taken; step ``k`` (1-based) uses bias corrections ``1 - beta**k``."""
@@ -472,9 +473,7 @@ class FusedAdamW:
         lrs = self._group_lrs(lr)
         if not _is_real(grad_scale):
             raise TideInvalid(f"grad_scale: expected a real number, got {grad_scale!r}")
-        self.step_count += 1
-        cs = [coefficients(h, self.step_count, x, float(grad_scale))
-              for h, x in zip(self._hps, lrs)]
+        cs = self._next_step(lrs, grad_scale)
         if self._xp is not np:
             self._step_cupy(grad, cs, stream)
             return
@@ -562,27 +561,27 @@ class FusedAdamW:
             send = self._send
         else:
             send = self._send.view(cupy.uint16)
-        kernel = self._kernel
-        if self._group_index is None:  # the default group only: today's kernel, nine floats
-            coeffs: tuple = tuple(cs[0])
-        else:  # the table goes by value, so a step copies nothing to the device
-            coeffs = (self._group_index, _coeff_table(cs))
         blocks = min(-(-n // BLOCK), MAX_BLOCKS)
         with self._device(), on_stream(stream):
             if cupy.cuda.get_current_stream().is_capturing():  # [Note: captured steps] in _graph
+                if self._table_kernel is None:
+                    raise TideInvalid("a captured optimizer step: expected prepare_capture() "
+                                      "before the capture, got none")
                 index = np.uint64(0) if self._group_index is None else self._group_index
-                kernel, coeffs = self._table_kernel(dev), (index, self.coeff_dev)
+                kernel, coeffs = self._table_kernel, (index, self.coeff_dev)
                 self.captured_grad_scale = cs[0].grad_scale
+            elif self._group_index is None:  # the default group only: nine floats
+                kernel, coeffs = self._kernel, tuple(cs[0])
+            else:  # the table goes by value, so a step copies nothing to the device
+                kernel, coeffs = self._kernel, (self._group_index, _coeff_table(cs))
             kernel((blocks,), (BLOCK,), (self._master, self._exp_avg, self._exp_avg_sq,
                                          grad, send, np.int64(n), *coeffs))
 
-    def _table_kernel(self, dev: int) -> Any:
-        """The kernel of a captured step, and its device table (made outside the capture:
-        :meth:`prepare_capture`)."""
-        if self.coeff_dev is None:
-            raise TideInvalid("a captured optimizer step: expected prepare_capture() before "
-                              "the capture, got none")
-        return _kernels.function("adamw.cu", TABLE_KERNELS[self._kind], dev)
+    def _next_step(self, lrs: Sequence[float], grad_scale: float) -> list[Coefficients]:
+        """Count one step; its coefficients, one set per group."""
+        self.step_count += 1
+        return [coefficients(h, self.step_count, x, float(grad_scale))
+                for h, x in zip(self._hps, lrs)]
 
     def prepare_capture(self) -> None:
         """Make what a captured step reads, outside the capture: the device table of
@@ -591,19 +590,16 @@ class FusedAdamW:
             return
         with self._device():
             self.coeff_dev = self._xp.zeros(_COEFF_TABLE.itemsize // 4, np.float32)
-            _kernels.function("adamw.cu", TABLE_KERNELS[self._kind], self._master.device.id)
+            self._table_kernel = _kernels.function("adamw.cu", TABLE_KERNELS[self._kind],
+                                                   self._master.device.id)
 
     def stage_step(self, lr: Union[float, Sequence[float], None], grad_scale: float,
                    stream: Any = None) -> None:
         """The next step's coefficients into the device table, on ``stream``, for a
         replayed step to read; counts the step, as :meth:`step` does."""
-        lrs = self._group_lrs(lr)
-        self.step_count += 1
-        cs = [coefficients(h, self.step_count, x, float(grad_scale))
-              for h, x in zip(self._hps, lrs)]
-        table = _coeff_table(cs).view(np.float32)
+        table = _coeff_table(self._next_step(self._group_lrs(lr), grad_scale))
         with self._device(), on_stream(stream):
-            self.coeff_dev.set(table, stream=self._xp.cuda.get_current_stream())
+            self.coeff_dev.set(table.view(np.float32), stream=self._xp.cuda.get_current_stream())
 
     def _device(self) -> Any:
         """Context with the master's GPU current (nothing for NumPy)."""
