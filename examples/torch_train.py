@@ -1,6 +1,7 @@
 """Train a small PyTorch network with ``tidearray.torch.shard_module``.
 
     mpiexec -n 2 python examples/torch_train.py
+    mpiexec -n 2 python examples/torch_train.py --graph   # cuda: the step as a CUDA graph
 
 Each rank's module is sharded by units (here: the three layers). The forward and
 backward run as plain PyTorch; tidearray's hooks gather each unit just before it
@@ -8,10 +9,17 @@ runs, reduce its gradients as soon as they are in, and step a fused AdamW on the
 fp32 shards. On the host backend the tensors are CPU tensors (fp32); on the cuda
 backend, CUDA tensors (bf16 parameters, fp32 masters). Needs the ``torch`` extra;
 without torch it fails, naming the extra.
+
+``--graph`` (cuda) steps once eagerly, then captures the whole step (forward,
+backward, reductions, AdamW) with ``torch.cuda.graph`` through
+``tidearray.torch.CapturedStep`` and replays it, with a learning rate that changes on
+every replay; it runs the eager steps beside it on a second copy of the network and
+checks that the losses are bitwise equal.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -19,8 +27,14 @@ import numpy as np
 
 import tidearray as ta
 
+STEPS = 30
+
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--graph", action="store_true",
+                    help="capture the step as a CUDA graph and replay it (cuda backend)")
+    args = ap.parse_args()
     try:
         import torch
     except ImportError as e:
@@ -30,37 +44,69 @@ def main() -> None:
 
     g = ta.init()
     cuda = g.backend.name == "cuda"
+    if args.graph and not cuda:
+        sys.exit("torch_train.py --graph: expected the cuda backend (a CUDA graph), got "
+                 f"{g.backend.name}")
     device = torch.device("cuda", g.backend.device) if cuda else torch.device("cpu")
-    torch.manual_seed(0)
-    units = [torch.nn.Linear(64, 256),
-             torch.nn.Sequential(torch.nn.GELU(), torch.nn.Linear(256, 256)),
-             torch.nn.Sequential(torch.nn.GELU(), torch.nn.Linear(256, 8))]
-    model = torch.nn.Sequential(*units).to(device)
-    sm = tt.shard_module(model, units, optimizer=AdamW(lr=3e-3),
-                         param_dtype=torch.bfloat16 if cuda else torch.float32)
     rng = np.random.default_rng(g.rank)
     x = torch.from_numpy(rng.standard_normal((512, 64)).astype(np.float32)).to(device)
+    x_in = x.to(torch.bfloat16) if cuda else x
     y = torch.sin(x[:, :8] * 3)
-    first = last = None
-    for step in range(30):
-        t0 = time.perf_counter()
-        out = sm(x.to(torch.bfloat16) if cuda else x)
-        loss = torch.nn.functional.mse_loss(out.float(), y)
+
+    def shard() -> tt.ShardedModule:
+        torch.manual_seed(0)
+        units = [torch.nn.Linear(64, 256),
+                 torch.nn.Sequential(torch.nn.GELU(), torch.nn.Linear(256, 256)),
+                 torch.nn.Sequential(torch.nn.GELU(), torch.nn.Linear(256, 8))]
+        model = torch.nn.Sequential(*units).to(device)
+        return tt.shard_module(model, units, optimizer=AdamW(lr=3e-3),
+                               param_dtype=torch.bfloat16 if cuda else torch.float32)
+
+    def lr(step: int) -> float:  # a warm-up: the rate changes every step
+        return 3e-3 * min(1.0, (step + 1) / 10)
+
+    def whole_step(sm: tt.ShardedModule, rate: float) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(sm(x_in).float(), y)
         loss.backward()
-        sm.step()
-        value = g.comm.allreduce(float(loss.detach())) / g.size
+        sm.step(rate)
+        return loss.detach()
+
+    sm = shard()
+    eager = shard() if args.graph else None  # the same network, stepped eagerly beside it
+    captured = None
+    first = last = None
+    mismatches = 0
+    for step in range(STEPS):
+        t0 = time.perf_counter()
+        if captured is not None:
+            loss = captured(lr=lr(step))
+        else:
+            loss = whole_step(sm, lr(step))
+            if args.graph:  # after one eager step: capture the whole step once
+                captured = tt.CapturedStep(sm, lambda: whole_step(sm, lr(0)))
+        value = float(loss)  # (reading the loss syncs the host: the example prints it)
+        ms = 1e3 * (time.perf_counter() - t0)
+        if eager is not None:
+            mismatches += float(whole_step(eager, lr(step))) != value
+        value = g.comm.allreduce(value) / g.size
         first = value if first is None else first
         last = value
         if g.rank == 0 and step % 5 == 0:
-            print(f"step {step:3d}  loss {value:.5f}  {1e3 * (time.perf_counter() - t0):.1f} ms",
-                  flush=True)
+            print(f"step {step:3d}  loss {value:.5f}  {ms:.1f} ms", flush=True)
+    mismatches = g.comm.allreduce(mismatches)
     if g.rank == 0:
-        print(f"loss {first:.4f} -> {last:.4f} over 30 steps on {g.size} ranks "
-              f"({g.backend.name})")
-    ok = last < first
+        how = "captured step replayed" if args.graph else "eager steps"
+        print(f"loss {first:.4f} -> {last:.4f} over {STEPS} steps on {g.size} ranks "
+              f"({g.backend.name}, {how})")
+        if args.graph:
+            print(f"captured against eager: {mismatches} of {STEPS * g.size} losses differ")
+    ok = last < first and mismatches == 0
+    if captured is not None:
+        captured.close()
     g.close()
     if not ok:
-        sys.exit("the loss did not go down")
+        sys.exit("the loss did not go down" if last >= first else
+                 "the captured step's losses differ from the eager step's")
 
 
 if __name__ == "__main__":

@@ -136,3 +136,19 @@ def test_units_out_of_order_are_refused_at_the_first_forward(group):
     sm = tt.shard_module(model, [units[1], units[0], units[2]], group=group)
     with pytest.raises(tidearray.TideInvalid, match="order their forwards begin"):
         sm(_batch(0, group.rank, B)[0])
+
+
+def test_a_captured_torch_step_needs_the_cuda_backend(group):
+    """``tidearray.torch.CapturedStep`` captures with ``torch.cuda.graph``: on the host
+    backend it refuses, clearly, on every rank, before touching CUDA
+    (tests/gpu/test_torch_graph.py replays it on the cuda backend)."""
+    import tidearray
+    import tidearray.torch as tt
+
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    model, units = _model(3)
+    sm = tt.shard_module(model, units, group=group)
+    with pytest.raises(tidearray.TideInvalid, match="expected a module on the cuda backend"):
+        tt.CapturedStep(sm, lambda: None)
+    sm.close()

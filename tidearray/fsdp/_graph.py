@@ -52,45 +52,60 @@ class CapturedStep:
 
     def __init__(self, model: ShardedModel, step: Callable[[], Any]) -> None:
         if model.group.backend.name != "cuda":
-            raise TideInvalid("CapturedStep: expected a model on the cuda backend (a CUDA "
-                              f"graph), got the {model.group.backend.name} backend")
+            raise TideInvalid(f"{type(self).__name__}: expected a model on the cuda backend "
+                              f"(a CUDA graph), got the {model.group.backend.name} backend")
         import cupy
 
         opt = model.optimizer
         if opt.step_count == 0:
-            raise TideInvalid("CapturedStep: expected a model that has stepped eagerly once "
-                              "(its plans and kernels are made by that step), got none")
+            raise TideInvalid(f"{type(self).__name__}: expected a model that has stepped "
+                              "eagerly once (its plans and kernels are made by that step), "
+                              "got none")
         if opt.hp.max_grad_norm is not None:
-            raise TideInvalid("CapturedStep: clipping is not captured (its norm is agreed on "
-                              "the host); expected max_grad_norm=None")
+            raise TideInvalid(f"{type(self).__name__}: clipping is not captured (its norm is "
+                              "agreed on the host); expected max_grad_norm=None")
         self.model = model
-        self.stream = model.stream or cupy.cuda.get_current_stream()
         opt.prepare_capture()
         model.synchronize()
         self.pool = cupy.cuda.MemoryPool()  # the graph's own memory ([Note: captured steps])
         count, opt.captured_grad_scale = opt.step_count, None
-        with self.stream, cupy.cuda.using_allocator(self.pool.malloc):
-            self.stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
-            try:
-                self.result = step()
-            finally:
-                self.graph = self.stream.end_capture()
+        with cupy.cuda.using_allocator(self.pool.malloc):
+            self.graph, self.result = self._capture(step)
         opt.step_count = count  # the capture ran no step; each replay counts one
         if opt.captured_grad_scale is None:
-            raise TideInvalid("CapturedStep: expected a step function that calls "
-                              "model.step(), got one that does not")
+            raise TideInvalid(f"{type(self).__name__}: expected a step function that calls "
+                              "the model's step(), got one that does not")
         self.grad_scale = opt.captured_grad_scale
+
+    def _capture(self, step: Callable[[], Any]) -> tuple[Any, Any]:
+        """``step()`` captured on the model's stream: the graph, and what step returned."""
+        import cupy
+
+        self.stream = self.model.stream or cupy.cuda.get_current_stream()
+        with self.stream:
+            self.stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
+            try:
+                result = step()
+            finally:
+                graph = self.stream.end_capture()
+        return graph, result
+
+    def _launch(self) -> None:
+        self.graph.launch(self.stream)
+
+    def _replay_stream(self) -> Any:
+        """The stream the next replay launches on."""
+        return self.stream
 
     def __call__(self, lr: Union[float, Sequence[float], None] = None) -> Any:
         """Replay one step with learning rate ``lr`` (as :meth:`ShardedModel.step` takes
         it); returns the step function's result, overwritten by this replay."""
-        self.model.optimizer.stage_step(lr, self.grad_scale, self.stream)
-        self.graph.launch(self.stream)
+        self.model.optimizer.stage_step(lr, self.grad_scale, self._replay_stream())
+        self._launch()
         return self.result
 
     def close(self) -> None:
         """Drop the graph and its memory (after the last replay has finished)."""
-        self.stream.synchronize()
+        self._replay_stream().synchronize()
         self.graph = self.result = None
         self.pool.free_all_blocks()
-

@@ -175,6 +175,7 @@ class ShardedModule:
         self._members_left = [len(u.modules) for u in self.units]
         self._allow_state_dict = False
         self._sentinels = False
+        self._stream: Any = None  # the torch stream the runtime issues on (None: the default)
         # Made once: each backward only assigns them (a parameter's, one placeholder's size).
         self._sentinel_grads = [(p, _ShardedGrad.make(e)) for ps, es in
                                 zip(self.params, self._empty) for p, e in zip(ps, es)
@@ -220,6 +221,7 @@ class ShardedModule:
             self._new_pass()  # forwarded already in this pass: a forward with no backward
         if not self._seen:
             self._clear_sentinels()
+            self._follow_stream()
         if not self._live[u]:
             self._check_order(u)
             self._seen.add(u)
@@ -340,6 +342,29 @@ class ShardedModule:
                 self._unpoint(j)
         self._set_sentinels()
 
+    # -- streams ----------------------------------------------------------------------
+
+    def _follow_stream(self) -> None:
+        """The runtime issues on torch's current stream, read at each pass and step: a
+        forward on a side stream, or inside ``torch.cuda.graph``'s capture, has its
+        gathers and reductions on that stream ([Note: torch captured steps] in
+        ``_graph``). The new stream waits for the old one, whose kernels may still read
+        the slots, except while it captures: a capture cannot wait on uncaptured work,
+        and ``torch.cuda.graph`` synchronizes the device before it begins."""
+        if self.group.backend.name != "cuda":
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if self._stream is not None and stream == self._stream:
+            return
+        # Until the first pass, the runtime issued on the default stream (CuPy's current).
+        old = self._stream if self._stream is not None else torch.cuda.default_stream(self.device)
+        if stream != old and not torch.cuda.is_current_stream_capturing():
+            stream.wait_stream(old)
+        from ..backends.cuda.streams import cupy_stream
+
+        self._stream = stream
+        self.model.stream = cupy_stream(stream)
+
     # -- parameters' storage ------------------------------------------------------------
 
     def _torch_views(self, what: str, u: int, arrays: list) -> list:
@@ -397,6 +422,7 @@ class ShardedModule:
             The fused AdamW's gradient norm when it clips, else None.
         """
         self._clear_sentinels()
+        self._follow_stream()
         if self._make_optimizer is None:
             return self.model.step(lr)
         if lr is not None:

@@ -1,0 +1,212 @@
+"""A torch model's whole step captured with ``torch.cuda.graph`` ([Note: torch captured
+steps] in ``tidearray.torch._graph``): ``tidearray.torch.CapturedStep`` against the same
+sharded model stepped eagerly, for 50 steps with two micro-batches (gradient
+accumulation) and a learning-rate warm-up (the rate changes on every replay), each step
+on a new batch written into the captured inputs: the losses must be bitwise equal.
+
+Two models: a small transformer-shaped torch network (embedding, residual MLP blocks as
+units, a head in the root) and, where ``transformers`` is installed, a Hugging Face
+Llama, unchanged. Fresh data and weights every run (a seed drawn on rank 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from .._util import agree
+
+torch = pytest.importorskip("torch")
+
+import tidearray.torch as tt  # noqa: E402
+from tidearray import TideInvalid  # noqa: E402
+from tidearray.fsdp import AdamW  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
+STEPS, MICRO, BATCH, TOKENS, VOCAB, WIDTH = 50, 2, 4, 32, 128, 64
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.up = torch.nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = torch.nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(x).float()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _net(seed: int) -> tuple[torch.nn.Module, list, Callable]:
+    torch.manual_seed(seed)
+    net = _Net()
+    return net, list(net.blocks), lambda m, x, y: m(x, y)
+
+
+def _llama(seed: int) -> tuple[torch.nn.Module, list, Callable]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, attn_implementation="eager",
+                                   use_cache=False)
+    net = transformers.LlamaForCausalLM(cfg)
+    return net, list(net.model.layers), lambda m, x, y: m(input_ids=x, labels=y).loss
+
+
+MODELS = {"net": _net, "llama": _llama}
+
+
+@pytest.fixture
+def device(cuda_group):
+    torch.cuda.set_device(cuda_group.backend.device)
+    return torch.device("cuda", cuda_group.backend.device)
+
+
+def _seed(group) -> int:
+    return group.comm.bcast(int(np.random.default_rng().integers(1 << 30)), root=0)
+
+
+def _sharded(group, kind: str, seed: int, device: Any, **kw) -> tuple[Any, Callable]:
+    net, units, loss_of = MODELS[kind](seed)
+    net = net.to(device)
+    sm = tt.shard_module(net, units, group=group, param_dtype=torch.bfloat16,
+                         optimizer=kw.pop("optimizer", AdamW(lr=3e-3, weight_decay=0.01)),
+                         **kw)
+    return sm, loss_of
+
+
+def _lr(step: int) -> float:
+    return 3e-3 * min(1.0, (step + 1) / 20)
+
+
+class _Batches:
+    """Every step's micro-batches (this rank's), and the inputs a step reads: a captured
+    step reads the same tensors on every replay, refilled in place before each."""
+
+    def __init__(self, group, seed: int, device: Any) -> None:
+        g = torch.Generator(device=device).manual_seed(seed + 1 + group.rank)
+        shape = (STEPS, MICRO, BATCH, TOKENS)
+        self.data = torch.randint(0, VOCAB, shape, device=device, generator=g)
+        self.tokens = torch.empty(shape[1:], dtype=torch.long, device=device)
+
+    def load(self, step: int) -> None:
+        self.tokens.copy_(self.data[step])
+
+
+def _step_fn(sm: Any, loss_of: Callable, batches: _Batches) -> Callable[..., list]:
+    def step(lr: float = _lr(0)) -> list:  # a replay's rate comes from its call instead
+        losses = []
+        for m in range(MICRO):
+            x = batches.tokens[m]
+            loss = loss_of(sm, x, x)  # next-token targets: the model shifts them (or not)
+            loss.backward()
+            losses.append(loss.detach())
+        sm.step(lr=lr)
+        return losses
+    return step
+
+
+def _eager(group, kind: str, seed: int, device: Any) -> torch.Tensor:
+    sm, loss_of = _sharded(group, kind, seed, device)
+    batches = _Batches(group, seed, device)
+    step, out = _step_fn(sm, loss_of, batches), []
+    for s in range(STEPS):
+        batches.load(s)
+        out.append(torch.stack(step(_lr(s))))
+    sm.close()
+    return torch.stack(out)
+
+
+def _captured(group, kind: str, seed: int, device: Any) -> torch.Tensor:
+    sm, loss_of = _sharded(group, kind, seed, device)
+    batches = _Batches(group, seed, device)
+    step = _step_fn(sm, loss_of, batches)
+    batches.load(0)
+    out = [torch.stack(step())]  # one eager step: it builds the plans and kernels
+    captured = tt.CapturedStep(sm, step)
+    for s in range(1, STEPS):
+        batches.load(s)
+        out.append(torch.stack(captured(lr=_lr(s))))  # copied before the next replay
+    captured.close()
+    sm.close()
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_a_captured_torch_step_replays_the_eager_losses(cuda_group, device, kind):
+    g = cuda_group
+    seed = _seed(g)
+    eager = _eager(g, kind, seed, device).cpu()
+    graph = _captured(g, kind, seed, device).cpu()
+    failures = []
+    differ = (eager.view(torch.int32) != graph.view(torch.int32)).any(dim=1)
+    if differ.any():
+        first = int(differ.nonzero()[0])
+        failures.append(f"{kind}: losses differ from step {first + 1}: eager "
+                        f"{eager[first].tolist()}, captured {graph[first].tolist()}")
+    if not torch.isfinite(graph).all() or graph[-5:].mean() >= graph[:5].mean():
+        failures.append(f"{kind}: the captured run did not train: {graph[::10, 0].tolist()}")
+    agree(g.comm, failures, f"captured torch step ({kind})")
+
+
+def test_a_forward_on_a_side_stream_matches_the_default_stream(cuda_group, device):
+    """The runtime issues on torch's current stream: steps run under
+    ``torch.cuda.stream(side)`` give the default stream's losses bit for bit (were the
+    collectives on another stream, they would race the side stream's kernels)."""
+    g = cuda_group
+    seed = _seed(g)
+    runs = []
+    for side in (False, True):
+        sm, loss_of = _sharded(g, "net", seed, device)
+        batches = _Batches(g, seed, device)
+        stream = torch.cuda.Stream(device) if side else torch.cuda.current_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        losses = []
+        with torch.cuda.stream(stream):
+            for s in range(8):
+                batches.load(s)
+                x = batches.tokens[0]
+                loss = loss_of(sm, x, x)
+                loss.backward()
+                sm.step()
+                losses.append(loss.detach())
+        torch.cuda.current_stream(device).wait_stream(stream)
+        runs.append(torch.stack(losses).cpu())
+        sm.close()
+    failures = [] if torch.equal(runs[0], runs[1]) else [
+        f"side stream {runs[1].tolist()} against default {runs[0].tolist()}"]
+    agree(g.comm, failures, "side-stream losses")
+
+
+def test_capturing_with_a_torch_optimizer_is_refused(cuda_group, device):
+    sm, _ = _sharded(cuda_group, "net", 0, device,
+                     optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    with pytest.raises(TideInvalid, match="expected the fused AdamW"):
+        tt.CapturedStep(sm, lambda: None)
+    sm.close()
+
+
+def test_capturing_before_an_eager_step_is_refused(cuda_group, device):
+    sm, _ = _sharded(cuda_group, "net", 0, device)
+    with pytest.raises(TideInvalid, match="stepped eagerly once"):
+        tt.CapturedStep(sm, lambda: None)
+    sm.close()
+

@@ -1,0 +1,78 @@
+"""A torch model's whole training step captured with ``torch.cuda.graph``, then replayed.
+
+[Note: torch captured steps]
+:class:`CapturedStep` is :class:`tidearray.fsdp.CapturedStep` with torch's
+capture in place of CuPy's, because torch must know of the capture: its
+caching allocator then serves what the step allocates (activations, autograd's
+gradients, the loss) from the graph's private pool, which the replays reuse at
+the same addresses. Everything else is the CuPy trainer's captured step
+([Note: captured steps] in ``tidearray.fsdp._graph``):
+
+* the module's hooks run once, during the capture; the gathers and reductions
+  they issue are captured on the capturing stream, which the runtime follows as
+  it follows any torch current stream (``ShardedModule._follow_stream``);
+* the fused AdamW reads the step's coefficients (learning rate, bias
+  corrections) from a device table that each call writes, on torch's current
+  stream, before ``CUDAGraph.replay()`` launches on that stream;
+* the capture is relaxed (``capture_error_mode="relaxed"``), as the CuPy one,
+  so that a pool may grow while capturing.
+
+A torch optimizer (``optimizer=make``) is refused: its learning rate and step
+count live on the host unless it was made capturable, which this does not
+check. Clipping is refused as in the CuPy trainer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .._errors import TideInvalid
+from ..fsdp import CapturedStep as _CapturedStep
+
+if TYPE_CHECKING:
+    from ._module import ShardedModule
+
+
+class CapturedStep(_CapturedStep):
+    """``step()`` of a :class:`ShardedModule` captured with ``torch.cuda.graph``; calling
+    this replays it with the next learning rate.
+
+    Args:
+        module: a sharded module on the cuda backend, with the fused AdamW, that has
+            stepped eagerly at least once.
+        step: a function that runs one whole step (every micro-batch's forward and
+            backward, then ``module.step()``) on tensors the caller refills in place
+            before each replay, and returns what the caller reads (the losses, as
+            tensors: each replay overwrites them).
+
+    Raises:
+        TideInvalid: on the host backend, with a torch optimizer, before any eager
+            step, or with clipping.
+    """
+
+    def __init__(self, module: ShardedModule, step: Callable[[], Any]) -> None:
+        if module.group.backend.name != "cuda":
+            raise TideInvalid("CapturedStep: expected a module on the cuda backend (a CUDA "
+                              f"graph), got the {module.group.backend.name} backend")
+        if module._make_optimizer is not None:
+            raise TideInvalid("CapturedStep: expected the fused AdamW (a replay reads its "
+                              "learning rate from the device), got a torch optimizer "
+                              "(optimizer=make)")
+        self.module = module
+        super().__init__(module.model, step)
+
+    def _capture(self, step: Callable[[], Any]) -> tuple[Any, Any]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.module.device), \
+                torch.cuda.graph(graph, capture_error_mode="relaxed"):
+            result = step()
+        return graph, result
+
+    def _launch(self) -> None:
+        with torch.cuda.device(self.module.device):
+            self.graph.replay()  # on torch's current stream, after the staged table
+
+    def _replay_stream(self) -> Any:
+        return torch.cuda.current_stream(self.module.device)
