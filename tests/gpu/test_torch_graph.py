@@ -6,7 +6,9 @@ on a new batch written into the captured inputs: the losses must be bitwise equa
 
 Two models: a small transformer-shaped torch network (embedding, residual MLP blocks as
 units, a head in the root) and, where ``transformers`` is installed, a Hugging Face
-Llama, unchanged. Fresh data and weights every run (a seed drawn on rank 0).
+Llama, unchanged, with SDPA attention on its math kernels (deterministic, so bitwise
+comparable; transformers' eager attention builds its mask from a host scalar, which a
+capture refuses). Fresh data and weights every run (a seed drawn on rank 0).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _llama(seed: int) -> tuple[torch.nn.Module, list, Callable]:
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, attn_implementation="eager",
+                                   num_key_value_heads=2, attn_implementation="sdpa",
                                    use_cache=False)
     net = transformers.LlamaForCausalLM(cfg)
     return net, list(net.model.layers), lambda m, x, y: m(input_ids=x, labels=y).loss
@@ -152,10 +154,13 @@ def _captured(group, kind: str, seed: int, device: Any) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_a_captured_torch_step_replays_the_eager_losses(cuda_group, device, kind):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     g = cuda_group
     seed = _seed(g)
-    eager = _eager(g, kind, seed, device).cpu()
-    graph = _captured(g, kind, seed, device).cpu()
+    with sdpa_kernel(SDPBackend.MATH):
+        eager = _eager(g, kind, seed, device).cpu()
+        graph = _captured(g, kind, seed, device).cpu()
     failures = []
     differ = (eager.view(torch.int32) != graph.view(torch.int32)).any(dim=1)
     if differ.any():
@@ -201,6 +206,31 @@ def test_capturing_with_a_torch_optimizer_is_refused(cuda_group, device):
                      optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     with pytest.raises(TideInvalid, match="expected the fused AdamW"):
         tt.CapturedStep(sm, lambda: None)
+    sm.close()
+
+
+def test_a_step_that_fails_in_the_capture_raises_its_own_error(cuda_group, device):
+    """A step function that raises during the capture leaves the runtime's lanes
+    unjoined; the error raised is the step's, not the capture's ``cudaErrorStreamCapture
+    Unjoined``."""
+    sm, loss_of = _sharded(cuda_group, "net", 0, device)
+    batches = _Batches(cuda_group, 0, device)
+    step = _step_fn(sm, loss_of, batches)
+    batches.load(0)
+    step()
+
+    def failing() -> list:
+        x = batches.tokens[0]
+        loss_of(sm, x, x)  # gathers issued on the capturing stream, never waited
+        raise ValueError("the step's own error")
+
+    with pytest.raises(ValueError, match="the step's own error"):
+        tt.CapturedStep(sm, failing)
+    torch.cuda.synchronize(device)
+    # The group still works: a new module steps eagerly on the same lanes.
+    sm, loss_of = _sharded(cuda_group, "net", 0, device)
+    losses = _step_fn(sm, loss_of, batches)()
+    assert all(torch.isfinite(x) for x in losses)
     sm.close()
 
 

@@ -86,8 +86,13 @@ class CapturedStep:
             self.stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
             try:
                 result = step()
-            finally:
-                graph = self.stream.end_capture()
+            except BaseException:
+                try:  # the step's error broke the capture: raise that one, not the ending's
+                    self.stream.end_capture()
+                except Exception:  # noqa: BLE001, S110 - unjoined lanes, most likely
+                    pass
+                raise
+            graph = self.stream.end_capture()
         return graph, result
 
     def _launch(self) -> None:

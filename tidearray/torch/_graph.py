@@ -65,9 +65,19 @@ class CapturedStep(_CapturedStep):
 
     def _capture(self, step: Callable[[], Any]) -> tuple[Any, Any]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.module.device), \
-                torch.cuda.graph(graph, capture_error_mode="relaxed"):
-            result = step()
+        failed: BaseException | None = None
+        try:
+            with torch.cuda.device(self.module.device), \
+                    torch.cuda.graph(graph, capture_error_mode="relaxed"):
+                try:
+                    result = step()
+                except BaseException as e:
+                    failed = e
+                    raise
+        except BaseException:
+            if failed is not None:  # the step's error broke the capture (its lanes were left
+                raise failed  # noqa: B904 - unjoined): the user's error, not the ending's
+            raise
         return graph, result
 
     def _launch(self) -> None:
