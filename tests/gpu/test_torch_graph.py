@@ -106,7 +106,9 @@ class _Batches:
     def __init__(self, group, seed: int, device: Any) -> None:
         g = torch.Generator(device=device).manual_seed(seed + 1 + group.rank)
         shape = (STEPS, MICRO, BATCH, TOKENS)
-        self.data = torch.randint(0, VOCAB, shape, device=device, generator=g)
+        # Runs of consecutive tokens from random starts: the next token is learnable.
+        starts = torch.randint(0, VOCAB, (*shape[:3], 1), device=device, generator=g)
+        self.data = (starts + torch.arange(TOKENS, device=device)) % VOCAB
         self.tokens = torch.empty(shape[1:], dtype=torch.long, device=device)
 
     def load(self, step: int) -> None:
@@ -163,10 +165,15 @@ def test_a_captured_torch_step_replays_the_eager_losses(cuda_group, device, kind
         graph = _captured(g, kind, seed, device).cpu()
     failures = []
     differ = (eager.view(torch.int32) != graph.view(torch.int32)).any(dim=1)
-    if differ.any():
+    # The Llama's replays match the eager losses within 1e-3, not bit for bit: its
+    # captured backward differs from its eager one in the last bits (docs/graphs.md).
+    if kind == "net" and differ.any():
         first = int(differ.nonzero()[0])
         failures.append(f"{kind}: losses differ from step {first + 1}: eager "
                         f"{eager[first].tolist()}, captured {graph[first].tolist()}")
+    if not torch.allclose(graph, eager, rtol=1e-3, atol=0):
+        failures.append(f"{kind}: losses beyond 1e-3 of eager: "
+                        f"{(graph / eager - 1).abs().max().item():.2e}")
     if not torch.isfinite(graph).all() or graph[-5:].mean() >= graph[:5].mean():
         failures.append(f"{kind}: the captured run did not train: {graph[::10, 0].tolist()}")
     agree(g.comm, failures, f"captured torch step ({kind})")
