@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 
 import ml_dtypes
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -174,3 +175,10 @@ def recording_executor(make: Any, names: Sequence[str]) -> tuple[list, Any]:
         return ex
 
     return log, executor
+
+
+def skip_in_debug(group: Any) -> None:
+    """Skip a test that captures a stream: debug mode refuses collectives inside a
+    capture (its stamps are checked on the host), which its own tests check."""
+    if group.config.debug:
+        pytest.skip("debug mode refuses collectives inside a stream capture")

@@ -256,6 +256,17 @@ class _Plan:
     def _stamps(self) -> Optional[_stamps.Stamps]:
         raise NotImplementedError
 
+    def _eager_stamps(self, ex: Executor) -> Optional[_stamps.Stamps]:
+        """A call's debug stamps, refused inside the user's stream capture: their check
+        waits on the host after the call, which a capture cannot (a graph plan's
+        replays keep them: [Note: graph plans])."""
+        if ex.capture and self.group.config.debug:
+            raise TideInvalid(f"{self.what}: expected no debug mode (TIDE_DEBUG=1) inside a "
+                              "stream capture, got one: its stamps are checked on the host "
+                              "after each call; capture with debug off, or use a graph plan "
+                              "(graph=True), whose replays check them")
+        return self._stamps()
+
     def _capture(self, region: Region, result: Any) -> None:
         """Run once, then capture one call ([Note: graph plans])."""
         self._run(None, False)  # Backend.capture waits for it before capturing
@@ -336,7 +347,7 @@ class GatherPlan(_Plan):
             slot = default_region(group, "slot", self.layout.nbytes, ring=2)
         _order_after(slot, stream)
         ex = group.backend.executor(stream)
-        stamps = self._stamps()
+        stamps = self._eager_stamps(ex)
         self._issue(ex, stamps, slot)
         params = self.params if self.slot is not None else slot.views(self.layout, self.dtype)
         return finish(ex, params, stream, async_op, stamps, slot)
@@ -426,7 +437,7 @@ class ReducePlan(_Plan):
                        for o, s in zip(plan.out_offsets, red.layout.specs)]
         _order_after(staging, stream)
         ex = group.backend.executor(stream)
-        stamps = self._stamps()
+        stamps = self._eager_stamps(ex)
         self._issue(ex, stamps, staging, final_ptr)
         return finish(ex, results, stream, async_op, stamps, staging)
 

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from .._util import agree
+from .._util import agree, skip_in_debug
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 
@@ -37,6 +37,7 @@ def _run(group, graph: bool, **extra) -> dict:
 
 def test_a_captured_step_replays_the_eager_losses(cuda_group):
     g = cuda_group
+    skip_in_debug(g)
     eager, graph = _run(g, False), _run(g, True)
     failures = []
     if graph["impl"] != "tide-graph":
@@ -56,3 +57,10 @@ def test_capturing_a_step_that_clips_is_refused(cuda_group):
     clear error on every rank, not captured wrongly."""
     with pytest.raises(ta.TideInvalid, match="clipping is not captured"):
         _run(cuda_group, True, clip=1.0, steps=2)
+
+
+def test_capturing_a_step_in_debug_mode_is_refused(cuda_group):
+    if not cuda_group.config.debug:
+        pytest.skip("debug mode only (tests/gpu/run.sh's debug step)")
+    with pytest.raises(ta.TideInvalid, match="expected no debug mode"):
+        _run(cuda_group, True, steps=2)

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 import tidearray as ta
 
-from .._util import BF16, FP32, agree, compare_bits, padded_shard, to_numpy
+from .._util import BF16, FP32, agree, compare_bits, padded_shard, skip_in_debug, to_numpy
 from ..mpi._cases import full_params, poison, rank_grads
 from ..mpi.test_graphs import nonzero_flags
 
@@ -30,6 +30,7 @@ def test_collectives_replay_from_a_users_capture(cuda_group):
     import cupy
 
     g = cuda_group
+    skip_in_debug(g)
     unit = ta.Unit(SHAPES, BF16, group=g, chunk_nbytes=8192)
     arena = ta.SlotArena(max(unit.nbytes, unit.staging_nbytes), num_slots=3, group=g)
     shards = [cupy.zeros(s, BF16) for s in unit.shard_shapes]
@@ -84,3 +85,31 @@ def test_collectives_replay_from_a_users_capture(cuda_group):
     g.synchronize()
     for s in arena.slots:
         s.free()
+
+
+def test_a_collective_in_a_users_capture_is_refused_in_debug_mode(cuda_group):
+    """Debug mode checks each call's stamps on the host after it, which a capture
+    cannot: a collective issued inside one raises a clear error on every rank (each
+    rank's own capture), instead of a CUDA error from the stamps' wait."""
+    import cupy
+
+    g = cuda_group
+    if not g.config.debug:
+        pytest.skip("debug mode only (tests/gpu/run.sh's debug step)")
+    unit = ta.Unit(SHAPES, BF16, group=g)
+    arena = ta.SlotArena(unit.nbytes, num_slots=1, group=g)
+    shards = [cupy.zeros(s, BF16) for s in unit.shard_shapes]
+    gather = unit.gather_plan(shards, arena[0])
+    stream = cupy.cuda.Stream(non_blocking=True)
+    gather(stream=stream)
+    g.synchronize()
+    stream.begin_capture()
+    try:
+        with pytest.raises(ta.TideInvalid, match="no debug mode .* inside a stream capture"):
+            gather(stream=stream)
+    finally:
+        try:
+            stream.end_capture()
+        except Exception:  # noqa: BLE001, S110 - the refused call forked a lane: unjoined
+            pass
+    g.synchronize()

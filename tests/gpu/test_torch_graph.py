@@ -5,10 +5,12 @@ accumulation) and a learning-rate warm-up (the rate changes on every replay), ea
 on a new batch written into the captured inputs: the losses must be bitwise equal.
 
 Two models: a small transformer-shaped torch network (embedding, residual MLP blocks as
-units, a head in the root) and, where ``transformers`` is installed, a Hugging Face
-Llama, unchanged, with SDPA attention on its math kernels (deterministic, so bitwise
-comparable; transformers' eager attention builds its mask from a host scalar, which a
-capture refuses). Fresh data and weights every run (a seed drawn on rank 0).
+units, a head in the root), bitwise; and, where ``transformers`` is installed, a Hugging
+Face Llama, unchanged, with SDPA attention on its math kernels (transformers' eager
+attention builds its mask from a host scalar, which a capture refuses), within 1e-2:
+torch by itself computes this model's gradients with other bits when captured (13 of
+its 21 parameters', the attention's inputs and below, on one H200), so no sharded run
+can be bitwise here. Fresh data and weights every run (a seed drawn on rank 0).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from .._util import agree
+from .._util import agree, skip_in_debug
 
 torch = pytest.importorskip("torch")
 
@@ -159,20 +161,23 @@ def test_a_captured_torch_step_replays_the_eager_losses(cuda_group, device, kind
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     g = cuda_group
+    skip_in_debug(g)
     seed = _seed(g)
     with sdpa_kernel(SDPBackend.MATH):
         eager = _eager(g, kind, seed, device).cpu()
         graph = _captured(g, kind, seed, device).cpu()
     failures = []
     differ = (eager.view(torch.int32) != graph.view(torch.int32)).any(dim=1)
-    # The Llama's replays match the eager losses within 1e-3, not bit for bit: its
-    # captured backward differs from its eager one in the last bits (docs/graphs.md).
+    # The Llama's replays are not bitwise: torch alone, with no tidearray, gives this
+    # model other gradient bits captured than eagerly (docs/graphs.md), which bf16
+    # parameters carry into the losses (1.0e-3 to 1.9e-3 after 50 steps, 1-4 ranks).
     if kind == "net" and differ.any():
         first = int(differ.nonzero()[0])
         failures.append(f"{kind}: losses differ from step {first + 1}: eager "
                         f"{eager[first].tolist()}, captured {graph[first].tolist()}")
-    if not torch.allclose(graph, eager, rtol=1e-3, atol=0):
-        failures.append(f"{kind}: losses beyond 1e-3 of eager: "
+    rtol = 0 if kind == "net" else 1e-2
+    if not torch.allclose(graph, eager, rtol=rtol, atol=0):
+        failures.append(f"{kind}: losses beyond {rtol} of eager: "
                         f"{(graph / eager - 1).abs().max().item():.2e}")
     if not torch.isfinite(graph).all() or graph[-5:].mean() >= graph[:5].mean():
         failures.append(f"{kind}: the captured run did not train: {graph[::10, 0].tolist()}")
@@ -220,6 +225,7 @@ def test_a_step_that_fails_in_the_capture_raises_its_own_error(cuda_group, devic
     """A step function that raises during the capture leaves the runtime's lanes
     unjoined; the error raised is the step's, not the capture's ``cudaErrorStreamCapture
     Unjoined``."""
+    skip_in_debug(cuda_group)
     sm, loss_of = _sharded(cuda_group, "net", 0, device)
     batches = _Batches(cuda_group, 0, device)
     step = _step_fn(sm, loss_of, batches)

@@ -47,7 +47,8 @@ class CapturedStep:
             (the losses, as device arrays).
 
     Raises:
-        TideInvalid: on the host backend, before any eager step, or with clipping.
+        TideInvalid: on the host backend, in debug mode, before any eager step, or
+            with clipping.
     """
 
     def __init__(self, model: ShardedModel, step: Callable[[], Any]) -> None:
@@ -64,6 +65,10 @@ class CapturedStep:
         if opt.hp.max_grad_norm is not None:
             raise TideInvalid(f"{type(self).__name__}: clipping is not captured (its norm is "
                               "agreed on the host); expected max_grad_norm=None")
+        if model.group.config.debug:
+            raise TideInvalid(f"{type(self).__name__}: expected no debug mode (TIDE_DEBUG=1), "
+                              "got one: its stamps are checked on the host after each "
+                              "collective, which a capture cannot")
         self.model = model
         opt.prepare_capture()
         model.synchronize()
