@@ -500,6 +500,16 @@ def one_h200_graphs(run: Run) -> tuple[Figure, ...]:
     return tuple(figs)
 
 
+def one_h200_graph_launch(run: Run) -> tuple:
+    """What a graph's launch costs the host, by the nodes it holds: the flags' stream
+    memory operations against copies and kernels."""
+    with open(os.path.join(run.path, "graph_launch.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    return tuple(Figure(f"`cuGraphLaunch` host time, {r['graph']} ({r['nodes']} nodes; device "
+                        "idle before each launch, then back to back)", "reference",
+                        f"{r['idle_us']:.2f} us ({r['queued_us']:.2f} us)") for r in recs)
+
+
 def _train_log(path: str) -> tuple[dict, list]:
     """The summary rows (impl -> step ms, host ms, peak GiB) and the goal lines
     (goal, measured, met) that ``compare_train.py`` printed."""
@@ -550,6 +560,8 @@ def sections(root: str) -> list[Section]:
           "device idle between calls); the trainer at one rank: llama3-8b-8l, 8192 tokens, "
           "medians after 2 warm-up steps, each run's model in its capturable form.",
           one_h200_graphs),
+        S("run20-one-h200", "What a graph's launch costs the host",
+          "One process; medians of 300 launches of each graph.", one_h200_graph_launch),
     ]
 
 

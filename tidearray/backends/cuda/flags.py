@@ -19,6 +19,7 @@ pairs 160 us, 8 pairs 23 us, 64 kernels 3.4 us, 256 copies 5 us), so with memory
 operations a collective's graph launched in 20-50 us. A waiting kernel keeps one
 CTA resident while it spins, on one SM, where a memory operation holds none.
 The kernels are loaded when the flags are probed, since a capture cannot load them.
+Opt-in (``Config.graph_flag_kernels``) until it has run on a GPU.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from . import driver
 class FlagOps:
     """Signal and wait on int32 flag words, on a given stream."""
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, graph_kernels: bool = False) -> None:
         self.device = device
+        self._graph_kernels_wanted = graph_kernels
         self.memops = False
         self.reason = "not probed yet"
         self._write: Any = None
@@ -66,7 +68,8 @@ class FlagOps:
             if int(word.get()[0]) != 7:
                 raise RuntimeError("the trial write did not land")
             self.reason = "cuStreamWriteValue32 / cuStreamWaitValue32 (GEQ): zero SMs"
-            self.graph_kernels = self._load_kernels()
+            if self._graph_kernels_wanted:  # Config.graph_flag_kernels
+                self.graph_kernels = self._load_kernels()
         except Exception as e:  # noqa: BLE001 - old driver, memops disabled: spin kernels instead
             self.memops = False
             self.reason = (f"off ({type(e).__name__}: {e}); one-thread flag kernels "
