@@ -20,10 +20,15 @@ in turn, each from the same initial weights on the same batches:
 * ``tide-kept``: the same with ``keep_param_shards=True`` (bf16 shards kept by the
   optimizer, no cast kernel per gather);
 * ``floor``: the same ``shard_module`` code with ``comm=LocalComm``: every rank holds the
-  whole model and nothing is communicated (each rank trains on its own data).
+  whole model and nothing is communicated (each rank trains on its own data);
+* ``tide-graph`` and ``floor-graph`` (cuda only): ``tide`` and ``floor`` with the whole
+  step (forward, backward, reductions, AdamW) captured by ``tidearray.torch.CapturedStep``
+  after the first eager step, and replayed on each step's batch, copied into the
+  captured inputs (FSDP2 cannot be captured).
 
 Prints, per step, the loss and time, then a table: median step time (after
-``--warmup`` steps), its ratio to the floor, peak device memory per rank (the device's
+``--warmup`` steps), its ratio to the floor, the median host time per step (until the
+step's calls return, before the device is waited for), peak device memory per rank (the device's
 memory in use, sampled after every step, minus what was in use before the model was
 built; PyTorch's and CuPy's caches keep what a step used, so a sample holds the step's
 peak), and the largest loss difference between ``fsdp2`` and ``tide``. ``--out DIR``
@@ -64,10 +69,13 @@ from benchmarks.harness.device import ClockLog, clock_median, clock_readings  # 
 from benchmarks.harness.records import git_commit  # noqa: E402
 from benchmarks.steps.compare_train import plot_steps, plot_timelines  # noqa: E402
 
-IMPLS = ("floor", "fsdp2", "tide", "tide-kept")
+IMPLS = ("floor", "fsdp2", "tide", "tide-kept", "tide-graph", "floor-graph")
 #: ``shard_module`` impls, each compared with ``fsdp2``: ``tide-kept`` keeps bf16 shards
-#: (``keep_param_shards``) instead of casting the fp32 masters at every gather.
-TIDE_IMPLS = ("tide", "tide-kept")
+#: (``keep_param_shards``) instead of casting the fp32 masters at every gather;
+#: ``tide-graph`` replays a captured step.
+TIDE_IMPLS = ("tide", "tide-kept", "tide-graph")
+#: Impls whose step is captured once and replayed (cuda only), and the floor of each.
+GRAPH_FLOORS = {"tide-graph": "floor-graph"}
 #: Largest relative loss difference between fsdp2 and tide accepted as agreement:
 #: both compute in bf16 (fp32 on CPU), reduce in fp32 and step fp32 masters, but sum
 #: in different orders and run different AdamW kernels.
@@ -195,6 +203,10 @@ class Impl:
         from tidearray.fsdp import AdamW
 
         self.kind, self.torch, self.model = kind, torch, model
+        self.graph = kind.endswith("-graph")
+        self.captured: Any = None
+        self.inputs: Optional[tuple] = None  # what a captured step reads, refilled per step
+        self.lr0 = args.lr
         if args.compile:
             compile_blocks(torch, model)
         hyper = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
@@ -208,8 +220,34 @@ class Impl:
         else:
             self.sm = tt.shard_module(model, model.units(), group=g, param_dtype=dtype,
                                       optimizer=AdamW(**hyper),
-                                      comm=LocalComm if kind == "floor" else "tide",
+                                      comm=LocalComm if kind.startswith("floor") else "tide",
                                       keep_param_shards=kind == "tide-kept")
+
+    def train_step(self, tokens: Any, targets: Any, lr: float) -> Any:
+        """One whole step; returns its loss (a device tensor). A graph impl steps eagerly
+        once, then captures the step and replays it on the batch copied into its inputs."""
+        if not self.graph:
+            loss = self.forward_backward(tokens, targets)
+            self.step(lr)
+            return loss
+        if self.inputs is None:
+            self.inputs = (tokens.clone(), targets.clone())
+        else:
+            self.inputs[0].copy_(tokens)
+            self.inputs[1].copy_(targets)
+        if self.captured is not None:
+            return self.captured(lr=lr)[0]
+        loss = self.forward_backward(*self.inputs)
+        self.step(lr)
+        import tidearray.torch as tt
+
+        self.captured = tt.CapturedStep(self.sm, self._whole_step)
+        return loss
+
+    def _whole_step(self) -> list:
+        loss = self.forward_backward(*self.inputs)
+        self.sm.step(lr=self.lr0)  # a replay's rate comes from its call
+        return [loss]
 
     def forward_backward(self, tokens: Any, targets: Any) -> Any:
         logits = self.model(tokens)
@@ -228,6 +266,8 @@ class Impl:
         self.opt.zero_grad(set_to_none=True)
 
     def close(self) -> None:
+        if self.captured is not None:
+            self.captured.close()
         if self.sm is not None:
             self.sm.close()
 
@@ -276,7 +316,7 @@ def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.Mode
     impl = Impl(kind, torch, build(torch, cfg, device, args.seed), g, args, dtype)
     data = [llama.batch(cfg, step=s, batch_size=B, seed=args.seed, first_sample=g.rank * B)
             for s in range(args.steps)]
-    losses, times, peak, parts, clock_log = [], [], 0, {}, None
+    losses, times, host, peak, parts, clock_log = [], [], [], 0, {}, None
     try:
         for s, (tokens, targets) in enumerate(data):
             tokens = torch.from_numpy(tokens.astype(np.int64)).to(device)
@@ -285,8 +325,8 @@ def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.Mode
             if cuda and s == args.warmup:  # the timed steps' clocks, not compilation's
                 clock_log = ClockLog(device.index)
             t0 = time.perf_counter()
-            loss = impl.forward_backward(tokens, targets)
-            impl.step(learning_rate(args, s))
+            loss = impl.train_step(tokens, targets, learning_rate(args, s))
+            host.append(time.perf_counter() - t0)
             _sync(torch, cuda)
             times.append(time.perf_counter() - t0)
             used = device_used(torch, cuda) - base
@@ -301,9 +341,10 @@ def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.Mode
             if args.profile and with_profile else None)
     impl.close()
     del impl
-    return {"impl": kind, "losses": losses, "step_s": times, "peak_bytes": peak,
-            "peak_parts": parts, "clocks": clocks,
-            "median_step_s": float(np.median(times[args.warmup:] or times)), "profile": prof}
+    return {"impl": kind, "losses": losses, "step_s": times, "host_s": host,
+            "peak_bytes": peak, "peak_parts": parts, "clocks": clocks,
+            "median_step_s": float(np.median(times[args.warmup:] or times)),
+            "median_host_s": float(np.median(host[args.warmup:] or host)), "profile": prof}
 
 
 def pooled(passes: list, warmup: int) -> dict:
@@ -314,8 +355,9 @@ def pooled(passes: list, warmup: int) -> dict:
         first["passes"] = [{"step_s": r["step_s"], "median_step_s": r["median_step_s"],
                             "peak_bytes": r["peak_bytes"], "clocks": r["clocks"]}
                            for r in passes]
-        first["median_step_s"] = float(np.median(
-            [t for r in passes for t in (r["step_s"][warmup:] or r["step_s"])]))
+        for key in ("step_s", "host_s"):
+            first[f"median_{key}"] = float(np.median(
+                [t for r in passes for t in (r[key][warmup:] or r[key])]))
         top = max(passes, key=lambda r: r["peak_bytes"])
         first["peak_bytes"], first["peak_parts"] = top["peak_bytes"], top["peak_parts"]
     return first
@@ -350,8 +392,7 @@ def profile(kind: str, torch: Any, impl: Impl, batch: tuple, device: Any,
         # or a collective's kernels would be timed waiting for the later rank.
         _sync(torch, device.type == "cuda")
         g.comm.Barrier()
-        impl.forward_backward(tokens, targets)
-        impl.step(args.lr)
+        impl.train_step(tokens, targets, args.lr)
         _sync(torch, device.type == "cuda")
 
     events = cupti.trace(step)
@@ -421,6 +462,10 @@ def compare(records: list) -> dict:
     if "floor" in by:
         floor = by["floor"]["median_step_s"]
         out["vs_floor"] = {k: r["median_step_s"] / floor for k, r in by.items()}
+    for k, f in GRAPH_FLOORS.items():  # a captured step against its own captured floor
+        if k in by and f in by:
+            out.setdefault("vs_graph_floor", {})[k] = (by[k]["median_step_s"]
+                                                       / by[f]["median_step_s"])
     if "fsdp2" in by:  # tide's figures at the top level, each other variant's under its name
         for k in TIDE_IMPLS:
             if k in by:
@@ -459,13 +504,20 @@ def table(rec: dict, out: Optional[str] = None) -> str:
              + (", blocks under torch.compile" if rec.get("compiled") else ""), "",
              f"Commit `{rec['commit']}`, {rec['time']}, device: {rec['device']}. Command: "
              f"`{' '.join(rec['argv'])}`.", "",
-             "| impl | median step (ms) | vs floor | peak memory per rank (GiB) | "
-             "first loss | last loss |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| impl | median step (ms) | vs floor | host per step (ms) | "
+             "peak memory per rank (GiB) | first loss | last loss |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rec["runs"]:
         vs = c.get("vs_floor", {}).get(r["impl"])
+        host = r.get("median_host_s")  # records before it lack it
         lines.append(f"| {r['impl']} | {r['median_step_s'] * 1e3:.2f} | "
-                     f"{'-' if vs is None else f'{vs:.3f}x'} | {r['peak_bytes'] / 2**30:.2f} | "
+                     f"{'-' if vs is None else f'{vs:.3f}x'} | "
+                     f"{'-' if host is None else f'{host * 1e3:.2f}'} | "
+                     f"{r['peak_bytes'] / 2**30:.2f} | "
                      f"{r['losses'][0]:.4f} | {r['losses'][-1]:.4f} |")
+    for k, v in c.get("vs_graph_floor", {}).items():
+        lines += ["", f"- {k} step time / {GRAPH_FLOORS[k]}'s (its own captured floor): "
+                  f"**{v:.3f}x**"]
     if "tide_vs_fsdp2_step" in c:
         lines += versus_lines("tide", c)
     for k in TIDE_IMPLS[1:]:
@@ -618,6 +670,9 @@ def main(argv: Optional[list] = None) -> None:
     impls = [k for k in args.impls.split(",") if k]
     if set(impls) - set(IMPLS):
         raise SystemExit(f"--impls: expected some of {IMPLS}, got {impls}")
+    if not cuda and any(k.endswith("-graph") for k in impls):
+        log("compare: the -graph impls capture a CUDA graph: skipped on the CPU")
+        impls = [k for k in impls if not k.endswith("-graph")]
     log(f"compare: {args.model}, {tokens} tokens/rank, {g.size} ranks, "
         f"{'cuda bf16' if cuda else 'cpu fp32'}, impls {impls}, {args.steps} steps"
         + (", blocks compiled" if args.compile else ""))
