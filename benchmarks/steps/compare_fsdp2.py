@@ -8,7 +8,7 @@
 like ``benchmarks/results/run12-fsdp2/``.)
 
 The same PyTorch Llama-style decoder (``TorchLlama`` below: RMSNorm, RoPE, grouped
-query attention through ``scaled_dot_product_attention``, SwiGLU), trained four ways
+query attention through ``scaled_dot_product_attention``, SwiGLU), trained several ways
 in turn, each from the same initial weights on the same batches:
 
 * ``fsdp2``: ``fully_shard`` on every block and on the root, with
