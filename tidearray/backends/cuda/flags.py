@@ -45,6 +45,7 @@ class FlagOps:
         self._wait: Any = None
         self._flags: dict[str, int] = {}
         self.graph_kernels = False  # flags in graphs are kernels ([Note: flags in graphs])
+        self._kernels_loaded: Any = None  # None: not tried
 
     def probe(self, stream: Any) -> tuple[bool, str]:
         """Try a write and a wait on a scratch word; fall back to kernels on failure."""
@@ -68,8 +69,7 @@ class FlagOps:
             if int(word.get()[0]) != 7:
                 raise RuntimeError("the trial write did not land")
             self.reason = "cuStreamWriteValue32 / cuStreamWaitValue32 (GEQ): zero SMs"
-            if self._graph_kernels_wanted:  # Config.graph_flag_kernels
-                self.graph_kernels = self._load_kernels()
+            self.set_graph_kernels(self._graph_kernels_wanted)  # Config.graph_flag_kernels
         except Exception as e:  # noqa: BLE001 - old driver, memops disabled: spin kernels instead
             self.memops = False
             self.reason = (f"off ({type(e).__name__}: {e}); one-thread flag kernels "
@@ -81,11 +81,22 @@ class FlagOps:
                           RuntimeWarning, stacklevel=2)
         return self.memops, self.reason
 
+    def set_graph_kernels(self, on: bool) -> bool:
+        """Whether graphs captured from now on signal and wait with kernels
+        (``Config.graph_flag_kernels`` sets it at start-up); returns the setting now in
+        force (False where the kernels cannot load; where the driver has no memory
+        operations, kernels are used everywhere anyway)."""
+        self.graph_kernels = bool(on) and self.memops and self._load_kernels()
+        return self.graph_kernels
+
     def _load_kernels(self) -> bool:
         """Load the flag kernels now, for graphs; False (memory operations in graphs too)
         where they cannot be compiled."""
         from . import kernels as _kernels
 
+        if self._kernels_loaded is not None:
+            return self._kernels_loaded
+        self._kernels_loaded = False
         try:
             for name in ("tide_signal", "tide_wait"):
                 _kernels.function("flags.cu", name, self.device)
@@ -93,6 +104,7 @@ class FlagOps:
             self.reason += f"; in graphs too ({type(e).__name__}: {e})"
             return False
         self.reason += "; one-thread kernels in graphs"
+        self._kernels_loaded = True
         return True
 
     def signal(self, stream: Any, addr: int, value: int, graph: bool = False) -> None:
