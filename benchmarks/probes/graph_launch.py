@@ -27,21 +27,26 @@ from tidearray.backends.cuda import driver
 NBYTES = 4096
 
 
-def _capture(calls: Any, build: Callable[[Any], None]) -> tuple[Any, int]:
+def _ok(err: int, what: str) -> None:
+    """A driver call's CUresult, checked (not by ``assert``: the calls must run under -O)."""
+    if err:
+        raise RuntimeError(f"{what}: CUresult {err}")
+
+
+def _capture(calls: Any, count_nodes: Callable[..., int],
+             build: Callable[[Any], None]) -> tuple[Any, int]:
     origin = cupy.cuda.Stream(non_blocking=True)
     cupy.cuda.runtime.deviceSynchronize()
-    assert calls.begin(origin.ptr, 1) == 0  # thread-local mode
+    _ok(calls.begin(origin.ptr, 1), "cuStreamBeginCapture")  # thread-local mode
     build(origin)
     graph = ctypes.c_void_p()
-    assert calls.end(origin.ptr, ctypes.byref(graph)) == 0
+    _ok(calls.end(origin.ptr, ctypes.byref(graph)), "cuStreamEndCapture")
     exec_ = ctypes.c_void_p()
-    assert calls.instantiate(ctypes.byref(exec_), graph, 0) == 0
-    assert calls.upload(exec_, origin.ptr) == 0
+    _ok(calls.instantiate(ctypes.byref(exec_), graph, 0), "cuGraphInstantiate")
+    _ok(calls.upload(exec_, origin.ptr), "cuGraphUpload")
     origin.synchronize()
     count = ctypes.c_size_t()
-    nodes = driver.entry("cuGraphGetNodes", driver.CUDA_12_0, ctypes.c_void_p,
-                         ctypes.c_void_p, ctypes.c_void_p)
-    assert nodes(graph, None, ctypes.byref(count)) == 0
+    _ok(count_nodes(graph, None, ctypes.byref(count)), "cuGraphGetNodes")
     return exec_, int(count.value)
 
 
@@ -70,6 +75,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     calls = driver.GraphCalls()
+    count_nodes = driver.entry("cuGraphGetNodes", driver.CUDA_12_0, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_void_p)
     write = driver.stream_value32("Write")
     wait = driver.stream_value32("Wait")
     src = cupy.zeros(256 * NBYTES, cupy.uint8)
@@ -92,8 +99,8 @@ def main() -> None:
         def issue(s: Any, k: int) -> None:
             for i in range(n):
                 addr = words.data.ptr + 4 * (k * n + i)
-                assert write(s.ptr, addr, 1, 0) == 0
-                assert wait(s.ptr, addr, 1, 0) == 0  # GEQ (0): satisfied by the write
+                _ok(write(s.ptr, addr, 1, 0), "cuStreamWriteValue32")
+                _ok(wait(s.ptr, addr, 1, 0), "cuStreamWaitValue32")  # GEQ (0): the write
         return issue
 
     def kernels(n: int) -> Callable[[Any, int], None]:
@@ -125,7 +132,7 @@ def main() -> None:
     records = []
     stream = cupy.cuda.Stream(non_blocking=True)
     for name, build in graphs.items():
-        exec_, nodes = _capture(calls, build)
+        exec_, nodes = _capture(calls, count_nodes, build)
         for _ in range(20):
             calls.launch(exec_, stream.ptr)
         stream.synchronize()
