@@ -12,6 +12,9 @@ launch. For each unit this measures, per call (median of ``--iters``):
   group's ``chunk_nbytes``);
 * ``graph``: the same plans made with ``graph=True``, each call one replay of
   a captured CUDA graph (on the host backend, of the recorded primitives);
+* ``graph-kernels`` (cuda): the same, captured with the flags as one-thread kernels
+  instead of stream memory operations (``Config.graph_flag_kernels``: a memory
+  operation costs a graph's launch about 2 us of host time);
 * ``plan-400``: the gather plans of 400 units of the same shapes, called in
   turn, so each call's plan differs from the last (no cliff at many units).
 
@@ -57,6 +60,9 @@ def _one_unit(ctx: Any, u: Any) -> None:
     reduce = unit.reduce_plan(grads, op="avg", staging=arena[1])
     graph_gather = unit.gather_plan(shards, arena[0], graph=True)
     graph_reduce = unit.reduce_plan(grads, op="avg", staging=arena[1], graph=True)
+    kernel_graphs = _with_flag_kernels(g, lambda: (
+        unit.gather_plan(shards, arena[0], graph=True),
+        unit.reduce_plan(grads, op="avg", staging=arena[1], graph=True)))
     cases = {
         ("ag", "graph"): lambda: graph_gather(stream=stream, async_op=True),
         ("rs", "graph"): lambda: graph_reduce(stream=stream, async_op=True),
@@ -67,12 +73,18 @@ def _one_unit(ctx: Any, u: Any) -> None:
         ("rs", "call"): lambda: ta.reduce_scatter(grads, op="avg", out=reduce.out, group=g,
                                                   staging=arena[1], stream=stream,
                                                   async_op=True)}
+    if kernel_graphs is not None:
+        kg, kr = kernel_graphs
+        cases[("ag", "graph-kernels")] = lambda: kg(stream=stream, async_op=True)
+        cases[("rs", "graph-kernels")] = lambda: kr(stream=stream, async_op=True)
     for (op, impl), fn in cases.items():
         us = _host_us(ctx, fn)
         ctx.sink.add("plans", impl, u.name, f"{op}_host_us", us, "us")
         ctx.log(f"  {u.name:16s} {op} {impl:8s}: {us:8.1f} us host per call")
     _check(ctx, gather, full)
     _check(ctx, graph_gather, full)
+    if kernel_graphs is not None:
+        _check(ctx, kernel_graphs[0], full)
     _where_time_goes(ctx, u.name, {k: cases[k] for k in cases if k[1] != "call"})
     plans = [unit.gather_plan(shards, arena[i % 2]) for i in range(MANY)]
     for p in plans:  # each plan's first call plans its copy batches: not the steady state
@@ -82,6 +94,22 @@ def _one_unit(ctx: Any, u: Any) -> None:
     ctx.sink.add("plans", "plan-400", u.name, "ag_host_us", us, "us")
     ctx.log(f"  {u.name:16s} ag plan-400: {us:8.1f} us host per call")
     _check(ctx, plans[-1], full)
+
+
+def _with_flag_kernels(group: Any, build: Any) -> Any:
+    """``build()`` with the cuda backend's graphs signalling and waiting by kernels
+    ([Note: flags in graphs]); None on other backends or where the kernels do not load.
+    The setting is read at capture, so the plans keep it."""
+    flags = getattr(getattr(group.backend, "lanes", None), "flags", None)
+    if flags is None:
+        return None
+    before = flags.graph_kernels
+    try:
+        if not flags.set_graph_kernels(True):
+            return None
+        return build()
+    finally:
+        flags.set_graph_kernels(before)
 
 
 def _host_us(ctx: Any, fn: Any) -> float:

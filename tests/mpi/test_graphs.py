@@ -30,19 +30,24 @@ RS_RTOL = 4 * WORLD * 2.0**-24
 REPLAYS = 6
 
 
-@pytest.fixture(scope="module", params=["push", "pull-parts", "push-batch", "debug"])
+@pytest.fixture(scope="module",
+                params=["push", "pull-parts", "push-batch", "debug", "flag-kernels"])
 def tgroup(request, group):
     """A group per transport (pull cut into parts even for small units, as large units
-    are), and one in debug mode, whose replays check their stamps; 4 KiB chunks."""
-    transport = {"pull-parts": "pull", "debug": group.config.ag_transport}.get(
-        request.param, request.param)
+    are), one in debug mode, whose replays check their stamps, and on cuda one whose
+    graphs signal and wait with kernels (``graph_flag_kernels``); 4 KiB chunks."""
+    if request.param == "flag-kernels" and group.backend.name != "cuda":
+        pytest.skip("flags in graphs are kernels on the cuda backend only")
+    transport = {"pull-parts": "pull", "debug": group.config.ag_transport,
+                 "flag-kernels": group.config.ag_transport}.get(request.param, request.param)
     patch = pytest.MonkeyPatch()
     if request.param == "pull-parts":
         import tidearray._all_gather as ag
 
         patch.setattr(ag, "PULL_SPLIT_MIN", 0)
     g = ta.init(backend=group.backend.name, ag_transport=transport, chunk_nbytes=4096,
-                debug=request.param == "debug")
+                debug=request.param == "debug",
+                graph_flag_kernels=request.param == "flag-kernels")
     yield g
     patch.undo()
     g.comm.Barrier()

@@ -213,7 +213,7 @@ class CudaBackend(Backend):
             push_split=split, copier=Copier(config.batch_copies, config.local_copy_max,
                                             config.local_copy_kernel_min, self.device,
                                             max(1, sms // 4), config.copy_batch_max),
-            flags=FlagOps(self.device),
+            flags=FlagOps(self.device, config.graph_flag_kernels),
             accumulator=Accumulator(self.device, sms, config.accum_ctas),
             watchdog=Watchdog(self.device, config.timeout), retire=self.retire,
             capturing=driver.stream_is_capturing())

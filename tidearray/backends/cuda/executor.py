@@ -187,10 +187,10 @@ class CudaExecutor(Executor):
                                capture=self.capture)
 
     def _signal(self, lane: int, addr: int, value: int) -> None:
-        self.lanes.flags.signal(self._lane(lane), addr, value)
+        self.lanes.flags.signal(self._lane(lane), addr, value, self.capture)
 
     def _wait(self, lane: int, addr: int, value: int) -> None:
-        self.lanes.flags.wait(self._lane(lane), addr, value)
+        self.lanes.flags.wait(self._lane(lane), addr, value, self.capture)
         self._waits.append((addr, value))
 
     def _accumulate(self, lane: int, pieces: list, src_dtype: Any, scale: float,

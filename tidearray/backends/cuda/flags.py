@@ -9,6 +9,17 @@ neither involves the host.
 
 Where the driver refuses stream memory operations, one-thread kernels from
 ``kernels/flags.cu`` stand in; ``FlagOps.probe`` decides and says why.
+
+[Note: flags in graphs]
+In a CUDA graph (a graph plan's capture, or the user's) the same one-thread
+kernels signal and wait instead of memory operations: a graph's launch costs the
+driver about 2 us of host time per memory-operation node and nothing measurable
+per kernel node (``benchmarks/probes/graph_launch.py``, one H200: 64 write+wait
+pairs 160 us, 8 pairs 23 us, 64 kernels 3.4 us, 256 copies 5 us), so with memory
+operations a collective's graph launched in 20-50 us. A waiting kernel keeps one
+CTA resident while it spins, on one SM, where a memory operation holds none.
+The kernels are loaded when the flags are probed, since a capture cannot load them.
+Opt-in (``Config.graph_flag_kernels``) until it has run on a GPU.
 """
 
 from __future__ import annotations
@@ -25,13 +36,16 @@ from . import driver
 class FlagOps:
     """Signal and wait on int32 flag words, on a given stream."""
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, graph_kernels: bool = False) -> None:
         self.device = device
+        self._graph_kernels_wanted = graph_kernels
         self.memops = False
         self.reason = "not probed yet"
         self._write: Any = None
         self._wait: Any = None
         self._flags: dict[str, int] = {}
+        self.graph_kernels = False  # flags in graphs are kernels ([Note: flags in graphs])
+        self._kernels_loaded: Any = None  # None: not tried
 
     def probe(self, stream: Any) -> tuple[bool, str]:
         """Try a write and a wait on a scratch word; fall back to kernels on failure."""
@@ -55,6 +69,7 @@ class FlagOps:
             if int(word.get()[0]) != 7:
                 raise RuntimeError("the trial write did not land")
             self.reason = "cuStreamWriteValue32 / cuStreamWaitValue32 (GEQ): zero SMs"
+            self.set_graph_kernels(self._graph_kernels_wanted)  # Config.graph_flag_kernels
         except Exception as e:  # noqa: BLE001 - old driver, memops disabled: spin kernels instead
             self.memops = False
             self.reason = (f"off ({type(e).__name__}: {e}); one-thread flag kernels "
@@ -66,16 +81,44 @@ class FlagOps:
                           RuntimeWarning, stacklevel=2)
         return self.memops, self.reason
 
-    def signal(self, stream: Any, addr: int, value: int) -> None:
-        """After ``stream``'s earlier work, write ``value`` to the int32 at ``addr``."""
-        self._op("Write", "tide_signal", stream, addr, value)
+    def set_graph_kernels(self, on: bool) -> bool:
+        """Whether graphs captured from now on signal and wait with kernels
+        (``Config.graph_flag_kernels`` sets it at start-up); returns the setting now in
+        force (False where the kernels cannot load; where the driver has no memory
+        operations, kernels are used everywhere anyway)."""
+        self.graph_kernels = bool(on) and self.memops and self._load_kernels()
+        return self.graph_kernels
 
-    def wait(self, stream: Any, addr: int, value: int) -> None:
+    def _load_kernels(self) -> bool:
+        """Load the flag kernels now, for graphs; False (memory operations in graphs too)
+        where they cannot be compiled."""
+        from . import kernels as _kernels
+
+        if self._kernels_loaded is not None:
+            return self._kernels_loaded
+        self._kernels_loaded = False
+        try:
+            for name in ("tide_signal", "tide_wait"):
+                _kernels.function("flags.cu", name, self.device)
+        except Exception as e:  # noqa: BLE001 - no NVRTC: graphs keep memory operations
+            self.reason += f"; in graphs too ({type(e).__name__}: {e})"
+            return False
+        self.reason += "; one-thread kernels in graphs"
+        self._kernels_loaded = True
+        return True
+
+    def signal(self, stream: Any, addr: int, value: int, graph: bool = False) -> None:
+        """After ``stream``'s earlier work, write ``value`` to the int32 at ``addr``.
+        ``graph``: ``stream`` is capturing ([Note: flags in graphs])."""
+        self._op("Write", "tide_signal", stream, addr, value, graph)
+
+    def wait(self, stream: Any, addr: int, value: int, graph: bool = False) -> None:
         """Hold ``stream`` until the int32 at ``addr`` is >= ``value`` (cyclically)."""
-        self._op("Wait", "tide_wait", stream, addr, value)
+        self._op("Wait", "tide_wait", stream, addr, value, graph)
 
-    def _op(self, op: str, kernel: str, stream: Any, addr: int, value: int) -> None:
-        if not self.memops:
+    def _op(self, op: str, kernel: str, stream: Any, addr: int, value: int,
+            graph: bool) -> None:
+        if not self.memops or (graph and self.graph_kernels):
             self._kernel(kernel, stream, addr, value)
             return
         memop = self._write if op == "Write" else self._wait
