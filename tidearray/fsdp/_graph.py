@@ -72,6 +72,10 @@ class CapturedStep:
         self.model = model
         opt.prepare_capture()
         model.synchronize()
+        # The eager steps' cached blocks go back to the device, so that the graph's pool
+        # can take that memory instead of holding its own beside them (the captured
+        # trainer step peaked at 1.35x the eager one's with both held).
+        cupy.get_default_memory_pool().free_all_blocks()
         self.pool = cupy.cuda.MemoryPool()  # the graph's own memory ([Note: captured steps])
         count, opt.captured_grad_scale = opt.step_count, None
         with cupy.cuda.using_allocator(self.pool.malloc):
