@@ -48,8 +48,8 @@ class CapturedStep(_CapturedStep):
             tensors: each replay overwrites them).
 
     Raises:
-        TideInvalid: on the host backend, with a torch optimizer, before any eager
-            step, or with clipping.
+        TideInvalid: on the host backend, with a torch optimizer, in debug mode,
+            before any eager step, or with clipping.
     """
 
     def __init__(self, module: ShardedModule, step: Callable[[], Any]) -> None:
