@@ -10,6 +10,8 @@
 #       launches   (benchall 3 times, one report of the spread)
 #       suites     (each suite alone; TIDE_BENCH_SUITES, TIDE_BENCH_ARGS)
 #       plans      (python -m benchmarks plans: host time per plan call)
+#       graphs     (plans, then the trainer at one rank, eager and with its whole step
+#                  captured: llama3-8b-8l, host time, step time and peak memory)
 #       ctas       (TIDE-RS and GEMM interference at each accumulate grid of TIDE_CTAS)
 #       priority   (the interference GEMMs at the default and highest stream priority,
 #                  at each grid of TIDE_PRIO_CTAS)
@@ -62,6 +64,11 @@ run_suites() {  # the same suites as benchall, each under its own timeout, one r
 run_plans() {  # host time per plan call
     step bench_plans "${MPI[@]}" -n 2 python3 -m benchmarks plans --workloads units \
         --out "$OUT/b"
+}
+run_graphs() {  # CUDA graphs: host time per graph plan call, and the captured trainer step
+    run_plans
+    step train_graph "${MPI[@]}" -n 1 python3 benchmarks/steps/compare_train.py --impl graph \
+        --model llama3-8b-8l --tokens 8192 --steps 20 --out "$OUT/train_graph"
 }
 run_ctas() {  # TIDE-RS and the GEMM beside it at each accumulate grid (TIDE_CTAS;
               # TIDE_CTAS_IMPLS: the reduce-scatters timed beside tide's, e.g. tide,stock)

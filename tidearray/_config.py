@@ -111,12 +111,12 @@ class Config:
     cuda backend's ``copies``). Env:
     ``TIDE_COPY_BATCH_MAX``."""
 
-    graph_flag_kernels: bool = False
+    graph_flag_kernels: bool = True
     """In CUDA graphs (graph plans, collectives inside a capture), signal and wait with
     one-thread kernels instead of stream memory operations, each of which costs the
     graph's launch about 2 us of host time ([Note: flags in graphs] in the cuda
-    backend's ``flags``). Off by default: not yet run on a GPU.
-    Env: ``TIDE_GRAPH_FLAG_KERNELS``."""
+    backend's ``flags``). False keeps memory operations in graphs too (no resident
+    CTA while a wait spins). Env: ``TIDE_GRAPH_FLAG_KERNELS``."""
 
     debug: bool = False
     """Debug mode (False): re-check every plan call across ranks (one small

@@ -11,12 +11,16 @@ launch. For each unit this measures, per call (median of ``--iters``):
   convenience path, which validates across ranks on every call, with the
   group's ``chunk_nbytes``);
 * ``graph``: the same plans made with ``graph=True``, each call one replay of
-  a captured CUDA graph (on the host backend, of the recorded primitives);
-* ``graph-kernels`` (cuda): the same, captured with the flags as one-thread kernels
-  instead of stream memory operations (``Config.graph_flag_kernels``: a memory
-  operation costs a graph's launch about 2 us of host time);
+  a captured CUDA graph (on the host backend, of the recorded primitives); on
+  cuda its flags are one-thread kernels (``Config.graph_flag_kernels``, the default);
+* ``graph-memops`` (cuda): the same, captured with the flags as stream memory
+  operations instead (``graph_flag_kernels=False``: each costs a graph's launch about
+  2 us of host time);
 * ``plan-400``: the gather plans of 400 units of the same shapes, called in
-  turn, so each call's plan differs from the last (no cliff at many units).
+  turn, so each call's plan differs from the last (no cliff at many units);
+* ``{op}_launch_us`` of the graph impls (cuda): the graph's bare launch, no
+  event and no watchdog, so the driver's share of a replay's host time is seen
+  beside the whole call's.
 
 Every timed call is complete and checked afterwards: the gathered parameters
 against the full ones (bitwise), so calls that skipped their work fail.
@@ -60,7 +64,7 @@ def _one_unit(ctx: Any, u: Any) -> None:
     reduce = unit.reduce_plan(grads, op="avg", staging=arena[1])
     graph_gather = unit.gather_plan(shards, arena[0], graph=True)
     graph_reduce = unit.reduce_plan(grads, op="avg", staging=arena[1], graph=True)
-    kernel_graphs = _with_flag_kernels(g, lambda: (
+    memop_graphs = _with_memop_flags(g, lambda: (
         unit.gather_plan(shards, arena[0], graph=True),
         unit.reduce_plan(grads, op="avg", staging=arena[1], graph=True)))
     cases = {
@@ -73,18 +77,31 @@ def _one_unit(ctx: Any, u: Any) -> None:
         ("rs", "call"): lambda: ta.reduce_scatter(grads, op="avg", out=reduce.out, group=g,
                                                   staging=arena[1], stream=stream,
                                                   async_op=True)}
-    if kernel_graphs is not None:
-        kg, kr = kernel_graphs
-        cases[("ag", "graph-kernels")] = lambda: kg(stream=stream, async_op=True)
-        cases[("rs", "graph-kernels")] = lambda: kr(stream=stream, async_op=True)
+    if memop_graphs is not None:
+        mg, mr = memop_graphs
+        cases[("ag", "graph-memops")] = lambda: mg(stream=stream, async_op=True)
+        cases[("rs", "graph-memops")] = lambda: mr(stream=stream, async_op=True)
     for (op, impl), fn in cases.items():
         us = _host_us(ctx, fn)
         ctx.sink.add("plans", impl, u.name, f"{op}_host_us", us, "us")
         ctx.log(f"  {u.name:16s} {op} {impl:8s}: {us:8.1f} us host per call")
+    graphs = {("ag", "graph"): graph_gather, ("rs", "graph"): graph_reduce}
+    if memop_graphs is not None:
+        graphs[("ag", "graph-memops")], graphs[("rs", "graph-memops")] = memop_graphs
+    for (op, impl), plan in graphs.items():
+        launch = getattr(plan.graph, "_launch_on", None)
+        if launch is None or stream is None:  # the host backend: no driver launch to isolate
+            continue
+        us = _host_us(ctx, lambda launch=launch, ptr=stream.ptr: launch(ptr))
+        ctx.sink.add("plans", impl, u.name, f"{op}_launch_us", us, "us")
+        ctx.log(f"  {u.name:16s} {op} {impl:8s}: {us:8.1f} us bare launch")
+    # Bare launches registered nothing: one whole call leaves each region's order right.
+    for plan in graphs.values():
+        plan(stream=stream)
     _check(ctx, gather, full)
     _check(ctx, graph_gather, full)
-    if kernel_graphs is not None:
-        _check(ctx, kernel_graphs[0], full)
+    if memop_graphs is not None:
+        _check(ctx, memop_graphs[0], full)
     _where_time_goes(ctx, u.name, {k: cases[k] for k in cases if k[1] != "call"})
     plans = [unit.gather_plan(shards, arena[i % 2]) for i in range(MANY)]
     for p in plans:  # each plan's first call plans its copy batches: not the steady state
@@ -96,20 +113,19 @@ def _one_unit(ctx: Any, u: Any) -> None:
     _check(ctx, plans[-1], full)
 
 
-def _with_flag_kernels(group: Any, build: Any) -> Any:
-    """``build()`` with the cuda backend's graphs signalling and waiting by kernels
-    ([Note: flags in graphs]); None on other backends or where the kernels do not load.
-    The setting is read at capture, so the plans keep it."""
+def _with_memop_flags(group: Any, build: Any) -> Any:
+    """``build()`` with the cuda backend's graphs signalling and waiting by stream memory
+    operations ([Note: flags in graphs]); None on other backends, or where graphs use
+    them anyway (their kernels did not load). The setting is read at capture, so the
+    plans keep it."""
     flags = getattr(getattr(group.backend, "lanes", None), "flags", None)
-    if flags is None:
+    if flags is None or not flags.graph_kernels:
         return None
-    before = flags.graph_kernels
     try:
-        if not flags.set_graph_kernels(True):
-            return None
+        flags.set_graph_kernels(False)
         return build()
     finally:
-        flags.set_graph_kernels(before)
+        flags.set_graph_kernels(True)
 
 
 def _host_us(ctx: Any, fn: Any) -> float:

@@ -11,6 +11,7 @@
 #                                              # cuda), soak (2,000 steps at 2 and 4 ranks),
 #                                              # debug (np2 with TIDE_DEBUG=1: stamps)
 #                                              # hf (the Hugging Face and torch tests, 1-4 ranks)
+#                                              # graphs (the CUDA graph tests, 1-4 ranks)
 #   TIDE_GPU_PIPELINES="info np2 jax|np3 faults|np4 debug|nodes np1 soak" bash tests/gpu/run.sh
 #                                              # those step lists side by side (correctness only)
 #   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
@@ -60,6 +61,16 @@ HF_TESTS=(tests/mpi/test_hf.py tests/mpi/test_torch.py tests/mpi/test_torch_stat
 run_hf() {
     local n
     for n in 1 2 3 4; do step "hf_np$n" "${MPI[@]}" -n "$n" "${PYTEST[@]}" "${HF_TESTS[@]}"; done
+}
+
+# Graph plans, collectives in a user's capture, the captured CuPy and torch steps, 1-4 ranks.
+GRAPH_TESTS=(tests/gpu/test_cuda_graphs.py tests/gpu/test_captured_step.py
+             tests/gpu/test_torch_graph.py tests/mpi/test_graphs.py)
+run_graphs() {
+    local n
+    for n in ${TIDE_GRAPH_RANKS:-1 2 3 4}; do
+        step "graphs_np$n" "${MPI[@]}" -n "$n" "${PYTEST[@]}" "${GRAPH_TESTS[@]}"
+    done
 }
 
 run_pipelines() {  # TIDE_GPU_PIPELINES="np2 jax|np3 faults|...": side by side (correctness

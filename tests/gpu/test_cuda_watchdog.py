@@ -3,7 +3,9 @@
 Rank 1 builds a plan with rank 0 but never calls it. Rank 0's call then waits on the
 GPU for rank 1's grant and data; without the watchdog its stream, and the host that
 synchronizes on it, would wait for ever. With ``timeout=3``, the wait is released, the
-group reports the timeout (``group.check()``), and every later call raises.
+group reports the timeout (``group.check()``), and every later call raises. Once for an
+eager plan (its waits are stream memory operations) and once for a graph plan (its
+waits are spinning kernels: [Note: flags in graphs]).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.gpu]
 TIMEOUT_S = 3.0
 
 
-def test_watchdog_releases_a_wait_on_a_silent_peer(comm):
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_watchdog_releases_a_wait_on_a_silent_peer(comm, graph):
     cupy = pytest.importorskip("cupy")
     try:
         if cupy.cuda.runtime.getDeviceCount() < 1:
@@ -36,7 +39,8 @@ def test_watchdog_releases_a_wait_on_a_silent_peer(comm):
         g = ta.init(sub, backend="cuda", timeout=TIMEOUT_S)
         unit = ta.Unit([(64, 64)], np.float32, group=g)
         arena = ta.SlotArena(unit.nbytes, 1, group=g)
-        plan = unit.gather_plan([cupy.zeros(unit.shard_shapes[0], np.float32)], arena[0])
+        plan = unit.gather_plan([cupy.zeros(unit.shard_shapes[0], np.float32)], arena[0],
+                                graph=graph)
         if g.rank == 0:
             failures = _silent_peer(g, plan, cupy)
         sub.Barrier()

@@ -31,15 +31,16 @@ REPLAYS = 6
 
 
 @pytest.fixture(scope="module",
-                params=["push", "pull-parts", "push-batch", "debug", "flag-kernels"])
+                params=["push", "pull-parts", "push-batch", "debug", "flag-memops"])
 def tgroup(request, group):
     """A group per transport (pull cut into parts even for small units, as large units
     are), one in debug mode, whose replays check their stamps, and on cuda one whose
-    graphs signal and wait with kernels (``graph_flag_kernels``); 4 KiB chunks."""
-    if request.param == "flag-kernels" and group.backend.name != "cuda":
-        pytest.skip("flags in graphs are kernels on the cuda backend only")
+    graphs signal and wait with stream memory operations (``graph_flag_kernels=False``;
+    kernels by default); 4 KiB chunks."""
+    if request.param == "flag-memops" and group.backend.name != "cuda":
+        pytest.skip("flags in graphs are a cuda backend choice")
     transport = {"pull-parts": "pull", "debug": group.config.ag_transport,
-                 "flag-kernels": group.config.ag_transport}.get(request.param, request.param)
+                 "flag-memops": group.config.ag_transport}.get(request.param, request.param)
     patch = pytest.MonkeyPatch()
     if request.param == "pull-parts":
         import tidearray._all_gather as ag
@@ -47,7 +48,7 @@ def tgroup(request, group):
         patch.setattr(ag, "PULL_SPLIT_MIN", 0)
     g = ta.init(backend=group.backend.name, ag_transport=transport, chunk_nbytes=4096,
                 debug=request.param == "debug",
-                graph_flag_kernels=request.param == "flag-kernels")
+                graph_flag_kernels=request.param != "flag-memops")
     yield g
     patch.undo()
     g.comm.Barrier()

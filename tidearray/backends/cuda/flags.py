@@ -19,7 +19,8 @@ pairs 160 us, 8 pairs 23 us, 64 kernels 3.4 us, 256 copies 5 us), so with memory
 operations a collective's graph launched in 20-50 us. A waiting kernel keeps one
 CTA resident while it spins, on one SM, where a memory operation holds none.
 The kernels are loaded when the flags are probed, since a capture cannot load them.
-Opt-in (``Config.graph_flag_kernels``) until it has run on a GPU.
+``Config.graph_flag_kernels`` (on by default) chooses; eager calls keep memory
+operations either way.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from . import driver
 class FlagOps:
     """Signal and wait on int32 flag words, on a given stream."""
 
-    def __init__(self, device: int, graph_kernels: bool = False) -> None:
+    def __init__(self, device: int, graph_kernels: bool = True) -> None:
         self.device = device
         self._graph_kernels_wanted = graph_kernels
         self.memops = False

@@ -20,6 +20,16 @@ before its later work), an event after it, and the watchdog's registration of
 that event with the waits the capture recorded ([Note: watchdog]): a replay
 that does not complete within ``Config.timeout`` releases its waits and
 breaks the group, as an eager call's would.
+
+[Note: graph launch cost]
+A replay's host time is the driver's launch plus the Python around it, and
+both are kept small: the driver's grows by about 2 us per stream memory
+operation in the graph and hardly at all per copy or kernel node
+(``benchmarks/probes/graph_launch.py``), so flags in graphs are kernels
+([Note: flags in graphs] in ``flags``); around it, a launch reads no
+configuration, allocates nothing it can reuse (the events, their completions
+and the watchdog's entries are made once per graph) and calls CuPy's compiled
+``graphLaunch`` rather than the driver through ctypes.
 """
 
 from __future__ import annotations
@@ -61,33 +71,51 @@ class CudaGraph(Graph):
 
     def __init__(self, lanes: Lanes, graph: int, exec_: int, waits: tuple,
                  abort: Any, what: str, keep: Any) -> None:
+        import cupy
+
         self._lanes, self._graph, self._exec = lanes, graph, exec_
         self._waits, self._abort, self._what = waits, abort, what
         self._keep = keep  # what the graph's nodes read (tables): alive while it lives
         self._last: Any = None
-        self._launch = _graph_calls().launch
+        self._watchdog = lanes.watchdog
+        # A launch is host time taken from the thread that launches the model's kernels
+        # ([Note: graph launch cost]): CuPy's compiled runtime call where it has one.
+        self._launch = getattr(cupy.cuda.runtime, "graphLaunch", None)
+        self._driver_launch = _graph_calls().launch
+        self._current_stream = cupy.cuda.get_current_stream
+        self._record = cupy.cuda.runtime.eventRecord
         # Completion events, reused in turn (creating one per launch cost microseconds).
         # Launches of one graph run in order, so an event re-recorded by a later launch
         # only ever fires later: a stale Work waits a little longer, never less.
         self._events = [_event() for _ in range(EVENTS)]
+        self._event_ptrs = [ev.ptr for ev in self._events]
+        self._completions = [CudaCompletion([ev]) for ev in self._events]
+        self._watched = [(ev,) for ev in self._events]
         self._turn = 0
-        import cupy
-
-        self._record = cupy.cuda.runtime.eventRecord
 
     def launch(self, stream: Any = None) -> CudaCompletion:
-        watchdog = self._lanes.watchdog
+        watchdog = self._watchdog
         if watchdog.broken is not None:
             watchdog.check()
-        ptr = stream_ptr(stream)
-        err = self._launch(self._exec, ptr)
+        ptr = self._current_stream().ptr if stream is None else stream_ptr(stream)
+        self._launch_on(ptr)
+        self._turn = turn = (self._turn + 1) % EVENTS
+        self._last = self._events[turn]
+        self._record(self._event_ptrs[turn], ptr)  # outside any capture: the watchdog
+        watchdog.watch(self._what, self._watched[turn], self._waits, self._abort)  # queries it
+        return self._completions[turn]
+
+    def _launch_on(self, ptr: int) -> None:
+        """``cuGraphLaunch`` of the exec on stream ``ptr``, nothing else."""
+        if self._launch is not None:
+            try:
+                self._launch(self._exec, ptr)
+            except Exception as e:  # noqa: BLE001 - CuPy's CUDARuntimeError, named ours
+                raise TideBackendError(f"cudaGraphLaunch failed: {e}") from e
+            return
+        err = self._driver_launch(self._exec, ptr)
         if err:
             _checked(err, "cuGraphLaunch")
-        self._turn = turn = (self._turn + 1) % EVENTS
-        ev = self._last = self._events[turn]
-        self._record(ev.ptr, ptr)  # outside any capture: the watchdog may query it
-        watchdog.watch(self._what, (ev,), self._waits, self._abort)
-        return CudaCompletion([ev])
 
     def __del__(self) -> None:
         wait_for_readers(self._last)  # an exec may go while in flight; its tables not

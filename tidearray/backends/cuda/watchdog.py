@@ -26,6 +26,7 @@ read after a host synchronization. ``group.close()`` still frees everything.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -49,8 +50,11 @@ class Watchdog:
         self.device = device
         self.timeout = timeout
         self.broken: Optional[str] = None
-        self._pending: list = []
-        self._lock = threading.Lock()
+        # Registrations, appended by the issuing thread and taken by the watchdog's: a
+        # deque's append and popleft are atomic, so registering takes no lock (it is on
+        # every call's host time: [Note: graph launch cost] in ``graphs``).
+        self._pending: collections.deque = collections.deque()
+        self._kept: list = []  # the watchdog thread's own: registered, not yet done
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._memset: Any = None
@@ -68,9 +72,8 @@ class Watchdog:
             return  # nothing it does can wait on a peer
         if self._thread is None:
             self._start()
-        with self._lock:
-            self._pending.append((time.monotonic() + self.timeout, self._seq, what,
-                                  events, waits, abort))
+        self._pending.append((time.monotonic() + self.timeout, self._seq, what, events,
+                              waits, abort))
 
     def check(self) -> None:
         """Raise TideBackendError if a collective has timed out."""
@@ -98,11 +101,13 @@ class Watchdog:
 
         cupy.cuda.Device(self.device).use()
         driver.relax_capture_mode()  # its queries must not break a user's capture
+        registered = self._pending
         while not self._stop.wait(POLL_S):
             now = time.monotonic()
-            with self._lock:
-                pending, self._pending = self._pending, []
-            keep = []
+            pending, self._kept = self._kept, []
+            while registered:
+                pending.append(registered.popleft())
+            keep = self._kept
             for entry in pending:
                 deadline, seq, what, events, waits, abort = entry
                 if all(ev.done for ev in events):
@@ -111,8 +116,6 @@ class Watchdog:
                     keep.append(entry)
                     continue
                 self._expire(seq, what, waits, abort)
-            with self._lock:
-                self._pending = keep + self._pending
 
     def _expire(self, seq: int, what: str, waits: list,
                 abort: Optional[Callable[[], None]]) -> None:
