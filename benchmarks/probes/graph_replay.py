@@ -7,7 +7,9 @@ and a reduce graph plan, once with the flags as one-thread kernels (the default)
 as stream memory operations. Per graph: its nodes by type and its root nodes (the lanes
 that start it). Per call, ``--iters`` times with the device idle before each, the host
 time of the bare launch (``cuGraphLaunch`` alone), of the launch and its completion
-event, and of the whole plan call (``plan(async_op=True)``). Twice: every rank launching
+event (one event, or one of eight in turn as a graph's launch takes them), of the
+graph's launch (``CudaGraph.launch``: those and the watchdog's registration) and of the
+whole plan call (``plan(async_op=True)``). Twice: every rank launching
 right after a barrier ("together"), and rank r launching r x 500 us after it
 ("staggered"), so that ranks sharing a GPU do not enter the driver at the same moment.
 Each rank's median and 10th and 90th percentiles; every gather is checked bitwise at the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import time
@@ -85,6 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--modes", default="together,staggered")
     args = ap.parse_args()
     import cupy
 
@@ -99,6 +103,7 @@ def main() -> None:
     stream = cupy.cuda.Stream(non_blocking=True)
     record = cupy.cuda.runtime.eventRecord
     event = cupy.cuda.Event(block=False, disable_timing=True)
+    events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(8)]
     commit = os.environ.get("TIDE_GIT_COMMIT", "unknown")
     records = []
     for u in W.units():
@@ -122,10 +127,17 @@ def main() -> None:
                     graph._launch_on(ptr)
                     record(event.ptr, ptr)
 
+                turn = itertools.cycle(events)
+
+                def with_events(graph: Any = graph, ptr: int = ptr, turn: Any = turn) -> None:
+                    graph._launch_on(ptr)  # and one of 8 events, as CudaGraph.launch
+                    record(next(turn).ptr, ptr)
+
                 calls = {"bare": lambda graph=graph, ptr=ptr: graph._launch_on(ptr),
-                         "event": with_event,
+                         "event": with_event, "events8": with_events,
+                         "launch": lambda graph=graph, ptr=ptr: graph.launch(ptr),
                          "call": lambda plan=plan: plan(stream=stream, async_op=True)}
-                for mode in ("together", "staggered"):
+                for mode in args.modes.split(","):
                     rec = {"unit": u.name, "op": op, "flags": flag_kind, "mode": mode,
                            "ranks": g.size, "nodes": kinds, "roots": roots,
                            "commit": commit}
