@@ -2,7 +2,12 @@
 
 A training loop issues its collectives from the thread that launches the
 model's kernels, so the host time of one call is time taken from compute
-launch. For each unit this measures, per call (median of ``--iters``):
+launch. For each unit this measures, per call, the median of ``--iters`` calls
+two ways: ``{op}_host_us`` with the device idle and the ranks synchronized before
+each call, and ``{op}_queued_host_us`` with the calls issued back to back, as a
+loop that runs ahead of the device issues them (the thread and its caches stay
+busy; after an idle wait the first microseconds of a call run cold, and on one GPU
+the ranks' launches then meet in the driver at once). Per impl:
 
 * ``plan``: ``GatherPlan(...)(async_op=True)`` / ``ReducePlan(...)(async_op=True)``,
   the host time to issue (no wait); the reduction's chunks are sized to its
@@ -84,7 +89,10 @@ def _one_unit(ctx: Any, u: Any) -> None:
     for (op, impl), fn in cases.items():
         us = _host_us(ctx, fn)
         ctx.sink.add("plans", impl, u.name, f"{op}_host_us", us, "us")
-        ctx.log(f"  {u.name:16s} {op} {impl:8s}: {us:8.1f} us host per call")
+        queued = _queued_us(ctx, fn)
+        ctx.sink.add("plans", impl, u.name, f"{op}_queued_host_us", queued, "us")
+        ctx.log(f"  {u.name:16s} {op} {impl:12s}: {us:8.1f} us host per call, "
+                f"{queued:8.1f} us back to back")
     graphs = {("ag", "graph"): graph_gather, ("rs", "graph"): graph_reduce}
     if memop_graphs is not None:
         graphs[("ag", "graph-memops")], graphs[("rs", "graph-memops")] = memop_graphs
@@ -141,6 +149,23 @@ def _host_us(ctx: Any, fn: Any) -> float:
         times.append(time.perf_counter() - t0)
         ctx.dev.sync()  # each call issues onto idle lanes, as in a loop that keeps up
         ctx.comm.Barrier()
+    return float(np.median(times)) * 1e6
+
+
+def _queued_us(ctx: Any, fn: Any) -> float:
+    """Median host microseconds of one call among ``--iters`` issued back to back (the
+    device still busy with the earlier ones), after the ranks synchronized once."""
+    for _ in range(ctx.args.warmup):
+        fn()
+    ctx.dev.sync()
+    ctx.comm.Barrier()
+    times = []
+    for _ in range(ctx.args.iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    ctx.dev.sync()
+    ctx.comm.Barrier()
     return float(np.median(times)) * 1e6
 
 
