@@ -53,7 +53,11 @@ def _check_accumulate(cp, accumulator, stream, dtype: str, n_src: int, scale: fl
         want = _host_accumulate([host_srcs[s][k][o:] for s in range(n_src)], scale)
         got = cp.asnumpy(outs[k])
         assert np.isnan(got[:o]).all(), "wrote before the piece"
-        assert (got[o:].view(np.uint32) == want.view(np.uint32)).all(), f"piece {k} differs"
+        bad = np.flatnonzero(got[o:].view(np.uint32) != want.view(np.uint32))
+        assert not bad.size, (f"piece {k} ({sizes[k]} elements at offset {o}) differs at "
+                              f"{bad.size} elements, first {bad[:4].tolist()}: got "
+                              f"{got[o:][bad[:4]].tolist()}, want {want[bad[:4]].tolist()} "
+                              "(NaN: not written)")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
