@@ -92,12 +92,20 @@ class CudaGraph(Graph):
         self._completions = [CudaCompletion([ev]) for ev in self._events]
         self._watched = [(ev,) for ev in self._events]
         self._turn = 0
+        self._stream: Any = None  # the last launch's stream object, and its handle
+        self._stream_ptr = 0
 
     def launch(self, stream: Any = None) -> CudaCompletion:
         watchdog = self._watchdog
         if watchdog.broken is not None:
             watchdog.check()
-        ptr = self._current_stream().ptr if stream is None else stream_ptr(stream)
+        if stream is None:
+            ptr = self._current_stream().ptr
+        elif stream is self._stream:  # the same stream object as the last launch's
+            ptr = self._stream_ptr
+        else:
+            ptr = stream_ptr(stream)
+            self._stream, self._stream_ptr = stream, ptr  # kept alive: its handle stays
         self._launch_on(ptr)
         self._turn = turn = (self._turn + 1) % EVENTS
         self._last = self._events[turn]
