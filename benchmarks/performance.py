@@ -481,10 +481,15 @@ def one_h200_graphs(run: Run) -> tuple[Figure, ...]:
                 f"Host time per {op.upper()} graph plan call, {w} (the plan's eager call; the "
                 "graph launch's own time under cProfile)", "<= 10 us",
                 f"{graph:,.1f} us ({plan:,.0f} us; launch {launch:,.1f} us)", graph <= 10))
+    return tuple(figs) + _captured_trainer(run)
+
+
+def _captured_trainer(run: Run) -> tuple[Figure, ...]:
+    """The captured trainer step against the eager one (``compare_train.py --impl graph``)."""
     rows, goals = _train_log(os.path.join(run.path, "train_graph.log"))
     e, g = rows["tide"], rows["tide-graph"]
-    figs += [Figure(f"Captured trainer step: {goal}", "bitwise equal", measured, met)
-             for goal, measured, met in goals if "losses" in goal]
+    figs = [Figure(f"Captured trainer step: {goal}", "bitwise equal", measured, met)
+            for goal, measured, met in goals if "losses" in goal]
     figs += [
         Figure("Captured trainer step: host time per step against eager", "below eager",
                f"{x(g['host_ms'] / e['host_ms'], 4)} ({g['host_ms']:.3f} ms against "
@@ -492,11 +497,104 @@ def one_h200_graphs(run: Run) -> tuple[Figure, ...]:
         Figure("Captured trainer step: step time against eager", "<= 1x",
                f"{x(g['step_ms'] / e['step_ms'], 3)} ({g['step_ms']:.1f} ms against "
                f"{e['step_ms']:.1f} ms)", g["step_ms"] <= e["step_ms"]),
-        Figure("Captured trainer step: peak memory against eager (the graph's own pool "
-               "beside the eager step's cached blocks)", "reference",
+        Figure("Captured trainer step: peak memory against eager", "reference",
                f"{x(g['peak_gib'] / e['peak_gib'], 3)} ({g['peak_gib']:.2f} GiB against "
                f"{e['peak_gib']:.2f} GiB)"),
     ]
+    return tuple(figs)
+
+
+GRAPH_UNITS = (UNIT, "llama3.1-70b", QWEN, "wan2.2-dit")
+
+
+def one_h200_flag_kernels(run: Run) -> tuple[Figure, ...]:
+    """Flags in graphs as kernels against memory operations (device idle before each call),
+    and the captured trainer step with the default pool's cache given back."""
+    P = run.bench("plans.jsonl")
+    figs = []
+    for w in GRAPH_UNITS:
+        for op in ("ag", "rs"):
+            def us(impl: str, metric: str, w: str = w, op: str = op) -> str:
+                return f"{value(P, 'plans', impl, f'{op}_{metric}', w):,.1f} us"
+            figs.append(Figure(
+                f"{op.upper()} graph plan call, {w}, device idle: flags as kernels (bare "
+                "launch); as memory operations (bare launch)", "reference",
+                f"{us('graph', 'host_us')} ({us('graph', 'launch_us')}); "
+                f"{us('graph-memops', 'host_us')} ({us('graph-memops', 'launch_us')})"))
+    return tuple(figs) + _captured_trainer(run)
+
+
+def one_h200_graph_replay(run: Run) -> tuple[Figure, ...]:
+    """A graph plan's replay taken apart (``graph_replay.py``), at 2 ranks sharing the GPU
+    and at one; what a second process launching beside it costs ``graph_launch.py``."""
+    def rows(name: str) -> list[dict]:
+        with open(os.path.join(run.path, name)) as f:
+            return [json.loads(line) for line in f]
+
+    def mid(rec: dict, part: str) -> float:
+        return statistics.median(r["median_us"] for r in rec[part])
+
+    one = {(r["unit"], r["op"], r["flags"]): r for r in rows("graph_replay_np1.jsonl")}
+    figs = []
+    for r in rows("graph_replay_np2.jsonl"):
+        k = (r["unit"], r["op"], r["flags"])
+        nodes = ", ".join(f"{n} {kind.lower()}" for kind, n in sorted(r["nodes"].items()))
+        figs.append(Figure(
+            f"{r['op'].upper()} graph plan, {r['unit']}, flags as {r['flags']} ({nodes}): "
+            "bare launch / with its event / graph launch / whole call, 2 ranks; one rank",
+            "reference", " / ".join(f"{mid(r, p):.1f}" for p in ("bare", "event", "launch",
+                                                                  "call"))
+            + " us; " + " / ".join(f"{mid(one[k], p):.1f}" for p in ("bare", "event",
+                                                                      "launch", "call"))
+            + " us"))
+    alone = {r["graph"]: r for r in rows("graph_launch_alone.jsonl")}
+    pairs = [{r["graph"]: r for r in rows(f"graph_launch_pair{i}.jsonl")} for i in (0, 1)]
+    for g, r in alone.items():
+        beside = statistics.median(p[g]["idle_us"] for p in pairs)
+        figs.append(Figure(f"`cuGraphLaunch`, {g}: one process alone; two processes "
+                           "launching at once (median of the two)", "reference",
+                           f"{r['idle_us']:.2f} us; {beside:.2f} us"))
+    return tuple(figs)
+
+
+def one_h200_graph_plans(run: Run) -> tuple[Figure, ...]:
+    """Host time per graph plan call, back to back (the goal) and with the device idle;
+    with the flags as memory operations; the eager plan's; the torch step where it ran."""
+    P = run.bench("plans.jsonl")
+    figs = []
+    for w in GRAPH_UNITS:
+        for op in ("ag", "rs"):
+            q = value(P, "plans", "graph", f"{op}_queued_host_us", w)
+
+            def us(impl: str, metric: str, w: str = w, op: str = op) -> str:
+                return f"{value(P, 'plans', impl, f'{op}_{metric}', w):,.1f} us"
+            figs.append(Figure(
+                f"Host time per {op.upper()} graph plan call, {w}, back to back (device idle "
+                "before each call; flags as memory operations, back to back; the eager "
+                "plan's, back to back)", "<= 10 us",
+                f"{q:,.1f} us ({us('graph', 'host_us')}; {us('graph-memops', 'queued_host_us')}"
+                f"; {us('plan', 'queued_host_us')})", q <= 10))
+    if os.path.exists(os.path.join(run.path, "compare.json")):
+        d = run.json("compare.json")
+        by = {r["impl"]: r for r in d["runs"]}
+        for impl in ("tide-graph", "floor-graph"):
+            eager = impl.removesuffix("-graph")
+            g, e, f = by[impl], by[eager], by["fsdp2"]
+            figs.append(Figure(
+                f"torch, one rank: `{impl}` host time per step against `{eager}` "
+                "(`fully_shard`'s)", "below eager",
+                f"{x(g['median_host_s'] / e['median_host_s'], 3)} ({ms(g['median_host_s'])} "
+                f"against {ms(e['median_host_s'])}; {ms(f['median_host_s'])})",
+                g["median_host_s"] < e["median_host_s"]))
+            figs.append(Figure(
+                f"torch, one rank: `{impl}` step time against `{eager}` (`fully_shard`'s)",
+                "<= 1x", f"{x(g['median_step_s'] / e['median_step_s'], 3)} "
+                f"({ms(g['median_step_s'])} against {ms(e['median_step_s'])}; "
+                f"{ms(f['median_step_s'])})", g["median_step_s"] <= e["median_step_s"]))
+        c = d["comparison"]["tide-graph"]
+        figs.append(Figure("torch, one rank: `tide-graph` losses against `fully_shard`'s",
+                           f"rtol {c['loss_rtol']:g}", f"largest relative difference "
+                           f"{c['loss_max_rel_diff']:.2e}", c["losses_agree"]))
     return tuple(figs)
 
 
@@ -562,6 +660,23 @@ def sections(root: str) -> list[Section]:
           one_h200_graphs),
         S("run20-one-h200", "What a graph's launch costs the host",
           "One process; medians of 300 launches of each graph.", one_h200_graph_launch),
+        S("run21-one-h200", "CUDA graphs: flags as kernels, and the captured step's memory",
+          "Host time per plan call at 2 ranks sharing the GPU (medians of 20 calls, the "
+          "device idle before each); the trainer at one rank as in run19.",
+          one_h200_flag_kernels),
+        S("run22-one-h200", "CUDA graphs: a replay's host time taken apart",
+          "Medians of 100 calls, device idle before each; per rank, then the median over "
+          "ranks. At one rank a plan has no peer, so no flags.", one_h200_graph_replay),
+        S("run23-one-h200", "CUDA graphs: host time per graph plan call, back to back",
+          "2 ranks sharing the GPU, medians of 20 calls. Back to back is how a training "
+          "loop issues them, ahead of the device. With the device idle and the ranks "
+          "synchronized before each call, the same launch costs the driver 2-5x what it "
+          "costs at one rank (run22); why is not known: two processes launching at once "
+          "account for 1-2 us of it. The torch step at one rank: llama3-8b-8l, 8192 "
+          "tokens, 12 steps, medians after 3.", one_h200_graph_plans),
+        S("run24-one-h200", "CUDA graphs: host time per graph plan call, back to back, "
+          "again", "As run23, medians of 50 calls, on a fresh machine of the same kind, "
+          "after the replay path kept its stream handle.", one_h200_graph_plans),
     ]
 
 
