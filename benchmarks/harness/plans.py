@@ -51,13 +51,14 @@ def run(ctx: Any, units: list) -> None:
         _one_unit(ctx, u)
 
 
-def _one_unit(ctx: Any, u: Any) -> None:
+def unit_buffers(g: Any, xp: Any, u: Any) -> tuple:
+    """A workload unit's ``Unit`` (bf16, chunks sized to its Slot-Reuse slot, as
+    ``tidearray.fsdp`` makes them), a two-slot arena, its full parameters, this rank's
+    shards of them and gradients of ones."""
     import tidearray as ta
     from tidearray._all_gather import unit_nbytes
     from tidearray._plan import slot_chunk_nbytes
 
-    g, xp, stream = ctx.group, ctx.dev.xp, ctx.dev.stream
-    # Chunks sized to the Slot-Reuse slot, as tidearray.fsdp makes them.
     chunk = slot_chunk_nbytes(unit_nbytes(u.shapes, bfloat16, group=g), g)
     unit = ta.Unit(u.shapes, bfloat16, group=g, chunk_nbytes=chunk)
     arena = ta.SlotArena(max(unit.nbytes, unit.staging_nbytes), num_slots=2, group=g)
@@ -65,6 +66,14 @@ def _one_unit(ctx: Any, u: Any) -> None:
             for i, s in enumerate(u.shapes)]
     shards = [ta.shard(f, group=g) for f in full]
     grads = [xp.ones(s, bfloat16) for s in u.shapes]
+    return unit, arena, full, shards, grads
+
+
+def _one_unit(ctx: Any, u: Any) -> None:
+    import tidearray as ta
+
+    g, xp, stream = ctx.group, ctx.dev.xp, ctx.dev.stream
+    unit, arena, full, shards, grads = unit_buffers(g, xp, u)
     gather = unit.gather_plan(shards, arena[0])
     reduce = unit.reduce_plan(grads, op="avg", staging=arena[1])
     graph_gather = unit.gather_plan(shards, arena[0], graph=True)
@@ -89,7 +98,7 @@ def _one_unit(ctx: Any, u: Any) -> None:
     for (op, impl), fn in cases.items():
         us = _host_us(ctx, fn)
         ctx.sink.add("plans", impl, u.name, f"{op}_host_us", us, "us")
-        queued = _queued_us(ctx, fn)
+        queued = _host_us(ctx, fn, idle=False)
         ctx.sink.add("plans", impl, u.name, f"{op}_queued_host_us", queued, "us")
         ctx.log(f"  {u.name:16s} {op} {impl:12s}: {us:8.1f} us host per call, "
                 f"{queued:8.1f} us back to back")
@@ -136,8 +145,10 @@ def _with_memop_flags(group: Any, build: Any) -> Any:
         flags.set_graph_kernels(True)
 
 
-def _host_us(ctx: Any, fn: Any) -> float:
-    """Median host microseconds of one call, after untimed warm-up, device idle between."""
+def _host_us(ctx: Any, fn: Any, idle: bool = True) -> float:
+    """Median host microseconds of one call among ``--iters``, after untimed warm-up:
+    with the device idle and the ranks synchronized before each call (``idle``), or
+    issued back to back, the device still busy with the earlier ones."""
     for _ in range(ctx.args.warmup):
         fn()
     ctx.dev.sync()
@@ -147,23 +158,9 @@ def _host_us(ctx: Any, fn: Any) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-        ctx.dev.sync()  # each call issues onto idle lanes, as in a loop that keeps up
-        ctx.comm.Barrier()
-    return float(np.median(times)) * 1e6
-
-
-def _queued_us(ctx: Any, fn: Any) -> float:
-    """Median host microseconds of one call among ``--iters`` issued back to back (the
-    device still busy with the earlier ones), after the ranks synchronized once."""
-    for _ in range(ctx.args.warmup):
-        fn()
-    ctx.dev.sync()
-    ctx.comm.Barrier()
-    times = []
-    for _ in range(ctx.args.iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        if idle:
+            ctx.dev.sync()  # each call issues onto idle lanes
+            ctx.comm.Barrier()
     ctx.dev.sync()
     ctx.comm.Barrier()
     return float(np.median(times)) * 1e6

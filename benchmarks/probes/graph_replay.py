@@ -94,9 +94,7 @@ def main() -> None:
 
     import tidearray as ta
     from benchmarks.harness import workloads as W
-    from tidearray._all_gather import unit_nbytes
-    from tidearray._dtypes import bfloat16
-    from tidearray._plan import slot_chunk_nbytes
+    from benchmarks.harness.plans import unit_buffers
 
     g = ta.init(backend="cuda")
     comm, flags = g.comm, g.backend.lanes.flags
@@ -107,13 +105,7 @@ def main() -> None:
     commit = os.environ.get("TIDE_GIT_COMMIT", "unknown")
     records = []
     for u in W.units():
-        chunk = slot_chunk_nbytes(unit_nbytes(u.shapes, bfloat16, group=g), g)
-        unit = ta.Unit(u.shapes, bfloat16, group=g, chunk_nbytes=chunk)
-        arena = ta.SlotArena(max(unit.nbytes, unit.staging_nbytes), num_slots=2, group=g)
-        full = [W.values(cupy, 11, i, int(np.prod(s))).reshape(s).astype(bfloat16)
-                for i, s in enumerate(u.shapes)]
-        shards = [ta.shard(f, group=g) for f in full]
-        grads = [cupy.ones(s, bfloat16) for s in u.shapes]
+        unit, arena, full, shards, grads = unit_buffers(g, cupy, u)
         for flag_kind in ("kernels", "memops"):
             flags.set_graph_kernels(flag_kind == "kernels")
             plans = {"ag": unit.gather_plan(shards, arena[0], graph=True),
