@@ -670,9 +670,10 @@ def sections(root: str) -> list[Section]:
         S("run23-one-h200", "CUDA graphs: host time per graph plan call, back to back",
           "2 ranks sharing the GPU, medians of 20 calls. Back to back is how a training "
           "loop issues them, ahead of the device. With the device idle and the ranks "
-          "synchronized before each call, the same launch costs the driver 2-5x what it "
-          "costs at one rank (run22); why is not known: two processes launching at once "
-          "account for 1-2 us of it. The torch step at one rank: llama3-8b-8l, 8192 "
+          "synchronized before each call, the driver's launch alone costs about 4x (1.4-13x) "
+          "what the same unit's launch costs at one rank, where a plan has no flags "
+          "(run22); why is not known: two processes launching at once account for 1-2 us "
+          "of it. The torch step at one rank: llama3-8b-8l, 8192 "
           "tokens, 12 steps, medians after 3.", one_h200_graph_plans),
         S("run24-one-h200", "CUDA graphs: host time per graph plan call, back to back, "
           "again", "As run23, medians of 50 calls, on a fresh machine of the same kind, "

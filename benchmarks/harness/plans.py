@@ -5,9 +5,9 @@ model's kernels, so the host time of one call is time taken from compute
 launch. For each unit this measures, per call, the median of ``--iters`` calls
 two ways: ``{op}_host_us`` with the device idle and the ranks synchronized before
 each call, and ``{op}_queued_host_us`` with the calls issued back to back, as a
-loop that runs ahead of the device issues them. After an idle wait the same
-call costs more: on one H200 at 2 ranks sharing it, 2-5x the driver's launch at one
-rank (``benchmarks/probes/graph_replay.py``). Per impl:
+loop that runs ahead of the device issues them. After an idle wait a call costs
+more: on one H200 at 2 ranks sharing it, a graph's launch alone costs about 4x what
+the same unit's does at one rank (``benchmarks/probes/graph_replay.py``). Per impl:
 
 * ``plan``: ``GatherPlan(...)(async_op=True)`` / ``ReducePlan(...)(async_op=True)``,
   the host time to issue (no wait); the reduction's chunks are sized to its
