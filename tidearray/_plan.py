@@ -276,9 +276,7 @@ class _Plan:
 
     def _replay(self, stream: Any, async_op: bool) -> Any:
         region, graph, stamps = self._graph_region, self.graph, self._graph_stamps
-        last = region.last  # _order_after, inline: a replay's host time is the goal here
-        if last is not None and last[0] is not graph:
-            last[1].wait(stream)
+        _order_after(region, stream, graph)
         if stamps is not None:
             stamps.poison()
         completion = graph.launch(stream)

@@ -27,8 +27,8 @@ both are kept small: the driver's grows by about 2 us per stream memory
 operation in the graph and hardly at all per copy or kernel node
 (``benchmarks/probes/graph_launch.py``), so flags in graphs are kernels
 ([Note: flags in graphs] in ``flags``); around it, a launch reads no
-configuration, allocates nothing it can reuse (the events, their completions
-and the watchdog's entries are made once per graph) and calls CuPy's compiled
+configuration, allocates nothing it can reuse (the events and their completions
+are made once per graph) and calls CuPy's compiled
 ``graphLaunch`` rather than the driver through ctypes.
 """
 

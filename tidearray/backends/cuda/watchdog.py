@@ -54,7 +54,6 @@ class Watchdog:
         # deque's append and popleft are atomic, so registering takes no lock (it is on
         # every call's host time: [Note: graph launch cost] in ``graphs``).
         self._pending: collections.deque = collections.deque()
-        self._kept: list = []  # the watchdog thread's own: registered, not yet done
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._memset: Any = None
@@ -101,13 +100,12 @@ class Watchdog:
 
         cupy.cuda.Device(self.device).use()
         driver.relax_capture_mode()  # its queries must not break a user's capture
-        registered = self._pending
+        registered, keep = self._pending, []  # keep: registered, not yet done
         while not self._stop.wait(POLL_S):
             now = time.monotonic()
-            pending, self._kept = self._kept, []
+            pending, keep = keep, []
             while registered:
                 pending.append(registered.popleft())
-            keep = self._kept
             for entry in pending:
                 deadline, seq, what, events, waits, abort = entry
                 if all(ev.done for ev in events):
