@@ -136,12 +136,13 @@ def train_step(sm: ShardedModel, net: llama.Llama, tokens: Any, targets: Any) ->
 
 
 def whole_step(sm: ShardedModel, net: llama.Llama, inputs: list,
-               lr: Optional[float] = None) -> list:
+               lr: Optional[float] = None) -> tuple[list, Any]:
     """Every micro-batch's forward and backward, then the optimizer (at ``lr``): one step,
-    what a captured step holds. Returns the micro-batches' losses (device arrays)."""
+    what a captured step holds. Returns the micro-batches' losses (device arrays) and
+    the gradient norm with ``--clip`` (a float, or a device array from a capture), else
+    None."""
     losses = [train_step(sm, net, tok, tgt) for tok, tgt in inputs]
-    sm.step(lr=lr)
-    return losses
+    return losses, sm.step(lr=lr)
 
 
 class Memory:
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace, g: Any, comm: Any, cfg: llama.ModelConfig, B: 
     data = [[llama.batch(cfg, step=first + s, batch_size=B, seed=args.seed,
                          first_sample=(rank * args.micro_batches + m) * B)
              for m in range(args.micro_batches)] for s in range(args.steps)]
-    losses, times, host = [], [], []
+    losses, norms, times, host = [], [], [], []
     if graph:  # the step reads its batch from the same arrays every time
         inputs = [(xp.empty(t.shape, t.dtype), xp.empty(y.shape, y.dtype)) for t, y in data[0]]
     captured = None
@@ -199,18 +200,18 @@ def run(args: argparse.Namespace, g: Any, comm: Any, cfg: llama.ModelConfig, B: 
         lr = learning_rate(args, first + s)
         with stream or contextlib.nullcontext():
             if not graph:
-                dev_losses = whole_step(sm, net, [(xp.asarray(t), xp.asarray(y))
-                                                  for t, y in data[s]], lr)
+                dev_losses, norm = whole_step(sm, net, [(xp.asarray(t), xp.asarray(y))
+                                                        for t, y in data[s]], lr)
             else:
                 for (tok, tgt), (tokens, targets) in zip(inputs, data[s]):
                     tok.set(tokens, stream=stream)
                     tgt.set(targets, stream=stream)
                 if s == 0:  # one eager step first: it builds the plans and kernels
-                    dev_losses = whole_step(sm, net, inputs, lr)
+                    dev_losses, norm = whole_step(sm, net, inputs, lr)
                 else:
                     if captured is None:
                         captured = CapturedStep(sm, functools.partial(whole_step, sm, net, inputs))
-                    dev_losses = captured(lr=lr)
+                    dev_losses, norm = captured(lr=lr)
         host.append(time.perf_counter() - t0)
         sync(xp)
         dt = time.perf_counter() - t0
@@ -218,6 +219,7 @@ def run(args: argparse.Namespace, g: Any, comm: Any, cfg: llama.ModelConfig, B: 
         local = float(sum(float(v) for v in dev_losses) / len(dev_losses))
         loss = g.comm.allreduce(local) / g.size
         losses.append(loss)
+        norms.append(None if norm is None else float(norm))
         times.append(dt)
         tok = B * cfg.seq * args.micro_batches
         log(f"[{kind}] step {first + s + 1:4d}  loss {loss:.6f}  {dt * 1e3:9.2f} ms  "
@@ -230,7 +232,8 @@ def run(args: argparse.Namespace, g: Any, comm: Any, cfg: llama.ModelConfig, B: 
     if captured is not None:
         captured.close()
     steady = times[args.warmup:] or times
-    rec = {"impl": kind + ("-graph" if graph else ""), "losses": losses, "step_s": times,
+    rec = {"impl": kind + ("-graph" if graph else ""), "losses": losses, "norms": norms,
+           "step_s": times,
            "median_step_s": float(np.median(steady)), "host_s": host,
            "median_host_s": float(np.median(host[args.warmup:] or host)), "peak_bytes": mem.peak,
            "comm_bytes": sm.comm.nbytes, "arena_bytes": sm.arena.nbytes, "profile": prof}

@@ -1,7 +1,8 @@
 """A whole training step captured as a CUDA graph ([Note: captured steps] in
 ``tidearray.fsdp._graph``): ``examples/train.py --graph`` against the same trainer run
 eagerly, for 50 steps with two micro-batches (gradient accumulation) and a learning-rate
-warm-up (the rate changes on every replay): the losses must be bitwise equal.
+warm-up (the rate changes on every replay), without and with clipping: the losses (and
+the clipping's norms) must be bitwise equal.
 """
 
 from __future__ import annotations
@@ -35,28 +36,38 @@ def _run(group, graph: bool, **extra) -> dict:
     return train.run(args, group, "tide", cfg, B, lambda *a: None)
 
 
-def test_a_captured_step_replays_the_eager_losses(cuda_group):
-    g = cuda_group
-    skip_in_debug(g)
-    eager, graph = _run(g, False), _run(g, True)
+def _compare(g, eager: dict, graph: dict, what: str) -> None:
     failures = []
     if graph["impl"] != "tide-graph":
         failures.append(f"expected a captured run, got {graph['impl']}")
-    if eager["losses"] != graph["losses"]:
-        first = next(i for i, (a, b) in enumerate(zip(eager["losses"], graph["losses"]))
-                     if a != b)
-        failures.append(f"losses differ from step {first + 1}: eager {eager['losses'][first]!r}"
-                        f", captured {graph['losses'][first]!r}")
+    for key in ("losses", "norms"):
+        if eager[key] != graph[key]:
+            first = next(i for i, (a, b) in enumerate(zip(eager[key], graph[key])) if a != b)
+            failures.append(f"{key} differ from step {first + 1}: eager {eager[key][first]!r}"
+                            f", captured {graph[key][first]!r}")
     if not np.isfinite(graph["losses"]).all() or graph["losses"][-1] >= graph["losses"][0]:
         failures.append(f"the captured run did not train: {graph['losses'][::10]}")
-    agree(g.comm, failures, "captured step")
+    agree(g.comm, failures, what)
 
 
-def test_capturing_a_step_that_clips_is_refused(cuda_group):
-    """Clipping agrees its norm on the host, which a graph cannot replay: refused with a
-    clear error on every rank, not captured wrongly."""
-    with pytest.raises(ta.TideInvalid, match="clipping is not captured"):
-        _run(cuda_group, True, clip=1.0, steps=2)
+def test_a_captured_step_replays_the_eager_losses(cuda_group):
+    g = cuda_group
+    skip_in_debug(g)
+    _compare(g, _run(g, False), _run(g, True), "captured step")
+
+
+def test_a_captured_step_that_clips_replays_the_eager_losses_and_norms(cuda_group):
+    """Clipping at a norm below the gradients' on every step: the norm and the clip factor
+    are device work in the graph ([Note: global norm] in ``tidearray.fsdp._norm``), with
+    the eager step's bits."""
+    g = cuda_group
+    skip_in_debug(g)
+    clip = 0.05
+    eager, graph = _run(g, False, clip=clip), _run(g, True, clip=clip)
+    _compare(g, eager, graph, "captured step with clipping")
+    unclipped = [n for n in eager["norms"] if not n > clip]
+    agree(g.comm, [f"{len(unclipped)} steps not clipped: norms {unclipped[:5]}"]
+          if unclipped else [], "clipping active")
 
 
 def test_capturing_a_step_in_debug_mode_is_refused(cuda_group):

@@ -15,7 +15,7 @@ can be bitwise here. Fresh data and weights every run (a seed drawn on rank 0).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pytest
@@ -117,43 +117,57 @@ class _Batches:
         self.tokens.copy_(self.data[step])
 
 
-def _step_fn(sm: Any, loss_of: Callable, batches: _Batches) -> Callable[..., list]:
-    def step(lr: float = _lr(0)) -> list:  # a replay's rate comes from its call instead
+def _step_fn(sm: Any, loss_of: Callable, batches: _Batches, clip: Optional[float] = None
+             ) -> Callable[..., tuple]:
+    """One step: the micro-batches' losses, and with ``clip`` the norm of
+    ``sm.clip_grad_norm_(clip)`` before the optimizer (None without)."""
+    def step(lr: float = _lr(0)) -> tuple:  # a replay's rate comes from its call instead
         losses = []
         for m in range(MICRO):
             x = batches.tokens[m]
             loss = loss_of(sm, x, x)  # next-token targets: the model shifts them (or not)
             loss.backward()
             losses.append(loss.detach())
+        norm = None if clip is None else sm.clip_grad_norm_(clip)
         sm.step(lr=lr)
-        return losses
+        return losses, norm
     return step
 
 
-def _eager(group, kind: str, seed: int, device: Any) -> torch.Tensor:
+def _record(out: list, norms: list, result: tuple) -> None:
+    """One step's losses and norm, copied (a replay overwrites what it returned)."""
+    losses, norm = result
+    out.append(torch.stack(losses))
+    if norm is not None:
+        norms.append(torch.as_tensor(norm, dtype=torch.float64).cpu().clone())
+
+
+def _eager(group, kind: str, seed: int, device: Any, clip: Optional[float] = None
+           ) -> tuple[torch.Tensor, list]:
     sm, loss_of = _sharded(group, kind, seed, device)
     batches = _Batches(group, seed, device)
-    step, out = _step_fn(sm, loss_of, batches), []
+    step, out, norms = _step_fn(sm, loss_of, batches, clip), [], []
     for s in range(STEPS):
         batches.load(s)
-        out.append(torch.stack(step(_lr(s))))
+        _record(out, norms, step(_lr(s)))
     sm.close()
-    return torch.stack(out)
+    return torch.stack(out), norms
 
 
-def _captured(group, kind: str, seed: int, device: Any) -> torch.Tensor:
+def _captured(group, kind: str, seed: int, device: Any, clip: Optional[float] = None
+              ) -> tuple[torch.Tensor, list]:
     sm, loss_of = _sharded(group, kind, seed, device)
     batches = _Batches(group, seed, device)
-    step = _step_fn(sm, loss_of, batches)
+    step, out, norms = _step_fn(sm, loss_of, batches, clip), [], []
     batches.load(0)
-    out = [torch.stack(step())]  # one eager step: it builds the plans and kernels
+    _record(out, norms, step())  # one eager step: it builds the plans and kernels
     captured = tt.CapturedStep(sm, step)
     for s in range(1, STEPS):
         batches.load(s)
-        out.append(torch.stack(captured(lr=_lr(s))))  # copied before the next replay
+        _record(out, norms, captured(lr=_lr(s)))  # copied before the next replay
     captured.close()
     sm.close()
-    return torch.stack(out)
+    return torch.stack(out), norms
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
@@ -164,8 +178,8 @@ def test_a_captured_torch_step_replays_the_eager_losses(cuda_group, device, kind
     skip_in_debug(g)
     seed = _seed(g)
     with sdpa_kernel(SDPBackend.MATH):
-        eager = _eager(g, kind, seed, device).cpu()
-        graph = _captured(g, kind, seed, device).cpu()
+        eager = _eager(g, kind, seed, device)[0].cpu()
+        graph = _captured(g, kind, seed, device)[0].cpu()
     failures = []
     differ = (eager.view(torch.int32) != graph.view(torch.int32)).any(dim=1)
     # The Llama's replays are not bitwise: torch alone, with no tidearray, gives this
@@ -182,6 +196,28 @@ def test_a_captured_torch_step_replays_the_eager_losses(cuda_group, device, kind
     if not torch.isfinite(graph).all() or graph[-5:].mean() >= graph[:5].mean():
         failures.append(f"{kind}: the captured run did not train: {graph[::10, 0].tolist()}")
     agree(g.comm, failures, f"captured torch step ({kind})")
+
+
+def test_a_captured_torch_step_that_clips_replays_the_eager_losses_and_norms(cuda_group,
+                                                                            device):
+    """``sm.clip_grad_norm_`` in the step function, as a Hugging Face loop calls it, at a
+    norm below the gradients' on every step: inside the capture it returns a device
+    tensor, and the replays give the eager losses and norms bit for bit."""
+    g = cuda_group
+    skip_in_debug(g)
+    seed, clip = _seed(g), 0.05
+    eager, eager_norms = _eager(g, "net", seed, device, clip)
+    graph, graph_norms = _captured(g, "net", seed, device, clip)
+    failures = []
+    if not torch.equal(eager.cpu().view(torch.int32), graph.cpu().view(torch.int32)):
+        failures.append(f"losses differ: eager {eager[-1].tolist()}, captured "
+                        f"{graph[-1].tolist()}")
+    e, c = torch.stack(eager_norms), torch.stack(graph_norms)
+    if not torch.equal(e.view(torch.int64), c.view(torch.int64)):
+        failures.append(f"norms differ: eager {e[:4].tolist()}, captured {c[:4].tolist()}")
+    if not (e > clip).all():
+        failures.append(f"not every step clipped: norms {e[:8].tolist()}")
+    agree(g.comm, failures, "captured torch step with clipping")
 
 
 def test_a_forward_on_a_side_stream_matches_the_default_stream(cuda_group, device):
@@ -242,7 +278,7 @@ def test_a_step_that_fails_in_the_capture_raises_its_own_error(cuda_group, devic
     torch.cuda.synchronize(device)
     # The group still works: a new module steps eagerly on the same lanes.
     sm, loss_of = _sharded(cuda_group, "net", 0, device)
-    losses = _step_fn(sm, loss_of, batches)()
+    losses, _ = _step_fn(sm, loss_of, batches)()
     assert all(torch.isfinite(x) for x in losses)
     sm.close()
 

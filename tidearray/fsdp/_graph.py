@@ -16,6 +16,12 @@ launches the graph at every later step:
   coefficients (``adamw_table_*`` in ``kernels/adamw.cu``): each replay is
   preceded by one small copy of the next step's table, computed on the host as
   an eager step computes it, so the bits are the eager step's;
+* a clip (``max_grad_norm``, or ``clip_grad_norm_`` in the step function) is
+  captured too: the norm is device work in a fixed order on every rank, its
+  sums exchanged by a gather plan, and the clip factor goes into the table's
+  ``grad_scale`` on the device, with the float64 arithmetic the eager step
+  does on the host ([Note: global norm] in ``_norm``), so the bits agree; the
+  norm the step returns is a device array;
 * every array the step allocates comes from a memory pool of its own, kept
   while the captured step lives, so the graph's addresses stay its own; the
   capture is relaxed, so that pool may still grow while capturing.
@@ -24,7 +30,7 @@ What the step reads must be in place before each replay: write the next batch
 into the same arrays (``CapturedStep`` returns what the step function returned,
 arrays the replays overwrite). The model must have stepped eagerly at least
 once first (that step builds the plans, uploads their tables and compiles the
-kernels). Clipping is not captured: the norm is agreed on the host.
+kernels).
 """
 
 from __future__ import annotations
@@ -47,8 +53,7 @@ class CapturedStep:
             (the losses, as device arrays).
 
     Raises:
-        TideInvalid: on the host backend, in debug mode, before any eager step, or
-            with clipping.
+        TideInvalid: on the host backend, in debug mode, or before any eager step.
     """
 
     def __init__(self, model: ShardedModel, step: Callable[[], Any]) -> None:
@@ -62,15 +67,12 @@ class CapturedStep:
             raise TideInvalid(f"{type(self).__name__}: expected a model that has stepped "
                               "eagerly once (its plans and kernels are made by that step), "
                               "got none")
-        if opt.hp.max_grad_norm is not None:
-            raise TideInvalid(f"{type(self).__name__}: clipping is not captured (its norm is "
-                              "agreed on the host); expected max_grad_norm=None")
         if model.group.config.debug:
             raise TideInvalid(f"{type(self).__name__}: expected no debug mode (TIDE_DEBUG=1), "
                               "got one: its stamps are checked on the host after each "
                               "collective, which a capture cannot")
         self.model = model
-        opt.prepare_capture()
+        model.prepare_capture()
         model.synchronize()
         # The eager steps' cached blocks go back to the device, so that the graph's pool
         # can take that memory instead of holding its own beside them (the captured

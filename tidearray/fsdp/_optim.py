@@ -43,12 +43,15 @@ construction, and every group's coefficients from one kernel argument.
 
 [Note: clipping]
 The global gradient norm spans every rank's shard, so the optimizer cannot
-clip by itself. The runtime computes it: each rank calls
-:meth:`FusedAdamW.sum_squares` on its shard, the results are summed over the
-group (``allreduce``), and ``clip_scale(sqrt(total), hp.max_grad_norm)`` is
-passed to :meth:`FusedAdamW.step` as ``grad_scale``. Any other factor (say
-1/world for averaging) multiplies into the same ``grad_scale``; the norm must
-then be of the scaled gradient, ``factor * sqrt(total)``.
+clip by itself. The runtime computes it (``_norm.GlobalNorm``, [Note: global
+norm] there): each rank sums the squares of its shard in float64, the ranks
+all-gather those sums and add them in rank order, and
+``clip_scale(norm, hp.max_grad_norm)`` is passed to :meth:`FusedAdamW.step` as
+``grad_scale``. Any other factor (say 1/world for averaging) multiplies into
+the same ``grad_scale``; the norm must then be of the scaled gradient,
+``factor * sqrt(total)``. In a captured step the device computes the factor
+with the same float64 operations and writes ``grad_scale`` into the
+coefficient table itself (:attr:`FusedAdamW.table_layout`).
 
 [Note: optimizer streams]
 ``step`` (cupy) enqueues one kernel on ``stream`` (None: the current stream)
@@ -63,7 +66,6 @@ first step on another stream waits for that stream (one synchronize will do).
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -331,13 +333,13 @@ def adamw_numpy(master: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray,
             send[lo:hi] = p  # the cast rounds to nearest even (ml_dtypes and NumPy alike)
 
 
-@functools.cache
-def _sum_squares_kernel() -> Any:
-    """A CuPy reduction: sum of squares of float32 in float64, with no temporary array."""
-    import cupy
-
-    return cupy.ReductionKernel("float32 x", "float64 y", "(double)x * (double)x", "a + b",
-                                "y = a", "0", "tide_sum_squares")
+def host_sum_squares(grad: np.ndarray) -> float:
+    """Sum of squares of a float32 NumPy array, in float64 chunks of :data:`HOST_CHUNK`."""
+    total = 0.0
+    for lo in range(0, grad.size, HOST_CHUNK):  # float64 copies stay chunk-sized
+        g = grad[lo:lo + HOST_CHUNK].astype(np.float64)
+        total += float(np.dot(g, g))
+    return total
 
 
 class FusedAdamW:
@@ -388,6 +390,7 @@ class FusedAdamW:
             self._exp_avg = xp.zeros(master.size, dtype=np.float32)
             self._exp_avg_sq = xp.zeros(master.size, dtype=np.float32)
         self._kernel: Any = None  # compiled at the first cupy step
+        self._norm: Any = None  # sum_squares' kernels (cupy), made at its first call
         self.coeff_dev: Any = None  # a captured step's coefficients (prepare_capture)
         self._table_kernel: Any = None  # and the kernel that reads them
         self.captured_grad_scale: Optional[float] = None
@@ -420,6 +423,13 @@ class FusedAdamW:
         """The second moment (float32, the master's length), updated in place."""
         return self._exp_avg_sq
 
+    @property
+    def table_layout(self) -> tuple[int, int, int]:
+        """Where a captured step's ``grad_scale`` lies in :attr:`coeff_dev`: ``(rows,
+        width, field)``, its groups' rows, their width in floats and the field's index."""
+        fields = Coefficients._fields
+        return len(self._hps), len(fields), fields.index("grad_scale")
+
     def sum_squares(self, grad: Array, *, stream: Any = None) -> float:
         """Sum of squares of this rank's fp32 gradient shard, accumulated in float64.
 
@@ -435,13 +445,14 @@ class FusedAdamW:
         """
         self._check_vector("grad", grad, self._master.size)
         if self._xp is np:
-            total = 0.0
-            for lo in range(0, grad.size, HOST_CHUNK):  # float64 copies stay chunk-sized
-                g = grad[lo:lo + HOST_CHUNK].astype(np.float64)
-                total += float(np.dot(g, g))
-            return total
-        with self._device(), on_stream(stream):
-            return float(_sum_squares_kernel()(grad))
+            return host_sum_squares(grad)
+        from ._norm import GlobalNorm  # it needs this module's helpers
+
+        if self._norm is None:
+            with self._device():
+                self._norm = GlobalNorm(None, 1, self._xp)
+        with self._device():
+            return self._norm.sum_squares(grad, stream)
 
     def step(self, grad: Array, *, grad_scale: float = 1.0,
              lr: Union[float, Sequence[float], None] = None, stream: Any = None) -> None:

@@ -69,7 +69,7 @@ Compute runs on the caller's stream (``stream=``, CuPy's current stream if
 None). Gathers and reductions run on tidearray's lanes (or a comm factory's
 side streams), forked from the compute stream when issued and joined back by
 stream waits (events): in the steady state no call blocks the host, except
-the gradient-norm all-reduce when clipping is on.
+reading back the gradient norm when clipping is on (not inside a capture).
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ from .. import _dtypes
 from .._errors import TideInvalid
 from .._group import Group, default_group
 from ._comm import UnitComm, comm_factory
+from ._norm import GlobalNorm
 from ._optim import AdamW, FusedAdamW, ParamGroup, clip_scale, on_stream
 from ._shards import ShardArena, arena_layout
 
@@ -168,6 +169,8 @@ class ShardedModel:
         self.optimizer = FusedAdamW(hp, self.arena.master, self.arena.send, self.xp,
                                     groups=self._groups(hp, param_groups))
         self._clip_coef: Optional[float] = None
+        self._clip_captured = False  # the clip factor is in the optimizer's device table
+        self._norm: Optional[GlobalNorm] = None
         self.num_slots = num_slots
         self.prefetch = prefetch
         self.comm: UnitComm = factory(group, shapes, self.param_dtype, self.arena,
@@ -293,14 +296,15 @@ class ShardedModel:
             lr: this step's learning rate (the optimizer's ``lr`` if None).
 
         Returns:
-            The global gradient norm when clipping is on (one small all-reduce,
-            which syncs the host), else None.
+            The global gradient norm when clipping is on (see :meth:`clip_grad_norm_`:
+            a float, which syncs the host, or a device array inside a capture), else
+            None.
         """
         scale, norm = self.finalize_grads()
         if norm is None and self.optimizer.hp.max_grad_norm is not None:
             norm = self.clip_grad_norm_(self.optimizer.hp.max_grad_norm)
             scale *= self._clip_coef
-        self._clip_coef = None
+        self._clip_coef, self._clip_captured = None, False
         self.optimizer.step(self.arena.grad, grad_scale=scale, lr=lr, stream=self.stream)
         self._micro = 0
         return norm
@@ -331,6 +335,9 @@ class ShardedModel:
         """Step with another optimizer: :meth:`finalize_grads`, the gradient shards scaled
         to the averaged (and clipped) gradient in place, then ``step()``, which updates
         :meth:`params` (the fp32 masters) from :meth:`grads`; then the send shards."""
+        if self._clip_captured:
+            raise TideInvalid("a clip inside a stream capture reaches the fused AdamW "
+                              "(step()) only, got another optimizer's step")
         scale, _ = self.finalize_grads()
         with on_stream(self.stream):
             self.arena.grad *= np.float32(scale)
@@ -339,25 +346,62 @@ class ShardedModel:
         self._clip_coef = None
         self._micro = 0
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float) -> Any:
         """Clip the averaged gradient to the global L2 norm ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_`` does, at the next :meth:`step`.
 
-        Collective: one small all-reduce, which waits for the reductions (a host sync).
+        Collective: the ranks' sums of squares are all-gathered ([Note: global norm] in
+        ``_norm``), and the host reads the norm back (a sync). Inside a stream capture
+        (a captured step, ``CapturedStep``) nothing is read back: the clip factor is
+        computed on the device, for the fused AdamW's :meth:`step` only.
 
         Returns:
-            The global norm of the averaged gradient, before clipping.
+            The global norm of the averaged gradient, before clipping: a float, or,
+            inside a capture, a 0-d float64 device array that each replay overwrites.
+
+        Raises:
+            TideInvalid: ``max_norm`` is not a finite real > 0; inside a capture, before
+                :meth:`prepare_capture`.
         """
         _check_max_norm(max_norm)
-        self._clip_coef = None
+        self._clip_coef, self._clip_captured = None, False
         scale, _ = self.finalize_grads()
-        with on_stream(self.stream):
-            local = self.optimizer.sum_squares(self.arena.grad)
-        total = local if self.world == 1 else self.group.comm.allreduce(local)
-        self._clip_norm = math.sqrt(total) * scale
+        if self._capturing():
+            opt = self.optimizer
+            if self._norm is None or opt.coeff_dev is None:
+                raise TideInvalid("clip_grad_norm_ inside a stream capture: expected "
+                                  "prepare_capture() before the capture (it makes what the "
+                                  "captured clip reads), got none")
+            self._clip_norm = self._norm.compute(
+                self.arena.grad, scale, stream=self.stream, max_norm=max_norm,
+                table=opt.coeff_dev, table_shape=opt.table_layout).reshape(())
+            # The device writes the factor into the optimizer's coefficient table.
+            self._clip_coef, self._clip_captured = 1.0, True
+            return self._clip_norm
+        self._clip_norm = self.global_norm().compute(self.arena.grad, scale, stream=self.stream)
         self._clip_coef = clip_scale(self._clip_norm, max_norm)
         return self._clip_norm
 
+    def global_norm(self) -> GlobalNorm:
+        """What computes the gradient's global norm, made at its first use (collective:
+        every rank makes it at the same call)."""
+        if self._norm is None:
+            self._norm = GlobalNorm(self.group if self.world > 1 else None, self.world,
+                                    self.xp)
+        return self._norm
+
+    def prepare_capture(self) -> None:
+        """Make, outside a capture, what a captured step reads (collective): the
+        optimizer's device table of coefficients and the global norm's plan and kernels."""
+        self.optimizer.prepare_capture()
+        self.global_norm()
+
+    def _capturing(self) -> bool:
+        """Whether the stream the runtime issues on is capturing (cuda only)."""
+        if self.xp is np:
+            return False
+        with on_stream(self.stream):
+            return bool(self.xp.cuda.get_current_stream().is_capturing())
 
     # -- internals -------------------------------------------------------------------
 

@@ -19,7 +19,9 @@ the same addresses. Everything else is the CuPy trainer's captured step
 
 A torch optimizer (``optimizer=make``) is refused: its learning rate and step
 count live on the host unless it was made capturable, which this does not
-check. Clipping is refused as in the CuPy trainer.
+check. A clip (``max_grad_norm``, or ``ShardedModule.clip_grad_norm_`` in the
+step function) is captured as in the CuPy trainer; the norm it returns is then
+a 0-d float64 tensor that each replay overwrites.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class CapturedStep(_CapturedStep):
 
     Raises:
         TideInvalid: on the host backend, with a torch optimizer, in debug mode,
-            before any eager step, or with clipping.
+            or before any eager step.
     """
 
     def __init__(self, module: ShardedModule, step: Callable[[], Any]) -> None:

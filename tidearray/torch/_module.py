@@ -419,26 +419,30 @@ class ShardedModule:
         :meth:`ShardedModel.step`), or the torch optimizer ``optimizer=`` made.
 
         Returns:
-            The fused AdamW's gradient norm when it clips, else None.
+            The fused AdamW's gradient norm when it clips (as :meth:`clip_grad_norm_`
+            returns it), else None.
         """
         self._clear_sentinels()
         self._follow_stream()
         if self._make_optimizer is None:
-            return self.model.step(lr)
+            return _norm_out(self.model.step(lr))
         if lr is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
         self.model.apply_step(self.optimizer.step)
         return None
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float) -> Union[float, torch.Tensor]:
         """Clip the averaged gradient to the global norm ``max_norm`` at the next
         :meth:`step`, as ``torch.nn.utils.clip_grad_norm_`` (collective).
 
         Returns:
-            The total norm over every rank's shard, before clipping.
+            The total norm over every rank's shard, before clipping: a float, or,
+            inside ``torch.cuda.graph``'s capture (a captured step), a 0-d float64
+            tensor on the device, which each replay overwrites.
         """
-        return self.model.clip_grad_norm_(max_norm)
+        self._follow_stream()
+        return _norm_out(self.model.clip_grad_norm_(max_norm))
 
     def shard_parameters(self) -> list:
         """This rank's fp32 master shards as torch tensors (padded rows), each with its
@@ -612,3 +616,11 @@ def _tensor(a: Any, shape: Any) -> Any:
             return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).reshape(shape)
         return torch.from_numpy(a).reshape(shape)
     return torch.from_dlpack(a).reshape(shape)
+
+
+def _norm_out(norm: Any) -> Any:
+    """A norm as the runtime gave it (None, a float), or, from inside a capture (a
+    device array), as a torch tensor on the same memory."""
+    if norm is None or isinstance(norm, float):
+        return norm
+    return torch.from_dlpack(norm)
