@@ -425,7 +425,7 @@ class ShardedModule:
         self._clear_sentinels()
         self._follow_stream()
         if self._make_optimizer is None:
-            return _norm_out(self.model.step(lr))
+            return self._norm_out(self.model.step(lr))
         if lr is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
@@ -442,7 +442,20 @@ class ShardedModule:
             tensor on the device, which each replay overwrites.
         """
         self._follow_stream()
-        return _norm_out(self.model.clip_grad_norm_(max_norm))
+        return self._norm_out(self.model.clip_grad_norm_(max_norm))
+
+    def _norm_out(self, norm: Any) -> Any:
+        """A norm as the runtime gave it (None, a float), or, from inside a capture (a
+        device array), as a torch tensor on the same memory."""
+        if norm is None or isinstance(norm, float):
+            return norm
+        from ..fsdp._optim import on_stream
+
+        # With CuPy's current stream the capturing one, the DLPack exchange orders
+        # nothing (the same stream on both sides); from another stream it would make
+        # the capture wait on work outside it.
+        with on_stream(self.model.stream):
+            return torch.from_dlpack(norm)
 
     def shard_parameters(self) -> list:
         """This rank's fp32 master shards as torch tensors (padded rows), each with its
@@ -616,11 +629,3 @@ def _tensor(a: Any, shape: Any) -> Any:
             return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).reshape(shape)
         return torch.from_numpy(a).reshape(shape)
     return torch.from_dlpack(a).reshape(shape)
-
-
-def _norm_out(norm: Any) -> Any:
-    """A norm as the runtime gave it (None, a float), or, from inside a capture (a
-    device array), as a torch tensor on the same memory."""
-    if norm is None or isinstance(norm, float):
-        return norm
-    return torch.from_dlpack(norm)
