@@ -201,7 +201,7 @@ def test_a_captured_torch_step_replays_the_eager_losses(cuda_group, device, kind
 def test_a_captured_torch_step_that_clips_replays_the_eager_losses_and_norms(cuda_group,
                                                                             device):
     """``sm.clip_grad_norm_`` in the step function, as a Hugging Face loop calls it, at a
-    norm below the gradients' on most steps: inside the capture it returns a device
+    norm below the gradients' on the first 20 steps: inside the capture it returns a device
     tensor, and the replays give the eager losses and norms bit for bit."""
     g = cuda_group
     skip_in_debug(g)
@@ -215,11 +215,13 @@ def test_a_captured_torch_step_that_clips_replays_the_eager_losses_and_norms(cud
     e, c = torch.stack(eager_norms), torch.stack(graph_norms)
     if not torch.equal(e.view(torch.int64), c.view(torch.int64)):
         failures.append(f"norms differ: eager {e[:4].tolist()}, captured {c[:4].tolist()}")
-    # Adam undoes a uniform scale of the gradient but for eps, so the net trains on
-    # regardless and its late norms may fall below the clip: most steps must clip.
-    if not torch.isfinite(e).all() or (e > clip).sum() < STEPS * 0.8:
-        failures.append(f"{int((e > clip).sum())} of {STEPS} steps clipped (norms from "
-                        f"{e.min().item():.3g} to {e.max().item():.3g})")
+    # Adam undoes a uniform scale of the gradient but for eps, so the net learns its
+    # task regardless, and its norms fall from about 1 to about 1e-5 (by step 30 or so,
+    # 1-4 ranks): the first 20 steps must clip.
+    early = e[:20]
+    if not torch.isfinite(e).all() or not (early > clip).all():
+        failures.append(f"{int((early > clip).sum())} of the first 20 steps clipped "
+                        f"(norms from {early.min().item():.3g} to {early.max().item():.3g})")
     agree(g.comm, failures, "captured torch step with clipping")
 
 

@@ -34,7 +34,7 @@ from .. import _dtypes
 from .._arena import SlotArena
 from .._plan import Unit
 from ..backends.cuda import kernels as _kernels
-from ._optim import host_sum_squares, on_stream
+from ..backends.cuda.streams import on_stream
 
 if TYPE_CHECKING:
     from .._group import Group
@@ -42,6 +42,17 @@ if TYPE_CHECKING:
 #: ``NORM_BLOCKS`` and ``NORM_THREADS`` of ``kernels/gradnorm.cu``: the fixed grid.
 NORM_BLOCKS = 1024
 NORM_THREADS = 256
+#: Elements per float64 pass of the host backend's sum: its copies stay in cache.
+HOST_CHUNK = 1 << 16
+
+
+def host_sum_squares(grad: np.ndarray) -> float:
+    """Sum of squares of a float32 NumPy array, in float64 chunks of :data:`HOST_CHUNK`."""
+    total = 0.0
+    for lo in range(0, grad.size, HOST_CHUNK):  # float64 copies stay chunk-sized
+        g = grad[lo:lo + HOST_CHUNK].astype(np.float64)
+        total += float(np.dot(g, g))
+    return total
 
 
 class GlobalNorm:

@@ -77,6 +77,8 @@ import numpy as np
 from .. import _dtypes
 from .._errors import TideInvalid
 from ..backends.cuda import kernels as _kernels
+from ..backends.cuda.streams import on_stream
+from ._norm import GlobalNorm, host_sum_squares
 
 #: An array of the optimizer's array module (numpy.ndarray or cupy.ndarray).
 Array = Any
@@ -333,15 +335,6 @@ def adamw_numpy(master: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray,
             send[lo:hi] = p  # the cast rounds to nearest even (ml_dtypes and NumPy alike)
 
 
-def host_sum_squares(grad: np.ndarray) -> float:
-    """Sum of squares of a float32 NumPy array, in float64 chunks of :data:`HOST_CHUNK`."""
-    total = 0.0
-    for lo in range(0, grad.size, HOST_CHUNK):  # float64 copies stay chunk-sized
-        g = grad[lo:lo + HOST_CHUNK].astype(np.float64)
-        total += float(np.dot(g, g))
-    return total
-
-
 class FusedAdamW:
     """Fused AdamW over flat fp32 shards, also writing the param-dtype send shard.
 
@@ -446,8 +439,6 @@ class FusedAdamW:
         self._check_vector("grad", grad, self._master.size)
         if self._xp is np:
             return host_sum_squares(grad)
-        from ._norm import GlobalNorm  # it needs this module's helpers
-
         if self._norm is None:
             with self._device():
                 self._norm = GlobalNorm(None, 1, self._xp)
@@ -655,14 +646,3 @@ class FusedAdamW:
 
 def _is_array(a: Any) -> bool:
     return all(hasattr(a, k) for k in ("dtype", "ndim", "size", "flags"))
-
-
-def on_stream(stream: Any) -> Any:
-    """A ``with`` context making ``stream`` current: any stream the collectives take
-    (``backends.cuda.streams``); nothing for None (the host backend, or CuPy's
-    current stream)."""
-    if stream is None:
-        return contextlib.nullcontext()
-    from ..backends.cuda.streams import cupy_stream
-
-    return cupy_stream(stream)

@@ -9,6 +9,7 @@ own work run inside it as CuPy's current stream (:func:`cupy_stream`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from ..._errors import TideInvalid
@@ -84,3 +85,12 @@ def check_uploaded(capture: bool, what: str = "a table this call uploads at its 
         raise TideInvalid(f"stream capture: expected a collective that ran once before "
                           f"being captured, got {what} (call it once outside the capture "
                           "first, as a warm-up)")
+
+
+def on_stream(stream: Any) -> Any:
+    """A ``with`` context making ``stream`` current: any stream the collectives take
+    (``backends.cuda.streams``); nothing for None (the host backend, or CuPy's
+    current stream)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    return cupy_stream(stream)
