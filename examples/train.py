@@ -3,6 +3,7 @@
     mpirun -n 2 python examples/train.py                      # tiny model, default backend
     mpirun -n 2 python examples/train.py --model llama3-8b-8l --tokens 8192
     mpirun -n 2 python examples/train.py --graph                # cuda: the step as a CUDA graph
+    mpirun -n 2 python examples/train.py --graph --clip 1.0     # the clip captured with it
 
 Each rank trains on its own ``--tokens`` per step (data parallel); the model's
 units are sharded over the ranks by ``tidearray.fsdp.ShardedModel``. The
@@ -222,7 +223,8 @@ def run(args: argparse.Namespace, g: Any, comm: Any, cfg: llama.ModelConfig, B: 
         norms.append(None if norm is None else float(norm))
         times.append(dt)
         tok = B * cfg.seq * args.micro_batches
-        log(f"[{kind}] step {first + s + 1:4d}  loss {loss:.6f}  {dt * 1e3:9.2f} ms  "
+        clipped = "" if norm is None else f"  norm {norms[-1]:.4f}"
+        log(f"[{kind}] step {first + s + 1:4d}  loss {loss:.6f}{clipped}  {dt * 1e3:9.2f} ms  "
             f"{tok / dt:12,.0f} tok/s/rank  mem {mem.peak / 2**30:6.2f} GiB")
     if args.save:
         sm.save(args.save)
