@@ -2,6 +2,7 @@
 
     mpiexec -n 2 python examples/torch_train.py
     mpiexec -n 2 python examples/torch_train.py --graph   # cuda: the step as a CUDA graph
+    mpiexec -n 2 python examples/torch_train.py --graph --clip 0.5  # the clip captured too
 
 Each rank's module is sharded by units (here: the three layers). The forward and
 backward run as plain PyTorch; tidearray's hooks gather each unit just before it
@@ -14,7 +15,8 @@ without torch it fails, naming the extra.
 backward, reductions, AdamW) with ``torch.cuda.graph`` through
 ``tidearray.torch.CapturedStep`` and replays it, with a learning rate that changes on
 every replay; it runs the eager steps beside it on a second copy of the network and
-checks that the losses are bitwise equal.
+checks that the losses are bitwise equal. ``--clip`` clips by the global norm
+(``sm.clip_grad_norm_``), eagerly and inside the captured step.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--graph", action="store_true",
                     help="capture the step as a CUDA graph and replay it (cuda backend)")
+    ap.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                    help="clip the gradient to this global norm (sm.clip_grad_norm_), inside "
+                         "the captured step too")
     args = ap.parse_args()
     try:
         import torch
@@ -68,6 +73,8 @@ def main() -> None:
     def whole_step(sm: tt.ShardedModule, rate: float) -> torch.Tensor:
         loss = torch.nn.functional.mse_loss(sm(x_in).float(), y)
         loss.backward()
+        if args.clip is not None:
+            sm.clip_grad_norm_(args.clip)  # a float eagerly, a device tensor in the capture
         sm.step(rate)
         return loss.detach()
 
