@@ -33,23 +33,25 @@ rank defers the same prefetches, since every rank runs the same hooks in the
 same order.
 
 [Note: passes]
-Real training loops do not always pair a forward with a backward, nor give
-every parameter a gradient. The runtime keeps, per pass, the units forwarded,
-the units whose backward began (``pre_backward``) and the units reduced:
+Real training loops do not always pair a forward with a backward, run each
+unit once, nor give every parameter a gradient. Where each unit is in the
+current pass is one state machine, ``UnitLifecycle`` ([Note: unit lifecycle]
+in ``_lifecycle``); the runtime acts on its transitions:
 
-* a ``pre_forward`` of a unit already forwarded in this pass starts a new pass:
-  the old one had no backward (an evaluation, a discarded forward), so its
-  gathered units are released (``release``) and nothing of it is reduced;
+* a ``pre_forward`` in the forward phase is one more use of its unit (gathered
+  again if its slot was taken); one in the backward phase ends the pass;
+* ``release`` ends a forward that has no backward (an evaluation, a discarded
+  forward): its gathered units are released and nothing of it is reduced;
 * a backward pass ends (and its micro-batch counts) at :meth:`finish_backward`,
   which the torch front end calls from autograd's end-of-backward callback and
   which the next pass's first ``pre_forward`` and ``step`` call otherwise. It
-  reduces zeros for every unit with trainable parameters not reduced yet:
-  forwarded units whose backward never began (gathered, then reduced), and
-  units not forwarded at all (no collective: a sum of zeros is zero on every
-  rank);
+  closes the units still open (``report_grads``) and reduces zeros for every
+  unit with trainable parameters not reduced yet: forwarded units whose
+  backward never began (gathered, then reduced), and units not forwarded at
+  all (no collective: a sum of zeros is zero on every rank);
 * units are reduced in descending order on every rank, whatever order each
   rank's gradients arrive in, so every rank issues the same collectives in the
-  same order (a unit's missing gradients are zeros; the front end writes them).
+  same order (a unit's missing gradients are zeros).
 
 With ``root=True`` unit 0 is the root, as FSDP2's: the parameters used around
 the other units (embedding, final norm, head, a weight tied between them). It
@@ -75,7 +77,6 @@ reading back the gradient norm when clipping is on (not inside a capture).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -84,6 +85,7 @@ from .. import _dtypes
 from .._errors import TideInvalid
 from .._group import Group, default_group
 from ._comm import UnitComm, comm_factory
+from ._lifecycle import State, UnitLifecycle, UseToken
 from ._norm import GlobalNorm
 from ._optim import AdamW, FusedAdamW, ParamGroup, clip_scale, on_stream
 from ._shards import ShardArena, arena_layout
@@ -130,7 +132,15 @@ class ShardedModel:
         param_groups: ``(hyper-parameters, parameter names)`` pairs: those
             parameters step with those AdamW settings (say, no weight decay on
             norms and biases); the others with ``optimizer``. Frozen parameters
-            are a group of their own, with lr 0.
+            are never stepped.
+        report_grads: the front end reports each gradient it writes
+            (:meth:`grad_written`) and the end of each use's backward
+            (:meth:`use_done`); the gradients it does not write are zeros, and a
+            parameter no rank gave a gradient in a step is not stepped
+            ([Note: unit lifecycle]). Without it, the front end writes every
+            gradient of each unit between ``pre_backward`` and ``post_backward``.
+        on_release: called with a unit's index whenever its slot is released (the
+            torch front end points its parameters away from the slot then).
 
     Raises:
         TideInvalid: on every rank, for bad units, dtype or settings.
@@ -143,7 +153,9 @@ class ShardedModel:
                  num_slots: Optional[int] = None, keep_param_shards: bool = False,
                  root: bool = False,
                  trainable: Optional[Sequence[Sequence[bool]]] = None,
-                 param_groups: Sequence[tuple[AdamW, Sequence[str]]] = ()) -> None:
+                 param_groups: Sequence[tuple[AdamW, Sequence[str]]] = (),
+                 report_grads: bool = False,
+                 on_release: Optional[Callable[[int], None]] = None) -> None:
         group = group or default_group()
         names, shapes, values = _describe(units, init)
         if prefetch < 1:
@@ -166,8 +178,10 @@ class ShardedModel:
                                 send=factory.send_shards or keep_param_shards)
         self._fill_masters(values, init)
         hp = optimizer or AdamW()
-        self.optimizer = FusedAdamW(hp, self.arena.master, self.arena.send, self.xp,
-                                    groups=self._groups(hp, param_groups))
+        self.optimizer = FusedAdamW(
+            hp, self.arena.master, self.arena.send, self.xp, groups=self._groups(param_groups),
+            params=[self._param_range(u, k) for u, ns in enumerate(names)
+                    for k in range(len(ns))])
         self._clip_coef: Optional[float] = None
         self._clip_captured = False  # the clip factor is in the optimizer's device table
         self._norm: Optional[GlobalNorm] = None
@@ -178,13 +192,12 @@ class ShardedModel:
         self._free = list(range(self.num_slots + self.root))
         self._gathered: dict[int, tuple[int, Any]] = {}
         self._pending: dict[int, tuple[Any, int, bool]] = {}
-        self._deferred: list[int] = []  # backward prefetches waiting for their slot
+        self._deferred: list[int] = []  # prefetches waiting for their slot
         self._micro = 0
         self._scratch: Any = None
-        # [Note: passes]
-        self._forwarded: set[int] = set()
-        self._opened: set[int] = set()
-        self._reduced: set[int] = set()
+        self.report_grads = bool(report_grads)
+        self.on_release = on_release
+        self.life = UnitLifecycle(self.trainable)  # [Note: passes]
         self._to_reduce = {i for i, t in enumerate(self.trainable) if any(t)}
 
     @property
@@ -193,99 +206,142 @@ class ShardedModel:
 
     # -- the four hooks ---------------------------------------------------------
 
-    def pre_forward(self, i: int) -> list:
+    def pre_forward(self, i: int, use: Any = None) -> list:
         """Unit ``i``'s full parameters (waited on the compute stream); prefetches
-        the next ``prefetch`` units. A unit forwarded already in this pass starts
-        a new pass ([Note: passes])."""
-        if i in self._forwarded:
-            self._new_pass()
-        self._forwarded.add(i)
+        the next ``prefetch`` units. In the forward phase, one more use of the unit;
+        in the backward phase, the start of a new pass ([Note: passes]).
+
+        Args:
+            use: a :class:`UseToken` whose backward the front end reports
+                (:meth:`use_done`), :data:`~._lifecycle.BLIND` for a use whose backward it cannot
+                see, or None (a front end that calls ``post_backward`` itself, or a
+                forward with grad disabled); see [Note: unit lifecycle].
+        """
+        if self.life.in_backward:
+            self.finish_backward()
+        self.life.use(i, use)
         self._ensure(i)
         for j in range(i + 1, min(i + 1 + self.prefetch, self.num_units)):
-            self._ensure(j)
+            self._prefetch(j)
         return self._params(i)
 
     def post_forward(self, i: int) -> None:
         """Unit ``i``'s forward is issued: its slot may take another gather.
         The last unit keeps its parameters for its backward, which comes next,
         and so does the root (see [Note: passes])."""
-        if i != self.num_units - 1 and not (self.root and i == 0):
+        self.life.running.discard(i)
+        if i != self.num_units - 1 and not (self.root and i == 0) and i in self._gathered:
             self._release(i)
 
     def release(self) -> None:
         """End a forward that has no backward (evaluation, generation, a discarded
         forward): release every gathered unit and drop deferred prefetches.
 
-        Not collective and never needed for correctness (the next pass's first
-        ``pre_forward`` does the same), but it frees the slots at once.
+        Not collective and never needed for correctness (units are gathered again
+        where needed), but it frees the slots at once.
         """
         for i in list(self._gathered):
             self._gathered[i][1].wait(self.stream)  # a later gather waits on this stream
             self._release(i)
         self._deferred.clear()
-        if not self._opened and not self._reduced:
-            self._forwarded.clear()
+        if not self.life.in_backward:
+            self.life.forget_forward()
 
     def pre_backward(self, i: int) -> tuple[list, list]:
-        """Unit ``i``'s parameters and the gradient arrays its backward must write."""
-        if i in self._reduced:
+        """Open unit ``i``'s backward: its parameters and the gradient arrays its backward
+        must write (the same ones again while it is open)."""
+        state = self.life.state[i]
+        if state is State.DONE:
             raise TideInvalid(f"unit {i}: expected one backward per unit per pass, got a "
                               "second one after its gradients were reduced")
-        self._opened.add(i)
-        self._ensure(i)
-        for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
-            self._prefetch(j)
+        if state is not State.BACKWARD:
+            self.life.open(i)
+            self._ensure(i)
+            for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
+                self._prefetch(j)
+            self._retire(self._gathered[i][0])  # [Note: gradient buffers]
         k = self._gathered[i][0]
-        self._retire(k)  # [Note: gradient buffers]
         return self._params(i), self.comm.grads(i, k)
+
+    def grad_written(self, i: int, k: int) -> bool:
+        """(``report_grads``) Parameter ``k`` of open unit ``i`` got its gradient;
+        whether it is the first in this pass (a later one adds to it)."""
+        return self.life.write(i, k)
+
+    def use_done(self, i: int, use: UseToken) -> None:
+        """(``report_grads``) The backward of one use of unit ``i`` is done: close the
+        unit if no other use is pending ([Note: unit lifecycle])."""
+        self.life.use_done(i, use)
+        if self.life.may_close(i):
+            self._close_through(i)
 
     def post_backward(self, i: int) -> None:
         """Unit ``i``'s gradients are written (issued): reduce them into the fp32 shards.
 
-        The first micro-batch of a step reduces straight into the gradient
-        shards; later ones reduce into a scratch arena that is added on retire.
+        With ``report_grads``, the gradients not reported are written as zeros first.
+        The first micro-batch of a step reduces straight into the gradient shards;
+        later ones reduce into a scratch arena that is added on retire.
         """
-        if i not in self._opened or i in self._reduced:
+        if self.life.state[i] is not State.BACKWARD:
             raise TideInvalid(f"unit {i}: expected post_backward after its pre_backward, once "
-                              "per pass")
+                              f"per pass, got it in state {self.life.state[i].value}")
+        self._close(i, self.life.written[i] if self.report_grads else None)
+
+    def _close(self, i: int, written: Optional[list[bool]]) -> None:
+        """Reduce open unit ``i``, zeros in place of the gradients not ``written`` (None:
+        all written), and release it."""
         k = self._gathered[i][0]
+        self.life.close(i, written)
         if i in self._to_reduce:
+            if written is not None and not all(written):
+                with on_stream(self.stream):
+                    for g, w in zip(self.comm.grads(i, k), written):
+                        if not w:
+                            g.fill(0)
             accumulate = self._micro > 0
             out = self._scratch_arena() if accumulate else self.arena.grad
             self._pending[k] = (self.comm.reduce(i, k, out, self.stream), i, accumulate)
         self._release(i)
-        self._reduced.add(i)
+
+    def _close_through(self, i: int) -> None:
+        """Close the open units above ``i`` that wait for no use (descending), then ``i``."""
+        for j in sorted((j for j in self.life.units_in(State.BACKWARD)
+                         if j > i and not self.life.waits(j)), reverse=True):
+            self.post_backward(j)
+        self.post_backward(i)
 
     def finish_backward(self) -> None:
-        """Complete this backward pass ([Note: passes]): every unit with trainable
-        parameters not yet reduced reduces zeros, in descending order. Collective
-        (every rank must reach it at the same point: the torch front end calls it
-        from the callback autograd runs at the end of each backward).
+        """Complete this backward pass ([Note: passes]): with ``report_grads`` the open
+        units close; then every unit with trainable parameters not yet reduced reduces
+        zeros, in descending order. Collective (every rank must reach it at the same
+        point: the torch front end calls it from the callback autograd runs at the end
+        of each backward).
         """
-        if not self._opened and not self._reduced:
+        life = self.life
+        if not life.in_backward:
             return  # no backward began: nothing to finish (a forward-only pass)
-        opened = sorted(self._opened - self._reduced)
-        if opened:
+        opened = life.units_in(State.BACKWARD)
+        if opened and not self.report_grads:
             raise TideInvalid(f"units {opened}: expected post_backward for every unit whose "
                               "pre_backward ran, before finish_backward")
-        for i in sorted(self._to_reduce - self._reduced, reverse=True):
-            if i in self._forwarded:  # its backward never began: gather it, reduce zeros
-                _, grads = self.pre_backward(i)
-                with on_stream(self.stream):
-                    for g in grads:
-                        g.fill(0)
-                self.post_backward(i)
-            else:  # not forwarded: its gradient is zero on every rank, no collective
-                self._reduced.add(i)
-                if self._micro == 0:
-                    self._zero_grad(i)
-        if self._opened or self._reduced:
-            self._end_pass()
+        for i in sorted(opened, reverse=True):
+            self.post_backward(i)
+        for i in sorted(self._to_reduce, reverse=True):
+            if life.state[i] is State.FORWARD:  # its backward never began: reduce zeros
+                self.pre_backward(i)
+                self._close(i, [False] * len(self.names[i]))
+            elif life.state[i] is State.IDLE and self._micro == 0:
+                self._zero_grad(i)  # not forwarded: zero on every rank, no collective
+        self._end_pass()
 
     @property
     def in_backward(self) -> bool:
         """Whether a backward pass has begun and is not complete."""
-        return bool(self._opened or self._reduced)
+        return self.life.in_backward
+
+    def state(self, i: int) -> State:
+        """Unit ``i``'s place in the current pass ([Note: unit lifecycle])."""
+        return self.life.state[i]
 
     # -- the step -----------------------------------------------------------------
 
@@ -305,7 +361,8 @@ class ShardedModel:
             norm = self.clip_grad_norm_(self.optimizer.hp.max_grad_norm)
             scale *= self._clip_coef
         self._clip_coef, self._clip_captured = None, False
-        self.optimizer.step(self.arena.grad, grad_scale=scale, lr=lr, stream=self.stream)
+        self.optimizer.step(self.arena.grad, grad_scale=scale, lr=lr, stream=self.stream,
+                            present=self._present())
         self._micro = 0
         return norm
 
@@ -331,17 +388,19 @@ class ShardedModel:
             return scale, None
         return scale * self._clip_coef, self._clip_norm
 
-    def apply_step(self, step: Callable[[], None]) -> None:
+    def apply_step(self, step: Callable[[np.ndarray], None]) -> None:
         """Step with another optimizer: :meth:`finalize_grads`, the gradient shards scaled
-        to the averaged (and clipped) gradient in place, then ``step()``, which updates
-        :meth:`params` (the fp32 masters) from :meth:`grads`; then the send shards."""
+        to the averaged (and clipped) gradient in place, then ``step(present)``, which
+        updates :meth:`params` (the fp32 masters) from :meth:`grads`, skipping the
+        parameters whose ``present`` is False (no rank gave them a gradient, or frozen;
+        units in order, flattened); then the send shards."""
         if self._clip_captured:
             raise TideInvalid("a clip inside a stream capture reaches the fused AdamW "
                               "(step()) only, got another optimizer's step")
         scale, _ = self.finalize_grads()
         with on_stream(self.stream):
             self.arena.grad *= np.float32(scale)
-        step()
+        step(self._present())
         self.arena.refresh_send()
         self._clip_coef = None
         self._micro = 0
@@ -382,6 +441,19 @@ class ShardedModel:
         self._clip_coef = clip_scale(self._clip_norm, max_norm)
         return self._clip_norm
 
+    def _present(self) -> np.ndarray:
+        """Per parameter (units in order, flattened): whether some rank gave it a gradient
+        in this step, as bools. Collective (one host all-reduce of a byte per parameter):
+        every rank skips the same parameters ([Note: unit lifecycle])."""
+        mine = self.life.end_step()
+        if self.world == 1:
+            return mine.astype(bool)
+        from mpi4py import MPI
+
+        every = np.empty_like(mine)
+        self.group.comm.Allreduce(mine, every, op=MPI.BOR)
+        return every.astype(bool)
+
     def global_norm(self) -> GlobalNorm:
         """What computes the gradient's global norm, made at its first use (collective:
         every rank makes it at the same call)."""
@@ -409,73 +481,80 @@ class ShardedModel:
         """Unit ``i``'s slot ([Note: slots]): the same one every time; the root's own last."""
         return self.num_slots if self.root and i == 0 else i % self.num_slots
 
-    def _new_pass(self) -> None:
-        """A unit forwarded again: end the last pass ([Note: passes])."""
-        if self._opened or self._reduced:
-            self.finish_backward()
-        self.release()
-        self._forwarded.clear()
-
     def _end_pass(self) -> None:
+        """Count the micro-batch; release what the pass gathered."""
         self._micro += 1
-        self._forwarded.clear()
-        self._opened.clear()
-        self._reduced.clear()
+        self.life.end_pass()
         self._deferred.clear()  # a backward's prefetches end with it
+        for i in list(self._gathered):
+            self._release(i)
 
-    def _groups(self, hp: AdamW, param_groups: Sequence[tuple[AdamW, Sequence[str]]]) -> list:
-        """The optimizer's groups as element ranges of this rank's shards; frozen last."""
+    def _groups(self, param_groups: Sequence[tuple[AdamW, Sequence[str]]]) -> list:
+        """The optimizer's groups as element ranges of this rank's shards."""
         where = {name: (u, k) for u, names in enumerate(self.names)
                  for k, name in enumerate(names)}
         groups, taken = [], set()
-        frozen = [(u, k) for u, t in enumerate(self.trainable) for k, ok in enumerate(t)
-                  if not ok]
-        wanted = [(g, list(names)) for g, names in param_groups]
-        if frozen:
-            wanted.append((replace(hp, lr=0.0, weight_decay=0.0, max_grad_norm=None),
-                           [self.names[u][k] for u, k in frozen]))
-        for j, (group_hp, names) in enumerate(wanted):
+        for j, (group_hp, names) in enumerate(param_groups):
             ranges = []
             for name in names:
                 if name not in where:
                     raise TideInvalid(f"param_groups[{j}]: expected parameter names of the "
                                       f"model, got {name!r}")
                 if name in taken:
-                    if j == len(param_groups):
-                        continue  # a frozen parameter a group named: frozen wins
                     raise TideInvalid(f"param_groups[{j}]: expected each parameter in one "
                                       f"group, got {name!r} twice")
                 taken.add(name)
-                u, k = where[name]
-                lay = self.arena.layout.units[u]
-                start = self.arena.layout.starts[u] + lay.offsets[k]
-                ranges.append((start, start + lay.specs[k].shard_numel))
+                ranges.append(self._param_range(*where[name]))
             groups.append(ParamGroup(group_hp, tuple(ranges)))
         return groups
+
+    def _param_range(self, u: int, k: int) -> tuple[int, int]:
+        """Parameter ``k`` of unit ``u``: its elements of this rank's shard arena."""
+        lay = self.arena.layout.units[u]
+        start = self.arena.layout.starts[u] + lay.offsets[k]
+        return start, start + lay.specs[k].shard_numel
 
     def _zero_grad(self, i: int) -> None:
         with on_stream(self.stream):
             self.arena.block(self.arena.grad, i).fill(0)
 
     def _ensure(self, i: int) -> None:
+        """Gather unit ``i`` now (into its slot, taken from a unit that may give it up)."""
         if i in self._gathered:
             return
         if i in self._deferred:
             self._deferred.remove(i)
         k = self._slot(i)
         if k not in self._free:
-            raise TideInvalid(f"unit {i}: expected its slot {k} to be free, got it holding unit "
-                              f"{next(u for u, (s, _) in self._gathered.items() if s == k)}: "
-                              "call the hooks in order (forward 0..n-1, backward n-1..0), "
-                              "each unit's post hook before the unit prefetch+1 further on")
+            holder = self._holder(k)
+            if not self._may_evict(holder):
+                state = ("running" if holder in self.life.running
+                         else "open for its backward")
+                raise TideInvalid(
+                    f"unit {i}: expected its slot {k} to be free, got it holding unit {holder}, "
+                    f"which is {state}: units used at once (nested units, a unit used again "
+                    "while a later use's backward is pending, units out of order) need slots "
+                    f"of their own: pass num_slots={self.num_units} (one per unit), or keep "
+                    "no forward's output alive that never runs a backward")
+            self._release(holder, issue_deferred=False)
         self._free.remove(k)
         self._gathered[i] = (k, self.comm.gather(i, k, self.stream))
 
+    def _holder(self, k: int) -> int:
+        return next(u for u, (s, _) in self._gathered.items() if s == k)
+
+    def _may_evict(self, u: int) -> bool:
+        """A gathered unit not running and not open for its backward gives its slot up:
+        its next use (or backward) gathers it again, into the same slot."""
+        return u not in self.life.running and self.life.state[u] is not State.BACKWARD
+
     def _prefetch(self, i: int) -> None:
-        """Gather ``i`` ahead now if its slot is free, else when the slot is released."""
+        """Gather ``i`` ahead now if its slot is free (or may be given up), else when the
+        slot is released."""
         if i in self._gathered or i in self._deferred:
             return
-        if self._slot(i) in self._free:
+        k = self._slot(i)
+        if k in self._free or self._may_evict(self._holder(k)):
             self._ensure(i)
         else:
             self._deferred.append(i)
@@ -483,9 +562,13 @@ class ShardedModel:
     def _params(self, i: int) -> list:
         return self._gathered[i][1].wait(self.stream)
 
-    def _release(self, i: int) -> None:
+    def _release(self, i: int, issue_deferred: bool = True) -> None:
         k = self._gathered.pop(i)[0]
         self._free.append(k)
+        if self.on_release is not None:
+            self.on_release(i)
+        if not issue_deferred:
+            return
         for j in self._deferred:
             if self._slot(j) == k:
                 self._deferred.remove(j)

@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .. import _dtypes, _validate
 from .._errors import TideInvalid
 from ..fsdp import AdamW, ShardedModel
+from ..fsdp._lifecycle import BLIND, State, UseToken
 from . import _init, _units
 
 if TYPE_CHECKING:
@@ -69,7 +70,8 @@ Optimizer = Union[AdamW, Callable[[list], Any], None]
 def shard_module(module: torch.nn.Module, units: Optional[Sequence[Any]] = None, *,
                  group: Optional[Group] = None, param_dtype: Any = None,
                  optimizer: Optimizer = None, param_groups: Sequence[dict] = (),
-                 prefetch: int = 1, comm: Any = "tide", keep_param_shards: bool = False,
+                 prefetch: int = 1, num_slots: Optional[int] = None, comm: Any = "tide",
+                 keep_param_shards: bool = False,
                  init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
                  checkpoint: Optional[str] = None, device: Any = None) -> ShardedModule:
     """Shard ``module``'s parameters by ``units``, as ``fully_shard`` on each unit and then
@@ -90,6 +92,8 @@ def shard_module(module: torch.nn.Module, units: Optional[Sequence[Any]] = None,
             ``params`` (parameters or their names) and any of ``lr``, ``betas``,
             ``eps``, ``weight_decay``; the rest of the parameters use ``optimizer``.
         prefetch: units gathered ahead (1).
+        num_slots: slots the units take turns in (``prefetch + 1`` if None); units in
+            use at once (nested units) need more: ``ShardedModel`` says how many.
         comm: ``"tide"`` (default) or a comm factory (a ``UnitComm`` subclass;
             see ``ShardedModel``), such as the benchmarks' baselines.
         keep_param_shards: keep param-dtype shards instead of casting the fp32
@@ -112,8 +116,8 @@ def shard_module(module: torch.nn.Module, units: Optional[Sequence[Any]] = None,
     """
     return ShardedModule(module, units, group=group, param_dtype=param_dtype,
                          optimizer=optimizer, param_groups=param_groups, prefetch=prefetch,
-                         comm=comm, keep_param_shards=keep_param_shards, init_fn=init_fn,
-                         checkpoint=checkpoint, device=device)
+                         num_slots=num_slots, comm=comm, keep_param_shards=keep_param_shards,
+                         init_fn=init_fn, checkpoint=checkpoint, device=device)
 
 
 class ShardedModule:
@@ -121,7 +125,8 @@ class ShardedModule:
 
     def __init__(self, module: torch.nn.Module, units: Optional[Sequence[Any]], *,
                  group: Optional[Group], param_dtype: Any, optimizer: Optimizer,
-                 param_groups: Sequence[dict], prefetch: int, comm: Any,
+                 param_groups: Sequence[dict], prefetch: int, num_slots: Optional[int],
+                 comm: Any,
                  keep_param_shards: bool, init_fn: Any, checkpoint: Optional[str],
                  device: Any) -> None:
         from .._group import default_group
@@ -151,7 +156,8 @@ class ShardedModule:
         self.model = ShardedModel(
             named, init=values, group=group, param_dtype=dtype, optimizer=fused,
             prefetch=prefetch, comm=comm, keep_param_shards=keep_param_shards, root=spec.root,
-            trainable=self.trainable,
+            trainable=self.trainable, num_slots=num_slots, report_grads=True,
+            on_release=self._unpoint,
             param_groups=_param_groups(param_groups, fused, spec, self.names))
         if meta or checkpoint is not None:
             _init.materialise_buffers(module, self.device, values)
@@ -164,14 +170,10 @@ class ShardedModule:
             for p, e in zip(ps, es):
                 p.data = e
         self._views: dict[tuple[str, int], tuple[list, list]] = {}
-        self._live = [False] * len(self.units)  # pointed at a slot in this pass
-        self._seen: set[int] = set()  # units forwarded in this pass
-        self._open: dict[int, list] = {}  # unit -> its gradient buffers (torch views)
-        self._delivered: dict[int, list[bool]] = {}
-        self._waiting: dict[int, int] = {}
-        self._trained = [sum(t) for t in self.trainable]
-        self._closed: set[int] = set()
+        self._live = [False] * len(self.units)  # parameters pointed at the unit's slot
+        self._grads: dict[int, list] = {}  # open unit -> its gradient buffers (torch views)
         self._callback_queued = False
+        self._in_pass = False  # a forward hook ran since the last pass ended
         self._members_left = [len(u.modules) for u in self.units]
         self._allow_state_dict = False
         self._sentinels = False
@@ -182,9 +184,12 @@ class ShardedModule:
                                 if p.requires_grad]
         # Dynamo-free wrappers of what autograd calls each backward, made once.
         self._end_backward_eager = _outside_compile(self._end_backward)
-        self.close_through_eager = _outside_compile(self._close_through)
+        self.use_done_eager = _outside_compile(self.model.use_done)
+        self._output_hooks = [_outside_compile(functools.partial(self._output_grad, u))
+                              for u in range(len(self.units))]
         self._hooks = self._register()
-        self.optimizer = (self._make_optimizer(self.shard_parameters())
+        self._shards = self.shard_parameters() if self._make_optimizer is not None else []
+        self.optimizer = (self._make_optimizer(self._shards)
                           if self._make_optimizer is not None else self.model.optimizer)
 
     # -- registration -----------------------------------------------------------------
@@ -201,6 +206,7 @@ class ShardedModule:
                 if p.requires_grad:
                     hooks.append(p.register_post_accumulate_grad_hook(
                         _outside_compile(functools.partial(self._grad_ready, u, k))))
+        hooks.append(self.module.register_forward_hook(_outside_compile(self._model_done)))
         owners = {id(m): m for ps in self.params for p in ps
                   for m, _ in self.spec.aliases[id(p)]}
         for m in owners.values():
@@ -211,29 +217,29 @@ class ShardedModule:
     # -- forward --------------------------------------------------------------------
 
     def _pre_forward(self, u: int, module: Any, args: Any, kwargs: Any) -> Any:
+        model = self.model
         if _in_backward():  # activation checkpointing recomputes the forward in backward:
-            if not self._live[u] and u not in self._closed:
+            if model.state(u) in (State.IDLE, State.FORWARD):
                 # Reentrant checkpointing ran the first forward without grad (the unit was
                 # released and hooked no outputs): the recompute opens its backward.
                 self._begin(u)
             return None  # else gathered already: its backward opened it
-        if u in self._seen and not (self._live[u] and self._members_left[u] > 0):
-            self._new_pass()  # forwarded already in this pass: a forward with no backward
-        if not self._seen:
+        if not self._in_pass:
+            self._in_pass = True
             self._clear_sentinels()
             self._follow_stream()
-        if not self._live[u]:
+        if not model.in_backward and model.state(u) is State.IDLE:
             self._check_order(u)
-            self._seen.add(u)
-            self._members_left[u] = len(self.units[u].modules)
-            self._point(u, self.model.pre_forward(u))
         if not torch.is_grad_enabled():
+            self._point(u, model.pre_forward(u))
             return None
         flat, tree = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+        use = UseToken() if idx else BLIND  # [Note: unit lifecycle]
+        self._point(u, model.pre_forward(u, use))
         if not idx:
             return None
-        outs = _PostBackward.apply(self, u, *(flat[i] for i in idx))
+        outs = _PostBackward.apply(self, u, use, *(flat[i] for i in idx))
         for i, t in zip(idx, outs if isinstance(outs, tuple) else (outs,)):
             flat[i] = t
         return tree_unflatten(flat, tree)
@@ -241,7 +247,8 @@ class ShardedModule:
     def _check_order(self, u: int) -> None:
         """Units must be given in the order their forwards begin (the runtime prefetches
         the next one and assigns slots by that order); the same on every rank."""
-        later = [j for j in self._seen if j > u and not (self.spec.root and j == 0)]
+        later = [j for j in range(u + 1, len(self.units))
+                 if self.model.state(j) is not State.IDLE and not (self.spec.root and j == 0)]
         if later:
             raise TideInvalid(f"units: expected them in the order their forwards begin, got "
                               f"unit {u} ({type(self.units[u].modules[0]).__name__}) after unit "
@@ -253,37 +260,30 @@ class ShardedModule:
         self._members_left[u] -= 1
         if self._members_left[u] > 0:
             return None  # a list unit: its other modules are still to run
-        grad = torch.is_grad_enabled()
-        if grad:
+        self._members_left[u] = len(self.units[u].modules)
+        if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(functools.partial(self._output_grad, u))
+                    t.register_hook(self._output_hooks[u])
         self.model.post_forward(u)
-        if not self.model.gathered(u):
-            self._unpoint(u)
-        last = u == (0 if self.spec.root else len(self.units) - 1)
-        if not grad and last:  # nothing will run a backward: release everything
-            self.model.release()
-            for j in range(len(self.units)):
-                self._unpoint(j)
-            self._seen.clear()
         return None
 
-    def _new_pass(self) -> None:
-        """A forward began again with no backward in between ([Note: passes])."""
-        for j in range(len(self.units)):
-            self._unpoint(j)
-        self._seen.clear()
+    def _model_done(self, module: Any, args: Any, output: Any) -> None:
+        """The whole model's forward returned: with grad disabled nothing will run a
+        backward (evaluation, generation), so every gathered unit is released."""
+        if not torch.is_grad_enabled() and not _in_backward():
+            self.model.release()
+            self._in_pass = False
 
     # -- backward ----------------------------------------------------------------------
 
     def _output_grad(self, u: int, grad: Any) -> None:
-        if u not in self._closed:
+        if self.model.state(u) is not State.DONE:
             self._begin(u)
 
     def _begin(self, u: int) -> None:
         """Open unit ``u``'s backward: regathered, gradient buffers handed out."""
-        if u in self._open:
+        if self.model.state(u) is State.BACKWARD:
             return
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(
@@ -291,55 +291,28 @@ class ShardedModule:
             self._callback_queued = True
         params, grads = self.model.pre_backward(u)
         self._point(u, params)
-        self._open[u] = self._torch_views("grads", u, grads)
-        self._delivered[u] = [False] * len(self.params[u])
-        self._waiting[u] = self._trained[u]  # gradients still to come
+        self._grads[u] = self._torch_views("grads", u, grads)
 
     def _grad_ready(self, u: int, k: int, param: Any) -> None:
-        if u in self._closed:
+        if self.model.state(u) is State.DONE:
             raise TideInvalid(f"parameter {self.names[u][k]!r} (unit {u}): expected its "
                               "gradient before its unit's backward was done, got it after its "
                               "reduction began: is it used outside its unit? Put it in a unit "
                               "that holds every module using it (or in the root)")
         self._begin(u)
         param.grad, grad = None, param.grad
-        if self._delivered[u][k]:  # a second delivery in one backward: sum, as autograd would
-            self._open[u][k].add_(grad)
-            return
-        self._open[u][k].copy_(grad)
-        self._delivered[u][k] = True
-        self._waiting[u] -= 1
-        if self._waiting[u] == 0 and not (self.spec.root and u == 0):
-            self._close_through(u)
-
-    def _close_through(self, u: int) -> None:
-        """Close every open unit above ``u`` (descending), then ``u``."""
-        for j in sorted((j for j in self._open if j > u), reverse=True):
-            self._close(j)
-        if u in self._open:
-            self._close(u)
-
-    def _close(self, u: int) -> None:
-        grads = self._open.pop(u)
-        for g, d in zip(grads, self._delivered.pop(u)):
-            if not d:  # no gradient on this rank (unused, routed elsewhere, or frozen)
-                g.zero_()
-        self.model.post_backward(u)
-        self._closed.add(u)
-        self._unpoint(u)
+        if self.model.grad_written(u, k):
+            self._grads[u][k].copy_(grad)
+        else:  # a second delivery in one backward: sum, as autograd would
+            self._grads[u][k].add_(grad)
 
     def _end_backward(self) -> None:
         """Autograd's engine runs this when a backward pass is done."""
         try:
-            for j in sorted(self._open, reverse=True):
-                self._close(j)
             self.model.finish_backward()
         finally:
             self._callback_queued = False
-            self._closed.clear()
-            self._seen.clear()
-            for j in range(len(self.units)):
-                self._unpoint(j)
+            self._in_pass = False
         self._set_sentinels()
 
     # -- streams ----------------------------------------------------------------------
@@ -378,6 +351,8 @@ class ShardedModule:
         return hit[1]
 
     def _point(self, u: int, arrays: list) -> None:
+        if self._live[u]:
+            return  # pointed at this gather already (released units are unpointed)
         for p, t in zip(self.params[u], self._torch_views("params", u, arrays)):
             p.data = t
         self._live[u] = True
@@ -429,8 +404,21 @@ class ShardedModule:
         if lr is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-        self.model.apply_step(self.optimizer.step)
+        self.model.apply_step(self._torch_step)
         return None
+
+    def _torch_step(self, present: Any) -> None:
+        """The torch optimizer's step over the shards, with no ``.grad`` on a parameter that
+        no rank gave a gradient (torch's optimizers skip those, as in one process)."""
+        absent = [(t, t.grad) for t, ok in zip(self._shards, present)
+                  if not ok and t.grad is not None]
+        for t, _ in absent:
+            t.grad = None
+        try:
+            self.optimizer.step()
+        finally:
+            for t, g in absent:
+                t.grad = g
 
     def clip_grad_norm_(self, max_norm: float) -> Union[float, torch.Tensor]:
         """Clip the averaged gradient to the global norm ``max_norm`` at the next
@@ -458,14 +446,18 @@ class ShardedModule:
             return torch.from_dlpack(norm)
 
     def shard_parameters(self) -> list:
-        """This rank's fp32 master shards as torch tensors (padded rows), each with its
-        fp32 gradient shard as ``.grad``: what a torch optimizer steps (``optimizer=``).
-        The runtime sets the gradients to the averaged gradient before that step."""
+        """This rank's fp32 master shards as torch tensors (padded rows), each trained one
+        with its fp32 gradient shard as ``.grad``: what a torch optimizer steps
+        (``optimizer=``). The runtime sets the gradients to the averaged gradient before
+        that step; a frozen shard has no ``.grad`` (and ``requires_grad=False``), nor,
+        during a step, has a shard that no rank gave a gradient, so a torch optimizer
+        leaves both bitwise unchanged."""
         out = []
         for u in range(len(self.units)):
             for k, (m, g) in enumerate(zip(self.model.params(u), self.model.grads(u))):
                 t = torch.nn.Parameter(_tensor(m, m.shape), requires_grad=self.trainable[u][k])
-                t.grad = _tensor(g, g.shape)
+                if self.trainable[u][k]:
+                    t.grad = _tensor(g, g.shape)
                 out.append(t)
         return out
 
@@ -514,14 +506,14 @@ class _PostBackward(torch.autograd.Function):
     ``RegisterPostBackwardFunction``)."""
 
     @staticmethod
-    def forward(ctx: Any, owner: ShardedModule, u: int, *inputs: Any) -> Any:
-        ctx.owner, ctx.u = owner, u
+    def forward(ctx: Any, owner: ShardedModule, u: int, use: UseToken, *inputs: Any) -> Any:
+        ctx.owner, ctx.u, ctx.use = owner, u, use  # the context keeps the use's token alive
         return inputs if len(inputs) > 1 else inputs[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.owner.close_through_eager(ctx.u)
-        return (None, None) + grads
+        ctx.owner.use_done_eager(ctx.u, ctx.use)
+        return (None, None, None) + grads
 
 
 class _ShardedGrad(torch.Tensor):

@@ -314,8 +314,7 @@ def _apply(sm: ShardedModule, taken: dict, buffers: dict, own: dict, sharded: bo
     """Write the checked values: each parameter's rows into the masters, the buffers."""
     model = sm.model
     model.synchronize()
-    sm._new_pass()  # gathered units would hold the old values: release them
-    model.release()
+    model.release()  # gathered units would hold the old values
     for (u, k), (_, value) in taken.items():
         start, stop = model.arena.layout.units[u].specs[k].rows(model.rank)
         rows = value if sharded else value[start:stop]

@@ -1,0 +1,170 @@
+"""Where each unit is in the current pass: one state machine, owned by the runtime.
+
+[Note: unit lifecycle]
+Every front end (the torch hooks, the CuPy and JAX trainers) drives one state
+per unit, kept here and read by ``ShardedModel``; no front end keeps a second
+copy. The states are FSDP2's ``TrainingState`` for a parameter group:
+
+    IDLE ──pre_forward──> FORWARD ──pre_backward──> BACKWARD ──post_backward──> DONE
+      │                    │   ^ another use                                    │
+      └────pre_backward────┼───┘ (pre_forward again)                            │
+                           └── release (a pass with no backward) ─> IDLE        │
+    every state ──end of the pass (finish_backward)──> IDLE <───────────────────┘
+
+* **Uses.** A unit may run k times in one forward (a shared or looped block,
+  ALBERT's layer group, a siamese encoder; k unknown in advance and free to
+  change between steps). Every ``pre_forward`` of a unit in the forward phase
+  is one more use: the unit is gathered at its first use (again if its slot
+  was taken since), stays FORWARD, and is reduced once, when its backward is
+  done. A unit is *running* from its ``pre_forward`` to its ``post_forward``;
+  a running unit's slot is never taken (nested units).
+* **The end of a unit's backward is autograd's to say.** A front end that can
+  see it passes, per use, a *use token*: an object that lives as long as the
+  use's autograd graph (torch: the context of the function wrapping the
+  unit's inputs, FSDP2's ``RegisterPostBackwardFunction``), and calls
+  ``use_done`` when that use's input gradients are computed. The unit closes
+  (DONE: reduced, slot released) when no token of it is left pending: the
+  tokens of forwards that will never run a backward die with their graphs and
+  are not waited for. So a partially frozen unit (a LoRA base) closes only
+  after its frozen weights carried the gradient on to its input, never when
+  its trainable gradients alone have arrived. A use whose end cannot be seen
+  (grad enabled, no input needs a gradient) makes the unit *blind*: it closes
+  when a lower unit closes or at the end of the backward, as does a unit whose
+  backward a recompute opened (reentrant checkpointing).
+* **Order.** Closing unit ``i`` first closes every open unit above it that
+  waits for no token, in descending order, and ``finish_backward`` closes what
+  is left in descending order: every rank issues the same reductions in the
+  same order, whatever gradients its data gave it.
+* **A pass** is the forward phase (uses) and then the backward phase (from the
+  first ``pre_backward``). A ``pre_forward`` in the backward phase ends the pass
+  (a new micro-batch); ``finish_backward`` ends it too, reducing zeros for
+  the units with trainable parameters whose backward never began.
+* **Gradients present.** A front end that reports the gradients it writes
+  (``report_grads=True``: torch, where autograd may give a parameter none)
+  gets zeros written for the others, and the step's optimizer skips every
+  parameter that no rank and no micro-batch gave a gradient (torch's AdamW
+  skips a ``.grad`` of None). A front end that does not report them writes
+  every gradient of every unit it closes.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+
+class State(enum.Enum):
+    """A unit's place in the current pass ([Note: unit lifecycle])."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    DONE = "done"
+
+
+class UseToken:
+    """One use of a unit whose backward a front end will report (``use_done``).
+
+    The runtime holds it weakly: a forward whose graph is freed without a
+    backward leaves nothing to wait for."""
+
+    __slots__ = ("__weakref__",)
+
+
+#: A use whose backward's end the front end cannot see (no input needs a gradient).
+BLIND = object()
+
+
+class UnitLifecycle:
+    """Per unit: the state, the uses still waiting for their backward, the gradients
+    written in this pass; per parameter: whether it had a gradient in this step.
+
+    Pure bookkeeping: the runtime (``ShardedModel``) gathers, reduces and releases.
+    """
+
+    def __init__(self, trainable: Sequence[Sequence[bool]]) -> None:
+        self.trainable = [list(t) for t in trainable]
+        n = len(self.trainable)
+        self.state = [State.IDLE] * n
+        self.running: set[int] = set()
+        self._pending: list[weakref.WeakSet] = [weakref.WeakSet() for _ in range(n)]
+        self._blind = [False] * n
+        self.written: list[list[bool]] = [[False] * len(t) for t in self.trainable]
+        starts = np.cumsum([0] + [len(t) for t in self.trainable])
+        self._first = [int(s) for s in starts[:-1]]
+        #: Per parameter (units in order, flattened): a gradient in this step.
+        self.had_grad = np.zeros(int(starts[-1]), dtype=np.uint8)
+
+    # -- queries ----------------------------------------------------------------------
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether this pass's backward phase has begun."""
+        return any(s in (State.BACKWARD, State.DONE) for s in self.state)
+
+    def units_in(self, state: State) -> list[int]:
+        return [i for i, s in enumerate(self.state) if s is state]
+
+    def waits(self, i: int) -> bool:
+        """Whether unit ``i`` waits for a tracked use's backward."""
+        return len(self._pending[i]) > 0
+
+    def may_close(self, i: int) -> bool:
+        """Whether open unit ``i`` is done by what the tokens say: none pending, not blind."""
+        return self.state[i] is State.BACKWARD and not self._blind[i] and not self.waits(i)
+
+    # -- transitions -------------------------------------------------------------------
+
+    def use(self, i: int, token: Any) -> None:
+        """A ``pre_forward`` of unit ``i`` in the forward phase."""
+        if self.state[i] is State.IDLE:
+            self.state[i] = State.FORWARD
+        self.running.add(i)
+        if token is BLIND:
+            self._blind[i] = True
+        elif token is not None:
+            self._pending[i].add(token)
+
+    def use_done(self, i: int, token: Any) -> None:
+        self._pending[i].discard(token)
+
+    def open(self, i: int) -> None:
+        """IDLE or FORWARD to BACKWARD; a recompute's open makes the unit blind."""
+        if self.state[i] is State.IDLE:
+            self._blind[i] = True  # no forward of it in this pass: nothing reports its end
+        self.state[i] = State.BACKWARD
+        self.written[i] = [False] * len(self.written[i])
+
+    def write(self, i: int, k: int) -> bool:
+        """Parameter ``k`` of open unit ``i`` got a gradient; whether it is the first."""
+        first = not self.written[i][k]
+        self.written[i][k] = True
+        return first
+
+    def close(self, i: int, written: Optional[Sequence[bool]]) -> None:
+        """BACKWARD to DONE, with the parameters whose gradients were ``written`` (None:
+        all of them) recorded in :attr:`had_grad`."""
+        self.state[i] = State.DONE
+        for k, t in enumerate(self.trainable[i]):
+            if t and (written is None or written[k]):
+                self.had_grad[self._first[i] + k] = 1
+
+    def forget_forward(self) -> None:
+        """A pass with no backward ends (``release``): its FORWARD units are IDLE again."""
+        self.state = [State.IDLE if s is State.FORWARD else s for s in self.state]
+        self.running.clear()
+
+    def end_pass(self) -> None:
+        n = len(self.state)
+        self.state = [State.IDLE] * n
+        self.running.clear()
+        self._pending = [weakref.WeakSet() for _ in range(n)]
+        self._blind = [False] * n
+
+    def end_step(self) -> np.ndarray:
+        """This step's gradient presence per parameter; cleared for the next step."""
+        out, self.had_grad = self.had_grad, np.zeros_like(self.had_grad)
+        return out
