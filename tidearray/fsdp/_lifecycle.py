@@ -90,6 +90,7 @@ class UnitLifecycle:
         n = len(self.trainable)
         self.state = [State.IDLE] * n
         self.running: set[int] = set()
+        self._backward_began = False
         self._pending: list[weakref.WeakSet] = [weakref.WeakSet() for _ in range(n)]
         self._blind = [False] * n
         self.written: list[list[bool]] = [[False] * len(t) for t in self.trainable]
@@ -103,7 +104,7 @@ class UnitLifecycle:
     @property
     def in_backward(self) -> bool:
         """Whether this pass's backward phase has begun."""
-        return any(s in (State.BACKWARD, State.DONE) for s in self.state)
+        return self._backward_began
 
     def units_in(self, state: State) -> list[int]:
         return [i for i, s in enumerate(self.state) if s is state]
@@ -136,6 +137,7 @@ class UnitLifecycle:
         if self.state[i] is State.IDLE:
             self._blind[i] = True  # no forward of it in this pass: nothing reports its end
         self.state[i] = State.BACKWARD
+        self._backward_began = True
         self.written[i] = [False] * len(self.written[i])
 
     def write(self, i: int, k: int) -> bool:
@@ -161,6 +163,7 @@ class UnitLifecycle:
         n = len(self.state)
         self.state = [State.IDLE] * n
         self.running.clear()
+        self._backward_began = False
         self._pending = [weakref.WeakSet() for _ in range(n)]
         self._blind = [False] * n
 
