@@ -121,6 +121,16 @@ class UnitComm(abc.ABC):
                                                           self.dtype)
         return views
 
+    def zero_grads(self, unit: int, k: int, stream: Any) -> None:
+        """Zero the gradient bytes ``unit`` takes in buffer ``k``, on ``stream`` (one
+        memset: what a backward leaves unwritten reduces as zeros)."""
+        view = self._grad_bufs[k][:self.layouts[unit].nbytes]
+        if self.xp is np:
+            view.fill(0)
+            return
+        self.xp.cuda.runtime.memsetAsync(view.data.ptr, 0, view.nbytes,
+                                         0 if stream is None else stream.ptr)
+
     def slot_max(self, k: int, size: Any) -> int:
         """The largest ``size(unit)`` of the units that use slot ``k`` (0 if none)."""
         return max((size(u) for u in self.slot_units[k]), default=0)

@@ -259,7 +259,10 @@ class ShardedModel:
             self._ensure(i)
             for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
                 self._prefetch(j)
-            self._retire(self._gathered[i][0])  # [Note: gradient buffers]
+            k = self._gathered[i][0]
+            self._retire(k)  # [Note: gradient buffers]
+            if self.report_grads:  # what the backward does not write reduces as zeros
+                self.comm.zero_grads(i, k, self._stream_or_current())
         k = self._gathered[i][0]
         return self._params(i), self.comm.grads(i, k)
 
@@ -278,7 +281,6 @@ class ShardedModel:
     def post_backward(self, i: int) -> None:
         """Unit ``i``'s gradients are written (issued): reduce them into the fp32 shards.
 
-        With ``report_grads``, the gradients not reported are written as zeros first.
         The first micro-batch of a step reduces straight into the gradient shards;
         later ones reduce into a scratch arena that is added on retire.
         """
@@ -288,16 +290,12 @@ class ShardedModel:
         self._close(i, self.life.written[i] if self.report_grads else None)
 
     def _close(self, i: int, written: Optional[list[bool]]) -> None:
-        """Reduce open unit ``i``, zeros in place of the gradients not ``written`` (None:
-        all written), and release it."""
+        """Reduce open unit ``i`` (with ``report_grads`` its buffer was zeroed when it
+        opened) and release it; ``written``: the parameters that got a gradient (None:
+        all)."""
         k = self._gathered[i][0]
         self.life.close(i, written)
         if i in self._to_reduce:
-            if written is not None and not all(written):
-                with on_stream(self.stream):
-                    for g, w in zip(self.comm.grads(i, k), written):
-                        if not w:
-                            g.fill(0)
             accumulate = self._micro > 0
             out = self._scratch_arena() if accumulate else self.arena.grad
             self._pending[k] = (self.comm.reduce(i, k, out, self.stream), i, accumulate)
@@ -329,6 +327,8 @@ class ShardedModel:
         for i in sorted(self._to_reduce, reverse=True):
             if life.state[i] is State.FORWARD:  # its backward never began: reduce zeros
                 self.pre_backward(i)
+                if not self.report_grads:
+                    self.comm.zero_grads(i, self._gathered[i][0], self._stream_or_current())
                 self._close(i, [False] * len(self.names[i]))
             elif life.state[i] is State.IDLE and self._micro == 0:
                 self._zero_grad(i)  # not forwarded: zero on every rank, no collective
@@ -467,6 +467,12 @@ class ShardedModel:
         optimizer's device table of coefficients and the global norm's plan and kernels."""
         self.optimizer.prepare_capture()
         self.global_norm()
+
+    def _stream_or_current(self) -> Any:
+        """The compute stream as a stream object (CuPy's current where None; NumPy: None)."""
+        if self.xp is np or self.stream is not None:
+            return self.stream
+        return self.xp.cuda.get_current_stream()
 
     def _capturing(self) -> bool:
         """Whether the stream the runtime issues on is capturing (cuda only)."""

@@ -233,16 +233,13 @@ class ShardedModule:
         if not torch.is_grad_enabled():
             self._point(u, model.pre_forward(u))
             return None
-        flat, tree = tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
-        use = UseToken() if idx else BLIND  # [Note: unit lifecycle]
+        inputs = _GradInputs(args, kwargs)
+        use = UseToken() if inputs.tensors else BLIND  # [Note: unit lifecycle]
         self._point(u, model.pre_forward(u, use))
-        if not idx:
+        if not inputs.tensors:
             return None
-        outs = _PostBackward.apply(self, u, use, *(flat[i] for i in idx))
-        for i, t in zip(idx, outs if isinstance(outs, tuple) else (outs,)):
-            flat[i] = t
-        return tree_unflatten(flat, tree)
+        outs = _PostBackward.apply(self, u, use, *inputs.tensors)
+        return inputs.replaced(outs if isinstance(outs, tuple) else (outs,))
 
     def _check_order(self, u: int) -> None:
         """Units must be given in the order their forwards begin (the runtime prefetches
@@ -282,7 +279,8 @@ class ShardedModule:
             self._begin(u)
 
     def _begin(self, u: int) -> None:
-        """Open unit ``u``'s backward: regathered, gradient buffers handed out."""
+        """Open unit ``u``'s backward: regathered, and each trained parameter's ``.grad``
+        its (zeroed) gradient buffer, which autograd then accumulates into in place."""
         if self.model.state(u) is State.BACKWARD:
             return
         if not self._callback_queued:
@@ -291,7 +289,10 @@ class ShardedModule:
             self._callback_queued = True
         params, grads = self.model.pre_backward(u)
         self._point(u, params)
-        self._grads[u] = self._torch_views("grads", u, grads)
+        views = self._grads[u] = self._torch_views("grads", u, grads)
+        for p, g, t in zip(self.params[u], views, self.trainable[u]):
+            if t:
+                p.grad = g
 
     def _grad_ready(self, u: int, k: int, param: Any) -> None:
         if self.model.state(u) is State.DONE:
@@ -299,12 +300,13 @@ class ShardedModule:
                               "gradient before its unit's backward was done, got it after its "
                               "reduction began: is it used outside its unit? Put it in a unit "
                               "that holds every module using it (or in the root)")
+        grad = param.grad  # autograd's own where the unit was not open yet: moved over
         self._begin(u)
-        param.grad, grad = None, param.grad
-        if self.model.grad_written(u, k):
-            self._grads[u][k].copy_(grad)
-        else:  # a second delivery in one backward: sum, as autograd would
-            self._grads[u][k].add_(grad)
+        buf = self._grads[u][k]
+        if grad is not buf:
+            param.grad = buf
+            buf.add_(grad)
+        self.model.grad_written(u, k)
 
     def _end_backward(self) -> None:
         """Autograd's engine runs this when a backward pass is done."""
@@ -360,6 +362,7 @@ class ShardedModule:
     def _unpoint(self, u: int) -> None:
         if self._live[u]:
             for p, e in zip(self.params[u], self._empty[u]):
+                p.grad = None  # the gradient buffer goes with the slot
                 p.data = e
             self._live[u] = False
 
@@ -498,6 +501,55 @@ class ShardedModule:
         """Remove the hooks and release the runtime's communicators (collective)."""
         self.remove()
         self.model.close()
+
+
+class _GradInputs:
+    """A forward's tensor inputs that need a gradient, and the inputs with those replaced.
+
+    Top-level tensors (a decoder layer's hidden states) are found without flattening;
+    only containers are flattened (pytree flattening of a Hugging Face layer's keyword
+    arguments costs tens of microseconds a call)."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        self.args, self.kwargs = args, kwargs
+        self.tensors: list = []
+        self._where: list = []  # (is_kwarg, key, None or (flat, tree, indices))
+        for is_kwarg, items in ((False, enumerate(args)), (True, kwargs.items())):
+            for key, value in items:
+                self._scan(is_kwarg, key, value)
+
+    def _scan(self, is_kwarg: bool, key: Any, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                self.tensors.append(value)
+                self._where.append((is_kwarg, key, None))
+        elif isinstance(value, (tuple, list)) and not any(
+                isinstance(v, (tuple, list, dict)) or (isinstance(v, torch.Tensor)
+                                                       and v.requires_grad) for v in value):
+            return  # a flat sequence with nothing that needs a gradient (rotary cos, sin)
+        elif isinstance(value, (tuple, list, dict)) and value:
+            flat, tree = tree_flatten(value)
+            idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+            if idx:
+                self.tensors.extend(flat[i] for i in idx)
+                self._where.append((is_kwarg, key, (flat, tree, idx)))
+
+    def replaced(self, outs: tuple) -> tuple:
+        args, kwargs = list(self.args), dict(self.kwargs)
+        it = iter(outs)
+        for is_kwarg, key, nested in self._where:
+            if nested is None:
+                value = next(it)
+            else:
+                flat, tree, idx = nested
+                for i in idx:
+                    flat[i] = next(it)
+                value = tree_unflatten(flat, tree)
+            if is_kwarg:
+                kwargs[key] = value
+            else:
+                args[key] = value
+        return tuple(args), kwargs
 
 
 class _PostBackward(torch.autograd.Function):
