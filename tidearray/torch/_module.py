@@ -1,38 +1,34 @@
 """``ShardedModule``: a ``torch.nn.Module``'s units on tidearray's runtime, through module hooks.
 
 [Note: hooks]
-Per unit, at the points where FSDP2 hooks in:
+The hooks only report events to the runtime, which alone knows where each unit
+is in its pass ([Note: unit lifecycle] in ``tidearray.fsdp._lifecycle``):
 
-* a forward pre-hook of each of the unit's modules gathers it (the runtime
-  prefetches the next) and points its parameters' ``.data`` at the gathered
-  slot, zero-copy through DLPack; with grad enabled it also passes the
-  forward's tensor inputs through ``_PostBackward``, whose backward runs when
-  the gradients of those inputs are computed, that is when the unit's backward
-  is done;
-* a forward hook frees the slot (the runtime keeps the last unit and the root)
-  and registers a hook on each output tensor: the first to get its gradient
-  opens the unit's backward (regathered into the same slot, so the tensors
-  autograd saved see the same memory with the same values);
-* each trained parameter's post-accumulate-grad hook copies its gradient into
-  the runtime's gradient buffer; when all of a unit's are in, the unit closes.
+* a forward pre-hook of each of the unit's modules is one use of the unit:
+  the runtime gathers it if it is not (and prefetches the next), and its
+  parameters' ``.data`` point at the gathered slot, zero-copy through DLPack;
+  with grad enabled the forward's inputs that need a gradient pass through
+  ``_PostBackward``, whose backward runs when their gradients are computed,
+  that is when this use's backward is done: it reports the use's token
+  (``use_done``), and the runtime closes the unit once no use is pending;
+* a forward hook lets the slot go (the runtime keeps the last unit and the
+  root) and registers a hook on each output tensor: the first to get its
+  gradient opens the unit's backward (regathered into the same slot, so the
+  tensors autograd saved see the same memory with the same values); opening
+  zeroes the unit's gradient buffer and makes it each trained parameter's
+  ``.grad``, which autograd then accumulates into in place;
+* each trained parameter's post-accumulate-grad hook reports that it got a
+  gradient (the optimizer skips a parameter no rank gave one);
+* the model's forward hook, with grad disabled (evaluation, generation),
+  releases every unit;
+* autograd's end-of-backward callback, queued when the first unit opens, lets
+  the runtime close what is open and reduce zeros for units never reached.
 
-A unit closes (its missing gradients zeroed, its reduction issued) at the
-first of: all its gradients in, ``_PostBackward``, a lower unit closing, or the
-callback queued on autograd's engine at the start of each backward, which
-closes every open unit and lets the runtime reduce zeros for the units whose
-backward never began ([Note: passes] in ``tidearray.fsdp._runtime``). Units
-close in descending order, the root last, so every rank issues the same
-reductions in the same order whatever gradients its routing gave it. A
-gradient that arrives for a unit closed already is an error, never lost.
-
-Forwards with grad disabled release each unit after it runs, the last one and
-the root too; a forward with grad enabled and no backward is released by the
-next forward (the runtime starts a new pass). Activation checkpointing works:
-a forward recomputed during backward finds its unit gathered already, and the
-hooks leave the runtime alone then; under reentrant checkpointing, whose first forward
-runs without grad (so the unit was released and hooked no outputs), the recompute
-opens the unit's backward. Every hook runs outside ``torch.compile``'s
-graphs (``torch._dynamo.disable``).
+Activation checkpointing works: a forward recomputed during backward finds its
+unit gathered already, and the hooks leave the runtime alone then; under
+reentrant checkpointing, whose first forward runs without grad (so the unit was
+released and hooked no outputs), the recompute opens the unit's backward. Every
+hook runs outside ``torch.compile``'s graphs (``torch._dynamo.disable``).
 
 Parameters are empty placeholders whenever their unit is not gathered. So that
 torch's own tools cannot silently see nothing, ``module.state_dict()`` raises
