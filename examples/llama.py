@@ -86,6 +86,10 @@ MODELS: dict[str, ModelConfig] = {
     "small": ModelConfig(vocab=256, hidden=128, layers=4, heads=8, kv_heads=2, ffn=384, seq=64),
     "llama3-8b-8l": ModelConfig(vocab=32000, hidden=4096, layers=8, heads=32, kv_heads=8,
                                 ffn=14336, seq=2048),
+    # Many small layers: a step is bound by the host (Python and kernel launches), so its
+    # time per unit is the wrapper's overhead. 4 sequences (the default) = 512 tokens.
+    "small-32l": ModelConfig(vocab=8192, hidden=512, layers=32, heads=8, kv_heads=4, ffn=1408,
+                             seq=128),
 }
 
 _LAYER_NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")

@@ -1,6 +1,8 @@
 """PyTorch FSDP2 against ``tidearray.torch.shard_module``: one model, one data stream, one run.
 
     mpirun -n 2 python benchmarks/steps/compare_fsdp2.py                       # tiny model
+    mpirun -n 2 python benchmarks/steps/compare_fsdp2.py --model small-32l \\
+        --impls plain,floor,fsdp2,tide,tide-graph                              # host-bound
     mpirun -n 2 python benchmarks/steps/compare_fsdp2.py --model llama3-8b-8l --tokens 8192 \\
         --steps 50 --lr-warmup 10 --profile --passes 2 --out benchmarks/results/RUN
 
@@ -11,6 +13,15 @@ The same PyTorch Llama-style decoder (``TorchLlama`` below: RMSNorm, RoPE, group
 query attention through ``scaled_dot_product_attention``, SwiGLU), trained several ways
 in turn, each from the same initial weights on the same batches:
 
+* ``plain``: no wrapper at all, the floor of torch itself: the whole model on each
+  rank's device and nothing communicated (each rank trains on its own data, as in
+  ``floor``). On cuda the model's parameters are cast to bf16 (what the forward and
+  backward compute in, with autocast off) and an fp32 master copy of each is kept:
+  after the backward one ``torch._foreach_copy_`` casts the bf16 gradients into fp32
+  gradient buffers of the masters (allocated once), ``torch.optim.AdamW(fused=True)``
+  (the settings of the others) steps the masters, a second ``torch._foreach_copy_``
+  casts them back into the bf16 parameters, and the bf16 gradients are set to ``None``.
+  On CPU (fp32) the optimizer steps the model's own parameters and nothing is cast;
 * ``fsdp2``: ``fully_shard`` on every block and on the root, with
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, and
   ``torch.optim.AdamW(fused=True)`` on the fp32 shards;
@@ -28,7 +39,11 @@ in turn, each from the same initial weights on the same batches:
 
 Prints, per step, the loss and time, then a table: median step time (after
 ``--warmup`` steps), its ratio to the floor, the median host time per step (until the
-step's calls return, before the device is waited for), peak device memory per rank (the device's
+step's calls return, before the device is waited for); where ``plain`` ran, each impl's
+step time against plain's and its overhead per unit over plain's, ``(median step -
+plain's) / units``, of the step and of the host time (units: the ``shard_module``
+impls' units, the embedding, each block and the head, ``layers + 2``, for every impl:
+FSDP2 wraps ``layers + 1``); peak device memory per rank (the device's
 memory in use, sampled after every step, minus what was in use before the model was
 built; PyTorch's and CuPy's caches keep what a step used, so a sample holds the step's
 peak), and the largest loss difference between ``fsdp2`` and ``tide``. ``--out DIR``
@@ -69,7 +84,7 @@ from benchmarks.harness.device import ClockLog, clock_median, clock_readings  # 
 from benchmarks.harness.records import git_commit  # noqa: E402
 from benchmarks.steps.compare_train import plot_steps, plot_timelines  # noqa: E402
 
-IMPLS = ("floor", "fsdp2", "tide", "tide-kept", "tide-graph", "floor-graph")
+IMPLS = ("plain", "floor", "fsdp2", "tide", "tide-kept", "tide-graph", "floor-graph")
 #: ``shard_module`` impls, each compared with ``fsdp2``: ``tide-kept`` keeps bf16 shards
 #: (``keep_param_shards``) instead of casting the fp32 masters at every gather;
 #: ``tide-graph`` replays a captured step.
@@ -207,16 +222,20 @@ class Impl:
         self.captured: Any = None
         self.inputs: Optional[tuple] = None  # what a captured step reads, refilled per step
         self.lr0 = args.lr
+        self.plain: Optional[Plain] = None
         if args.compile:
             compile_blocks(torch, model)
         hyper = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
-        if kind == "fsdp2":
+        self.sm = None
+        if kind == "plain":
+            self.plain = Plain(torch, model, dtype)
+            self.opt = torch.optim.AdamW(self.plain.masters, fused=True, **hyper)
+        elif kind == "fsdp2":
             mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
             for b in model.blocks:
                 fully_shard(b, mp_policy=mp)
             fully_shard(model, mp_policy=mp)
             self.opt = torch.optim.AdamW(model.parameters(), fused=True, **hyper)
-            self.sm = None
         else:
             self.sm = tt.shard_module(model, model.units(), group=g, param_dtype=dtype,
                                       optimizer=AdamW(**hyper),
@@ -262,6 +281,11 @@ class Impl:
             return
         for group in self.opt.param_groups:
             group["lr"] = lr
+        if self.plain is not None:
+            self.plain.grads_in()
+            self.opt.step()
+            self.plain.params_out()
+            return
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
@@ -270,6 +294,45 @@ class Impl:
             self.captured.close()
         if self.sm is not None:
             self.sm.close()
+
+
+class Plain:
+    """``plain``'s parameters: the model's own, in the compute dtype, and the fp32 masters
+    the optimizer steps (the model's own where it computes in fp32: nothing is cast).
+
+    Args:
+        torch: the torch module.
+        model: the model, built in fp32; cast here to ``dtype``.
+        dtype: the compute dtype (bf16 on cuda, fp32 on CPU).
+    """
+
+    def __init__(self, torch: Any, model: Any, dtype: Any) -> None:
+        self.torch = torch
+        self.params = list(model.parameters())
+        self.cast = dtype != torch.float32
+        if not self.cast:
+            self.masters = self.params
+            return
+        with torch.no_grad():
+            self.masters = [p.detach().clone() for p in self.params]  # the fp32 weights
+            model.to(dtype)
+        self.params = list(model.parameters())
+        for m in self.masters:  # written by one cast per step, never freed
+            m.grad = torch.empty_like(m)
+
+    def grads_in(self) -> None:
+        """The model's gradients into the masters' (one cast over every parameter)."""
+        if self.cast:
+            self.torch._foreach_copy_([m.grad for m in self.masters],
+                                      [p.grad for p in self.params])
+
+    def params_out(self) -> None:
+        """The stepped masters back into the model (one cast); its gradients dropped."""
+        if self.cast:
+            with self.torch.no_grad():
+                self.torch._foreach_copy_(self.params, self.masters)
+        for p in self.params:
+            p.grad = None
 
 
 def compile_blocks(torch: Any, model: Any) -> None:
@@ -455,13 +518,22 @@ def kernel_lines(runs: list, out: Optional[str] = None) -> list:
     return lines
 
 
-def compare(records: list) -> dict:
-    """Ratios and agreement, from the records alone."""
+def compare(records: list, units: int) -> dict:
+    """Ratios and agreement, from the records and the number of units (``layers + 2``)."""
     by = {r["impl"]: r for r in records}
     out: dict = {}
     if "floor" in by:
         floor = by["floor"]["median_step_s"]
         out["vs_floor"] = {k: r["median_step_s"] / floor for k, r in by.items()}
+    if "plain" in by:  # torch's own floor, and each impl's overhead per unit above it
+        plain = by["plain"]
+        out["units"] = units
+        out["vs_plain"] = {k: r["median_step_s"] / plain["median_step_s"]
+                           for k, r in by.items()}
+        out["per_unit_over_plain_s"] = {
+            k: (r["median_step_s"] - plain["median_step_s"]) / units for k, r in by.items()}
+        out["host_per_unit_over_plain_s"] = {
+            k: (r["median_host_s"] - plain["median_host_s"]) / units for k, r in by.items()}
     for k, f in GRAPH_FLOORS.items():  # a captured step against its own captured floor
         if k in by and f in by:
             out.setdefault("vs_graph_floor", {})[k] = (by[k]["median_step_s"]
@@ -503,17 +575,28 @@ def table(rec: dict, out: Optional[str] = None) -> str:
              f"{rec['tokens_per_rank']} tokens per rank"
              + (", blocks under torch.compile" if rec.get("compiled") else ""), "",
              f"Commit `{rec['commit']}`, {rec['time']}, device: {rec['device']}. Command: "
-             f"`{' '.join(rec['argv'])}`.", "",
-             "| impl | median step (ms) | vs floor | host per step (ms) | "
-             "peak memory per rank (GiB) | first loss | last loss |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"`{' '.join(rec['argv'])}`.", ""]
+    plain = "vs_plain" in c  # records before plain lack its columns
+    if plain:
+        lines += [f"Over plain per unit: (median - plain's) / {c['units']} units (the "
+                  "embedding, each block, the head), of the step and of the host time.", ""]
+    lines += ["| impl | median step (ms) | vs floor | "
+              + ("vs plain | over plain per unit (us) | " if plain else "")
+              + "host per step (ms) | "
+              + ("host over plain per unit (us) | " if plain else "")
+              + "peak memory per rank (GiB) | first loss | last loss |",
+              "| --- |" + " ---: |" * (9 if plain else 6)]
     for r in rec["runs"]:
-        vs = c.get("vs_floor", {}).get(r["impl"])
+        k = r["impl"]
+        vs = c.get("vs_floor", {}).get(k)
         host = r.get("median_host_s")  # records before it lack it
-        lines.append(f"| {r['impl']} | {r['median_step_s'] * 1e3:.2f} | "
+        lines.append(f"| {k} | {r['median_step_s'] * 1e3:.2f} | "
                      f"{'-' if vs is None else f'{vs:.3f}x'} | "
-                     f"{'-' if host is None else f'{host * 1e3:.2f}'} | "
-                     f"{r['peak_bytes'] / 2**30:.2f} | "
+                     + (f"{c['vs_plain'][k]:.3f}x | {c['per_unit_over_plain_s'][k] * 1e6:.1f} | "
+                        if plain else "")
+                     + f"{'-' if host is None else f'{host * 1e3:.2f}'} | "
+                     + (f"{c['host_per_unit_over_plain_s'][k] * 1e6:.1f} | " if plain else "")
+                     + f"{r['peak_bytes'] / 2**30:.2f} | "
                      f"{r['losses'][0]:.4f} | {r['losses'][-1]:.4f} |")
     for k, v in c.get("vs_graph_floor", {}).items():
         lines += ["", f"- {k} step time / {GRAPH_FLOORS[k]}'s (its own captured floor): "
@@ -693,7 +776,7 @@ def main(argv: Optional[list] = None) -> None:
            "compiled": args.compile, "passes": args.passes,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "runs": records}
-    rec["comparison"] = compare(records)
+    rec["comparison"] = compare(records, cfg.layers + 2)
     log("\n" + table(rec))
     if args.out and g.rank == 0:
         os.makedirs(args.out, exist_ok=True)

@@ -13,24 +13,8 @@ points where FSDP2 hooks in, and :meth:`ShardedModel.step` once per step::
         model.post_backward(i)              # reduce-scatter starts; slot reused as staging
     model.step()                            # fused AdamW on the shards
 
-[Note: slots]
-``prefetch + 1`` slots; unit ``i`` is always gathered into slot
-``i % (prefetch + 1)``, when first needed or prefetched, so its parameters
-have the same addresses in forward and in backward (front ends whose autograd
-saved the forward's parameter tensors find them again, regathered, in
-backward). A slot is free again after its unit's forward (the last unit stays
-for its backward, as FSDP2 keeps the root) or after its backward. A gather
-into a slot is ordered after everything the compute stream issued before the
-gather was issued, so it never overwrites parameters still in use; on the tide
-path its grant also follows the reduce-scatter that staged in that slot
-(Slot-Reuse).
-
-A backward prefetch whose slot still holds a unit (autograd may start unit
-``i-1``'s backward before unit ``i``'s gradients are all in, and unit ``i-2``
-shares unit ``i``'s slot) is deferred: it is issued when that slot is released
-(``post_backward``), so ``prefetch + 1`` slots suffice for autograd too. Every
-rank defers the same prefetches, since every rank runs the same hooks in the
-same order.
+[Note: slots] is in ``_slots``: which unit holds which slot, and when a slot
+changes hands.
 
 [Note: passes]
 Real training loops do not always pair a forward with a backward, run each
@@ -89,6 +73,7 @@ from ._lifecycle import State, UnitLifecycle, UseToken
 from ._norm import GlobalNorm
 from ._optim import AdamW, FusedAdamW, ParamGroup, clip_scale, on_stream
 from ._shards import ShardArena, arena_layout
+from ._slots import SlotTable
 
 Init = Callable[[str, tuple], Any]
 
@@ -189,10 +174,9 @@ class ShardedModel:
         self.prefetch = prefetch
         self.comm: UnitComm = factory(group, shapes, self.param_dtype, self.arena,
                                       self.num_slots, self.root)
-        self._free = list(range(self.num_slots + self.root))
-        self._gathered: dict[int, tuple[int, Any]] = {}
+        self.slots = SlotTable(self.num_units, num_slots, self.root, self._gather,
+                               self._may_give_up, self._released)
         self._pending: dict[int, tuple[Any, int, bool]] = {}
-        self._deferred: list[int] = []  # prefetches waiting for their slot
         self._micro = 0
         self._scratch: Any = None
         self.report_grads = bool(report_grads)
@@ -220,9 +204,9 @@ class ShardedModel:
         if self.life.in_backward:
             self.finish_backward()
         self.life.use(i, use)
-        self._ensure(i)
+        self.slots.ensure(i)
         for j in range(i + 1, min(i + 1 + self.prefetch, self.num_units)):
-            self._prefetch(j)
+            self.slots.prefetch(j)
         return self._params(i)
 
     def post_forward(self, i: int) -> None:
@@ -230,8 +214,8 @@ class ShardedModel:
         The last unit keeps its parameters for its backward, which comes next,
         and so does the root (see [Note: passes])."""
         self.life.running.discard(i)
-        if i != self.num_units - 1 and not (self.root and i == 0) and i in self._gathered:
-            self._release(i)
+        if i != self.num_units - 1 and not (self.root and i == 0) and i in self.slots.gathered:
+            self.slots.release(i)
 
     def release(self) -> None:
         """End a forward that has no backward (evaluation, generation, a discarded
@@ -240,10 +224,10 @@ class ShardedModel:
         Not collective and never needed for correctness (units are gathered again
         where needed), but it frees the slots at once.
         """
-        for i in list(self._gathered):
-            self._gathered[i][1].wait(self.stream)  # a later gather waits on this stream
-            self._release(i)
-        self._deferred.clear()
+        for i in list(self.slots.gathered):
+            self.slots.gathered[i][1].wait(self.stream)  # a later gather waits on this stream
+            self.slots.release(i)
+        self.slots.deferred.clear()
         if not self.life.in_backward:
             self.life.forget_forward()
 
@@ -256,14 +240,14 @@ class ShardedModel:
                               "second one after its gradients were reduced")
         if state is not State.BACKWARD:
             self.life.open(i)
-            self._ensure(i)
+            self.slots.ensure(i)
             for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
-                self._prefetch(j)
-            k = self._gathered[i][0]
+                self.slots.prefetch(j)
+            k = self.slots.gathered[i][0]
             self._retire(k)  # [Note: gradient buffers]
             if self.report_grads:  # what the backward does not write reduces as zeros
                 self.comm.zero_grads(i, k, self._stream_or_current())
-        k = self._gathered[i][0]
+        k = self.slots.gathered[i][0]
         return self._params(i), self.comm.grads(i, k)
 
     def grad_written(self, i: int, k: int) -> bool:
@@ -293,13 +277,13 @@ class ShardedModel:
         """Reduce open unit ``i`` (with ``report_grads`` its buffer was zeroed when it
         opened) and release it; ``written``: the parameters that got a gradient (None:
         all)."""
-        k = self._gathered[i][0]
+        k = self.slots.gathered[i][0]
         self.life.close(i, written)
         if i in self._to_reduce:
             accumulate = self._micro > 0
             out = self._scratch_arena() if accumulate else self.arena.grad
             self._pending[k] = (self.comm.reduce(i, k, out, self.stream), i, accumulate)
-        self._release(i)
+        self.slots.release(i)
 
     def _close_through(self, i: int) -> None:
         """Close the open units above ``i`` that wait for no use (descending), then ``i``."""
@@ -328,7 +312,7 @@ class ShardedModel:
             if life.state[i] is State.FORWARD:  # its backward never began: reduce zeros
                 self.pre_backward(i)
                 if not self.report_grads:
-                    self.comm.zero_grads(i, self._gathered[i][0], self._stream_or_current())
+                    self.comm.zero_grads(i, self.slots.gathered[i][0], self._stream_or_current())
                 self._close(i, [False] * len(self.names[i]))
             elif life.state[i] is State.IDLE and self._micro == 0:
                 self._zero_grad(i)  # not forwarded: zero on every rank, no collective
@@ -483,17 +467,13 @@ class ShardedModel:
 
     # -- internals -------------------------------------------------------------------
 
-    def _slot(self, i: int) -> int:
-        """Unit ``i``'s slot ([Note: slots]): the same one every time; the root's own last."""
-        return self.num_slots if self.root and i == 0 else i % self.num_slots
-
     def _end_pass(self) -> None:
         """Count the micro-batch; release what the pass gathered."""
         self._micro += 1
         self.life.end_pass()
-        self._deferred.clear()  # a backward's prefetches end with it
-        for i in list(self._gathered):
-            self._release(i)
+        self.slots.deferred.clear()  # a backward's prefetches end with it
+        for i in list(self.slots.gathered):
+            self.slots.release(i)
 
     def _groups(self, param_groups: Sequence[tuple[AdamW, Sequence[str]]]) -> list:
         """The optimizer's groups as element ranges of this rank's shards."""
@@ -524,62 +504,20 @@ class ShardedModel:
         with on_stream(self.stream):
             self.arena.block(self.arena.grad, i).fill(0)
 
-    def _ensure(self, i: int) -> None:
-        """Gather unit ``i`` now (into its slot, taken from a unit that may give it up)."""
-        if i in self._gathered:
-            return
-        if i in self._deferred:
-            self._deferred.remove(i)
-        k = self._slot(i)
-        if k not in self._free:
-            holder = self._holder(k)
-            if not self._may_evict(holder):
-                state = ("running" if holder in self.life.running
-                         else "open for its backward")
-                raise TideInvalid(
-                    f"unit {i}: expected its slot {k} to be free, got it holding unit {holder}, "
-                    f"which is {state}: units used at once (nested units, a unit used again "
-                    "while a later use's backward is pending, units out of order) need slots "
-                    f"of their own: pass num_slots={self.num_units} (one per unit), or keep "
-                    "no forward's output alive that never runs a backward")
-            self._release(holder, issue_deferred=False)
-        self._free.remove(k)
-        self._gathered[i] = (k, self.comm.gather(i, k, self.stream))
+    def _gather(self, i: int, k: int) -> Any:
+        return self.comm.gather(i, k, self.stream)
 
-    def _holder(self, k: int) -> int:
-        return next(u for u, (s, _) in self._gathered.items() if s == k)
-
-    def _may_evict(self, u: int) -> bool:
+    def _may_give_up(self, u: int) -> bool:
         """A gathered unit not running and not open for its backward gives its slot up:
         its next use (or backward) gathers it again, into the same slot."""
         return u not in self.life.running and self.life.state[u] is not State.BACKWARD
 
-    def _prefetch(self, i: int) -> None:
-        """Gather ``i`` ahead now if its slot is free (or may be given up), else when the
-        slot is released."""
-        if i in self._gathered or i in self._deferred:
-            return
-        k = self._slot(i)
-        if k in self._free or self._may_evict(self._holder(k)):
-            self._ensure(i)
-        else:
-            self._deferred.append(i)
+    def _released(self, u: int) -> None:
+        if self.on_release is not None:
+            self.on_release(u)
 
     def _params(self, i: int) -> list:
-        return self._gathered[i][1].wait(self.stream)
-
-    def _release(self, i: int, issue_deferred: bool = True) -> None:
-        k = self._gathered.pop(i)[0]
-        self._free.append(k)
-        if self.on_release is not None:
-            self.on_release(i)
-        if not issue_deferred:
-            return
-        for j in self._deferred:
-            if self._slot(j) == k:
-                self._deferred.remove(j)
-                self._ensure(j)
-                return
+        return self.slots.gathered[i][1].wait(self.stream)
 
     def _retire(self, k: int) -> None:
         entry = self._pending.pop(k, None)
@@ -624,7 +562,7 @@ class ShardedModel:
 
     def gathered(self, unit: int) -> bool:
         """Whether ``unit`` holds a slot now (gathered, or its gather issued)."""
-        return unit in self._gathered
+        return unit in self.slots.gathered
 
     def synchronize(self) -> None:
         """Wait for every outstanding gather, reduction and optimizer step (host)."""

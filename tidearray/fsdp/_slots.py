@@ -1,0 +1,103 @@
+"""Which unit holds which slot, and when a slot changes hands.
+
+[Note: slots]
+``prefetch + 1`` slots; unit ``i`` is always gathered into slot
+``i % (prefetch + 1)``, when first needed or prefetched, so its parameters
+have the same addresses in forward and in backward (front ends whose autograd
+saved the forward's parameter tensors find them again, regathered, in
+backward). A slot is free again after its unit's forward (the last unit stays
+for its backward, as FSDP2 keeps the root) or after its backward. A gather
+into a slot is ordered after everything the compute stream issued before the
+gather was issued, so it never overwrites parameters still in use; on the tide
+path its grant also follows the reduce-scatter that staged in that slot
+(Slot-Reuse).
+
+A unit that is neither running (between its ``pre_forward`` and
+``post_forward``) nor open for its backward gives its slot up to a gather
+that needs it (its next use gathers it again, into the same slot): a unit
+kept gathered for a backward that does not come next (a reused unit, a
+forward with no backward) never blocks another. A gather whose slot a
+running or open unit holds raises ``TideInvalid`` (units in use at once need
+``num_slots`` of their own).
+
+A prefetch whose slot still holds a unit that does not give it up (autograd may start unit
+``i-1``'s backward before unit ``i``'s gradients are all in, and unit ``i-2``
+shares unit ``i``'s slot) is deferred: it is issued when that slot is released
+(``post_backward``), so ``prefetch + 1`` slots suffice for autograd too. Every
+rank defers the same prefetches, since every rank runs the same hooks in the
+same order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .._errors import TideInvalid
+
+
+class SlotTable:
+    """The runtime's slots: ``num_slots`` shared ones and, with ``root``, the root's own
+    (the last). ``gather(i, k)`` starts gathering unit ``i`` into slot ``k`` and returns
+    its work; ``may_give_up(u)`` says whether gathered unit ``u`` may lose its slot;
+    ``released(u)`` is told whenever unit ``u`` loses it."""
+
+    def __init__(self, num_units: int, num_slots: int, root: bool,
+                 gather: Callable[[int, int], Any], may_give_up: Callable[[int], bool],
+                 released: Callable[[int], None]) -> None:
+        self.num_units, self.num_slots, self.root = num_units, num_slots, root
+        self._gather, self._may_give_up, self._released = gather, may_give_up, released
+        self.free = list(range(num_slots + root))
+        self.gathered: dict[int, tuple[int, Any]] = {}  # unit -> (slot, its gather's work)
+        self.deferred: list[int] = []  # prefetches waiting for their slot
+
+    def slot(self, i: int) -> int:
+        """Unit ``i``'s slot: the same one every time; the root's own last."""
+        return self.num_slots if self.root and i == 0 else i % self.num_slots
+
+    def ensure(self, i: int) -> None:
+        """Gather unit ``i`` now (into its slot, taken from a unit that may give it up)."""
+        if i in self.gathered:
+            return
+        if i in self.deferred:
+            self.deferred.remove(i)
+        k = self.slot(i)
+        if k not in self.free:
+            holder = self._holder(k)
+            if not self._may_give_up(holder):
+                raise TideInvalid(
+                    f"unit {i}: expected its slot {k} to be free, got it holding unit "
+                    f"{holder}, which is in use (running, or open for its backward): units "
+                    "used at once (nested units, a unit used again while a later use's "
+                    "backward is pending, units out of order) need slots of their own: pass "
+                    f"num_slots={self.num_units} (one per unit), or keep no forward's output "
+                    "alive that never runs a backward")
+            self.release(holder, issue_deferred=False)
+        self.free.remove(k)
+        self.gathered[i] = (k, self._gather(i, k))
+
+    def prefetch(self, i: int) -> None:
+        """Gather ``i`` ahead now if its slot is free (or may be given up), else when the
+        slot is released."""
+        if i in self.gathered or i in self.deferred:
+            return
+        k = self.slot(i)
+        if k in self.free or self._may_give_up(self._holder(k)):
+            self.ensure(i)
+        else:
+            self.deferred.append(i)
+
+    def release(self, i: int, issue_deferred: bool = True) -> None:
+        """Unit ``i`` gives its slot up; a prefetch deferred for the slot is issued."""
+        k = self.gathered.pop(i)[0]
+        self.free.append(k)
+        self._released(i)
+        if not issue_deferred:
+            return
+        for j in self.deferred:
+            if self.slot(j) == k:
+                self.deferred.remove(j)
+                self.ensure(j)
+                return
+
+    def _holder(self, k: int) -> int:
+        return next(u for u, (s, _) in self.gathered.items() if s == k)
