@@ -25,6 +25,8 @@
 #       train8b    (the same at the Llama-8B shape, profiled: the step-time comparison)
 #       fsdp2      (benchmarks/steps/compare_fsdp2.py, Llama-8B shape: FSDP2 vs
 #                  shard_module vs the floor)
+#       units      (compare_fsdp2.py on small-32l at one rank: plain torch, the floor, FSDP2,
+#                  shard_module eager and captured: per-unit overhead of a host-bound model)
 #       hf8b, meta70b (benchmarks/steps/hf_models.py: an 8B-shaped HF model trained,
 #                  a 70B-shaped model's deferred init at 4 ranks)
 #       tests      (the harness's, the baselines' and the variants' tests, benchmarks/tests,
@@ -139,6 +141,12 @@ run_fsdp2() {  # real FSDP2 against shard_module, one run (TIDE_FSDP2_ARGS adds 
     step fsdp2 "${MPI[@]}" -n 2 python3 benchmarks/steps/compare_fsdp2.py --model llama3-8b-8l \
         --tokens 8192 --steps "${TIDE_FSDP2_STEPS:-50}" --lr-warmup 10 --profile \
         --out "$OUT/fsdp2" ${TIDE_FSDP2_ARGS:-}
+}
+run_units() {  # per-unit overhead on a host-bound model at one rank: plain torch, the floor,
+    # FSDP2 and shard_module eager and captured (compare_fsdp2.py, small-32l)
+    step units env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \
+        --model small-32l --impls plain,floor,fsdp2,tide,tide-graph \
+        --steps "${TIDE_UNITS_STEPS:-30}" --out "$OUT/units"
 }
 run_fsdp2ab() {  # one rank, shard_module only: the step time an A/B compares
     step "ab$AB" env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \

@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Stop starting new runs after this long, so a CI job never runs past ~15 minutes.
 TOTAL_BUDGET_S = 13 * 60
 #: Frameworks the ``test`` extra installs; the suite and the examples need every one.
-FRAMEWORKS = ("torch", "transformers", "safetensors", "jax")
+FRAMEWORKS = ("torch", "transformers", "safetensors", "peft", "jax")
 
 
 @dataclass

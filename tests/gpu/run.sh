@@ -10,7 +10,8 @@
 #                                              # faults (tests/test_faults.py on host and
 #                                              # cuda), soak (2,000 steps at 2 and 4 ranks),
 #                                              # debug (np2 with TIDE_DEBUG=1: stamps)
-#                                              # hf (the Hugging Face and torch tests, 1-4 ranks)
+#                                              # hf (the Hugging Face, lifecycle and torch
+#                                              # tests, 1-4 ranks)
 #                                              # graphs (the CUDA graph tests, 1-4 ranks)
 #   TIDE_GPU_PIPELINES="info np2 jax|np3 faults|np4 debug|nodes np1 soak" bash tests/gpu/run.sh
 #                                              # those step lists side by side (correctness only)
@@ -57,7 +58,8 @@ run_jax() {  # the JAX example on the cuda backend (XLA's stream joined on the h
 
 # The torch front end on real models: the Hugging Face tests at 1-4 ranks (ranks sharing the
 # GPU: correctness). Measured runs of real models are benchmarks/run.sh's hf8b and meta70b.
-HF_TESTS=(tests/mpi/test_hf.py tests/mpi/test_torch.py tests/mpi/test_torch_state.py)
+HF_TESTS=(tests/mpi/test_hf.py tests/mpi/test_lifecycle.py tests/mpi/test_torch.py
+          tests/mpi/test_torch_state.py)
 run_hf() {
     local n
     for n in 1 2 3 4; do step "hf_np$n" "${MPI[@]}" -n "$n" "${PYTEST[@]}" "${HF_TESTS[@]}"; done

@@ -11,9 +11,11 @@ drawn on rank 0). Skipped without torch and transformers. On the cuda backend th
 tests run with CUDA tensors (fp32, TF32 off); FSDP2 over gloo and the RSS bound are CPU
 only.
 
-The reference counts a gradient that autograd left as None as zeros (as the sharded
-runtime must, so that every rank runs the same reductions): torch's AdamW would skip
-such a parameter and keep a step count of its own for it.
+The reference is plain torch: a gradient that autograd left as None stays None, and
+torch's optimizer skips that parameter (no moment update, no weight decay, its own step
+count not advanced). The sharded runtime must do the same for a parameter that no rank
+gave a gradient in a step, and step one that some rank gave a gradient with the mean over
+ranks (zeros for the others).
 """
 
 from __future__ import annotations
@@ -144,12 +146,6 @@ def _loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def _zero_missing(model: Any) -> None:
-    for p in model.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
-
-
 def _reference(model: Any, seed: int, world: int, groups: Any = None,
                make_opt: Callable = None, clip: float = None) -> list[float]:
     params = groups(model) if groups else [p for p in model.parameters() if p.requires_grad]
@@ -162,7 +158,6 @@ def _reference(model: Any, seed: int, world: int, groups: Any = None,
         loss = torch.stack([_loss(model, ids[r:r + 1]) for r in range(world)]).mean()
         opt.zero_grad()
         loss.backward()
-        _zero_missing(model)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
