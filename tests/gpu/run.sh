@@ -13,6 +13,7 @@
 #                                              # hf (the Hugging Face, lifecycle and torch
 #                                              # tests, 1-4 ranks)
 #                                              # graphs (the CUDA graph tests, 1-4 ranks)
+#                                              # hfpar (hf's tests, 1-4 ranks at once)
 #   TIDE_GPU_PIPELINES="info np2 jax|np3 faults|np4 debug|nodes np1 soak" bash tests/gpu/run.sh
 #                                              # those step lists side by side (correctness only)
 #   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
@@ -63,6 +64,16 @@ HF_TESTS=(tests/mpi/test_hf.py tests/mpi/test_lifecycle.py tests/mpi/test_torch.
 run_hf() {
     local n
     for n in 1 2 3 4; do step "hf_np$n" "${MPI[@]}" -n "$n" "${PYTEST[@]}" "${HF_TESTS[@]}"; done
+}
+
+# The same front-end tests, 1-4 ranks side by side (ranks sharing the GPU: correctness).
+run_hfpar() {
+    local n
+    for n in 1 2 3 4; do step "hfpar_np$n" "${MPI[@]}" -n "$n" "${PYTEST[@]}" "${HF_TESTS[@]}" \
+        > "$LOGS/hfpar_np$n.out" 2>&1 & done
+    wait  # the steps ran in subshells: their exit lines say how they ended
+    grep -ahE "^== hfpar_np.: exit|[0-9]+ (passed|failed)" "$LOGS"/hfpar_np*.out | sort -u
+    if grep -aqE "^== hfpar_np.: exit [1-9]" "$LOGS"/hfpar_np*.out; then status=1; fi
 }
 
 # Graph plans, collectives in a user's capture, the captured CuPy and torch steps, 1-4 ranks.

@@ -433,6 +433,52 @@ def test_reused_block_inside_a_reused_block(group):
           "nested reuse vs one process")
 
 
+class _Middle(Block):
+    """A block with a block inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deepest = Block()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.deepest(super().forward(h))
+
+
+class _ThreeDeep(TinyLM):
+    """``outer`` holds ``inner`` holds ``deepest``, each a unit: all three run at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outer = Outer()
+        self.outer.inner = _Middle()
+
+    def body(self, h: torch.Tensor) -> torch.Tensor:
+        return self.outer(h)
+
+
+def test_units_in_use_at_once_need_slots_of_their_own(group):
+    """Three nested units share two slots: a TideInvalid on every rank names the unit and
+    ``num_slots``; with ``num_slots=4`` the same model trains as one process."""
+    import tidearray
+    import tidearray.torch as tt
+    from tidearray.fsdp import AdamW
+
+    def units(m: Any) -> list:
+        return [m.outer, m.outer.inner, m.outer.inner.deepest]
+
+    seed = _seed(group)
+    model = _tiny(_ThreeDeep, seed)
+    reference, short = copy.deepcopy(model), copy.deepcopy(model)
+    sm = tt.shard_module(short, units(short), group=group, optimizer=AdamW(lr=LR))
+    with pytest.raises(tidearray.TideInvalid, match=r"unit 3 \(outer\.inner\.deepest.*num_slots="):
+        _loss(sm, _batch(seed, 0, group.rank))
+    sm.close()
+    sm = tt.shard_module(model, units(model), group=group, optimizer=AdamW(lr=LR), num_slots=4)
+    got = _sharded(sm, model, group, seed)
+    agree(group.comm, _loss_failures(got, _reference(reference, seed, group.size)),
+          "three nested units with a slot each vs one process")
+
+
 # -- torch's optimizer semantics: experts no rank routed to ----------------------------
 
 HALF = MOE_STEPS // 2

@@ -175,7 +175,7 @@ class ShardedModel:
         self.comm: UnitComm = factory(group, shapes, self.param_dtype, self.arena,
                                       self.num_slots, self.root)
         self.slots = SlotTable(self.num_units, num_slots, self.root, self._gather,
-                               self._may_give_up, self._released)
+                               self._may_give_up, self._released, self.describe)
         self._pending: dict[int, tuple[Any, int, bool]] = {}
         self._micro = 0
         self._scratch: Any = None
@@ -503,6 +503,10 @@ class ShardedModel:
     def _zero_grad(self, i: int) -> None:
         with on_stream(self.stream):
             self.arena.block(self.arena.grad, i).fill(0)
+
+    def describe(self, i: int) -> str:
+        """Unit ``i`` in words, for errors: its index and its first parameter's name."""
+        return f"unit {i} ({self.names[i][0]}, ...)"
 
     def _gather(self, i: int, k: int) -> Any:
         return self.comm.gather(i, k, self.stream)

@@ -39,13 +39,15 @@ class SlotTable:
     """The runtime's slots: ``num_slots`` shared ones and, with ``root``, the root's own
     (the last). ``gather(i, k)`` starts gathering unit ``i`` into slot ``k`` and returns
     its work; ``may_give_up(u)`` says whether gathered unit ``u`` may lose its slot;
-    ``released(u)`` is told whenever unit ``u`` loses it."""
+    ``released(u)`` is told whenever unit ``u`` loses it; ``describe(u)`` names unit ``u``
+    in errors."""
 
     def __init__(self, num_units: int, num_slots: int, root: bool,
                  gather: Callable[[int, int], Any], may_give_up: Callable[[int], bool],
-                 released: Callable[[int], None]) -> None:
+                 released: Callable[[int], None], describe: Callable[[int], str]) -> None:
         self.num_units, self.num_slots, self.root = num_units, num_slots, root
         self._gather, self._may_give_up, self._released = gather, may_give_up, released
+        self._describe = describe
         self.free = list(range(num_slots + root))
         self.gathered: dict[int, tuple[int, Any]] = {}  # unit -> (slot, its gather's work)
         self.deferred: list[int] = []  # prefetches waiting for their slot
@@ -65,8 +67,9 @@ class SlotTable:
             holder = self._holder(k)
             if not self._may_give_up(holder):
                 raise TideInvalid(
-                    f"unit {i}: expected its slot {k} to be free, got it holding unit "
-                    f"{holder}, which is in use (running, or open for its backward): units "
+                    f"{self._describe(i)}: expected its slot {k} to be free, got it holding "
+                    f"{self._describe(holder)}, which is in use (running, or open for its "
+                    "backward): units "
                     "used at once (nested units, a unit used again while a later use's "
                     "backward is pending, units out of order) need slots of their own: pass "
                     f"num_slots={self.num_units} (one per unit), or keep no forward's output "
