@@ -4,12 +4,16 @@
 //
 // Launched by tidearray/fsdp/_optim.py (FusedAdamW._step_cupy), one kernel per
 // send dtype: adamw_bf16, adamw_f16, adamw_f32, or adamw_none when there is no
-// send copy (the gathers cast the masters). With parameter groups the
-// adamw_grouped_* variants run instead: each element's group comes from a
-// uint8 index array and its coefficients from a table of every group's, passed
-// by value. The host folds the hyper-parameters and the step into float32
-// coefficients (_optim.coefficients), so the kernel and the NumPy path read
-// the very same float32 values.
+// send copy (the gathers cast the masters). Where elements differ in their
+// coefficients (parameter groups, or parameters at different step counts) the
+// adamw_grouped_* variants run instead: each element's coefficient row comes
+// from a uint8 row index, and the rows from a table passed by value (rows 0 to
+// ADAMW_MAX_GROUPS - 1); with more rows in use, the adamw_table_* variants read
+// them from device memory (up to ADAMW_MAX_ROWS). An element whose row is
+// ADAMW_SKIP (a parameter with no gradient this step) is neither read nor
+// written. The host folds the hyper-parameters and each row's step count into
+// float32 coefficients (_optim.coefficients), so the kernel and the NumPy path
+// read the very same float32 values ([Note: absent gradients] in _optim.py).
 //
 // Per element, in float32, each operation rounded to nearest even:
 //
@@ -38,13 +42,19 @@ struct Coeffs {
     float decay, beta1, omb1, beta2, omb2, eps, step_size, bc2_sqrt, grad_scale;
 };
 
-// Most parameter groups, the default one (0) included: MAX_GROUPS in _optim.py.
+// Rows of the by-value table (the most parameter groups, the default one (0)
+// included): MAX_GROUPS in _optim.py.
 #define ADAMW_MAX_GROUPS 16
+// Most rows of a device table (MAX_ROWS in _optim.py), and the row index of an
+// element that is skipped (SKIP): together every value of a uint8.
+#define ADAMW_MAX_ROWS 254
+#define ADAMW_SKIP 255
 
-// Every group's coefficients, one kernel argument: 16 * 9 floats (576 bytes, well
-// inside the 4 KiB of kernel parameters), laid out as the host's float32 array
-// of shape (MAX_GROUPS, 9) (_optim._coeff_table). Passed by value, so a step
-// copies nothing to the device; unused rows are zero and never read.
+// Rows 0 to ADAMW_MAX_GROUPS - 1 of coefficients, one kernel argument: 16 * 9
+// floats (576 bytes, well inside the 4 KiB of kernel parameters), laid out as
+// the host's float32 array of shape (MAX_GROUPS, 9) (_optim._coeff_table).
+// Passed by value, so a step copies nothing to the device; unused rows are zero
+// and never read.
 struct CoeffTable {
     Coeffs c[ADAMW_MAX_GROUPS];
 };
@@ -88,33 +98,52 @@ __device__ __forceinline__ float update(float* master, float* exp_avg, float* ex
 }
 
 // Where element i's coefficients come from, one type per kind of launch (so the
-// loop is one template): one set for every element...
+// loop is one template): row(i) is its row index (ADAMW_SKIP: leave it alone),
+// get(r) that row's coefficients. One set for every element...
 struct OneGroup {
     Coeffs c;
-    __device__ __forceinline__ const Coeffs& at(i64) const { return c; }
+    __device__ __forceinline__ int row(i64) const { return 0; }
+    __device__ __forceinline__ const Coeffs& get(int) const { return c; }
 };
 
-// ...or the row of element i's group. The table stays the kernel argument, in
-// the parameter (constant) bank; groups are contiguous runs of the arena, so a
-// warp's lanes mostly read one row, which the constant cache broadcasts.
-// group[i] < ADAMW_MAX_GROUPS: the host writes no larger index.
+// ...or the row of element i, from a table passed by value. The table stays the
+// kernel argument, in the parameter (constant) bank; rows are contiguous runs
+// of the arena, so a warp's lanes mostly read one row, which the constant cache
+// broadcasts. The host writes no index >= ADAMW_MAX_GROUPS but ADAMW_SKIP.
 struct Grouped {
-    const unsigned char* group;
+    const unsigned char* index;
     const CoeffTable& table;
-    __device__ __forceinline__ const Coeffs& at(i64 i) const { return table.c[group[i]]; }
+    __device__ __forceinline__ int row(i64 i) const { return index[i]; }
+    __device__ __forceinline__ const Coeffs& get(int r) const { return table.c[r]; }
+};
+
+// ...or the row of element i, from a table in device memory (ADAMW_MAX_ROWS rows,
+// float32 (rows, 9), the same layout): more rows than the by-value table holds,
+// and a captured step's coefficients, which the host rewrites between replays.
+struct Rows {
+    const unsigned char* index;
+    const Coeffs* rows;
+    __device__ __forceinline__ int row(i64 i) const { return index[i]; }
+    __device__ __forceinline__ const Coeffs& get(int r) const { return rows[r]; }
 };
 
 // Grid-stride loop, scalar and coalesced: the kernel is bound by memory
-// (16 bytes read, 1 more with groups, and 12 + sizeof(send element) written per
-// element), and scalar accesses keep it correct for shards at any alignment in
-// the arena.
+// (16 bytes read, 1 more with a row index, and 12 + sizeof(send element)
+// written per element), and scalar accesses keep it correct for shards at any
+// alignment in the arena. A skipped element costs its index byte only: its
+// master, moments and send element keep their bits (OneGroup's row is the
+// constant 0, so its launches compile without the test).
 template <typename Send, typename Coef>
 __device__ __forceinline__ void adamw_loop(float* master, float* exp_avg, float* exp_avg_sq,
                                            const float* grad, Send send, i64 n,
                                            const Coef& coef) {
     i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        send.store(i, update(master, exp_avg, exp_avg_sq, grad, i, coef.at(i)));
+        int r = coef.row(i);
+        if (r == ADAMW_SKIP) {
+            continue;
+        }
+        send.store(i, update(master, exp_avg, exp_avg_sq, grad, i, coef.get(r)));
     }
 }
 
@@ -140,12 +169,13 @@ ADAMW_KERNEL(adamw_f32, SendF32, float)
 ADAMW_KERNEL(adamw_none, SendNone, float)
 
 // Grouped entry points. Arguments, in order: master, exp_avg, exp_avg_sq, grad,
-// send, n, group (one uint8 group index per element), table (CoeffTable).
+// send, n, index (one uint8 row per element: < ADAMW_MAX_GROUPS, or ADAMW_SKIP),
+// table (CoeffTable).
 #define ADAMW_GROUPED_KERNEL(NAME, SEND, SEND_ELEM)                                          \
     extern "C" __global__ void NAME(float* master, float* exp_avg, float* exp_avg_sq,        \
                                     const float* grad, SEND_ELEM* send, i64 n,               \
-                                    const unsigned char* group, const CoeffTable table) {    \
-        adamw_loop(master, exp_avg, exp_avg_sq, grad, SEND{send}, n, Grouped{group, table}); \
+                                    const unsigned char* index, const CoeffTable table) {    \
+        adamw_loop(master, exp_avg, exp_avg_sq, grad, SEND{send}, n, Grouped{index, table}); \
     }
 
 ADAMW_GROUPED_KERNEL(adamw_grouped_bf16, SendBf16, u16)
@@ -156,20 +186,21 @@ ADAMW_GROUPED_KERNEL(adamw_grouped_none, SendNone, float)
 // Entry points that read the coefficients from device memory: what a captured
 // step launches (tidearray/fsdp/_graph.py), since a CUDA graph replays its kernel
 // arguments as captured, while the step number and the learning rate change on
-// every replay. The host writes the same float32 table before each replay
-// (_optim._coeff_table), so the bits are those of the by-value kernels. group is
-// null for the default group only. Arguments, in order: master, exp_avg,
-// exp_avg_sq, grad, send, n, group, table.
+// every replay; and an eager step whose rows outgrow the by-value table. The
+// host writes the same float32 rows as a by-value table would hold
+// (_optim._coeff_rows), so the bits are those of the by-value kernels. index is
+// null where every element reads row 0. Arguments, in order: master, exp_avg,
+// exp_avg_sq, grad, send, n, index (uint8: < ADAMW_MAX_ROWS, or ADAMW_SKIP), rows
+// (float32, ADAMW_MAX_ROWS rows of 9).
 #define ADAMW_TABLE_KERNEL(NAME, SEND, SEND_ELEM)                                            \
     extern "C" __global__ void NAME(float* master, float* exp_avg, float* exp_avg_sq,        \
                                     const float* grad, SEND_ELEM* send, i64 n,               \
-                                    const unsigned char* group, const CoeffTable* table) {   \
-        if (group) {                                                                         \
+                                    const unsigned char* index, const Coeffs* rows) {        \
+        if (index) {                                                                         \
             adamw_loop(master, exp_avg, exp_avg_sq, grad, SEND{send}, n,                     \
-                       Grouped{group, *table});                                              \
+                       Rows{index, rows});                                                   \
         } else {                                                                             \
-            adamw_loop(master, exp_avg, exp_avg_sq, grad, SEND{send}, n,                     \
-                       OneGroup{table->c[0]});                                               \
+            adamw_loop(master, exp_avg, exp_avg_sq, grad, SEND{send}, n, OneGroup{rows[0]}); \
         }                                                                                    \
     }
 

@@ -24,6 +24,15 @@ tolerance above, with each element's own lr), bitwise to one ungrouped
 optimizer per group over that group's elements, and a frozen group (lr 0,
 weight decay 0) to no change at all.
 
+Parameters without a gradient in some steps (``params`` and ``present``,
+[Note: absent gradients]) are held to torch.optim.AdamW with ``.grad = None``
+for them (``RTOL_TORCH``, below: torch's CPU path rounds in another order, so
+not bitwise), with and without groups and under a scheduled lr: the step
+counts equal torch's ``state['step']``, and an absent parameter's master,
+moments and send stay bitwise as they were. Bitwise: to one ungrouped
+optimizer per parameter stepped only when it is present, and, with every
+parameter present, to no ``params`` at all.
+
 Data is fresh each run (the seed is in every failure message).
 """
 
@@ -43,6 +52,7 @@ from tidearray import TideInvalid
 from tidearray.fsdp._optim import (
     HOST_CHUNK,
     MAX_GROUPS,
+    MAX_ROWS,
     AdamW,
     FusedAdamW,
     ParamGroup,
@@ -620,3 +630,296 @@ def test_bad_group_lr(lr, what: str) -> None:
     with pytest.raises(TideInvalid, match=f"{what}: expected"):
         opt.step(np.zeros(8, np.float32), lr=lr)
     assert opt.step_count == 0  # nothing ran
+
+
+# -- absent gradients: per-parameter step counts ----------------------------------------
+
+#: torch.optim.AdamW's CPU path rounds in another order (``lerp`` for the first moment,
+#: ``addcmul``, ``addcdiv``), so not bitwise: over ``ABSENT_STEPS`` steps the masters
+#: agree within ``RTOL_TORCH * (|p_0| + |ref|) + ATOL_LR * lr`` (the second term for
+#: elements near zero, whose updates of about ``lr`` carry the roundings; seen: about
+#: 2.3e-7 and 0.07e-6 of those).
+RTOL_TORCH = 1e-6
+ABSENT_STEPS = 12
+#: Group 1 decays, group 2 has half the default lr (a scheduler keeps the ratio).
+ABSENT_HP = AdamW(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+ABSENT_HPS = (AdamW(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+              AdamW(lr=5e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01))
+
+
+class _Layout:
+    """Parameters of odd sizes with gaps between them (the implicit parameter), in a
+    random order, one of them empty; each in a random group (0 without groups); and
+    which are present at each step: parameter 0 at none, parameter 1 at all but the
+    first, the others at random."""
+
+    def __init__(self, gen: np.random.Generator, grouped: bool, count: int = 8) -> None:
+        sizes, gaps = gen.integers(1, 400, count), gen.integers(0, 40, count + 1)
+        sizes[gen.integers(2, count)] = 0  # a parameter with none of this shard
+        bounds, pos = [], 0
+        for size, gap in zip(sizes.tolist(), gaps.tolist()):
+            bounds.append((pos + gap, pos + gap + size))
+            pos += gap + size
+        self.n = pos + int(gaps[-1])
+        order = gen.permutation(count)
+        self.params = [bounds[i] for i in order]  # given in any order
+        self.group = gen.integers(0, 3, count) if grouped else np.zeros(count, np.int64)
+        self.present = gen.random((ABSENT_STEPS, count)) < 0.65
+        self.present[:, 0] = False
+        self.present[:, 1] = True
+        self.present[0, 1] = False
+        implicit = np.ones(self.n, bool)
+        for a, b in self.params:
+            implicit[a:b] = False
+        self.implicit = implicit
+
+    def groups(self) -> Optional[list[ParamGroup]]:
+        if not self.group.any():
+            return None
+        return [ParamGroup(hp, tuple(r for r, j in zip(self.params, self.group) if j == k))
+                for k, hp in enumerate(ABSENT_HPS, start=1)]
+
+    def lr(self, k: int) -> float:
+        """The scheduled lr of step ``k`` (a warm-up, then a decay)."""
+        return ABSENT_HP.lr * min(1.0, (k + 1) / 4) * (1.0 - k / (2 * ABSENT_STEPS))
+
+
+def _absent_grads(gen: np.random.Generator, n: int) -> list[np.ndarray]:
+    return _grads(gen, n, ABSENT_STEPS)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-group", "groups"])
+def test_absent_parameters_match_torch_adamw(rng, grouped: bool) -> None:
+    """torch.optim.AdamW with ``.grad = None`` for the absent parameters: the masters within
+    ``RTOL_TORCH``, the counts equal to torch's ``state['step']``, and an absent
+    parameter's master, moments and send bitwise unchanged by the step."""
+    torch = pytest.importorskip("torch")
+    gen, seed = rng
+    lay = _Layout(gen, grouped)
+    start, send = _shards(gen, lay.n)
+    master = start.copy()
+    grads = _absent_grads(gen, lay.n)
+    opt = FusedAdamW(ABSENT_HP, master, send, np, lay.groups(), params=lay.params)
+    tensors = [torch.nn.Parameter(torch.from_numpy(start[a:b].copy())) for a, b in lay.params]
+    rest = torch.nn.Parameter(torch.from_numpy(start[lay.implicit].copy()))
+    hps = (ABSENT_HP, *ABSENT_HPS)
+    ref = torch.optim.AdamW(
+        [{"params": [t for t, j in zip(tensors, lay.group) if j == k] + ([rest] if k == 0 else []),
+          "lr": h.lr, "betas": h.betas, "eps": h.eps, "weight_decay": h.weight_decay}
+         for k, h in enumerate(hps)], foreach=False, fused=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see test_matches_torch_adamw
+    try:
+        for k, g in enumerate(grads):
+            for t, (a, b), on in zip(tensors, lay.params, lay.present[k]):
+                t.grad = torch.from_numpy(g[a:b].copy()) if on else None
+            rest.grad = torch.from_numpy(g[lay.implicit].copy())
+            for group, h in zip(ref.param_groups, hps):
+                group["lr"] = h.lr * lay.lr(k) / ABSENT_HP.lr
+            ref.step()
+            before = [x.copy() for x in (master, opt.exp_avg, opt.exp_avg_sq, send)]
+            opt.step(g, lr=lay.lr(k), present=lay.present[k].tolist())
+            for (a, b), on in zip(lay.params, lay.present[k]):
+                for x, y, what in zip(before, (master, opt.exp_avg, opt.exp_avg_sq, send),
+                                      ("master", "exp_avg", "exp_avg_sq", "send")):
+                    assert on or (bits(x[a:b]) == bits(y[a:b])).all(), (
+                        f"absent [{a}, {b}) {what} changed at step {k + 1} (seed {seed})")
+    finally:
+        torch.set_num_threads(threads)
+    steps = [int(ref.state[t]["step"]) if t in ref.state else 0 for t in tensors]
+    assert opt.param_steps.tolist() == steps, f"seed {seed}"
+    assert opt.param_steps[0] == 0 and opt.param_steps[1] == ABSENT_STEPS - 1
+    want = np.empty(lay.n)
+    for t, (a, b) in zip(tensors, lay.params):
+        want[a:b] = t.detach().numpy()
+    want[lay.implicit] = rest.detach().numpy()
+    _assert_close(master, want, RTOL_TORCH, ATOL_LR * ABSENT_HP.lr, "master vs torch", seed,
+                  start)
+    a, b = lay.params[0]
+    assert (bits(master[a:b]) == bits(start[a:b])).all() and not opt.exp_avg_sq[a:b].any()
+
+
+def _alone(lay: _Layout, start: np.ndarray, i: int) -> FusedAdamW:
+    """Parameter ``i`` alone: an ungrouped optimizer with its group's hyper-parameters."""
+    a, b = lay.params[i]
+    hp = (ABSENT_HP, *ABSENT_HPS)[int(lay.group[i])]
+    return FusedAdamW(hp, start[a:b].copy(), np.zeros(b - a, BF16), np)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-group", "groups"])
+def test_absent_parameters_bitwise_equal_one_optimizer_per_parameter(rng, grouped) -> None:
+    """Each parameter steps bitwise as an optimizer of its own that is stepped only when
+    the parameter is present (its step count is its own), at its group's lr; the
+    implicit elements as one stepped every time."""
+    gen, seed = rng
+    lay = _Layout(gen, grouped)
+    start, send = _shards(gen, lay.n)
+    opt = FusedAdamW(ABSENT_HP, start.copy(), send, np, lay.groups(), params=lay.params)
+    alone = [_alone(lay, start, i) for i in range(len(lay.params))]
+    rest = FusedAdamW(ABSENT_HP, start[lay.implicit].copy(), None, np)
+    for k, g in enumerate(_absent_grads(gen, lay.n)):
+        opt.step(g, grad_scale=0.5, lr=lay.lr(k), present=np.asarray(lay.present[k]))
+        rest.step(g[lay.implicit].copy(), grad_scale=0.5, lr=lay.lr(k))
+        for o, (a, b), j, on in zip(alone, lay.params, lay.group, lay.present[k]):
+            if on:
+                lr = (ABSENT_HP, *ABSENT_HPS)[j].lr * lay.lr(k) / ABSENT_HP.lr
+                o.step(g[a:b].copy(), grad_scale=0.5, lr=lr)
+    assert opt.param_steps.tolist() == [o.step_count for o in alone]
+    assert opt.step_count == ABSENT_STEPS
+    for o, (a, b) in zip(alone, lay.params):
+        for got, want, what in ((opt._master[a:b], o._master, "master"),
+                                (opt.exp_avg[a:b], o.exp_avg, "exp_avg"),
+                                (opt.exp_avg_sq[a:b], o.exp_avg_sq, "exp_avg_sq"),
+                                (send[a:b], o._send, "send")):
+            assert (bits(got) == bits(want)).all(), f"{what} of [{a}, {b}) (seed {seed})"
+    assert (bits(opt._master[lay.implicit]) == bits(rest._master)).all(), f"seed {seed}"
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-group", "groups"])
+def test_every_parameter_present_is_bitwise_params_none(rng, grouped: bool) -> None:
+    """``params`` with every parameter present (``present`` None or all True) steps
+    bitwise as no ``params`` at all: one row per group, the rows of groups alone."""
+    gen, seed = rng
+    lay = _Layout(gen, grouped)
+    start, _ = _shards(gen, lay.n)
+    opts = [FusedAdamW(ABSENT_HP, start.copy(), np.zeros(lay.n, BF16), np, lay.groups(),
+                       params=params) for params in (None, lay.params, lay.params)]
+    for k, g in enumerate(_grads(gen, lay.n, 4)):
+        opts[0].step(g, lr=lay.lr(k))
+        opts[1].step(g, lr=lay.lr(k))
+        opts[2].step(g, lr=lay.lr(k), present=[True] * len(lay.params))
+    for o in opts[1:]:
+        assert o.param_steps.tolist() == [4] * len(lay.params)
+        for x, y in ((o._master, opts[0]._master), (o._send, opts[0]._send),
+                     (o.exp_avg, opts[0].exp_avg), (o.exp_avg_sq, opts[0].exp_avg_sq)):
+            assert (bits(x) == bits(y)).all(), f"seed {seed}"
+    held = set(opts[1]._pieces.group.tolist())  # the groups with elements here
+    assert opts[1]._row_of_pair == {j: j for j in held}, "group j at lag 0 is row j"
+
+
+def test_state_dict_round_trip_with_param_steps(rng) -> None:
+    gen, seed = rng
+    lay = _Layout(gen, grouped=True)
+    start, _ = _shards(gen, lay.n)
+    grads = _absent_grads(gen, lay.n)
+    a = FusedAdamW(ABSENT_HP, start.copy(), np.zeros(lay.n, BF16), np, lay.groups(),
+                   params=lay.params)
+    for k in range(5):
+        a.step(grads[k], present=lay.present[k].tolist())
+    state = a.state_dict()
+    assert state["param_steps"].dtype == np.int64
+    assert state["param_steps"].tolist() == lay.present[:5].sum(0).tolist()
+    b = FusedAdamW(ABSENT_HP, a._master.copy(), np.zeros(lay.n, BF16), np, lay.groups(),
+                   params=lay.params)
+    b.load_state_dict(state)
+    assert b.step_count == 5 and (b.param_steps == a.param_steps).all()
+    for k in range(5, ABSENT_STEPS):
+        a.step(grads[k], present=lay.present[k].tolist())
+        b.step(grads[k], present=lay.present[k].tolist())
+    for x, y in ((a._master, b._master), (a.exp_avg, b.exp_avg), (a._send, b._send)):
+        assert (bits(x) == bits(y)).all(), f"seed {seed}"
+    assert "param_steps" not in FusedAdamW(AdamW(), start, None, np).state_dict()
+
+
+def test_old_state_sets_every_count_to_step(rng) -> None:
+    """A state without ``param_steps`` (saved before them) loads with every parameter at
+    ``step``: as if each had been present at every step."""
+    gen, seed = rng
+    lay = _Layout(gen, grouped=False)
+    start, _ = _shards(gen, lay.n)
+    grads = _absent_grads(gen, lay.n)
+    old = FusedAdamW(ABSENT_HP, start.copy(), None, np)  # no params: an old-style state
+    for g in grads[:3]:
+        old.step(g)
+    new = FusedAdamW(ABSENT_HP, old._master.copy(), None, np, params=lay.params)
+    new.load_state_dict(old.state_dict())
+    assert new.param_steps.tolist() == [3] * len(lay.params)
+    full = FusedAdamW(ABSENT_HP, start.copy(), None, np, params=lay.params)
+    for g in grads[:3]:
+        full.step(g)
+    for k in range(3, 8):
+        new.step(grads[k], present=lay.present[k].tolist())
+        full.step(grads[k], present=lay.present[k].tolist())
+    assert (new.param_steps == full.param_steps).all()
+    assert (bits(new._master) == bits(full._master)).all(), f"seed {seed}"
+
+
+@pytest.mark.parametrize("params, what", [
+    ([(0, 4), (3, 6)], "params\\[1\\]"),
+    ([(5, 8), (0, 6)], "params\\[0\\]"),
+    ([(0, 11)], "params\\[0\\]"),
+    ([(4, 3)], "params\\[0\\]"),
+    ([(-1, 3)], "params\\[0\\]"),
+    ([(0.0, 3)], "params\\[0\\]"),
+    ([(True, 3)], "params\\[0\\]"),
+    ([(1, 2, 3)], "params\\[0\\]"),
+    ([3], "params\\[0\\]"),
+    (5, "params"),
+    ("01", "params"),
+])
+def test_bad_params(params, what: str) -> None:
+    with pytest.raises(TideInvalid, match=f"{what}: expected"):
+        FusedAdamW(AdamW(), np.zeros(10, np.float32), None, np, params=params)
+
+
+def test_bad_present() -> None:
+    opt = FusedAdamW(AdamW(), np.ones(10, np.float32), None, np, params=[(0, 4), (4, 4)])
+    g = np.ones(10, np.float32)
+    for present, what in [([True], "present"), ([True, True, True], "present"),
+                          ([True, 1], "present\\[1\\]"), (["yes", True], "present\\[0\\]"),
+                          (np.array([1, 0]), "present\\[0\\]"), (True, "present"),
+                          ("ab", "present")]:
+        with pytest.raises(TideInvalid, match=f"{what}: expected"):
+            opt.step(g, present=present)
+    assert opt.step_count == 0 and (opt._master == 1).all()  # nothing ran
+    with pytest.raises(TideInvalid, match="present: expected None or 0 bools"):
+        FusedAdamW(AdamW(), np.ones(10, np.float32), None, np).step(g, present=[True])
+    opt.step(g, present=np.array([False, True]))
+    assert opt.param_steps.tolist() == [0, 1] and (opt._master[:4] == 1).all()
+
+
+def test_bad_param_steps() -> None:
+    opt = FusedAdamW(AdamW(), np.zeros(8, np.float32), None, np, params=[(0, 4), (4, 8)])
+    ok = {"step": 3, "exp_avg": np.ones(8, np.float32), "exp_avg_sq": np.ones(8, np.float32)}
+    for bad in ([1], [1, 2, 3], [1, 4], [-1, 2], [1.0, 2.0], np.array([[1, 2]])):
+        with pytest.raises(TideInvalid, match="state\\['param_steps'\\]: expected 2 integers"):
+            opt.load_state_dict({**ok, "param_steps": bad})
+    assert opt.step_count == 0 and not opt.exp_avg.any()  # nothing was copied
+    opt.load_state_dict({**ok, "param_steps": [0, 3]})
+    assert opt.param_steps.tolist() == [0, 3]
+
+
+def test_too_many_rows_is_refused() -> None:
+    """More distinct (group, count) pairs than ``MAX_ROWS`` in one step: refused, and the
+    optimizer is as it was; one fewer steps."""
+    count = MAX_ROWS + 1
+    n = 2 * count
+    params = [(2 * i, 2 * i + 2) for i in range(count)]
+    opt = FusedAdamW(AdamW(), np.ones(n, np.float32), None, np, params=params)
+    state = opt.state_dict()
+    opt.load_state_dict({**state, "step": 400, "param_steps": 400 - np.arange(count)})
+    g = np.full(n, 0.5, np.float32)
+    with pytest.raises(TideInvalid, match=f"present: expected at most {MAX_ROWS} distinct"):
+        opt.step(g)
+    assert opt.step_count == 400 and (opt._master == 1).all()
+    opt.step(g, present=[True] * MAX_ROWS + [False])
+    assert opt.param_steps[-1] == 400 - MAX_ROWS and (opt._master[-2:] == 1).all()
+    assert (opt._master[:-2] != 1).all()
+
+
+def test_rows_keep_their_numbers_and_free_ones_are_reused() -> None:
+    """A pair keeps its row while in use; a new pair takes the lowest free number."""
+    opt = FusedAdamW(AdamW(), np.ones(6, np.float32), None, np,
+                     params=[(0, 2), (2, 4), (4, 6)])
+    g = np.ones(6, np.float32)
+    opt.step(g, present=[False, True, True])  # every pair is (0, 0): row 0
+    assert opt._row_of_pair == {0: 0}
+    opt.step(g, present=[True, True, True])  # parameter 0 lags by one: (0, 1) gets row 1
+    assert opt._row_of_pair == {0: 0, 1: 1}
+    opt.step(g, present=[True, False, False])  # (0, 0) unused: row 0 freed
+    assert opt._row_of_pair == {1: 1}
+    opt.step(g, present=[True, True, False])  # parameters 0 and 1 both lag by one
+    assert opt._row_of_pair == {1: 1}
+    opt.step(g, present=[False, False, True])  # parameter 2 lags by 2: a new pair, row 0
+    assert opt._row_of_pair == {2: 0}
+    assert opt.param_steps.tolist() == [3, 3, 3] and opt.step_count == 5

@@ -9,7 +9,12 @@ even (``astype``). Sizes: 1, a non-multiple of the block, ~10M (grid-stride),
 an empty shard, and shards at odd element offsets inside a larger arena.
 Parameter groups (the ``adamw_grouped_*`` kernels) are held to the grouped
 NumPy path the same way, with several groups, a frozen one among them, and
-each ``lr`` form (None, one float, one per group).
+each ``lr`` form (None, one float, one per group). So are parameters without
+a gradient in some steps ([Note: absent gradients]): with and without
+groups, with more rows than the by-value table holds (``adamw_table_*``
+eagerly), and in a captured step (the ``adamw_table_*`` kernels reading the
+device table, a clip writing its ``grad_scale``, replays staged by
+``stage_step``), eager steps with another presence in between.
 
 No group is needed (the optimizer does no communication), so this file skips on
 its own instead of through conftest's ``cuda_group``: it runs where CuPy and a
@@ -24,7 +29,16 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pytest
 
-from tidearray.fsdp._optim import BLOCK, MAX_GROUPS, AdamW, FusedAdamW, ParamGroup, clip_scale
+from tidearray import TideInvalid
+from tidearray.fsdp._norm import GlobalNorm
+from tidearray.fsdp._optim import (
+    BLOCK,
+    MAX_GROUPS,
+    AdamW,
+    FusedAdamW,
+    ParamGroup,
+    clip_scale,
+)
 
 from .._util import BF16, DTYPES, bits
 
@@ -71,16 +85,24 @@ def _ulps(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def _pair(cp: Any, master: np.ndarray, dtype: np.dtype, offset: int = 0,
-          groups: Optional[list[ParamGroup]] = None):
-    """A NumPy optimizer and a CuPy one on copies of ``master`` (and ``groups``); the
-    CuPy shards sit ``offset`` elements into larger arrays (as they do in the arena)."""
+          groups: Optional[list[ParamGroup]] = None,
+          params: Optional[list[tuple[int, int]]] = None):
+    """A NumPy optimizer and a CuPy one on copies of ``master`` (and ``groups``,
+    ``params``); the CuPy shards sit ``offset`` elements into larger arrays (as they do
+    in the arena)."""
     n = master.size
-    host = FusedAdamW(HP, master.copy(), None if dtype is None else np.zeros(n, dtype), np,
-                      groups)
+    # send starts as the rounded master, as the runtime starts it: a parameter absent at
+    # every step keeps it.
+    sent = None if dtype is None else master.astype(dtype)
+    host = FusedAdamW(HP, master.copy(), None if sent is None else sent.copy(), np, groups,
+                      params)
     big_m = cp.zeros(n + 2 * offset, np.float32)
     big_m[offset:offset + n] = cp.asarray(master)
-    send = None if dtype is None else cp.zeros(n + 2 * offset, dtype)[offset:offset + n]
-    dev = FusedAdamW(HP, big_m[offset:offset + n], send, cp, groups)
+    send = None
+    if sent is not None:
+        send = cp.zeros(n + 2 * offset, dtype)[offset:offset + n]
+        send.view(np.uint16 if dtype.itemsize == 2 else np.uint32).set(bits(sent))
+    dev = FusedAdamW(HP, big_m[offset:offset + n], send, cp, groups, params)
     cp.cuda.get_current_stream().synchronize()  # a side stream's step must see these writes
     return host, dev
 
@@ -90,20 +112,21 @@ def _scheduled(k: int, steps: int) -> float:
 
 
 def _steps(host: FusedAdamW, dev: FusedAdamW, cp: Any, grads: list[np.ndarray],
-           offset: int = 0, stream: Any = None, lr: Callable[[int, int], Any] = _scheduled
-           ) -> None:
+           offset: int = 0, stream: Any = None, lr: Callable[[int, int], Any] = _scheduled,
+           present: Optional[np.ndarray] = None) -> None:
     """The runtime's sequence on both: norm, clip scale, step with a scheduled ``lr(k,
-    steps)`` (one float by default)."""
+    steps)`` (one float by default) and ``present[k]`` (None: every parameter)."""
     for k, g in enumerate(grads):
+        on = None if present is None else present[k].tolist()
         big = cp.zeros(g.size + 2 * offset, np.float32)
         big[offset:offset + g.size] = cp.asarray(g)
         g_dev = big[offset:offset + g.size]
         lr_k = lr(k, len(grads))
         scale_h = clip_scale(math.sqrt(host.sum_squares(g)), HP.max_grad_norm)
-        host.step(g, grad_scale=scale_h, lr=lr_k)
+        host.step(g, grad_scale=scale_h, lr=lr_k, present=on)
         # The same scale on both, so that any difference is the kernel's own.
         cp.cuda.get_current_stream().synchronize()  # g_dev, written on the current stream
-        dev.step(g_dev, grad_scale=scale_h, lr=lr_k, stream=stream)
+        dev.step(g_dev, grad_scale=scale_h, lr=lr_k, stream=stream, present=on)
     cp.cuda.Device().synchronize()
 
 
@@ -239,8 +262,8 @@ def test_grouped_kernel_matches_numpy(cp: Any, rng, dtype: np.dtype, n: int, lr)
     master, grads = _data(gen, n)
     groups, label = _groups(gen, n)
     host, dev = _pair(cp, master, dtype, groups=groups)
-    assert dev._group_index is not None, "the grouped kernel"
-    assert (dev._group_index.get() == label).all(), f"group index (seed {seed})"
+    assert dev._index is not None, "the grouped kernel"
+    assert (dev._index.get() == label).all(), f"group index (seed {seed})"
     _steps(host, dev, cp, grads, lr=lr)
     _compare(host, dev, seed)
     frozen = label == FROZEN
@@ -267,7 +290,7 @@ def test_most_groups(cp: Any, rng) -> None:
     groups = [ParamGroup(AdamW(lr=1e-3 * (j + 1), weight_decay=0.01 * j),
                          ((int(cuts[j]), int(cuts[j + 1])),)) for j in range(MAX_GROUPS - 1)]
     host, dev = _pair(cp, master, BF16, groups=groups)
-    assert int(dev._group_index.get().max()) == MAX_GROUPS - 1
+    assert int(dev._index.get().max()) == MAX_GROUPS - 1
     _steps(host, dev, cp, grads)
     _compare(host, dev, seed)
 
@@ -277,6 +300,192 @@ def test_empty_groups_run_the_plain_kernel(cp: Any, rng) -> None:
     gen, seed = rng
     master, grads = _data(gen, 4099)
     host, dev = _pair(cp, master, BF16, groups=[ParamGroup(GROUP_HPS[0], ((7, 7),))])
-    assert dev._group_index is None and dev.num_groups == 2
+    assert dev._index is None and dev.num_groups == 2
     _steps(host, dev, cp, grads)
     _compare(host, dev, seed)
+
+
+# -- absent gradients ----------------------------------------------------------------------
+
+ABSENT_STEPS = 6
+
+
+def _grads_n(gen: np.random.Generator, n: int, steps: int) -> list[np.ndarray]:
+    mag = 10.0 ** gen.uniform(-9, 0, n)
+    return [(gen.standard_normal(n) * mag).astype(np.float32) for _ in range(steps)]
+
+
+def _params(gen: np.random.Generator, n: int, count: int = 12) -> list[tuple[int, int]]:
+    """``count`` parameters over ``[0, n)`` with gaps between them (the implicit
+    parameter), in a random order, one of them (not the first two) empty."""
+    cuts = np.sort(gen.choice(np.arange(1, n), 2 * count - 1, replace=False))
+    bounds = [0, *cuts.tolist(), n]
+    ranges = [(bounds[2 * i], bounds[2 * i + 1]) for i in gen.permutation(count)]
+    empty = int(gen.integers(2, count))
+    ranges[empty] = (ranges[empty][0], ranges[empty][0])
+    return ranges
+
+
+def _presence(gen: np.random.Generator, count: int, steps: int) -> np.ndarray:
+    """Parameter 0 never present, parameter 1 at all but the first step, the others at
+    random."""
+    present = gen.random((steps, count)) < 0.6
+    present[:, 0] = False
+    present[:, 1] = True
+    present[0, 1] = False
+    return present
+
+
+def _kinds_run(dev: FusedAdamW) -> set[str]:
+    """Which kinds of AdamW kernel ``dev`` has fetched (to launch them)."""
+    kinds = {"adamw_grouped_": "grouped", "adamw_table_": "table"}
+    return {next((v for k, v in kinds.items() if name.startswith(k)), "plain")
+            for name in dev._kernels}
+
+
+def _check_absent_unchanged(dev: FusedAdamW, master: np.ndarray, params: list,
+                            seed: int) -> None:
+    a, b = params[0]
+    assert (bits(dev._master.get()[a:b]) == bits(master[a:b])).all(), f"seed {seed}"
+    assert not dev.exp_avg[a:b].any() and not dev.exp_avg_sq[a:b].any(), f"seed {seed}"
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-group", "groups"])
+@pytest.mark.parametrize("dtype", [*DTYPES, None], ids=lambda d: getattr(d, "name", "no-send"))
+def test_absent_kernel_matches_numpy(cp: Any, rng, dtype: np.dtype, grouped: bool) -> None:
+    gen, seed = rng
+    n = 200_003
+    master = gen.standard_normal(n).astype(np.float32)
+    grads = _grads_n(gen, n, ABSENT_STEPS)
+    params = _params(gen, n)
+    groups = _groups(gen, n)[0] if grouped else None  # ranges that cut through parameters
+    offset = 1 if grouped else 0  # shards at odd offsets too
+    host, dev = _pair(cp, master, dtype, offset, groups=groups, params=params)
+    present = _presence(gen, len(params), ABSENT_STEPS)
+    _steps(host, dev, cp, grads, offset=offset, present=present)
+    _compare(host, dev, seed)
+    assert (host.param_steps == dev.param_steps).all()
+    assert (dev.param_steps == present.sum(0)).all()
+    _check_absent_unchanged(dev, master, params, seed)
+
+
+def test_every_parameter_present_runs_the_plain_kernel(cp: Any, rng) -> None:
+    """``params`` with every parameter present at equal counts and no groups: no index,
+    the nine-float kernel, bitwise the same as without ``params``."""
+    gen, seed = rng
+    n = 100_003
+    master = gen.standard_normal(n).astype(np.float32)
+    grads = _grads_n(gen, n, 3)
+    params = _params(gen, n)
+    host, dev = _pair(cp, master, BF16, params=params)
+    host_plain, plain = _pair(cp, master, BF16)
+    _steps(host, dev, cp, grads, present=np.ones((3, len(params)), bool))
+    _steps(host_plain, plain, cp, grads)
+    assert dev._index is None and _kinds_run(dev) == {"plain"}
+    _compare(host, dev, seed)
+    for a, b in ((dev._master, plain._master), (dev._send, plain._send)):
+        assert (bits(a.get()) == bits(b.get())).all(), f"params vs none (seed {seed})"
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-group", "groups"])
+def test_rows_past_the_by_value_table(cp: Any, rng, grouped: bool) -> None:
+    """24 parameters, each first present one step after the one before: 24 lags, more
+    rows than the by-value table holds, so the eager step reads them from the device
+    (``adamw_table_*``); bitwise the NumPy path."""
+    gen, seed = rng
+    count, n = 24, 60_001
+    master = gen.standard_normal(n).astype(np.float32)
+    params = _params(gen, n, count)
+    groups = _groups(gen, n)[0] if grouped else None
+    present = np.tril(np.ones((count + 2, count), bool))  # parameter i from step i on
+    present[:, 0] = False
+    host, dev = _pair(cp, master, BF16, groups=groups, params=params)
+    _steps(host, dev, cp, _grads_n(gen, n, count + 2), present=present)
+    assert "table" in _kinds_run(dev) and len(dev._row_of_pair) > MAX_GROUPS
+    _compare(host, dev, seed)
+    _check_absent_unchanged(dev, master, params, seed)
+
+
+def _captured(cp: Any, dev: FusedAdamW, norm: GlobalNorm, g_buf: Any, scale: float,
+              max_norm: float, present: Optional[list], stream: Any) -> Any:
+    """What ``fsdp._graph`` captures: the clip into the device table, then the step."""
+    dev.prepare_capture()
+    cp.cuda.Device().synchronize()
+    count = dev.step_count
+    with stream:
+        stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
+        norm.compute(g_buf, scale, stream=stream, max_norm=max_norm, table=dev.coeff_dev,
+                     table_shape=dev.table_layout)
+        dev.step(g_buf, grad_scale=scale, lr=HP.lr, stream=stream, present=present)
+        graph = stream.end_capture()
+    dev.step_count = count  # as CapturedStep does: the capture ran no step
+    return graph
+
+
+@pytest.mark.parametrize("case", ["plain", "groups", "absent"])
+def test_captured_step_matches_numpy(cp: Any, rng, case: str) -> None:
+    """A captured step replayed with a changing lr, a clip inside, and eager steps of
+    another presence in between: bitwise the NumPy path stepped the same way. "plain":
+    no groups (no index, row 0); "groups": groups, every parameter present (the
+    runtime's); "absent": groups and parameters absent at the capture, whose replays
+    skip them while the others step at their own counts."""
+    gen, seed = rng
+    n = 100_003
+    master = gen.standard_normal(n).astype(np.float32)
+    params = _params(gen, n) if case == "absent" else None
+    groups = None if case == "plain" else _groups(gen, n)[0]
+    host, dev = _pair(cp, master, BF16, groups=groups, params=params)
+    schedule = ["eager", "eager", "replay", "replay", "replay", "eager", "replay", "replay"]
+    grads = _grads_n(gen, n, len(schedule))
+    # Per step, then the capture's (None: no params).
+    present = [None] * (len(schedule) + 1) if params is None else [
+        p.tolist() for p in _presence(gen, len(params), len(schedule) + 1)]
+    g_buf, ref, norm = cp.zeros(n, np.float32), GlobalNorm(None, 1, cp), GlobalNorm(None, 1, cp)
+    stream, scale, max_norm = cp.cuda.Stream(non_blocking=True), 0.5, 1.0
+    graph = None
+    for k, (kind, g) in enumerate(zip(schedule, grads)):
+        lr = HP.lr * (k + 1) / len(schedule)
+        with stream:
+            g_buf.set(g, stream=stream)
+            nrm = ref.compute(g_buf, scale, stream=stream)  # the eager clip's norm
+        grad_scale = scale * clip_scale(nrm, max_norm)
+        on = present[-1] if kind == "replay" else present[k]
+        host.step(g, grad_scale=grad_scale, lr=lr, present=on)
+        if kind == "eager":
+            dev.step(g_buf, grad_scale=grad_scale, lr=lr, stream=stream, present=on)
+            stream.synchronize()
+            continue
+        if graph is None:
+            graph = _captured(cp, dev, norm, g_buf, scale, max_norm, present[-1], stream)
+        dev.stage_step(lr, dev.captured_grad_scale, stream)
+        graph.launch(stream)
+        stream.synchronize()
+        assert float(norm.norm.get()[0]) == nrm, f"the captured clip's norm (seed {seed})"
+    assert dev.step_count == host.step_count == len(schedule)
+    assert (dev.param_steps == host.param_steps).all(), f"seed {seed}"
+    _compare(host, dev, seed)
+    if params:
+        _check_absent_unchanged(dev, master, params, seed)
+
+
+def test_replay_of_one_row_refused_once_counts_drift_apart(cp: Any, rng) -> None:
+    """A capture with every parameter present at one count reads one row and no index;
+    after an eager step that leaves a parameter out, the next replay would need two rows:
+    refused (capture again), nothing staged or counted."""
+    gen, _ = rng
+    n = 10_007
+    master = gen.standard_normal(n).astype(np.float32)
+    params = _params(gen, n)
+    _, dev = _pair(cp, master, BF16, params=params)
+    g_buf, stream = cp.asarray(_grads_n(gen, n, 1)[0]), cp.cuda.Stream(non_blocking=True)
+    dev.step(g_buf, stream=stream)
+    graph = _captured(cp, dev, GlobalNorm(None, 1, cp), g_buf, 1.0, 1e9, None, stream)
+    assert dev._captured.indexed is False
+    dev.stage_step(HP.lr, dev.captured_grad_scale, stream)
+    graph.launch(stream)
+    dev.step(g_buf, stream=stream, present=[False] + [True] * (len(params) - 1))
+    steps = dev.param_steps.copy()
+    with pytest.raises(TideInvalid, match="stage_step: expected the parameters present"):
+        dev.stage_step(HP.lr, dev.captured_grad_scale, stream)
+    assert (dev.param_steps == steps).all() and dev.step_count == 3
+    stream.synchronize()

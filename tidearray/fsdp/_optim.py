@@ -10,36 +10,90 @@ NumPy's ufuncs.
 
 [Note: AdamW math]
 torch.optim.AdamW's formulation (decoupled weight decay), per element in
-float32, every operation rounded to nearest even:
+float32, every operation rounded to nearest even, where ``k`` is the step
+count of the element's parameter (1-based, this step included; without
+``params`` every element's is :attr:`FusedAdamW.step_count`; see [Note:
+absent gradients]):
 
     g     = grad * grad_scale
     p     = master * decay                     decay     = 1 - lr * weight_decay
     m     = beta1 * m + omb1 * g               omb1      = 1 - beta1
     v     = beta2 * v + omb2 * (g * g)         omb2      = 1 - beta2
-    denom = sqrt(v) / bc2_sqrt + eps           bc2_sqrt  = sqrt(1 - beta2**step)
-    p     = p - step_size * (m / denom)        step_size = lr / (1 - beta1**step)
+    denom = sqrt(v) / bc2_sqrt + eps           bc2_sqrt  = sqrt(1 - beta2**k)
+    p     = p - step_size * (m / denom)        step_size = lr / (1 - beta1**k)
     master = p; exp_avg = m; exp_avg_sq = v; send = round_to_nearest_even(p)
 
-The right-hand coefficients are computed once per step on the host in float64
-and rounded once to float32 (:func:`coefficients`); both paths read those same
-float32 values. The kernel spells every operation as a ``_rn`` intrinsic (no
-FMA contraction, IEEE division and sqrt), and NumPy's float32 ufuncs round
-each operation the same way, so the two paths agree bitwise. The one
-exception is NaN sent as fp16: both give a NaN, with different payload bits.
+The right-hand coefficients are computed once per step and coefficient row
+(one group at one ``k``) on the host in float64 and rounded once to float32
+(:func:`coefficients`); both paths read those same float32 values. The
+kernel spells every operation as a ``_rn`` intrinsic (no FMA contraction,
+IEEE division and sqrt), and NumPy's float32 ufuncs round each operation the
+same way, so the two paths agree bitwise. The one exception is NaN sent as
+fp16: both give a NaN, with different payload bits. torch's own CPU path
+does not round the same way (``lerp`` for ``m``, ``addcmul`` and
+``addcdiv`` multiply in another order), so it agrees to a few float32
+roundings a step, not bitwise.
 
 Parameter groups (:class:`ParamGroup`, torch's ``param_groups``) give element
 ranges of the arena their own ``lr``, ``betas``, ``eps`` and ``weight_decay``;
 the elements in no range form the default group 0, which uses ``hp``. Each
 group's coefficients come from :func:`coefficients` with its own
-hyper-parameters and the shared step count, so an element's update is the
-one above with its group's float32 values. A frozen group (``lr = 0``,
-``weight_decay = 0``) has ``decay = 1`` and ``step_size = 0``: its masters
-stay bitwise as they were (its send elements their rounding) while
-``m / denom`` is finite (finite gradients, ``eps > 0``), except that -0.0
-can become +0.0; its moments still advance. Both as in torch. NumPy runs
-:func:`adamw_numpy` once per run of one group (:func:`group_runs`); the
-kernel reads each element's group from a uint8 index array written once, at
-construction, and every group's coefficients from one kernel argument.
+hyper-parameters and ``k``, so an element's update is the one above with its
+row's float32 values. A frozen group (``lr = 0``, ``weight_decay = 0``) has
+``decay = 1`` and ``step_size = 0``: its masters stay bitwise as they were
+(its send elements their rounding) while ``m / denom`` is finite (finite
+gradients, ``eps > 0``), except that -0.0 can become +0.0; its moments still
+advance. Both as in torch. NumPy runs :func:`adamw_numpy` once per run of
+one row; the kernel reads each element's row from a uint8 index array on the
+device (where the rows differ at all).
+
+[Note: absent gradients]
+torch.optim.AdamW steps only the parameters whose ``.grad`` is not None: one
+without keeps its value and moments, and its ``state['step']`` stays, so its
+later bias corrections use its own count. Given ``params`` (each parameter's
+element range), :meth:`FusedAdamW.step`'s ``present`` does the same: an
+absent parameter's master, moments and send elements keep their bits, and a
+present one's ``k`` is its own count. The elements in no range are one
+implicit parameter, present at every step.
+
+Each parameter keeps its lag ``d = step_count - (own count)``: 0 at the
+start, kept by a step it is present in, one more after each it misses. (So
+code that sets ``step_count``, a restored capture or a loaded checkpoint,
+moves every count with it.) A step's coefficient rows are the distinct
+``(group, d)`` pairs of the present parameters' elements, with ``k =
+step_count - d``; a pair keeps its row number while it stays in use, and a
+new pair takes the lowest free one (at the start group ``j`` at lag 0 has row
+``j``). More than :data:`MAX_ROWS` pairs in one step are refused. The arena
+is cut into pieces of one group and one parameter (:func:`arena_pieces`);
+each piece's row is its pair's, or :data:`SKIP` where its parameter is
+absent.
+
+* NumPy: :func:`adamw_numpy` over each run of pieces of one row; SKIP runs
+  are not touched.
+* cupy, eager: where every element has one row, no index: the nine-float
+  ``adamw_<send>`` kernel, the launch of an ungrouped step; where none
+  is present, no launch. Else a uint8 row index (one byte an element) on the
+  device, rewritten only for the pieces whose row changed since it was last
+  written (slice fills on the step's stream); the rows go by value to
+  ``adamw_grouped_<send>`` while every row number is below ``MAX_GROUPS``,
+  else into a device table (uploaded on the step's stream) for
+  ``adamw_table_<send>``. A SKIP element is neither read nor written. While
+  every parameter has been present at every step, the row numbers are the
+  group numbers: the index is the group index and the launches are those of
+  groups alone.
+* captured (``_graph``): a graph replays its launch as captured, so the
+  presence at the capture holds for every replay: the parameters present
+  then advance together, the absent ones stay skipped. The kernel
+  (``adamw_table_<send>``) reads the row index and the rows from device
+  memory, :attr:`FusedAdamW.coeff_dev`; :meth:`FusedAdamW.stage_step` makes
+  each replay a step of the captured presence: it takes that step's rows
+  from the lags as they are then (eager steps between replays may have moved
+  some), rewrites the index where it differs, writes each row's
+  coefficients, ``k = step_count - d``, and counts the step. Capturing
+  counts no step, so it changes no lag. Where the capture found one row for
+  every element it passes no index (row 0), as an ungrouped step does; a
+  replay whose present parameters no longer share one count (eager steps in
+  between left some behind) is refused: capture again.
 
 [Note: clipping]
 The global gradient norm spans every rank's shard, so the optimizer cannot
@@ -54,13 +108,17 @@ with the same float64 operations and writes ``grad_scale`` into the
 coefficient table itself (:attr:`FusedAdamW.table_layout`).
 
 [Note: optimizer streams]
-``step`` (cupy) enqueues one kernel on ``stream`` (None: the current stream)
-and returns without waiting. The caller orders it after the reduce-scatter
-that wrote ``grad`` and before the all-gather that reads ``send``, by using
-the same stream or events. ``grad`` must stay unchanged until the kernel
-has run. The moments, and the group index, belong to the optimizer and live
-as long as it does; the constructor writes both on the current stream, so a
-first step on another stream waits for that stream (one synchronize will do).
+``step`` (cupy) enqueues its work on ``stream`` (None: the current stream): the
+kernel, and the index fills or the row upload it needs, and returns without
+waiting. The caller orders it after the reduce-scatter that wrote ``grad``
+and before the all-gather that reads ``send``, by using the same stream or
+events. ``grad`` must stay unchanged until the kernel has run. The moments,
+the row index and the device tables belong to the optimizer and live as long
+as it does; the constructor writes the moments and any group index on the
+current stream, so a first step on another stream waits for that stream (one
+synchronize will do); later steps, and :meth:`FusedAdamW.stage_step`, write
+the index and tables on their own stream, so the steps of one optimizer must
+be ordered (one stream, or events).
 """
 
 from __future__ import annotations
@@ -93,13 +151,19 @@ HOST_CHUNK = 1 << 16
 #: Kernel per send dtype.
 KERNELS = {"bfloat16": "adamw_bf16", "float16": "adamw_f16", "float32": "adamw_f32",
            None: "adamw_none"}
-#: Kernel per send dtype where parameter groups are given.
+#: Kernel per send dtype where elements differ in their rows: rows by value.
 GROUPED_KERNELS = {k: v.replace("adamw_", "adamw_grouped_") for k, v in KERNELS.items()}
-#: Kernel per send dtype in a captured step: coefficients read from the device.
+#: Kernel per send dtype reading the rows from the device: a captured step, or rows
+#: past the by-value table.
 TABLE_KERNELS = {k: v.replace("adamw_", "adamw_table_") for k, v in KERNELS.items()}
-#: Most parameter groups, the default one included: ``ADAMW_MAX_GROUPS`` in
-#: ``kernels/adamw.cu``, and what a uint8 group index holds with room to spare.
+#: Most parameter groups, the default one included, and the rows of the by-value
+#: table: ``ADAMW_MAX_GROUPS`` in ``kernels/adamw.cu``.
 MAX_GROUPS = 16
+#: Most coefficient rows one step uses (distinct (group, lag) pairs; see [Note:
+#: absent gradients]), the rows of the device tables: ``ADAMW_MAX_ROWS``.
+MAX_ROWS = 254
+#: The row index of an element a step leaves alone: ``ADAMW_SKIP``.
+SKIP = 255
 
 
 def _is_real(value: Any) -> bool:
@@ -171,7 +235,8 @@ class Coefficients(NamedTuple):
 
 
 def coefficients(hp: AdamW, step: int, lr: float, grad_scale: float) -> Coefficients:
-    """Step ``step``'s (1-based) coefficients: float64 on the host, rounded once to float32."""
+    """The coefficients of a parameter's step ``step`` (its own count, 1-based): float64 on
+    the host, rounded once to float32."""
     b1, b2 = hp.betas
     f = np.float32
     return Coefficients(
@@ -223,12 +288,14 @@ class ParamGroup:
         object.__setattr__(self, "ranges", tuple((int(a), int(b)) for a, b in self.ranges))
 
 
-#: A run of the arena: elements ``[start, stop)`` that all belong to group ``group``.
+#: A run of the arena: elements ``[start, stop)`` that all share one label (a group, a
+#: parameter or a row).
 Run = tuple[int, int, int]
 
 
 def _append_run(runs: list[Run], start: int, stop: int, group: int) -> None:
-    """Append ``[start, stop)`` of ``group``, merged into the last run where it continues it."""
+    """Append ``[start, stop)`` of ``group`` (a label), merged into the last run where it
+    continues it."""
     if start >= stop:
         return
     if runs and runs[-1][1] == start and runs[-1][2] == group:
@@ -273,13 +340,94 @@ def group_runs(size: int, groups: Sequence[ParamGroup]) -> tuple[Run, ...]:
     return tuple(runs)
 
 
+def _check_params(size: int, params: Any) -> tuple[tuple[int, int], ...]:
+    """``params`` as plain ``(start, stop)`` pairs inside ``[0, size)`` (overlaps are
+    found by :func:`arena_pieces`)."""
+    if not isinstance(params, Sequence) or isinstance(params, str):
+        raise TideInvalid(f"params: expected None or a sequence of (start, stop), got "
+                          f"{type(params).__name__}")
+    for i, r in enumerate(params):
+        if not (isinstance(r, Sequence) and len(r) == 2 and all(map(_is_int, r))
+                and 0 <= r[0] <= r[1] <= size):
+            raise TideInvalid(f"params[{i}]: expected (start, stop), integers with 0 <= "
+                              f"start <= stop <= {size} (the arena's length), got {r!r}")
+    return tuple((int(a), int(b)) for a, b in params)
+
+
+def _param_runs(size: int, params: Sequence[tuple[int, int]]) -> list[Run]:
+    """``[0, size)`` as runs ``(start, stop, i)`` of parameter ``i``; the elements in no
+    range are labelled ``len(params)`` (the implicit parameter)."""
+    spans = sorted((a, b, i) for i, (a, b) in enumerate(params) if a < b)
+    runs: list[Run] = []
+    pos, owner = 0, -1
+    for a, b, i in spans:
+        if a < pos:  # sorted by start, so only the span before can overlap this one
+            raise TideInvalid(f"params[{i}]: expected a range that overlaps no other, got "
+                              f"{(a, b)}, which overlaps params[{owner}] = {params[owner]}")
+        _append_run(runs, pos, a, len(params))
+        _append_run(runs, a, b, i)
+        pos, owner = b, i
+    _append_run(runs, pos, size, len(params))
+    return runs
+
+
+class Pieces(NamedTuple):
+    """The arena cut wherever its group or its parameter changes (see [Note: absent
+    gradients]): piece ``k`` is elements ``[start[k], stop[k])``, all of group
+    ``group[k]`` and of parameter ``param[k]`` (``len(params)``: the implicit one).
+    int64 arrays, the pieces in arena order, none empty."""
+
+    start: np.ndarray
+    stop: np.ndarray
+    group: np.ndarray
+    param: np.ndarray
+
+
+def arena_pieces(groups: Sequence[Run], params: Sequence[Run]) -> Pieces:
+    """The pieces of two runs of one arena: :func:`group_runs`' and the parameters'."""
+    cut: list[tuple[int, int, int, int]] = []
+    i = j = 0
+    while i < len(groups) and j < len(params):
+        (a0, a1, g), (b0, b1, p) = groups[i], params[j]
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo < hi:
+            cut.append((lo, hi, g, p))
+        if a1 <= b1:
+            i += 1
+        else:
+            j += 1
+    table = np.array(cut, np.int64).reshape(-1, 4)
+    return Pieces(*(np.ascontiguousarray(table[:, c]) for c in range(4)))
+
+
+def _row_runs(pieces: Pieces, rows: np.ndarray, which: Optional[np.ndarray] = None
+              ) -> list[Run]:
+    """``(start, stop, row)`` runs of consecutive pieces (of ``which``, every one if None)
+    that share a row."""
+    ks = range(rows.size) if which is None else which.tolist()
+    start, stop, row = pieces.start.tolist(), pieces.stop.tolist(), rows.tolist()
+    runs: list[Run] = []
+    for k in ks:
+        _append_run(runs, start[k], stop[k], row[k])
+    return runs
+
+
 #: The kernel argument ``CoeffTable`` of ``kernels/adamw.cu``: ``MAX_GROUPS`` rows
 #: of :class:`Coefficients`, float32, in their order.
 _COEFF_TABLE = np.dtype([("c", np.float32, (MAX_GROUPS, len(Coefficients._fields)))])
 
 
-def _coeff_table(cs: Sequence[Coefficients]) -> np.ndarray:
-    """Every group's coefficients as one ``CoeffTable``; rows past the last group stay zero.
+def _coeff_rows(cs: dict[int, Coefficients], rows: int) -> np.ndarray:
+    """Row ``r`` of ``cs`` as row ``r`` of a float32 ``(rows, 9)`` array; the others zero."""
+    table = np.zeros((rows, len(Coefficients._fields)), np.float32)
+    for r, c in cs.items():
+        table[r] = c
+    return table
+
+
+def _coeff_table(cs: dict[int, Coefficients]) -> np.ndarray:
+    """The rows ``cs`` (each number below ``MAX_GROUPS``) as one ``CoeffTable``; the
+    others stay zero.
 
     A NumPy array of one element, because that is how CuPy (10 and later) passes
     a struct by value: it hands the array's bytes to the launch, which copies
@@ -287,8 +435,28 @@ def _coeff_table(cs: Sequence[Coefficients]) -> np.ndarray:
     nothing itself, and the array may go once the launch returns.
     """
     table = np.zeros(1, _COEFF_TABLE)
-    table["c"][0, :len(cs)] = cs
+    table["c"][0] = _coeff_rows(cs, MAX_GROUPS)
     return table
+
+
+class _Rows(NamedTuple):
+    """One step's rows ([Note: absent gradients])."""
+
+    pieces: np.ndarray
+    """Each piece's row (uint8), :data:`SKIP` where its parameter is absent."""
+    pairs: dict[int, tuple[int, int]]
+    """Each row in use: its ``(group, lag)``."""
+    one: bool
+    """Whether every element has the same row (one pair, nothing skipped)."""
+
+
+class _Captured(NamedTuple):
+    """What a captured step fixes for its replays ([Note: absent gradients])."""
+
+    indexed: bool
+    """Whether its kernel reads the row index (else row 0 of ``coeff_dev`` for all)."""
+    present: np.ndarray
+    """Which parameters it steps (the implicit one last)."""
 
 
 def clip_scale(total_norm: float, max_norm: Optional[float]) -> float:
@@ -349,18 +517,29 @@ class FusedAdamW:
             group ``j + 1``, and the elements in none of their ranges are the
             default group 0, which uses ``hp``. None (or none) steps the whole
             arena with ``hp``, as one kernel without a group index.
+        params: each parameter's element range ``(start, stop)`` of the arena
+            (``[start, stop)``, ``0 <= start <= stop <= master.size``), in any
+            order, overlapping no other; empty ranges are allowed (a parameter
+            with none of this shard). The elements in none are one more,
+            implicit, parameter, present at every step. Given, each parameter
+            keeps its own step count and :meth:`step` takes ``present``, as
+            torch.optim.AdamW skips a parameter without a gradient ([Note:
+            absent gradients]). None: no per-parameter counts, bitwise as
+            before.
 
     Raises:
         TideInvalid: an argument does not fit the above.
 
     The constructor allocates the two zeroed float32 moments (on the master's
-    device) and, for cupy where some element is in a group, the uint8 group
-    index (one byte an element, read each step); it does nothing else, and
-    the kernel is compiled at the first step.
+    device) and, for cupy where some element is in a group, the uint8 row
+    index (one byte an element, read each step; otherwise it is made by the
+    first step that needs it); it does nothing else, and the kernels are
+    compiled at the first step.
     """
 
     def __init__(self, hp: AdamW, master: Array, send: Optional[Array], xp: Any,
-                 groups: Optional[Sequence[ParamGroup]] = None) -> None:
+                 groups: Optional[Sequence[ParamGroup]] = None,
+                 params: Optional[Sequence[tuple[int, int]]] = None) -> None:
         if not isinstance(hp, AdamW):
             raise TideInvalid(f"hp: expected an AdamW, got {type(hp).__name__}")
         if xp is not np and getattr(xp, "__name__", None) != "cupy":
@@ -378,17 +557,34 @@ class FusedAdamW:
         self._groups: tuple[ParamGroup, ...] = () if groups is None else tuple(groups)
         self._runs = group_runs(master.size, self._groups)
         self._hps = (hp, *(g.hp for g in self._groups))
-        self._group_index = self._build_group_index()
+        self._params = () if params is None else _check_params(master.size, params)
+        self._per_param = params is not None
+        self._pieces = arena_pieces(self._runs, _param_runs(master.size, self._params))
+        # [Note: absent gradients]: each parameter's lag, the implicit one's (0) last, and
+        # the row of each (group, lag) pair in use, keyed lag * num_groups + group.
+        self._lag = np.zeros(len(self._params) + 1, np.int64)
+        self._row_of_pair = {j: j for j in range(len(self._hps))}
+        self._index: Optional[Array] = None  # each element's row (cupy, where rows differ)
+        self._index_rows: Optional[np.ndarray] = None  # what it holds, per piece
+        # The last step's rows and its presence: the next step's too if its presence is
+        # the same, as no present parameter's lag has changed (dropped where lags move
+        # otherwise: load_state_dict).
+        self._last_rows: Optional[tuple[bytes, _Rows]] = None
+        self._last_runs: Optional[tuple[_Rows, list[Run]]] = None  # NumPy: its runs
         with self._device():
             self._exp_avg = xp.zeros(master.size, dtype=np.float32)
             self._exp_avg_sq = xp.zeros(master.size, dtype=np.float32)
-        self._kernel: Any = None  # compiled at the first cupy step
+            if xp is not np and (self._pieces.group != 0).any():
+                self._write_index(self._pieces.group.astype(np.uint8))  # the group index
+        self._kernels: dict[str, Any] = {}  # by name, fetched at their first launch
+        self._rows_dev: Any = None  # an eager step's rows past the by-value table
         self._norm: Any = None  # sum_squares' kernels (cupy), made at its first call
         self.coeff_dev: Any = None  # a captured step's coefficients (prepare_capture)
-        self._table_kernel: Any = None  # and the kernel that reads them
+        self._captured: Optional[_Captured] = None  # and what it reads
         self.captured_grad_scale: Optional[float] = None
         self.step_count = 0
-        """Steps taken; step ``k`` (1-based) uses bias corrections ``1 - beta**k``."""
+        """Steps taken (calls of :meth:`step`, and replays); a parameter's own count is
+        in :attr:`param_steps`."""
 
     @property
     def hp(self) -> AdamW:
@@ -407,6 +603,17 @@ class FusedAdamW:
         return len(self._hps)
 
     @property
+    def params(self) -> tuple[tuple[int, int], ...]:
+        """The parameters' element ranges, as given (none without ``params``)."""
+        return self._params
+
+    @property
+    def param_steps(self) -> np.ndarray:
+        """Each parameter's own step count, the steps it was present in (int64, one per
+        :attr:`params`, a copy): its next step's bias corrections use one more."""
+        return self.step_count - self._lag[:-1]
+
+    @property
     def exp_avg(self) -> Array:
         """The first moment (float32, the master's length), updated in place."""
         return self._exp_avg
@@ -419,9 +626,12 @@ class FusedAdamW:
     @property
     def table_layout(self) -> tuple[int, int, int]:
         """Where a captured step's ``grad_scale`` lies in :attr:`coeff_dev`: ``(rows,
-        width, field)``, its groups' rows, their width in floats and the field's index."""
+        width, field)``, the rows a captured step may read, their width in floats and the
+        field's index. ``rows`` is every row of the table (``MAX_ROWS``): a clip writes
+        them before the step it scales is issued, and that step picks its rows from
+        which parameters are present ([Note: absent gradients])."""
         fields = Coefficients._fields
-        return len(self._hps), len(fields), fields.index("grad_scale")
+        return MAX_ROWS, len(fields), fields.index("grad_scale")
 
     def sum_squares(self, grad: Array, *, stream: Any = None) -> float:
         """Sum of squares of this rank's fp32 gradient shard, accumulated in float64.
@@ -446,7 +656,8 @@ class FusedAdamW:
             return self._norm.sum_squares(grad, stream)
 
     def step(self, grad: Array, *, grad_scale: float = 1.0,
-             lr: Union[float, Sequence[float], None] = None, stream: Any = None) -> None:
+             lr: Union[float, Sequence[float], None] = None, stream: Any = None,
+             present: Optional[Sequence[bool]] = None) -> None:
         """One AdamW step: master, moments and send shard, in one pass.
 
         Args:
@@ -462,11 +673,18 @@ class FusedAdamW:
                 (:attr:`num_groups` of them).
             stream: cupy stream to enqueue on (None: the current one); ignored for
                 NumPy. See [Note: optimizer streams].
+            present: whether each parameter (of :attr:`params`) has a gradient this
+                step; None: every one. An absent one is skipped, as torch skips a
+                ``.grad`` of None: its master, moments and send elements keep their
+                bits, and its own step count stays ([Note: absent gradients]).
+                ``grad``'s elements there are not read.
 
         Raises:
             TideInvalid: ``grad`` does not match the master, ``grad_scale`` is not
-                a real number, or ``lr`` does not fit the above (each lr a finite
-                real >= 0).
+                a real number, ``lr`` does not fit the above (each lr a finite
+                real >= 0), ``present`` is not one bool per parameter, or the
+                step would need more than ``MAX_ROWS`` coefficient rows. Nothing
+                has changed then.
 
         See Also:
             ``kernels/adamw.cu`` (cupy), :func:`adamw_numpy` (NumPy).
@@ -475,26 +693,38 @@ class FusedAdamW:
         lrs = self._group_lrs(lr)
         if not _is_real(grad_scale):
             raise TideInvalid(f"grad_scale: expected a real number, got {grad_scale!r}")
-        cs = self._next_step(lrs, grad_scale)
+        mask = self._present(present)
+        rows = self._rows(mask)
+        self.step_count += 1
+        cs = self._coefficients(rows.pairs, lrs, float(grad_scale))
         if self._xp is not np:
-            self._step_cupy(grad, cs, stream)
-            return
-        for lo, hi, j in self._runs:  # no groups: one run, the whole arena
-            send = None if self._send is None else self._send[lo:hi]
-            adamw_numpy(self._master[lo:hi], self._exp_avg[lo:hi], self._exp_avg_sq[lo:hi],
-                        grad[lo:hi], send, cs[j])
+            if self._step_cupy(grad, rows, cs, float(grad_scale), mask, stream):
+                return  # captured: only the replays count ([Note: absent gradients])
+        else:
+            for lo, hi, r in self._host_runs(rows):  # one row: one run, the whole arena
+                send = None if self._send is None else self._send[lo:hi]
+                adamw_numpy(self._master[lo:hi], self._exp_avg[lo:hi], self._exp_avg_sq[lo:hi],
+                            grad[lo:hi], send, cs[r])
+        self._lag[~mask] += 1
 
     def state_dict(self) -> dict:
-        """``{"step": int, "exp_avg": array, "exp_avg_sq": array}``; the arrays are copies."""
-        return {"step": self.step_count, "exp_avg": self._exp_avg.copy(),
-                "exp_avg_sq": self._exp_avg_sq.copy()}
+        """``{"step": int, "exp_avg": array, "exp_avg_sq": array}``, and ``"param_steps"``
+        (:attr:`param_steps`) where ``params`` were given; the arrays are copies."""
+        state = {"step": self.step_count, "exp_avg": self._exp_avg.copy(),
+                 "exp_avg_sq": self._exp_avg_sq.copy()}
+        if self._per_param:
+            state["param_steps"] = self.param_steps
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Copy a :meth:`state_dict` into this optimizer's moments and step count.
+        """Copy a :meth:`state_dict` into this optimizer's moments and step counts.
 
         Args:
             state: ``step`` (int >= 0) and the two moments, each of the master's
-                length; NumPy or CuPy arrays, converted to float32.
+                length (NumPy or CuPy arrays, converted to float32); and
+                ``param_steps``, one integer in ``[0, step]`` per parameter, or
+                none: then every parameter's count is ``step`` (a state saved
+                before per-parameter counts, or without ``params``, loads so).
 
         Raises:
             TideInvalid: a key is missing or a value has the wrong type or length.
@@ -506,11 +736,63 @@ class FusedAdamW:
         step = state["step"]
         if not (_is_int(step) and step >= 0):
             raise TideInvalid(f"state['step']: expected an int >= 0, got {step!r}")
+        lag = self._loaded_lags(state.get("param_steps"), int(step))
         moments = [self._to_module(f"state[{k!r}]", state[k]) for k in ("exp_avg", "exp_avg_sq")]
         with self._device():
             self._xp.copyto(self._exp_avg, moments[0], casting="same_kind")
             self._xp.copyto(self._exp_avg_sq, moments[1], casting="same_kind")
         self.step_count = int(step)
+        self._lag, self._last_rows = lag, None
+
+    def prepare_capture(self) -> None:
+        """Make what a captured step reads, outside the capture: the device table of
+        coefficients, the row index (where the arena has more than one piece) and the
+        kernel ([Note: captured steps] in ``_graph``)."""
+        if self._xp is np or self.coeff_dev is not None:
+            return
+        with self._device():
+            self.coeff_dev = self._xp.zeros(MAX_ROWS * len(Coefficients._fields), np.float32)
+            if self._index is None and self._pieces.start.size > 1:
+                self._write_index(np.zeros(self._pieces.start.size, np.uint8))  # allocates
+            self._kernel(TABLE_KERNELS)
+
+    def stage_step(self, lr: Union[float, Sequence[float], None], grad_scale: float,
+                   stream: Any = None) -> None:
+        """Ready the next replay of the captured step, on ``stream``: a step of the
+        presence at the capture, whose row index (where it differs) and rows'
+        coefficients go to the device for the graph to read. Counts the step, as
+        :meth:`step` does: the parameters absent at the capture fall one more step
+        behind ([Note: absent gradients]).
+
+        Raises:
+            TideInvalid: no step was captured, ``lr`` does not fit :meth:`step`'s, the
+                rows outgrow ``MAX_ROWS``, or a capture without an index finds its
+                parameters' counts apart.
+        """
+        cap = self._captured
+        if cap is None:
+            raise TideInvalid("stage_step: expected a captured step (prepare_capture(), then "
+                              "step() inside a stream capture), got none")
+        lrs = self._group_lrs(lr)
+        rows = self._rows(cap.present)
+        pairs = rows.pairs
+        if not cap.indexed and pairs:  # the graph reads row 0 for every element
+            if not rows.one:
+                raise TideInvalid(
+                    "stage_step: expected the parameters present at the capture at one step "
+                    f"count (its kernel reads one coefficient row), got {len(pairs)} counts, "
+                    "as eager steps of another presence since left some behind: capture the "
+                    "step again")
+            pairs = {0: next(iter(pairs.values()))}
+        self.step_count += 1
+        cs = self._coefficients(pairs, lrs, float(grad_scale))
+        with self._device(), on_stream(stream):
+            if cap.indexed:
+                self._write_index(rows.pieces)
+            if cs:
+                table = _coeff_rows(cs, max(cs) + 1).ravel()
+                self.coeff_dev[:table.size].set(table, stream=self._xp.cuda.get_current_stream())
+        self._lag[~cap.present] += 1
 
     # -- private --------------------------------------------------------------------------
 
@@ -534,28 +816,126 @@ class FusedAdamW:
         ratio = float(lr) / self._hp.lr
         return (float(lr), *(h.lr * ratio for h in self._hps[1:]))
 
-    def _build_group_index(self) -> Optional[Array]:
-        """Each element's group as uint8 on the device; None for NumPy (which steps
-        run by run) or where every element is in the default group."""
-        if self._xp is np or all(j == 0 for _, _, j in self._runs):
-            return None
-        with self._device():
-            index = self._xp.zeros(self._master.size, dtype=np.uint8)
-            for lo, hi, j in self._runs:
-                if j:
-                    index[lo:hi] = j
-        return index
+    def _present(self, present: Any) -> np.ndarray:
+        """``step``'s ``present`` as a mask of the parameters, the implicit one (always
+        present) last."""
+        mask = np.ones(len(self._params) + 1, bool)
+        if present is None:
+            return mask
+        want = len(self._params)
+        if isinstance(present, (str, bytes)) or not hasattr(present, "__len__"):
+            raise TideInvalid(f"present: expected None or {want} bools (one per parameter), "
+                              f"got {type(present).__name__}")
+        if len(present) != want:
+            raise TideInvalid(f"present: expected None or {want} bools (one per parameter), "
+                              f"got {len(present)} values")
+        if not (isinstance(present, np.ndarray) and present.dtype == bool):
+            for i, x in enumerate(present):
+                if not isinstance(x, (bool, np.bool_)):
+                    raise TideInvalid(f"present[{i}]: expected a bool, got {x!r}")
+        mask[:-1] = np.asarray(present, bool)
+        return mask
 
-    def _step_cupy(self, grad: Array, cs: Sequence[Coefficients], stream: Any) -> None:
+    def _rows(self, mask: np.ndarray) -> _Rows:
+        """This step's rows: one per present ``(group, lag)`` pair, numbered as at the last
+        step where the pair was in use, a new pair the lowest free number ([Note: absent
+        gradients]). Raises before changing anything."""
+        presence = mask.tobytes()
+        if self._last_rows is not None and self._last_rows[0] == presence:
+            return self._last_rows[1]
+        pieces, width = self._pieces, len(self._hps)
+        on = mask[pieces.param]
+        keys = self._lag[pieces.param] * width + pieces.group
+        used = np.unique(keys[on])
+        if used.size > MAX_ROWS:
+            raise TideInvalid(
+                f"present: expected at most {MAX_ROWS} distinct (group, own step count) pairs "
+                f"among the present parameters (a coefficient row each), got {used.size}: "
+                "pass parameters with a zero gradient as present rather than leaving them out "
+                "(torch steps a zero .grad too), so that fewer counts drift apart, or use "
+                "fewer groups")
+        keep = set(used.tolist())
+        live = {k: r for k, r in self._row_of_pair.items() if k in keep}
+        free = iter(sorted(set(range(MAX_ROWS)) - set(live.values())))
+        for k in keep - set(live):
+            live[k] = next(free)
+        self._row_of_pair = live
+        number = np.array([live[k] for k in used.tolist()], np.uint8)
+        rows = np.full(on.size, SKIP, np.uint8)
+        rows[on] = number[np.searchsorted(used, keys[on])]
+        pairs = {live[k]: (k % width, k // width) for k in used.tolist()}
+        step_rows = _Rows(rows, pairs, len(pairs) == 1 and bool(on.all()))
+        self._last_rows = (presence, step_rows)
+        return step_rows
+
+    def _host_runs(self, rows: _Rows) -> list[Run]:
+        """The NumPy path's runs of one row for ``rows``, SKIP runs left out (kept while the
+        rows are)."""
+        if self._last_runs is None or self._last_runs[0] is not rows:
+            runs = [r for r in _row_runs(self._pieces, rows.pieces) if r[2] != SKIP]
+            self._last_runs = (rows, runs)
+        return self._last_runs[1]
+
+    def _coefficients(self, pairs: dict[int, tuple[int, int]], lrs: Sequence[float],
+                      grad_scale: float) -> dict[int, Coefficients]:
+        """Each row's coefficients at the current :attr:`step_count`: its group's, at the
+        group's lr and the row's own step count ``step_count - lag``."""
+        return {r: coefficients(self._hps[g], self.step_count - lag, lrs[g], grad_scale)
+                for r, (g, lag) in pairs.items()}
+
+    def _step_cupy(self, grad: Array, rows: _Rows, cs: dict[int, Coefficients],
+                   grad_scale: float, mask: np.ndarray, stream: Any) -> bool:
+        """Enqueue the step on ``stream``; True where it was captured instead."""
         import cupy
 
-        n = self._master.size
-        if n == 0:
+        with self._device(), on_stream(stream):
+            if cupy.cuda.get_current_stream().is_capturing():  # [Note: captured steps] in _graph
+                self._capture(grad, rows, grad_scale, mask)
+                return True
+            if self._master.size == 0 or not cs:
+                return False  # nothing present: nothing to do
+            if rows.one:  # one row: nine floats, as without groups
+                self._launch(KERNELS, grad, tuple(next(iter(cs.values()))))
+                return False
+            self._write_index(rows.pieces)
+            if max(cs) < MAX_GROUPS:  # the table goes by value: a step copies nothing
+                self._launch(GROUPED_KERNELS, grad, (self._index, _coeff_table(cs)))
+                return False
+            if self._rows_dev is None:
+                self._rows_dev = self._xp.zeros(MAX_ROWS * len(Coefficients._fields),
+                                                np.float32)
+            table = _coeff_rows(cs, max(cs) + 1).ravel()
+            self._rows_dev[:table.size].set(table, stream=cupy.cuda.get_current_stream())
+            self._launch(TABLE_KERNELS, grad, (self._index, self._rows_dev))
+        return False
+
+    def _capture(self, grad: Array, rows: _Rows, grad_scale: float, mask: np.ndarray) -> None:
+        """The step inside a capture: the table kernel, reading :attr:`coeff_dev` and, unless
+        every element has one row, the row index, which :meth:`stage_step` writes before
+        each replay (a capture runs nothing)."""
+        if self.coeff_dev is None:
+            raise TideInvalid("a captured optimizer step: expected prepare_capture() "
+                              "before the capture, got none")
+        self.captured_grad_scale = np.float32(grad_scale)
+        self._captured = _Captured(bool(rows.pairs) and not rows.one, mask)
+        if not rows.pairs or not self._master.size:  # nothing present: nothing to launch
             return
-        dev = self._master.device.id
-        if self._kernel is None:
-            names = KERNELS if self._group_index is None else GROUPED_KERNELS
-            self._kernel = _kernels.function("adamw.cu", names[self._kind], dev)
+        # Not one row: more than one piece, so prepare_capture made the index.
+        index = np.uint64(0) if rows.one else self._index
+        self._launch(TABLE_KERNELS, grad, (index, self.coeff_dev))
+
+    def _kernel(self, names: dict) -> Any:
+        """The kernel of ``names`` for this send dtype, fetched once."""
+        name = names[self._kind]
+        if name not in self._kernels:
+            self._kernels[name] = _kernels.function("adamw.cu", name, self._master.device.id)
+        return self._kernels[name]
+
+    def _launch(self, names: dict, grad: Array, coeffs: tuple) -> None:
+        """The kernel of ``names`` over the arena on the current stream, with ``coeffs``
+        after the arrays and the length."""
+        import cupy
+
         # bf16 and fp16 travel as raw 16-bit words: the kernel rounds them itself.
         if self._send is None:  # adamw_none ignores it: any float32 array will do
             send = self._master
@@ -563,45 +943,39 @@ class FusedAdamW:
             send = self._send
         else:
             send = self._send.view(cupy.uint16)
+        n = self._master.size
         blocks = min(-(-n // BLOCK), MAX_BLOCKS)
-        with self._device(), on_stream(stream):
-            if cupy.cuda.get_current_stream().is_capturing():  # [Note: captured steps] in _graph
-                if self._table_kernel is None:
-                    raise TideInvalid("a captured optimizer step: expected prepare_capture() "
-                                      "before the capture, got none")
-                index = np.uint64(0) if self._group_index is None else self._group_index
-                kernel, coeffs = self._table_kernel, (index, self.coeff_dev)
-                self.captured_grad_scale = cs[0].grad_scale
-            elif self._group_index is None:  # the default group only: nine floats
-                kernel, coeffs = self._kernel, tuple(cs[0])
-            else:  # the table goes by value, so a step copies nothing to the device
-                kernel, coeffs = self._kernel, (self._group_index, _coeff_table(cs))
-            kernel((blocks,), (BLOCK,), (self._master, self._exp_avg, self._exp_avg_sq,
-                                         grad, send, np.int64(n), *coeffs))
+        self._kernel(names)((blocks,), (BLOCK,), (self._master, self._exp_avg, self._exp_avg_sq,
+                                                 grad, send, np.int64(n), *coeffs))
 
-    def _next_step(self, lrs: Sequence[float], grad_scale: float) -> list[Coefficients]:
-        """Count one step; its coefficients, one set per group."""
-        self.step_count += 1
-        return [coefficients(h, self.step_count, x, float(grad_scale))
-                for h, x in zip(self._hps, lrs)]
+    def _write_index(self, rows: np.ndarray) -> None:
+        """Make the device row index hold ``rows`` (one per piece), on the current stream,
+        filling only the pieces whose row differs from what it holds (made, zero, at the
+        first call)."""
+        if self._index is None:
+            self._index = self._xp.zeros(self._master.size, dtype=np.uint8)
+            self._index_rows = np.zeros(rows.size, np.uint8)
+        changed = np.flatnonzero(self._index_rows != rows)
+        for lo, hi, r in _row_runs(self._pieces, rows, changed):
+            self._index[lo:hi] = r
+        self._index_rows[changed] = rows[changed]
 
-    def prepare_capture(self) -> None:
-        """Make what a captured step reads, outside the capture: the device table of
-        coefficients and its kernel ([Note: captured steps] in ``_graph``)."""
-        if self._xp is np or self.coeff_dev is not None:
-            return
-        with self._device():
-            self.coeff_dev = self._xp.zeros(_COEFF_TABLE.itemsize // 4, np.float32)
-            self._table_kernel = _kernels.function("adamw.cu", TABLE_KERNELS[self._kind],
-                                                   self._master.device.id)
-
-    def stage_step(self, lr: Union[float, Sequence[float], None], grad_scale: float,
-                   stream: Any = None) -> None:
-        """The next step's coefficients into the device table, on ``stream``, for a
-        replayed step to read; counts the step, as :meth:`step` does."""
-        table = _coeff_table(self._next_step(self._group_lrs(lr), grad_scale))
-        with self._device(), on_stream(stream):
-            self.coeff_dev.set(table.view(np.float32), stream=self._xp.cuda.get_current_stream())
+    def _loaded_lags(self, param_steps: Any, step: int) -> np.ndarray:
+        """The lags of a state's ``param_steps`` at ``step`` (all 0 where it is None)."""
+        lag = np.zeros(len(self._params) + 1, np.int64)
+        if param_steps is None:
+            return lag
+        got = np.asarray(param_steps.get() if hasattr(param_steps, "get") else param_steps)
+        want = len(self._params)
+        if not (got.ndim == 1 and got.size == want and (got.dtype.kind in "iu" or not got.size)
+                and ((got >= 0) & (got <= step)).all()):
+            what = f"{got.dtype} of shape {got.shape}"
+            if got.size and got.dtype.kind in "iuf":
+                what += f" in [{got.min()}, {got.max()}]"
+            raise TideInvalid(f"state['param_steps']: expected {want} integers in [0, {step}] "
+                              f"(one per parameter, none past the step), got {what}")
+        lag[:-1] = step - got
+        return lag
 
     def _device(self) -> Any:
         """Context with the master's GPU current (nothing for NumPy)."""
