@@ -192,45 +192,22 @@ class TideComm(UnitComm):
         return super().nbytes + sum(s.nbytes for s in self.slots)
 
     def gather(self, unit: int, k: int, stream: Any) -> Work:
-        return self._gather_plan(unit, k, self._graph_plans(stream))(stream=stream,
-                                                                     async_op=True)
-
-    def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
-        return self._reduce_plan(unit, k, out, self._graph_plans(stream))(stream=stream,
-                                                                          async_op=True)
-
-    def _gather_plan(self, unit: int, k: int, graph: bool) -> Any:
-        plan = self._gather_plans.get((unit, k, graph))
+        plan = self._gather_plans.get((unit, k))
         if plan is None:
-            if graph:  # its eager twin too, for calls inside a later capture
-                self._gather_plan(unit, k, False)
             cast = self.arena.send is None  # else the optimizer keeps param-dtype shards
             shards = self.arena.views(self.arena.master if cast else self.arena.send, unit)
-            plan = self._gather_plans[(unit, k, graph)] = self.units[unit].gather_plan(
-                shards, self.slots[k], cast=cast, graph=graph)
-        return plan
+            plan = self._gather_plans[(unit, k)] = self.units[unit].gather_plan(
+                shards, self.slots[k], cast=cast)
+        return plan(stream=stream, async_op=True)
 
-    def _reduce_plan(self, unit: int, k: int, out: Any, graph: bool) -> Any:
-        key = (unit, k, id(out), graph)
+    def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
+        key = (unit, k, id(out))
         plan = self._reduce_plans.get(key)
         if plan is None:
-            if graph:  # its eager twin too, for calls inside a later capture
-                self._reduce_plan(unit, k, out, False)
             plan = self._reduce_plans[key] = self.units[unit].reduce_plan(
                 self.grads(unit, k), self.arena.views(out, unit), op="sum",
-                staging=self.slots[k], graph=graph)
-        return plan
-
-    def _graph_plans(self, stream: Any) -> bool:
-        """Whether this call goes through a graph plan: on cuda, outside a stream capture
-        (a call's host time is then one graph launch: [Note: graph plans] in ``_plan``).
-        Inside a capture (a captured step) the eager plan is what the capture records
-        (built beside the graph plan, before any capture); the two take turns on the same
-        slots safely ([Note: graph order])."""
-        if self.xp is np:
-            return False
-        s = stream if stream is not None else self.xp.cuda.get_current_stream()
-        return not s.is_capturing()
+                staging=self.slots[k])
+        return plan(stream=stream, async_op=True)
 
 
 def comm_factory(comm: Any) -> Any:
