@@ -550,3 +550,32 @@ def test_expert_idle_on_some_ranks(group):
         failures.append(f"expected expert 3 idle on rank 0 and run on another, got forwards "
                         f"{ran} per rank")
     agree(group.comm, failures, "expert idle on some ranks")
+
+
+def test_resumed_state_keeps_each_parameters_step_count(group):
+    """After steps with expert 1 idle on every rank, a sharded state dict loaded into a
+    fresh wrapper of a fresh model carries each parameter's own step count: the two
+    continue with the same losses, bitwise, and the same counts."""
+    import numpy as np
+
+    from tidearray.fsdp import AdamW
+
+    seed = _seed(group)
+    model = _masked_moe(seed)
+    twin = copy.deepcopy(model)
+    sm = _wrap(model, list(model.model.layers), group, optimizer=AdamW(lr=LR, weight_decay=0.1))
+    _disable(model, {1})
+    _sharded(sm, model, group, seed, steps=3)
+    state = sm.state_dict(full=False)
+    resumed = _wrap(twin, list(twin.model.layers), group,
+                    optimizer=AdamW(lr=LR, weight_decay=0.1))
+    resumed.load_state_dict(state)
+    counts = [m.model.optimizer.param_steps for m in (sm, resumed)]
+    _disable(model, set())
+    _disable(twin, set())
+    a = _sharded(sm, model, group, seed + 1, steps=2)
+    b = _sharded(resumed, twin, group, seed + 1, steps=2)
+    failures = [] if a == b else [f"losses after resuming: {b} against {a}"]
+    if not np.array_equal(*counts) or counts[0].min() == counts[0].max():
+        failures.append(f"expected the same, unequal step counts, got {counts}")
+    agree(group.comm, failures, "resume keeps per-parameter step counts")

@@ -54,7 +54,8 @@ def save(model: Any, path: str) -> None:
         state = model.optimizer.state_dict()
         np.savez(_rank_file(path, comm.rank), master=_host(model.arena.master),
                  exp_avg=_host(state["exp_avg"]), exp_avg_sq=_host(state["exp_avg_sq"]),
-                 step=np.int64(state["step"]))
+                 step=np.int64(state["step"]),
+                 param_steps=np.asarray(state.get("param_steps", ()), np.int64))
     except OSError as e:
         error = f"cannot write {path!r}: {e}"
     _validate.check(model.group, "save", (), [error] if error else [])
@@ -88,9 +89,12 @@ def load(model: Any, path: str) -> None:
     xp = model.xp
     model.synchronize()
     model.arena.master[...] = xp.asarray(data["master"])
+    steps = data["param_steps"] if "param_steps" in data.files else None  # older files: none
     model.optimizer.load_state_dict({"step": int(data["step"]),
                                      "exp_avg": xp.asarray(data["exp_avg"]),
-                                     "exp_avg_sq": xp.asarray(data["exp_avg_sq"])})
+                                     "exp_avg_sq": xp.asarray(data["exp_avg_sq"]),
+                                     **({"param_steps": steps} if steps is not None
+                                        and steps.size else {})})
     model.arena.refresh_send()
 
 

@@ -131,7 +131,9 @@ def _optim_state(sm: ShardedModule, cpu: bool) -> dict:
     for what, flat in (("exp_avg", opt.exp_avg), ("exp_avg_sq", opt.exp_avg_sq)):
         moments[what] = {sm.names[u][k]: _copy(_rows(sm, model.arena.views(flat, u), u, k), cpu)
                          for u, k in _every_param(sm)}
-    return {"kind": "fused", "step": int(opt.step_count), **moments}
+    steps = opt.param_steps  # each parameter's own count (torch's per-parameter "step")
+    own = {sm.names[u][k]: int(steps[j]) for j, (u, k) in enumerate(_every_param(sm))}
+    return {"kind": "fused", "step": int(opt.step_count), "param_steps": own, **moments}
 
 
 def _gather(sm: ShardedModule, u: int, k: int, root: Optional[int], cpu: bool) -> Any:
@@ -336,7 +338,11 @@ def _load_optim(sm: ShardedModule, saved: Mapping) -> None:
     for what, flat in (("exp_avg", opt.exp_avg), ("exp_avg_sq", opt.exp_avg_sq)):
         for u, k in _every_param(sm):
             _write_rows(model, model.arena.views(flat, u)[k], saved[what][sm.names[u][k]])
-    opt.step_count = int(saved["step"])
+    step, own = int(saved["step"]), saved.get("param_steps")  # older states: every count step
+    steps = None if not isinstance(own, Mapping) else [
+        int(own.get(sm.names[u][k], step)) for u, k in _every_param(sm)]
+    opt.load_state_dict({"step": step, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq,
+                         **({"param_steps": steps} if steps is not None else {})})
 
 
 # -- helpers ---------------------------------------------------------------------------
