@@ -712,9 +712,14 @@ def _status(f: Figure) -> str:
 
 def _section(root: str, s: Section) -> list[str]:
     meta = Run(root, s.run).meta
+    # The harness was ``python -m tidearray.bench`` until it left the library: the record
+    # keeps the command that ran, the page says what runs it now.
+    moved = "tidearray.bench" in meta["command"]
+    now = (" (The harness was `python -m tidearray.bench` then; the same command is "
+           "`python -m benchmarks` now.)") if moved else ""
     out = [f"### {s.title} ({s.run}, {meta['machine']})", "",
            f"Record [`{RESULTS}/{s.run}`](../{RESULTS}/{s.run}/) at commit `{meta['commit']}`"
-           f", {meta['date']}, on `{meta['machine']}`. {s.about} Command:", "",
+           f", {meta['date']}, on `{meta['machine']}`. {s.about}{now} Command:", "",
            "```", *meta["command"].split("; "), "```", "",
            "| figure | goal | measured | status |", "| --- | --- | --- | --- |"]
     out += [f"| {f.what} | {f.goal} | {f.measured} | {_status(f)} |" for f in s.figures]

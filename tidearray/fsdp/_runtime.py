@@ -329,7 +329,7 @@ class ShardedModel:
 
     # -- the step -----------------------------------------------------------------
 
-    def step(self, lr: Optional[float] = None) -> Optional[float]:
+    def step(self, lr: Optional[float] = None) -> Any:
         """Average the accumulated gradients and run the fused AdamW on every shard.
 
         Args:

@@ -388,7 +388,7 @@ class ShardedModule:
 
     # -- the step -------------------------------------------------------------------------
 
-    def step(self, lr: Optional[float] = None) -> Optional[float]:
+    def step(self, lr: Optional[float] = None) -> Any:
         """Step the optimizer on every shard: the fused AdamW (see
         :meth:`ShardedModel.step`), or the torch optimizer ``optimizer=`` made.
 
