@@ -61,7 +61,45 @@ def _alive(token: str) -> list[str]:
     return [line for line in out.splitlines() if token in line and "ps -eo" not in line]
 
 
+SHM = Path("/dev/shm")
+
+
+def _segments() -> set[str]:
+    """MPICH's shared-memory segments now in /dev/shm."""
+    return {p.name for p in SHM.glob("mpich_shm_*")} if SHM.is_dir() else set()
+
+
+def _mapped() -> set[str]:
+    """Names of /dev/shm files some live process maps."""
+    names: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone, or not ours to read
+            continue
+        names.update(m.group(1) for m in re.finditer(r"/dev/shm/(\S+)", text))
+    return names
+
+
+def _remove_leftovers(before: set[str]) -> None:
+    """Unlink the segments this job made that no live process maps: a killed rank never
+    unlinks its own (MPICH's survivors do), and left there they pile up run after run."""
+    for name in _segments() - before - _mapped():
+        try:
+            (SHM / name).unlink()
+        except OSError:
+            pass
+
+
 def _run(backend: str, fault: str, **env: str) -> tuple[int, str, float]:
+    before = _segments()
+    try:
+        return _run_job(backend, fault, **env)
+    finally:
+        _remove_leftovers(before)
+
+
+def _run_job(backend: str, fault: str, **env: str) -> tuple[int, str, float]:
     token = f"tide-fault-{uuid.uuid4().hex[:8]}"
     env = dict(env, TIDE_TIMEOUT=str(TIMEOUT_S), PYTHONUNBUFFERED="1",
                TIDE_FAULT_BACKEND=backend)
