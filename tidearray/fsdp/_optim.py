@@ -13,7 +13,7 @@ torch.optim.AdamW's formulation (decoupled weight decay), per element in
 float32, every operation rounded to nearest even, where ``k`` is the step
 count of the element's parameter (1-based, this step included; without
 ``params`` every element's is :attr:`FusedAdamW.step_count`; see [Note:
-absent gradients]):
+absent gradients] in ``_rows``):
 
     g     = grad * grad_scale
     p     = master * decay                     decay     = 1 - lr * weight_decay
@@ -46,54 +46,6 @@ gradients, ``eps > 0``), except that -0.0 can become +0.0; its moments still
 advance. Both as in torch. NumPy runs :func:`adamw_numpy` once per run of
 one row; the kernel reads each element's row from a uint8 index array on the
 device (where the rows differ at all).
-
-[Note: absent gradients]
-torch.optim.AdamW steps only the parameters whose ``.grad`` is not None: one
-without keeps its value and moments, and its ``state['step']`` stays, so its
-later bias corrections use its own count. Given ``params`` (each parameter's
-element range), :meth:`FusedAdamW.step`'s ``present`` does the same: an
-absent parameter's master, moments and send elements keep their bits, and a
-present one's ``k`` is its own count. The elements in no range are one
-implicit parameter, present at every step.
-
-Each parameter keeps its lag ``d = step_count - (own count)``: 0 at the
-start, kept by a step it is present in, one more after each it misses. (So
-code that sets ``step_count``, a restored capture or a loaded checkpoint,
-moves every count with it.) A step's coefficient rows are the distinct
-``(group, d)`` pairs of the present parameters' elements, with ``k =
-step_count - d``; a pair keeps its row number while it stays in use, and a
-new pair takes the lowest free one (at the start group ``j`` at lag 0 has row
-``j``). More than :data:`MAX_ROWS` pairs in one step are refused. The arena
-is cut into pieces of one group and one parameter (:func:`arena_pieces`);
-each piece's row is its pair's, or :data:`SKIP` where its parameter is
-absent.
-
-* NumPy: :func:`adamw_numpy` over each run of pieces of one row; SKIP runs
-  are not touched.
-* cupy, eager: where every element has one row, no index: the nine-float
-  ``adamw_<send>`` kernel, the launch of an ungrouped step; where none
-  is present, no launch. Else a uint8 row index (one byte an element) on the
-  device, rewritten only for the pieces whose row changed since it was last
-  written (slice fills on the step's stream); the rows go by value to
-  ``adamw_grouped_<send>`` while every row number is below ``MAX_GROUPS``,
-  else into a device table (uploaded on the step's stream) for
-  ``adamw_table_<send>``. A SKIP element is neither read nor written. While
-  every parameter has been present at every step, the row numbers are the
-  group numbers: the index is the group index and the launches are those of
-  groups alone.
-* captured (``_graph``): a graph replays its launch as captured, so the
-  presence at the capture holds for every replay: the parameters present
-  then advance together, the absent ones stay skipped. The kernel
-  (``adamw_table_<send>``) reads the row index and the rows from device
-  memory, :attr:`FusedAdamW.coeff_dev`; :meth:`FusedAdamW.stage_step` makes
-  each replay a step of the captured presence: it takes that step's rows
-  from the lags as they are then (eager steps between replays may have moved
-  some), rewrites the index where it differs, writes each row's
-  coefficients, ``k = step_count - d``, and counts the step. Capturing
-  counts no step, so it changes no lag. Where the capture found one row for
-  every element it passes no index (row 0), as an ungrouped step does; a
-  replay whose present parameters no longer share one count (eager steps in
-  between left some behind) is refused: capture again.
 
 [Note: clipping]
 The global gradient norm spans every rank's shard, so the optimizer cannot
@@ -137,6 +89,7 @@ from .._errors import TideInvalid
 from ..backends.cuda import kernels as _kernels
 from ..backends.cuda.streams import on_stream
 from ._norm import GlobalNorm, host_sum_squares
+from ._rows import MAX_ROWS, Captured, RowPlan, Rows, Run, labelled_runs
 
 #: An array of the optimizer's array module (numpy.ndarray or cupy.ndarray).
 Array = Any
@@ -159,11 +112,6 @@ TABLE_KERNELS = {k: v.replace("adamw_", "adamw_table_") for k, v in KERNELS.item
 #: Most parameter groups, the default one included, and the rows of the by-value
 #: table: ``ADAMW_MAX_GROUPS`` in ``kernels/adamw.cu``.
 MAX_GROUPS = 16
-#: Most coefficient rows one step uses (distinct (group, lag) pairs; see [Note:
-#: absent gradients]), the rows of the device tables: ``ADAMW_MAX_ROWS``.
-MAX_ROWS = 254
-#: The row index of an element a step leaves alone: ``ADAMW_SKIP``.
-SKIP = 255
 
 
 def _is_real(value: Any) -> bool:
@@ -288,22 +236,6 @@ class ParamGroup:
         object.__setattr__(self, "ranges", tuple((int(a), int(b)) for a, b in self.ranges))
 
 
-#: A run of the arena: elements ``[start, stop)`` that all share one label (a group, a
-#: parameter or a row).
-Run = tuple[int, int, int]
-
-
-def _append_run(runs: list[Run], start: int, stop: int, group: int) -> None:
-    """Append ``[start, stop)`` of ``group`` (a label), merged into the last run where it
-    continues it."""
-    if start >= stop:
-        return
-    if runs and runs[-1][1] == start and runs[-1][2] == group:
-        runs[-1] = (runs[-1][0], stop, group)
-    else:
-        runs.append((start, stop, group))
-
-
 def group_runs(size: int, groups: Sequence[ParamGroup]) -> tuple[Run, ...]:
     """The arena ``[0, size)`` as maximal runs ``(start, stop, group)``, in order.
 
@@ -326,23 +258,14 @@ def group_runs(size: int, groups: Sequence[ParamGroup]) -> tuple[Run, ...]:
                 raise TideInvalid(f"groups[{j}].ranges: expected ranges inside the arena "
                                   f"[0, {size}), got {r}")
     spans = sorted((a, b, j) for j, g in enumerate(groups, start=1) for a, b in g.ranges if a < b)
-    runs: list[Run] = []
-    pos, owner = 0, 0
-    for a, b, j in spans:
-        if a < pos:  # sorted by start, so only the span before can overlap this one
-            raise TideInvalid(f"groups[{j - 1}].ranges: expected ranges that overlap no other, "
-                              f"got {(a, b)}, which overlaps a range of groups[{owner - 1}] "
-                              f"ending at {pos}")
-        _append_run(runs, pos, a, 0)
-        _append_run(runs, a, b, j)
-        pos, owner = b, j
-    _append_run(runs, pos, size, 0)
-    return tuple(runs)
+    return tuple(labelled_runs(size, spans, 0, lambda span, owner, end: (
+        f"groups[{span[2] - 1}].ranges: expected ranges that overlap no other, got "
+        f"{span[:2]}, which overlaps a range of groups[{owner - 1}] ending at {end}")))
 
 
 def _check_params(size: int, params: Any) -> tuple[tuple[int, int], ...]:
     """``params`` as plain ``(start, stop)`` pairs inside ``[0, size)`` (overlaps are
-    found by :func:`arena_pieces`)."""
+    found by :class:`RowPlan`)."""
     if not isinstance(params, Sequence) or isinstance(params, str):
         raise TideInvalid(f"params: expected None or a sequence of (start, stop), got "
                           f"{type(params).__name__}")
@@ -352,64 +275,6 @@ def _check_params(size: int, params: Any) -> tuple[tuple[int, int], ...]:
             raise TideInvalid(f"params[{i}]: expected (start, stop), integers with 0 <= "
                               f"start <= stop <= {size} (the arena's length), got {r!r}")
     return tuple((int(a), int(b)) for a, b in params)
-
-
-def _param_runs(size: int, params: Sequence[tuple[int, int]]) -> list[Run]:
-    """``[0, size)`` as runs ``(start, stop, i)`` of parameter ``i``; the elements in no
-    range are labelled ``len(params)`` (the implicit parameter)."""
-    spans = sorted((a, b, i) for i, (a, b) in enumerate(params) if a < b)
-    runs: list[Run] = []
-    pos, owner = 0, -1
-    for a, b, i in spans:
-        if a < pos:  # sorted by start, so only the span before can overlap this one
-            raise TideInvalid(f"params[{i}]: expected a range that overlaps no other, got "
-                              f"{(a, b)}, which overlaps params[{owner}] = {params[owner]}")
-        _append_run(runs, pos, a, len(params))
-        _append_run(runs, a, b, i)
-        pos, owner = b, i
-    _append_run(runs, pos, size, len(params))
-    return runs
-
-
-class Pieces(NamedTuple):
-    """The arena cut wherever its group or its parameter changes (see [Note: absent
-    gradients]): piece ``k`` is elements ``[start[k], stop[k])``, all of group
-    ``group[k]`` and of parameter ``param[k]`` (``len(params)``: the implicit one).
-    int64 arrays, the pieces in arena order, none empty."""
-
-    start: np.ndarray
-    stop: np.ndarray
-    group: np.ndarray
-    param: np.ndarray
-
-
-def arena_pieces(groups: Sequence[Run], params: Sequence[Run]) -> Pieces:
-    """The pieces of two runs of one arena: :func:`group_runs`' and the parameters'."""
-    cut: list[tuple[int, int, int, int]] = []
-    i = j = 0
-    while i < len(groups) and j < len(params):
-        (a0, a1, g), (b0, b1, p) = groups[i], params[j]
-        lo, hi = max(a0, b0), min(a1, b1)
-        if lo < hi:
-            cut.append((lo, hi, g, p))
-        if a1 <= b1:
-            i += 1
-        else:
-            j += 1
-    table = np.array(cut, np.int64).reshape(-1, 4)
-    return Pieces(*(np.ascontiguousarray(table[:, c]) for c in range(4)))
-
-
-def _row_runs(pieces: Pieces, rows: np.ndarray, which: Optional[np.ndarray] = None
-              ) -> list[Run]:
-    """``(start, stop, row)`` runs of consecutive pieces (of ``which``, every one if None)
-    that share a row."""
-    ks = range(rows.size) if which is None else which.tolist()
-    start, stop, row = pieces.start.tolist(), pieces.stop.tolist(), rows.tolist()
-    runs: list[Run] = []
-    for k in ks:
-        _append_run(runs, start[k], stop[k], row[k])
-    return runs
 
 
 #: The kernel argument ``CoeffTable`` of ``kernels/adamw.cu``: ``MAX_GROUPS`` rows
@@ -437,26 +302,6 @@ def _coeff_table(cs: dict[int, Coefficients]) -> np.ndarray:
     table = np.zeros(1, _COEFF_TABLE)
     table["c"][0] = _coeff_rows(cs, MAX_GROUPS)
     return table
-
-
-class _Rows(NamedTuple):
-    """One step's rows ([Note: absent gradients])."""
-
-    pieces: np.ndarray
-    """Each piece's row (uint8), :data:`SKIP` where its parameter is absent."""
-    pairs: dict[int, tuple[int, int]]
-    """Each row in use: its ``(group, lag)``."""
-    one: bool
-    """Whether every element has the same row (one pair, nothing skipped)."""
-
-
-class _Captured(NamedTuple):
-    """What a captured step fixes for its replays ([Note: absent gradients])."""
-
-    indexed: bool
-    """Whether its kernel reads the row index (else row 0 of ``coeff_dev`` for all)."""
-    present: np.ndarray
-    """Which parameters it steps (the implicit one last)."""
 
 
 def clip_scale(total_norm: float, max_norm: Optional[float]) -> float:
@@ -524,8 +369,8 @@ class FusedAdamW:
             implicit, parameter, present at every step. Given, each parameter
             keeps its own step count and :meth:`step` takes ``present``, as
             torch.optim.AdamW skips a parameter without a gradient ([Note:
-            absent gradients]). None: no per-parameter counts, bitwise as
-            before.
+            absent gradients] in ``_rows``). None: no per-parameter counts,
+            bitwise as before.
 
     Raises:
         TideInvalid: an argument does not fit the above.
@@ -559,18 +404,10 @@ class FusedAdamW:
         self._hps = (hp, *(g.hp for g in self._groups))
         self._params = () if params is None else _check_params(master.size, params)
         self._per_param = params is not None
-        self._pieces = arena_pieces(self._runs, _param_runs(master.size, self._params))
-        # [Note: absent gradients]: each parameter's lag, the implicit one's (0) last, and
-        # the row of each (group, lag) pair in use, keyed lag * num_groups + group.
-        self._lag = np.zeros(len(self._params) + 1, np.int64)
-        self._row_of_pair = {j: j for j in range(len(self._hps))}
+        # [Note: absent gradients] in _rows: the lags, each step's rows and the index fills.
+        self._plan = RowPlan(master.size, self._runs, len(self._hps), self._params)
+        self._pieces = self._plan.pieces
         self._index: Optional[Array] = None  # each element's row (cupy, where rows differ)
-        self._index_rows: Optional[np.ndarray] = None  # what it holds, per piece
-        # The last step's rows and its presence: the next step's too if its presence is
-        # the same, as no present parameter's lag has changed (dropped where lags move
-        # otherwise: load_state_dict).
-        self._last_rows: Optional[tuple[bytes, _Rows]] = None
-        self._last_runs: Optional[tuple[_Rows, list[Run]]] = None  # NumPy: its runs
         with self._device():
             self._exp_avg = xp.zeros(master.size, dtype=np.float32)
             self._exp_avg_sq = xp.zeros(master.size, dtype=np.float32)
@@ -580,7 +417,7 @@ class FusedAdamW:
         self._rows_dev: Any = None  # an eager step's rows past the by-value table
         self._norm: Any = None  # sum_squares' kernels (cupy), made at its first call
         self.coeff_dev: Any = None  # a captured step's coefficients (prepare_capture)
-        self._captured: Optional[_Captured] = None  # and what it reads
+        self._captured: Optional[Captured] = None  # and what it reads
         self.captured_grad_scale: Optional[float] = None
         self.step_count = 0
         """Steps taken (calls of :meth:`step`, and replays); a parameter's own count is
@@ -611,7 +448,12 @@ class FusedAdamW:
     def param_steps(self) -> np.ndarray:
         """Each parameter's own step count, the steps it was present in (int64, one per
         :attr:`params`, a copy): its next step's bias corrections use one more."""
-        return self.step_count - self._lag[:-1]
+        return self._plan.own_steps(self.step_count)
+
+    @property
+    def _row_of_pair(self) -> dict[int, int]:
+        """The row of each (group, lag) pair in use (:attr:`RowPlan.row_of_pair`)."""
+        return self._plan.row_of_pair
 
     @property
     def exp_avg(self) -> Array:
@@ -629,7 +471,7 @@ class FusedAdamW:
         width, field)``, the rows a captured step may read, their width in floats and the
         field's index. ``rows`` is every row of the table (``MAX_ROWS``): a clip writes
         them before the step it scales is issued, and that step picks its rows from
-        which parameters are present ([Note: absent gradients])."""
+        which parameters are present ([Note: absent gradients] in ``_rows``)."""
         fields = Coefficients._fields
         return MAX_ROWS, len(fields), fields.index("grad_scale")
 
@@ -676,8 +518,8 @@ class FusedAdamW:
             present: whether each parameter (of :attr:`params`) has a gradient this
                 step; None: every one. An absent one is skipped, as torch skips a
                 ``.grad`` of None: its master, moments and send elements keep their
-                bits, and its own step count stays ([Note: absent gradients]).
-                ``grad``'s elements there are not read.
+                bits, and its own step count stays ([Note: absent gradients] in
+                ``_rows``). ``grad``'s elements there are not read.
 
         Raises:
             TideInvalid: ``grad`` does not match the master, ``grad_scale`` is not
@@ -693,19 +535,19 @@ class FusedAdamW:
         lrs = self._group_lrs(lr)
         if not _is_real(grad_scale):
             raise TideInvalid(f"grad_scale: expected a real number, got {grad_scale!r}")
-        mask = self._present(present)
-        rows = self._rows(mask)
+        mask = self._plan.mask(present)
+        rows = self._plan.rows(mask)
         self.step_count += 1
         cs = self._coefficients(rows.pairs, lrs, float(grad_scale))
         if self._xp is not np:
             if self._step_cupy(grad, rows, cs, float(grad_scale), mask, stream):
                 return  # captured: only the replays count ([Note: absent gradients])
         else:
-            for lo, hi, r in self._host_runs(rows):  # one row: one run, the whole arena
+            for lo, hi, r in self._plan.host_runs(rows):  # one row: one run, the whole arena
                 send = None if self._send is None else self._send[lo:hi]
                 adamw_numpy(self._master[lo:hi], self._exp_avg[lo:hi], self._exp_avg_sq[lo:hi],
                             grad[lo:hi], send, cs[r])
-        self._lag[~mask] += 1
+        self._plan.advance(mask)
 
     def state_dict(self) -> dict:
         """``{"step": int, "exp_avg": array, "exp_avg_sq": array}``, and ``"param_steps"``
@@ -736,13 +578,13 @@ class FusedAdamW:
         step = state["step"]
         if not (_is_int(step) and step >= 0):
             raise TideInvalid(f"state['step']: expected an int >= 0, got {step!r}")
-        lag = self._loaded_lags(state.get("param_steps"), int(step))
+        lag = self._plan.checked_lags(state.get("param_steps"), int(step))
         moments = [self._to_module(f"state[{k!r}]", state[k]) for k in ("exp_avg", "exp_avg_sq")]
         with self._device():
             self._xp.copyto(self._exp_avg, moments[0], casting="same_kind")
             self._xp.copyto(self._exp_avg_sq, moments[1], casting="same_kind")
         self.step_count = int(step)
-        self._lag, self._last_rows = lag, None
+        self._plan.set_lags(lag)
 
     def prepare_capture(self) -> None:
         """Make what a captured step reads, outside the capture: the device table of
@@ -762,7 +604,7 @@ class FusedAdamW:
         presence at the capture, whose row index (where it differs) and rows'
         coefficients go to the device for the graph to read. Counts the step, as
         :meth:`step` does: the parameters absent at the capture fall one more step
-        behind ([Note: absent gradients]).
+        behind ([Note: absent gradients] in ``_rows``).
 
         Raises:
             TideInvalid: no step was captured, ``lr`` does not fit :meth:`step`'s, the
@@ -774,16 +616,8 @@ class FusedAdamW:
             raise TideInvalid("stage_step: expected a captured step (prepare_capture(), then "
                               "step() inside a stream capture), got none")
         lrs = self._group_lrs(lr)
-        rows = self._rows(cap.present)
-        pairs = rows.pairs
-        if not cap.indexed and pairs:  # the graph reads row 0 for every element
-            if not rows.one:
-                raise TideInvalid(
-                    "stage_step: expected the parameters present at the capture at one step "
-                    f"count (its kernel reads one coefficient row), got {len(pairs)} counts, "
-                    "as eager steps of another presence since left some behind: capture the "
-                    "step again")
-            pairs = {0: next(iter(pairs.values()))}
+        rows = self._plan.rows(cap.present)
+        pairs = cap.pairs(rows)
         self.step_count += 1
         cs = self._coefficients(pairs, lrs, float(grad_scale))
         with self._device(), on_stream(stream):
@@ -792,7 +626,7 @@ class FusedAdamW:
             if cs:
                 table = _coeff_rows(cs, max(cs) + 1).ravel()
                 self.coeff_dev[:table.size].set(table, stream=self._xp.cuda.get_current_stream())
-        self._lag[~cap.present] += 1
+        self._plan.advance(cap.present)
 
     # -- private --------------------------------------------------------------------------
 
@@ -816,66 +650,6 @@ class FusedAdamW:
         ratio = float(lr) / self._hp.lr
         return (float(lr), *(h.lr * ratio for h in self._hps[1:]))
 
-    def _present(self, present: Any) -> np.ndarray:
-        """``step``'s ``present`` as a mask of the parameters, the implicit one (always
-        present) last."""
-        mask = np.ones(len(self._params) + 1, bool)
-        if present is None:
-            return mask
-        want = len(self._params)
-        if isinstance(present, (str, bytes)) or not hasattr(present, "__len__"):
-            raise TideInvalid(f"present: expected None or {want} bools (one per parameter), "
-                              f"got {type(present).__name__}")
-        if len(present) != want:
-            raise TideInvalid(f"present: expected None or {want} bools (one per parameter), "
-                              f"got {len(present)} values")
-        if not (isinstance(present, np.ndarray) and present.dtype == bool):
-            for i, x in enumerate(present):
-                if not isinstance(x, (bool, np.bool_)):
-                    raise TideInvalid(f"present[{i}]: expected a bool, got {x!r}")
-        mask[:-1] = np.asarray(present, bool)
-        return mask
-
-    def _rows(self, mask: np.ndarray) -> _Rows:
-        """This step's rows: one per present ``(group, lag)`` pair, numbered as at the last
-        step where the pair was in use, a new pair the lowest free number ([Note: absent
-        gradients]). Raises before changing anything."""
-        presence = mask.tobytes()
-        if self._last_rows is not None and self._last_rows[0] == presence:
-            return self._last_rows[1]
-        pieces, width = self._pieces, len(self._hps)
-        on = mask[pieces.param]
-        keys = self._lag[pieces.param] * width + pieces.group
-        used = np.unique(keys[on])
-        if used.size > MAX_ROWS:
-            raise TideInvalid(
-                f"present: expected at most {MAX_ROWS} distinct (group, own step count) pairs "
-                f"among the present parameters (a coefficient row each), got {used.size}: "
-                "pass parameters with a zero gradient as present rather than leaving them out "
-                "(torch steps a zero .grad too), so that fewer counts drift apart, or use "
-                "fewer groups")
-        keep = set(used.tolist())
-        live = {k: r for k, r in self._row_of_pair.items() if k in keep}
-        free = iter(sorted(set(range(MAX_ROWS)) - set(live.values())))
-        for k in keep - set(live):
-            live[k] = next(free)
-        self._row_of_pair = live
-        number = np.array([live[k] for k in used.tolist()], np.uint8)
-        rows = np.full(on.size, SKIP, np.uint8)
-        rows[on] = number[np.searchsorted(used, keys[on])]
-        pairs = {live[k]: (k % width, k // width) for k in used.tolist()}
-        step_rows = _Rows(rows, pairs, len(pairs) == 1 and bool(on.all()))
-        self._last_rows = (presence, step_rows)
-        return step_rows
-
-    def _host_runs(self, rows: _Rows) -> list[Run]:
-        """The NumPy path's runs of one row for ``rows``, SKIP runs left out (kept while the
-        rows are)."""
-        if self._last_runs is None or self._last_runs[0] is not rows:
-            runs = [r for r in _row_runs(self._pieces, rows.pieces) if r[2] != SKIP]
-            self._last_runs = (rows, runs)
-        return self._last_runs[1]
-
     def _coefficients(self, pairs: dict[int, tuple[int, int]], lrs: Sequence[float],
                       grad_scale: float) -> dict[int, Coefficients]:
         """Each row's coefficients at the current :attr:`step_count`: its group's, at the
@@ -883,7 +657,7 @@ class FusedAdamW:
         return {r: coefficients(self._hps[g], self.step_count - lag, lrs[g], grad_scale)
                 for r, (g, lag) in pairs.items()}
 
-    def _step_cupy(self, grad: Array, rows: _Rows, cs: dict[int, Coefficients],
+    def _step_cupy(self, grad: Array, rows: Rows, cs: dict[int, Coefficients],
                    grad_scale: float, mask: np.ndarray, stream: Any) -> bool:
         """Enqueue the step on ``stream``; True where it was captured instead."""
         import cupy
@@ -909,7 +683,7 @@ class FusedAdamW:
             self._launch(TABLE_KERNELS, grad, (self._index, self._rows_dev))
         return False
 
-    def _capture(self, grad: Array, rows: _Rows, grad_scale: float, mask: np.ndarray) -> None:
+    def _capture(self, grad: Array, rows: Rows, grad_scale: float, mask: np.ndarray) -> None:
         """The step inside a capture: the table kernel, reading :attr:`coeff_dev` and, unless
         every element has one row, the row index, which :meth:`stage_step` writes before
         each replay (a capture runs nothing)."""
@@ -917,7 +691,7 @@ class FusedAdamW:
             raise TideInvalid("a captured optimizer step: expected prepare_capture() "
                               "before the capture, got none")
         self.captured_grad_scale = np.float32(grad_scale)
-        self._captured = _Captured(bool(rows.pairs) and not rows.one, mask)
+        self._captured = Captured(bool(rows.pairs) and not rows.one, mask)
         if not rows.pairs or not self._master.size:  # nothing present: nothing to launch
             return
         # Not one row: more than one piece, so prepare_capture made the index.
@@ -954,28 +728,8 @@ class FusedAdamW:
         first call)."""
         if self._index is None:
             self._index = self._xp.zeros(self._master.size, dtype=np.uint8)
-            self._index_rows = np.zeros(rows.size, np.uint8)
-        changed = np.flatnonzero(self._index_rows != rows)
-        for lo, hi, r in _row_runs(self._pieces, rows, changed):
+        for lo, hi, r in self._plan.index_fills(rows):
             self._index[lo:hi] = r
-        self._index_rows[changed] = rows[changed]
-
-    def _loaded_lags(self, param_steps: Any, step: int) -> np.ndarray:
-        """The lags of a state's ``param_steps`` at ``step`` (all 0 where it is None)."""
-        lag = np.zeros(len(self._params) + 1, np.int64)
-        if param_steps is None:
-            return lag
-        got = np.asarray(param_steps.get() if hasattr(param_steps, "get") else param_steps)
-        want = len(self._params)
-        if not (got.ndim == 1 and got.size == want and (got.dtype.kind in "iu" or not got.size)
-                and ((got >= 0) & (got <= step)).all()):
-            what = f"{got.dtype} of shape {got.shape}"
-            if got.size and got.dtype.kind in "iuf":
-                what += f" in [{got.min()}, {got.max()}]"
-            raise TideInvalid(f"state['param_steps']: expected {want} integers in [0, {step}] "
-                              f"(one per parameter, none past the step), got {what}")
-        lag[:-1] = step - got
-        return lag
 
     def _device(self) -> Any:
         """Context with the master's GPU current (nothing for NumPy)."""
