@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from tidearray._work import Work
+from tidearray.backends.cuda.streams import on_stream
 from tidearray.fsdp._comm import UnitComm, _Ready
-from tidearray.fsdp._optim import on_stream
 
 
 class LocalComm(UnitComm):

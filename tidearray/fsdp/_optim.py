@@ -88,7 +88,7 @@ from .. import _dtypes
 from .._errors import TideInvalid
 from ..backends.cuda import kernels as _kernels
 from ..backends.cuda.streams import on_stream
-from ._norm import GlobalNorm, host_sum_squares
+from ._norm import HOST_CHUNK, GlobalNorm, host_sum_squares
 from ._rows import MAX_ROWS, Captured, RowPlan, Rows, Run, labelled_runs
 
 #: An array of the optimizer's array module (numpy.ndarray or cupy.ndarray).
@@ -99,8 +99,6 @@ BLOCK = 256
 #: Most blocks per launch (the grid-stride loop covers the rest): far more than
 #: enough resident threads to saturate memory on any current GPU.
 MAX_BLOCKS = 65535
-#: Elements per pass of the NumPy path: its temporaries stay in cache.
-HOST_CHUNK = 1 << 16
 #: Kernel per send dtype.
 KERNELS = {"bfloat16": "adamw_bf16", "float16": "adamw_f16", "float32": "adamw_f32",
            None: "adamw_none"}

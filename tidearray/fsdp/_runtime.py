@@ -68,10 +68,11 @@ import numpy as np
 from .. import _dtypes
 from .._errors import TideInvalid
 from .._group import Group, default_group
+from ..backends.cuda.streams import on_stream
 from ._comm import UnitComm, comm_factory
 from ._lifecycle import State, UnitLifecycle, UseToken
 from ._norm import GlobalNorm
-from ._optim import AdamW, FusedAdamW, ParamGroup, clip_scale, on_stream
+from ._optim import AdamW, FusedAdamW, ParamGroup, clip_scale
 from ._shards import ShardArena, arena_layout
 from ._slots import SlotTable
 

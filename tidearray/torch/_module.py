@@ -180,7 +180,7 @@ class ShardedModule:
                                 if p.requires_grad]
         # Dynamo-free wrappers of what autograd calls each backward, made once.
         self._end_backward_eager = _outside_compile(self._end_backward)
-        self.use_done_eager = _outside_compile(self.model.use_done)
+        self._use_done_eager = _outside_compile(self.model.use_done)
         self._output_hooks = [_outside_compile(functools.partial(self._output_grad, u))
                               for u in range(len(self.units))]
         self._hooks = self._register()
@@ -436,7 +436,7 @@ class ShardedModule:
         device array), as a torch tensor on the same memory."""
         if norm is None or isinstance(norm, float):
             return norm
-        from ..fsdp._optim import on_stream
+        from ..backends.cuda.streams import on_stream
 
         # With CuPy's current stream the capturing one, the DLPack exchange orders
         # nothing (the same stream on both sides); from another stream it would make
@@ -560,7 +560,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.owner.use_done_eager(ctx.u, ctx.use)
+        ctx.owner._use_done_eager(ctx.u, ctx.use)
         return (None, None, None) + grads
 
 
