@@ -60,8 +60,6 @@ class SlotTable:
         """Gather unit ``i`` now (into its slot, taken from a unit that may give it up)."""
         if i in self.gathered:
             return
-        if i in self.deferred:
-            self.deferred.remove(i)
         k = self.slot(i)
         if k not in self.free:
             holder = self._holder(k)
@@ -75,6 +73,8 @@ class SlotTable:
                     f"num_slots={self.num_units} (one per unit), or keep no forward's output "
                     "alive that never runs a backward")
             self.release(holder, issue_deferred=False)
+        if i in self.deferred:  # only now: a refused gather changes nothing
+            self.deferred.remove(i)
         self.free.remove(k)
         self.gathered[i] = (k, self._gather(i, k))
 

@@ -1,0 +1,119 @@
+"""The unit lifecycle's bookkeeping and the slot table, alone: no ranks, no arrays.
+
+``UnitLifecycle`` ([Note: unit lifecycle] in ``tidearray/fsdp/_lifecycle.py``) and
+``SlotTable`` ([Note: slots] in ``tidearray/fsdp/_slots.py``) are pure bookkeeping; the
+multi-rank tests (``tests/mpi/test_lifecycle.py``) check what training does with them.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from tidearray import TideInvalid
+from tidearray.fsdp._lifecycle import BLIND, State, UnitLifecycle, UseToken
+from tidearray.fsdp._slots import SlotTable
+
+
+def test_uses_keep_a_unit_in_forward_until_its_backward_opens():
+    life = UnitLifecycle([[True], [True, False]])
+    life.use(1, None)
+    life.use(1, None)  # a second use is a use, not a new pass
+    assert life.state == [State.IDLE, State.FORWARD]
+    assert not life.in_backward
+    life.open(1)
+    assert life.state[1] is State.BACKWARD and life.in_backward
+    life.close(1, [True, True])
+    assert life.state[1] is State.DONE
+    life.end_pass()
+    assert life.state == [State.IDLE, State.IDLE] and not life.in_backward
+
+
+def test_a_unit_closes_when_no_use_token_is_pending():
+    life = UnitLifecycle([[True]])
+    first, second = UseToken(), UseToken()
+    life.use(0, first)
+    life.use(0, second)
+    life.open(0)
+    life.use_done(0, second)
+    assert not life.may_close(0)  # the first use's backward is still to come
+    life.use_done(0, first)
+    assert life.may_close(0)
+
+
+def test_a_discarded_forward_is_not_waited_for():
+    """Tokens are held weakly: a forward whose graph is gone leaves nothing pending."""
+    life = UnitLifecycle([[True]])
+    kept, dropped = UseToken(), UseToken()
+    life.use(0, kept)
+    life.use(0, dropped)
+    del dropped
+    gc.collect()
+    life.open(0)
+    life.use_done(0, kept)
+    assert life.may_close(0)
+
+
+def test_a_blind_use_or_a_recompute_closes_only_from_outside():
+    life = UnitLifecycle([[True], [True]])
+    life.use(0, BLIND)  # no input needs a gradient: its backward's end is not seen
+    life.open(0)
+    assert not life.may_close(0)
+    life.open(1)  # opened with no forward in this pass (a reentrant recompute)
+    assert not life.may_close(1)
+
+
+def test_gradients_present_are_those_written_and_trained():
+    life = UnitLifecycle([[True, False, True], [True]])
+    life.use(0, None)
+    life.open(0)
+    assert life.write(0, 2) and not life.write(0, 2)  # the second is not the first
+    life.close(0, life.written[0])
+    life.open(1)
+    life.close(1, None)  # a front end that writes every gradient
+    assert life.end_step().tolist() == [0, 0, 1, 1]
+    assert life.end_step().tolist() == [0, 0, 0, 0]  # cleared for the next step
+
+
+def test_release_forgets_a_forward_with_no_backward():
+    life = UnitLifecycle([[True], [True]])
+    life.use(0, None)
+    life.use(1, None)
+    life.forget_forward()
+    assert life.state == [State.IDLE, State.IDLE] and not life.running
+
+
+class _Table:
+    """A SlotTable over 4 units and 2 slots, recording gathers and releases."""
+
+    def __init__(self, busy: set) -> None:
+        self.busy, self.log = busy, []
+        self.slots = SlotTable(4, 2, False, self.gather, lambda u: u not in self.busy,
+                               lambda u: self.log.append(("release", u)),
+                               lambda u: f"unit {u} (layer{u}.w, ...)")
+
+    def gather(self, i: int, k: int) -> str:
+        self.log.append(("gather", i, k))
+        return f"work {i}"
+
+
+def test_a_unit_not_in_use_gives_its_slot_up():
+    t = _Table(busy=set())
+    t.slots.ensure(0)
+    t.slots.ensure(2)  # unit 2 shares slot 0 with unit 0, which is idle
+    assert t.log == [("gather", 0, 0), ("release", 0), ("gather", 2, 0)]
+    assert set(t.slots.gathered) == {2}
+
+
+def test_a_prefetch_waits_for_a_slot_in_use_and_a_demand_fails_on_every_rank_alike():
+    t = _Table(busy={0})
+    t.slots.ensure(0)
+    t.slots.prefetch(2)  # unit 0 is running: deferred, issued when its slot is released
+    assert t.slots.deferred == [2]
+    with pytest.raises(TideInvalid, match=r"unit 2 \(layer2\.w.*unit 0 \(layer0\.w.*"
+                                          r"num_slots=4"):
+        t.slots.ensure(2)
+    t.busy.clear()
+    t.slots.release(0)
+    assert t.log[-2:] == [("release", 0), ("gather", 2, 0)] and not t.slots.deferred
