@@ -43,8 +43,7 @@ import sys
 import numpy as np
 
 import tidearray as ta
-from tidearray.fsdp import AdamW, ShardedModel
-from tidearray.fsdp._optim import adamw_numpy, coefficients
+from tidearray.fsdp import AdamW, FusedAdamW, ShardedModel
 
 SIZES = (8, 32, 32, 4)
 STEPS, B, LR = 10, 16, 1e-2
@@ -140,12 +139,11 @@ def train_sharded(jax, g) -> tuple[list[float], Bridge]:
 
 
 def train_reference(jax, world: int) -> list[float]:
-    """One process, every rank's samples, the optimizer's NumPy AdamW step."""
+    """One process, every rank's samples, the fused AdamW's NumPy path on each parameter."""
     jnp = jax.numpy
     units = init_units()
     n = len(units)
-    moments = [[(np.zeros(p.size, np.float32), np.zeros(p.size, np.float32)) for p in u]
-               for u in units]
+    opts = [[FusedAdamW(AdamW(lr=LR), p.reshape(-1), None, np) for p in u] for u in units]
 
     def loss_fn(all_params, x, y):
         h = x
@@ -157,11 +155,9 @@ def train_reference(jax, world: int) -> list[float]:
     for s in range(STEPS):
         xs, ys = zip(*[batch(s, r) for r in range(world)])
         loss, grads = jax.value_and_grad(loss_fn)(units, np.concatenate(xs), np.concatenate(ys))
-        c = coefficients(AdamW(lr=LR), s + 1, LR, 1.0)
-        for u, gu, mu in zip(units, grads, moments):
-            for p, gp, (m, v) in zip(u, gu, mu):
-                flat = p.reshape(-1)
-                adamw_numpy(flat, m, v, np.asarray(gp, np.float32).reshape(-1), flat, c)
+        for gu, ou in zip(grads, opts):
+            for gp, opt in zip(gu, ou):  # each parameter's master, updated in place
+                opt.step(np.asarray(gp, np.float32).reshape(-1))
         losses.append(float(loss))
     return losses
 
