@@ -9,10 +9,9 @@ calls its hooks (see ``docs/fsdp.md``).
 """
 
 from ._checkpoint import export, load, save
-from ._comm import KINDS
 from ._graph import CapturedStep
 from ._optim import AdamW, FusedAdamW, ParamGroup, clip_scale
 from ._runtime import ShardedModel
 
-__all__ = ["KINDS", "AdamW", "CapturedStep", "FusedAdamW", "ParamGroup", "ShardedModel",
+__all__ = ["AdamW", "CapturedStep", "FusedAdamW", "ParamGroup", "ShardedModel",
            "clip_scale", "export", "load", "save"]

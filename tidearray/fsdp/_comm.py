@@ -40,8 +40,6 @@ from ._shards import ShardArena
 if TYPE_CHECKING:
     from .._group import Group
 
-#: The comm built into the runtime; any other is a :class:`UnitComm` factory.
-KINDS = ("tide",)
 #: Where the string kinds of earlier versions went.
 MOVED = {"stock": "StockComm", "local": "LocalComm"}
 
