@@ -104,7 +104,7 @@ def test_every_field_has_its_environment_variable():
 
 def test_local_copy_max_default_environment_and_keyword():
     from tidearray._config import LOCAL_COPY_ALIGN
-    from tidearray._layout import SPLIT_ALIGN
+    from tidearray._copies import SPLIT_ALIGN
 
     assert LOCAL_COPY_ALIGN == SPLIT_ALIGN  # cut pieces keep the split cuts' alignment
     assert Config.make(env={}).local_copy_max == 8 << 20

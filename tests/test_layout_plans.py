@@ -7,18 +7,10 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import tidearray
-from tidearray._layout import (
-    ALIGN,
-    MAX_PITCH,
-    Topology,
-    ag_pieces,
-    align_up,
-    cut_copies,
-    internode_ag_steps,
-    plan_reduce_scatter,
-    plan_unit,
-    strided_runs,
-)
+from tidearray._copies import MAX_PITCH, cut_copies, strided_runs
+from tidearray._layout import ALIGN, align_up, plan_unit
+from tidearray._schedule import ag_pieces, internode_ag_steps, plan_reduce_scatter
+from tidearray._topology import Topology
 
 shape_st = st.tuples(st.integers(0, 300), st.lists(st.integers(0, 70), max_size=2)).map(
     lambda t: (t[0], *t[1]))
@@ -220,7 +212,7 @@ def test_cut_copies_cover_each_byte_once_in_order(copies, cap):
 
 
 def test_shared_devices_names_ranks_of_one_communicator_on_one_device():
-    from tidearray._layout import shared_devices
+    from tidearray._topology import shared_devices
 
     # 4 ranks on 2 GPUs, local_size=2: ranks 0 and 2 share local rank 0 and device 0.
     places = [(r % 2, "h", r % 2) for r in range(4)]

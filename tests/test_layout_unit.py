@@ -9,8 +9,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import tidearray
-from tidearray import _layout
-from tidearray._layout import ALIGN, ag_pieces, plan_unit, shard_spec
+from tidearray import _copies
+from tidearray._layout import ALIGN, plan_unit, shard_spec
+from tidearray._schedule import ag_pieces
 from tidearray.layout import shard_shape
 
 from ._util import torch_chunk_rows
@@ -131,7 +132,7 @@ def test_coalesce_preserves_effect(steps):
         dst, src = dst + gap_d, src + gap_s
         copies.append((dst, src, n))
         dst, src = dst + n, src + n
-    out = _layout.coalesce(copies)
+    out = _copies.coalesce(copies)
     moved = {(d + i, s + i) for d, s, n in copies for i in range(n)}
     assert {(d + i, s + i) for d, s, n in out for i in range(n)} == moved
     assert sum(n for _, _, n in out) == sum(n for _, _, n in copies)
@@ -142,4 +143,4 @@ def test_coalesce_preserves_effect(steps):
 
 def test_coalesce_example():
     copies = [(0, 100, 4), (4, 104, 4), (8, 200, 4), (12, 204, 0), (12, 204, 2), (20, 206, 1)]
-    assert _layout.coalesce(copies) == [(0, 100, 8), (8, 200, 6), (20, 206, 1)]
+    assert _copies.coalesce(copies) == [(0, 100, 8), (8, 200, 6), (20, 206, 1)]

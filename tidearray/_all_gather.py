@@ -21,16 +21,11 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import _dtypes, _stamps, _validate
 from ._arena import AG_CHANNEL, ARRIVED, DONE, FREE, READY, STAMP, Region
+from ._copies import split_copies
 from ._errors import TideInvalid
 from ._group import Group, default_group
-from ._layout import (
-    UnitLayout,
-    ag_pieces,
-    cached_unit,
-    int_shapes,
-    internode_ag_steps,
-    split_copies,
-)
+from ._layout import UnitLayout, cached_unit, int_shapes
+from ._schedule import ag_pieces, internode_ag_steps
 from .backends._base import AccumPiece
 
 if TYPE_CHECKING:

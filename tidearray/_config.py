@@ -11,7 +11,7 @@ from ._errors import TideInvalid
 
 AG_TRANSPORTS = ("pull", "push", "push-batch")
 SYMMETRIC_MEMORY = ("auto", "vmm", "ipc")
-#: ``local_copy_max`` is a multiple of this (``_layout.SPLIT_ALIGN``): pieces keep their
+#: ``local_copy_max`` is a multiple of this (``_copies.SPLIT_ALIGN``): pieces keep their
 #: copy's vector alignment, and a tiny value cannot make millions of pieces.
 LOCAL_COPY_ALIGN = 1 << 16
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from ._config import Config
 from ._errors import TideInvalid
-from ._layout import Topology
+from ._topology import Topology
 
 if TYPE_CHECKING:
     from mpi4py import MPI

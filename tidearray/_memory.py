@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ._errors import TideInvalid
-from ._layout import Topology, plan_reduce_scatter, plan_unit
+from ._layout import plan_unit
+from ._schedule import plan_reduce_scatter
+from ._topology import Topology
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,8 @@ from ._arena import Region, default_region
 from ._cache import BoundedCache
 from ._errors import TideInvalid
 from ._group import Group, default_group
-from ._layout import RsPlan, UnitLayout, cached_unit, int_shapes, plan_reduce_scatter
+from ._layout import UnitLayout, cached_unit, int_shapes
+from ._schedule import RsPlan, plan_reduce_scatter
 from ._work import Work, finish
 
 if TYPE_CHECKING:

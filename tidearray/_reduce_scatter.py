@@ -44,16 +44,9 @@ from . import _dtypes, _stamps, _validate
 from ._arena import ARRIVED, FREE, RS_CHANNEL0, Region
 from ._errors import TideInvalid
 from ._group import Group
-from ._layout import (
-    RsChunk,
-    RsPiece,
-    RsPlan,
-    ShardSpec,
-    Topology,
-    UnitLayout,
-    cached_unit,
-    plan_reduce_scatter,
-)
+from ._layout import ShardSpec, UnitLayout, cached_unit
+from ._schedule import RsChunk, RsPiece, RsPlan, plan_reduce_scatter
+from ._topology import Topology
 from ._validate import overlaps
 from .backends._base import AccumPiece
 

@@ -29,10 +29,10 @@ import numpy as np
 
 from tidearray import _dtypes
 from tidearray._errors import TideInvalid, agree
-from tidearray._layout import FlatLayout, flat_layout, shared_devices
+from tidearray._topology import shared_devices
 from tidearray._work import Work
 from tidearray.fsdp._comm import UnitComm, _Ready, _views
-from tidearray.fsdp._shards import ShardArena
+from tidearray.fsdp._shards import FlatLayout, ShardArena, flat_layout
 
 from . import pack
 

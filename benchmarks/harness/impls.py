@@ -45,7 +45,8 @@ class Tide(Impl):
         import tidearray as ta
         from tidearray._all_gather import unit_nbytes
         from tidearray._arena import Region
-        from tidearray._layout import plan_reduce_scatter, plan_unit
+        from tidearray._layout import plan_unit
+        from tidearray._schedule import plan_reduce_scatter
 
         ctx, g = self.ctx, self.ctx.group
         shapes, xp, stream = data.unit.shapes, ctx.dev.xp, ctx.dev.stream

@@ -63,8 +63,9 @@ from tests.gpu._copies import FlaggedBatch  # noqa: E402
 from tests.gpu._timing import timed_on  # noqa: E402
 from tidearray._all_gather import build_program  # noqa: E402
 from tidearray._arena import Region  # noqa: E402
+from tidearray._copies import cut_copies  # noqa: E402
 from tidearray._dtypes import bfloat16  # noqa: E402
-from tidearray._layout import cached_unit, cut_copies  # noqa: E402
+from tidearray._layout import cached_unit  # noqa: E402
 from tidearray.backends._base import AccumPiece  # noqa: E402
 from tidearray.backends.cuda.accumulate import Accumulator  # noqa: E402
 from tidearray.backends.cuda.copies import Copier  # noqa: E402

@@ -101,7 +101,8 @@ def own_copy() -> None:
 
 def engine_rate() -> None:
     from benchmarks.harness.workloads import units
-    from tidearray._layout import cached_unit, split_copies
+    from tidearray._copies import split_copies
+    from tidearray._layout import cached_unit
 
     unit = next(u for u in units() if u.name == "llama3.1-8b")
     layout = cached_unit(tuple(unit.shapes), 2, 2)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 import tidearray as ta
-from tidearray._layout import internode_ag_steps
+from tidearray._schedule import internode_ag_steps
 
 RECORDED = ("copy", "exchange", "accumulate")
 

@@ -12,7 +12,9 @@ import pytest
 from benchmarks import memory
 from benchmarks.harness.workloads import units
 from tidearray import TideInvalid
-from tidearray._layout import Topology, plan_reduce_scatter, plan_unit
+from tidearray._layout import plan_unit
+from tidearray._schedule import plan_reduce_scatter
+from tidearray._topology import Topology
 from tidearray.layout import memory_report
 
 ROOT = Path(__file__).resolve().parents[2]

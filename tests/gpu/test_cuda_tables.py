@@ -55,7 +55,7 @@ def test_tile_size_bounds_the_table(total, grid):
 
 @given(st.lists(st.integers(0, 5 << 17), min_size=1, max_size=8), st.integers(1, 4))
 def test_split_copies_keeps_every_byte_in_order(sizes, parts):
-    from tidearray._layout import SPLIT_ALIGN, split_copies
+    from tidearray._copies import SPLIT_ALIGN, split_copies
 
     copies, dst, src = [], 1 << 40, 1 << 30
     for n in sizes:

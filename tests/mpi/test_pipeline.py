@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import tidearray as ta
-from tidearray._layout import internode_ag_steps
+from tidearray._schedule import internode_ag_steps
 
 from .._util import (
     DTYPES,

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import tidearray
-from tidearray._layout import plan_reduce_scatter, plan_unit
+from tidearray._layout import plan_unit
+from tidearray._schedule import plan_reduce_scatter
 from tidearray.layout import shard_shape
 
 from .._util import BF16, FP16, FP32, agree, bits, dtypes, seeds, shapes, to_numpy, to_xp

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 from .. import _dtypes
+from .._copies import Copy
 from .._dtypes import float32
 from .._errors import TideBackendError, TideInvalid, agree
-from .._layout import Copy
 
 if TYPE_CHECKING:
     from .._group import Group

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
+from .._copies import Copy, coalesce
 from .._dtypes import float32, normalize
 from .._errors import TideBackendError, TideInvalid
-from .._layout import Copy, coalesce
 from ._base import Backend, Completion, Executor, Resolved, SymmetricBuffer, TupleBatch
 
 if TYPE_CHECKING:

@@ -32,9 +32,10 @@ import socket
 import warnings
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from ..._copies import Copy
 from ..._dtypes import float32, normalize
 from ..._errors import TideBackendError, TideInvalid, fail_together
-from ..._layout import Copy, shared_devices
+from ..._topology import shared_devices
 from .._base import (
     AccumPiece,
     Backend,

@@ -15,7 +15,7 @@ once, when its plan is built (a :class:`CudaBatch`, which the plan owns:
 [Note: compiled batches] in ``backends._base``):
 
 * runs of ``STRIDED_MIN_ROWS`` or more equal-sized copies at constant
-  strides (``_layout.strided_runs``), rows within one allocation on both sides
+  strides (``_copies.strided_runs``), rows within one allocation on both sides
   (``cuMemGetAddressRange``), become one ``cudaMemcpy2DAsync`` each: the pieces
   of repeated shapes, e.g. experts;
 * the rest go in one ``cuMemcpyBatchAsync``, its addresses packed once into
@@ -70,8 +70,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from ..._copies import Strided, cut_copies, split_copies, strided_runs
 from ..._errors import TideBackendError
-from ..._layout import Strided, cut_copies, split_copies, strided_runs
 from .._base import Batch
 from . import driver
 from .streams import check_uploaded, cupy_stream, wait_for_readers
