@@ -37,6 +37,15 @@ GIB = 2 ** 30
 #: The plots the generator writes (paths from the repository root), and the only
 #: images under benchmarks/results/ that a doc may embed.
 PLOTS = ("benchmarks/results/run14/collectives.png", "benchmarks/results/run12-fsdp2/steps.png")
+#: Commands of older records that run otherwise now, and what the page says of each.
+MOVED = {
+    "tidearray.bench": "The harness was `python -m tidearray.bench` then; the same command "
+                       "is `python -m benchmarks` now.",
+    "benchmarks/probes/hook_overhead.py": "The probe `hook_overhead.py` (its own smaller "
+                                          "model) is gone; `compare_fsdp2.py --host-profile "
+                                          "N` gives the same cProfile on the benchmark's "
+                                          "model.",
+}
 MACHINES = {
     "nvidia-h200-x2": "2 NVIDIA H200 joined by NVLink, one process per GPU",
     "nvidia-h200": "one NVIDIA H200; ranks share it where there are several, so no timing "
@@ -712,11 +721,8 @@ def _status(f: Figure) -> str:
 
 def _section(root: str, s: Section) -> list[str]:
     meta = Run(root, s.run).meta
-    # The harness was ``python -m tidearray.bench`` until it left the library: the record
-    # keeps the command that ran, the page says what runs it now.
-    moved = "tidearray.bench" in meta["command"]
-    now = (" (The harness was `python -m tidearray.bench` then; the same command is "
-           "`python -m benchmarks` now.)") if moved else ""
+    # A record keeps the command that ran; the page says what runs it now.
+    now = "".join(f" ({note})" for old, note in MOVED.items() if old in meta["command"])
     out = [f"### {s.title} ({s.run}, {meta['machine']})", "",
            f"Record [`{RESULTS}/{s.run}`](../{RESULTS}/{s.run}/) at commit `{meta['commit']}`"
            f", {meta['date']}, on `{meta['machine']}`. {s.about}{now} Command:", "",

@@ -146,7 +146,7 @@ run_units() {  # per-unit overhead on a host-bound model at one rank: plain torc
     # FSDP2 and shard_module eager and captured (compare_fsdp2.py, small-32l)
     step units env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \
         --model small-32l --impls plain,floor,fsdp2,tide,tide-graph \
-        --steps "${TIDE_UNITS_STEPS:-30}" --out "$OUT/units"
+        --steps "${TIDE_UNITS_STEPS:-30}" --host-profile 5 --out "$OUT/units"
 }
 run_fsdp2ab() {  # one rank, shard_module only: the step time an A/B compares
     step "ab$AB" env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \

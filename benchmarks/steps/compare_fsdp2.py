@@ -48,9 +48,11 @@ memory in use, sampled after every step, minus what was in use before the model 
 built; PyTorch's and CuPy's caches keep what a step used, so a sample holds the step's
 peak), and the largest loss difference between ``fsdp2`` and ``tide``. ``--out DIR``
 writes ``compare.json`` (with the git commit), ``compare.md`` (the table) and a step
-plot; ``--profile`` adds a CUPTI timeline of one step of each, its kernels' durations
-and, from the saved traces, the GEMMs against the floor's. ``--passes N`` repeats the
-impls, every other pass in reverse order, each median over every pass's timed steps;
+plot; ``--host-profile N`` runs N more steps of each under cProfile (where the host
+time goes, by function); ``--profile`` adds a CUPTI timeline of one step of each, its
+kernels' durations and, from the saved traces, the GEMMs against the floor's.
+``--passes N`` repeats the impls, every other pass in reverse order, each median over
+every pass's timed steps;
 ``--compile`` puts each block's forward under ``torch.compile`` in every impl; the GPU's
 clocks, power and temperature are read during the timed steps. ``--report JSON``
 remakes the table and plots from a record. On a machine without a GPU it runs on CPU (gloo and
@@ -108,6 +110,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="CUPTI timeline of one step each")
+    p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                   help="after the timed steps, STEPS more under cProfile: each impl's host "
+                        "functions by own time (printed; {impl}_host_profile.txt with --out)")
     p.add_argument("--passes", type=int, default=1,
                    help="run the impls this many times, every other pass in reverse order "
                         "(so no impl always runs on the warmest GPU); medians pool the passes")
@@ -402,6 +407,8 @@ def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.Mode
         clocks = clock_log.close() if clock_log else []
     prof = (profile(kind, torch, impl, data[-1], device, args, g, log)
             if args.profile and with_profile else None)
+    if args.host_profile and with_profile:
+        host_profile(kind, torch, impl, data[-1], device, args, g, log)
     impl.close()
     del impl
     return {"impl": kind, "losses": losses, "step_s": times, "host_s": host,
@@ -441,6 +448,30 @@ def _release(torch: Any, g: Any, cuda: bool) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         g.backend.xp.get_default_memory_pool().free_all_blocks()
+
+
+def host_profile(kind: str, torch: Any, impl: Impl, batch: tuple, device: Any,
+                 args: argparse.Namespace, g: Any, log: Any) -> None:
+    """``--host-profile`` more steps under cProfile (rank 0's): where each impl's host
+    time goes, by function, the device synchronized after each step."""
+    import cProfile
+    import io
+    import pstats
+
+    tokens, targets = (torch.from_numpy(a.astype(np.int64)).to(device) for a in batch)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.host_profile):
+        impl.train_step(tokens, targets, args.lr)
+        _sync(torch, device.type == "cuda")
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    log(f"[{kind}] host profile, {args.host_profile} steps:\n{text.getvalue()}")
+    if args.out and g.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"{kind}_host_profile.txt"), "w") as f:
+            f.write(text.getvalue())
 
 
 def profile(kind: str, torch: Any, impl: Impl, batch: tuple, device: Any,
