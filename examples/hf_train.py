@@ -10,7 +10,7 @@ What a real job does, end to end:
 * units are the decoder layers; the root (embedding, final norm, head) stays gathered
   through each forward and backward, as FSDP2 keeps its root;
 * parameter groups: no weight decay on 1-D parameters (norms);
-* gradient clipping by the global norm (``sm.clip_grad_norm_``);
+* gradient clipping by the global norm (``model.clip_grad_norm_``);
 * an evaluation forward under ``torch.no_grad()`` every few steps;
 * at the end a full state dict (the model's own names) is gathered to rank 0 and loaded
   into a plain ``LlamaForCausalLM`` with ``strict=True``, which must give the sharded
@@ -63,10 +63,10 @@ def main() -> None:
         model = transformers.LlamaForCausalLM(cfg)
     norms = [n for n, q in model.named_parameters() if q.ndim == 1]
     t0 = time.perf_counter()
-    sm = tt.shard_module(model, list(model.model.layers), group=g,
-                         param_dtype=torch.bfloat16 if cuda else torch.float32,
-                         optimizer=AdamW(lr=args.lr, weight_decay=0.1),
-                         param_groups=[{"params": norms, "weight_decay": 0.0}])
+    tt.shard_module(model, list(model.model.layers), group=g,  # returns model, sharded
+                    param_dtype=torch.bfloat16 if cuda else torch.float32,
+                    optimizer=AdamW(lr=args.lr, weight_decay=0.1),
+                    param_groups=[{"params": norms, "weight_decay": 0.0}])
     log = print if g.rank == 0 else (lambda *a, **k: None)
     log(f"hf_train: Llama {args.size} (tied embedding), {g.size} ranks, {g.backend.name}, "
         f"wrapped from the meta device in {time.perf_counter() - t0:.1f} s")
@@ -78,16 +78,16 @@ def main() -> None:
 
     def evaluate() -> float:
         with torch.no_grad():
-            return float(sm(input_ids=held_out, labels=held_out).loss)
+            return float(model(input_ids=held_out, labels=held_out).loss)
 
     losses = []
     for step in range(args.steps):
         t = time.perf_counter()
         ids = batches[step % 2]
-        loss = sm(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        norm = sm.clip_grad_norm_(1.0)
-        sm.step()
+        norm = model.clip_grad_norm_(1.0)
+        model.step()
         losses.append(g.comm.allreduce(float(loss.detach())) / g.size)
         line = (f"step {step:3d}  loss {losses[-1]:.4f}  grad norm {norm:.3f}  "
                 f"{1e3 * (time.perf_counter() - t):.0f} ms")
@@ -95,7 +95,7 @@ def main() -> None:
             line += f"  eval {evaluate():.4f}"
         log(line, flush=True)
     sharded_eval = evaluate()
-    state = sm.state_dict(rank0_only=True)  # collective: gathered to rank 0, on the CPU
+    state = model.state_dict(rank0_only=True)  # collective: gathered to rank 0, on the CPU
     ok = losses[-1] < losses[0]
     if g.rank == 0:
         plain = transformers.LlamaForCausalLM(cfg).to(torch.float32)
@@ -109,7 +109,7 @@ def main() -> None:
               f"{sharded_eval:.4f} sharded, {plain_eval:.4f} in a plain model loaded from "
               f"the full state dict ({len(state)} keys); {'OK' if ok else 'FAILED'}")
     ok = g.comm.bcast(ok, root=0)
-    sm.close()
+    model.close()
     g.close()
     sys.exit(0 if ok else 1)
 

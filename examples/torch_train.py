@@ -13,10 +13,10 @@ without torch it fails, naming the extra.
 
 ``--graph`` (cuda) steps once eagerly, then captures the whole step (forward,
 backward, reductions, AdamW) with ``torch.cuda.graph`` through
-``tidearray.torch.CapturedStep`` and replays it, with a learning rate that changes on
+``model.capture_step`` and replays it, with a learning rate that changes on
 every replay; it runs the eager steps beside it on a second copy of the network and
 checks that the losses are bitwise equal. ``--clip`` clips by the global norm
-(``sm.clip_grad_norm_``), eagerly and inside the captured step.
+(``model.clip_grad_norm_``), eagerly and inside the captured step.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--graph", action="store_true",
                     help="capture the step as a CUDA graph and replay it (cuda backend)")
     ap.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
-                    help="clip the gradient to this global norm (sm.clip_grad_norm_), inside "
+                    help="clip the gradient to this global norm (model.clip_grad_norm_), inside "
                          "the captured step too")
     args = ap.parse_args()
     try:
@@ -58,27 +58,28 @@ def main() -> None:
     x_in = x.to(torch.bfloat16) if cuda else x
     y = torch.sin(x[:, :8] * 3)
 
-    def shard() -> tt.ShardedModule:
+    def shard() -> torch.nn.Sequential:
         torch.manual_seed(0)
         units = [torch.nn.Linear(64, 256),
                  torch.nn.Sequential(torch.nn.GELU(), torch.nn.Linear(256, 256)),
                  torch.nn.Sequential(torch.nn.GELU(), torch.nn.Linear(256, 8))]
         model = torch.nn.Sequential(*units).to(device)
+        # The model itself comes back, sharded: still a torch.nn.Sequential.
         return tt.shard_module(model, units, optimizer=AdamW(lr=3e-3),
                                param_dtype=torch.bfloat16 if cuda else torch.float32)
 
     def lr(step: int) -> float:  # a warm-up: the rate changes every step
         return 3e-3 * min(1.0, (step + 1) / 10)
 
-    def whole_step(sm: tt.ShardedModule, rate: float) -> torch.Tensor:
-        loss = torch.nn.functional.mse_loss(sm(x_in).float(), y)
+    def whole_step(model: torch.nn.Sequential, rate: float) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(model(x_in).float(), y)
         loss.backward()
         if args.clip is not None:
-            sm.clip_grad_norm_(args.clip)  # a float eagerly, a device tensor in the capture
-        sm.step(rate)
+            model.clip_grad_norm_(args.clip)  # a float eagerly, a device tensor in the capture
+        model.step(rate)
         return loss.detach()
 
-    sm = shard()
+    model = shard()
     eager = shard() if args.graph else None  # the same network, stepped eagerly beside it
     captured = None
     first = last = None
@@ -88,9 +89,9 @@ def main() -> None:
         if captured is not None:
             loss = captured(lr=lr(step))
         else:
-            loss = whole_step(sm, lr(step))
+            loss = whole_step(model, lr(step))
             if args.graph:  # after one eager step: capture the whole step once
-                captured = tt.CapturedStep(sm, lambda: whole_step(sm, lr(0)))
+                captured = model.capture_step(lambda: whole_step(model, lr(0)))
         value = float(loss)  # (reading the loss syncs the host: the example prints it)
         ms = 1e3 * (time.perf_counter() - t0)
         if eager is not None:

@@ -33,7 +33,7 @@ in turn, each from the same initial weights on the same batches:
 * ``floor``: the same ``shard_module`` code with ``comm=LocalComm``: every rank holds the
   whole model and nothing is communicated (each rank trains on its own data);
 * ``tide-graph`` and ``floor-graph`` (cuda only): ``tide`` and ``floor`` with the whole
-  step (forward, backward, reductions, AdamW) captured by ``tidearray.torch.CapturedStep``
+  step (forward, backward, reductions, AdamW) captured by the sharded model's ``capture_step``
   after the first eager step, and replayed on each step's batch, copied into the
   captured inputs (FSDP2 cannot be captured).
 
@@ -263,9 +263,7 @@ class Impl:
             return self.captured(lr=lr)[0]
         loss = self.forward_backward(*self.inputs)
         self.step(lr)
-        import tidearray.torch as tt
-
-        self.captured = tt.CapturedStep(self.sm, self._whole_step)
+        self.captured = self.sm.capture_step(self._whole_step)
         return loss
 
     def _whole_step(self) -> list:

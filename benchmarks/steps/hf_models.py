@@ -70,7 +70,7 @@ def _build(name: str, g: Any, tokens: int) -> tuple:
 
 
 def _rank_figures(g: Any, sm: Any, grew: int, device_bytes: int, largest: int) -> dict:
-    m = sm.model
+    m = sm.sharding.runtime
     own = m.arena.nbytes + 2 * m.optimizer.exp_avg.nbytes + m.comm.nbytes
     bound = own + 2 * largest + (1 << 30)
     return {"rank": g.rank, "runtime_bytes": own, "bound_bytes": bound, "rss_growth": grew,
@@ -101,7 +101,7 @@ def wrap_measured(name: str, g: Any, tokens: int) -> tuple:
         sampler.join()
     figures = _rank_figures(g, sm, peak[0] - before, _device_bytes(g), largest)
     figures["wrap_s"] = time.perf_counter() - t0
-    figures["parameters"] = sum(math.prod(s) for u in sm.model.shapes for s in u)
+    figures["parameters"] = sum(math.prod(s) for u in sm.sharding.runtime.shapes for s in u)
     return sm, cfg, figures
 
 

@@ -161,7 +161,7 @@ def _captured(group, kind: str, seed: int, device: Any, clip: Optional[float] = 
     step, out, norms = _step_fn(sm, loss_of, batches, clip), [], []
     batches.load(0)
     _record(out, norms, step())  # one eager step: it builds the plans and kernels
-    captured = tt.CapturedStep(sm, step)
+    captured = sm.capture_step(step)
     for s in range(1, STEPS):
         batches.load(s)
         _record(out, norms, captured(lr=_lr(s)))  # copied before the next replay
@@ -258,7 +258,7 @@ def test_capturing_with_a_torch_optimizer_is_refused(cuda_group, device):
     sm, _ = _sharded(cuda_group, "net", 0, device,
                      optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     with pytest.raises(TideInvalid, match="expected the fused AdamW"):
-        tt.CapturedStep(sm, lambda: None)
+        sm.capture_step(lambda: None)
     sm.close()
 
 
@@ -279,7 +279,7 @@ def test_a_step_that_fails_in_the_capture_raises_its_own_error(cuda_group, devic
         raise ValueError("the step's own error")
 
     with pytest.raises(ValueError, match="the step's own error"):
-        tt.CapturedStep(sm, failing)
+        sm.capture_step(failing)
     torch.cuda.synchronize(device)
     # The group still works: a new module steps eagerly on the same lanes.
     sm, loss_of = _sharded(cuda_group, "net", 0, device)
@@ -291,6 +291,6 @@ def test_a_step_that_fails_in_the_capture_raises_its_own_error(cuda_group, devic
 def test_capturing_before_an_eager_step_is_refused(cuda_group, device):
     sm, _ = _sharded(cuda_group, "net", 0, device)
     with pytest.raises(TideInvalid, match="stepped eagerly once"):
-        tt.CapturedStep(sm, lambda: None)
+        sm.capture_step(lambda: None)
     sm.close()
 

@@ -227,12 +227,60 @@ def test_eval_generate_and_discarded_forwards_between_steps(group):
         if s % 3 == 2:
             _loss(sm, _batch(seed, 8, group.rank))  # no backward
         if s == 4:
-            out = sm.module.generate(prompt.to(DEVICE[0]), max_new_tokens=3, min_new_tokens=3,
+            out = sm.generate(prompt.to(DEVICE[0]), max_new_tokens=3, min_new_tokens=3,
                                      do_sample=False)
             assert tuple(out.shape) == (1, 7)
 
     got = _sharded(_wrap(model, group), group, seed, between)
     _compare(group, got, _reference(reference, seed, group.size), "eval between steps")
+
+
+def test_the_model_is_the_one_handle(group, tmp_path):
+    """``shard_module`` returns the model itself, its class swapped (as ``fully_shard``
+    does): an ``nn.Module`` of its own class, which ``train()``/``eval()``, ``to()`` its own
+    device, ``generate()`` and ``torch.compile`` act on, and which, compiled, trains as one
+    process does; ``save_pretrained`` on every rank saves the trained model under its own
+    class name. A conversion that would move the shards, and sharding twice, raise."""
+    import tidearray
+    import tidearray.torch as tt
+
+    seed = _seed(group)
+    model = _llama(seed, tied=True)
+    cls, reference = type(model), copy.deepcopy(model)
+    sm = _wrap(model, group)
+    assert sm is model and isinstance(model, (torch.nn.Module, cls, tt.ShardedModule))
+    model.eval()
+    assert not any(m.training for m in model.modules())
+    with torch.no_grad():
+        out = model.generate(_batch(seed, 99, 0)[:, :4].to(DEVICE[0]), max_new_tokens=2,
+                             min_new_tokens=2, do_sample=False)
+    assert tuple(out.shape) == (1, 6)
+    model.train()
+    assert all(m.training for m in model.modules())
+    assert model.to(DEVICE[0]) is model
+    with pytest.raises(tidearray.TideInvalid, match="keeps the sharded parameters"):
+        model.half()
+    with pytest.raises(tidearray.TideInvalid, match="sharded already"):
+        tt.shard_module(model, group=group)
+    # Inductor on the GPU; on the CPU, Dynamo and AOT autograd without a C++ build.
+    compiled = torch.compile(model, backend="inductor" if DEVICE[0].type == "cuda"
+                             else "aot_eager")
+    got = _sharded(compiled, group, seed)
+    _compare(group, got, _reference(reference, seed, group.size), "torch.compile(model)")
+    full = model.state_dict()
+    path = group.comm.bcast(str(tmp_path), root=0)
+    model.save_pretrained(path, is_main_process=group.rank == 0)  # gathers on every rank
+    group.comm.Barrier()
+    failures = []
+    if group.rank == 0:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+        failures = [k for k in full if not torch.equal(loaded[k], full[k])]
+        if loaded.keys() != full.keys() or loaded["lm_head.weight"].abs().sum() == 0:
+            failures.append(f"keys: {sorted(loaded.keys() ^ full.keys())}")
+        if model.config.architectures != ["LlamaForCausalLM"]:
+            failures.append(f"architectures {model.config.architectures}")
+    agree(group.comm, failures, "save_pretrained of the sharded model")
+    model.close()
 
 
 def test_frozen_parameters(group):
@@ -295,8 +343,8 @@ def test_torch_tools_do_not_silently_see_nothing(group):
     _loss(sm, _batch(seed, 0, group.rank)).backward()
     with pytest.raises(tidearray.TideInvalid, match="clip_grad_norm_"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    with pytest.raises(tidearray.TideInvalid, match="ShardedModule.state_dict"):
-        model.state_dict()
+    with pytest.raises(tidearray.TideInvalid, match="sharded model's own state_dict"):
+        model.model.layers[0].state_dict()
     assert sm.clip_grad_norm_(1.0) > 0
     sm.step()
     _loss(sm, _batch(seed, 1, group.rank)).backward()  # the sentinels are gone again
@@ -449,7 +497,7 @@ def test_meta_init_never_holds_the_full_model(group):
     finally:
         done.set()
         sampler.join()
-    m = sm.model
+    m = sm.sharding.runtime
     own = m.arena.nbytes + m.optimizer.exp_avg.nbytes * 2 + m.comm.nbytes
     budget = own + 2 * largest + (1 << 30)
     grew = peak[0] - before

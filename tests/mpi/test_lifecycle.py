@@ -574,7 +574,7 @@ def test_resumed_state_keeps_each_parameters_step_count(group):
     resumed = _wrap(twin, list(twin.model.layers), group,
                     optimizer=AdamW(lr=LR, weight_decay=0.1))
     resumed.load_state_dict(state)
-    counts = [m.model.optimizer.param_steps for m in (sm, resumed)]
+    counts = [m.sharding.runtime.optimizer.param_steps for m in (sm, resumed)]
     _disable(model, set())
     _disable(twin, set())
     a = _sharded(sm, model, group, seed + 1, steps=2)

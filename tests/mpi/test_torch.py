@@ -97,7 +97,7 @@ def test_shard_module_matches_plain_torch(group, wrap, units_given):
     model, units = _model(0, wrap)
     reference = copy.deepcopy(model)
     sm = tt.shard_module(model, units[:units_given], group=group, optimizer=AdamW(lr=LR))
-    assert len(sm.units) == max(units_given + (units_given < 3), 1)
+    assert len(sm.sharding.units) == max(units_given + (units_given < 3), 1)
     losses = []
     for s in range(STEPS):
         x, y = _batch(s, group.rank, B)
@@ -139,7 +139,7 @@ def test_units_out_of_order_are_refused_at_the_first_forward(group):
 
 
 def test_a_captured_torch_step_needs_the_cuda_backend(group):
-    """``tidearray.torch.CapturedStep`` captures with ``torch.cuda.graph``: on the host
+    """``model.capture_step`` captures with ``torch.cuda.graph``: on the host
     backend it refuses, clearly, on every rank, before touching CUDA
     (tests/gpu/test_torch_graph.py replays it on the cuda backend)."""
     import tidearray
@@ -149,6 +149,6 @@ def test_a_captured_torch_step_needs_the_cuda_backend(group):
         pytest.skip("CPU tensors: the host backend")
     model, units = _model(3)
     sm = tt.shard_module(model, units, group=group)
-    with pytest.raises(tidearray.TideInvalid, match="expected a module on the cuda backend"):
-        tt.CapturedStep(sm, lambda: None)
+    with pytest.raises(tidearray.TideInvalid, match="expected a model on the cuda backend"):
+        sm.capture_step(lambda: None)
     sm.close()

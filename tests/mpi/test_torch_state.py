@@ -139,13 +139,13 @@ def test_sharded_state_dict_resumes_bit_for_bit(group, seed, tie, optimizer):
     _train(sm, seed, range(3), group.rank)
     state = sm.state_dict(full=False)
     want_losses = _train(sm, seed, range(3, 6), group.rank)
-    want_master = sm.model.arena.master.copy()
+    want_master = sm.sharding.runtime.arena.master.copy()
     sm.close()
     sm2 = _wrap(_llama(tie, seed + 1), group, optimizer)  # other values: the load sets all
     sm2.load_state_dict(state)
     losses = _train(sm2, seed, range(3, 6), group.rank)
     failures = [] if losses == want_losses else [f"losses {losses} vs {want_losses}"]
-    failures += compare_bits(sm2.model.arena.master, want_master, "masters")
+    failures += compare_bits(sm2.sharding.runtime.arena.master, want_master, "masters")
     meta = state[SHARDING_KEY]
     if (meta["world"], meta["rank"]) != (group.size, group.rank):
         failures.append(f"sharding entry: world {meta['world']}, rank {meta['rank']}")
@@ -153,15 +153,25 @@ def test_sharded_state_dict_resumes_bit_for_bit(group, seed, tie, optimizer):
     sm2.close()
 
 
-def test_the_modules_own_state_dict_is_refused(group, seed):
+def test_a_submodules_state_dict_is_refused(group, seed):
+    """A submodule's parameters are placeholders: its own ``state_dict()`` raises; the
+    sharded model's gathers, also as a child of another module (``nn.Module``'s
+    ``destination`` and ``prefix``)."""
     import tidearray
 
+    plain = _llama(True, seed)
     sm = _wrap(_llama(True, seed), group)
-    with pytest.raises(tidearray.TideInvalid, match=r"ShardedModule\.state_dict"):
-        sm.module.state_dict()
-    assert "lm_head.weight" in sm.state_dict()  # the allowed way, under every name
-    with pytest.raises(tidearray.TideInvalid, match=r"ShardedModule\.state_dict"):
-        sm.module.state_dict()  # still refused after ShardedModule.state_dict()
+    layer = sm.model.layers[0]
+    with pytest.raises(tidearray.TideInvalid, match=r"sharded model's own state_dict"):
+        layer.state_dict()
+    own = sm.state_dict()  # the sharded model's: under every name
+    assert own.keys() == plain.state_dict().keys() and "lm_head.weight" in own
+    outer = torch.nn.ModuleDict({"lm": sm}).state_dict()
+    assert outer.keys() == {f"lm.{k}" for k in own}
+    failures = [k for k in own if not torch.equal(outer[f"lm.{k}"], own[k])]
+    with pytest.raises(tidearray.TideInvalid, match=r"sharded model's own state_dict"):
+        layer.state_dict()  # still refused after the model's own
+    agree(group.comm, failures, "a parent's state dict of the sharded model")
     sm.close()
 
 
@@ -210,28 +220,28 @@ def test_a_bad_load_on_one_rank_raises_on_every_rank(group, seed, case):
     if group.rank == BAD:
         state = edit(state, group.size)
     sm2 = _wrap(_llama(False, seed + 1), group)
-    before = sm2.model.arena.master.copy()
+    before = sm2.sharding.runtime.arena.master.copy()
     with pytest.raises(tidearray.TideInvalid, match=fr"rank {BAD}: .*{message}") as e:
         sm2.load_state_dict(state)
-    failures = compare_bits(sm2.model.arena.master, before, "masters after a refused load")
+    failures = compare_bits(sm2.sharding.runtime.arena.master, before,
+                            "masters after a refused load")
     messages = group.comm.allgather(str(e.value))
     if len(set(messages)) != 1:
         failures.append(f"ranks raised different messages: {messages}")
     sm2.load_state_dict(good)  # and a good load still works
-    failures += compare_bits(sm2.model.arena.master, sm.model.arena.master, "masters loaded")
+    failures += compare_bits(sm2.sharding.runtime.arena.master,
+                             sm.sharding.runtime.arena.master, "masters loaded")
     agree(group.comm, failures, case)
     sm.close()
     sm2.close()
 
 
 def test_non_strict_load_returns_what_it_skipped(group, seed):
-    from tidearray.torch._state import load_state_dict
-
     sm = _wrap(_llama(False, seed), group)
-    want = sm.model.arena.master.copy()
+    want = sm.sharding.runtime.arena.master.copy()
     state = _unexpected(_missing(sm.state_dict(), 0), 0)
-    skipped = load_state_dict(sm, state, strict=False)
-    failures = compare_bits(sm.model.arena.master, want, "masters")
+    skipped = sm.load_state_dict(state, strict=False)
+    failures = compare_bits(sm.sharding.runtime.arena.master, want, "masters")
     if (skipped.missing_keys, skipped.unexpected_keys) != (["model.norm.weight"],
                                                           ["model.extra.weight"]):
         failures.append(f"skipped: {skipped}")
@@ -278,7 +288,7 @@ def test_buffers_round_trip(group, seed):
     sm2_model = net(seed + 2)
     sm2 = tt.shard_module(sm2_model, [sm2_model[0], sm2_model[2]], group=group)
     sm2.load_state_dict(sharded)
-    sm.module.eval(), plain.eval(), sm2.module.eval()
+    sm.eval(), plain.eval(), sm2.eval()
     with torch.no_grad():
         want = plain(x).numpy()
         for label, m in (("sharded module", sm), ("sharded state loaded", sm2)):

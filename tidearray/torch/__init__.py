@@ -4,14 +4,14 @@ An optional front end (``pip install 'tidearray[torch]'``); ``import tidearray``
 never imports torch. :func:`shard_module` is to ``fully_shard`` what
 :class:`tidearray.fsdp.ShardedModel` is to FSDP2's runtime: units as FSDP2 makes
 them (a root for what no unit owns), hooks where FSDP2 hooks in ([Note: hooks] in
-``_module``), deferred init of a meta-device model ([Note: deferred init] in
+``_sharding``), deferred init of a meta-device model ([Note: deferred init] in
 ``_init``), state dicts under the model's own names (``_state``), parameter groups
 and any torch optimizer over the fp32 shards, and a whole step captured as a CUDA graph
-(:class:`CapturedStep`, ``_graph``). docs/torch.md moves a ``fully_shard``
-script over line by line.
+(``model.capture_step``, ``_graph``). Like ``fully_shard``, :func:`shard_module`
+returns the model itself, its class swapped ([Note: the sharded class] in
+``_module``). docs/torch.md moves a ``fully_shard`` script over line by line.
 """
 
-from ._graph import CapturedStep
 from ._module import ShardedModule, shard_module
 
-__all__ = ["CapturedStep", "ShardedModule", "shard_module"]
+__all__ = ["ShardedModule", "shard_module"]

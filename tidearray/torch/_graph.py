@@ -1,7 +1,8 @@
 """A torch model's whole training step captured with ``torch.cuda.graph``, then replayed.
 
 [Note: torch captured steps]
-:class:`CapturedStep` is :class:`tidearray.fsdp.CapturedStep` with torch's
+:class:`TorchCapturedStep` (what a sharded model's ``capture_step`` returns) is
+:class:`tidearray.fsdp.CapturedStep` with torch's
 capture in place of CuPy's, because torch must know of the capture: its
 caching allocator then serves what the step allocates (activations, autograd's
 gradients, the loss) from the graph's private pool, which the replays reuse at
@@ -10,7 +11,7 @@ the same addresses. Everything else is the CuPy trainer's captured step
 
 * the module's hooks run once, during the capture; the gathers and reductions
   they issue are captured on the capturing stream, which the runtime follows as
-  it follows any torch current stream (``ShardedModule._follow_stream``);
+  it follows any torch current stream (``Sharding._follow_stream``);
 * the fused AdamW reads the step's coefficients (learning rate, bias
   corrections) from a device table that each call writes, on torch's current
   stream, before ``CUDAGraph.replay()`` launches on that stream;
@@ -19,7 +20,7 @@ the same addresses. Everything else is the CuPy trainer's captured step
 
 A torch optimizer (``optimizer=make``) is refused: its learning rate and step
 count live on the host unless it was made capturable, which this does not
-check. A clip (``max_grad_norm``, or ``ShardedModule.clip_grad_norm_`` in the
+check. A clip (``max_grad_norm``, or the model's ``clip_grad_norm_`` in the
 step function) is captured as in the CuPy trainer; the norm it returns is then
 a 0-d float64 tensor that each replay overwrites.
 """
@@ -31,21 +32,21 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .._errors import TideInvalid
-from ..fsdp import CapturedStep as _CapturedStep
+from ..fsdp import CapturedStep
 
 if TYPE_CHECKING:
-    from ._module import ShardedModule
+    from ._sharding import Sharding
 
 
-class CapturedStep(_CapturedStep):
-    """``step()`` of a :class:`ShardedModule` captured with ``torch.cuda.graph``; calling
-    this replays it with the next learning rate.
+class TorchCapturedStep(CapturedStep):
+    """A sharded model's whole training step captured with ``torch.cuda.graph`` (made by
+    its ``capture_step``); calling this replays it with the next learning rate.
 
     Args:
-        module: a sharded module on the cuda backend, with the fused AdamW, that has
-            stepped eagerly at least once.
+        sharding: a sharded model's ``sharding``, on the cuda backend, with the fused
+            AdamW, that has stepped eagerly at least once.
         step: a function that runs one whole step (every micro-batch's forward and
-            backward, then ``module.step()``) on tensors the caller refills in place
+            backward, then ``model.step()``) on tensors the caller refills in place
             before each replay, and returns what the caller reads (the losses, as
             tensors: each replay overwrites them).
 
@@ -54,22 +55,22 @@ class CapturedStep(_CapturedStep):
             or before any eager step.
     """
 
-    def __init__(self, module: ShardedModule, step: Callable[[], Any]) -> None:
-        if module.group.backend.name != "cuda":
-            raise TideInvalid("CapturedStep: expected a module on the cuda backend (a CUDA "
-                              f"graph), got the {module.group.backend.name} backend")
-        if module._make_optimizer is not None:
-            raise TideInvalid("CapturedStep: expected the fused AdamW (a replay reads its "
+    def __init__(self, sharding: Sharding, step: Callable[[], Any]) -> None:
+        if sharding.group.backend.name != "cuda":
+            raise TideInvalid("capture_step: expected a model on the cuda backend (a CUDA "
+                              f"graph), got the {sharding.group.backend.name} backend")
+        if sharding._make_optimizer is not None:
+            raise TideInvalid("capture_step: expected the fused AdamW (a replay reads its "
                               "learning rate from the device), got a torch optimizer "
                               "(optimizer=make)")
-        self.module = module
-        super().__init__(module.model, step)
+        self.device = sharding.device
+        super().__init__(sharding.runtime, step)
 
     def _capture(self, step: Callable[[], Any]) -> tuple[Any, Any]:
         graph = torch.cuda.CUDAGraph()
         failed: BaseException | None = None
         try:
-            with torch.cuda.device(self.module.device), \
+            with torch.cuda.device(self.device), \
                     torch.cuda.graph(graph, capture_error_mode="relaxed"):
                 try:
                     result = step()
@@ -83,8 +84,8 @@ class CapturedStep(_CapturedStep):
         return graph, result
 
     def _launch(self) -> None:
-        with torch.cuda.device(self.module.device):
+        with torch.cuda.device(self.device):
             self.graph.replay()  # on torch's current stream, after the staged table
 
     def _replay_stream(self) -> Any:
-        return torch.cuda.current_stream(self.module.device)
+        return torch.cuda.current_stream(self.device)

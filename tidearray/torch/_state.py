@@ -1,4 +1,5 @@
-"""State dicts of a :class:`~tidearray.torch.ShardedModule` under the module's own names.
+"""State dicts of a model sharded by :func:`~tidearray.torch.shard_module`, under its own
+names.
 
 [Note: state dicts]
 Two kinds, as FSDP2's ``get_model_state_dict`` has them:
@@ -44,7 +45,7 @@ import torch
 from .. import _validate
 
 if TYPE_CHECKING:
-    from ._module import ShardedModule
+    from ._sharding import Sharding
 
 #: The sharded state dict's entry describing the sharding (and holding the optimizer state).
 SHARDING_KEY = "_tidearray"
@@ -68,7 +69,7 @@ class LoadResult(NamedTuple):
 # -- taking ----------------------------------------------------------------------------
 
 
-def state_dict(sm: ShardedModule, *, full: bool = True, cpu: bool = True,
+def state_dict(sm: Sharding, *, full: bool = True, cpu: bool = True,
                rank0_only: bool = False) -> dict:
     """The module's state dict, full or this rank's shards ([Note: state dicts]).
 
@@ -91,9 +92,9 @@ def state_dict(sm: ShardedModule, *, full: bool = True, cpu: bool = True,
     See Also:
         ``MPI_Allgatherv`` / ``MPI_Gatherv`` (one per parameter, full only).
     """
-    _validate.check(sm.group, "ShardedModule.state_dict",
+    _validate.check(sm.group, "state_dict",
                     (("full", bool(full)), ("rank0_only", bool(rank0_only))), [])
-    sm.model.synchronize()
+    sm.runtime.synchronize()
     own, where = _own_state(sm), _where(sm)
     if full:
         root = 0 if rank0_only else None
@@ -107,14 +108,14 @@ def state_dict(sm: ShardedModule, *, full: bool = True, cpu: bool = True,
         if key not in where:
             out[key] = _copy(value, cpu)
         elif sm.names[where[key][0]][where[key][1]] == key:
-            out[key] = _copy(_rows(sm, sm.model.params(where[key][0]), *where[key]), cpu)
+            out[key] = _copy(_rows(sm, sm.runtime.params(where[key][0]), *where[key]), cpu)
     out[SHARDING_KEY] = _sharding(sm, cpu)
     return out
 
 
-def _sharding(sm: ShardedModule, cpu: bool) -> dict:
+def _sharding(sm: Sharding, cpu: bool) -> dict:
     """The :data:`SHARDING_KEY` entry: where this rank's rows lie, and the optimizer."""
-    model = sm.model
+    model = sm.runtime
     params = {}
     for u, k in _every_param(sm):
         spec = model.arena.layout.units[u].specs[k]
@@ -123,10 +124,10 @@ def _sharding(sm: ShardedModule, cpu: bool) -> dict:
             "optimizer": _optim_state(sm, cpu)}
 
 
-def _optim_state(sm: ShardedModule, cpu: bool) -> dict:
+def _optim_state(sm: Sharding, cpu: bool) -> dict:
     if sm._make_optimizer is not None:
         return {"kind": "torch", "state": _copy(sm.optimizer.state_dict(), cpu)}
-    opt, model = sm.model.optimizer, sm.model
+    opt, model = sm.runtime.optimizer, sm.runtime
     moments = {}
     for what, flat in (("exp_avg", opt.exp_avg), ("exp_avg_sq", opt.exp_avg_sq)):
         moments[what] = {sm.names[u][k]: _copy(_rows(sm, model.arena.views(flat, u), u, k), cpu)
@@ -136,12 +137,12 @@ def _optim_state(sm: ShardedModule, cpu: bool) -> dict:
     return {"kind": "fused", "step": int(opt.step_count), "param_steps": own, **moments}
 
 
-def _gather(sm: ShardedModule, u: int, k: int, root: Optional[int], cpu: bool) -> Any:
+def _gather(sm: Sharding, u: int, k: int, root: Optional[int], cpu: bool) -> Any:
     """Parameter ``k`` of unit ``u`` in full (fp32), on every rank or on ``root`` only
     (None elsewhere)."""
     from mpi4py import MPI
 
-    model, comm = sm.model, sm.group.comm
+    model, comm = sm.runtime, sm.group.comm
     spec = model.arena.layout.units[u].specs[k]
     mine = np.ascontiguousarray(_host(_rows(sm, model.params(u), u, k)))
     if model.world == 1:  # one shard (or a comm over one rank: every rank holds the model)
@@ -166,7 +167,7 @@ def _gather(sm: ShardedModule, u: int, k: int, root: Optional[int], cpu: bool) -
 # -- loading ---------------------------------------------------------------------------
 
 
-def load_state_dict(sm: ShardedModule, state: Mapping, *, strict: bool = True) -> LoadResult:
+def load_state_dict(sm: Sharding, state: Mapping, *, strict: bool = True) -> LoadResult:
     """Load a full or a sharded state dict (sharded: it holds :data:`SHARDING_KEY`).
 
     Collective. A full state dict may name a tied parameter by any of its names
@@ -194,7 +195,7 @@ def load_state_dict(sm: ShardedModule, state: Mapping, *, strict: bool = True) -
     if not isinstance(state, Mapping):
         errors.append(f"state: expected a dict, got {type(state).__name__}")
         state = {}
-    if sm.model.in_backward:
+    if sm.runtime.in_backward:
         errors.append("expected no backward in progress, got one begun and not done")
     own = _own_state(sm, keep_vars=True)
     where = _where(sm)
@@ -202,17 +203,17 @@ def load_state_dict(sm: ShardedModule, state: Mapping, *, strict: bool = True) -
     meta = state.get(SHARDING_KEY) if sharded else None
     if not (sharded and _check_sharding(sm, meta, strict, errors)):
         _check_values(sm, taken, buffers, own, sharded, errors)
-    _validate.check(sm.group, "ShardedModule.load_state_dict",
+    _validate.check(sm.group, "load_state_dict",
                     (("sharded", sharded), ("strict", bool(strict))), errors)
     _apply(sm, taken, buffers, own, sharded)
     if sharded and isinstance(meta.get("optimizer"), Mapping):
         _load_optim(sm, meta["optimizer"])
-    sm.model.arena.refresh_send()
-    sm.model.synchronize()
+    sm.runtime.arena.refresh_send()
+    sm.runtime.synchronize()
     return skipped
 
 
-def _match(sm: ShardedModule, state: Mapping, own: dict, where: dict, strict: bool,
+def _match(sm: Sharding, state: Mapping, own: dict, where: dict, strict: bool,
            errors: list[str]) -> tuple[dict, dict, LoadResult]:
     """The state's value for each parameter (first name found) and each buffer, and the
     keys missing or unexpected (errors with ``strict``)."""
@@ -240,13 +241,13 @@ def _match(sm: ShardedModule, state: Mapping, own: dict, where: dict, strict: bo
     return taken, buffers, LoadResult(missing, unexpected)
 
 
-def _check_values(sm: ShardedModule, taken: dict, buffers: dict, own: dict, sharded: bool,
+def _check_values(sm: Sharding, taken: dict, buffers: dict, own: dict, sharded: bool,
                   errors: list[str]) -> None:
     """Each parameter's value has its full shape (sharded: this rank's rows), each
     buffer its buffer's."""
     for (u, k), (key, value) in taken.items():
-        spec = sm.model.arena.layout.units[u].specs[k]
-        want = spec.shape if not sharded else (spec.valid_rows(sm.model.rank), *spec.shape[1:])
+        spec = sm.runtime.arena.layout.units[u].specs[k]
+        want = spec.shape if not sharded else (spec.valid_rows(sm.runtime.rank), *spec.shape[1:])
         _check_shape(f"parameter {key!r}" + (" (this rank's rows)" if sharded else ""),
                      value, want, errors)
     for key, value in buffers.items():
@@ -254,10 +255,10 @@ def _check_values(sm: ShardedModule, taken: dict, buffers: dict, own: dict, shar
             _check_shape(f"buffer {key!r}", value, tuple(own[key].shape), errors)
 
 
-def _check_sharding(sm: ShardedModule, meta: Any, strict: bool, errors: list[str]) -> bool:
+def _check_sharding(sm: Sharding, meta: Any, strict: bool, errors: list[str]) -> bool:
     """A sharded state's :data:`SHARDING_KEY` entry against this rank's sharding; True
     if it is of another format, world size or rank (nothing else is worth checking)."""
-    model = sm.model
+    model = sm.runtime
     if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
         got = meta.get("format") if isinstance(meta, Mapping) else type(meta).__name__
         errors.append(f"state[{SHARDING_KEY!r}]: expected format {FORMAT}, got {got!r}")
@@ -284,7 +285,7 @@ def _check_sharding(sm: ShardedModule, meta: Any, strict: bool, errors: list[str
     return False
 
 
-def _check_optim(sm: ShardedModule, saved: Any, strict: bool, errors: list[str]) -> None:
+def _check_optim(sm: Sharding, saved: Any, strict: bool, errors: list[str]) -> None:
     if saved is None:
         if strict:
             errors.append(f"state[{SHARDING_KEY!r}]: expected the optimizer's state, got none")
@@ -307,14 +308,14 @@ def _check_optim(sm: ShardedModule, saved: Any, strict: bool, errors: list[str])
     for what in ("exp_avg", "exp_avg_sq"):
         moments = saved.get(what) if isinstance(saved.get(what), Mapping) else {}
         for u, k in _every_param(sm):
-            spec, name = sm.model.arena.layout.units[u].specs[k], sm.names[u][k]
+            spec, name = sm.runtime.arena.layout.units[u].specs[k], sm.names[u][k]
             _check_shape(f"optimizer {what} of {name!r}", moments.get(name),
-                         (spec.valid_rows(sm.model.rank), *spec.shape[1:]), errors)
+                         (spec.valid_rows(sm.runtime.rank), *spec.shape[1:]), errors)
 
 
-def _apply(sm: ShardedModule, taken: dict, buffers: dict, own: dict, sharded: bool) -> None:
+def _apply(sm: Sharding, taken: dict, buffers: dict, own: dict, sharded: bool) -> None:
     """Write the checked values: each parameter's rows into the masters, the buffers."""
-    model = sm.model
+    model = sm.runtime
     model.synchronize()
     model.release()  # gathered units would hold the old values
     for (u, k), (_, value) in taken.items():
@@ -330,11 +331,11 @@ def _apply(sm: ShardedModule, taken: dict, buffers: dict, own: dict, sharded: bo
                 sm.module.get_submodule(prefix).set_extra_state(value)
 
 
-def _load_optim(sm: ShardedModule, saved: Mapping) -> None:
+def _load_optim(sm: Sharding, saved: Mapping) -> None:
     if sm._make_optimizer is not None:
         sm.optimizer.load_state_dict(_copy(saved["state"], cpu=False))  # its own tensors
         return
-    opt, model = sm.model.optimizer, sm.model
+    opt, model = sm.runtime.optimizer, sm.runtime
     for what, flat in (("exp_avg", opt.exp_avg), ("exp_avg_sq", opt.exp_avg_sq)):
         for u, k in _every_param(sm):
             _write_rows(model, model.arena.views(flat, u)[k], saved[what][sm.names[u][k]])
@@ -348,30 +349,33 @@ def _load_optim(sm: ShardedModule, saved: Mapping) -> None:
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _own_state(sm: ShardedModule, keep_vars: bool = False) -> dict:
+def _own_state(sm: Sharding, keep_vars: bool = False) -> dict:
     """The module's own ``state_dict()`` (parameters as their empty placeholders)."""
     before = sm._allow_state_dict
     sm._allow_state_dict = True
     try:
-        return sm.module.state_dict(keep_vars=keep_vars)
+        from ._module import ShardedModule
+
+        # The state dict of the module's own class: ShardedModule's gathers.
+        return super(ShardedModule, sm.module).state_dict(keep_vars=keep_vars)
     finally:
         sm._allow_state_dict = before
 
 
-def _where(sm: ShardedModule) -> dict[str, tuple[int, int]]:
+def _where(sm: Sharding) -> dict[str, tuple[int, int]]:
     """Every name of every parameter -> (unit, index in the unit)."""
     return {name: (u, k) for u, ps in enumerate(sm.params) for k, p in enumerate(ps)
             for name in sm.spec.all_names[id(p)]}
 
 
-def _every_param(sm: ShardedModule) -> list[tuple[int, int]]:
+def _every_param(sm: Sharding) -> list[tuple[int, int]]:
     """(unit, index) of every parameter, in the runtime's order (the same on every rank)."""
     return [(u, k) for u, ps in enumerate(sm.params) for k in range(len(ps))]
 
 
-def _rows(sm: ShardedModule, views: list, u: int, k: int) -> Any:
+def _rows(sm: Sharding, views: list, u: int, k: int) -> Any:
     """This rank's valid rows of parameter ``k`` of unit ``u`` in padded shard ``views``."""
-    return views[k][:sm.model.arena.layout.units[u].specs[k].valid_rows(sm.model.rank)]
+    return views[k][:sm.runtime.arena.layout.units[u].specs[k].valid_rows(sm.runtime.rank)]
 
 
 def _write_rows(model: Any, shard: Any, rows: Any) -> None:
