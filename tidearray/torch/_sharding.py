@@ -90,6 +90,7 @@ class Sharding:
 
         group = group or default_group()
         self.module = module
+        self.module_class = type(module)  # the class it had, before shard_module swapped it
         self.group = group
         spec = _units.resolve(module, units)
         self.spec = spec

@@ -354,10 +354,8 @@ def _own_state(sm: Sharding, keep_vars: bool = False) -> dict:
     before = sm._allow_state_dict
     sm._allow_state_dict = True
     try:
-        from ._module import ShardedModule
-
-        # The state dict of the module's own class: ShardedModule's gathers.
-        return super(ShardedModule, sm.module).state_dict(keep_vars=keep_vars)
+        # The state dict of the module's own class (the swapped class's gathers).
+        return sm.module_class.state_dict(sm.module, keep_vars=keep_vars)
     finally:
         sm._allow_state_dict = before
 
