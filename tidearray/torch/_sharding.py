@@ -368,13 +368,8 @@ class Sharding:
     # -- the step -------------------------------------------------------------------------
 
     def step(self, lr: Optional[float] = None) -> Any:
-        """Step the optimizer on every shard: the fused AdamW (see
-        :meth:`ShardedModel.step`), or the torch optimizer ``optimizer=`` made.
-
-        Returns:
-            The fused AdamW's gradient norm when it clips (as :meth:`clip_grad_norm_`
-            returns it), else None.
-        """
+        """The model's ``step`` (:meth:`ShardedModule.step`): the fused AdamW (see
+        :meth:`ShardedModel.step`) or the torch optimizer ``optimizer=`` made."""
         self._clear_sentinels()
         self._follow_stream()
         if self._make_optimizer is None:
@@ -399,14 +394,8 @@ class Sharding:
                 t.grad = g
 
     def clip_grad_norm_(self, max_norm: float) -> Union[float, torch.Tensor]:
-        """Clip the averaged gradient to the global norm ``max_norm`` at the next
-        :meth:`step`, as ``torch.nn.utils.clip_grad_norm_`` (collective).
-
-        Returns:
-            The total norm over every rank's shard, before clipping: a float, or,
-            inside ``torch.cuda.graph``'s capture (a captured step), a 0-d float64
-            tensor on the device, which each replay overwrites.
-        """
+        """The model's ``clip_grad_norm_`` (:meth:`ShardedModule.clip_grad_norm_`), on the
+        stream torch issues on now."""
         self._follow_stream()
         return self._norm_out(self.runtime.clip_grad_norm_(max_norm))
 
