@@ -16,17 +16,21 @@ So the callbacks are chained by data, never left to the scheduler:
 
 * the gather of unit ``i`` takes the unit's input ``x`` as an (unread) operand, and
   ``x`` depends on unit ``i-1``'s parameters, hence on its gather;
-* in backward, the re-gather of unit ``i`` takes the output cotangent, and the
-  reduce-scatter of unit ``i+1`` passes that unit's input cotangent through itself
-  (``input_output_aliases``: the same buffer, no copy), so the cotangent exists only
-  after unit ``i+1``'s reduce-scatter has run; without a re-gather, unit ``i``'s
-  reduce-scatter depends on that cotangent through its gradients.
+* in backward, unit ``i``'s re-gather and reduce-scatter take the unit's forward
+  output ``y`` (a residual: it is unit ``i+1``'s input, kept anyway) and the output
+  cotangent; the reduce-scatter of unit ``i+1`` passes that unit's input cotangent
+  through itself (``input_output_aliases``: the same buffer, no copy), so the
+  cotangent exists only after unit ``i+1``'s reduce-scatter has run.
 
-This orders all of a step's collectives totally: forward gathers in unit order,
+``y`` matters: a cotangent may be a constant (the last unit's, when the loss is
+linear in it), and then only ``y`` keeps the last unit's backward after every
+forward gather (``test_collective_order`` in ``tests/mpi/test_jax_jit.py`` saw
+XLA run that re-gather between the first two forward gathers without it). The
+chain orders all of a step's collectives totally: forward gathers in unit order,
 then per unit in reverse order its re-gather and its reduce-scatter. Units must
-therefore be applied as a chain (each unit's input computed from the previous unit's
-output), as the layers of a network are. The same chain keeps XLA from hoisting
-gathers: a gather cannot start before its input exists.
+therefore be applied as a chain (each unit's input computed from the previous
+unit's output), as the layers of a network are. The same chain keeps XLA from
+hoisting gathers: a gather cannot start before its input exists.
 
 [Note: memory of a unit]
 A unit's full parameters are XLA buffers made by its gather. With
@@ -85,16 +89,18 @@ class _UnitCollectives:
         params = _bind(call, (*sends, *after))
         return jax.tree_util.tree_unflatten(self.treedef, params[:n])
 
-    def reduce(self, grads: Any, passed: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    def reduce(self, grads: Any, passed: Sequence[Any],
+               after: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """``(fp32 shard gradients, passed)``: the reduce-scatter of ``grads`` (a pytree
-        in the compute dtype), with ``passed`` aliased through it."""
+        in the compute dtype), run after ``after`` exists, with ``passed`` aliased
+        through it ([Note: collective order in a jitted step])."""
         owner, n = self.owner, len(self.shapes)
         leaves = [g.astype(owner.compute_dtype) for g in jax.tree_util.tree_leaves(grads)]
         types = [*self.shard_types, *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in passed)]
         aliases = {n + k: n + k for k in range(len(passed))}
         call = buffer_callback(self._reduce_cb, types, input_output_aliases=aliases,
                                command_buffer_compatible=owner.command_buffer)
-        out = _bind(call, (*leaves, *passed))
+        out = _bind(call, (*leaves, *passed, *after))
         return list(out[:n]), list(out[n:])
 
     def _gather_cb(self, ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
@@ -137,22 +143,25 @@ def _apply(col: _UnitCollectives, fn: Callable, shards: list, x: Any) -> Any:
 def _apply_fwd(col: _UnitCollectives, fn: Callable, shards: list, x: Any) -> tuple:
     params = col.gather(shards, jax.tree_util.tree_leaves(x))
     if col.owner.reshard_after_forward:  # [Note: memory of a unit]
-        return fn(params, x), (shards, x)
+        y = fn(params, x)
+        return y, (shards, y, x)
     y, pull = jax.vjp(fn, params, x)
-    return y, (shards, pull)
+    return y, (shards, y, pull)
 
 
 def _apply_bwd(col: _UnitCollectives, fn: Callable, saved: tuple, ct_y: Any) -> tuple:
-    shards, rest = saved
+    shards, y, rest = saved
+    # [Note: collective order in a jitted step]: after the forward (y) and the
+    # backward so far (ct_y).
+    after = [*_float_leaves(ct_y)[0], *jax.tree_util.tree_leaves(y)]
     if col.owner.reshard_after_forward:
-        after, _, _ = _float_leaves(ct_y)
-        params = col.gather(shards, after)  # [Note: collective order in a jitted step]
+        params = col.gather(shards, after)
         _, pull = jax.vjp(fn, params, rest)
     else:
         pull = rest
     dparams, dx = pull(ct_y)
     passed, idx, leaves = _float_leaves(dx)
-    dshards, passed = col.reduce(dparams, passed)
+    dshards, passed = col.reduce(dparams, passed, after)
     for k, a in zip(idx, passed):
         leaves[k] = a
     return dshards, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(dx), leaves)
