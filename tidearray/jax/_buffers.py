@@ -17,9 +17,11 @@ arrays are used only by work issued on ``ctx.stream`` during the callback.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import contextlib
+from typing import Any, ContextManager, Optional, Sequence
 
 import numpy as np
+from jax.experimental.buffer_callback import ExecutionStage
 
 #: ``cudaMemcpyDeviceToDevice``.
 _D2D = 3
@@ -41,6 +43,20 @@ class XlaBuffers:
         if not self.cuda:
             return [np.asarray(b) for b in buffers]
         return [self._cupy(b) for b in buffers]
+
+    def runs(self, ctx: Any) -> bool:
+        """Whether the callback is to act now: XLA may call it at earlier stages of an
+        executable's life (instantiate, prepare, initialize) as well as to execute."""
+        return ctx.stage == ExecutionStage.EXECUTE
+
+    def on_device(self) -> ContextManager:
+        """The backend's device current for CuPy (XLA calls back on a thread of its own,
+        whose current device CuPy does not know)."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        import cupy
+
+        return cupy.cuda.Device(self.backend.device)
 
     def stream(self, ctx: Any) -> Optional[int]:
         """XLA's stream of this callback (cuda), None on the host backend."""

@@ -105,15 +105,22 @@ class _UnitCollectives:
 
     def _gather_cb(self, ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
         xb, n = self.owner.buffers, len(self.shapes)
+        if not xb.runs(ctx):
+            return
         stream = xb.stream(ctx)
-        params = all_gather(xb.arrays(ins[:n]), self.shapes, group=self.owner.group,
-                            slot=self.owner.slot, stream=stream)
-        xb.copy(xb.arrays(outs), params, stream)  # [Note: the slot]
+        with xb.on_device():
+            params = all_gather(xb.arrays(ins[:n]), self.shapes, group=self.owner.group,
+                                slot=self.owner.slot, stream=stream)
+            xb.copy(xb.arrays(outs), params, stream)  # [Note: the slot]
 
     def _reduce_cb(self, ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
         xb, n = self.owner.buffers, len(self.shapes)
-        reduce_scatter(xb.arrays(ins[:n]), op="avg", out=xb.arrays(outs[:n]),
-                       group=self.owner.group, staging=self.owner.slot, stream=xb.stream(ctx))
+        if not xb.runs(ctx):
+            return
+        with xb.on_device():
+            reduce_scatter(xb.arrays(ins[:n]), op="avg", out=xb.arrays(outs[:n]),
+                           group=self.owner.group, staging=self.owner.slot,
+                           stream=xb.stream(ctx))
 
 
 def _bind(call: Callable, operands: Sequence[Any]) -> Any:
