@@ -34,6 +34,7 @@ class Bridge:
     def __init__(self, jax: Any, g: ta.Group, device: Any) -> None:
         self.jax, self.xp, self.device = jax, g.backend.xp, device
         self.cuda = g.backend.name == "cuda"
+        self.copies = 0  # parameters JAX could not take without a copy
 
     def ready_for_jax(self) -> None:
         """Work the runtime issued on CuPy's stream is done before XLA's stream reads it."""
@@ -41,7 +42,12 @@ class Bridge:
             self.xp.cuda.get_current_stream().synchronize()
 
     def to_jax(self, a: Any) -> Any:
-        return self.jax.dlpack.from_dlpack(a)
+        """A JAX array over ``a``'s memory (DLPack, no copy) where JAX can take it."""
+        try:
+            return self.jax.dlpack.from_dlpack(a)
+        except Exception:  # noqa: BLE001 - NumPy's bf16 has no DLPack: a copy instead
+            self.copies += 1
+            return self.jax.device_put(a.get() if self.cuda else a, self.device)
 
     def copy_into(self, buf: Any, d: Any) -> None:
         """``buf[...] = d`` (a finished JAX array), on the runtime's side."""
