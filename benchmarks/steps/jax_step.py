@@ -91,9 +91,9 @@ def main(argv: Optional[list] = None) -> None:
     log = print if g.rank == 0 else (lambda *a, **k: None)
     log(f"jax_step: {args.layers} layers, width {args.width}, {args.seq} tokens/rank, "
         f"{args.dtype}, {g.size} rank(s), backend {g.backend.name}")
-    records = []
+    records, units = [], ex.init_units(cfg)  # made once: seconds at the mid size
     for impl in [i for i in IMPLS if i in args.impls.split(",")]:
-        rec = run_impl(jax, g, cfg, args, impl)
+        rec = run_impl(jax, g, cfg, args, impl, units)
         records.append(rec)
         log(f"[{impl}] step {rec['median_step_s'] * 1e3:.2f} ms, host issue "
             f"{rec['median_issue_s'] * 1e3:.3f} ms, host CPU {rec['median_cpu_s'] * 1e3:.2f} "
@@ -113,9 +113,10 @@ def main(argv: Optional[list] = None) -> None:
     g.close()
 
 
-def run_impl(jax: Any, g: ta.Group, cfg: Any, args: argparse.Namespace, impl: str) -> dict:
+def run_impl(jax: Any, g: ta.Group, cfg: Any, args: argparse.Namespace, impl: str,
+             units: list) -> dict:
     """Warm-up and timed steps of one impl: its record."""
-    step, device, extra = build(jax, g, cfg, args, impl)
+    step, device, extra = build(jax, g, cfg, args, impl, units)
     issue, cpu, wall, losses = [], [], [], []
     for s in range(cfg.steps):
         tokens, targets = (jax.device_put(a, device) for a in ex.batch(cfg, s, g.rank))
@@ -135,8 +136,8 @@ def run_impl(jax: Any, g: ta.Group, cfg: Any, args: argparse.Namespace, impl: st
             "peak_bytes": stats.get("peak_bytes_in_use", 0), "losses": losses, **extra}
 
 
-def build(jax: Any, g: ta.Group, cfg: Any, args: argparse.Namespace,
-          impl: str) -> tuple[Callable, Any, dict]:
+def build(jax: Any, g: ta.Group, cfg: Any, args: argparse.Namespace, impl: str,
+          units: list) -> tuple[Callable, Any, dict]:
     """``(step(s, tokens, targets) -> loss, device, extra record fields)`` of one impl."""
     import tidearray.jax as tj
 
@@ -146,18 +147,18 @@ def build(jax: Any, g: ta.Group, cfg: Any, args: argparse.Namespace,
         from benchmarks.baselines.jax_per_unit import PerUnitTrainer
 
         device = _device(jax, g)
-        trainer = PerUnitTrainer(jax, g, ex.init_units(cfg), fns,
+        trainer = PerUnitTrainer(jax, g, units, fns,
                                  lambda h, y: ex.cross_entropy(jax, h, y), device,
                                  ta.bfloat16 if args.dtype == "bfloat16" else ta.float32,
                                  AdamW(lr=cfg.lr))
         return lambda s, x, y: trainer.step(x, y), device, {}
     if impl == "unsharded":
         device = _device(jax, g)
-        state = {"params": jax.device_put(ex.init_units(cfg), device)}
+        state = {"params": jax.device_put(units, device)}
         state["opt"] = opt.init(state["params"])
         jitted = jax.jit(whole_step(jax, fns, opt, dtype), donate_argnums=(0, 1))
     else:
-        su = tj.shard_units(ex.init_units(cfg), group=g, compute_dtype=dtype,
+        su = tj.shard_units(units, group=g, compute_dtype=dtype,
                             reshard_after_forward=impl != "tidearray-keep",
                             command_buffer=impl == "tidearray-cb")
         device, state = su.device, {"params": su.shards, "opt": opt.init(su.shards)}
