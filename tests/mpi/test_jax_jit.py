@@ -53,6 +53,20 @@ def _dense(p: dict, x: Any) -> Any:
     return jnp.tanh(x @ p["w"].T + p["b"])
 
 
+def _chain_grads(su: Any, weights: Any = None) -> Any:
+    """A jitted ``(shards, x) -> shard gradients`` of ``sum(weights * h)`` (``sum(h)`` without
+    weights), ``h`` the units of ``su`` applied to ``x`` as a chain of tanh layers."""
+    @jax.jit
+    def grads(shards, x):
+        def loss(shards):
+            h = x
+            for i in range(len(shards)):
+                h = su.apply(i, _dense, shards[i], h)
+            return jnp.sum(h if weights is None else h * weights)
+        return jax.grad(loss)(shards)
+    return grads
+
+
 def _units(seed: int, widths: list[int]) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
     return [{"w": rng.standard_normal((o, i)).astype(np.float32) / np.sqrt(i),
@@ -153,16 +167,7 @@ def test_shard_grads_against_float64(group, cpu_jax):
     xs = [np.random.default_rng([seed, r]).standard_normal((4, widths[0])) for r in range(W)]
     c = np.random.default_rng([seed, W]).standard_normal((4, widths[-1]))
 
-    @jax.jit
-    def grads(shards, x):
-        def loss(shards):
-            h = x
-            for i in range(len(units)):
-                h = su.apply(i, _dense, shards[i], h)
-            return jnp.sum(h * c.astype(np.float32))
-        return jax.grad(loss)(shards)
-
-    got = grads(su.shards, xs[rank].astype(np.float32))
+    got = _chain_grads(su, c.astype(np.float32))(su.shards, xs[rank].astype(np.float32))
     u64 = [{k: v.astype(np.float64) for k, v in u.items()} for u in units]
     per_rank = [_reference_grads(u64, x, c) for x in xs]
     failures = []
@@ -205,16 +210,9 @@ def test_collective_order(group, cpu_jax, monkeypatch):
     widths = [3, 4, 5, 6, 7]
     su = tj.shard_units(_units(_seed(group.comm), widths), group=group)
 
-    @jax.jit
-    def step(shards, x):
-        def loss(shards):
-            h = x
-            for i in range(len(shards)):
-                h = su.apply(i, _dense, shards[i], h)
-            return jnp.sum(h)
-        return jax.grad(loss)(shards)
-
-    jax.block_until_ready(step(su.shards, jnp.ones((2, 3))))
+    # sum(h): the last unit's output cotangent is a constant ([Note: collective order in
+    # a jitted step] in tidearray/jax/_units.py).
+    jax.block_until_ready(_chain_grads(su)(su.shards, jnp.ones((2, 3))))
     n = len(widths) - 1
     want = [f"ag2:{widths[i]}" for i in range(n)]
     for i in reversed(range(n)):
