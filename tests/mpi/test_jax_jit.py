@@ -9,7 +9,7 @@
 * shard gradients against a float64 NumPy reference within the fp32 bound;
 * the order the collectives run in: the forward gathers in unit order, then per unit
   in reverse its re-gather and its reduce-scatter, the same on every rank;
-* errors: units that differ between ranks, bad leaves, ``jax.vmap``.
+* errors: units that differ between ranks, bad leaves, ``jax.vmap``, a mesh context.
 
 Fresh seeds every run (drawn on rank 0). Runs on the host backend at any world size;
 the cuda path is ``tests/gpu/test_jax_jit_gpu.py``. Skipped without JAX.
@@ -236,7 +236,7 @@ def test_units_differing_between_ranks(group, cpu_jax, differ):
         tj.shard_units(units, group=group)
 
 
-def test_bad_leaves_and_vmap(group, cpu_jax):
+def test_bad_leaves_vmap_and_mesh(group, cpu_jax):
     for bad in ([{"w": np.zeros((), np.float32)}], [{"w": np.zeros(3, np.int32)}]):
         with pytest.raises(TideInvalid, match="expected a floating array"):
             tj.shard_units(bad, group=group)
@@ -244,3 +244,6 @@ def test_bad_leaves_and_vmap(group, cpu_jax):
                         group=group)
     with pytest.raises(TideInvalid, match="vmap"):
         jax.vmap(lambda x: su.apply(0, _dense, su.shards[0], x))(jnp.ones((4, 1, 3)))
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+        with pytest.raises(TideInvalid, match="mesh"):
+            jax.jit(lambda s, x: su.apply(0, _dense, s, x))(su.shards[0], jnp.ones((4, 3)))
