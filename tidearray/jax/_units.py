@@ -231,14 +231,19 @@ class ShardedUnits:
 
         Raises:
             TideInvalid: under ``jax.vmap``, or inside a mesh context (one JAX device per
-                rank is what runs; the ranks are the data-parallel dimension).
+                rank is what runs; the ranks are the data-parallel dimension), or if
+                ``unit_shards`` is not structured as the unit.
         """
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty:
             raise TideInvalid(f"tidearray.jax: expected no mesh context (one device per "
                               f"rank, the ranks sharding the data), got {mesh}")
         col = self._units[index]
-        return _apply(col, fn, jax.tree_util.tree_leaves(unit_shards), x)
+        leaves, treedef = jax.tree_util.tree_flatten(unit_shards)
+        if treedef != col.treedef:
+            raise TideInvalid(f"tidearray.jax: unit {index}: expected shards structured as "
+                              f"{col.treedef}, got {treedef}")
+        return _apply(col, fn, leaves, x)
 
     def __repr__(self) -> str:
         return (f"ShardedUnits({len(self)} units, {np.dtype(self.compute_dtype).name}, "
