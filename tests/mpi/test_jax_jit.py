@@ -4,6 +4,8 @@
   process training the same network on the global batch: losses within 1e-5 relative
   over 10 steps in fp32, within 3e-2 with bf16 parameters and fp32 reduction (the
   example's transformer, ``examples/jax_train.py``, makes the same check; CI runs it);
+  ``command_buffer=True``'s staged plans once (XLA's command buffers exist on GPUs only:
+  on CPU this checks the staged path's results);
 * gathers bitwise against a NumPy reference (ragged and empty shards included), with
   the slot poisoned before each call;
 * shard gradients against a float64 NumPy reference within the fp32 bound;
@@ -82,8 +84,13 @@ def _train(step: Any, params: Any, opt: Any, batches: list) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_jitted_step_matches_one_process(group, cpu_jax, dtype):
+#: (compute dtype, command_buffer): the in-place runner in both dtypes, the staged one once
+#: ([Note: in place or staged] in tidearray/jax/_runners.py).
+RUNS = [("float32", False), ("bfloat16", False), ("float32", True)]
+
+
+@pytest.mark.parametrize("dtype,command_buffer", RUNS)
+def test_jitted_step_matches_one_process(group, cpu_jax, dtype, command_buffer):
     """Ten jitted steps (forward, jax.grad, ShardAdamW) on each rank's samples against one
     process on all of them; the transformer is the example's (run by CI at 2 ranks)."""
     W, rank, seed = group.size, group.rank, _seed(group.comm)
@@ -105,7 +112,8 @@ def test_jitted_step_matches_one_process(group, cpu_jax, dtype):
             return (*opt.update(params, grads, state, coef), value)
         return jax.jit(step)
 
-    su = tj.shard_units(units, group=group, compute_dtype=jnp.dtype(dtype))
+    su = tj.shard_units(units, group=group, compute_dtype=jnp.dtype(dtype),
+                        command_buffer=command_buffer)
     sharded = step_of(lambda i, p, h: su.apply(i, _dense, p, h))
     losses = _train(sharded, su.shards, opt, [(xs[rank], ys[rank])
                                                for xs, ys in zip(data, targets)])
@@ -122,13 +130,15 @@ def test_jitted_step_matches_one_process(group, cpu_jax, dtype):
     agree(group.comm, failures, f"{dtype} jitted sharded step vs one JAX process (seed {seed})")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gather_bitwise(group, cpu_jax, dtype):
+@pytest.mark.parametrize("dtype,command_buffer", [("float32", False), ("bfloat16", False),
+                                                  ("bfloat16", True)])
+def test_gather_bitwise(group, cpu_jax, dtype, command_buffer):
     W, seed = group.size, _seed(group.comm)
     rng = np.random.default_rng(seed)
     shapes = [(0, 3), (1, 2), (max(W - 1, 1), 5), (3 * W + 1,), (W, 2, 3)]
     full = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    su = tj.shard_units([full[:3], full[3:]], group=group, compute_dtype=jnp.dtype(dtype))
+    su = tj.shard_units([full[:3], full[3:]], group=group, compute_dtype=jnp.dtype(dtype),
+                        command_buffer=command_buffer)
     gather = jax.jit(lambda shards, i, x: su.apply(i, lambda p, _: p, shards[i], x),
                      static_argnums=1)
     failures = []
@@ -192,10 +202,10 @@ def test_shard_grads_against_float64(group, cpu_jax):
 def test_collective_order(group, cpu_jax, monkeypatch):
     """Forward gathers in unit order, then per unit in reverse its re-gather and its
     reduce-scatter, whatever XLA's scheduling; the same on every rank."""
-    from tidearray.jax import _units as units_mod
+    from tidearray.jax import _runners
 
     log: list[str] = []
-    real_ag, real_rs = units_mod.all_gather, units_mod.reduce_scatter
+    real_ag, real_rs = _runners.all_gather, _runners.reduce_scatter
 
     def ag(shards, shapes, **kw):
         log.append(f"ag{len(shapes)}:{shapes[-1][1]}")  # leaves: b, w
@@ -205,8 +215,8 @@ def test_collective_order(group, cpu_jax, monkeypatch):
         log.append(f"rs{len(grads)}:{grads[-1].shape[1]}")
         return real_rs(grads, **kw)
 
-    monkeypatch.setattr(units_mod, "all_gather", ag)
-    monkeypatch.setattr(units_mod, "reduce_scatter", rs)
+    monkeypatch.setattr(_runners, "all_gather", ag)
+    monkeypatch.setattr(_runners, "reduce_scatter", rs)
     widths = [3, 4, 5, 6, 7]
     su = tj.shard_units(_units(_seed(group.comm), widths), group=group)
 

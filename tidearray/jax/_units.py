@@ -46,7 +46,8 @@ One slot of symmetric memory serves every gather and every reduce-scatter's stag
 (Slot-Reuse): each collective runs inside one callback on XLA's stream, and the
 gather's copy out of the slot is issued on that stream before the callback
 returns, so the next collective's writes into the slot are ordered after it
-(:func:`tidearray.all_gather`'s "Reusing a slot").
+(:func:`tidearray.all_gather`'s "Reusing a slot"). The callbacks call a runner
+(``_runners``), in place on XLA's buffers or staged through plans.
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ from .. import _dtypes, _validate
 from .._arena import SlotArena
 from .._errors import TideInvalid
 from .._group import Group, default_group
-from .._plan import Unit, all_gather, reduce_scatter
+from .._plan import Unit
 from .._shard import shard
 from ._buffers import XlaBuffers
+from ._runners import InPlace, Staged
 
 _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -105,22 +107,17 @@ class _UnitCollectives:
 
     def _gather_cb(self, ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
         xb, n = self.owner.buffers, len(self.shapes)
-        if not xb.runs(ctx):
-            return
-        stream = xb.stream(ctx)
-        with xb.on_device():
-            params = all_gather(xb.arrays(ins[:n]), self.shapes, group=self.owner.group,
-                                slot=self.owner.slot, stream=stream)
-            xb.copy(xb.arrays(outs), params, stream)  # [Note: the slot]
+        if xb.runs(ctx):
+            with xb.on_device():
+                self.owner.runner.gather(self.index, self.shapes, xb.arrays(ins[:n]),
+                                         xb.arrays(outs), xb.stream(ctx))
 
     def _reduce_cb(self, ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
         xb, n = self.owner.buffers, len(self.shapes)
-        if not xb.runs(ctx):
-            return
-        with xb.on_device():
-            reduce_scatter(xb.arrays(ins[:n]), op="avg", out=xb.arrays(outs[:n]),
-                           group=self.owner.group, staging=self.owner.slot,
-                           stream=xb.stream(ctx))
+        if xb.runs(ctx):
+            with xb.on_device():
+                self.owner.runner.reduce(self.index, xb.arrays(ins[:n]), xb.arrays(outs[:n]),
+                                         xb.stream(ctx))
 
 
 def _bind(call: Callable, operands: Sequence[Any]) -> Any:
@@ -202,6 +199,9 @@ class ShardedUnits:
         size = max([max(u.nbytes, u.staging_nbytes) for u in units] + [4096])
         self.arena = SlotArena(size, num_slots=1, group=group)
         self.slot = self.arena[0]
+        # [Note: in place or staged] in _runners
+        self.runner = (Staged(group, self.slot, self.buffers, units) if command_buffer
+                       else InPlace(group, self.slot, self.buffers))
         self._units = [_UnitCollectives(self, i, u, t)
                        for i, (u, t) in enumerate(zip(units, treedefs))]
         self.shards = [jax.tree_util.tree_unflatten(t, [jax.device_put(a, device) for a in arrs])
@@ -270,7 +270,10 @@ def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
             in ``tidearray.jax._units``).
         command_buffer: let XLA capture the collectives into its command buffers on GPU
             (``buffer_callback(command_buffer_compatible=True)``): the callbacks' Python
-            then runs when XLA records, not on every step.
+            then runs when XLA records, not on every step. The collectives then run
+            through plans built here over buffers of tidearray's, with XLA's buffers
+            copied in and out ([Note: in place or staged] in ``tidearray.jax._runners``):
+            one unit's gradients more of memory, and copies of them.
 
     Returns:
         The :class:`ShardedUnits`, whose ``shards`` hold this rank's fp32 shards.
