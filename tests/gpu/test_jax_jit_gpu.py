@@ -95,13 +95,14 @@ class _Syncs:
         return counted
 
 
-def test_no_host_synchronize_inside_a_step(cuda_group, gpu_jax, monkeypatch):
+@pytest.mark.parametrize("command_buffer", [False, True])
+def test_no_host_synchronize_inside_a_step(cuda_group, gpu_jax, monkeypatch, command_buffer):
     import tidearray.jax as tj
     from tidearray.fsdp import AdamW
 
     ex = _example()
     cfg = ex.Config()
-    su = tj.shard_units(ex.init_units(cfg), group=cuda_group)
+    su = tj.shard_units(ex.init_units(cfg), group=cuda_group, command_buffer=command_buffer)
     opt = tj.ShardAdamW(AdamW(lr=cfg.lr))
     step = ex.sharded_step(jax, su, ex.unit_fns(jax, cfg), opt)
     shards, state = su.shards, opt.init(su.shards)
