@@ -151,7 +151,14 @@ def build(jax: Any, g: ta.Group, cfg: Any, args: argparse.Namespace, impl: str,
                                  lambda h, y: ex.cross_entropy(jax, h, y), device,
                                  ta.bfloat16 if args.dtype == "bfloat16" else ta.float32,
                                  AdamW(lr=cfg.lr))
-        return lambda s, x, y: trainer.step(x, y), device, {}
+        extra: dict = {"copied_params": 0}
+
+        def per_unit_step(s: int, x: Any, y: Any) -> float:
+            loss = trainer.step(x, y)
+            # parameters JAX could not take through DLPack (copied: slower than the path)
+            extra["copied_params"] = trainer.bridge.copies
+            return loss
+        return per_unit_step, device, extra
     if impl == "unsharded":
         device = _device(jax, g)
         state = {"params": jax.device_put(units, device)}
