@@ -17,7 +17,8 @@ unit, shared by every unit: calls follow each other on XLA's stream), and the
 callback copies XLA's buffers in and out around the plan call: the shards in (``1/W``
 of the unit), the gathered parameters out, the gradients in (the unit, in the compute
 dtype) and the fp32 shard gradients out. Those copies are capture-safe memcpys; the
-plan call is one of the library's capture-safe issues.
+plan call is one of the library's capture-safe issues, once the plan has run outside
+a capture (its tables upload at its first call): each runs once when it is built.
 """
 
 from __future__ import annotations
@@ -68,9 +69,14 @@ class Staged:
             send_views = _views(sends, u.shard_shapes)
             grad_views = _views(grads, u.shapes)
             out_views = _views(outs, u.shard_shapes)
-            self.gathers.append((send_views, u.gather_plan(send_views, slot)))
-            self.reduces.append((grad_views, u.reduce_plan(grad_views, out_views, staging=slot),
-                                 out_views))
+            gather, reduce = (u.gather_plan(send_views, slot),
+                              u.reduce_plan(grad_views, out_views, staging=slot))
+            # A plan uploads its tables at its first call, which a capture cannot take:
+            # one call each now, outside XLA's (on every rank, in the same order).
+            gather()
+            reduce()
+            self.gathers.append((send_views, gather))
+            self.reduces.append((grad_views, reduce, out_views))
 
     def gather(self, index: int, shapes: Sequence[tuple], sends: list, outs: list,
                stream: Optional[int]) -> None:
