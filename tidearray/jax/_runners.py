@@ -4,10 +4,11 @@ built once over buffers of tidearray's (for XLA's command buffers).
 [Note: in place or staged]
 In place (the default): the gather reads XLA's shard buffers and the reduce-scatter
 reads XLA's gradient buffers where they are and writes XLA's fp32 output buffers, by
-the library's eager calls. An eager call builds its plan (validated, addresses
-resolved, tables uploaded) the first time it meets a set of addresses, and finds it
-again by them; XLA reuses its buffer assignment from step to step, so after the
-first steps every call finds its plan.
+eager plans, as :func:`tidearray.all_gather` and :func:`tidearray.reduce_scatter` run
+them: a plan is built (validated, addresses resolved, tables uploaded) the first time
+a unit's collective meets a set of addresses, and found again by them, with one
+agreement across the ranks per call; XLA reuses its buffer assignment from step to
+step, so after the first steps every call finds its plan.
 
 Staged (``command_buffer=True``): XLA records a command-buffer-compatible callback by
 stream capture, at addresses it picks, and a capture cannot upload a new plan's
@@ -28,25 +29,51 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .._arena import Region
+from .._cache import BoundedCache
 from .._group import Group
-from .._plan import GatherPlan, ReducePlan, Unit, all_gather, reduce_scatter
+from .._plan import GatherPlan, ReducePlan, Unit, eager_plan
 from ._buffers import XlaBuffers
+
+#: Address sets an in-place unit keeps a plan for, per collective: XLA's buffer
+#: assignment repeats from step to step, so one or two are in use.
+ADDRESS_SETS = 4
 
 
 class InPlace:
-    """The collectives on XLA's own buffers ([Note: in place or staged])."""
+    """The collectives on XLA's own buffers ([Note: in place or staged]).
+
+    Each unit's gather and reduce-scatter keep their eager plans here, a few address
+    sets each, not in the group's cache of the latest 64 eager plans: a model of 30
+    units issues about 90 collectives a step, which would push each other out of it
+    and be built again at every step.
+    """
 
     def __init__(self, group: Group, slot: Region, buffers: XlaBuffers) -> None:
         self.group, self.slot, self.buffers = group, slot, buffers
+        self._plans: dict[tuple[str, int], BoundedCache] = {}
 
     def gather(self, index: int, shapes: Sequence[tuple], sends: list, outs: list,
                stream: Optional[int]) -> None:
-        params = all_gather(sends, shapes, group=self.group, slot=self.slot, stream=stream)
+        g, slot = self.group, self.slot
+        plan = eager_plan(g, g.backend.array_key(sends),
+                      lambda: GatherPlan(g, sends, shapes, slot, eager=True),
+                      self._cache("gather", index))
+        params = plan(stream=stream)
         self.buffers.copy(outs, params, stream)  # [Note: the slot] in _units
 
     def reduce(self, index: int, grads: list, outs: list, stream: Optional[int]) -> None:
-        reduce_scatter(grads, op="avg", out=outs, group=self.group, staging=self.slot,
-                       stream=stream)
+        g, be = self.group, self.group.backend
+        grad_key, out_key = be.array_key(grads), be.array_key(outs)
+        key = None if grad_key is None or out_key is None else (grad_key, out_key)
+        plan = eager_plan(g, key, lambda: ReducePlan(g, grads, outs, "avg", self.slot, eager=True),
+                      self._cache("reduce", index))
+        plan(stream=stream)
+
+    def _cache(self, kind: str, index: int) -> BoundedCache:
+        cache = self._plans.get((kind, index))
+        if cache is None:
+            cache = self._plans[kind, index] = BoundedCache(ADDRESS_SETS)
+        return cache
 
 
 class Staged:
