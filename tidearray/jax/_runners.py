@@ -56,8 +56,8 @@ class InPlace:
                stream: Optional[int]) -> None:
         g, slot = self.group, self.slot
         plan = eager_plan(g, g.backend.array_key(sends),
-                      lambda: GatherPlan(g, sends, shapes, slot, eager=True),
-                      self._cache("gather", index))
+                          lambda: GatherPlan(g, sends, shapes, slot, eager=True),
+                          self._cache("gather", index))
         params = plan(stream=stream)
         self.buffers.copy(outs, params, stream)  # [Note: the slot] in _units
 
@@ -65,8 +65,9 @@ class InPlace:
         g, be = self.group, self.group.backend
         grad_key, out_key = be.array_key(grads), be.array_key(outs)
         key = None if grad_key is None or out_key is None else (grad_key, out_key)
-        plan = eager_plan(g, key, lambda: ReducePlan(g, grads, outs, "avg", self.slot, eager=True),
-                      self._cache("reduce", index))
+        plan = eager_plan(g, key,
+                          lambda: ReducePlan(g, grads, outs, "avg", self.slot, eager=True),
+                          self._cache("reduce", index))
         plan(stream=stream)
 
     def _cache(self, kind: str, index: int) -> BoundedCache:
