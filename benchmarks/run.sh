@@ -27,6 +27,8 @@
 #                  shard_module vs the floor)
 #       units      (compare_fsdp2.py on small-32l at one rank: plain torch, the floor, FSDP2,
 #                  shard_module eager and captured: per-unit overhead of a host-bound model)
+#       jax        (benchmarks/steps/jax_step.py, one rank: a JAX transformer, 8 layers,
+#                  hidden 2048, 4K tokens, unsharded jit vs tidearray.jax vs per-unit vjp)
 #       hf8b, meta70b (benchmarks/steps/hf_models.py: an 8B-shaped HF model trained,
 #                  a 70B-shaped model's deferred init at 4 ranks)
 #       tests      (the harness's, the baselines' and the variants' tests, benchmarks/tests,
@@ -147,6 +149,11 @@ run_units() {  # per-unit overhead on a host-bound model at one rank: plain torc
     step units env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \
         --model small-32l --impls plain,floor,fsdp2,tide,tide-graph \
         --steps "${TIDE_UNITS_STEPS:-30}" --host-profile 5 --out "$OUT/units"
+}
+run_jax() {  # a JAX transformer's step at one rank: unsharded jit, tidearray.jax in one jit
+    # (released/kept parameters, command buffers) and the per-unit path; TIDE_JAX_ARGS adds flags
+    step jax_step "${MPI[@]}" -n 1 python3 benchmarks/steps/jax_step.py --out "$OUT/jax" \
+        ${TIDE_JAX_ARGS:-}
 }
 run_fsdp2ab() {  # one rank, shard_module only: the step time an A/B compares
     step "ab$AB" env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \

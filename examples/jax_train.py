@@ -1,193 +1,222 @@
-"""Train a small JAX network on tidearray's FSDP runtime, one ``jax.vjp`` per unit.
+"""Train a small JAX transformer fully sharded, one ``jax.jit`` per step, with ``tidearray.jax``.
 
     mpiexec -n 2 python examples/jax_train.py            # then checks a 1-process JAX run
 
-Each unit (a dense layer) is a pure function ``unit(params, x)``. For every unit,
-the runtime gathers its parameters into a slot; the slot is viewed as JAX arrays
-through DLPack, without a copy; ``jax.vjp`` runs the unit and keeps its pullback.
-In backward the runtime gathers the unit again into the *same* slot (so the
-arrays the pullback holds see the same values), the pullback gives the unit's
-gradients, they are written into the runtime's gradient buffers, and the
-unit's reduce-scatter starts. The fused AdamW steps the fp32 shards.
+The model is plain JAX: a token and position embedding, pre-norm blocks of causal
+self-attention and an MLP, a final norm and a head. Each of them is a *unit*: a
+pytree of parameters and a function ``unit(params, x)``. ``tidearray.jax.shard_units``
+keeps this rank's fp32 dim-0 shard of each; the training step, one ``jax.jit``, runs
+every unit through ``ShardedUnits.apply``: its parameters are gathered (TIDE-AG) just
+before its forward, released after it, and gathered again for its backward, and its
+gradients are reduced (TIDE-RS) into fp32 shard gradients, averaged over the ranks.
+``ShardAdamW`` steps the shards inside the same jit. Nothing leaves the jitted step
+but the loss: the collectives run inside it, on XLA's buffers and, on GPUs, on XLA's
+stream.
 
-[Note: JAX and the slots]
-JAX assumes a buffer it imported never changes. A slot does change between
-units, so a unit's arrays are used only while the slot holds that unit: from
-``pre_forward`` to ``post_forward`` and from ``pre_backward`` to
-``post_backward`` (the runtime puts unit ``i`` in slot ``i % slots`` every
-time, so the pullback's arrays are right again in backward). Results are made
-concrete (``block_until_ready``) before the slot is released.
-
-[Note: JAX's stream]
-On the cuda backend XLA runs on its own stream, which tidearray cannot see. The
-runtime orders its work on CuPy's current stream, so the two are joined on the
-host at the points where data crosses: that stream is synchronized before JAX
-reads a gathered unit (``ready_for_jax``), and JAX's results are made concrete
-before the runtime reads them or reuses the slot (gradients copied on CuPy's
-stream, then ``post_backward``). Host joins are the simple, always-correct
-choice for a small model; a large one would pass events instead.
-
-At the end, rank 0 trains the same network in one process on every rank's
-samples with the same AdamW and prints the largest loss difference; the run
-fails if it is above 1e-5 relative on CPU or 1e-4 on GPUs (fp32 throughout,
-matmuls at full precision). It runs on the default backend (cuda where a GPU
-and a CUDA JAX exist; ``TIDE_BACKEND=host`` forces the CPU). Needs JAX
-(``pip install 'tidearray[jax]'``); without it, it fails, naming the extra.
+At the end, rank 0 trains the same model in one process on every rank's samples
+(the global batch) with the same AdamW and prints the largest loss difference; the
+run fails if it is above 1e-5 relative on CPU or 1e-4 on GPUs (fp32 throughout,
+matmuls at full precision). ``--dtype bfloat16`` gathers bf16 parameters and reduces
+bf16 gradients into the fp32 shards (tolerance 3e-2). It runs on the default backend
+(cuda where a GPU and a CUDA JAX exist; ``TIDE_BACKEND=host`` forces the CPU). Needs
+JAX (``pip install 'tidearray[jax]'``); without it, it fails, naming the extra.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 import tidearray as ta
-from tidearray.fsdp import AdamW, FusedAdamW, ShardedModel
+from tidearray.fsdp import AdamW
 
-SIZES = (8, 32, 32, 4)
-STEPS, B, LR = 10, 16, 1e-2
+TOLERANCE = {("cpu", "float32"): 1e-5, ("gpu", "float32"): 1e-4}
+BF16_TOLERANCE = 3e-2
 
 
-def init_units(seed: int = 0) -> list[list[np.ndarray]]:
+@dataclass(frozen=True)
+class Config:
+    """The model's shape and the run's."""
+
+    vocab: int = 64
+    width: int = 32
+    heads: int = 2
+    layers: int = 2
+    seq: int = 16
+    batch: int = 4  # sequences per rank per step
+    steps: int = 10
+    lr: float = 3e-3
+
+
+def init_units(cfg: Config, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """The model's units: embedding, ``layers`` blocks, head (fp32, NumPy)."""
     rng = np.random.default_rng(seed)
-    return [[(rng.standard_normal((o, i)) / np.sqrt(i)).astype(np.float32),
-             np.zeros(o, np.float32)] for i, o in zip(SIZES, SIZES[1:])]
+    d = cfg.width
+
+    def dense(o: int, i: int) -> np.ndarray:
+        return (rng.standard_normal((o, i)) / np.sqrt(i)).astype(np.float32)
+
+    def norm() -> dict[str, np.ndarray]:
+        return {"g": np.ones(d, np.float32), "b": np.zeros(d, np.float32)}
+
+    embed = {"tok": (0.5 * rng.standard_normal((cfg.vocab, d))).astype(np.float32),
+             "pos": (0.1 * rng.standard_normal((cfg.seq, d))).astype(np.float32)}
+    blocks = [{"ln1": norm(), "qkv": dense(3 * d, d), "proj": dense(d, d), "ln2": norm(),
+               "up": dense(4 * d, d), "up_b": np.zeros(4 * d, np.float32),
+               "down": dense(d, 4 * d)} for _ in range(cfg.layers)]
+    head = {"ln": norm(), "out": dense(cfg.vocab, d)}
+    return [embed, *blocks, head]
 
 
-def batch(step: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng([step % 2, rank])
-    x = rng.standard_normal((B, SIZES[0])).astype(np.float32)
-    return x, np.sin(2 * x[:, :SIZES[-1]])
-
-
-def unit_fn(jnp, last: bool):
-    def f(params, x):
-        w, b = params
-        y = x @ w.T + b
-        return y if last else jnp.tanh(y)
-    return f
-
-
-class Bridge:
-    """Arrays between the runtime's backend and JAX on one device (see the Notes)."""
-
-    def __init__(self, jax, g) -> None:
-        self.jax, self.xp = jax, g.backend.xp
-        self.cuda = g.backend.name == "cuda"
-        self.device = jax.devices("gpu")[g.backend.device] if self.cuda else jax.devices()[0]
-        self.copies = 0  # parameters JAX could not take without a copy
-
-    def ready_for_jax(self) -> None:
-        """Work the runtime issued on CuPy's stream is done before XLA's stream reads it."""
-        if self.cuda:
-            self.xp.cuda.get_current_stream().synchronize()
-
-    def to_jax(self, a):
-        """A JAX array over ``a``'s memory (DLPack, no copy) where JAX can take it."""
-        try:
-            return self.jax.dlpack.from_dlpack(a)
-        except Exception:  # noqa: BLE001 - an unaligned or read-only buffer: a copy instead
-            self.copies += 1
-            host = a.get() if self.cuda else a
-            return self.jax.device_put(host, self.device)
-
-    def put(self, x: np.ndarray):
-        return self.jax.device_put(x, self.device)
-
-    def copy_into(self, buf, d) -> None:
-        """``buf[...] = d`` (a finished JAX array), on the runtime's side."""
-        if self.cuda:
-            self.xp.copyto(buf, self.xp.from_dlpack(d))
-        else:
-            np.copyto(buf, np.asarray(d))
-
-
-def train_sharded(jax, g) -> tuple[list[float], Bridge]:
+def unit_fns(jax: Any, cfg: Config) -> list[Callable[[Any, Any], Any]]:
+    """Each unit's ``fn(params, x)``, plain JAX, in the order of :func:`init_units`."""
     jnp = jax.numpy
-    bridge = Bridge(jax, g)
-    units = init_units()
-    n = len(units)
-    names = [[(f"{i}.w", u[0]), (f"{i}.b", u[1])] for i, u in enumerate(units)]
-    sm = ShardedModel(names, group=g, param_dtype=ta.float32, optimizer=AdamW(lr=LR))
-    losses = []
-    for s in range(STEPS):
-        x, y = batch(s, g.rank)
-        h, pullbacks = bridge.put(x), []
-        for i in range(n):
-            arrays = sm.pre_forward(i)
-            bridge.ready_for_jax()  # [Note: JAX's stream]
-            h, pull = jax.vjp(unit_fn(jnp, i == n - 1), [bridge.to_jax(a) for a in arrays], h)
-            h.block_until_ready()  # [Note: JAX and the slots]
-            pullbacks.append(pull)
-            sm.post_forward(i)
-        loss, dloss = jax.value_and_grad(lambda o, t: jnp.mean((o - t) ** 2))(h, bridge.put(y))
-        dh = dloss
-        for i in reversed(range(n)):
-            _, grads_out = sm.pre_backward(i)
-            bridge.ready_for_jax()
-            dparams, dh = jax.block_until_ready(pullbacks[i](dh))
-            for buf, d in zip(grads_out, dparams):
-                bridge.copy_into(buf, d)
-            sm.post_backward(i)
-        sm.step()
+
+    def layer_norm(p: dict, x: Any) -> Any:
+        mu = x.mean(-1, keepdims=True)
+        var = ((x - mu) ** 2).mean(-1, keepdims=True)
+        return (x - mu) * jax.lax.rsqrt(var + 1e-5) * p["g"] + p["b"]
+
+    def embed(p: dict, tokens: Any) -> Any:
+        return p["tok"][tokens] + p["pos"][: tokens.shape[1]]
+
+    def block(p: dict, x: Any) -> Any:
+        b, t, d = x.shape
+        hd = d // cfg.heads
+        q, k, v = jnp.split(layer_norm(p["ln1"], x) @ p["qkv"].T, 3, axis=-1)
+        q, k, v = (a.reshape(b, t, cfg.heads, hd).transpose(0, 2, 1, 3) for a in (q, k, v))
+        scores = (q @ k.transpose(0, 1, 3, 2)) / np.sqrt(hd).astype(np.float32)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        att = jax.nn.softmax(scores, axis=-1) @ v
+        x = x + att.transpose(0, 2, 1, 3).reshape(b, t, d) @ p["proj"].T
+        h = jax.nn.gelu(layer_norm(p["ln2"], x) @ p["up"].T + p["up_b"])
+        return x + h @ p["down"].T
+
+    def head(p: dict, x: Any) -> Any:
+        return layer_norm(p["ln"], x) @ p["out"].T
+
+    return [embed, *[block] * cfg.layers, head]
+
+
+def batch(cfg: Config, step: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s tokens and next-token targets for ``step`` (a learnable sequence)."""
+    rng = np.random.default_rng([step % 3, rank])
+    start = rng.integers(0, cfg.vocab, (cfg.batch, 1))
+    seq = (start + 3 * np.arange(cfg.seq + 1)) % cfg.vocab
+    return seq[:, :-1].astype(np.int32), seq[:, 1:].astype(np.int32)
+
+
+def cross_entropy(jax: Any, logits: Any, targets: Any) -> Any:
+    logp = jax.nn.log_softmax(logits.astype(np.float32), axis=-1)
+    return -jax.numpy.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+
+def sharded_step(jax: Any, su: Any, fns: list, opt: Any) -> Callable:
+    """The jitted training step on this rank's shards: loss, shard gradients, AdamW."""
+
+    def loss_fn(shards: list, tokens: Any, targets: Any) -> Any:
+        h = tokens
+        for i, fn in enumerate(fns):
+            h = su.apply(i, fn, shards[i], h)  # gathered here, reduced in backward
+        return cross_entropy(jax, h, targets)
+
+    def step(shards: list, state: Any, coef: Any, tokens: Any, targets: Any) -> tuple:
+        loss, grads = jax.value_and_grad(loss_fn)(shards, tokens, targets)
+        shards, state = opt.update(shards, grads, state, coef)
+        return shards, state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def train_sharded(jax: Any, g: ta.Group, cfg: Config, dtype: str = "float32") -> tuple:
+    """``(losses averaged over the ranks, ShardedUnits)`` of ``cfg.steps`` jitted steps."""
+    import tidearray.jax as tj
+
+    su = tj.shard_units(init_units(cfg), group=g, compute_dtype=jax.numpy.dtype(dtype))
+    opt = tj.ShardAdamW(AdamW(lr=cfg.lr))
+    step = sharded_step(jax, su, unit_fns(jax, cfg), opt)
+    shards, state, losses = su.shards, opt.init(su.shards), []
+    for s in range(cfg.steps):
+        tokens, targets = (jax.device_put(a, su.device) for a in batch(cfg, s, g.rank))
+        shards, state, loss = step(shards, state, opt.coefficients(s + 1), tokens, targets)
         losses.append(g.comm.allreduce(float(loss)) / g.size)
         if g.rank == 0:
             print(f"step {s:3d}  loss {losses[-1]:.6f}", flush=True)
-    sm.synchronize()
-    return losses, bridge
+    return losses, su
 
 
-def train_reference(jax, world: int) -> list[float]:
-    """One process, every rank's samples, the fused AdamW's NumPy path on each parameter."""
-    jnp = jax.numpy
-    units = init_units()
-    n = len(units)
-    opts = [[FusedAdamW(AdamW(lr=LR), p.reshape(-1), None, np) for p in u] for u in units]
+def train_reference(jax: Any, cfg: Config, world: int) -> list[float]:
+    """One process, every rank's samples, the same AdamW on the full parameters."""
+    import tidearray.jax as tj
 
-    def loss_fn(all_params, x, y):
-        h = x
-        for i, p in enumerate(all_params):
-            h = unit_fn(jnp, i == n - 1)(p, h)
-        return jnp.mean((h - y) ** 2)
+    fns, opt = unit_fns(jax, cfg), tj.ShardAdamW(AdamW(lr=cfg.lr))
 
-    losses = []
-    for s in range(STEPS):
-        xs, ys = zip(*[batch(s, r) for r in range(world)])
-        loss, grads = jax.value_and_grad(loss_fn)(units, np.concatenate(xs), np.concatenate(ys))
-        for gu, ou in zip(grads, opts):
-            for gp, opt in zip(gu, ou):  # each parameter's master, updated in place
-                opt.step(np.asarray(gp, np.float32).reshape(-1))
+    def loss_fn(units: list, tokens: Any, targets: Any) -> Any:
+        h = tokens
+        for p, fn in zip(units, fns):
+            h = fn(p, h)
+        return cross_entropy(jax, h, targets)
+
+    @jax.jit
+    def step(units: list, state: Any, coef: Any, tokens: Any, targets: Any) -> tuple:
+        loss, grads = jax.value_and_grad(loss_fn)(units, tokens, targets)
+        units, state = opt.update(units, grads, state, coef)
+        return units, state, loss
+
+    units = jax.tree_util.tree_map(jax.numpy.asarray, init_units(cfg))
+    state, losses = opt.init(units), []
+    for s in range(cfg.steps):
+        tokens, targets = (np.concatenate(a) for a in zip(*[batch(cfg, s, r)
+                                                             for r in range(world)]))
+        units, state, loss = step(units, state, opt.coefficients(s + 1), tokens, targets)
         losses.append(float(loss))
     return losses
 
 
-def main() -> None:
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to us
-    try:
-        import jax
-        import jax.dlpack  # noqa: F401
-    except ImportError as e:
-        sys.exit(f"jax_train.py: needs JAX ({e}); pip install 'tidearray[jax]'")
-    g = ta.init()
-    if g.backend.name == "cuda" and not _has_gpu(jax):
-        sys.exit("jax_train.py: the cuda backend needs a CUDA JAX (pip install 'jax[cuda12]'); "
-                 "TIDE_BACKEND=host runs it on the CPU")
-    if g.backend.name == "cuda":  # JAX's start-up leaves another GPU current: ours back
-        g.backend.xp.cuda.Device(g.backend.device).use()
+def setup_jax(g: ta.Group) -> Any:
+    """JAX on this rank's device: the backend's GPU (cuda), the CPU (host)."""
+    import jax
+
+    if g.backend.name == "cuda":
+        if not _has_gpu(jax):
+            sys.exit("jax_train.py: the cuda backend needs a CUDA JAX (pip install "
+                     "'jax[cuda12]'); TIDE_BACKEND=host runs it on the CPU")
+        g.backend.xp.cuda.Device(g.backend.device).use()  # JAX's start-up may change it
     else:
         jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_default_matmul_precision", "highest")  # fp32, not TF32, on GPUs
-    losses, bridge = train_sharded(jax, g)
-    tol = 1e-4 if bridge.cuda else 1e-5
+    return jax
+
+
+def main(argv: Optional[list] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--steps", type=int, default=Config.steps)
+    args = p.parse_args(argv)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to us
+    try:
+        import jax  # noqa: F401
+    except ImportError as e:
+        sys.exit(f"jax_train.py: needs JAX ({e}); pip install 'tidearray[jax]'")
+    g = ta.init()
+    jax = setup_jax(g)
+    cfg = Config(steps=args.steps)
+    losses, su = train_sharded(jax, g, cfg, args.dtype)
     ok = True
     if g.rank == 0:
-        with jax.default_device(bridge.device):
-            want = train_reference(jax, g.size)
+        kind = su.device.platform if su.device.platform == "cpu" else "gpu"
+        tol = TOLERANCE.get((kind, args.dtype), BF16_TOLERANCE)
+        with jax.default_device(su.device):
+            want = train_reference(jax, cfg, g.size)
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses, want))
         ok = diff <= tol and losses[-1] < losses[0]
-        print(f"backend {g.backend.name}, JAX on {bridge.device}; parameters copied instead of "
-              f"shared: {bridge.copies}")
+        print(f"backend {g.backend.name}, JAX on {su.device}, {args.dtype} parameters")
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; largest relative difference from "
               f"one JAX process on all the samples: {diff:.2e} (tolerance {tol:g})")
     ok = g.comm.bcast(ok)
@@ -196,7 +225,7 @@ def main() -> None:
         sys.exit("jax_train.py: the sharded run does not match the reference")
 
 
-def _has_gpu(jax) -> bool:
+def _has_gpu(jax: Any) -> bool:
     try:
         return bool(jax.devices("gpu"))
     except RuntimeError:

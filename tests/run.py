@@ -80,7 +80,7 @@ class Run:
 #: so those runs leave them to the plain runs (which keeps CI well inside its budget).
 CORE_TESTS = ("tests/mpi", "--ignore=tests/mpi/test_torch.py",
               "--ignore=tests/mpi/test_torch_state.py", "--ignore=tests/mpi/test_hf.py",
-              "--ignore=tests/mpi/test_lifecycle.py", "--ignore=tests/mpi/test_jax.py")
+              "--ignore=tests/mpi/test_lifecycle.py", "--ignore=tests/mpi/test_jax_jit.py")
 
 
 #: The runs that re-check on another split or mode what the plain runs searched take

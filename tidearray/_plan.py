@@ -479,13 +479,17 @@ def _arrays_key(group: Group, arrays: Any, what: str) -> Optional[tuple]:
     return key
 
 
-def _eager(group: Group, key: Optional[tuple], build: Any) -> Any:
-    """The group's eager plan for ``key``, or one built now ([Note: one pipeline])."""
-    plan = None if key is None else group.eager_plans.get(key)
+def eager_plan(group: Group, key: Optional[tuple], build: Any,
+               cache: Optional[BoundedCache] = None) -> Any:
+    """The eager plan for ``key`` in ``cache`` (the group's by default), or one built now
+    ([Note: one pipeline]). A caller that repeats more calls than the group keeps (a
+    framework front end's per-unit calls) keeps a cache of its own."""
+    cache = group.eager_plans if cache is None else cache
+    plan = None if key is None else cache.get(key)
     if plan is None:
         plan = build()
         if key is not None:
-            group.eager_plans.put(key, plan)
+            cache.put(key, plan)
     else:
         plan.agree()
     return plan
@@ -522,7 +526,7 @@ def all_gather(shards: Sequence[Any], shapes: Sequence[Sequence[int]], *,
         arrays = _arrays_key(group, shards, "shard")
         key = None if arrays is None else (
             "all_gather", key, None if slot is None else slot.id, arrays)
-    plan = _eager(group, key, lambda: GatherPlan(group, shards, shapes, slot, eager=True))
+    plan = eager_plan(group, key, lambda: GatherPlan(group, shards, shapes, slot, eager=True))
     return plan._run(stream, async_op)
 
 
@@ -565,5 +569,5 @@ def reduce_scatter(grads: Sequence[Any], *, op: str = "avg", out: Optional[Seque
         key = None if outs is None else key
     if key is not None:
         key = ("reduce_scatter", op, None if staging is None else staging.id, key, outs)
-    plan = _eager(group, key, lambda: ReducePlan(group, grads, out, op, staging, eager=True))
+    plan = eager_plan(group, key, lambda: ReducePlan(group, grads, out, op, staging, eager=True))
     return plan._run(stream, async_op)

@@ -6,6 +6,8 @@
 #   TIDE_GPU_STEPS="np2 faults" bash tests/gpu/run.sh  # some steps: info np2 np1 nodes
 #                                              # np3 np4 (ranks sharing GPUs)
 #                                              # jax (examples/jax_train.py on cuda)
+#                                              # jaxjit (tidearray.jax's GPU tests, 1-4
+#                                              # ranks sharing the GPU; the example in bf16)
 #                                              # plans (the plan and AdamW tests at 2 ranks)
 #                                              # faults (tests/test_faults.py on host and
 #                                              # cuda), soak (2,000 steps at 2 and 4 ranks),
@@ -53,8 +55,15 @@ run_soak() {  # TIDE_SOAK_STEPS (2000); before/after figures in $OUT/soak.jsonl
 run_plans() {  # plan tests on cuda at 2 ranks (host time per plan call: benchmarks/run.sh plans)
     step plans_np2 "${MPI[@]}" -n 2 "${PYTEST[@]}" tests/mpi/test_plans.py tests/gpu/test_adamw_gpu.py
 }
-run_jax() {  # the JAX example on the cuda backend (XLA's stream joined on the host)
+run_jax() {  # the JAX example on the cuda backend (one jitted step, collectives on XLA's stream)
     step jax_np2 "${MPI[@]}" -n 2 python3 examples/jax_train.py
+}
+run_jaxjit() {  # tidearray.jax on cuda: 1-4 ranks sharing the GPU, then the example in bf16
+    local n
+    for n in ${TIDE_JAXJIT_RANKS:-1 2 3 4}; do
+        step "jaxjit_np$n" "${MPI[@]}" -n "$n" "${PYTEST[@]}" tests/gpu/test_jax_jit_gpu.py
+    done
+    step jaxjit_bf16_np2 "${MPI[@]}" -n 2 python3 examples/jax_train.py --dtype bfloat16
 }
 
 # The torch front end on real models: the Hugging Face tests at 1-4 ranks (ranks sharing the

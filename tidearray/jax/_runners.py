@@ -1,0 +1,130 @@
+"""How a unit's callback runs its collective: on XLA's buffers in place, or through plans
+built once over buffers of tidearray's (for XLA's command buffers).
+
+[Note: in place or staged]
+In place (the default): the gather reads XLA's shard buffers and the reduce-scatter
+reads XLA's gradient buffers where they are and writes XLA's fp32 output buffers, by
+eager plans, as :func:`tidearray.all_gather` and :func:`tidearray.reduce_scatter` run
+them: a plan is built (validated, addresses resolved, tables uploaded) the first time
+a unit's collective meets a set of addresses, and found again by them, with one
+agreement across the ranks per call; XLA reuses its buffer assignment from step to
+step, so after the first steps every call finds its plan.
+
+Staged (``command_buffer=True``): XLA records a command-buffer-compatible callback by
+stream capture, at addresses it picks, and a capture cannot upload a new plan's
+tables. So each unit's gather and reduce plans are built once, at
+:func:`shard_units`, over buffers of tidearray's (one set, as large as the largest
+unit, shared by every unit: calls follow each other on XLA's stream), and the
+callback copies XLA's buffers in and out around the plan call: the shards in (``1/W``
+of the unit), the gathered parameters out, the gradients in (the unit, in the compute
+dtype) and the fp32 shard gradients out. Those copies are capture-safe memcpys; the
+plan call is one of the library's capture-safe issues, once the plan has run outside
+a capture (its tables upload at its first call): each runs once when it is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .._arena import Region
+from .._cache import BoundedCache
+from .._group import Group
+from .._plan import GatherPlan, ReducePlan, Unit, eager_plan
+from ._buffers import XlaBuffers
+
+#: Address sets an in-place unit keeps a plan for, per collective: XLA's buffer
+#: assignment repeats from step to step, so one or two are in use.
+ADDRESS_SETS = 4
+
+
+class InPlace:
+    """The collectives on XLA's own buffers ([Note: in place or staged]).
+
+    Each unit's gather and reduce-scatter keep their eager plans here, a few address
+    sets each, not in the group's cache of the latest 64 eager plans: a model of 30
+    units issues about 90 collectives a step, which would push each other out of it
+    and be built again at every step.
+    """
+
+    def __init__(self, group: Group, slot: Region, buffers: XlaBuffers) -> None:
+        self.group, self.slot, self.buffers = group, slot, buffers
+        self._plans: dict[tuple[str, int], BoundedCache] = {}
+
+    def gather(self, index: int, shapes: Sequence[tuple], sends: list, outs: list,
+               stream: Optional[int]) -> None:
+        g, slot = self.group, self.slot
+        plan = eager_plan(g, g.backend.array_key(sends),
+                          lambda: GatherPlan(g, sends, shapes, slot, eager=True),
+                          self._cache("gather", index))
+        params = plan(stream=stream)
+        self.buffers.copy(outs, params, stream)  # [Note: the slot] in _units
+
+    def reduce(self, index: int, grads: list, outs: list, stream: Optional[int]) -> None:
+        g, be = self.group, self.group.backend
+        grad_key, out_key = be.array_key(grads), be.array_key(outs)
+        key = None if grad_key is None or out_key is None else (grad_key, out_key)
+        plan = eager_plan(g, key,
+                          lambda: ReducePlan(g, grads, outs, "avg", self.slot, eager=True),
+                          self._cache("reduce", index))
+        plan(stream=stream)
+
+    def _cache(self, kind: str, index: int) -> BoundedCache:
+        cache = self._plans.get((kind, index))
+        if cache is None:
+            cache = self._plans[kind, index] = BoundedCache(ADDRESS_SETS)
+        return cache
+
+
+class Staged:
+    """Plans built once over shared buffers of tidearray's; XLA's buffers copied in and
+    out around each call ([Note: in place or staged]). Collective to make."""
+
+    def __init__(self, group: Group, slot: Region, buffers: XlaBuffers,
+                 units: Sequence[Unit]) -> None:
+        self.buffers = buffers
+        be = group.backend
+        dtype = units[0].dtype
+        full = max(sum(int(np.prod(s)) for s in u.shapes) for u in units)
+        shard = max(sum(int(np.prod(s)) for s in u.shard_shapes) for u in units)
+        # One set for every unit: the callbacks run one after another on XLA's stream.
+        sends, grads = be.empty((shard,), dtype), be.empty((full,), dtype)
+        outs = be.empty((shard,), np.float32)
+        self.gathers: list[tuple[list, GatherPlan]] = []
+        self.reduces: list[tuple[list, ReducePlan, list]] = []
+        for u in units:
+            send_views = _views(sends, u.shard_shapes)
+            grad_views = _views(grads, u.shapes)
+            out_views = _views(outs, u.shard_shapes)
+            gather, reduce = (u.gather_plan(send_views, slot),
+                              u.reduce_plan(grad_views, out_views, staging=slot))
+            # A plan uploads its tables at its first call, which a capture cannot take:
+            # one call each now, outside XLA's (on every rank, in the same order).
+            gather()
+            reduce()
+            self.gathers.append((send_views, gather))
+            self.reduces.append((grad_views, reduce, out_views))
+
+    def gather(self, index: int, shapes: Sequence[tuple], sends: list, outs: list,
+               stream: Optional[int]) -> None:
+        send_views, plan = self.gathers[index]
+        self.buffers.copy(send_views, sends, stream)
+        params = plan(stream=stream)
+        self.buffers.copy(outs, params, stream)
+
+    def reduce(self, index: int, grads: list, outs: list, stream: Optional[int]) -> None:
+        grad_views, plan, out_views = self.reduces[index]
+        self.buffers.copy(grad_views, grads, stream)
+        plan(stream=stream)
+        self.buffers.copy(outs, out_views, stream)
+
+
+def _views(flat: Any, shapes: Sequence[tuple]) -> list[Any]:
+    """Consecutive views of ``flat`` with ``shapes``."""
+    views, at = [], 0
+    for s in shapes:
+        n = int(np.prod(s))
+        views.append(flat[at:at + n].reshape(s))
+        at += n
+    return views

@@ -1,0 +1,330 @@
+"""Sharded units for a jitted JAX step: TIDE-AG forward, TIDE-RS backward, on XLA's stream.
+
+:func:`shard_units` cuts each unit (a pytree of parameters) into this rank's fp32
+dim-0 shards, FSDP2's rule. Inside the user's ``jax.jit``, :meth:`ShardedUnits.apply`
+runs one unit: a ``buffer_callback`` gathers its shards (cast to the compute dtype
+by XLA) with :func:`tidearray.all_gather` into a slot and copies the slot into XLA's
+output; the unit's function runs on those parameters; in backward, the unit's
+parameter gradients (compute dtype) are reduced by :func:`tidearray.reduce_scatter`,
+read where XLA put them, into XLA's fp32 output buffers: the shard gradients.
+
+[Note: collective order in a jitted step]
+Every rank must issue the same collectives in the same order, and on the host
+backend a collective blocks its thread in MPI until the peers join: two collectives
+that XLA may run in either order (or on two threads at once) can deadlock ranks.
+So the callbacks are chained by data, never left to the scheduler:
+
+* the gather of unit ``i`` takes the unit's input ``x`` as an (unread) operand, and
+  ``x`` depends on unit ``i-1``'s parameters, hence on its gather;
+* in backward, unit ``i``'s re-gather and reduce-scatter take the unit's forward
+  output ``y`` (a residual: it is unit ``i+1``'s input, kept anyway) and the output
+  cotangent; the reduce-scatter of unit ``i+1`` passes that unit's input cotangent
+  through itself (``input_output_aliases``: the same buffer, no copy), so the
+  cotangent exists only after unit ``i+1``'s reduce-scatter has run.
+
+``y`` matters: a cotangent may be a constant (the last unit's, when the loss is
+linear in it), and then only ``y`` keeps the last unit's backward after every
+forward gather (``test_collective_order`` in ``tests/mpi/test_jax_jit.py`` saw
+XLA run that re-gather between the first two forward gathers without it). The
+chain orders all of a step's collectives totally: forward gathers in unit order,
+then per unit in reverse order its re-gather and its reduce-scatter. Units must
+therefore be applied as a chain (each unit's input computed from the previous
+unit's output), as the layers of a network are. The same chain keeps XLA from
+hoisting gathers: a gather cannot start before its input exists.
+
+[Note: memory of a unit]
+A unit's full parameters are XLA buffers made by its gather. With
+``reshard_after_forward`` (the default) the backward does not keep them: it saves
+the unit's shards and input, re-gathers, and runs the unit's function again to take
+its ``jax.vjp`` (activation checkpointing per unit: one more forward of the unit's
+compute, and none of its activations kept). Without it, the pullback of the
+forward is kept, parameters included, until the unit's backward: no second gather or
+forward, but every unit's parameters are live at the end of the forward.
+
+[Note: the slot]
+One slot of symmetric memory serves every gather and every reduce-scatter's staging
+(Slot-Reuse): each collective runs inside one callback on XLA's stream, and the
+gather's copy out of the slot is issued on that stream before the callback
+returns, so the next collective's writes into the slot are ordered after it
+(:func:`tidearray.all_gather`'s "Reusing a slot"). The callbacks call a runner
+(``_runners``), in place on XLA's buffers or staged through plans.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+from .. import _dtypes, _validate
+from .._arena import SlotArena
+from .._errors import TideInvalid
+from .._group import Group, default_group
+from .._plan import Unit
+from .._shard import shard
+from ._buffers import XlaBuffers
+from ._runners import InPlace, Staged
+
+_COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class _UnitCollectives:
+    """One unit's gather and reduce-scatter as ``buffer_callback`` s (see the Notes)."""
+
+    def __init__(self, owner: ShardedUnits, index: int, unit: Unit, treedef: Any) -> None:
+        self.owner, self.index, self.unit, self.treedef = owner, index, unit, treedef
+        self.shapes = [tuple(s) for s in unit.shapes]
+        self.full_types = [jax.ShapeDtypeStruct(s, owner.compute_dtype) for s in self.shapes]
+        self.shard_types = [jax.ShapeDtypeStruct(s, jnp.float32) for s in unit.shard_shapes]
+
+    def gather(self, shards: Sequence[Any], after: Sequence[Any]) -> Any:
+        """The unit's full parameters (a pytree), in the compute dtype; the callback runs
+        after ``after`` exists ([Note: collective order in a jitted step])."""
+        owner, n = self.owner, len(self.shapes)
+        sends = [s.astype(owner.compute_dtype) for s in shards]
+        call = buffer_callback(self._gather_cb, self.full_types,
+                               command_buffer_compatible=owner.command_buffer)
+        params = _bind(call, (*sends, *after))
+        return jax.tree_util.tree_unflatten(self.treedef, params[:n])
+
+    def reduce(self, grads: Any, passed: Sequence[Any],
+               after: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """``(fp32 shard gradients, passed)``: the reduce-scatter of ``grads`` (a pytree
+        in the compute dtype), run after ``after`` exists, with ``passed`` aliased
+        through it ([Note: collective order in a jitted step])."""
+        owner, n = self.owner, len(self.shapes)
+        leaves = [g.astype(owner.compute_dtype) for g in jax.tree_util.tree_leaves(grads)]
+        types = [*self.shard_types, *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in passed)]
+        aliases = {n + k: n + k for k in range(len(passed))}
+        call = buffer_callback(self._reduce_cb, types, input_output_aliases=aliases,
+                               command_buffer_compatible=owner.command_buffer)
+        out = _bind(call, (*leaves, *passed, *after))
+        return list(out[:n]), list(out[n:])
+
+    def _gather_cb(self, ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
+        xb, n = self.owner.buffers, len(self.shapes)
+        if xb.runs(ctx):
+            with xb.on_device():
+                self.owner.runner.gather(self.index, self.shapes, xb.arrays(ins[:n]),
+                                         xb.arrays(outs), xb.stream(ctx))
+
+    def _reduce_cb(self, ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
+        xb, n = self.owner.buffers, len(self.shapes)
+        if xb.runs(ctx):
+            with xb.on_device():
+                self.owner.runner.reduce(self.index, xb.arrays(ins[:n]), xb.arrays(outs[:n]),
+                                         xb.stream(ctx))
+
+
+def _bind(call: Callable, operands: Sequence[Any]) -> Any:
+    try:
+        return call(*operands)
+    except NotImplementedError as e:
+        if "vmap" not in str(e):
+            raise
+        raise TideInvalid("tidearray.jax: expected no jax.vmap over a sharded unit, got one: "
+                          "batch inside the unit's function instead (its collectives gather "
+                          "and reduce one copy of the parameters)") from None
+
+
+def _float_leaves(tree: Any) -> tuple[list[Any], list[int], list[Any]]:
+    """``(float leaves, their indices, all leaves)`` of ``tree`` (a cotangent's float0
+    and integer leaves carry no data to order by)."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    idx = [k for k, a in enumerate(leaves) if jnp.issubdtype(a.dtype, jnp.inexact)]
+    return [leaves[k] for k in idx], idx, leaves
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _apply(col: _UnitCollectives, fn: Callable, shards: list, x: Any) -> Any:
+    return fn(col.gather(shards, jax.tree_util.tree_leaves(x)), x)
+
+
+def _apply_fwd(col: _UnitCollectives, fn: Callable, shards: list, x: Any) -> tuple:
+    params = col.gather(shards, jax.tree_util.tree_leaves(x))
+    if col.owner.reshard_after_forward:  # [Note: memory of a unit]
+        y = fn(params, x)
+        return y, (shards, y, x)
+    y, pull = jax.vjp(fn, params, x)
+    return y, (shards, y, pull)
+
+
+def _apply_bwd(col: _UnitCollectives, fn: Callable, saved: tuple, ct_y: Any) -> tuple:
+    shards, y, rest = saved
+    # [Note: collective order in a jitted step]: after the forward (y) and the
+    # backward so far (ct_y).
+    after = [*_float_leaves(ct_y)[0], *jax.tree_util.tree_leaves(y)]
+    if col.owner.reshard_after_forward:
+        params = col.gather(shards, after)
+        _, pull = jax.vjp(fn, params, rest)
+    else:
+        pull = rest
+    dparams, dx = pull(ct_y)
+    passed, idx, leaves = _float_leaves(dx)
+    dshards, passed = col.reduce(dparams, passed, after)
+    for k, a in zip(idx, passed):
+        leaves[k] = a
+    return dshards, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(dx), leaves)
+
+
+_apply.defvjp(_apply_fwd, _apply_bwd)
+
+
+class ShardedUnits:
+    """A model's units, sharded over a group for a jitted JAX step. Made by
+    :func:`shard_units`.
+
+    Attributes:
+        shards: this rank's fp32 shards, one pytree per unit (the structure of the unit
+            given to :func:`shard_units`), each leaf a JAX array of the padded shard
+            shape ``(ceil(d0/W), *rest)`` on :attr:`device`. Step them with any
+            optimizer; pass them into the jitted step as an argument.
+        device: the JAX device of this rank (the backend's GPU, or the CPU).
+        compute_dtype: the dtype the parameters are gathered in and their gradients
+            reduced from.
+        group: the group the collectives run on.
+    """
+
+    def __init__(self, group: Group, units: list, treedefs: list, shard_arrays: list,
+                 device: Any, compute_dtype: Any, *, reshard_after_forward: bool,
+                 command_buffer: bool) -> None:
+        self.group, self.device, self.compute_dtype = group, device, compute_dtype
+        self.reshard_after_forward = reshard_after_forward
+        self.command_buffer = command_buffer
+        self.buffers = XlaBuffers(group.backend)
+        size = max([max(u.nbytes, u.staging_nbytes) for u in units] + [4096])
+        self.arena = SlotArena(size, num_slots=1, group=group)
+        self.slot = self.arena[0]
+        # [Note: in place or staged] in _runners
+        self.runner = (Staged(group, self.slot, self.buffers, units) if command_buffer
+                       else InPlace(group, self.slot, self.buffers))
+        self._units = [_UnitCollectives(self, i, u, t)
+                       for i, (u, t) in enumerate(zip(units, treedefs))]
+        self.shards = [jax.tree_util.tree_unflatten(t, [jax.device_put(a, device) for a in arrs])
+                       for t, arrs in zip(treedefs, shard_arrays)]
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+    def apply(self, index: int, fn: Callable[[Any, Any], Any], unit_shards: Any, x: Any) -> Any:
+        """``fn(params, x)`` with unit ``index``'s full parameters, differentiable in
+        ``unit_shards`` and ``x``; call it inside the jitted step.
+
+        Forward: TIDE-AG of the unit's shards (cast to :attr:`compute_dtype`) into full
+        parameters. Backward: TIDE-RS of the parameters' gradients into fp32 shard
+        gradients (averaged over the ranks), after a re-gather if the forward's
+        parameters were released ([Note: memory of a unit] in ``tidearray.jax._units``).
+
+        Args:
+            index: the unit (its position in :func:`shard_units`' list).
+            fn: the unit's computation, ``fn(params, x)``; ``params`` has the unit's
+                pytree structure. Pure JAX, traced once per ``apply`` call site.
+            unit_shards: the unit's shards as the step received them
+                (``shards[index]``, or what an optimizer made of it).
+            x: the unit's input (any pytree). Units must be applied as a chain: each
+                unit's input computed from the previous unit's output ([Note:
+                collective order in a jitted step]).
+
+        Raises:
+            TideInvalid: under ``jax.vmap``, or inside a mesh context (one JAX device per
+                rank is what runs; the ranks are the data-parallel dimension), or if
+                ``unit_shards`` is not structured as the unit.
+        """
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty:
+            raise TideInvalid(f"tidearray.jax: expected no mesh context (one device per "
+                              f"rank, the ranks sharding the data), got {mesh}")
+        col = self._units[index]
+        leaves, treedef = jax.tree_util.tree_flatten(unit_shards)
+        if treedef != col.treedef:
+            raise TideInvalid(f"tidearray.jax: unit {index}: expected shards structured as "
+                              f"{col.treedef}, got {treedef}")
+        return _apply(col, fn, leaves, x)
+
+    def __repr__(self) -> str:
+        return (f"ShardedUnits({len(self)} units, {np.dtype(self.compute_dtype).name}, "
+                f"rank {self.group.rank} of {self.group.size}, {self.device})")
+
+
+def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
+                compute_dtype: Any = jnp.float32, reshard_after_forward: bool = True,
+                command_buffer: bool = False) -> ShardedUnits:
+    """Shard a model's units over the group, for :meth:`ShardedUnits.apply` in a jitted step.
+
+    Collective: every rank must call it with units of the same structure, shapes and
+    dtypes, or every rank raises the same :class:`TideInvalid` before any transfer.
+
+    Args:
+        units: one pytree of full parameters per unit (NumPy or JAX arrays, floating,
+            at least 1-D, the same values on every rank: each rank keeps its rows).
+        group: the group (default: the last ``tidearray.init``).
+        compute_dtype: ``jnp.float32``, ``jnp.bfloat16`` or ``jnp.float16``: the gathered
+            parameters' dtype, and the gradients' dtype in the reduce-scatter (always
+            reduced into fp32 shards).
+        reshard_after_forward: release a unit's parameters after its forward and
+            re-gather them in backward (True, the default; see [Note: memory of a unit]
+            in ``tidearray.jax._units``).
+        command_buffer: let XLA capture the collectives into its command buffers on GPU
+            (``buffer_callback(command_buffer_compatible=True)``): the callbacks' Python
+            then runs when XLA records, not on every step. The collectives then run
+            through plans built here over buffers of tidearray's, with XLA's buffers
+            copied in and out ([Note: in place or staged] in ``tidearray.jax._runners``):
+            one unit's gradients more of memory, and copies of them.
+
+    Returns:
+        The :class:`ShardedUnits`, whose ``shards`` hold this rank's fp32 shards.
+
+    Raises:
+        TideInvalid: on every rank, if a rank's units differ from rank 0's, or a leaf is
+            not a floating array of at least one dimension, or JAX's device does not fit
+            the backend (the host backend needs CPU JAX, cuda a CUDA JAX).
+    """
+    group = group or default_group()
+    errors: list[str] = []
+    device = _device(group, errors)
+    dtype_name = np.dtype(compute_dtype).name
+    if dtype_name not in _COMPUTE_DTYPES:
+        errors.append(f"compute_dtype: expected one of {sorted(_COMPUTE_DTYPES)}, "
+                      f"got {dtype_name}")
+    treedefs, leaves_of, signature = [], [], [("compute_dtype", dtype_name),
+                                              ("units", len(units))]
+    for i, unit in enumerate(units):
+        leaves, treedef = jax.tree_util.tree_flatten(unit)
+        treedefs.append(treedef)
+        leaves_of.append(leaves)
+        signature.append((f"unit {i}", (str(treedef),
+                                        tuple((tuple(a.shape), str(a.dtype)) for a in leaves))))
+        errors += [f"unit {i} leaf {k}: expected a floating array of at least 1 dim, got "
+                   f"{a.dtype}{tuple(a.shape)}" for k, a in enumerate(leaves)
+                   if a.ndim == 0 or not jnp.issubdtype(a.dtype, jnp.floating)]
+    _validate.check(group, "tidearray.jax.shard_units", tuple(signature), errors)
+    compute = _COMPUTE_DTYPES[dtype_name]
+    plans = [Unit([a.shape for a in leaves], _dtypes.normalize(dtype_name), group=group)
+             for leaves in leaves_of]
+    shard_arrays = [[shard(np.asarray(a, np.float32), group=group) for a in leaves]
+                    for leaves in leaves_of]
+    return ShardedUnits(group, plans, treedefs, shard_arrays, device, compute,
+                        reshard_after_forward=reshard_after_forward,
+                        command_buffer=command_buffer)
+
+
+def _device(group: Group, errors: list[str]) -> Any:
+    """This rank's JAX device for the group's backend (appends to ``errors`` if none)."""
+    if jax.process_count() > 1:
+        errors.append(f"expected one JAX process per rank (no jax.distributed), got "
+                      f"{jax.process_count()} JAX processes")
+    kind = "gpu" if group.backend.name == "cuda" else "cpu"
+    try:
+        devices = jax.devices(kind)
+    except RuntimeError:
+        devices = []
+    index = group.backend.device if kind == "gpu" else 0
+    if index >= len(devices):
+        errors.append(f"expected a JAX {kind} device {index} for the {group.backend.name} "
+                      f"backend, got JAX devices {jax.devices()}")
+        return None
+    return devices[index]
