@@ -72,8 +72,9 @@ def test_collectives_replay_from_a_users_capture(cuda_group):
             failures += compare_bits(params[i], f, f"replay {call}: gather plan {i}")
             failures += compare_bits(eager[i], f, f"replay {call}: eager gather {i}")
         failures += nonzero_flags(g, arena.slots)
-        for o in reduce.out:
-            o.fill(np.nan)
+        with stream:  # poisoned on the plan's stream: a fill on another would race it
+            for o in reduce.out:
+                o.fill(np.nan)
         again = reduce(stream=stream)  # the same plan, eagerly
         stream.synchronize()
         for i, o in enumerate(again):
