@@ -10,8 +10,9 @@ calls its hooks (see ``docs/fsdp.md``).
 
 from ._checkpoint import export, load, save
 from ._graph import CapturedStep
-from ._optim import AdamW, FusedAdamW, ParamGroup, clip_scale
+from ._norm import GradScale, clip_scale
+from ._optim import AdamW, FusedAdamW, ParamGroup
 from ._runtime import ShardedModel
 
-__all__ = ["AdamW", "CapturedStep", "FusedAdamW", "ParamGroup", "ShardedModel",
+__all__ = ["AdamW", "CapturedStep", "FusedAdamW", "GradScale", "ParamGroup", "ShardedModel",
            "clip_scale", "export", "load", "save"]
