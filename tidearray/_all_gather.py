@@ -161,13 +161,6 @@ class Program:
         self._raw = (own, pushes, own_parts, pulls)
         self._compiled: dict = {}
 
-    def raw_copies(self) -> tuple[tuple, dict]:
-        """``(own, pushes)`` as ``(dst, src, nbytes)`` triples, before compiling: the own
-        copies, and per peer every push in issue order (for probes of the copy paths)."""
-        own, pushes = self._raw[0], self._raw[1]
-        return own, {p: tuple(c for group in groups for c in group)
-                     for p, groups in pushes.items()}
-
     def batches(self, transport: str) -> Batches:
         """The compiled batches ``transport`` issues."""
         found = self._compiled.get(transport)
