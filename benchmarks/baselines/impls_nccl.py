@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from tidearray._dtypes import bfloat16, float32
-from tidearray.backends._base import AccumPiece
+from tidearray import bfloat16, float32
+from tidearray.backends import AccumPiece
 
 from ..harness.data import UnitData, as_f32_shards
 from ..harness.impl import Impl, Phase, Prepared, Skip, register

@@ -20,8 +20,7 @@ import numpy as np
 from tidearray.backends.cuda.kernels import PACK_BYTES_TILE as BYTES_TILE
 from tidearray.backends.cuda.kernels import PACK_CVT_TILE as CVT_TILE
 from tidearray.backends.cuda.kernels import pack_table as seg_table
-from tidearray.fsdp._shards import FLAT_ALIGN_BYTES as ALIGN_BYTES  # noqa: F401  (re-exported)
-from tidearray.fsdp._shards import FlatLayout, flat_layout  # noqa: F401  (re-exported)
+from tidearray.layout import FlatLayout, flat_layout  # noqa: F401  (re-exported)
 
 THREADS = 512
 MAX_GRID = 2**31 - 1

@@ -100,7 +100,7 @@ class ShardedModel:
         num_slots: slots (and gradient buffers); ``prefetch + 1`` if None (more
             only spread the gathers further apart; see [Note: slots]).
         comm: ``"tide"`` (default), or a comm factory: a
-            :class:`~tidearray.fsdp._comm.UnitComm` subclass, called as
+            :class:`~tidearray.fsdp.UnitComm` subclass, called as
             ``comm(group, shapes, dtype, arena, num_slots, root)``, whose
             ``sharded_over(group)`` and ``send_shards`` size the shard arena
             (see ``UnitComm``). The benchmarks' baselines are such factories
