@@ -20,7 +20,7 @@ import math
 import operator
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from ._errors import TideInvalid
 
@@ -104,6 +104,15 @@ def int_shapes(shapes: Any) -> tuple[tuple[int, ...], ...]:
 
 
 _INT = {int}
+
+
+def parse_shapes(shapes: Any) -> tuple[Optional[tuple[tuple[int, ...], ...]], list[str]]:
+    """``shapes`` as :func:`int_shapes` reads them and no error, or None and the error
+    that says why, for a collective to raise with its others on every rank."""
+    try:
+        return int_shapes(shapes), []
+    except (TypeError, ValueError):  # 2.5 is no dim; a shape that is not a sequence
+        return None, [f"expected shapes as a list of int tuples, got {shapes!r}"]
 
 
 def shard_spec(shape: Sequence[int], itemsize: int, world: int, index: int = 0) -> ShardSpec:

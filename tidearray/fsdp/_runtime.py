@@ -635,6 +635,15 @@ class ShardedModel:
 
         export(self, path)
 
+    def full_param(self, unit: int, k: int, root: Optional[int] = None) -> Optional[np.ndarray]:
+        """Parameter ``k`` of ``unit`` gathered in full from the fp32 masters, as a NumPy
+        array: on every rank, or with ``root`` on that rank only (None elsewhere).
+        Collective; waits for the optimizer first. See ``_checkpoint.full_param``."""
+        from ._checkpoint import full_param
+
+        self.synchronize()
+        return full_param(self, unit, k, root)
+
 
 def _check_max_norm(max_norm: Any, what: str = "max_norm") -> None:
     if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
