@@ -41,6 +41,7 @@ import numpy as np
 
 from .. import _dtypes
 from .._arena import SlotArena
+from .._errors import TideInvalid
 from .._plan import Unit
 from ..backends.cuda import kernels as _kernels
 from ..backends.cuda.streams import on_stream
@@ -85,6 +86,26 @@ def clip_scale(total_norm: float, max_norm: Optional[float]) -> float:
         return 1.0
     coef = max_norm / (total_norm + 1e-6)
     return coef if (coef < 1.0 or math.isnan(coef)) else 1.0
+
+
+def check_max_norm(max_norm: Any, what: str = "max_norm") -> None:
+    """Raise ``TideInvalid`` unless ``max_norm`` is a finite real > 0 (a clip limit)."""
+    if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
+            and math.isfinite(max_norm) and max_norm > 0):
+        raise TideInvalid(f"{what}: expected a finite real > 0, got {max_norm!r}")
+
+
+def clip_limit(max_grad_norm: Optional[float], optimizer_limit: Optional[float]) -> Optional[float]:
+    """The runtime's clip limit: ``max_grad_norm``, else the optimizer's
+    (``AdamW.max_grad_norm``, the spelling of earlier versions, which the optimizer
+    itself never reads); refused where both are given and differ."""
+    if max_grad_norm is None:
+        return optimizer_limit
+    check_max_norm(max_grad_norm, "max_grad_norm")
+    if optimizer_limit not in (None, max_grad_norm):
+        raise TideInvalid(f"max_grad_norm: expected one clip limit, got {max_grad_norm!r} and "
+                          f"optimizer.max_grad_norm={optimizer_limit!r}")
+    return max_grad_norm
 
 
 def host_sum_squares(grad: np.ndarray) -> float:

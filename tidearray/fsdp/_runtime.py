@@ -60,7 +60,6 @@ reading back the gradient norm when clipping is on (not inside a capture).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -71,7 +70,7 @@ from .._group import Group, default_group
 from ..backends.cuda.streams import on_stream
 from ._comm import UnitComm, comm_factory
 from ._lifecycle import State, UnitLifecycle, UseToken
-from ._norm import GlobalNorm, GradScale
+from ._norm import GlobalNorm, GradScale, check_max_norm, clip_limit
 from ._optim import AdamW, FusedAdamW, ParamGroup
 from ._shards import ShardArena, arena_layout
 from ._slots import SlotTable
@@ -173,7 +172,7 @@ class ShardedModel:
             hp, self.arena.master, self.arena.send, self.xp, groups=self._groups(param_groups),
             params=[self._param_range(u, k) for u, ns in enumerate(names)
                     for k in range(len(ns))])
-        self.max_grad_norm = _clip_limit(max_grad_norm, hp)
+        self.max_grad_norm = clip_limit(max_grad_norm, hp.max_grad_norm)
         self._norm: Optional[GlobalNorm] = None
         # clip_grad_norm_'s finalized gradients, which the next step takes (with the
         # micro-batches they cover); and the scale of the step a capture holds.
@@ -377,7 +376,7 @@ class ShardedModel:
                 real > 0; inside a capture, a clip before :meth:`prepare_capture`.
         """
         if max_norm is not None:
-            _check_max_norm(max_norm)
+            check_max_norm(max_norm)
         self.finish_backward()
         for k in list(self._pending):
             self._retire(k)
@@ -643,24 +642,6 @@ class ShardedModel:
 
         self.synchronize()
         return full_param(self, unit, k, root)
-
-
-def _check_max_norm(max_norm: Any, what: str = "max_norm") -> None:
-    if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
-            and math.isfinite(max_norm) and max_norm > 0):
-        raise TideInvalid(f"{what}: expected a finite real > 0, got {max_norm!r}")
-
-
-def _clip_limit(max_grad_norm: Optional[float], hp: AdamW) -> Optional[float]:
-    """The runtime's clip limit: ``max_grad_norm``, else the optimizer's (the spelling of
-    earlier versions, which the optimizer itself never reads)."""
-    if max_grad_norm is None:
-        return hp.max_grad_norm
-    _check_max_norm(max_grad_norm, "max_grad_norm")
-    if hp.max_grad_norm not in (None, max_grad_norm):
-        raise TideInvalid(f"max_grad_norm: expected one clip limit, got {max_grad_norm!r} and "
-                          f"optimizer.max_grad_norm={hp.max_grad_norm!r}")
-    return max_grad_norm
 
 
 def _trainable(trainable: Optional[Sequence[Sequence[bool]]],
