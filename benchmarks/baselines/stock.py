@@ -12,11 +12,11 @@ Per unit, with the flat rank-major layout ``[r0: p0 p1 ..][r1: p0 p1 ..]``:
   buffer (padding zeroed), a flat fp32 sum reduce-scatter straight into the
   unit's block of the fp32 gradient arena.
 
-On cuda the copies are the kernels of ``kernels/pack.cu`` (tables uploaded once
-per unit and slot) and the collectives are NCCL through nccl4py, each
-collective kind on its own side stream and communicator (FSDP2's all-gather and
-reduce-scatter streams). On host they are memmove / NumPy over the same tables
-and MPI collectives.
+On cuda the copies are the kernels of ``pack`` (``kernels/pack.cu`` and
+``pack_bf16_f32.cu``; tables uploaded once per unit and slot) and the collectives
+are NCCL through nccl4py, each collective kind on its own side stream and
+communicator (FSDP2's all-gather and reduce-scatter streams). On host they are
+memmove / NumPy over the same tables and MPI collectives.
 """
 
 from __future__ import annotations

@@ -67,11 +67,7 @@ def source(kernel: str) -> str:
 def module(kernel: str, device: int) -> Any:
     """``cupy.RawModule`` of variant ``kernel``, compiled once per ``device`` (CuPy compiles
     for the current device, as the library's ``kernels.module``)."""
-    import cupy
-
-    mod = cupy.RawModule(code=source(kernel), options=("--std=c++14",))
-    mod.compile()
-    return mod
+    return kernels.compile_source(source(kernel), f"benchmarks/variants/{STREAMED[kernel][0]}")
 
 
 class StreamedAccumulator(Accumulator):

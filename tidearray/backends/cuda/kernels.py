@@ -21,9 +21,8 @@ import numpy as np
 
 from ..._errors import TideBackendError
 
-#: Tile sizes of ``kernels/pack.cu`` (``BYTES_TILE``, ``CVT_TILE`` there).
+#: Tile size of ``kernels/pack.cu`` (``BYTES_TILE`` there).
 PACK_BYTES_TILE = 65536
-PACK_CVT_TILE = 32768
 
 _INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"[ \t]*$', re.M)
 
@@ -79,13 +78,23 @@ def module(name: str, device: int) -> Any:
 
     ``device`` only keys the cache: CuPy compiles for the current device.
     """
+    return compile_source(source(name), f"kernels/{name}")
+
+
+def compile_source(code: str, what: str) -> Any:
+    """``cupy.RawModule`` of CUDA C++ ``code`` (its headers inlined: :func:`with_headers`),
+    compiled for the current device.
+
+    Raises:
+        TideBackendError: it does not compile; the message names ``what``.
+    """
     import cupy
 
     try:
-        mod = cupy.RawModule(code=source(name), options=("--std=c++14",))
+        mod = cupy.RawModule(code=code, options=("--std=c++14",))
         mod.compile()
     except Exception as e:  # CompileException, CUDADriverError: wrap with the file name
-        raise TideBackendError(f"compiling kernels/{name} failed: {e}") from e
+        raise TideBackendError(f"compiling {what} failed: {e}") from e
     return mod
 
 
@@ -95,7 +104,7 @@ def function(name: str, kernel: str, device: int) -> Any:
 
 
 def pack_table(segs: list, tile: int) -> tuple[np.ndarray, int]:
-    """The segment table of ``kernels/pack.cu`` for ``(dst, src, valid, total)``
+    """The segment table of ``kernels/pack_segments.cuh`` for ``(dst, src, valid, total)``
     segments: ``(n, 5)`` int64 rows ``dst, src, valid, total, tile0`` (empty
     segments left out), and the tile count."""
     segs = [s for s in segs if s[3] > 0]
