@@ -108,9 +108,10 @@ def build(args: argparse.Namespace, g: Any, comm: Any, cfg: llama.ModelConfig,
     """The sharded model; ``comm`` is ``"tide"`` or a comm factory (``ShardedModel``)."""
     specs = llama.unit_specs(cfg)
     named = [[(f"{u}.{name}", shape) for name, shape in unit] for u, unit in enumerate(specs)]
-    opt = AdamW(lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.clip)
-    common = dict(group=g, param_dtype=args.param_dtype, optimizer=opt, prefetch=args.prefetch,
-                  comm=comm, stream=stream, keep_param_shards=args.keep_param_shards)
+    opt = AdamW(lr=args.lr, weight_decay=args.weight_decay)
+    common = dict(group=g, param_dtype=args.param_dtype, optimizer=opt, max_grad_norm=args.clip,
+                  prefetch=args.prefetch, comm=comm, stream=stream,
+                  keep_param_shards=args.keep_param_shards)
     if g.backend.name == "cuda":
         return ShardedModel(named, init=device_init(g.backend.xp, args.seed, cfg), **common)
     full = llama.init_params(cfg, args.seed)

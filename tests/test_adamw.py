@@ -49,6 +49,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tidearray import TideInvalid
+from tidearray.fsdp._norm import GlobalNorm, clip_scale, host_sum_squares
 from tidearray.fsdp._optim import (
     HOST_CHUNK,
     MAX_GROUPS,
@@ -56,7 +57,6 @@ from tidearray.fsdp._optim import (
     AdamW,
     FusedAdamW,
     ParamGroup,
-    clip_scale,
     coefficients,
     group_runs,
 )
@@ -104,11 +104,15 @@ def _reference(master: np.ndarray, grads: list[np.ndarray], lrs: list[float], hp
     return p, m, v
 
 
+def _clip_factor(g: np.ndarray, max_norm: Optional[float]) -> float:
+    """The runtime's clip factor of ``g`` on one rank (its global norm, then the rule)."""
+    return clip_scale(GlobalNorm(None, 1, np).compute(g, 1.0), max_norm)
+
+
 def _run(opt: FusedAdamW, grads: list[np.ndarray], lrs: list[float]) -> None:
     """Steps the way the runtime will: global norm (one rank here), clip scale, step."""
     for g, lr in zip(grads, lrs):
-        scale = clip_scale(math.sqrt(opt.sum_squares(g)), opt.hp.max_grad_norm)
-        opt.step(g, grad_scale=scale, lr=lr)
+        opt.step(g, grad_scale=_clip_factor(g, opt.hp.max_grad_norm), lr=lr)
 
 
 def _assert_close(got: np.ndarray, ref: np.ndarray, rtol: float, atol: float, what: str,
@@ -237,10 +241,12 @@ def test_clip_scale_nan_propagates() -> None:
 def test_sum_squares_in_float64(rng) -> None:
     gen, _ = rng
     n = 3 * HOST_CHUNK + 5
-    opt = FusedAdamW(AdamW(), *_shards(gen, n), np)
     g = _grads(gen, n, 1)[0]
     want = math.fsum(float(x) * float(x) for x in g)
-    assert opt.sum_squares(g) == pytest.approx(want, rel=1e-12)
+    assert host_sum_squares(g) == pytest.approx(want, rel=1e-12)
+    norm = GlobalNorm(None, 1, np)
+    assert norm.compute(g, 0.5) == math.sqrt(host_sum_squares(g)) * 0.5
+    assert norm.local[0] == host_sum_squares(g)  # this rank's sum, left by the call
 
 
 def test_state_dict_round_trip_is_bitwise(rng) -> None:
@@ -324,8 +330,6 @@ def test_bad_step_arguments() -> None:
                            (np.zeros(8, np.float32), {"grad_scale": "2"}, "grad_scale")]:
         with pytest.raises(TideInvalid, match=f"{what}: expected"):
             opt.step(grad, **kw)
-    with pytest.raises(TideInvalid, match="grad: expected"):
-        opt.sum_squares(np.zeros(9, np.float32))
     assert opt.step_count == 0  # nothing ran
 
 
@@ -447,8 +451,7 @@ def test_groups_match_torch_adamw(rng) -> None:
             group["lr"] = lr
         torch.nn.utils.clip_grad_norm_(params, GROUP_HP.max_grad_norm)
         ref.step()
-        scale = clip_scale(math.sqrt(opt.sum_squares(g)), GROUP_HP.max_grad_norm)
-        opt.step(g, grad_scale=scale, lr=_lr_arg("float", k))
+        opt.step(g, grad_scale=_clip_factor(g, GROUP_HP.max_grad_norm), lr=_lr_arg("float", k))
     want = np.concatenate([p.detach().numpy() for p in params]).astype(np.float64)
     lr_of = np.concatenate([np.full(b - a, max(hps[j].lr, 1e-30)) for a, b, j in segments])
     _assert_close(master, want, 2 * RTOL_MASTER, 2 * ATOL_LR * lr_of, "master vs torch", seed,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
@@ -100,6 +102,31 @@ def test_every_field_has_its_environment_variable():
     assert all(var.startswith("TIDE_") for var in table)
     assert table["TIDE_CHUNK_BYTES"][0] == "chunk_nbytes" and table["TIDE_DEBUG"][1]("on")
     assert table["TIDE_ACCUM_CTAS"][1]("16") == 16 and table["TIDE_TIMEOUT"][1]("2.5") == 2.5
+
+
+def test_config_page_lists_every_variable_with_its_field_default_and_parser():
+    """docs/config.md: a table row per field (its variable and default), and each
+    variable under the parser its field's type gives it."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
+    rows = {m[0]: (m[1], m[2]) for m in re.findall(
+        r"^\| `(\w+)` \| `(TIDE_\w+)` \| ([^|]+?) \|", page, re.M)}
+    parsing = page[page.index("## Parsing the environment variables"):]
+    kinds = {"integers": int, "a float": float, "are taken as they are": str,
+             "are true for": bool}
+    listed: dict = {}
+    for item in parsing.split("\n- ")[1:]:
+        for words, kind in kinds.items():
+            for var in re.findall(r"`(TIDE_\w+)`", item.split(words)[0] if words in item
+                                  else ""):
+                listed.setdefault(var, kind)
+    defaults = Config()
+    for var, (name, parse) in env_table(Config).items():
+        assert rows.get(name, (None,))[0] == var, f"{name}: no row naming {var}"
+        value = getattr(defaults, name)
+        shown = rows[name][1].strip("`").split(" ")[0].strip('`"')
+        assert shown == str(value), f"{name}: the page says {rows[name][1]}, the code {value!r}"
+        want = {"_flag": bool}.get(parse.__name__, parse)
+        assert listed.get(var) is want, f"{var}: listed as {listed.get(var)}, parsed as {want}"
 
 
 def test_local_copy_max_default_environment_and_keyword():

@@ -3,6 +3,7 @@ lazy optional layers, no implicit group, no global state; picklable errors."""
 
 from __future__ import annotations
 
+import ast
 import pickle
 import subprocess
 import sys
@@ -166,3 +167,52 @@ print("ok")
     out = _run(code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
+
+
+def _private(path: str) -> bool:
+    """A dotted path with a part that starts with an underscore (dunders aside)."""
+    return any(p.startswith("_") and not p.endswith("__") for p in path.split("."))
+
+
+def private_names(source: str) -> list[str]:
+    """The private tidearray names ``source`` uses: imported (``from tidearray._x import
+    y``, ``import tidearray._x``, ``from tidearray.fsdp import _y``) or reached as an
+    attribute of an imported tidearray module (``ta._dtypes``)."""
+    found, modules = [], set()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] != "tidearray":
+                    continue
+                if _private(alias.name):
+                    found.append(alias.name)
+                modules.add(alias.asname or alias.name.split(".")[0])
+        elif (isinstance(node, ast.ImportFrom) and not node.level and node.module
+              and node.module.split(".")[0] == "tidearray"):
+            found += [f"{node.module}.{a.name}" for a in node.names
+                      if _private(f"{node.module}.{a.name}")]
+            modules.update(a.asname or a.name for a in node.names)  # a submodule, maybe
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in modules and _private(node.attr)):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_the_private_name_scan_finds_each_kind():
+    source = ("import tidearray as ta\nimport tidearray._work\n"
+              "from tidearray.fsdp._comm import UnitComm\nfrom tidearray import _dtypes, Work\n"
+              "from tidearray.fsdp import UnitComm\nx = ta._config, ta.__version__, ta.init\n")
+    assert sorted(private_names(source)) == sorted([
+        "tidearray._work", "tidearray.fsdp._comm.UnitComm", "tidearray._dtypes", "ta._config"])
+
+
+def test_examples_and_baselines_use_no_private_name():
+    """What users copy from, and the comms written against ``tidearray.fsdp.UnitComm``
+    (the benchmarks' baselines), stay on the public surface."""
+    files = sorted([*(ROOT / "examples").glob("*.py"),
+                    *(ROOT / "benchmarks" / "baselines").glob("*.py")])
+    assert len(files) > 10
+    used = {f.relative_to(ROOT).as_posix(): private_names(f.read_text()) for f in files}
+    assert {f: names for f, names in used.items() if names} == {}

@@ -24,7 +24,7 @@ from ._arena import AG_CHANNEL, ARRIVED, DONE, FREE, READY, STAMP, Region
 from ._copies import split_copies
 from ._errors import TideInvalid
 from ._group import Group, default_group
-from ._layout import UnitLayout, cached_unit, int_shapes
+from ._layout import UnitLayout, cached_unit, int_shapes, parse_shapes
 from ._schedule import ag_pieces, internode_ag_steps
 from .backends._base import AccumPiece
 
@@ -70,13 +70,6 @@ class Gather:
     digest: int
 
 
-def _int_shapes(shapes: Any) -> tuple[Optional[tuple], list[str]]:
-    try:
-        return int_shapes(shapes), []  # 2.5 is no dim
-    except (TypeError, ValueError):
-        return None, [f"expected shapes as a list of int tuples, got {shapes!r}"]
-
-
 def validate(group: Group, shards: Any, shapes: Any, slot: Optional[Region],
              out_dtype: Any = None, expect_dtype: Any = None, what: str = "all_gather",
              errors: Sequence[str] = ()) -> Gather:
@@ -89,7 +82,7 @@ def validate(group: Group, shards: Any, shapes: Any, slot: Optional[Region],
         errors: the caller's own findings, raised with these.
     """
     resolved, more = _validate.resolve_all(group.backend, shards, "shard")
-    shapes, bad_shapes = _int_shapes(shapes)
+    shapes, bad_shapes = parse_shapes(shapes)
     errors = [*errors, *bad_shapes, *more]
     dtype, more = _validate.check_arrays(resolved, "shard")
     errors += more
@@ -160,13 +153,6 @@ class Program:
         self._be, self._peers = backend, peers
         self._raw = (own, pushes, own_parts, pulls)
         self._compiled: dict = {}
-
-    def raw_copies(self) -> tuple[tuple, dict]:
-        """``(own, pushes)`` as ``(dst, src, nbytes)`` triples, before compiling: the own
-        copies, and per peer every push in issue order (for probes of the copy paths)."""
-        own, pushes = self._raw[0], self._raw[1]
-        return own, {p: tuple(c for group in groups for c in group)
-                     for p, groups in pushes.items()}
 
     def batches(self, transport: str) -> Batches:
         """The compiled batches ``transport`` issues."""

@@ -1,4 +1,4 @@
-"""Pure planning: shard specs, byte ranges and a unit's slot layout.
+"""Pure planning: shard specs, byte ranges, a unit's slot layout and FSDP2's flat layout.
 
 Nothing here touches a device. Plans are frozen dataclasses of sizes and
 offsets, shared by every backend, so what the CPU tests check is exactly the
@@ -20,7 +20,7 @@ import math
 import operator
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from ._errors import TideInvalid
 
@@ -106,6 +106,15 @@ def int_shapes(shapes: Any) -> tuple[tuple[int, ...], ...]:
 _INT = {int}
 
 
+def parse_shapes(shapes: Any) -> tuple[Optional[tuple[tuple[int, ...], ...]], list[str]]:
+    """``shapes`` as :func:`int_shapes` reads them and no error, or None and the error
+    that says why, for a collective to raise with its others on every rank."""
+    try:
+        return int_shapes(shapes), []
+    except (TypeError, ValueError):  # 2.5 is no dim; a shape that is not a sequence
+        return None, [f"expected shapes as a list of int tuples, got {shapes!r}"]
+
+
 def shard_spec(shape: Sequence[int], itemsize: int, world: int, index: int = 0) -> ShardSpec:
     shape = tuple(operator.index(d) for d in shape)
     if len(shape) == 0:
@@ -153,3 +162,36 @@ def cached_unit(shapes: tuple, itemsize: int, world: int) -> UnitLayout:
     """:func:`plan_unit` for normalized (hashable) shapes, cached: the collectives
     plan the same units call after call."""
     return plan_unit(shapes, itemsize, world)
+
+
+#: Shard offsets inside a rank's block of a flat layout are aligned to 16 bytes
+#: (vector copies in the fused kernels).
+FLAT_ALIGN_BYTES = 16
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """FSDP2's flat rank-major layout of one unit, ``[r0: p0 p1 ..][r1: p0 p1 ..]``: padded
+    shards back to back per rank (elements). The shard arena's units lie this way, and
+    FSDP2's flat all-gather and reduce-scatter buffers."""
+
+    specs: tuple[ShardSpec, ...]
+    offsets: tuple[int, ...]
+    block_numel: int
+    world: int
+
+    @property
+    def total_numel(self) -> int:
+        """Elements of the whole flat buffer: every rank's block."""
+        return self.block_numel * self.world
+
+
+def flat_layout(shapes: Sequence[Sequence[int]], world: int, itemsize: int = 2) -> FlatLayout:
+    """Rank-major flat layout; each shard offset aligned to 16 bytes of ``itemsize``."""
+    specs = tuple(shard_spec(s, itemsize, world, i) for i, s in enumerate(shapes))
+    align = max(1, FLAT_ALIGN_BYTES // itemsize)
+    offsets, cur = [], 0
+    for s in specs:
+        offsets.append(cur)
+        cur += -(-s.shard_numel // align) * align
+    return FlatLayout(specs, tuple(offsets), cur, world)

@@ -60,7 +60,7 @@ from ._arena import Region, default_region
 from ._cache import BoundedCache
 from ._errors import TideInvalid
 from ._group import Group, default_group
-from ._layout import UnitLayout, cached_unit, int_shapes
+from ._layout import UnitLayout, cached_unit, parse_shapes
 from ._schedule import RsPlan, plan_reduce_scatter
 from ._work import Work, finish
 
@@ -99,12 +99,8 @@ class Unit:
     def __init__(self, shapes: Sequence[Sequence[int]], dtype: Any,
                  group: Optional[Group] = None, chunk_nbytes: Optional[int] = None) -> None:
         group = group or default_group()
-        errors: list[str] = []
-        try:
-            self.shapes = int_shapes(shapes)
-        except TypeError:  # 2.5 is no dim
-            self.shapes = ()
-            errors.append(f"expected shapes as a list of int tuples, got {shapes!r}")
+        parsed, errors = parse_shapes(shapes)
+        self.shapes = () if parsed is None else parsed
         try:
             self.dtype = _dtypes.normalize(dtype)
         except TideInvalid as e:
@@ -458,12 +454,9 @@ class ReducePlan(_Plan):
 
 
 def _shapes_key(shapes: Any) -> Optional[tuple]:
-    """``shapes`` as int tuples for a key (``_layout.int_shapes``), or None: validation
+    """``shapes`` as int tuples for a key (``_layout.parse_shapes``), or None: validation
     will say why."""
-    try:
-        return int_shapes(shapes)
-    except TypeError:
-        return None
+    return parse_shapes(shapes)[0]
 
 
 def _arrays_key(group: Group, arrays: Any, what: str) -> Optional[tuple]:

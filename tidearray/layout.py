@@ -11,6 +11,9 @@ check a layout, or reassemble arrays in set-up and tests.
   ranks (rows per shard, byte ranges, valid rows).
 * :func:`plan_unit` / :class:`UnitLayout`: a unit's parameters back to back in a slot,
   each aligned to 256 bytes (``offsets``, ``nbytes``).
+* :func:`flat_layout` / :class:`FlatLayout`: FSDP2's flat rank-major layout of a unit,
+  padded shards back to back per rank (the FSDP runtime's shard arena, and what a comm
+  that runs FSDP2's flat collectives moves).
 * :func:`unit_nbytes`: the slot bytes a unit needs (``world=`` or a group's size).
 * :func:`memory_report` / :class:`MemoryReport`: per-rank bytes of a unit's slot and
   reduce-scatter buffers on ``world`` ranks of ``local_size`` per node, beside stock
@@ -22,11 +25,11 @@ check a layout, or reassemble arrays in set-up and tests.
 """
 
 from ._all_gather import unit_nbytes
-from ._layout import ALIGN, ShardSpec, UnitLayout, plan_unit, shard_spec
+from ._layout import ALIGN, FlatLayout, ShardSpec, UnitLayout, flat_layout, plan_unit, shard_spec
 from ._memory import MemoryReport, memory_report
 from ._plan import slot_chunk_nbytes
 from ._shard import full_from_shards, shard_shape
 
-__all__ = ["ALIGN", "MemoryReport", "ShardSpec", "UnitLayout", "full_from_shards",
-           "memory_report", "plan_unit", "shard_shape", "shard_spec", "slot_chunk_nbytes",
-           "unit_nbytes"]
+__all__ = ["ALIGN", "FlatLayout", "MemoryReport", "ShardSpec", "UnitLayout", "flat_layout",
+           "full_from_shards", "memory_report", "plan_unit", "shard_shape", "shard_spec",
+           "slot_chunk_nbytes", "unit_nbytes"]

@@ -1,7 +1,8 @@
 """The NCCL baselines on the cuda backend: ``stock``, ``symm`` and ``nccl-bf16``.
 
 All three keep FSDP2's flat rank-major buffers and do the layout conversion
-with one fused kernel per conversion per unit (``kernels/pack.cu``):
+with one fused kernel per conversion per unit (``pack``: ``kernels/pack.cu`` and
+``pack_bf16_f32.cu``):
 
 * ``stock``: copy-in into this rank's block of the flat buffer, in-place NCCL
   all-gather, copy-out into each parameter's storage; RS = chunk-cat bf16 ->
@@ -22,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from tidearray._dtypes import bfloat16, float32
-from tidearray.backends._base import AccumPiece
+from tidearray import bfloat16, float32
+from tidearray.backends import AccumPiece
 
 from ..harness.data import UnitData, as_f32_shards
 from ..harness.impl import Impl, Phase, Prepared, Skip, register

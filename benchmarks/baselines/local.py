@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidearray._work import Work
-from tidearray.backends.cuda.streams import on_stream
-from tidearray.fsdp._comm import UnitComm, _Ready
+from tidearray import Work
+from tidearray.fsdp import UnitComm
 
 
 class LocalComm(UnitComm):
@@ -30,10 +29,10 @@ class LocalComm(UnitComm):
         views = self._param_views.get(unit)
         if views is None:
             views = self._param_views[unit] = self.arena.views(self.arena.send, unit)
-        return Work(_Ready(), views)
+        return self.done(views)
 
     def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
-        with on_stream(stream):
+        with self.on_stream(stream):  # on the compute stream: complete as issued
             for o, g in zip(self.arena.views(out, unit), self.grads(unit, k)):
                 self.xp.copyto(o, g, casting="unsafe")
-        return Work(_Ready(), None)
+        return self.done()

@@ -1,4 +1,5 @@
-"""Flat rank-major layouts and the fused copy kernels of the baselines (kernels/pack.cu).
+"""Flat rank-major layouts and the fused copy kernels of the baselines (the library's
+``kernels/pack.cu`` for bytes, ``pack_bf16_f32.cu`` here for the fp32 chunk-cat).
 
 FSDP2's collectives work on flat buffers ``[r0: p0 p1 ..][r1: p0 p1 ..]`` of
 padded shards. This module plans that layout, builds the segment tables of
@@ -13,17 +14,22 @@ the three conversions (copy-in, copy-out, chunk-cat), and runs them:
 from __future__ import annotations
 
 import ctypes
+import functools
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from tidearray.backends.cuda import kernels
 from tidearray.backends.cuda.kernels import PACK_BYTES_TILE as BYTES_TILE
-from tidearray.backends.cuda.kernels import PACK_CVT_TILE as CVT_TILE
 from tidearray.backends.cuda.kernels import pack_table as seg_table
-from tidearray.fsdp._shards import FLAT_ALIGN_BYTES as ALIGN_BYTES  # noqa: F401  (re-exported)
-from tidearray.fsdp._shards import FlatLayout, flat_layout  # noqa: F401  (re-exported)
+from tidearray.layout import FlatLayout, flat_layout  # noqa: F401  (re-exported)
 
 THREADS = 512
+#: Tile size of ``pack_bf16_f32.cu`` (``CVT_TILE`` there), in elements.
+CVT_TILE = 32768
+#: The bf16 -> fp32 chunk-cat kernel's source, beside this module.
+CVT_SOURCE = Path(__file__).resolve().parent / "pack_bf16_f32.cu"
 MAX_GRID = 2**31 - 1
 
 
@@ -120,9 +126,17 @@ def make_copy(dev: Any, segs: list[Seg], kind: str) -> Any:
 
 
 def _function(name: str) -> Any:
-    """A kernel of ``kernels/pack.cu``, compiled once per device by tidearray's loader."""
+    """``pack_bytes`` of the library's ``kernels/pack.cu``, or ``pack_bf16_f32`` of
+    :data:`CVT_SOURCE` (its segment header the library's), compiled once per device."""
     import cupy
 
-    from tidearray.backends.cuda import kernels as _kernels
+    device = cupy.cuda.Device().id
+    if name == "pack_bytes":
+        return kernels.function("pack.cu", name, device)
+    return _cvt_module(device).get_function(name)
 
-    return _kernels.function("pack.cu", name, cupy.cuda.Device().id)
+
+@functools.cache
+def _cvt_module(device: int) -> Any:
+    return kernels.compile_source(kernels.with_headers(CVT_SOURCE.read_text()),
+                                  "benchmarks/baselines/pack_bf16_f32.cu")

@@ -12,11 +12,11 @@ Per unit, with the flat rank-major layout ``[r0: p0 p1 ..][r1: p0 p1 ..]``:
   buffer (padding zeroed), a flat fp32 sum reduce-scatter straight into the
   unit's block of the fp32 gradient arena.
 
-On cuda the copies are the kernels of ``kernels/pack.cu`` (tables uploaded once
-per unit and slot) and the collectives are NCCL through nccl4py, each
-collective kind on its own side stream and communicator (FSDP2's all-gather and
-reduce-scatter streams). On host they are memmove / NumPy over the same tables
-and MPI collectives.
+On cuda the copies are the kernels of ``pack`` (``kernels/pack.cu`` and
+``pack_bf16_f32.cu``; tables uploaded once per unit and slot) and the collectives
+are NCCL through nccl4py, each collective kind on its own side stream and
+communicator (FSDP2's all-gather and reduce-scatter streams). On host they are
+memmove / NumPy over the same tables and MPI collectives.
 """
 
 from __future__ import annotations
@@ -27,17 +27,14 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from tidearray import _dtypes
-from tidearray._errors import TideInvalid, agree
-from tidearray._topology import shared_devices
-from tidearray._work import Work
-from tidearray.fsdp._comm import UnitComm, _Ready, _views
-from tidearray.fsdp._shards import FlatLayout, ShardArena, flat_layout
+import tidearray
+from tidearray import TideInvalid, Work
+from tidearray.fsdp import UnitComm
 
 from . import pack
 
 if TYPE_CHECKING:
-    from tidearray._group import Group
+    from tidearray import Group
 
 
 class StockComm(UnitComm):
@@ -45,14 +42,14 @@ class StockComm(UnitComm):
 
     name = "stock"
 
-    def __init__(self, group: Group, shapes: Sequence, dtype: Any, arena: ShardArena,
+    def __init__(self, group: Group, shapes: Sequence, dtype: Any, arena: Any,
                  num_slots: int, root: bool = False) -> None:
         super().__init__(group, shapes, dtype, arena, num_slots, root)
-        if self.dtype not in (_dtypes.bfloat16, _dtypes.float32):
+        if self.dtype not in (tidearray.bfloat16, tidearray.float32):
             raise TideInvalid(f"comm=StockComm: expected param dtype bfloat16 or float32, got "
                               f"{self.dtype}")
         xp, W = self.xp, self.world
-        self.flats: list[FlatLayout] = [flat_layout(s, W) for s in self.shapes]
+        self.flats = arena.layout.units  # the arena's units lie in FSDP2's flat layout
         slots = range(len(self.slot_units))
         blocks = [self.slot_max(k, lambda u: self.flats[u].block_numel) for k in slots]
         self._params = [xp.empty((self.slot_max(k, lambda u: self.layouts[u].nbytes),), np.uint8)
@@ -77,7 +74,7 @@ class StockComm(UnitComm):
             self._lanes.all_gather(flat, n * self.world, n, s)
             copy_out(s)
 
-        return Work(self._lanes.run("ag", run, stream), params)
+        return self._lanes.run("ag", run, stream, params)
 
     def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
         chunk_cat = self._rs_op(unit, k)
@@ -89,14 +86,14 @@ class StockComm(UnitComm):
             chunk_cat(s)
             self._lanes.reduce_scatter(src, dst, lay.block_numel, s)
 
-        return Work(self._lanes.run("rs", run, stream), None)
+        return self._lanes.run("rs", run, stream, None)
 
     def _ag_ops(self, unit: int, k: int) -> tuple:
         key = ("ag", unit, k)
         ops = self._ops.get(key)
         if ops is None:
             lay, size = self.flats[unit], self.dtype.itemsize
-            params = _views(self._params[k], self.layouts[unit], self.dtype)
+            params = self.views(self._params[k], unit)
             flat = _ptr(self._ag_flat[k])
             shards = [_ptr(a) for a in self.arena.views(self.arena.send, unit)]
             copy_in = self._copy(pack.copy_in_segs(lay, shards, flat, self.group.rank, size),
@@ -112,7 +109,7 @@ class StockComm(UnitComm):
         if op is None:
             grads = [_ptr(g) for g in self.grads(unit, k)]
             lay, flat = self.flats[unit], _ptr(self._rs_flat[k])
-            if self.dtype == _dtypes.bfloat16:
+            if self.dtype == tidearray.bfloat16:
                 op = self._copy(pack.chunk_cat_segs(lay, grads, flat, 2, 4), "bf16_f32")
             else:  # fp32 gradients: a byte copy with the padding zeroed
                 op = self._copy(pack.to_bytes(pack.chunk_cat_segs(lay, grads, flat, 4, 4), 4),
@@ -140,9 +137,9 @@ class _HostLanes:
     def __init__(self, group: Group) -> None:
         self.comm = group.comm.Dup()
 
-    def run(self, kind: str, fn: Callable[[Any], None], stream: Any) -> _Ready:
+    def run(self, kind: str, fn: Callable[[Any], None], stream: Any, result: Any) -> Work:
         fn(None)
-        return _Ready()
+        return UnitComm.done(result)
 
     def all_gather(self, flat: np.ndarray, nbytes: int, each: int, stream: Any) -> None:
         from mpi4py import MPI
@@ -161,12 +158,8 @@ class _HostLanes:
 class _CudaLanes:
     """NCCL on two side streams, one communicator each (FSDP2's AG and RS streams).
 
-    [Note: stock streams]
-    A collective's side stream first waits for an event recorded on the
-    caller's stream (so it reads what compute wrote before the call); the
-    returned completion is an event on the side stream, which the runtime
-    makes the compute stream wait for before it reads the result or reuses
-    the gradient buffer.
+    Each collective's side stream is forked from the compute stream and joined back by
+    events (``UnitComm.on_side_stream``, [Note: comm streams] in ``tidearray.fsdp``).
     """
 
     def __init__(self, group: Group) -> None:
@@ -175,15 +168,18 @@ class _CudaLanes:
         from . import nccl
 
         ok, why = nccl.available()
-        agree(group.comm, None if ok else why, "comm=StockComm on cuda needs nccl4py", TideInvalid)
+        missing = [f"rank {r}: {w}" for r, w in enumerate(group.comm.allgather(
+            None if ok else why)) if w]
+        if missing:  # on every rank alike
+            raise TideInvalid(f"comm=StockComm on cuda needs nccl4py: {'; '.join(missing)}")
         # NCCL refuses (one rank) or hangs (the others) on two ranks of a GPU: say so first.
-        places = group.comm.allgather((0, socket.gethostname(), group.backend.device))
-        pairs = shared_devices(places)
+        places = group.comm.allgather((socket.gethostname(), group.backend.device))
+        pairs = [(places.index(p), b) for b, p in enumerate(places) if places.index(p) != b]
         if pairs:
             a, b = pairs[0]
             raise TideInvalid(f"comm=StockComm on cuda: expected one rank per GPU (NCCL's "
                               f"communicators refuse two), got ranks {a} and {b} on device "
-                              f"{places[a][2]} of {places[a][1]}; use comm='tide' or LocalComm, "
+                              f"{places[a][1]} of {places[a][0]}; use comm='tide' or LocalComm, "
                               "or one rank per GPU")
         self.nccl = nccl
         self.rank = group.comm.rank
@@ -191,19 +187,8 @@ class _CudaLanes:
         self.streams = {k: cupy.cuda.Stream(non_blocking=True) for k in ("ag", "rs")}
         self.comms = {k: nccl.communicator(group.comm) for k in ("ag", "rs")}
 
-    def run(self, kind: str, fn: Callable[[Any], None], stream: Any) -> Any:
-        import cupy
-
-        from tidearray.backends.cuda.executor import CudaCompletion, stream_ptr
-
-        side = self.streams[kind]
-        ready = cupy.cuda.Event(block=False, disable_timing=True)
-        cupy.cuda.runtime.eventRecord(ready.ptr, stream_ptr(stream))
-        side.wait_event(ready)
-        fn(side)
-        done = cupy.cuda.Event(block=False, disable_timing=True)
-        done.record(side)
-        return CudaCompletion([done])
+    def run(self, kind: str, fn: Callable[[Any], None], stream: Any, result: Any) -> Work:
+        return UnitComm.on_side_stream(self.streams[kind], stream, fn, result)
 
     def all_gather(self, flat: Any, nbytes: int, each: int, stream: Any) -> None:
         base = int(flat.data.ptr)

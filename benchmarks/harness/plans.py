@@ -33,8 +33,9 @@ against the full ones (bitwise), so calls that skipped their work fail.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -130,19 +131,40 @@ def _one_unit(ctx: Any, u: Any) -> None:
     _check(ctx, plans[-1], full)
 
 
+def raw_copies(program: Any) -> tuple[tuple, dict]:
+    """A gather program's ``(own, pushes)`` as ``(dst, src, nbytes)`` triples, before the
+    backend compiles them: the own copies, and per peer every push in issue order (what
+    the probes of the copy paths replay; read from the program's internals, which the
+    library keeps no accessor for)."""
+    own, pushes = program._raw[0], program._raw[1]
+    return own, {p: tuple(c for group in groups for c in group)
+                 for p, groups in pushes.items()}
+
+
+@contextlib.contextmanager
+def memop_graph_flags(flags: Any) -> Iterator[None]:
+    """Graphs captured inside signal and wait by stream memory operations: what
+    ``graph_flag_kernels=False`` sets for a whole group ([Note: flags in graphs]), on the
+    group at hand, so that both kinds run on the same buffers. ``flags`` is the cuda
+    backend's ``FlagOps`` (``group.backend.lanes.flags``), whose ``graph_kernels`` each
+    capture reads."""
+    was, flags.graph_kernels = flags.graph_kernels, False
+    try:
+        yield
+    finally:
+        flags.graph_kernels = was
+
+
 def _with_memop_flags(group: Any, build: Any) -> Any:
     """``build()`` with the cuda backend's graphs signalling and waiting by stream memory
-    operations ([Note: flags in graphs]); None on other backends, or where graphs use
+    operations (:func:`memop_graph_flags`); None on other backends, or where graphs use
     them anyway (their kernels did not load). The setting is read at capture, so the
     plans keep it."""
     flags = getattr(getattr(group.backend, "lanes", None), "flags", None)
     if flags is None or not flags.graph_kernels:
         return None
-    try:
-        flags.set_graph_kernels(False)
+    with memop_graph_flags(flags):
         return build()
-    finally:
-        flags.set_graph_kernels(True)
 
 
 def _host_us(ctx: Any, fn: Any, idle: bool = True) -> float:

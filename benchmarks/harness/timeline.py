@@ -1,7 +1,7 @@
 """A timeline plot of one profiled region: one row per stream, from CUPTI events.
 
 Events are coloured by role: model compute, TIDE's accumulate, NCCL, the
-baselines' layout conversions (``pack.cu``), copy-engine copies and memsets.
+baselines' layout conversions (``pack.cu``, ``pack_bf16_f32.cu``), copy-engine copies and memsets.
 """
 
 from __future__ import annotations

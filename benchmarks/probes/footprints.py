@@ -30,13 +30,11 @@ from benchmarks.variants import accumulate as variants  # noqa: E402
 from tidearray.backends.cuda import accumulate, copies, kernels  # noqa: E402
 
 #: tidearray's kernels that may run beside a GEMM, and the accumulate variants of
-#: benchmarks/variants: (file, kernel, threads, dynamic smem, directory or None: kernels/).
-OURS = (("accumulate.cu", "tide_accumulate_bf16", accumulate.BLOCK, 0, None),
-        (variants.STREAMED["bulk"][0], "tide_accumulate_bf16_bulk", variants.BULK_BLOCK,
-         variants.BULK_SMEM, variants.DIR),
-        (variants.STREAMED["narrow"][0], "tide_accumulate_bf16_narrow",
-         variants.NARROW_BLOCK, variants.NARROW_SMEM, variants.DIR),
-        ("pack.cu", "pack_bytes", copies.KERNEL_THREADS, 0, None))
+#: benchmarks/variants: (file of kernels/ or variant name, kernel, threads, dynamic smem).
+OURS = (("accumulate.cu", "tide_accumulate_bf16", accumulate.BLOCK, 0),
+        ("bulk", "tide_accumulate_bf16_bulk", variants.BULK_BLOCK, variants.BULK_SMEM),
+        ("narrow", "tide_accumulate_bf16_narrow", variants.NARROW_BLOCK, variants.NARROW_SMEM),
+        ("pack.cu", "pack_bytes", copies.KERNEL_THREADS, 0))
 
 
 def regs_per_cta(registers: int, threads: int) -> int:
@@ -75,8 +73,9 @@ def main() -> None:
         record["gemms"][name] = {key: main_kernel[key] for key in
                                  ("name", "blocks", "threads", "registers", "shared_bytes")}
 
-    for file, kernel, threads, dynamic, path in OURS:
-        fn = kernels.function(file, kernel, dev.id, path)
+    for file, kernel, threads, dynamic in OURS:
+        fn = (variants.module(file, dev.id).get_function(kernel) if file in variants.STREAMED
+              else kernels.function(file, kernel, dev.id))
         record["ours"][kernel] = {"threads": threads, "registers": fn.num_regs,
                                   "shared_bytes": fn.shared_size_bytes + dynamic,
                                   "local_bytes": fn.local_size_bytes}  # spills

@@ -19,6 +19,7 @@ end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import itertools
 import json
@@ -94,10 +95,13 @@ def main() -> None:
 
     import tidearray as ta
     from benchmarks.harness import workloads as W
-    from benchmarks.harness.plans import unit_buffers
+    from benchmarks.harness.plans import memop_graph_flags, unit_buffers
 
     g = ta.init(backend="cuda")
     comm, flags = g.comm, g.backend.lanes.flags
+    if not flags.graph_kernels:
+        raise SystemExit("graph_replay: expected the flags in graphs as kernels (the default, "
+                         f"TIDE_GRAPH_FLAG_KERNELS=1), got memory operations: {flags.reason}")
     stream = cupy.cuda.Stream(non_blocking=True)
     record = cupy.cuda.runtime.eventRecord
     event = cupy.cuda.Event(block=False, disable_timing=True)
@@ -107,9 +111,11 @@ def main() -> None:
     for u in W.units():
         unit, arena, full, shards, grads = unit_buffers(g, cupy, u)
         for flag_kind in ("kernels", "memops"):
-            flags.set_graph_kernels(flag_kind == "kernels")
-            plans = {"ag": unit.gather_plan(shards, arena[0], graph=True),
-                     "rs": unit.reduce_plan(grads, op="avg", staging=arena[1], graph=True)}
+            # Each plan is captured as it is made, with the flags of that moment.
+            with memop_graph_flags(flags) if flag_kind == "memops" else contextlib.nullcontext():
+                plans = {"ag": unit.gather_plan(shards, arena[0], graph=True),
+                         "rs": unit.reduce_plan(grads, op="avg", staging=arena[1],
+                                                graph=True)}
             for op, plan in plans.items():
                 graph = plan.graph
                 kinds, roots = _node_kinds(graph._graph)
@@ -158,7 +164,6 @@ def main() -> None:
             plans["rs"](stream=stream)
             stream.synchronize()
             comm.Barrier()
-        flags.set_graph_kernels(True)
     if g.rank == 0:
         with open(os.path.join(args.out, "graph_replay.jsonl"), "w") as f:
             for r in records:

@@ -39,6 +39,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.getcwd())
 import tidearray as ta  # noqa: E402
+from benchmarks.harness.plans import raw_copies  # noqa: E402
 from benchmarks.harness.workloads import units  # noqa: E402
 from tidearray.backends.cuda import executor as cex  # noqa: E402
 
@@ -121,7 +122,7 @@ def push_and_own() -> None:
     stream.wait_event(join)
 
 
-pieces = plan._program(arena[0]).raw_copies()[1][(me + 1) % L] if L > 1 else ()
+pieces = raw_copies(plan._program(arena[0]))[1][(me + 1) % L] if L > 1 else ()
 
 
 def plain_pieces() -> None:

@@ -55,6 +55,7 @@ sys.path.insert(0, os.getcwd())
 import tidearray as ta  # noqa: E402
 from benchmarks.harness import interference  # noqa: E402
 from benchmarks.harness.device import CudaDevice  # noqa: E402
+from benchmarks.harness.plans import raw_copies  # noqa: E402
 from benchmarks.harness.records import git_commit  # noqa: E402
 from benchmarks.harness.timing import measure  # noqa: E402
 from benchmarks.harness.workloads import units  # noqa: E402
@@ -248,7 +249,7 @@ def bare_copies() -> dict:
     slot = ta.SlotArena(max(2 * share, layout.nbytes), num_slots=1)[0]
     # TIDE-AG's own copy list into this slot: its pieces, as its lanes issue them
     program = build_program(group, layout, [s.data.ptr for s in shards], slot)
-    own_copies, pushes = program.raw_copies()
+    own_copies, pushes = raw_copies(program)
     copier = Copier(None)
     copier.probe(dev.stream.ptr)
     cut_copier = Copier(None, local_max=LOCAL_MAX)

@@ -36,6 +36,7 @@ from benchmarks.harness import interference  # noqa: E402
 from benchmarks.harness.device import CudaDevice  # noqa: E402
 from benchmarks.harness.records import git_commit  # noqa: E402
 from benchmarks.variants.accumulate import (  # noqa: E402
+    DIR,
     NARROW_MAX_SOURCES,
     NARROW_SMEM,
     StreamedAccumulator,
@@ -44,7 +45,6 @@ from benchmarks.variants.accumulate import source as variant_source  # noqa: E40
 from tests.gpu._timing import timed_on  # noqa: E402
 from tidearray._dtypes import bfloat16  # noqa: E402
 from tidearray.backends._base import AccumPiece  # noqa: E402
-from tidearray.backends.cuda import kernels  # noqa: E402
 from tidearray.backends.cuda.accumulate import Accumulator, Kernel  # noqa: E402
 
 #: Elements per source: the Llama-3.1-8B unit's shard per rank at two ranks.
@@ -52,8 +52,8 @@ N = 109 * (1 << 20)
 PAIRS = 3
 GEMM = (1024, 2048, 16384)
 
-#: The flat kernel; the bulk-copy helpers are the library's (kernels/bulk_copy.cuh).
-SOURCE = kernels.source("bulk_copy.cuh") + r"""
+#: The flat kernel; the bulk-copy helpers are the variants' (benchmarks/variants/bulk_copy.cuh).
+SOURCE = (DIR / "bulk_copy.cuh").read_text() + r"""
 typedef unsigned short u16;
 typedef long long i64;
 

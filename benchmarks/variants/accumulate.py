@@ -23,14 +23,18 @@ overridden; the harness's ``tide-narrow`` swaps it in for a group's accumulator.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from tidearray.backends.cuda import kernels
 from tidearray.backends.cuda.accumulate import Accumulator, Kernel
 
-#: Where the variants' ``.cu`` files are (their headers come from the library's kernels/).
+#: Where the variants' ``.cu`` files are, with ``bulk_copy.cuh``, the bulk-copy helpers
+#: that only they use; their other headers are the library's (``kernels/``).
 DIR = Path(__file__).resolve().parent
+#: The include line of this folder's header, which the library's loader does not know.
+_BULK_COPY = '#include "bulk_copy.cuh"'
 #: Threads per block of the bulk kernel (``THREADS`` in ``accumulate_bulk.cu``).
 BULK_BLOCK = 256
 #: Dynamic shared memory of the bulk kernel (``SMEM_BYTES`` there): 6 stages of two
@@ -53,8 +57,17 @@ STREAMED_KERNELS = {"bfloat16": "tide_accumulate_bf16", "float16": "tide_accumul
 
 
 def source(kernel: str) -> str:
-    """The text of a variant's ``.cu`` file, headers inlined (``kernels.source``)."""
-    return kernels.source(STREAMED[kernel][0], DIR)
+    """The text of variant ``kernel``'s ``.cu`` file: ``bulk_copy.cuh`` pasted in, then the
+    library's headers inlined (``kernels.with_headers``)."""
+    text = (DIR / STREAMED[kernel][0]).read_text()
+    return kernels.with_headers(text.replace(_BULK_COPY, (DIR / "bulk_copy.cuh").read_text()))
+
+
+@functools.cache
+def module(kernel: str, device: int) -> Any:
+    """``cupy.RawModule`` of variant ``kernel``, compiled once per ``device`` (CuPy compiles
+    for the current device, as the library's ``kernels.module``)."""
+    return kernels.compile_source(source(kernel), f"benchmarks/variants/{STREAMED[kernel][0]}")
 
 
 class StreamedAccumulator(Accumulator):
@@ -89,8 +102,9 @@ class StreamedAccumulator(Accumulator):
         if (out != "float32" or src not in STREAMED_KERNELS
                 or self.kernel == "narrow" and n_srcs > NARROW_MAX_SOURCES):
             return super()._select(src, out, n_srcs)
-        file, block, smem = STREAMED[self.kernel]
-        fn = kernels.function(file, f"{STREAMED_KERNELS[src]}_{self.kernel}", self.device, DIR)
+        _, block, smem = STREAMED[self.kernel]
+        fn = module(self.kernel, self.device).get_function(
+            f"{STREAMED_KERNELS[src]}_{self.kernel}")
         fn.max_dynamic_shared_size_bytes = smem  # the bulk kernel's is above 48 KB
         # As much shared memory as the SM has (the split is set per SM, while idle): a
         # GEMM's CTA then fits beside a narrow one.

@@ -23,21 +23,19 @@ GPU are present even without NCCL. Data is fresh each run (seed in messages).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional
 
 import numpy as np
 import pytest
 
 from tidearray import TideInvalid
-from tidearray.fsdp._norm import GlobalNorm
+from tidearray.fsdp._norm import GlobalNorm, clip_scale
 from tidearray.fsdp._optim import (
     BLOCK,
     MAX_GROUPS,
     AdamW,
     FusedAdamW,
     ParamGroup,
-    clip_scale,
 )
 
 from .._util import BF16, DTYPES, bits
@@ -122,7 +120,7 @@ def _steps(host: FusedAdamW, dev: FusedAdamW, cp: Any, grads: list[np.ndarray],
         big[offset:offset + g.size] = cp.asarray(g)
         g_dev = big[offset:offset + g.size]
         lr_k = lr(k, len(grads))
-        scale_h = clip_scale(math.sqrt(host.sum_squares(g)), HP.max_grad_norm)
+        scale_h = clip_scale(GlobalNorm(None, 1, np).compute(g, 1.0), HP.max_grad_norm)
         host.step(g, grad_scale=scale_h, lr=lr_k, present=on)
         # The same scale on both, so that any difference is the kernel's own.
         cp.cuda.get_current_stream().synchronize()  # g_dev, written on the current stream
@@ -195,7 +193,7 @@ def test_side_stream(cp: Any, rng, kind: str) -> None:
 
 def test_empty_shard(cp: Any) -> None:
     dev = FusedAdamW(HP, cp.zeros(0, np.float32), cp.zeros(0, BF16), cp)
-    assert dev.sum_squares(cp.zeros(0, np.float32)) == 0.0
+    assert GlobalNorm(None, 1, cp).compute(cp.zeros(0, np.float32), 1.0) == 0.0
     dev.step(cp.zeros(0, np.float32))
     assert dev.step_count == 1
 
@@ -203,9 +201,10 @@ def test_empty_shard(cp: Any) -> None:
 def test_sum_squares_float64(cp: Any, rng) -> None:
     gen, _ = rng
     g = _data(gen, 1_000_003)[1][0]
-    dev = FusedAdamW(HP, cp.zeros(g.size, np.float32), cp.zeros(g.size, BF16), cp)
+    norm = GlobalNorm(None, 1, cp)
+    norm.compute(cp.asarray(g), 1.0)
     g64 = g.astype(np.float64)
-    assert dev.sum_squares(cp.asarray(g)) == pytest.approx(float(np.dot(g64, g64)), rel=1e-12)
+    assert float(norm.local.get()[0]) == pytest.approx(float(np.dot(g64, g64)), rel=1e-12)
 
 
 def test_state_moves_between_gpu_and_host(cp: Any, rng) -> None:
@@ -457,7 +456,7 @@ def test_captured_step_matches_numpy(cp: Any, rng, case: str) -> None:
             continue
         if graph is None:
             graph = _captured(cp, dev, norm, g_buf, scale, max_norm, present[-1], stream)
-        dev.stage_step(lr, dev.captured_grad_scale, stream)
+        dev.stage_step(lr, scale, stream)  # the grad_scale the capture issued
         graph.launch(stream)
         stream.synchronize()
         assert float(norm.norm.get()[0]) == nrm, f"the captured clip's norm (seed {seed})"
@@ -481,11 +480,11 @@ def test_replay_of_one_row_refused_once_counts_drift_apart(cp: Any, rng) -> None
     dev.step(g_buf, stream=stream)
     graph = _captured(cp, dev, GlobalNorm(None, 1, cp), g_buf, 1.0, 1e9, None, stream)
     assert dev._captured.indexed is False
-    dev.stage_step(HP.lr, dev.captured_grad_scale, stream)
+    dev.stage_step(HP.lr, 1.0, stream)  # the grad_scale the capture issued
     graph.launch(stream)
     dev.step(g_buf, stream=stream, present=[False] + [True] * (len(params) - 1))
     steps = dev.param_steps.copy()
     with pytest.raises(TideInvalid, match="stage_step: expected the parameters present"):
-        dev.stage_step(HP.lr, dev.captured_grad_scale, stream)
+        dev.stage_step(HP.lr, 1.0, stream)
     assert (dev.param_steps == steps).all() and dev.step_count == 3
     stream.synchronize()

@@ -16,8 +16,8 @@ import math
 import numpy as np
 import pytest
 
+from tidearray.fsdp import clip_scale
 from tidearray.fsdp._norm import GlobalNorm
-from tidearray.fsdp._optim import clip_scale
 
 from .._util import agree, to_numpy, to_xp
 
@@ -57,7 +57,7 @@ def test_the_norm_is_the_fp64_norm_with_the_same_bits_on_every_rank(group, xp):
         every = group.comm.allgather(got)
         if len({np.float64(x).tobytes() for x in every}) != 1:
             failures.append(f"draw {k}: the ranks got different norms {every}")
-        sums = group.comm.allgather(norm.sum_squares(to_xp(xp, g)))
+        sums = group.comm.allgather(float(to_numpy(norm.local)[0]))  # left by compute
         total = 0.0
         for s in sums:  # rank order
             total += s
@@ -105,3 +105,92 @@ def test_the_device_clip_factor_is_the_hosts_bit_for_bit(group, xp):
             if (rest != -7.0).any():
                 failures.append(f"draw {k}, max {max_norm}: the kernel wrote other fields")
     agree(group.comm, failures, "device clip factor")
+
+
+def _model(group, xp, **kw):
+    """A small ShardedModel of three units (sizes that shard unevenly), fp32."""
+    from tidearray.fsdp import ShardedModel
+
+    shapes = [[(7, 3), (5,)], [(11, 2)], [(4, 4), (3,)]]
+    rng = np.random.default_rng(0)
+    units = [[(f"{u}.{k}", rng.standard_normal(s).astype(np.float32))
+              for k, s in enumerate(unit)] for u, unit in enumerate(shapes)]
+    return ShardedModel(units, group=group, param_dtype=np.float32, **kw)
+
+
+def _backward(sm, step: int, micro: int = 0) -> None:
+    """A forward and backward through the hooks, writing gradients that differ by rank,
+    step and micro-batch (the same ones in every run)."""
+    rng = np.random.default_rng([step, micro, sm.group.rank])
+    for i in range(sm.num_units):
+        sm.pre_forward(i)
+        sm.post_forward(i)
+    for i in reversed(range(sm.num_units)):
+        _, grads = sm.pre_backward(i)
+        for g in grads:
+            g[...] = sm.xp.asarray(rng.standard_normal(g.shape).astype(np.float32) * 3)
+        sm.post_backward(i)
+
+
+def _masters(sm) -> bytes:
+    return to_numpy(sm.arena.master).tobytes()
+
+
+@pytest.mark.parametrize("way", ["AdamW", "ShardedModel", "clip_grad_norm_"])
+def test_every_way_to_clip_is_one_clip_and_finalizes_once(group, xp, monkeypatch, way):
+    """The clip limit on the AdamW (earlier versions' spelling), on the runtime, or
+    ``clip_grad_norm_`` before the step: the same masters and norms, bit for bit, with
+    one ``finalize_grads`` per step; ``finalize_grads``' scale is the averaging times
+    the clip rule."""
+    from tidearray.fsdp import AdamW
+
+    limit, failures = 0.5, []
+    ref = _model(group, xp, optimizer=AdamW(max_grad_norm=limit))
+    kw = {"AdamW": {"optimizer": AdamW(max_grad_norm=limit)},
+          "ShardedModel": {"max_grad_norm": limit}, "clip_grad_norm_": {}}[way]
+    sm = _model(group, xp, **kw)
+    calls = []
+    real = sm.finalize_grads
+    monkeypatch.setattr(sm, "finalize_grads", lambda *a: calls.append(a) or real(*a))
+    for step in range(3):
+        for micro in range(2):
+            _backward(ref, step, micro)
+            _backward(sm, step, micro)
+        want = ref.step()
+        got = sm.clip_grad_norm_(limit) if way == "clip_grad_norm_" else None
+        stepped = sm.step()
+        if way == "clip_grad_norm_" and stepped != got:
+            failures.append(f"step {step}: step() returned {stepped!r}, clip_grad_norm_ {got!r}")
+        if not (stepped == want and isinstance(stepped, float) and stepped > limit):
+            failures.append(f"step {step}: norm {stepped!r}, expected {want!r} (> {limit})")
+        if len(calls) != step + 1:
+            failures.append(f"step {step}: finalize_grads reached {len(calls) - step} times")
+    if _masters(sm) != _masters(ref):
+        failures.append("the masters differ from the AdamW-clipped run's")
+    _backward(sm, 9)
+    scale = real(limit)
+    average = 1.0 / (sm.world * 1)
+    if scale.factor != average * clip_scale(scale.norm, limit) or scale.on_device:
+        failures.append(f"finalize_grads({limit}) gave {scale}, average {average}")
+    if real() != (average, None, False):
+        failures.append(f"finalize_grads() gave {real()}")
+    sm.step()
+    agree(group.comm, failures, f"clip via {way}")
+
+
+def test_a_backward_between_clip_grad_norm_and_step_is_refused(group, xp):
+    from tidearray import TideInvalid
+    from tidearray.fsdp import AdamW
+
+    sm = _model(group, xp)
+    _backward(sm, 0)
+    sm.clip_grad_norm_(1.0)
+    _backward(sm, 0, 1)
+    with pytest.raises(TideInvalid, match="no backward between clip_grad_norm_ and the step"):
+        sm.step()
+    _backward(sm, 1)
+    sm.step()  # the refused clip is gone: the next step is plain
+    with pytest.raises(TideInvalid, match="max_grad_norm: expected one clip limit"):
+        _model(group, xp, optimizer=AdamW(max_grad_norm=1.0), max_grad_norm=2.0)
+    with pytest.raises(TideInvalid, match="max_grad_norm: expected a finite real > 0"):
+        _model(group, xp, max_grad_norm=0.0)

@@ -5,13 +5,16 @@ before it runs and reduces its gradients as soon as its backward is done, and
 steps a fused AdamW on the fp32 master shards (the ``tide`` gathers cast them
 into the slots; the baselines keep bf16 send shards, which the AdamW writes
 too). It knows nothing of autograd: a front end
-calls its hooks (see ``docs/fsdp.md``).
+calls its hooks (see ``docs/fsdp.md``). :class:`UnitComm` is the extension point of
+``ShardedModel(comm=...)``: a comm of one's own (FSDP2's flat path, in the benchmarks).
 """
 
 from ._checkpoint import export, load, save
+from ._comm import UnitComm
 from ._graph import CapturedStep
-from ._optim import AdamW, FusedAdamW, ParamGroup, clip_scale
+from ._norm import GradScale, clip_scale
+from ._optim import AdamW, FusedAdamW, ParamGroup
 from ._runtime import ShardedModel
 
-__all__ = ["AdamW", "CapturedStep", "FusedAdamW", "ParamGroup", "ShardedModel",
-           "clip_scale", "export", "load", "save"]
+__all__ = ["AdamW", "CapturedStep", "FusedAdamW", "GradScale", "ParamGroup", "ShardedModel",
+           "UnitComm", "clip_scale", "export", "load", "save"]

@@ -1,4 +1,5 @@
-"""Sharded checkpoints: one ``.npz`` per rank plus ``meta.json``; full-model export.
+"""Sharded checkpoints: one ``.npz`` per rank plus ``meta.json``; full parameters and
+full-model export.
 
 A checkpoint directory holds:
 
@@ -12,13 +13,19 @@ which raise together). Send shards, where the path keeps them, are rebuilt
 from the masters by the same round-to-nearest cast the optimizer uses (the
 ``tide`` gathers cast the masters themselves), so a resumed run continues bit
 for bit.
+
+A full parameter (:func:`full_param`) is gathered from every rank's valid rows
+with one ``MPI_Allgatherv`` (or ``MPI_Gatherv`` to one rank) straight into its
+full shape, one parameter at a time, so beyond the result a rank holds one full
+parameter at once: :func:`export` and the torch front end's full state dict
+gather so.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -33,7 +40,8 @@ def _meta(model: Any) -> dict:
             "param_dtype": model.param_dtype.name, "step": model.optimizer.step_count}
 
 
-def _host(a: Any) -> np.ndarray:
+def host(a: Any) -> np.ndarray:
+    """``a`` as a NumPy array: itself, or a CuPy array copied to the host (a sync)."""
     return a if isinstance(a, np.ndarray) else a.get()
 
 
@@ -52,8 +60,8 @@ def save(model: Any, path: str) -> None:
             with open(os.path.join(path, "meta.json"), "w") as f:
                 json.dump(_meta(model), f, indent=1)
         state = model.optimizer.state_dict()
-        np.savez(_rank_file(path, comm.rank), master=_host(model.arena.master),
-                 exp_avg=_host(state["exp_avg"]), exp_avg_sq=_host(state["exp_avg_sq"]),
+        np.savez(_rank_file(path, comm.rank), master=host(model.arena.master),
+                 exp_avg=host(state["exp_avg"]), exp_avg_sq=host(state["exp_avg_sq"]),
                  step=np.int64(state["step"]),
                  param_steps=np.asarray(state.get("param_steps", ()), np.int64))
     except OSError as e:
@@ -105,12 +113,10 @@ def export(model: Any, path: str) -> None:
     model.synchronize()
     full: dict[str, np.ndarray] = {}
     for u, names in enumerate(model.names):
-        lay = model.arena.layout.units[u]
-        for name, spec, shard in zip(names, lay.specs, model.params(u)):
-            rows = _host(shard[:spec.valid_rows(model.rank)])
-            parts = [rows] if model.world == 1 else comm.gather(rows, root=0)
-            if comm.rank == 0:
-                full[name] = np.concatenate(parts).reshape(spec.shape)
+        for k, name in enumerate(names):
+            value = full_param(model, u, k, root=0)
+            if value is not None:
+                full[name] = value
     error = None
     if comm.rank == 0:
         try:
@@ -118,3 +124,27 @@ def export(model: Any, path: str) -> None:
         except OSError as e:
             error = f"cannot write {path!r}: {e}"
     _validate.check(model.group, "export", (), [error] if error else [])
+
+
+def full_param(model: Any, unit: int, k: int, root: Optional[int] = None) -> Optional[np.ndarray]:
+    """Parameter ``k`` of ``unit`` in full, fp32, on the host: on every rank, or with
+    ``root`` on that rank only (None elsewhere). Collective; the caller has synchronized
+    the model (its masters are read as they are)."""
+    from mpi4py import MPI
+
+    comm = model.group.comm
+    spec = model.arena.layout.units[unit].specs[k]
+    wanted = root is None or comm.rank == root
+    mine = np.ascontiguousarray(host(model.params(unit)[k][:spec.valid_rows(model.rank)]))
+    if model.world == 1:  # one shard (or a comm over one rank: every rank holds the model)
+        return mine.reshape(spec.shape).copy() if wanted else None
+    full = np.empty(spec.shape, np.float32) if wanted else None
+    n = spec.row_numel
+    counts = [spec.valid_rows(r) * n for r in range(model.world)]
+    displs = [spec.rows(r)[0] * n for r in range(model.world)]
+    recv = [full, counts, displs, MPI.FLOAT] if wanted else None
+    if root is None:
+        comm.Allgatherv([mine, MPI.FLOAT], recv)
+    else:
+        comm.Gatherv([mine, MPI.FLOAT], recv, root=root)
+    return full

@@ -3,9 +3,24 @@
 ``ShardedModel(comm=...)`` takes ``"tide"`` (the default, :class:`TideComm`) or a
 comm factory: a :class:`UnitComm` subclass (or any callable with the same class
 attributes) that the runtime calls as ``factory(group, shapes, dtype, arena,
-num_slots, root)``. The benchmark's baselines (FSDP2's flat path, and the
-no-communication floor) are such factories, in ``benchmarks/baselines/``; they run
-the same trainer, so their step times compare like for like.
+num_slots, root)``. :class:`UnitComm` is the public extension point
+(``tidearray.fsdp.UnitComm``, docs/fsdp.md): it gives a comm its gradient buffers,
+views of a unit in a buffer, and the :class:`~tidearray.Work` its gathers and
+reductions return. The benchmark's baselines (FSDP2's flat path, and the
+no-communication floor) are such factories, in ``benchmarks/baselines/``, written
+against that surface alone; they run the same trainer, so their step times compare
+like for like.
+
+[Note: comm streams]
+A comm's ``gather`` and ``reduce`` are called with the runtime's compute stream
+(any kind the stream resolver takes: a CuPy or torch stream, a handle; None on the
+host) and return at once with a Work. Work issued on that stream itself is complete
+as issued (:meth:`UnitComm.done`). Work on streams of the comm's own must start
+after what compute issued before the call (it reads the shards and the gradients)
+and be joined back before the runtime reads its result or reuses the buffer:
+:meth:`UnitComm.on_side_stream` forks the side stream from the compute stream by an
+event and returns a Work whose ``wait`` makes a stream wait for another, so no call
+blocks the host.
 
 ``tide`` uses persistent TIDE plans (``Unit.gather_plan`` / ``reduce_plan``).
 Each gather casts this rank's fp32 masters into its rows of the slot (one
@@ -24,7 +39,7 @@ again ([Note: gradient buffers] in ``_runtime``).
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -35,6 +50,7 @@ from .._layout import UnitLayout, cached_unit
 from .._plan import Unit, slot_chunk_nbytes
 from .._work import Work
 from ..backends._base import Completion
+from ..backends.cuda.streams import on_stream
 from ._shards import ShardArena
 
 if TYPE_CHECKING:
@@ -45,7 +61,8 @@ MOVED = {"stock": "StockComm", "local": "LocalComm"}
 
 
 class _Ready(Completion):
-    """Work that is complete when issued (host lanes, or the compute stream itself)."""
+    """Work that is complete when issued (host lanes, or the compute stream itself):
+    :meth:`UnitComm.done`."""
 
     def wait(self, stream: Any = None) -> None:
         pass
@@ -57,10 +74,11 @@ class _Ready(Completion):
 class UnitComm(abc.ABC):
     """Gathers and reductions of the runtime's units, over ``num_slots`` slots.
 
-    The interface of a comm factory (``ShardedModel(comm=Factory)``): the runtime
-    reads two class attributes before it builds the shard arena, then calls
-    ``Factory(group, shapes, dtype, arena, num_slots, root)`` once, on every rank,
-    and uses the instance's :meth:`gather`, :meth:`reduce`, :meth:`grads`,
+    The interface of a comm factory (``ShardedModel(comm=Factory)``), public as
+    ``tidearray.fsdp.UnitComm``: the runtime reads two class attributes before it
+    builds the shard arena, then calls ``Factory(group, shapes, dtype, arena,
+    num_slots, root)`` once, on every rank, and uses the instance's :meth:`gather`,
+    :meth:`reduce` (a subclass writes these two), :meth:`grads`, :meth:`zero_grads`,
     :attr:`nbytes` and :meth:`close`:
 
     * ``Factory.sharded_over(group)``: the ranks parameters are sharded over
@@ -68,6 +86,15 @@ class UnitComm(abc.ABC):
     * ``Factory.send_shards``: whether the arena keeps param-dtype send shards,
       which the optimizer writes (True; ``tide`` keeps them only with
       ``keep_param_shards``).
+
+    The arena holds this rank's shards, each kind one flat array: ``arena.master``
+    (fp32), ``arena.grad`` (fp32, what :meth:`reduce` writes, as its ``out`` or a
+    scratch array like it) and ``arena.send`` (param dtype, or None). Unit ``u``
+    lies in each as ``arena.layout.units[u]`` says (a
+    :class:`~tidearray.layout.FlatLayout`, FSDP2's flat rank-major block):
+    ``arena.views(flat, u)`` are its padded shards, ``arena.block(flat, u)`` its
+    whole block. :meth:`views`, :meth:`done`, :meth:`on_side_stream` and
+    :meth:`on_stream` are the helpers a comm is written with ([Note: comm streams]).
 
     Args:
         group: the tidearray group (its backend gives the array module).
@@ -115,9 +142,49 @@ class UnitComm(abc.ABC):
         """The gradient arrays unit ``unit``'s backward writes when it is in slot ``k``."""
         views = self._grad_views.get((unit, k))
         if views is None:
-            views = self._grad_views[(unit, k)] = _views(self._grad_bufs[k], self.layouts[unit],
-                                                          self.dtype)
+            views = self._grad_views[(unit, k)] = self.views(self._grad_bufs[k], unit)
         return views
+
+    def views(self, buf: Any, unit: int) -> list:
+        """``unit``'s full parameters as views of the byte buffer ``buf`` (uint8, at least
+        ``self.layouts[unit].nbytes``), in the param dtype, at its slot layout's offsets:
+        how :meth:`grads` views a gradient buffer, and a comm a buffer of its own."""
+        layout = self.layouts[unit]
+        return [buf[off:off + s.nbytes].view(self.dtype).reshape(s.shape)
+                for s, off in zip(layout.specs, layout.offsets)]
+
+    @staticmethod
+    def done(result: Any = None) -> Work:
+        """A Work complete when issued, whose ``wait`` returns ``result``: for work that
+        ran on the host, or on the compute stream itself ([Note: comm streams])."""
+        return Work(_Ready(), result)
+
+    @staticmethod
+    def on_side_stream(side: Any, stream: Any, issue: Callable[[Any], None],
+                       result: Any = None) -> Work:
+        """``issue(side)`` on the comm's own cuda stream ``side`` (a CuPy stream), after
+        the work issued on ``stream`` so far, as a Work whose ``wait`` orders a stream
+        after it and returns ``result``: events both ways, nothing blocks the host
+        ([Note: comm streams]). As FSDP2 runs its all-gathers and reduce-scatters on
+        streams of their own."""
+        import cupy
+
+        from ..backends.cuda.executor import CudaCompletion
+        from ..backends.cuda.streams import stream_ptr
+
+        ready = cupy.cuda.Event(block=False, disable_timing=True)
+        cupy.cuda.runtime.eventRecord(ready.ptr, stream_ptr(stream))
+        side.wait_event(ready)
+        issue(side)
+        end = cupy.cuda.Event(block=False, disable_timing=True)
+        end.record(side)
+        return Work(CudaCompletion([end]), result)
+
+    @staticmethod
+    def on_stream(stream: Any) -> Any:
+        """A context in which CuPy issues on ``stream`` (any kind the runtime passes;
+        nothing on the host): for work on the compute stream itself."""
+        return on_stream(stream)
 
     def zero_grads(self, unit: int, k: int, stream: Any) -> None:
         """Zero the gradient bytes ``unit`` takes in buffer ``k``, on ``stream`` (one
@@ -148,11 +215,6 @@ class UnitComm(abc.ABC):
 
     def close(self) -> None:
         """Release communicators (collective)."""
-
-
-def _views(buf: Any, layout: UnitLayout, dtype: Any) -> list:
-    return [buf[off:off + s.nbytes].view(dtype).reshape(s.shape)
-            for s, off in zip(layout.specs, layout.offsets)]
 
 
 class TideComm(UnitComm):

@@ -20,7 +20,7 @@ launches the graph at every later step:
   captured too: the norm is device work in a fixed order on every rank, its
   sums exchanged by a gather plan, and the clip factor goes into the table's
   ``grad_scale`` on the device, with the float64 arithmetic the eager step
-  does on the host ([Note: global norm] in ``_norm``), so the bits agree; the
+  does on the host ([Note: clipping] in ``_norm``), so the bits agree; the
   norm the step returns is a device array;
 * every array the step allocates comes from a memory pool of its own, kept
   while the captured step lives, so the graph's addresses stay its own; the
@@ -79,14 +79,11 @@ class CapturedStep:
         # trainer step peaked at 1.35x the eager one's with both held).
         cupy.get_default_memory_pool().free_all_blocks()
         self.pool = cupy.cuda.MemoryPool()  # the graph's own memory ([Note: captured steps])
-        count, opt.captured_grad_scale = opt.step_count, None
+        count = opt.step_count
         with cupy.cuda.using_allocator(self.pool.malloc):
             self.graph, self.result = self._capture(step)
         opt.step_count = count  # the capture ran no step; each replay counts one
-        if opt.captured_grad_scale is None:
-            raise TideInvalid(f"{type(self).__name__}: expected a step function that calls "
-                              "the model's step(), got one that does not")
-        self.grad_scale = opt.captured_grad_scale
+        self.grad_scale = model.captured_scale().factor  # what each replay stages
 
     def _capture(self, step: Callable[[], Any]) -> tuple[Any, Any]:
         """``step()`` captured on the model's stream: the graph, and what step returned."""

@@ -1,4 +1,5 @@
-"""The global gradient norm, for clipping: one sum per rank, all-gathered, summed in rank order.
+"""The global gradient norm and the clip it decides: one sum per rank, all-gathered, summed in
+rank order.
 
 [Note: global norm]
 The norm spans every rank's gradient shard. Each rank sums the squares of its
@@ -9,15 +10,23 @@ bits, and no MPI call is involved: on the cuda backend the whole computation
 is device work on the model's stream (``kernels/gradnorm.cu``), in a fixed
 order whatever the call, which a stream capture can hold.
 
-* Eager, the host reads the norm back (one sync) and the runtime turns it
-  into the clip factor (``_optim.clip_scale``), which the step's coefficients
-  carry as ``grad_scale``.
+[Note: clipping]
+The norm spans every rank's shard, so the optimizer cannot clip by itself: the
+runtime clips (``ShardedModel.finalize_grads``), and the result is a value,
+:class:`GradScale`, whose ``factor`` the fused AdamW takes as its
+``grad_scale``. The averaging ``1 / (world x micro-batches)`` multiplies into
+that same factor, so the norm is of the averaged gradient, ``average *
+sqrt(total)``. The clip rule is torch's ``clip_grad_norm_``, in two forms
+with the same float64 operations (each correctly rounded, so the same bits):
+
+* Eager, the host reads the norm back (one sync) and :func:`clip_scale` turns
+  it into the clip factor: ``GradScale(average * factor, norm, False)``.
 * Inside a capture (a captured step, ``fsdp._graph``), nothing can be read
-  back: ``clip_finish`` computes the clip factor itself, with the same float64
-  operations as ``clip_scale`` (each correctly rounded, so the same bits), and
-  writes ``round_to_float(scale * factor)`` into the ``grad_scale`` of every
-  row of the optimizer's coefficient table, which the ``adamw_table_*``
-  kernels read next. The norm stays on the device for the caller to read.
+  back: ``clip_finish`` computes the factor on the device and writes
+  ``round_to_float(average * factor)`` into the ``grad_scale`` of every row of
+  the optimizer's coefficient table, which the ``adamw_table_*`` kernels read
+  next: ``GradScale(average, norm, True)``, the norm a device array. Only the
+  fused AdamW's step reads that table.
 
 The host backend sums its shard with NumPy in float64 chunks, gathers the same
 way, and adds the ranks' sums on the host in rank order.
@@ -26,12 +35,13 @@ way, and adds the ranks' sums on the host in rank order.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import numpy as np
 
 from .. import _dtypes
 from .._arena import SlotArena
+from .._errors import TideInvalid
 from .._plan import Unit
 from ..backends.cuda import kernels as _kernels
 from ..backends.cuda.streams import on_stream
@@ -44,6 +54,58 @@ NORM_BLOCKS = 1024
 NORM_THREADS = 256
 #: Elements per float64 pass of the host backend's sum: its copies stay in cache.
 HOST_CHUNK = 1 << 16
+
+
+class GradScale(NamedTuple):
+    """What turns the summed gradient shards into the step's gradient ([Note: clipping])."""
+
+    #: Multiplies the summed shards (the optimizer's ``grad_scale``): the averaging
+    #: ``1 / (world x micro-batches)``, times the clip factor where the host computed it.
+    factor: float
+    #: The global norm of the averaged gradient before clipping: None without a clip, a
+    #: float, or (``on_device``) a 0-d float64 device array that each replay overwrites.
+    norm: Any = None
+    #: The clip factor is computed on the device, into the optimizer's coefficient table
+    #: (a clip inside a capture): ``factor`` is the averaging alone.
+    on_device: bool = False
+
+
+def clip_scale(total_norm: float, max_norm: Optional[float]) -> float:
+    """The gradient factor of torch's ``clip_grad_norm_`` (``clip_finish`` in
+    ``kernels/gradnorm.cu`` is its device form; [Note: clipping]).
+
+    Args:
+        total_norm: the global L2 norm of the gradient (over every rank's shard).
+        max_norm: the norm to clip to, or None for no clipping.
+
+    Returns:
+        ``max_norm / (total_norm + 1e-6)`` where that is below 1, else 1.0; 1.0
+        when ``max_norm`` is None. A NaN ``total_norm`` gives NaN, as in torch.
+    """
+    if max_norm is None:
+        return 1.0
+    coef = max_norm / (total_norm + 1e-6)
+    return coef if (coef < 1.0 or math.isnan(coef)) else 1.0
+
+
+def check_max_norm(max_norm: Any, what: str = "max_norm") -> None:
+    """Raise ``TideInvalid`` unless ``max_norm`` is a finite real > 0 (a clip limit)."""
+    if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
+            and math.isfinite(max_norm) and max_norm > 0):
+        raise TideInvalid(f"{what}: expected a finite real > 0, got {max_norm!r}")
+
+
+def clip_limit(max_grad_norm: Optional[float], optimizer_limit: Optional[float]) -> Optional[float]:
+    """The runtime's clip limit: ``max_grad_norm``, else the optimizer's
+    (``AdamW.max_grad_norm``, the spelling of earlier versions, which the optimizer
+    itself never reads); refused where both are given and differ."""
+    if max_grad_norm is None:
+        return optimizer_limit
+    check_max_norm(max_grad_norm, "max_grad_norm")
+    if optimizer_limit not in (None, max_grad_norm):
+        raise TideInvalid(f"max_grad_norm: expected one clip limit, got {max_grad_norm!r} and "
+                          f"optimizer.max_grad_norm={optimizer_limit!r}")
+    return max_grad_norm
 
 
 def host_sum_squares(grad: np.ndarray) -> float:
@@ -60,7 +122,8 @@ class GlobalNorm:
 
     Collective to make (with ``world > 1`` it makes a small slot arena and a gather
     plan, and runs that once so that a capture finds its tables uploaded); every rank
-    must then call :meth:`compute` at the same points, as for any plan.
+    must then call :meth:`compute` (or :meth:`clip`) at the same points, as for any plan.
+    Each call leaves this rank's own sum of squares in :attr:`local`.
 
     Args:
         group: the group the shards are spread over (None where ``world`` is 1).
@@ -71,7 +134,7 @@ class GlobalNorm:
     def __init__(self, group: Optional[Group], world: int, xp: Any) -> None:
         self.world, self.xp = world, xp
         self.cuda = xp is not np
-        self.local = xp.zeros(1, np.float64)  # this rank's sum of squares
+        self.local = xp.zeros(1, np.float64)  # this rank's sum of squares, the last call's
         self.norm = xp.zeros(1, np.float64)  # cuda: the last norm, on the device
         self._gather: Any = None
         if world > 1:
@@ -122,14 +185,23 @@ class GlobalNorm:
                 return self.norm
             return float(self.norm.get(stream=self.xp.cuda.get_current_stream())[0])
 
-    def sum_squares(self, grad: Any, stream: Any = None) -> float:
-        """This rank's sum of squares of ``grad``, as :meth:`compute` sums it (read back:
-        a host sync on cuda)."""
-        self._local_sum(grad, stream)
-        if not self.cuda:
-            return float(self.local[0])
-        with on_stream(stream):
-            return float(self.local.get(stream=self.xp.cuda.get_current_stream())[0])
+    def clip(self, grad: Any, average: float, max_norm: float, *, stream: Any = None,
+             table: Any = None, table_shape: tuple[int, int, int] = (0, 0, 0)) -> GradScale:
+        """Clip the averaged gradient, ``average`` times the sum whose shard on this rank is
+        ``grad``, to the global norm ``max_norm`` ([Note: clipping]).
+
+        Args:
+            grad, average, stream: as :meth:`compute` takes ``grad``, ``scale`` and ``stream``.
+            max_norm: the norm to clip to.
+            table, table_shape: as :meth:`compute` takes them: the device computes the clip
+                factor into ``table`` (a captured step's clip); None: the host does.
+        """
+        if table is None:
+            norm = self.compute(grad, average, stream=stream)
+            return GradScale(average * clip_scale(norm, max_norm), norm, False)
+        norm = self.compute(grad, average, stream=stream, max_norm=max_norm, table=table,
+                            table_shape=table_shape)
+        return GradScale(average, norm.reshape(()), True)
 
     def _local_sum(self, grad: Any, stream: Any) -> None:
         """This rank's sum of squares into :attr:`local`, on ``stream`` (cuda)."""

@@ -47,16 +47,9 @@ advance. Both as in torch. NumPy runs :func:`adamw_numpy` once per run of
 one row; the kernel reads each element's row from a uint8 index array on the
 device (where the rows differ at all).
 
-[Note: clipping]
-The global gradient norm spans every rank's shard, so the optimizer cannot
-clip by itself. The runtime computes it (``_norm.GlobalNorm``, [Note: global
-norm] there): each rank sums the squares of its shard in float64, the ranks
-all-gather those sums and add them in rank order, and
-``clip_scale(norm, hp.max_grad_norm)`` is passed to :meth:`FusedAdamW.step` as
-``grad_scale``. Any other factor (say 1/world for averaging) multiplies into
-the same ``grad_scale``; the norm must then be of the scaled gradient,
-``factor * sqrt(total)``. In a captured step the device computes the factor
-with the same float64 operations and writes ``grad_scale`` into the
+[Note: clipping] is in ``_norm``: the runtime clips, since the global norm
+spans every rank's shard, and passes the clip factor (times the averaging) as
+``grad_scale``; in a captured step the device writes ``grad_scale`` into the
 coefficient table itself (:attr:`FusedAdamW.table_layout`).
 
 [Note: optimizer streams]
@@ -88,7 +81,7 @@ from .. import _dtypes
 from .._errors import TideInvalid
 from ..backends.cuda import kernels as _kernels
 from ..backends.cuda.streams import on_stream
-from ._norm import HOST_CHUNK, GlobalNorm, host_sum_squares
+from ._norm import HOST_CHUNK
 from ._rows import MAX_ROWS, Captured, RowPlan, Rows, Run, labelled_runs
 
 #: An array of the optimizer's array module (numpy.ndarray or cupy.ndarray).
@@ -146,8 +139,9 @@ class AdamW:
 
     max_grad_norm: Optional[float] = None
     """Clip the global gradient norm to this (> 0), or None (default) for no
-    clipping. The runtime applies it through :func:`clip_scale` (see
-    [Note: clipping])."""
+    clipping. The optimizer does not read it: the norm spans every rank, so
+    :class:`~tidearray.fsdp.ShardedModel` clips, and takes this as its
+    ``max_grad_norm`` where that is not given ([Note: clipping] in ``_norm``)."""
 
     def __post_init__(self) -> None:
         _check_real("AdamW.lr", self.lr, "a finite real >= 0", _is_real(self.lr) and self.lr >= 0)
@@ -206,7 +200,7 @@ class ParamGroup:
 
     hp: AdamW
     """The group's hyper-parameters. ``max_grad_norm`` must be None: clipping is
-    global, and :class:`FusedAdamW`'s ``hp`` sets it."""
+    global, one limit for the whole model (``ShardedModel``'s)."""
 
     ranges: tuple[tuple[int, int], ...]
     """Element ranges ``(start, stop)`` (``[start, stop)``) of the arena,
@@ -220,7 +214,7 @@ class ParamGroup:
             raise TideInvalid(f"ParamGroup.hp: expected an AdamW, got {type(self.hp).__name__}")
         if self.hp.max_grad_norm is not None:
             raise TideInvalid("ParamGroup.hp.max_grad_norm: expected None (clipping is global: "
-                              f"FusedAdamW's hp sets it), got {self.hp.max_grad_norm!r}")
+                              f"one limit for the model), got {self.hp.max_grad_norm!r}")
         if not isinstance(self.ranges, Sequence):
             raise TideInvalid(f"ParamGroup.ranges: expected a sequence of (start, stop), got "
                               f"{type(self.ranges).__name__}")
@@ -300,23 +294,6 @@ def _coeff_table(cs: dict[int, Coefficients]) -> np.ndarray:
     table = np.zeros(1, _COEFF_TABLE)
     table["c"][0] = _coeff_rows(cs, MAX_GROUPS)
     return table
-
-
-def clip_scale(total_norm: float, max_norm: Optional[float]) -> float:
-    """The gradient factor of torch's ``clip_grad_norm_``.
-
-    Args:
-        total_norm: the global L2 norm of the gradient (over every rank's shard).
-        max_norm: the norm to clip to, or None for no clipping.
-
-    Returns:
-        ``max_norm / (total_norm + 1e-6)`` where that is below 1, else 1.0; 1.0
-        when ``max_norm`` is None. A NaN ``total_norm`` gives NaN, as in torch.
-    """
-    if max_norm is None:
-        return 1.0
-    coef = max_norm / (total_norm + 1e-6)
-    return coef if (coef < 1.0 or math.isnan(coef)) else 1.0
 
 
 def adamw_numpy(master: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray,
@@ -413,10 +390,8 @@ class FusedAdamW:
                 self._write_index(self._pieces.group.astype(np.uint8))  # the group index
         self._kernels: dict[str, Any] = {}  # by name, fetched at their first launch
         self._rows_dev: Any = None  # an eager step's rows past the by-value table
-        self._norm: Any = None  # sum_squares' kernels (cupy), made at its first call
         self.coeff_dev: Any = None  # a captured step's coefficients (prepare_capture)
         self._captured: Optional[Captured] = None  # and what it reads
-        self.captured_grad_scale: Optional[float] = None
         self.step_count = 0
         """Steps taken (calls of :meth:`step`, and replays); a parameter's own count is
         in :attr:`param_steps`."""
@@ -473,28 +448,6 @@ class FusedAdamW:
         fields = Coefficients._fields
         return MAX_ROWS, len(fields), fields.index("grad_scale")
 
-    def sum_squares(self, grad: Array, *, stream: Any = None) -> float:
-        """Sum of squares of this rank's fp32 gradient shard, accumulated in float64.
-
-        Waits for the result (a host sync); only clipping needs it (see
-        [Note: clipping]).
-
-        Args:
-            grad: the float32 gradient shard, the master's length.
-            stream: cupy stream to run on (None: the current one); ignored for NumPy.
-
-        Raises:
-            TideInvalid: ``grad`` does not match the master.
-        """
-        self._check_vector("grad", grad, self._master.size)
-        if self._xp is np:
-            return host_sum_squares(grad)
-        if self._norm is None:
-            with self._device():
-                self._norm = GlobalNorm(None, 1, self._xp)
-        with self._device():
-            return self._norm.sum_squares(grad, stream)
-
     def step(self, grad: Array, *, grad_scale: float = 1.0,
              lr: Union[float, Sequence[float], None] = None, stream: Any = None,
              present: Optional[Sequence[bool]] = None) -> None:
@@ -503,7 +456,7 @@ class FusedAdamW:
         Args:
             grad: the float32 gradient shard, the master's length.
             grad_scale: multiplies the gradient first (clipping, averaging; see
-                [Note: clipping]).
+                [Note: clipping] in ``_norm``).
             lr: this step's learning rate (a scheduler's). None: each group's own
                 ``hp.lr``. A real: the default group's lr, and every other group's
                 lr is its ``hp.lr`` times ``lr / hp.lr`` (so a scheduler driving one
@@ -538,7 +491,7 @@ class FusedAdamW:
         self.step_count += 1
         cs = self._coefficients(rows.pairs, lrs, float(grad_scale))
         if self._xp is not np:
-            if self._step_cupy(grad, rows, cs, float(grad_scale), mask, stream):
+            if self._step_cupy(grad, rows, cs, mask, stream):
                 return  # captured: only the replays count ([Note: absent gradients])
         else:
             for lo, hi, r in self._plan.host_runs(rows):  # one row: one run, the whole arena
@@ -604,6 +557,12 @@ class FusedAdamW:
         :meth:`step` does: the parameters absent at the capture fall one more step
         behind ([Note: absent gradients] in ``_rows``).
 
+        Args:
+            lr: as :meth:`step` takes it.
+            grad_scale: the ``grad_scale`` the captured step was issued with (a clip on
+                the device overwrites it in the table, after this copy).
+            stream: the stream the replay launches on.
+
         Raises:
             TideInvalid: no step was captured, ``lr`` does not fit :meth:`step`'s, the
                 rows outgrow ``MAX_ROWS``, or a capture without an index finds its
@@ -656,13 +615,13 @@ class FusedAdamW:
                 for r, (g, lag) in pairs.items()}
 
     def _step_cupy(self, grad: Array, rows: Rows, cs: dict[int, Coefficients],
-                   grad_scale: float, mask: np.ndarray, stream: Any) -> bool:
+                   mask: np.ndarray, stream: Any) -> bool:
         """Enqueue the step on ``stream``; True where it was captured instead."""
         import cupy
 
         with self._device(), on_stream(stream):
             if cupy.cuda.get_current_stream().is_capturing():  # [Note: captured steps] in _graph
-                self._capture(grad, rows, grad_scale, mask)
+                self._capture(grad, rows, mask)
                 return True
             if self._master.size == 0 or not cs:
                 return False  # nothing present: nothing to do
@@ -681,14 +640,13 @@ class FusedAdamW:
             self._launch(TABLE_KERNELS, grad, (self._index, self._rows_dev))
         return False
 
-    def _capture(self, grad: Array, rows: Rows, grad_scale: float, mask: np.ndarray) -> None:
+    def _capture(self, grad: Array, rows: Rows, mask: np.ndarray) -> None:
         """The step inside a capture: the table kernel, reading :attr:`coeff_dev` and, unless
         every element has one row, the row index, which :meth:`stage_step` writes before
         each replay (a capture runs nothing)."""
         if self.coeff_dev is None:
             raise TideInvalid("a captured optimizer step: expected prepare_capture() "
                               "before the capture, got none")
-        self.captured_grad_scale = np.float32(grad_scale)
         self._captured = Captured(bool(rows.pairs) and not rows.one, mask)
         if not rows.pairs or not self._master.size:  # nothing present: nothing to launch
             return

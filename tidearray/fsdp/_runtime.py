@@ -60,7 +60,6 @@ reading back the gradient norm when clipping is on (not inside a capture).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -71,8 +70,8 @@ from .._group import Group, default_group
 from ..backends.cuda.streams import on_stream
 from ._comm import UnitComm, comm_factory
 from ._lifecycle import State, UnitLifecycle, UseToken
-from ._norm import GlobalNorm
-from ._optim import AdamW, FusedAdamW, ParamGroup, clip_scale
+from ._norm import GlobalNorm, GradScale, check_max_norm, clip_limit
+from ._optim import AdamW, FusedAdamW, ParamGroup
 from ._shards import ShardArena, arena_layout
 from ._slots import SlotTable
 
@@ -92,11 +91,15 @@ class ShardedModel:
         param_dtype: dtype of the gathered parameters and of the gradients
             (bf16 default; fp32 masters are kept either way).
         optimizer: AdamW hyper-parameters (defaults of :class:`AdamW`).
+        max_grad_norm: clip the averaged gradient to this global L2 norm at every
+            :meth:`step` (> 0), as ``torch.nn.utils.clip_grad_norm_``; None (default):
+            ``optimizer.max_grad_norm``, where that is None too no clipping (see
+            [Note: clipping] in ``_norm``).
         prefetch: units gathered ahead of the one running (1).
         num_slots: slots (and gradient buffers); ``prefetch + 1`` if None (more
             only spread the gathers further apart; see [Note: slots]).
         comm: ``"tide"`` (default), or a comm factory: a
-            :class:`~tidearray.fsdp._comm.UnitComm` subclass, called as
+            :class:`~tidearray.fsdp.UnitComm` subclass, called as
             ``comm(group, shapes, dtype, arena, num_slots, root)``, whose
             ``sharded_over(group)`` and ``send_shards`` size the shard arena
             (see ``UnitComm``). The benchmarks' baselines are such factories
@@ -135,6 +138,7 @@ class ShardedModel:
     def __init__(self, units: Sequence[Sequence[tuple[str, Any]]], *,
                  init: Optional[Init] = None, group: Optional[Group] = None,
                  param_dtype: Any = _dtypes.bfloat16, optimizer: Optional[AdamW] = None,
+                 max_grad_norm: Optional[float] = None,
                  prefetch: int = 1, comm: Any = "tide", stream: Any = None,
                  num_slots: Optional[int] = None, keep_param_shards: bool = False,
                  root: bool = False,
@@ -168,9 +172,12 @@ class ShardedModel:
             hp, self.arena.master, self.arena.send, self.xp, groups=self._groups(param_groups),
             params=[self._param_range(u, k) for u, ns in enumerate(names)
                     for k in range(len(ns))])
-        self._clip_coef: Optional[float] = None
-        self._clip_captured = False  # the clip factor is in the optimizer's device table
+        self.max_grad_norm = clip_limit(max_grad_norm, hp.max_grad_norm)
         self._norm: Optional[GlobalNorm] = None
+        # clip_grad_norm_'s finalized gradients, which the next step takes (with the
+        # micro-batches they cover); and the scale of the step a capture holds.
+        self._clipped: Optional[tuple[int, GradScale]] = None
+        self._captured: Optional[GradScale] = None
         self.num_slots = num_slots
         self.prefetch = prefetch
         self.comm: UnitComm = factory(group, shapes, self.param_dtype, self.arena,
@@ -337,62 +344,79 @@ class ShardedModel:
             lr: this step's learning rate (the optimizer's ``lr`` if None).
 
         Returns:
-            The global gradient norm when clipping is on (see :meth:`clip_grad_norm_`:
-            a float, which syncs the host, or a device array inside a capture), else
-            None.
-        """
-        scale, norm = self.finalize_grads()
-        if norm is None and self.optimizer.hp.max_grad_norm is not None:
-            norm = self.clip_grad_norm_(self.optimizer.hp.max_grad_norm)
-            scale *= self._clip_coef
-        self._clip_coef, self._clip_captured = None, False
-        self.optimizer.step(self.arena.grad, grad_scale=scale, lr=lr, stream=self.stream,
-                            present=self._present())
-        self._micro = 0
-        return norm
-
-    def finalize_grads(self) -> tuple[float, Optional[float]]:
-        """End the backward pass, wait for every reduction (on the stream) and release the
-        gathered units; the gradient shards are then the sums over ranks and micro-batches.
-
-        Returns:
-            ``(scale, norm)``: the factor that turns the shards into the averaged (and,
-            after :meth:`clip_grad_norm_`, clipped) gradient, and that call's norm or None.
+            The global gradient norm when clipping is on (:attr:`max_grad_norm`, or
+            :meth:`clip_grad_norm_` before the step: a float, which syncs the host, or a
+            device array inside a capture), else None.
 
         Raises:
-            TideInvalid: no backward since the last step.
+            TideInvalid: no backward since the last step, or one after
+                :meth:`clip_grad_norm_`.
         """
+        scale = self._step_scale()
+        if self._capturing():
+            self._captured = scale  # what each replay stages (captured_scale)
+        self.optimizer.step(self.arena.grad, grad_scale=scale.factor, lr=lr,
+                            stream=self.stream, present=self._present())
+        self._micro = 0
+        return scale.norm
+
+    def finalize_grads(self, max_norm: Optional[float] = None) -> GradScale:
+        """End the backward pass, wait for every reduction (on the stream) and release the
+        gathered units; the gradient shards are then the sums over ranks and micro-batches.
+        With ``max_norm``, clip (collective; [Note: clipping] in ``_norm``).
+
+        Returns:
+            What turns the shards into the averaged (and clipped) gradient: its
+            ``factor``, the global ``norm`` (None without ``max_norm``), and whether the
+            device applies the clip (``on_device``: inside a stream capture, for the
+            fused AdamW's step only).
+
+        Raises:
+            TideInvalid: no backward since the last step; ``max_norm`` not a finite
+                real > 0; inside a capture, a clip before :meth:`prepare_capture`.
+        """
+        if max_norm is not None:
+            check_max_norm(max_norm)
         self.finish_backward()
         for k in list(self._pending):
             self._retire(k)
         self.release()  # parameters gathered now would be stale after the step
         if self._micro == 0:
             raise TideInvalid("step: expected a backward since the last step, got none")
-        scale = 1.0 / (self.world * self._micro)
-        if self._clip_coef is None:
-            return scale, None
-        return scale * self._clip_coef, self._clip_norm
+        average = 1.0 / (self.world * self._micro)
+        if max_norm is None:
+            return GradScale(average)
+        if not self._capturing():
+            return self.global_norm().clip(self.arena.grad, average, max_norm,
+                                           stream=self.stream)
+        opt = self.optimizer
+        if self._norm is None or opt.coeff_dev is None:
+            raise TideInvalid("clip_grad_norm_ inside a stream capture: expected "
+                              "prepare_capture() before the capture (it makes what the "
+                              "captured clip reads), got none")
+        return self._norm.clip(self.arena.grad, average, max_norm, stream=self.stream,
+                               table=opt.coeff_dev, table_shape=opt.table_layout)
 
     def apply_step(self, step: Callable[[np.ndarray], None]) -> None:
-        """Step with another optimizer: :meth:`finalize_grads`, the gradient shards scaled
-        to the averaged (and clipped) gradient in place, then ``step(present)``, which
-        updates :meth:`params` (the fp32 masters) from :meth:`grads`, skipping the
-        parameters whose ``present`` is False (no rank gave them a gradient, or frozen;
-        units in order, flattened); then the send shards."""
-        if self._clip_captured:
+        """Step with another optimizer: the gradient shards finalized (:meth:`finalize_grads`,
+        clipped as :meth:`step` clips) and scaled to the averaged gradient in place, then
+        ``step(present)``, which updates :meth:`params` (the fp32 masters) from
+        :meth:`grads`, skipping the parameters whose ``present`` is False (no rank gave
+        them a gradient, or frozen; units in order, flattened); then the send shards."""
+        scale = self._step_scale()
+        if scale.on_device:
             raise TideInvalid("a clip inside a stream capture reaches the fused AdamW "
                               "(step()) only, got another optimizer's step")
-        scale, _ = self.finalize_grads()
         with on_stream(self.stream):
-            self.arena.grad *= np.float32(scale)
+            self.arena.grad *= np.float32(scale.factor)
         step(self._present())
         self.arena.refresh_send()
-        self._clip_coef = None
         self._micro = 0
 
     def clip_grad_norm_(self, max_norm: float) -> Any:
         """Clip the averaged gradient to the global L2 norm ``max_norm``, as
-        ``torch.nn.utils.clip_grad_norm_`` does, at the next :meth:`step`.
+        ``torch.nn.utils.clip_grad_norm_`` does, at the next :meth:`step` (which then
+        applies no :attr:`max_grad_norm`). Call it after the step's last backward.
 
         Collective: the ranks' sums of squares are all-gathered ([Note: global norm] in
         ``_norm``), and the host reads the norm back (a sync). Inside a stream capture
@@ -407,24 +431,23 @@ class ShardedModel:
             TideInvalid: ``max_norm`` is not a finite real > 0; inside a capture, before
                 :meth:`prepare_capture`.
         """
-        _check_max_norm(max_norm)
-        self._clip_coef, self._clip_captured = None, False
-        scale, _ = self.finalize_grads()
-        if self._capturing():
-            opt = self.optimizer
-            if self._norm is None or opt.coeff_dev is None:
-                raise TideInvalid("clip_grad_norm_ inside a stream capture: expected "
-                                  "prepare_capture() before the capture (it makes what the "
-                                  "captured clip reads), got none")
-            self._clip_norm = self._norm.compute(
-                self.arena.grad, scale, stream=self.stream, max_norm=max_norm,
-                table=opt.coeff_dev, table_shape=opt.table_layout).reshape(())
-            # The device writes the factor into the optimizer's coefficient table.
-            self._clip_coef, self._clip_captured = 1.0, True
-            return self._clip_norm
-        self._clip_norm = self.global_norm().compute(self.arena.grad, scale, stream=self.stream)
-        self._clip_coef = clip_scale(self._clip_norm, max_norm)
-        return self._clip_norm
+        scale = self.finalize_grads(max_norm)
+        self._clipped = (self._micro, scale)
+        return scale.norm
+
+    def _step_scale(self) -> GradScale:
+        """This step's finalized gradients, finalized once: :meth:`clip_grad_norm_`'s where
+        it ran (a forward since only gathered parameters, released here), else
+        :meth:`finalize_grads` with :attr:`max_grad_norm`."""
+        clipped, self._clipped = self._clipped, None
+        if clipped is None:
+            return self.finalize_grads(self.max_grad_norm)
+        micro, scale = clipped
+        if self.life.in_backward or self._micro != micro:
+            raise TideInvalid("step: expected no backward between clip_grad_norm_ and the "
+                              "step (its norm is of the gradient before), got one")
+        self.release()  # parameters gathered now would be stale after the step
+        return scale
 
     def _present(self) -> np.ndarray:
         """Per parameter (units in order, flattened): whether some rank gave it a gradient
@@ -449,9 +472,23 @@ class ShardedModel:
 
     def prepare_capture(self) -> None:
         """Make, outside a capture, what a captured step reads (collective): the
-        optimizer's device table of coefficients and the global norm's plan and kernels."""
+        optimizer's device table of coefficients and the global norm's plan and kernels.
+        A capture's :meth:`captured_scale` starts here."""
         self.optimizer.prepare_capture()
         self.global_norm()
+        self._captured = None
+
+    def captured_scale(self) -> GradScale:
+        """The gradient scale of the :meth:`step` captured since :meth:`prepare_capture`:
+        each replay stages its ``factor`` ([Note: captured steps] in ``_graph``).
+
+        Raises:
+            TideInvalid: no step was captured since.
+        """
+        if self._captured is None:
+            raise TideInvalid("a captured step: expected a step function that calls the "
+                              "model's step(), got one that does not")
+        return self._captured
 
     def _stream_or_current(self) -> Any:
         """The compute stream as a stream object (CuPy's current where None; NumPy: None)."""
@@ -597,11 +634,14 @@ class ShardedModel:
 
         export(self, path)
 
+    def full_param(self, unit: int, k: int, root: Optional[int] = None) -> Optional[np.ndarray]:
+        """Parameter ``k`` of ``unit`` gathered in full from the fp32 masters, as a NumPy
+        array: on every rank, or with ``root`` on that rank only (None elsewhere).
+        Collective; waits for the optimizer first. See ``_checkpoint.full_param``."""
+        from ._checkpoint import full_param
 
-def _check_max_norm(max_norm: Any) -> None:
-    if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
-            and math.isfinite(max_norm) and max_norm > 0):
-        raise TideInvalid(f"max_norm: expected a finite real > 0, got {max_norm!r}")
+        self.synchronize()
+        return full_param(self, unit, k, root)
 
 
 def _trainable(trainable: Optional[Sequence[Sequence[bool]]],

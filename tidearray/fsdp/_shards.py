@@ -2,8 +2,8 @@
 param-dtype send shard, each kind in one flat array.
 
 Units are laid out one after another; inside a unit, shards sit at the offsets
-of the unit's flat rank-major block (:func:`flat_layout`, FSDP2's layout: 16-byte
-aligned offsets), so a flat reduce-scatter (the ``stock`` baseline) writes a unit's
+of the unit's flat rank-major block (``tidearray.layout.flat_layout``, FSDP2's
+layout: 16-byte aligned offsets), so a flat reduce-scatter (the ``stock`` baseline) writes a unit's
 fp32 gradients straight into the arena, and one fused AdamW launch covers every
 parameter. Padding rows stay zero: the reduce-scatter zeroes them in the
 gradient, so AdamW keeps them zero in the master and the send shard.
@@ -15,36 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .._dtypes import float32
-from .._layout import ShardSpec, shard_spec
-
-#: Shard offsets inside a rank's block of a flat layout are aligned to 16 bytes
-#: (vector copies in the fused kernels).
-FLAT_ALIGN_BYTES = 16
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """Padded shards of one unit, packed back to back per rank (elements)."""
-
-    specs: tuple[ShardSpec, ...]
-    offsets: tuple[int, ...]
-    block_numel: int
-    world: int
-
-    @property
-    def total_numel(self) -> int:
-        return self.block_numel * self.world
-
-
-def flat_layout(shapes: Sequence[Sequence[int]], world: int, itemsize: int = 2) -> FlatLayout:
-    """Rank-major flat layout; each shard offset aligned to 16 bytes of ``itemsize``."""
-    specs = tuple(shard_spec(s, itemsize, world, i) for i, s in enumerate(shapes))
-    align = max(1, FLAT_ALIGN_BYTES // itemsize)
-    offsets, cur = [], 0
-    for s in specs:
-        offsets.append(cur)
-        cur += -(-s.shard_numel // align) * align
-    return FlatLayout(specs, tuple(offsets), cur, world)
+from .._layout import FlatLayout, flat_layout
 
 
 @dataclass(frozen=True)

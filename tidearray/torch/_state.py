@@ -140,27 +140,10 @@ def _optim_state(sm: Sharding, cpu: bool) -> dict:
 def _gather(sm: Sharding, u: int, k: int, root: Optional[int], cpu: bool) -> Any:
     """Parameter ``k`` of unit ``u`` in full (fp32), on every rank or on ``root`` only
     (None elsewhere)."""
-    from mpi4py import MPI
-
-    model, comm = sm.runtime, sm.group.comm
-    spec = model.arena.layout.units[u].specs[k]
-    mine = np.ascontiguousarray(_host(_rows(sm, model.params(u), u, k)))
-    if model.world == 1:  # one shard (or a comm over one rank: every rank holds the model)
-        full = np.array(mine, copy=True)
-    else:
-        wanted = root is None or comm.rank == root
-        full = np.empty(spec.shape, np.float32) if wanted else None
-        n = spec.row_numel
-        counts = [spec.valid_rows(r) * n for r in range(model.world)]
-        displs = [spec.rows(r)[0] * n for r in range(model.world)]
-        recv = [full, counts, displs, MPI.FLOAT] if wanted else None
-        if root is None:
-            comm.Allgatherv([mine, MPI.FLOAT], recv)
-        else:
-            comm.Gatherv([mine, MPI.FLOAT], recv, root=root)
-        if not wanted:
-            return None
-    t = torch.from_numpy(full.reshape(spec.shape))
+    full = sm.runtime.full_param(u, k, root)
+    if full is None:
+        return None
+    t = torch.from_numpy(full)
     return t if cpu else t.to(sm.device)
 
 
@@ -387,10 +370,6 @@ def _write_rows(model: Any, shard: Any, rows: Any) -> None:
 
         shard[:n] = cupy.from_dlpack(t.contiguous()) if t.is_cuda else cupy.asarray(t.numpy())
     shard[n:] = 0
-
-
-def _host(a: Any) -> np.ndarray:
-    return a if isinstance(a, np.ndarray) else a.get()
 
 
 def _copy(value: Any, cpu: bool) -> Any:

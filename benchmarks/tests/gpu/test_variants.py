@@ -54,11 +54,12 @@ def test_a_subclass_picks_the_kernel_per_dtypes_and_sources():
 
 
 def test_variant_sources_are_not_library_kernels():
-    """The variants' files are read from benchmarks/variants (the library ships only
-    the vector kernel), their headers from the library's kernels/."""
+    """The variants' files and their bulk-copy helpers are read from benchmarks/variants
+    (the library ships only the vector kernel), their other headers from the library's
+    kernels/."""
     from tidearray.backends.cuda import kernels
 
-    for name in ("accumulate_bulk.cu", "accumulate_narrow.cu"):
+    for name in ("accumulate_bulk.cu", "accumulate_narrow.cu", "bulk_copy.cuh"):
         with pytest.raises(tidearray.TideBackendError, match=name):
             kernels.source(name)
     assert variants.source("narrow").count("TileAt locate(") == 1

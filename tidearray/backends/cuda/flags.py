@@ -19,7 +19,7 @@ pairs 160 us, 8 pairs 23 us, 64 kernels 3.4 us, 256 copies 5 us), so with memory
 operations a collective's graph launched in 20-50 us. A waiting kernel keeps one
 CTA resident while it spins, on one SM, where a memory operation holds none.
 The kernels are loaded when the flags are probed, since a capture cannot load them.
-``Config.graph_flag_kernels`` (on by default) chooses; eager calls keep memory
+``Config.graph_flag_kernels`` (on by default) chooses, once per group; eager calls keep memory
 operations either way.
 """
 
@@ -45,8 +45,9 @@ class FlagOps:
         self._write: Any = None
         self._wait: Any = None
         self._flags: dict[str, int] = {}
-        self.graph_kernels = False  # flags in graphs are kernels ([Note: flags in graphs])
-        self._kernels_loaded: Any = None  # None: not tried
+        # Flags in the graphs captured from now on are kernels ([Note: flags in graphs]):
+        # Config.graph_flag_kernels, where the kernels load; read at each capture.
+        self.graph_kernels = False
 
     def probe(self, stream: Any) -> tuple[bool, str]:
         """Try a write and a wait on a scratch word; fall back to kernels on failure."""
@@ -70,7 +71,7 @@ class FlagOps:
             if int(word.get()[0]) != 7:
                 raise RuntimeError("the trial write did not land")
             self.reason = "cuStreamWriteValue32 / cuStreamWaitValue32 (GEQ): zero SMs"
-            self.set_graph_kernels(self._graph_kernels_wanted)  # Config.graph_flag_kernels
+            self.graph_kernels = self._graph_kernels_wanted and self._load_kernels()
         except Exception as e:  # noqa: BLE001 - old driver, memops disabled: spin kernels instead
             self.memops = False
             self.reason = (f"off ({type(e).__name__}: {e}); one-thread flag kernels "
@@ -82,22 +83,11 @@ class FlagOps:
                           RuntimeWarning, stacklevel=2)
         return self.memops, self.reason
 
-    def set_graph_kernels(self, on: bool) -> bool:
-        """Whether graphs captured from now on signal and wait with kernels
-        (``Config.graph_flag_kernels`` sets it at start-up); returns the setting now in
-        force (False where the kernels cannot load; where the driver has no memory
-        operations, kernels are used everywhere anyway)."""
-        self.graph_kernels = bool(on) and self.memops and self._load_kernels()
-        return self.graph_kernels
-
     def _load_kernels(self) -> bool:
         """Load the flag kernels now, for graphs; False (memory operations in graphs too)
         where they cannot be compiled."""
         from . import kernels as _kernels
 
-        if self._kernels_loaded is not None:
-            return self._kernels_loaded
-        self._kernels_loaded = False
         try:
             for name in ("tide_signal", "tide_wait"):
                 _kernels.function("flags.cu", name, self.device)
@@ -105,7 +95,6 @@ class FlagOps:
             self.reason += f"; in graphs too ({type(e).__name__}: {e})"
             return False
         self.reason += "; one-thread kernels in graphs"
-        self._kernels_loaded = True
         return True
 
     def signal(self, stream: Any, addr: int, value: int, graph: bool = False) -> None:

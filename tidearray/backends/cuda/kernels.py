@@ -8,10 +8,6 @@ file once (CuPy also caches the binary on disk across processes).
 
 A line ``#include "name.cuh"`` is replaced by that file's text (once per
 source), so shared device helpers need no include path, installed or not.
-
-``path=`` names another directory to read a source (and headers) from first, e.g.
-``benchmarks/variants/``: kernels kept outside the library, which may include the
-library's headers.
 """
 
 from __future__ import annotations
@@ -19,26 +15,34 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
 from ..._errors import TideBackendError
 
-#: Tile sizes of ``kernels/pack.cu`` (``BYTES_TILE``, ``CVT_TILE`` there).
+#: Tile size of ``kernels/pack.cu`` (``BYTES_TILE`` there).
 PACK_BYTES_TILE = 65536
-PACK_CVT_TILE = 32768
 
 _INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"[ \t]*$', re.M)
 
 
-def source(name: str, path: Optional[Path] = None) -> str:
-    """The text of ``kernels/<name>`` (``<path>/<name>`` where ``path`` is given), with
-    its ``#include "x.cuh"`` lines inlined (each read from ``path`` first, then from
-    ``kernels/``).
+def source(name: str) -> str:
+    """The text of ``kernels/<name>``, its headers inlined (:func:`with_headers`).
 
     Raises:
-        TideBackendError: the file (or a header) is in none of those places.
+        TideBackendError: the file (or a header) is not there.
+    """
+    return with_headers(_read(name))
+
+
+def with_headers(text: str) -> str:
+    """CUDA C++ ``text`` with each ``#include "x.cuh"`` line replaced by the text of
+    ``kernels/x.cuh`` (its own includes inlined too; each header once, as ``#pragma
+    once`` would).
+
+    Raises:
+        TideBackendError: a header is not in ``kernels/``.
     """
     seen: set[str] = set()
 
@@ -47,14 +51,12 @@ def source(name: str, path: Optional[Path] = None) -> str:
         if header in seen:  # #pragma once, for a text include
             return ""
         seen.add(header)
-        return _INCLUDE.sub(inline, _read(header, path))
+        return _INCLUDE.sub(inline, _read(header))
 
-    return _INCLUDE.sub(inline, _read(name, path))
+    return _INCLUDE.sub(inline, text)
 
 
-def _read(name: str, path: Optional[Path] = None) -> str:
-    if path is not None and (Path(path) / name).is_file():
-        return (Path(path) / name).read_text()
+def _read(name: str) -> str:
     try:
         from importlib import resources
 
@@ -66,37 +68,43 @@ def _read(name: str, path: Optional[Path] = None) -> str:
     local = Path(__file__).resolve().parents[3] / "kernels" / name
     if local.is_file():
         return local.read_text()
-    where = f"{path}, " if path is not None else ""
-    raise TideBackendError(f"kernel source {name!r}: expected it in {where}the package "
+    raise TideBackendError(f"kernel source {name!r}: expected it in the package "
                            f"tidearray.kernels or at {local}, found none")
 
 
 @functools.cache
-def module(name: str, device: int, path: Optional[Path] = None) -> Any:
-    """``cupy.RawModule`` of ``kernels/<name>`` (or ``<path>/<name>``), compiled for
-    ``device`` (cached).
+def module(name: str, device: int) -> Any:
+    """``cupy.RawModule`` of ``kernels/<name>``, compiled for ``device`` (cached).
 
     ``device`` only keys the cache: CuPy compiles for the current device.
+    """
+    return compile_source(source(name), f"kernels/{name}")
+
+
+def compile_source(code: str, what: str) -> Any:
+    """``cupy.RawModule`` of CUDA C++ ``code`` (its headers inlined: :func:`with_headers`),
+    compiled for the current device.
+
+    Raises:
+        TideBackendError: it does not compile; the message names ``what``.
     """
     import cupy
 
     try:
-        mod = cupy.RawModule(code=source(name, path), options=("--std=c++14",))
+        mod = cupy.RawModule(code=code, options=("--std=c++14",))
         mod.compile()
     except Exception as e:  # CompileException, CUDADriverError: wrap with the file name
-        where = f"{path}/" if path is not None else "kernels/"
-        raise TideBackendError(f"compiling {where}{name} failed: {e}") from e
+        raise TideBackendError(f"compiling {what} failed: {e}") from e
     return mod
 
 
-def function(name: str, kernel: str, device: int, path: Optional[Path] = None) -> Any:
-    """The ``cupy.RawKernel`` called ``kernel`` in ``kernels/<name>`` (or
-    ``<path>/<name>``)."""
-    return module(name, device, path).get_function(kernel)
+def function(name: str, kernel: str, device: int) -> Any:
+    """The ``cupy.RawKernel`` called ``kernel`` in ``kernels/<name>``."""
+    return module(name, device).get_function(kernel)
 
 
 def pack_table(segs: list, tile: int) -> tuple[np.ndarray, int]:
-    """The segment table of ``kernels/pack.cu`` for ``(dst, src, valid, total)``
+    """The segment table of ``kernels/pack_segments.cuh`` for ``(dst, src, valid, total)``
     segments: ``(n, 5)`` int64 rows ``dst, src, valid, total, tile0`` (empty
     segments left out), and the tile count."""
     segs = [s for s in segs if s[3] > 0]

@@ -1,7 +1,8 @@
 // Hopper bulk async copies into shared memory, completed on an mbarrier
 // (1-D cp.async.bulk, no tensor map; sm_90 or newer): the helpers of the
 // accumulate kernels that stream their sources through shared memory
-// (accumulate_bulk.cu, accumulate_narrow.cu). Inlined by the loader.
+// (accumulate_bulk.cu, accumulate_narrow.cu), which alone use them: pasted in by
+// source() in accumulate.py, beside them.
 
 #pragma once
 
