@@ -6,7 +6,7 @@
     mpirun -n 2 python examples/train.py --graph --clip 1.0     # the clip captured with it
 
 Each rank trains on its own ``--tokens`` per step (data parallel); the model's
-units are sharded over the ranks by ``tidearray.fsdp.ShardedModel``. The
+units are sharded over the ranks by ``tidearray.fsdp.Runtime``. The
 model (``llama.py``, next to this file) has a hand-written backward and runs on
 the backend's array module: CuPy on the cuda backend, NumPy on host.
 
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama  # noqa: E402
 
 import tidearray as ta  # noqa: E402
-from tidearray.fsdp import AdamW, CapturedStep, ShardedModel  # noqa: E402
+from tidearray.fsdp import AdamW, CapturedStep, Runtime  # noqa: E402
 
 
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
@@ -104,8 +104,8 @@ def device_init(xp: Any, seed: int, cfg: llama.ModelConfig) -> Any:
 
 
 def build(args: argparse.Namespace, g: Any, comm: Any, cfg: llama.ModelConfig,
-          stream: Any) -> ShardedModel:
-    """The sharded model; ``comm`` is ``"tide"`` or a comm factory (``ShardedModel``)."""
+          stream: Any) -> Runtime:
+    """The sharded model; ``comm`` is ``"tide"`` or a comm factory (``Runtime``)."""
     specs = llama.unit_specs(cfg)
     named = [[(f"{u}.{name}", shape) for name, shape in unit] for u, unit in enumerate(specs)]
     opt = AdamW(lr=args.lr, weight_decay=args.weight_decay)
@@ -113,13 +113,13 @@ def build(args: argparse.Namespace, g: Any, comm: Any, cfg: llama.ModelConfig,
                   prefetch=args.prefetch, comm=comm, stream=stream,
                   keep_param_shards=args.keep_param_shards)
     if g.backend.name == "cuda":
-        return ShardedModel(named, init=device_init(g.backend.xp, args.seed, cfg), **common)
+        return Runtime(named, init=device_init(g.backend.xp, args.seed, cfg), **common)
     full = llama.init_params(cfg, args.seed)
     units = [[(n, a) for (n, _), a in zip(names, arrays)] for names, arrays in zip(named, full)]
-    return ShardedModel(units, **common)
+    return Runtime(units, **common)
 
 
-def train_step(sm: ShardedModel, net: llama.Llama, tokens: Any, targets: Any) -> Any:
+def train_step(sm: Runtime, net: llama.Llama, tokens: Any, targets: Any) -> Any:
     """One micro-batch's forward and backward through the runtime's hooks; the loss."""
     n = sm.num_units
     saved, x = [], tokens
@@ -137,7 +137,7 @@ def train_step(sm: ShardedModel, net: llama.Llama, tokens: Any, targets: Any) ->
     return loss
 
 
-def whole_step(sm: ShardedModel, net: llama.Llama, inputs: list,
+def whole_step(sm: Runtime, net: llama.Llama, inputs: list,
                lr: Optional[float] = None) -> tuple[list, Any]:
     """Every micro-batch's forward and backward, then the optimizer (at ``lr``): one step,
     what a captured step holds. Returns the micro-batches' losses (device arrays) and

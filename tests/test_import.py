@@ -74,14 +74,14 @@ def test_the_top_level_is_small_and_every_name_is_there():
 def test_fsdp_is_imported_on_first_use():
     code = ("import sys, tidearray; "
             "assert 'tidearray.fsdp' not in sys.modules; "
-            "cls = tidearray.fsdp.ShardedModel; "
+            "cls = tidearray.fsdp.Runtime; "
             "import tidearray.fsdp; "
-            "assert cls is tidearray.fsdp.ShardedModel and 'tidearray.fsdp' in sys.modules; "
+            "assert cls is tidearray.fsdp.Runtime and 'tidearray.fsdp' in sys.modules; "
             "assert 'fsdp' in dir(tidearray); "
             "print(cls.__name__)")
     out = _run(code)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ShardedModel"
+    assert out.stdout.strip() == "Runtime"
     try:
         tidearray.no_such_name  # noqa: B018 - the lazy hook must not swallow typos
     except AttributeError as e:

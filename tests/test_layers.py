@@ -20,7 +20,7 @@ LAYERS = [
     ("core", ("_group", "_board", "_arena", "_stamps", "_plan", "_work", "_validate",
               "_all_gather", "_reduce_scatter", "_shard", "layout")),
     ("runtime", ("fsdp",)),
-    ("front ends and tools", ("", "torch", "info")),
+    ("front ends and tools", ("", "torch", "jax", "info")),
 ]
 
 

@@ -9,7 +9,7 @@ The public surface is ``__all__`` below and three submodules:
 
 * :mod:`tidearray.layout`: the pure planning helpers (shard specs, unit layouts, sizes);
 * :mod:`tidearray.fsdp`: the FSDP runtime over NumPy/CuPy parameters, imported on first
-  use (``tidearray.fsdp.ShardedModel`` or ``import tidearray.fsdp``);
+  use (``tidearray.fsdp.Runtime`` or ``import tidearray.fsdp``);
 * :mod:`tidearray.torch`: the ``torch.nn.Module`` front end (``import tidearray.torch``).
 
 ``import tidearray`` needs NumPy, mpi4py and ml_dtypes only: it imports no backend, no

@@ -1,7 +1,7 @@
 """What TIDE is measured against, written once.
 
 * :class:`StockComm` (``stock.py``): FSDP2's flat path as a runtime comm factory,
-  ``ShardedModel(comm=StockComm)``;
+  ``Runtime(comm=StockComm)``;
 * :class:`LocalComm` (``local.py``): the no-communication floor, as a comm factory;
 * ``pack``: FSDP2's layout conversions (fused copy-in, copy-out and fp32
   chunk-cat kernels: ``kernels/pack.cu``'s byte copies and ``pack_bf16_f32.cu``

@@ -1,4 +1,4 @@
-"""JAX on ``ShardedModel`` outside ``jit``: one ``jax.vjp`` per unit, joined on the host.
+"""JAX on ``Runtime`` outside ``jit``: one ``jax.vjp`` per unit, joined on the host.
 
 What tidearray offered JAX before ``tidearray.jax``, kept as the baseline of
 ``benchmarks/steps/jax_step.py``. Python drives the units: for each, the runtime
@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 import tidearray as ta
-from tidearray.fsdp import AdamW, ShardedModel
+from tidearray.fsdp import AdamW, Runtime
 
 
 class Bridge:
@@ -58,7 +58,7 @@ class Bridge:
 
 
 class PerUnitTrainer:
-    """The units of a JAX model on ``ShardedModel``, stepped unit by unit outside jit.
+    """The units of a JAX model on ``Runtime``, stepped unit by unit outside jit.
 
     Args:
         jax: the ``jax`` module.
@@ -79,7 +79,7 @@ class PerUnitTrainer:
         self.treedefs = [t for _, t in flat]
         named = [[(f"{i}.{k}", np.asarray(a)) for k, a in enumerate(leaves)]
                  for i, (leaves, _) in enumerate(flat)]
-        self.sm = ShardedModel(named, group=g, param_dtype=param_dtype, optimizer=hp)
+        self.sm = Runtime(named, group=g, param_dtype=param_dtype, optimizer=hp)
         self.loss_grad = jax.jit(jax.value_and_grad(loss))
 
     def step(self, x: Any, targets: Any) -> float:

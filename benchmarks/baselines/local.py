@@ -1,7 +1,7 @@
 """The runtime's ``local`` comm: the no-communication floor a training step is measured
 against.
 
-``ShardedModel(comm=LocalComm)`` keeps the whole model on every rank (``world = 1``):
+``Runtime(comm=LocalComm)`` keeps the whole model on every rank (``world = 1``):
 parameters are read in place from the send shards, gradients are cast into the fp32
 arena, and nothing is communicated. Each rank does a sharded run's per-rank compute.
 """

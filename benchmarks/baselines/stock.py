@@ -1,6 +1,6 @@
 """The runtime's ``stock`` comm: FSDP2's communication path, at its strongest.
 
-``ShardedModel(comm=StockComm)`` (or ``shard_module(comm=StockComm)``) trains with it
+``Runtime(comm=StockComm)`` (or ``shard_module(comm=StockComm)``) trains with it
 under the same trainer as ``tide``: the baseline of the step comparisons.
 
 Per unit, with the flat rank-major layout ``[r0: p0 p1 ..][r1: p0 p1 ..]``:

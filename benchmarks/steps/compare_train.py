@@ -39,7 +39,7 @@ import tidearray as ta  # noqa: E402
 from benchmarks.baselines import LocalComm, StockComm  # noqa: E402
 from benchmarks.harness.records import git_commit  # noqa: E402
 
-#: ``--impl`` name -> what ``ShardedModel(comm=...)`` gets.
+#: ``--impl`` name -> what ``Runtime(comm=...)`` gets.
 COMMS = {"tide": "tide", "stock": StockComm, "local": LocalComm}
 
 

@@ -223,9 +223,9 @@ def test_a_captured_step_needs_the_cuda_backend(group):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
     import train
 
-    from tidearray.fsdp import CapturedStep, ShardedModel
+    from tidearray.fsdp import CapturedStep, Runtime
 
-    model = ShardedModel([[("w", np.ones((4 * group.size, 3), np.float32))]], group=group,
+    model = Runtime([[("w", np.ones((4 * group.size, 3), np.float32))]], group=group,
                          param_dtype="float32")
     with pytest.raises(ta.TideInvalid, match="expected a model on the cuda backend"):
         CapturedStep(model, lambda: None)

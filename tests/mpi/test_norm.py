@@ -108,14 +108,14 @@ def test_the_device_clip_factor_is_the_hosts_bit_for_bit(group, xp):
 
 
 def _model(group, xp, **kw):
-    """A small ShardedModel of three units (sizes that shard unevenly), fp32."""
-    from tidearray.fsdp import ShardedModel
+    """A small Runtime of three units (sizes that shard unevenly), fp32."""
+    from tidearray.fsdp import Runtime
 
     shapes = [[(7, 3), (5,)], [(11, 2)], [(4, 4), (3,)]]
     rng = np.random.default_rng(0)
     units = [[(f"{u}.{k}", rng.standard_normal(s).astype(np.float32))
               for k, s in enumerate(unit)] for u, unit in enumerate(shapes)]
-    return ShardedModel(units, group=group, param_dtype=np.float32, **kw)
+    return Runtime(units, group=group, param_dtype=np.float32, **kw)
 
 
 def _backward(sm, step: int, micro: int = 0) -> None:
@@ -136,7 +136,7 @@ def _masters(sm) -> bytes:
     return to_numpy(sm.arena.master).tobytes()
 
 
-@pytest.mark.parametrize("way", ["AdamW", "ShardedModel", "clip_grad_norm_"])
+@pytest.mark.parametrize("way", ["AdamW", "Runtime", "clip_grad_norm_"])
 def test_every_way_to_clip_is_one_clip_and_finalizes_once(group, xp, monkeypatch, way):
     """The clip limit on the AdamW (earlier versions' spelling), on the runtime, or
     ``clip_grad_norm_`` before the step: the same masters and norms, bit for bit, with
@@ -147,7 +147,7 @@ def test_every_way_to_clip_is_one_clip_and_finalizes_once(group, xp, monkeypatch
     limit, failures = 0.5, []
     ref = _model(group, xp, optimizer=AdamW(max_grad_norm=limit))
     kw = {"AdamW": {"optimizer": AdamW(max_grad_norm=limit)},
-          "ShardedModel": {"max_grad_norm": limit}, "clip_grad_norm_": {}}[way]
+          "Runtime": {"max_grad_norm": limit}, "clip_grad_norm_": {}}[way]
     sm = _model(group, xp, **kw)
     calls = []
     real = sm.finalize_grads

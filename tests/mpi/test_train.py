@@ -106,10 +106,10 @@ def check_against_reference(group, comm) -> None:
 
 @pytest.mark.parametrize("kind", ["stock", "local", "nccl"])
 def test_a_comm_kind_other_than_tide_says_where_the_baselines_went(group, kind):
-    from tidearray.fsdp import ShardedModel
+    from tidearray.fsdp import Runtime
 
     try:
-        ShardedModel([[("w", np.ones((4, 3), np.float32))]], group=group, comm=kind)
+        Runtime([[("w", np.ones((4, 3), np.float32))]], group=group, comm=kind)
         failures = [f"comm={kind!r} accepted"]
     except tidearray.TideInvalid as e:
         want = "benchmarks.baselines" if kind != "nccl" else "a UnitComm factory"

@@ -1,12 +1,12 @@
 """A small FSDP runtime over tidearray's plans: units, prefetch, Slot-Reuse, fused AdamW.
 
-:class:`ShardedModel` shards a model's units over the group, gathers each unit
+:class:`Runtime` shards a model's units over the group, gathers each unit
 before it runs and reduces its gradients as soon as its backward is done, and
 steps a fused AdamW on the fp32 master shards (the ``tide`` gathers cast them
 into the slots; the baselines keep bf16 send shards, which the AdamW writes
 too). It knows nothing of autograd: a front end
 calls its hooks (see ``docs/fsdp.md``). :class:`UnitComm` is the extension point of
-``ShardedModel(comm=...)``: a comm of one's own (FSDP2's flat path, in the benchmarks).
+``Runtime(comm=...)``: a comm of one's own (FSDP2's flat path, in the benchmarks).
 """
 
 from ._checkpoint import export, load, save
@@ -14,7 +14,7 @@ from ._comm import UnitComm
 from ._graph import CapturedStep
 from ._norm import GradScale, clip_scale
 from ._optim import AdamW, FusedAdamW, ParamGroup
-from ._runtime import ShardedModel
+from ._runtime import Runtime
 
-__all__ = ["AdamW", "CapturedStep", "FusedAdamW", "GradScale", "ParamGroup", "ShardedModel",
+__all__ = ["AdamW", "CapturedStep", "FusedAdamW", "GradScale", "ParamGroup", "Runtime",
            "UnitComm", "clip_scale", "export", "load", "save"]

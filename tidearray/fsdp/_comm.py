@@ -1,6 +1,6 @@
 """How the runtime moves a unit: gather it into slot ``k``, reduce gradient buffer ``k``.
 
-``ShardedModel(comm=...)`` takes ``"tide"`` (the default, :class:`TideComm`) or a
+``Runtime(comm=...)`` takes ``"tide"`` (the default, :class:`TideComm`) or a
 comm factory: a :class:`UnitComm` subclass (or any callable with the same class
 attributes) that the runtime calls as ``factory(group, shapes, dtype, arena,
 num_slots, root)``. :class:`UnitComm` is the public extension point
@@ -74,7 +74,7 @@ class _Ready(Completion):
 class UnitComm(abc.ABC):
     """Gathers and reductions of the runtime's units, over ``num_slots`` slots.
 
-    The interface of a comm factory (``ShardedModel(comm=Factory)``), public as
+    The interface of a comm factory (``Runtime(comm=Factory)``), public as
     ``tidearray.fsdp.UnitComm``: the runtime reads two class attributes before it
     builds the shard arena, then calls ``Factory(group, shapes, dtype, arena,
     num_slots, root)`` once, on every rank, and uses the instance's :meth:`gather`,
@@ -271,7 +271,7 @@ class TideComm(UnitComm):
 
 
 def comm_factory(comm: Any) -> Any:
-    """The factory ``ShardedModel(comm=...)`` names: :class:`TideComm` for ``"tide"``, or
+    """The factory ``Runtime(comm=...)`` names: :class:`TideComm` for ``"tide"``, or
     ``comm`` itself when it is a factory (:class:`UnitComm`'s class attributes).
 
     Raises:

@@ -1,8 +1,8 @@
 """A whole training step captured once as a CUDA graph, then replayed.
 
 [Note: captured steps]
-A step of :class:`ShardedModel` (forward and backward through its hooks, the
-gathers and reductions they issue, and :meth:`ShardedModel.step`) issues the
+A step of :class:`Runtime` (forward and backward through its hooks, the
+gathers and reductions they issue, and :meth:`Runtime.step`) issues the
 same device work every time, on the same buffers. :class:`CapturedStep` runs
 the user's step function once inside a stream capture on the model's stream and
 launches the graph at every later step:
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 from .._errors import TideInvalid
 
 if TYPE_CHECKING:
-    from ._runtime import ShardedModel
+    from ._runtime import Runtime
 
 
 class CapturedStep:
@@ -56,7 +56,7 @@ class CapturedStep:
         TideInvalid: on the host backend, in debug mode, or before any eager step.
     """
 
-    def __init__(self, model: ShardedModel, step: Callable[[], Any]) -> None:
+    def __init__(self, model: Runtime, step: Callable[[], Any]) -> None:
         if model.group.backend.name != "cuda":
             raise TideInvalid(f"{type(self).__name__}: expected a model on the cuda backend "
                               f"(a CUDA graph), got the {model.group.backend.name} backend")
@@ -111,7 +111,7 @@ class CapturedStep:
         return self.stream
 
     def __call__(self, lr: Union[float, Sequence[float], None] = None) -> Any:
-        """Replay one step with learning rate ``lr`` (as :meth:`ShardedModel.step` takes
+        """Replay one step with learning rate ``lr`` (as :meth:`Runtime.step` takes
         it); returns the step function's result, overwritten by this replay."""
         self.model.optimizer.stage_step(lr, self.grad_scale, self._replay_stream())
         self._launch()

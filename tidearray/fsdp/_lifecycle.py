@@ -2,7 +2,7 @@
 
 [Note: unit lifecycle]
 Every front end (the torch hooks, the CuPy and JAX trainers) drives one state
-per unit, kept here and read by ``ShardedModel``; no front end keeps a second
+per unit, kept here and read by ``Runtime``; no front end keeps a second
 copy. The states are FSDP2's ``TrainingState`` for a parameter group:
 
     IDLE ──pre_forward──> FORWARD ──pre_backward──> BACKWARD ──post_backward──> DONE
@@ -82,7 +82,7 @@ class UnitLifecycle:
     """Per unit: the state, the uses still waiting for their backward, the gradients
     written in this pass; per parameter: whether it had a gradient in this step.
 
-    Pure bookkeeping: the runtime (``ShardedModel``) gathers, reduces and releases.
+    Pure bookkeeping: the runtime (``Runtime``) gathers, reduces and releases.
     """
 
     def __init__(self, trainable: Sequence[Sequence[bool]]) -> None:

@@ -12,7 +12,7 @@ order whatever the call, which a stream capture can hold.
 
 [Note: clipping]
 The norm spans every rank's shard, so the optimizer cannot clip by itself: the
-runtime clips (``ShardedModel.finalize_grads``), and the result is a value,
+runtime clips (``Runtime.finalize_grads``), and the result is a value,
 :class:`GradScale`, whose ``factor`` the fused AdamW takes as its
 ``grad_scale``. The averaging ``1 / (world x micro-batches)`` multiplies into
 that same factor, so the norm is of the averaged gradient, ``average *

@@ -140,7 +140,7 @@ class AdamW:
     max_grad_norm: Optional[float] = None
     """Clip the global gradient norm to this (> 0), or None (default) for no
     clipping. The optimizer does not read it: the norm spans every rank, so
-    :class:`~tidearray.fsdp.ShardedModel` clips, and takes this as its
+    :class:`~tidearray.fsdp.Runtime` clips, and takes this as its
     ``max_grad_norm`` where that is not given ([Note: clipping] in ``_norm``)."""
 
     def __post_init__(self) -> None:
@@ -200,7 +200,7 @@ class ParamGroup:
 
     hp: AdamW
     """The group's hyper-parameters. ``max_grad_norm`` must be None: clipping is
-    global, one limit for the whole model (``ShardedModel``'s)."""
+    global, one limit for the whole model (``Runtime``'s)."""
 
     ranges: tuple[tuple[int, int], ...]
     """Element ranges ``(start, stop)`` (``[start, stop)``) of the arena,

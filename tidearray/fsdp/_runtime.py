@@ -1,7 +1,7 @@
-"""``ShardedModel``: the FSDP runtime over a list of units.
+"""``Runtime``: the FSDP runtime over a list of units.
 
 It knows nothing of autograd. A front end calls four hooks per unit, at the
-points where FSDP2 hooks in, and :meth:`ShardedModel.step` once per step::
+points where FSDP2 hooks in, and :meth:`Runtime.step` once per step::
 
     for i in range(n):                      # forward
         params = model.pre_forward(i)       # gathered (prefetch of i+1.. issued)
@@ -78,7 +78,7 @@ from ._slots import SlotTable
 Init = Callable[[str, tuple], Any]
 
 
-class ShardedModel:
+class Runtime:
     """A model's units, sharded over the group, with their optimizer. Collective.
 
     Args:

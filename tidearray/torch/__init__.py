@@ -2,7 +2,7 @@
 
 An optional front end (``pip install 'tidearray[torch]'``); ``import tidearray``
 never imports torch. :func:`shard_module` is to ``fully_shard`` what
-:class:`tidearray.fsdp.ShardedModel` is to FSDP2's runtime: units as FSDP2 makes
+:class:`tidearray.fsdp.Runtime` is to FSDP2's runtime: units as FSDP2 makes
 them (a root for what no unit owns), hooks where FSDP2 hooks in ([Note: hooks] in
 ``_sharding``), deferred init of a meta-device model ([Note: deferred init] in
 ``_init``), state dicts under the model's own names (``_state``), parameter groups

@@ -2,7 +2,7 @@
 the meta device, its own initialisation or a checkpoint, one module or tensor at a time.
 
 [Note: deferred init]
-The runtime asks for full parameters one at a time (``ShardedModel(init=...)``) and
+The runtime asks for full parameters one at a time (``Runtime(init=...)``) and
 keeps only this rank's rows. For a parameter on the meta device the module that
 registers it is materialised alone (``to_empty(recurse=False)``: its own parameters
 and buffers, nothing below it) on the CPU, initialised by ``init_fn(module)`` (by

@@ -62,9 +62,9 @@ def shard_module(module: torch.nn.Module, units: Optional[Sequence[Any]] = None,
         num_slots: slots the units take turns in (``prefetch + 1`` if None); units in
             use at once (nested units) need more: the runtime says how many.
         comm: ``"tide"`` (default) or a comm factory (a ``UnitComm`` subclass;
-            see ``ShardedModel``), such as the benchmarks' baselines.
+            see ``Runtime``), such as the benchmarks' baselines.
         keep_param_shards: keep param-dtype shards instead of casting the fp32
-            masters at every gather (see ``ShardedModel``).
+            masters at every gather (see ``Runtime``).
         init_fn: for a model on the meta device: initialises one module
             materialised alone (default: a Hugging Face model's ``_init_weights``,
             else each module's ``reset_parameters()``).

@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _dtypes, _validate
 from .._errors import TideInvalid
-from ..fsdp import AdamW, ShardedModel
+from ..fsdp import AdamW, Runtime
 from ..fsdp._lifecycle import BLIND, State, UseToken
 from . import _init, _units
 
@@ -72,7 +72,7 @@ class Sharding:
 
     Attributes:
         module: the sharded module (the one handle: ``shard_module`` returned it).
-        runtime: the :class:`tidearray.fsdp.ShardedModel` the hooks drive.
+        runtime: the :class:`tidearray.fsdp.Runtime` the hooks drive.
         units: the units (``tidearray.torch._units.Unit``), root first if any.
         names: each unit's parameter names, as the module names them.
         optimizer: the fused AdamW, or the torch optimizer ``optimizer=`` made (for
@@ -111,7 +111,7 @@ class Sharding:
         fused, self._make_optimizer = _split_optimizer(optimizer)
         named = [list(zip(n, (tuple(p.shape) for p in ps)))
                  for n, ps in zip(self.names, self.params)]
-        self.runtime = ShardedModel(
+        self.runtime = Runtime(
             named, init=values, group=group, param_dtype=dtype, optimizer=fused,
             prefetch=prefetch, comm=comm, keep_param_shards=keep_param_shards, root=spec.root,
             trainable=self.trainable, num_slots=num_slots, report_grads=True,
@@ -369,7 +369,7 @@ class Sharding:
 
     def step(self, lr: Optional[float] = None) -> Any:
         """The model's ``step`` (:meth:`ShardedModule.step`): the fused AdamW (see
-        :meth:`ShardedModel.step`) or the torch optimizer ``optimizer=`` made."""
+        :meth:`Runtime.step`) or the torch optimizer ``optimizer=`` made."""
         self._clear_sentinels()
         self._follow_stream()
         if self._make_optimizer is None:
