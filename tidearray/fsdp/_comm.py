@@ -56,10 +56,6 @@ from ._shards import ShardArena
 if TYPE_CHECKING:
     from .._group import Group
 
-#: Where the string kinds of earlier versions went.
-MOVED = {"stock": "StockComm", "local": "LocalComm"}
-
-
 class _Ready(Completion):
     """Work that is complete when issued (host lanes, or the compute stream itself):
     :meth:`UnitComm.done`."""
@@ -281,11 +277,6 @@ def comm_factory(comm: Any) -> Any:
     if isinstance(comm, str):
         if comm == "tide":
             return TideComm
-        if comm in MOVED:
-            raise TideInvalid(f"comm: expected 'tide' or a UnitComm factory, got {comm!r}: the "
-                              f"{comm!r} comm is a benchmark baseline now, not a runtime kind; "
-                              f"pass comm=benchmarks.baselines.{MOVED[comm]} (benchmarks/ in "
-                              "the source tree)")
         raise TideInvalid(f"comm: expected 'tide' or a UnitComm factory, got {comm!r}")
     if not (callable(comm) and callable(getattr(comm, "sharded_over", None))
             and isinstance(getattr(comm, "send_shards", None), bool)):
