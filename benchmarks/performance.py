@@ -45,6 +45,18 @@ MOVED = {
                                           "model) is gone; `compare_fsdp2.py --host-profile "
                                           "N` gives the same cProfile on the benchmark's "
                                           "model.",
+    "examples/compare_fsdp2.py": "`examples/compare_fsdp2.py` is "
+                                 "`benchmarks/steps/compare_fsdp2.py` now.",
+    "--impl all --profile": "The trainer's comparison of comms (`examples/train.py --impl "
+                            "all`) is `benchmarks/steps/compare_train.py --impl all` now.",
+    "tests/gpu/hw_bounds.py": "The probe is `benchmarks/probes/hw_bounds.py` now.",
+    "tests/gpu/footprints.py": "The probe is `benchmarks/probes/footprints.py` now.",
+    "tests/gpu/narrow_probe.py": "The probes are `benchmarks/probes/narrow_probe.py` and "
+                                 "`narrow_sharing.py` now, and the `narrow` step is "
+                                 "`TIDE_BENCH_STEPS=narrow bash benchmarks/run.sh`.",
+    "tests/gpu/hf_models.py": "`tests/gpu/hf_models.py` is `benchmarks/steps/hf_models.py` "
+                              "now, run by the `hf8b` and `meta70b` steps of "
+                              "`benchmarks/run.sh`, as is the `ab` step.",
 }
 MACHINES = {
     "nvidia-h200-x2": "2 NVIDIA H200 joined by NVLink, one process per GPU",
