@@ -1,9 +1,8 @@
-"""What the benchmark moves: the FSDP unit shapes of DESIGN.md and synthetic sweeps.
+"""What the benchmark moves: the FSDP unit shapes of real models and synthetic sweeps.
 
 A :class:`Unit` is a list of parameter shapes (bf16). Unit sizes, in bf16, are
-checked against DESIGN.md by the tests: Llama-3.1-8B 416 MiB, Llama-3.1-70B
-1632 MiB, Qwen3-30B-A3B 1189 MiB (rounded); the Wan2.2 DiT block (not in that
-table) is 670 MiB.
+checked by the tests: Llama-3.1-8B 416 MiB, Llama-3.1-70B 1632 MiB,
+Qwen3-30B-A3B 1189 MiB (rounded); the Wan2.2 DiT block is 670 MiB.
 
 Data are made by a counter-based hash of (seed, element index), so any rank can
 rebuild any other rank's gradients (for the fp64 reference) without moving
@@ -90,7 +89,8 @@ def wan22_dit_block(dim: int, ffn: int) -> list[tuple]:
 
 
 def units(scale: int = 1) -> list[Unit]:
-    """The four DESIGN.md units; ``scale`` > 1 divides every width (for CPU smoke runs)."""
+    """The four real-model units (one layer or block each); ``scale`` > 1 divides every
+    width (for CPU smoke runs)."""
     s = scale
     return [
         Unit("llama3.1-8b", "Llama-3.1-8B layer",

@@ -1,7 +1,7 @@
 """A unit's lifecycle as autograd runs it, under ``tidearray.torch.shard_module``, multi-rank.
 
-What fine-tuning and weight-sharing models do to a unit (DESIGN.md, "Front-end
-semantics"), each case against plain torch:
+What fine-tuning and weight-sharing models do to a unit (docs/torch.md, "The same"),
+each case against plain torch:
 
 * **Partly frozen units** (LoRA through ``peft``, frozen norms, only ``q_proj``
   trained, a unit with nothing trained): autograd still needs the frozen weights

@@ -73,7 +73,7 @@ class Sharding:
     Attributes:
         module: the sharded module (the one handle: ``shard_module`` returned it).
         runtime: the :class:`tidearray.fsdp.Runtime` the hooks drive.
-        units: the units (``tidearray.torch._units.Unit``), root first if any.
+        units: the units (``tidearray.torch._units.UnitSpec``), root first if any.
         names: each unit's parameter names, as the module names them.
         optimizer: the fused AdamW, or the torch optimizer ``optimizer=`` made (for
             learning-rate schedulers).

@@ -368,7 +368,7 @@ class CudaBackend(Backend):
         return CudaExecutor(self.lanes, self.group.local_size, stream)
 
     def capture(self, issue: Any, what: str) -> Any:
-        """One collective captured as a CUDA graph ([Note: graph plans] in ``graphs``)."""
+        """One collective captured as a CUDA graph ([Note: graph plans on cuda] in ``graphs``)."""
         from .graphs import capture
 
         self.check()

@@ -2,7 +2,7 @@
 
 A separate ``cudaMemcpyAsync`` costs microseconds to issue, which caps a unit of
 small parameters at a fraction of the link; a batch is one call for any
-number of copies (DESIGN.md, "Measured facts"). Peer addresses are mappings
+number of copies (measured on H200s). Peer addresses are mappings
 of peers' memory (VMM or IPC), so the copies are peer-to-peer over NVLink,
 done by copy engines.
 
@@ -281,7 +281,7 @@ class Copier:
         rest in one batch; or the copy kernel, on ``stream`` (the CuPy stream of
         ``stream_ptr``; else made from it). ``capture``: the stream is capturing a
         graph, which takes no batched copy, so the rest go one ``cudaMemcpyAsync``
-        each ([Note: graph plans] in ``graphs``)."""
+        each ([Note: graph plans on cuda] in ``graphs``)."""
         import cupy
 
         if isinstance(run, _KernelCopy):

@@ -1,6 +1,6 @@
 """Graph plans on the cuda backend: a collective captured once, launched per call.
 
-[Note: graph plans]
+[Note: graph plans on cuda]
 A plan's every address is fixed when it is built, and its flags take the same
 values on every call ([Note: replay-safe flags] in ``_arena``), so what one
 call issues can be captured once as a CUDA graph and launched per call: one

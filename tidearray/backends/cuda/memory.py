@@ -18,7 +18,7 @@ of ``"ipc"``, because it works where VMM's handle passing does not:
   rank may sit in its own PID namespace;
 * a legacy IPC handle is 64 opaque bytes that any transport carries, here the
   MPI communicator the group already has; the driver does the rest. It worked
-  in these containers (DESIGN.md, "Measured facts").
+  in the containers measured (H200 hosts).
 
 Memory here comes from ``cudaMalloc`` directly, not CuPy's pool, because an
 IPC handle maps a whole allocation from its base.
