@@ -244,6 +244,10 @@ def test_the_model_is_the_one_handle(group, tmp_path):
     import tidearray
     import tidearray.torch as tt
 
+    if group.backend.name == "host" and group.size > 2:
+        # Compiling takes each rank ~10 s of CPU: CI (two cores) runs this at 1-2 ranks;
+        # on the GPU machine it runs at 1-4 (tests/gpu/run.sh, hf and hfpar).
+        pytest.skip("the host backend runs this at 1-2 ranks")
     seed = _seed(group)
     model = _llama(seed, tied=True)
     cls, reference = type(model), copy.deepcopy(model)
