@@ -152,7 +152,7 @@ run_units() {  # per-unit overhead on a host-bound model at one rank: plain torc
 }
 run_jax() {  # a JAX transformer's step at one rank: unsharded jit, tidearray.jax in one jit
     # (released/kept parameters, command buffers) and the per-unit path; TIDE_JAX_ARGS adds flags
-    step jax_step "${MPI[@]}" -n 1 python3 benchmarks/steps/jax_step.py --out "$OUT/jax" \
+    step jax_step "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n 1 python3 benchmarks/steps/jax_step.py --out "$OUT/jax" \
         ${TIDE_JAX_ARGS:-}
 }
 run_fsdp2ab() {  # one rank, shard_module only: the step time an A/B compares

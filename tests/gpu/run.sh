@@ -56,14 +56,14 @@ run_plans() {  # plan tests on cuda at 2 ranks (host time per plan call: benchma
     step plans_np2 "${MPI[@]}" -n 2 "${PYTEST[@]}" tests/mpi/test_plans.py tests/gpu/test_adamw_gpu.py
 }
 run_jax() {  # the JAX example on the cuda backend (one jitted step, collectives on XLA's stream)
-    step jax_np2 "${MPI[@]}" -n 2 python3 examples/jax_train.py
+    step jax_np2 "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n 2 python3 examples/jax_train.py
 }
 run_jaxjit() {  # tidearray.jax on cuda: 1-4 ranks sharing the GPU, then the example in bf16
     local n
     for n in ${TIDE_JAXJIT_RANKS:-1 2 3 4}; do
-        step "jaxjit_np$n" "${MPI[@]}" -n "$n" "${PYTEST[@]}" tests/gpu/test_jax_jit_gpu.py
+        step "jaxjit_np$n" "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n "$n" "${PYTEST[@]}" tests/gpu/test_jax_jit_gpu.py
     done
-    step jaxjit_bf16_np2 "${MPI[@]}" -n 2 python3 examples/jax_train.py --dtype bfloat16
+    step jaxjit_bf16_np2 "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n 2 python3 examples/jax_train.py --dtype bfloat16
 }
 
 # The torch front end on real models: the Hugging Face tests at 1-4 ranks (ranks sharing the

@@ -19,6 +19,7 @@ the cuda path is ``tests/gpu/test_jax_jit_gpu.py``. Skipped without JAX.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -260,3 +261,17 @@ def test_bad_leaves_vmap_and_mesh(group, cpu_jax):
     with jax.set_mesh(jax.make_mesh((1,), ("data",))):
         with pytest.raises(TideInvalid, match="mesh"):
             jax.jit(lambda s, x: su.apply(0, _dense, s, x))(su.shards[0], jnp.ones((4, 3)))
+
+
+def test_the_cuda_path_is_opt_in(group, cpu_jax, monkeypatch):
+    """On the cuda backend ``shard_units`` refuses, on every rank, unless ``jax_cuda`` is
+    set (docs/jax.md, Limits); seen here through the backend's name."""
+    units = [{"w": np.ones((4, 3), np.float32)}]
+    monkeypatch.setattr(group.backend, "name", "cuda")
+    monkeypatch.setattr(group.backend, "device", 0, raising=False)
+    with pytest.raises(TideInvalid, match="TIDE_JAX_CUDA=1"):
+        tj.shard_units(units, group=group)
+    monkeypatch.setattr(group, "config", dataclasses.replace(group.config, jax_cuda=True))
+    with pytest.raises(TideInvalid) as e:  # still no JAX GPU here: only that is said
+        tj.shard_units(units, group=group)
+    assert "TIDE_JAX_CUDA" not in str(e.value) and "JAX gpu device" in str(e.value)

@@ -285,6 +285,10 @@ def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
     """
     group = group or default_group()
     errors: list[str] = []
+    if group.backend.name == "cuda" and not group.config.jax_cuda:
+        errors.append("the cuda backend: expected TIDE_JAX_CUDA=1 (jax_cuda=True) to run "
+                      "tidearray.jax on GPUs, got it unset: its first runs stalled in "
+                      "XLA's compile of the jitted step (docs/jax.md, Limits)")
     device = _device(group, errors)
     dtype_name = np.dtype(compute_dtype).name
     if dtype_name not in _COMPUTE_DTYPES:
