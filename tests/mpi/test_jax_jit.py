@@ -93,7 +93,10 @@ RUNS = [("float32", False), ("bfloat16", False), ("float32", True)]
 @pytest.mark.parametrize("dtype,command_buffer", RUNS)
 def test_jitted_step_matches_one_process(group, cpu_jax, dtype, command_buffer):
     """Ten jitted steps (forward, jax.grad, ShardAdamW) on each rank's samples against one
-    process on all of them; the transformer is the example's (run by CI at 2 ranks)."""
+    process on all of them; the transformer is the example's (run by CI at 2 ranks).
+    The bf16 and staged runs take 1-2 ranks in CI (two cores); fp32 in place any number."""
+    if (dtype, command_buffer) != RUNS[0] and group.size > 2:
+        pytest.skip("CI's time: the bf16 and staged runs at 1-2 ranks (the same collectives)")
     W, rank, seed = group.size, group.rank, _seed(group.comm)
     widths, steps = [6, 2 * W + 3, 8, 2], 10
     units = _units(seed, widths)

@@ -94,6 +94,8 @@ def test_shard_module_matches_plain_torch(group, wrap, units_given):
 
     if wrap == "compiled" and not hasattr(torch, "compile"):
         pytest.skip("this torch has no torch.compile")
+    if wrap == "compiled" and group.size > 2:
+        pytest.skip("CI's time: compiling costs each rank seconds of CPU; 1-2 ranks")
     model, units = _model(0, wrap)
     reference = copy.deepcopy(model)
     sm = tt.shard_module(model, units[:units_given], group=group, optimizer=AdamW(lr=LR))
