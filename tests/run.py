@@ -4,7 +4,8 @@
 Runs, in order, each in its own process group under a timeout:
 
 1. ``python -m pytest -q tests benchmarks/tests``: layout, config and helper tests
-   (Hypothesis), and the benchmark harness's own tests;
+   (Hypothesis, 75 examples per property: ``SINGLE``), and the benchmark harness's own
+   tests;
 2. ``mpiexec -n N python -m pytest --with-mpi -q tests/mpi benchmarks/tests/mpi`` for
    N = 1, 2, 3, 4 (the library, then the harness and the baseline comms);
 3. topology overrides: ``TIDE_LOCAL_SIZE=1`` with N = 2, 3 (pairwise inter-node
@@ -88,6 +89,8 @@ CORE_TESTS = ("tests/mpi", "--ignore=tests/mpi/test_torch.py",
 AGAIN = {"TIDE_TEST_EXAMPLES": "10"}
 #: The plain runs at 3 and 4 ranks, slower per example on CI's two cores: 20.
 WIDER = {"TIDE_TEST_EXAMPLES": "20"}
+#: The single-process run's planning properties: 75 examples each (150 outside CI).
+SINGLE = {"TIDE_TEST_EXAMPLES": "75"}
 #: Eight ranks as 2 x 4 and 8 x 1 nodes: the collectives and their inter-node pipelines
 #: only (eight processes share CI's two cores; nodes of two ranks are n=4's 2 x 2).
 WIDE_TESTS = ("tests/mpi/test_all_gather.py", "tests/mpi/test_reduce_scatter.py",
@@ -96,7 +99,7 @@ WIDE = 8
 
 
 def plan(ranks: list[int], wide: bool = True) -> list[Run]:
-    runs = [Run("single-process", 0)]
+    runs = [Run("single-process", 0, SINGLE)]
     runs += [Run(f"mpi n={n}", n, {} if n <= 2 else WIDER) for n in ranks]
     overrides = [(2, 1), (3, 1), (4, 1), (4, 2)]  # (ranks, TIDE_LOCAL_SIZE)
     runs += [Run(f"mpi n={n} local_size={L}", n, {"TIDE_LOCAL_SIZE": str(L), **AGAIN},
