@@ -188,14 +188,14 @@ class ShardedModule:
         parameters' device and dtype are the runtime's, so a conversion that would change
         them is refused (a no-op one, ``model.to(its own device)``, passes)."""
         sharding = self.sharding
-        for es in sharding._empty:
-            for e in es:
-                moved = fn(e)
-                if moved.device != e.device or moved.dtype != e.dtype:
-                    raise TideInvalid(
-                        f"{type(self).__name__}: expected a conversion that keeps the sharded "
-                        f"parameters on {e.device} in {e.dtype} (shard_module's device= and "
-                        f"param_dtype=), got one to {moved.device}, {moved.dtype}")
+        # Every placeholder has the one device and param_dtype: one tells for all.
+        e = next((e for es in sharding._empty for e in es), None)
+        moved = fn(e) if e is not None else None
+        if moved is not None and (moved.device != e.device or moved.dtype != e.dtype):
+            raise TideInvalid(
+                f"{type(self).__name__}: expected a conversion that keeps the sharded "
+                f"parameters on {e.device} in {e.dtype} (shard_module's device= and "
+                f"param_dtype=), got one to {moved.device}, {moved.dtype}")
         with sharding.sentinels_cleared():
             return super()._apply(fn, recurse)  # type: ignore[misc]
 
