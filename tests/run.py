@@ -28,6 +28,9 @@ The torch, Hugging Face and JAX tests and examples need the frameworks the ``tes
 extra installs; without one, the script stops before any run (instead of letting
 those tests skip and those examples fail).
 
+Consecutive runs whose processes fit in the machine's cores together run at once (on
+two cores: the single-process run beside ``mpi n=1``); the others one at a time.
+
 Every run gets the same Hypothesis seed (printed; pass ``--seed`` to reproduce),
 so all ranks of a run draw the same examples. ``TIDE_TIMEOUT`` defaults to 60 s
 here, so a lost signal fails a test instead of hanging it. Prints a summary
@@ -167,29 +170,46 @@ def command(run: Run, mpiexec: list[str], seed: int, extra: list[str]) -> list[s
             + ["--with-mpi", *run.targets] + extra)
 
 
-def execute(run: Run, cmd: list[str], timeout: float, logdir: Path) -> None:
-    """Run ``cmd`` in its own process group; on timeout kill that group (mpiexec and ranks)."""
+def waves(runs: list[Run], cores: int) -> list[list[Run]]:
+    """Consecutive runs whose processes fit in ``cores`` together, to run at once (on CI's
+    two cores: the single-process run beside the one-rank run); every other run alone."""
+    out: list[list[Run]] = []
+    for run in runs:
+        if out and sum(max(r.ranks, 1) for r in out[-1]) + max(run.ranks, 1) <= cores:
+            out[-1].append(run)
+        else:
+            out.append([run])
+    return out
+
+
+def start(run: Run, cmd: list[str], logdir: Path) -> tuple[subprocess.Popen, float]:
+    """Start ``cmd`` in its own process group (so a timeout kills mpiexec and its ranks),
+    writing to the run's log; returns the process and its start time."""
     env = dict(os.environ, **run.env)
     env.setdefault("TIDE_TIMEOUT", "60")
     env.setdefault("PYTHONUNBUFFERED", "1")
     run.log = logdir / (re.sub(r"[^\w]+", "_", run.name) + ".log")
-    start = time.monotonic()
     with open(run.log, "w") as log:
         log.write("$ " + " ".join(f"{k}={v}" for k, v in run.env.items()) + " "
                   + " ".join(cmd) + "\n\n")
         log.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-            run.status = "passed" if rc == 0 else f"FAILED (exit {rc})"
-        except subprocess.TimeoutExpired:
-            run.status = f"TIMEOUT ({timeout:.0f} s)"
-            _kill(proc)
-        except KeyboardInterrupt:
-            _kill(proc)
-            raise
-    run.seconds = time.monotonic() - start
+    return proc, time.monotonic()
+
+
+def finish(run: Run, proc: subprocess.Popen, started: float, until: float) -> None:
+    """Wait for ``proc`` until the monotonic time ``until``, then kill its group."""
+    try:
+        rc = proc.wait(timeout=max(until - time.monotonic(), 0.0))
+        run.status = "passed" if rc == 0 else f"FAILED (exit {rc})"
+    except subprocess.TimeoutExpired:
+        run.status = f"TIMEOUT ({until - started:.0f} s)"
+        _kill(proc)
+    except KeyboardInterrupt:
+        _kill(proc)
+        raise
+    run.seconds = time.monotonic() - started
     run.summary = _pytest_summary(run.log.read_text(errors="replace"))
 
 
@@ -257,18 +277,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     logdir.mkdir(parents=True, exist_ok=True)
     print(f"tests/run.py: {len(runs)} runs, Hypothesis seed {seed}, {mpi}, logs in {logdir}")
     deadline = time.monotonic() + TOTAL_BUDGET_S
-    for run in runs:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            run.status = "not run (time budget spent)"
+    for wave in waves(runs, os.cpu_count() or 1):
+        if deadline - time.monotonic() <= 0:
+            for run in wave:
+                run.status = "not run (time budget spent)"
             continue
-        cmd = command(run, mpiexec, seed, args.pytest_args)
-        print(f"--> {run.name}: {' '.join(cmd)}", flush=True)
-        execute(run, cmd, min(args.timeout, left), logdir)
-        print(f"    {run.status} in {run.seconds:.1f} s {run.summary}", flush=True)
-        if run.status != "passed":
-            tail = run.log.read_text(errors="replace").splitlines()[-120:]
-            print("    ---- last lines of the log ----\n" + "\n".join(tail), flush=True)
+        started = []
+        for run in wave:
+            cmd = command(run, mpiexec, seed, args.pytest_args)
+            print(f"--> {run.name}: {' '.join(cmd)}", flush=True)
+            started.append(start(run, cmd, logdir))
+        for run, (proc, t0) in zip(wave, started):
+            finish(run, proc, t0, min(t0 + args.timeout, deadline))
+            print(f"    {run.name}: {run.status} in {run.seconds:.1f} s {run.summary}", flush=True)
+            if run.status != "passed":
+                tail = run.log.read_text(errors="replace").splitlines()[-120:]
+                print("    ---- last lines of the log ----\n" + "\n".join(tail), flush=True)
     report(runs, seed, logdir)
     return 0 if all(r.status == "passed" for r in runs) else 1
 
