@@ -198,19 +198,32 @@ def start(run: Run, cmd: list[str], logdir: Path) -> tuple[subprocess.Popen, flo
     return proc, time.monotonic()
 
 
-def finish(run: Run, proc: subprocess.Popen, started: float, until: float) -> None:
-    """Wait for ``proc`` until the monotonic time ``until``, then kill its group."""
+def finish(wave: list[Run], started: list[tuple[subprocess.Popen, float]],
+           until: list[float]) -> None:
+    """Wait for a wave's processes, each until its monotonic time in ``until`` (then kill
+    its group); each run's time is its own, up to when it ended."""
+    pending = dict(enumerate(wave))
     try:
-        rc = proc.wait(timeout=max(until - time.monotonic(), 0.0))
-        run.status = "passed" if rc == 0 else f"FAILED (exit {rc})"
-    except subprocess.TimeoutExpired:
-        run.status = f"TIMEOUT ({until - started:.0f} s)"
-        _kill(proc)
+        while pending:
+            now = time.monotonic()
+            for i, run in list(pending.items()):
+                proc, t0 = started[i]
+                rc = proc.poll()
+                if rc is None and now < until[i]:
+                    continue
+                if rc is None:
+                    run.status = f"TIMEOUT ({until[i] - t0:.0f} s)"
+                    _kill(proc)
+                else:
+                    run.status = "passed" if rc == 0 else f"FAILED (exit {rc})"
+                run.seconds = time.monotonic() - t0
+                run.summary = _pytest_summary(run.log.read_text(errors="replace"))
+                del pending[i]
+            time.sleep(0.2)
     except KeyboardInterrupt:
-        _kill(proc)
+        for proc, _ in started:
+            _kill(proc)
         raise
-    run.seconds = time.monotonic() - started
-    run.summary = _pytest_summary(run.log.read_text(errors="replace"))
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -287,8 +300,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             cmd = command(run, mpiexec, seed, args.pytest_args)
             print(f"--> {run.name}: {' '.join(cmd)}", flush=True)
             started.append(start(run, cmd, logdir))
-        for run, (proc, t0) in zip(wave, started):
-            finish(run, proc, t0, min(t0 + args.timeout, deadline))
+        finish(wave, started, [min(t0 + args.timeout, deadline) for _, t0 in started])
+        for run in wave:
             print(f"    {run.name}: {run.status} in {run.seconds:.1f} s {run.summary}", flush=True)
             if run.status != "passed":
                 tail = run.log.read_text(errors="replace").splitlines()[-120:]
