@@ -152,8 +152,11 @@ run_units() {  # per-unit overhead on a host-bound model at one rank: plain torc
 }
 run_jax() {  # a JAX transformer's step at one rank: unsharded jit, tidearray.jax in one jit
     # (released/kept parameters, command buffers) and the per-unit path; TIDE_JAX_ARGS adds flags
+    local w
+    stacks_after "${TIDE_JAX_STACKS_S:-240}" jax_step "jax_step.py"; w=$!  # if it stalls
     step jax_step "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n 1 python3 benchmarks/steps/jax_step.py --out "$OUT/jax" \
         ${TIDE_JAX_ARGS:-}
+    kill "$w" 2>/dev/null
 }
 run_fsdp2ab() {  # one rank, shard_module only: the step time an A/B compares
     step "ab$AB" env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -145,6 +146,11 @@ def train_sharded(jax: Any, g: ta.Group, cfg: Config, dtype: str = "float32") ->
     shards, state, losses = su.shards, opt.init(su.shards), []
     for s in range(cfg.steps):
         tokens, targets = (jax.device_put(a, su.device) for a in batch(cfg, s, g.rank))
+        if s == 0:  # compiled ahead, so a slow compile shows as such (it can take a while)
+            started = time.perf_counter()
+            step = step.lower(shards, state, opt.coefficients(1), tokens, targets).compile()
+            if g.rank == 0:
+                print(f"compiled the step in {time.perf_counter() - started:.1f} s", flush=True)
         shards, state, loss = step(shards, state, opt.coefficients(s + 1), tokens, targets)
         losses.append(g.comm.allreduce(float(loss)) / g.size)
         if g.rank == 0:

@@ -126,6 +126,8 @@ def run_impl(jax: Any, g: ta.Group, cfg: Any, args: argparse.Namespace, impl: st
         t1 = time.perf_counter()
         losses.append(float(np.asarray(loss)))  # waits for the step
         t2, c1 = time.perf_counter(), time.process_time()
+        if s < args.warmup and g.rank == 0:  # progress: the first includes XLA's compile
+            print(f"[{impl}] warm-up step {s}: {t2 - t0:.2f} s", flush=True)
         if s >= args.warmup:
             issue.append(t1 - t0)
             wall.append(t2 - t0)

@@ -18,6 +18,7 @@ T=${TIDE_GPU_TIMEOUT:-300}
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe ${TIDE_MPI_ARGS:-} -x PYTHONPATH
         -x PYTHONUNBUFFERED -x XLA_PYTHON_CLIENT_PREALLOCATE -x TIDE_BACKEND=cuda)
 for v in $(compgen -e | grep '^TIDE_'); do MPIRUN+=(-x "$v"); done  # settings reach every rank
+[ -z "${XLA_FLAGS:-}" ] || MPIRUN+=(-x XLA_FLAGS)
 MPI=(timeout "$T" "${MPIRUN[@]}")
 PYTEST=(python3 -m pytest --with-mpi -q -p no:cacheprovider -o faulthandler_timeout=60 -rf)
 status=0
@@ -37,4 +38,13 @@ bundle() {  # TIDE_GPU_TAR=NAME: everything under $OUT into $OUT/NAME.tgz (few f
     local tmp; tmp=$(mktemp -d)
     tar czf "$tmp/$TIDE_GPU_TAR.tgz" -C "$OUT" --exclude=report . && rm -rf "${OUT:?}"/* &&
         mv "$tmp/$TIDE_GPU_TAR.tgz" "$OUT/" && echo "== bundled into $OUT/$TIDE_GPU_TAR.tgz"
+}
+
+stacks_after() {  # stacks_after SECONDS NAME PATTERN: a watcher (its pid in $!): if processes
+    # (Python) whose command line matches PATTERN still run after SECONDS, every thread's native
+    # stack of each (cuda-gdb attaches; there is no gdb) goes to $LOGS/NAME.stacks
+    (sleep "$1"; for pid in $(pgrep -f "^python3? .*$3"); do
+        echo "== pid $pid: $(tr '\0' ' ' < "/proc/$pid/cmdline")"
+        timeout 90 cuda-gdb -p "$pid" -batch -ex "thread apply all bt 40" 2>&1 | grep -v '^\[New'
+    done > "$LOGS/$2.stacks" 2>&1) &
 }

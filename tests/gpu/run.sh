@@ -58,10 +58,15 @@ run_plans() {  # plan tests on cuda at 2 ranks (host time per plan call: benchma
 run_jax() {  # the JAX example on the cuda backend (one jitted step, collectives on XLA's stream)
     step jax_np2 "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n 2 python3 examples/jax_train.py
 }
-run_jaxjit() {  # tidearray.jax on cuda: 1-4 ranks sharing the GPU, then the example in bf16
-    local n
+run_jaxjit() {  # tidearray.jax on cuda: 1-4 ranks sharing the GPU, then the example in bf16.
+    # Run it alone: XLA's first compile autotunes on the GPU, and beside other jobs' kernels
+    # it stalled for minutes. If a step still runs after TIDE_JAX_STACKS_S (120 s), its
+    # ranks' native stacks are written next to its log.
+    local n w
     for n in ${TIDE_JAXJIT_RANKS:-1 2 3 4}; do
+        stacks_after "${TIDE_JAX_STACKS_S:-120}" "jaxjit_np$n" "test_jax_jit_gpu"; w=$!
         step "jaxjit_np$n" "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n "$n" "${PYTEST[@]}" tests/gpu/test_jax_jit_gpu.py
+        kill "$w" 2>/dev/null
     done
     step jaxjit_bf16_np2 "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n 2 python3 examples/jax_train.py --dtype bfloat16
 }
