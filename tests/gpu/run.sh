@@ -59,16 +59,20 @@ run_jax() {  # the JAX example on the cuda backend (one jitted step, collectives
     step jax_np2 "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n 2 python3 examples/jax_train.py
 }
 run_jaxjit() {  # tidearray.jax on cuda: 1-4 ranks sharing the GPU, then the example in bf16.
-    # Run it alone: XLA's first compile autotunes on the GPU, and beside other jobs' kernels
-    # it stalled for minutes. If a step still runs after TIDE_JAX_STACKS_S (120 s), its
-    # ranks' native stacks are written next to its log.
-    local n w
+    # Run it alone: on the H200 its first runs, beside other steps sharing the GPU, sat in
+    # XLA's compile of the first step for over a minute (cause not found). If a step still
+    # runs after TIDE_JAX_STACKS_S (120 s), its ranks' native stacks go next to its log.
+    # Correctness needs no autotuned matmuls: XLA's gemm autotuning (it compiles many
+    # candidate kernels per shape) is off unless XLA_FLAGS is set.
+    local n w xla=${XLA_FLAGS:---xla_gpu_autotune_level=0}
     for n in ${TIDE_JAXJIT_RANKS:-1 2 3 4}; do
         stacks_after "${TIDE_JAX_STACKS_S:-120}" "jaxjit_np$n" "test_jax_jit_gpu"; w=$!
-        step "jaxjit_np$n" "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n "$n" "${PYTEST[@]}" tests/gpu/test_jax_jit_gpu.py
+        step "jaxjit_np$n" "${MPI[@]}" -x XLA_FLAGS="$xla" -x TIDE_JAX_CUDA=1 -n "$n" "${PYTEST[@]}" \
+            tests/gpu/test_jax_jit_gpu.py
         kill "$w" 2>/dev/null
     done
-    step jaxjit_bf16_np2 "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n 2 python3 examples/jax_train.py --dtype bfloat16
+    step jaxjit_bf16_np2 "${MPI[@]}" -x XLA_FLAGS="$xla" -x TIDE_JAX_CUDA=1 -n 2 python3 examples/jax_train.py \
+        --dtype bfloat16
 }
 
 # The torch front end on real models: the Hugging Face tests at 1-4 ranks (ranks sharing the
