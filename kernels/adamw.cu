@@ -12,8 +12,9 @@
 // them from device memory (up to ADAMW_MAX_ROWS). An element whose row is
 // ADAMW_SKIP (a parameter with no gradient this step) is neither read nor
 // written. The host folds the hyper-parameters and each row's step count into
-// float32 coefficients (_optim.coefficients), so the kernel and the NumPy path
-// read the very same float32 values ([Note: absent gradients] in _optim.py).
+// float32 coefficients (_adamw.coefficients), so the kernel and the NumPy path
+// read the very same float32 values ([Note: AdamW math] in _adamw.py; the rows:
+// [Note: absent gradients] in _rows.py).
 //
 // Per element, in float32, each operation rounded to nearest even:
 //
@@ -43,9 +44,9 @@ struct Coeffs {
 };
 
 // Rows of the by-value table (the most parameter groups, the default one (0)
-// included): MAX_GROUPS in _optim.py.
+// included): MAX_GROUPS in _adamw.py.
 #define ADAMW_MAX_GROUPS 16
-// Most rows of a device table (MAX_ROWS in _optim.py), and the row index of an
+// Most rows of a device table (MAX_ROWS in _rows.py), and the row index of an
 // element that is skipped (SKIP): together every value of a uint8.
 #define ADAMW_MAX_ROWS 254
 #define ADAMW_SKIP 255

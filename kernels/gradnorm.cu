@@ -17,7 +17,7 @@
 // then a fixed tree over the block's threads, then the blocks in a fixed tree. The
 // operations are _rn intrinsics, never contracted into FMAs, and float64 sqrt and
 // division are correctly rounded, so clip_finish's arithmetic is bitwise what the
-// host's Python floats give for the same inputs (_optim.clip_scale).
+// host's Python floats give for the same inputs (_norm.clip_scale).
 
 typedef long long i64;
 
@@ -67,7 +67,7 @@ extern "C" __global__ void sum_squares_total(const double* partial, double* tota
 // per_rank: each rank's sum of squares, rank 0 first. scale: the factor from the summed
 // to the averaged gradient (the norm is the averaged gradient's). With table not null,
 // grad_scale = round_to_float(scale * clip_scale(norm, max_norm)) goes into field
-// `field` of each of `rows` rows of `width` floats: _optim.clip_scale's arithmetic,
+// `field` of each of `rows` rows of `width` floats: _norm.clip_scale's arithmetic,
 //     coef = max_norm / (norm + 1e-6), kept where below 1 or NaN, else 1.
 extern "C" __global__ void clip_finish(const double* per_rank, int world, double scale,
                                        double max_norm, double* norm, float* table, int rows,

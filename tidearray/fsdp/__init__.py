@@ -9,11 +9,12 @@ calls its hooks (see ``docs/fsdp.md``). :class:`UnitComm` is the extension point
 ``Runtime(comm=...)``: a comm of one's own (FSDP2's flat path, in the benchmarks).
 """
 
+from ._adamw import AdamW, ParamGroup
 from ._checkpoint import export, load, save
 from ._comm import UnitComm
 from ._graph import CapturedStep
 from ._norm import GradScale, clip_scale
-from ._optim import AdamW, FusedAdamW, ParamGroup
+from ._optim import FusedAdamW
 from ._runtime import Runtime
 
 __all__ = ["AdamW", "CapturedStep", "FusedAdamW", "GradScale", "ParamGroup", "Runtime",

@@ -27,7 +27,7 @@ is cut into pieces of one group and one parameter (:func:`arena_pieces`);
 each piece's row is its pair's, or :data:`SKIP` where its parameter is
 absent.
 
-* NumPy: ``_optim.adamw_numpy`` over each run of pieces of one row
+* NumPy: ``_adamw.adamw_numpy`` over each run of pieces of one row
   (:meth:`RowPlan.host_runs`); SKIP runs are not touched.
 * cupy, eager: where every element has one row, no index: the nine-float
   ``adamw_<send>`` kernel, the launch of an ungrouped step; where none
@@ -133,7 +133,7 @@ class Pieces(NamedTuple):
 
 
 def arena_pieces(groups: Sequence[Run], params: Sequence[Run]) -> Pieces:
-    """The pieces of two runs of one arena: ``_optim.group_runs``' and the parameters'."""
+    """The pieces of two runs of one arena: ``_adamw.group_runs``' and the parameters'."""
     cut: list[tuple[int, int, int, int]] = []
     i = j = 0
     while i < len(groups) and j < len(params):
@@ -205,7 +205,7 @@ class RowPlan:
 
     Args:
         size: the arena's length.
-        groups: its group runs (``_optim.group_runs``).
+        groups: its group runs (``_adamw.group_runs``).
         num_groups: how many groups, the default one included.
         params: each parameter's element range, checked to lie in ``[0, size)``.
 

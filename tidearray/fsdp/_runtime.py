@@ -68,14 +68,13 @@ from .. import _dtypes
 from .._errors import TideInvalid
 from .._group import Group, default_group
 from ..backends.cuda.streams import on_stream
+from ._adamw import AdamW
 from ._comm import UnitComm, comm_factory
 from ._lifecycle import State, UnitLifecycle, UseToken
-from ._norm import GlobalNorm, GradScale, check_max_norm, clip_limit
-from ._optim import AdamW, FusedAdamW, ParamGroup
-from ._shards import ShardArena, arena_layout
+from ._norm import Clipper, GlobalNorm, GradScale, check_max_norm, clip_limit
+from ._optim import FusedAdamW
+from ._shards import Init, ShardArena, arena_groups, arena_layout, describe_units, trainable_flags
 from ._slots import SlotTable
-
-Init = Callable[[str, tuple], Any]
 
 
 class Runtime:
@@ -147,7 +146,7 @@ class Runtime:
                  report_grads: bool = False,
                  on_release: Optional[Callable[[int], None]] = None) -> None:
         group = group or default_group()
-        names, shapes, values = _describe(units, init)
+        names, shapes, values = describe_units(units, init)
         if prefetch < 1:
             raise TideInvalid(f"prefetch: expected >= 1, got {prefetch}")
         num_slots = prefetch + 1 if num_slots is None else num_slots
@@ -158,7 +157,7 @@ class Runtime:
         self.group, self.kind, self.stream = group, factory.name, stream
         self.names, self.shapes = names, shapes
         self.root = bool(root)
-        self.trainable = _trainable(trainable, shapes)
+        self.trainable = trainable_flags(trainable, shapes)
         self.param_dtype = _dtypes.normalize(param_dtype)
         self.xp = group.backend.xp
         self.world = factory.sharded_over(group)
@@ -166,18 +165,16 @@ class Runtime:
         # Unless asked to keep them, tide's gathers cast the masters into the slots.
         self.arena = ShardArena(arena_layout(shapes, self.world), self.xp, self.param_dtype,
                                 send=factory.send_shards or keep_param_shards)
-        self._fill_masters(values, init)
+        self.arena.fill_masters(values, init, self.rank)
         hp = optimizer or AdamW()
         self.optimizer = FusedAdamW(
-            hp, self.arena.master, self.arena.send, self.xp, groups=self._groups(param_groups),
-            params=[self._param_range(u, k) for u, ns in enumerate(names)
+            hp, self.arena.master, self.arena.send, self.xp,
+            groups=arena_groups(self.arena, names, param_groups),
+            params=[self.arena.param_range(u, k) for u, ns in enumerate(names)
                     for k in range(len(ns))])
         self.max_grad_norm = clip_limit(max_grad_norm, hp.max_grad_norm)
-        self._norm: Optional[GlobalNorm] = None
-        # clip_grad_norm_'s finalized gradients, which the next step takes (with the
-        # micro-batches they cover); and the scale of the step a capture holds.
-        self._clipped: Optional[tuple[int, GradScale]] = None
-        self._captured: Optional[GradScale] = None
+        self._clip = Clipper(group, self.world, self.xp)
+        self._captured: Optional[GradScale] = None  # the scale of the step a capture holds
         self.num_slots = num_slots
         self.prefetch = prefetch
         self.comm: UnitComm = factory(group, shapes, self.param_dtype, self.arena,
@@ -386,16 +383,10 @@ class Runtime:
         average = 1.0 / (self.world * self._micro)
         if max_norm is None:
             return GradScale(average)
-        if not self._capturing():
-            return self.global_norm().clip(self.arena.grad, average, max_norm,
-                                           stream=self.stream)
         opt = self.optimizer
-        if self._norm is None or opt.coeff_dev is None:
-            raise TideInvalid("clip_grad_norm_ inside a stream capture: expected "
-                              "prepare_capture() before the capture (it makes what the "
-                              "captured clip reads), got none")
-        return self._norm.clip(self.arena.grad, average, max_norm, stream=self.stream,
-                               table=opt.coeff_dev, table_shape=opt.table_layout)
+        return self._clip.clip(self.arena.grad, average, max_norm, stream=self.stream,
+                               capturing=self._capturing(), table=opt.coeff_dev,
+                               table_shape=opt.table_layout)
 
     def apply_step(self, step: Callable[[np.ndarray], None]) -> None:
         """Step with another optimizer: the gradient shards finalized (:meth:`finalize_grads`,
@@ -432,20 +423,16 @@ class Runtime:
                 :meth:`prepare_capture`.
         """
         scale = self.finalize_grads(max_norm)
-        self._clipped = (self._micro, scale)
+        self._clip.hold(self._micro, scale)
         return scale.norm
 
     def _step_scale(self) -> GradScale:
         """This step's finalized gradients, finalized once: :meth:`clip_grad_norm_`'s where
         it ran (a forward since only gathered parameters, released here), else
         :meth:`finalize_grads` with :attr:`max_grad_norm`."""
-        clipped, self._clipped = self._clipped, None
-        if clipped is None:
+        scale = self._clip.take(self._micro, self.life.in_backward)
+        if scale is None:
             return self.finalize_grads(self.max_grad_norm)
-        micro, scale = clipped
-        if self.life.in_backward or self._micro != micro:
-            raise TideInvalid("step: expected no backward between clip_grad_norm_ and the "
-                              "step (its norm is of the gradient before), got one")
         self.release()  # parameters gathered now would be stale after the step
         return scale
 
@@ -465,10 +452,7 @@ class Runtime:
     def global_norm(self) -> GlobalNorm:
         """What computes the gradient's global norm, made at its first use (collective:
         every rank makes it at the same call)."""
-        if self._norm is None:
-            self._norm = GlobalNorm(self.group if self.world > 1 else None, self.world,
-                                    self.xp)
-        return self._norm
+        return self._clip.global_norm()
 
     def prepare_capture(self) -> None:
         """Make, outside a capture, what a captured step reads (collective): the
@@ -513,31 +497,6 @@ class Runtime:
         for i in list(self.slots.gathered):
             self.slots.release(i)
 
-    def _groups(self, param_groups: Sequence[tuple[AdamW, Sequence[str]]]) -> list:
-        """The optimizer's groups as element ranges of this rank's shards."""
-        where = {name: (u, k) for u, names in enumerate(self.names)
-                 for k, name in enumerate(names)}
-        groups, taken = [], set()
-        for j, (group_hp, names) in enumerate(param_groups):
-            ranges = []
-            for name in names:
-                if name not in where:
-                    raise TideInvalid(f"param_groups[{j}]: expected parameter names of the "
-                                      f"model, got {name!r}")
-                if name in taken:
-                    raise TideInvalid(f"param_groups[{j}]: expected each parameter in one "
-                                      f"group, got {name!r} twice")
-                taken.add(name)
-                ranges.append(self._param_range(*where[name]))
-            groups.append(ParamGroup(group_hp, tuple(ranges)))
-        return groups
-
-    def _param_range(self, u: int, k: int) -> tuple[int, int]:
-        """Parameter ``k`` of unit ``u``: its elements of this rank's shard arena."""
-        lay = self.arena.layout.units[u]
-        start = self.arena.layout.starts[u] + lay.offsets[k]
-        return start, start + lay.specs[k].shard_numel
-
     def _zero_grad(self, i: int) -> None:
         with on_stream(self.stream):
             self.arena.block(self.arena.grad, i).fill(0)
@@ -576,21 +535,6 @@ class Runtime:
         if self._scratch is None:
             self._scratch = self.xp.zeros_like(self.arena.grad)
         return self._scratch
-
-    def _fill_masters(self, values: list, init: Optional[Init]) -> None:
-        xp, r = self.xp, self.rank
-        for u, unit_values in enumerate(values):
-            lay = self.arena.layout.units[u]
-            for spec, master, (name, value) in zip(
-                    lay.specs, self.arena.views(self.arena.master, u), unit_values):
-                full = init(name, spec.shape) if init is not None else value
-                if tuple(full.shape) != spec.shape:
-                    raise TideInvalid(f"parameter {name!r}: expected shape {spec.shape}, got "
-                                      f"{tuple(full.shape)}")
-                start, stop = spec.rows(r)
-                if stop > start:
-                    master[:stop - start] = xp.asarray(full[start:stop], dtype=np.float32)
-        self.arena.refresh_send()
 
     # -- state --------------------------------------------------------------------
 
@@ -642,39 +586,3 @@ class Runtime:
 
         self.synchronize()
         return full_param(self, unit, k, root)
-
-
-def _trainable(trainable: Optional[Sequence[Sequence[bool]]],
-               shapes: list) -> list[list[bool]]:
-    if trainable is None:
-        return [[True] * len(s) for s in shapes]
-    got = [len(t) for t in trainable]
-    if got != [len(s) for s in shapes]:
-        raise TideInvalid(f"trainable: expected a flag per parameter, {[len(s) for s in shapes]}"
-                          f" per unit, got {got}")
-    return [[bool(x) for x in t] for t in trainable]
-
-
-def _describe(units: Sequence[Sequence[tuple[str, Any]]],
-              init: Optional[Init]) -> tuple[list, list, list]:
-    names: list[list[str]] = []
-    shapes: list[list[tuple]] = []
-    values: list[list] = []
-    seen: set = set()
-    for u, unit in enumerate(units):
-        names.append([]), shapes.append([]), values.append([])
-        for entry in unit:
-            name, value = entry
-            if name in seen:
-                raise TideInvalid(f"unit {u}: expected unique parameter names, got {name!r} "
-                                  "twice")
-            seen.add(name)
-            shape = tuple(int(d) for d in (value if init is not None else value.shape))
-            names[-1].append(name)
-            shapes[-1].append(shape)
-            values[-1].append((name, value))
-    if not shapes or not all(shapes):
-        raise TideInvalid("units: expected at least one unit, each with parameters, got "
-                          f"{[len(s) for s in shapes]}")
-    return names, shapes, values
-

@@ -1,8 +1,8 @@
 """AdamW on fp32 shards inside a jitted JAX step, with the fused optimizer's coefficients.
 
 The update is the one of ``tidearray.fsdp.FusedAdamW`` ([Note: AdamW math] in
-``tidearray.fsdp._optim``): the step's scalars are computed once on the host in
-float64 and rounded to float32 (:func:`tidearray.fsdp._optim.coefficients`), then
+``tidearray.fsdp._adamw``): the step's scalars are computed once on the host in
+float64 and rounded to float32 (:func:`tidearray.fsdp._adamw.coefficients`), then
 every element is updated in float32 by XLA. Passing the scalars as an argument keeps
 one compiled step for every step count and learning rate. XLA may fuse the element
 operations (on GPU, contract a multiply and an add), so results agree with the fused
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import TideInvalid
-from ..fsdp._optim import AdamW as AdamWConfig
-from ..fsdp._optim import Coefficients, coefficients
+from ..fsdp._adamw import AdamW as AdamWConfig
+from ..fsdp._adamw import Coefficients, coefficients
 
 
 class AdamWState(NamedTuple):
