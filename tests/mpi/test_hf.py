@@ -345,6 +345,126 @@ def test_torch_optimizer_on_the_shards(group):
     _compare(group, got, _reference(reference, seed, group.size, make_opt=sgd), "SGD on shards")
 
 
+def test_zero_grad_drops_gradients_as_torch_does(group):
+    """The torch loop's ``opt.zero_grad()`` on ``model.sharding.optimizer`` (a torch SGD with
+    momentum over the shards) at every step, and a batch whose backward is thrown away by
+    ``model.zero_grad()`` (step 1) or ``opt.zero_grad()`` (step 3): the same losses as one
+    process doing the same with plain torch (1e-5 relative, fp32). The dropped backward's
+    gradients must reach no step, and the optimizer must still see the gradients after
+    its ``zero_grad()``."""
+    seed = _seed(group)
+    model = _llama(seed, tied=True)
+    reference = copy.deepcopy(model)
+
+    def sgd(ps: list) -> Any:
+        return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+
+    def loop(step: Callable, opt: Any, net: Any, loss_of: Callable) -> list[float]:
+        losses = []
+        for s in range(6):
+            opt.zero_grad()
+            if s in (1, 3):  # a batch that is thrown away after its backward
+                loss_of(s + 50).backward()
+                (net.zero_grad if s == 1 else opt.zero_grad)()
+            loss = loss_of(s)
+            loss.backward()
+            step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    def global_loss(s: int) -> torch.Tensor:
+        return torch.stack([_loss(reference, _batch(seed, s, r)) for r in range(group.size)]
+                           ).mean()
+
+    ref_opt = sgd([p for p in reference.parameters()])
+    want = loop(ref_opt.step, ref_opt, reference, global_loss)
+    sm = _wrap(model, group, optimizer=sgd)
+    got = loop(sm.step, sm.sharding.optimizer, sm,
+               lambda s: _loss(sm, _batch(seed, s, group.rank)))
+    got = [group.comm.allreduce(x) / group.size for x in got]
+    _compare(group, got, want, "zero_grad")
+
+
+def test_gradient_accumulation_averages_the_micro_batches(group):
+    """Two forward/backward passes per ``step()`` (SGD with momentum over the shards: the
+    gradient's scale shows), the loss not divided: the same losses as one process whose
+    loss is the mean over ranks and micro-batches (1e-5 relative, fp32), that is as
+    torch's loop that divides each micro-batch's loss by their count (docs/torch.md)."""
+    seed = _seed(group)
+    model = _llama(seed, tied=True)
+    reference = copy.deepcopy(model)
+
+    def sgd(ps: list) -> Any:
+        return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+
+    micro, steps = 2, 5
+    opt = sgd(list(reference.parameters()))
+    want = []
+    for s in range(steps):
+        loss = torch.stack([_loss(reference, _batch(seed, micro * s + m, r))
+                            for m in range(micro) for r in range(group.size)]).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+    sm = _wrap(model, group, optimizer=sgd)
+    got = []
+    for s in range(steps):
+        total = 0.0
+        for m in range(micro):
+            loss = _loss(sm, _batch(seed, micro * s + m, group.rank))
+            loss.backward()
+            total += float(loss.detach()) / micro
+        sm.step()
+        got.append(group.comm.allreduce(total) / group.size)
+    _compare(group, got, want, "gradient accumulation")
+
+
+@pytest.mark.parametrize("optimizer", ["fused", "torch"])
+def test_learning_rate_schedule(group, optimizer):
+    """A warm-up over the steps: torch's ``LambdaLR`` on ``model.sharding.optimizer`` (a
+    torch AdamW over the shards), or the fused AdamW given each step's rate by
+    ``step(lr=)``; against one process with torch's AdamW and ``LambdaLR`` (1e-5
+    relative, fp32)."""
+    from tidearray.fsdp import AdamW
+
+    seed = _seed(group)
+    model = _llama(seed, tied=True)
+    reference = copy.deepcopy(model)
+
+    def warm_up(step: int) -> float:
+        return (step + 1) / STEPS
+
+    def adamw(ps: list) -> Any:
+        return torch.optim.AdamW(ps, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+    opt = adamw(list(reference.parameters()))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warm_up)
+    want = []
+    for s in range(STEPS):
+        loss = torch.stack([_loss(reference, _batch(seed, s, r))
+                            for r in range(group.size)]).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        schedule.step()
+        want.append(float(loss.detach()))
+    sm = _wrap(model, group, optimizer=AdamW(lr=LR) if optimizer == "fused" else adamw)
+    if optimizer == "torch":
+        schedule = torch.optim.lr_scheduler.LambdaLR(sm.sharding.optimizer, warm_up)
+    got = []
+    for s in range(STEPS):
+        loss = _loss(sm, _batch(seed, s, group.rank))
+        loss.backward()
+        if optimizer == "fused":
+            sm.step(lr=LR * warm_up(s))
+        else:
+            sm.step()
+            schedule.step()
+        got.append(group.comm.allreduce(float(loss.detach())) / group.size)
+    _compare(group, got, want, f"lr schedule ({optimizer})")
+
+
 def test_torch_tools_do_not_silently_see_nothing(group):
     import tidearray
 

@@ -404,6 +404,23 @@ class Runtime:
         self.arena.refresh_send()
         self._micro = 0
 
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last step, as torch's ``zero_grad()``
+        drops them: the next backward starts the step afresh (its first micro-batch
+        reduces straight into the gradient shards; no parameter counts as having had a
+        gradient). Waits for the reductions in flight; no collective of its own.
+
+        Raises:
+            TideInvalid: inside a backward pass.
+        """
+        if self.life.in_backward:
+            raise TideInvalid("zero_grad: expected no backward in progress, got one")
+        for k in list(self._pending):
+            self._retire(k)
+        self._micro = 0
+        self._clipped = None
+        self.life.end_step()
+
     def clip_grad_norm_(self, max_norm: float) -> Any:
         """Clip the averaged gradient to the global L2 norm ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_`` does, at the next :meth:`step` (which then

@@ -13,7 +13,7 @@ also has what a sharded model needs: :meth:`~ShardedModule.step`,
 and ``model.sharding`` (:class:`~tidearray.torch._sharding.Sharding`: the units, the
 runtime, the optimizer). Everything the mixin adds has a name ``nn.Module`` does not
 use, or keeps the semantics of ``nn.Module``'s own (``state_dict``, ``load_state_dict``,
-``_apply``): the attributes of the user's class stay untouched but for ``sharding``
+``zero_grad``, ``_apply``): the attributes of the user's class stay untouched but for ``sharding``
 and the names below.
 """
 
@@ -133,6 +133,14 @@ class ShardedModule:
             tensor on the device, which each replay overwrites.
         """
         return self.sharding.clip_grad_norm_(max_norm)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients accumulated since the last :meth:`step`, as torch's
+        ``zero_grad`` does: a backward after it starts the step afresh (a skipped batch's
+        gradients never reach a step). Before a backward, or right after a step, there
+        is nothing to drop. Not inside a backward (``TideInvalid``)."""
+        self.sharding.zero_grad()
+        super().zero_grad(set_to_none)  # type: ignore[misc]
 
     def shard_parameters(self) -> list:
         """This rank's fp32 master shards as torch tensors, each trained one with its fp32

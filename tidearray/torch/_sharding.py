@@ -147,8 +147,11 @@ class Sharding:
                               for u in range(len(self.units))]
         self._hooks = self._register()
         self._shards = self.shard_parameters() if self._make_optimizer is not None else []
+        self._shard_grads = [t.grad for t in self._shards]  # the runtime's, set back each step
         self.optimizer = (self._make_optimizer(self._shards)
                           if self._make_optimizer is not None else self.runtime.optimizer)
+        if self._make_optimizer is not None:
+            _route_zero_grad(self.optimizer, self)
 
     # -- registration -----------------------------------------------------------------
 
@@ -382,16 +385,25 @@ class Sharding:
 
     def _torch_step(self, present: Any) -> None:
         """The torch optimizer's step over the shards, with no ``.grad`` on a parameter that
-        no rank gave a gradient (torch's optimizers skip those, as in one process)."""
-        absent = [(t, t.grad) for t, ok in zip(self._shards, present)
-                  if not ok and t.grad is not None]
-        for t, _ in absent:
-            t.grad = None
+        no rank gave a gradient (torch's optimizers skip those, as in one process). Each
+        other trained shard's ``.grad`` is the runtime's gradient shard, set back if
+        anything replaced it (the optimizer's ``zero_grad()`` goes to :meth:`zero_grad`
+        and leaves them; a ``p.grad = None`` of the user's does not skip a parameter
+        that got a gradient)."""
+        for t, g, ok in zip(self._shards, self._shard_grads, present):
+            t.grad = g if ok else None
         try:
             self.optimizer.step()
         finally:
-            for t, g in absent:
+            for t, g in zip(self._shards, self._shard_grads):
                 t.grad = g
+
+    def zero_grad(self) -> None:
+        """The model's (and a torch ``optimizer=``'s) ``zero_grad()``: the gradients
+        accumulated since the last step are dropped, as torch drops them
+        (:meth:`Runtime.zero_grad`); no sentinel ``.grad`` is left."""
+        self._clear_sentinels()
+        self.runtime.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float) -> Union[float, torch.Tensor]:
         """The model's ``clip_grad_norm_`` (:meth:`ShardedModule.clip_grad_norm_`), on the
@@ -435,6 +447,19 @@ class Sharding:
             h.remove()
         self._hooks = []
         self.runtime.close()
+
+
+def _route_zero_grad(optimizer: Any, sharding: Sharding) -> None:
+    """``optimizer.zero_grad()`` (the torch optimizer over the shards) drops the accumulated
+    gradients through ``sharding``, as in torch, instead of setting the shards' ``.grad`` to
+    None (the runtime's gradient shards, which the optimizer must keep seeing)."""
+    if not callable(getattr(optimizer, "zero_grad", None)):
+        return
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        sharding.zero_grad()
+
+    optimizer.zero_grad = zero_grad
 
 
 class _GradInputs:
