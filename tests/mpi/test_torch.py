@@ -128,6 +128,30 @@ def test_bad_units_are_refused(group):
         tt.shard_module(model, [units[1], units[1][0]], group=group)
 
 
+def test_mixed_dtypes_need_a_param_dtype(group):
+    """Parameters of two dtypes (one bf16 layer in an fp32 model): without ``param_dtype``
+    a TideInvalid on every rank naming both, as FSDP2 refuses; with it, every parameter
+    is gathered in that dtype and the model trains."""
+    import tidearray
+    import tidearray.torch as tt
+
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    model, units = _model(0)
+    units[1].to(torch.bfloat16)
+    with pytest.raises(tidearray.TideInvalid,
+                       match=r"float32 \('0.weight', \.\.\.\), bfloat16 \('1.1.weight'"):
+        tt.shard_module(model, units, group=group)
+    seen = set()
+    units[1].register_forward_pre_hook(lambda m, args: seen.add(m[1].weight.dtype))
+    sm = tt.shard_module(model, units, group=group, param_dtype=torch.float32)
+    x, y = _batch(0, group.rank, B)
+    torch.nn.functional.mse_loss(sm(x), y).backward()
+    sm.step()
+    agree(group.comm, [] if seen == {torch.float32} else [f"gathered as {seen}"],
+          "param_dtype=float32 over fp32 and bf16 parameters")
+
+
 def test_units_out_of_order_are_refused_at_the_first_forward(group):
     import tidearray
     import tidearray.torch as tt

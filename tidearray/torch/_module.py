@@ -51,7 +51,7 @@ def shard_module(module: torch.nn.Module, units: Optional[Sequence[Any]] = None,
             nested unit owns. None: the whole model is one unit.
         group: the tidearray group (default: the last ``init``).
         param_dtype: dtype of the gathered parameters and gradients (a torch or
-            NumPy dtype; default: the parameters' own).
+            NumPy dtype; default: the parameters' own, which must then be one dtype).
         optimizer: AdamW hyper-parameters for the fused optimizer (default
             ``AdamW()``), or ``make(params) -> torch.optim.Optimizer`` to step
             the fp32 shards with any torch optimizer.

@@ -104,6 +104,8 @@ class Sharding:
         values = _init.Values(spec, init_fn, checkpoint)
         errors = [f"checkpoint: expected every parameter, got none for {n!r}"
                   for n in values.missing()[:3]]
+        if param_dtype is None:
+            errors += _mixed_dtypes(self.names, self.params)
         _validate.check(group, "shard_module", _units.signature(spec), errors)
         dtype = _numpy_dtype(param_dtype if param_dtype is not None
                              else self.params[0][0].dtype)
@@ -584,6 +586,22 @@ def _tensor(a: Any, shape: Any) -> Any:
             return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).reshape(shape)
         return torch.from_numpy(a).reshape(shape)
     return torch.from_dlpack(a).reshape(shape)
+def _mixed_dtypes(names: list[list[str]], params: list[list[Any]]) -> list[str]:
+    """The error, if any, of parameters of several dtypes without ``param_dtype``: every
+    parameter is gathered in one dtype, so casting some silently (fp32 norms or LoRA
+    adapters on a bf16 model gathered in bf16) is refused, as FSDP2 refuses mixed
+    dtypes without a ``MixedPrecisionPolicy``."""
+    first: dict[Any, str] = {}
+    for ns, ps in zip(names, params):
+        for n, p in zip(ns, ps):
+            first.setdefault(p.dtype, n)
+    if len(first) < 2:
+        return []
+    seen = ", ".join(f"{str(d).replace('torch.', '')} ({n!r}, ...)" for d, n in first.items())
+    return [f"param_dtype: every parameter is gathered in one dtype; expected parameters of "
+            f"one dtype or param_dtype= (the dtype to gather in), got {seen}"]
+
+
 def _numpy_dtype(dtype: Any) -> np.dtype:
     name = str(dtype).replace("torch.", "")
     if name not in _dtypes.SUPPORTED:
