@@ -9,7 +9,7 @@ forward and backward captured with ``torch.cuda.graph`` and replayed once on the
 weights and batch. Prints whether the losses are equal and which parameters' gradients
 differ bit for bit, under the default settings, with bf16 reduced-precision reductions
 off, and with the cuBLAS (not cuBLASLt) back end. tidearray's captured torch step
-(``tidearray.torch.CapturedStep``) can only be as bitwise as this.
+(``model.capture_step``) can only be as bitwise as this.
 """
 
 from __future__ import annotations

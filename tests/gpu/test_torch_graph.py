@@ -1,5 +1,5 @@
 """A torch model's whole step captured with ``torch.cuda.graph`` ([Note: torch captured
-steps] in ``tidearray.torch._graph``): ``tidearray.torch.CapturedStep`` against the same
+steps] in ``tidearray.torch._graph``): ``model.capture_step(step)`` against the same
 sharded model stepped eagerly, for 50 steps with two micro-batches (gradient
 accumulation) and a learning-rate warm-up (the rate changes on every replay), each step
 on a new batch written into the captured inputs: the losses must be bitwise equal.

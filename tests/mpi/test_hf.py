@@ -385,39 +385,51 @@ def test_zero_grad_drops_gradients_as_torch_does(group):
     _compare(group, got, want, "zero_grad")
 
 
-def test_gradient_accumulation_averages_the_micro_batches(group):
-    """Two forward/backward passes per ``step()`` (SGD with momentum over the shards: the
-    gradient's scale shows), the loss not divided: the same losses as one process whose
-    loss is the mean over ranks and micro-batches (1e-5 relative, fp32), that is as
-    torch's loop that divides each micro-batch's loss by their count (docs/torch.md)."""
+def test_gradient_accumulation_sums_the_micro_batches(group):
+    """Two forward/backward passes per ``step()``, each micro-batch's loss divided by their
+    count as a torch loop does (SGD with momentum over the shards: the gradient's scale
+    shows; then the fused AdamW clipping at a norm the gradients exceed): the backwards
+    add up as torch's ``.grad`` does, so the losses are one process's whose loss is the
+    mean over ranks and micro-batches (1e-5 relative, fp32)."""
+    from tidearray.fsdp import AdamW
+
     seed = _seed(group)
-    model = _llama(seed, tied=True)
-    reference = copy.deepcopy(model)
+    micro, steps = 2, 5
 
     def sgd(ps: list) -> Any:
         return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
 
-    micro, steps = 2, 5
-    opt = sgd(list(reference.parameters()))
-    want = []
-    for s in range(steps):
-        loss = torch.stack([_loss(reference, _batch(seed, micro * s + m, r))
-                            for m in range(micro) for r in range(group.size)]).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        want.append(float(loss.detach()))
-    sm = _wrap(model, group, optimizer=sgd)
-    got = []
-    for s in range(steps):
-        total = 0.0
-        for m in range(micro):
-            loss = _loss(sm, _batch(seed, micro * s + m, group.rank))
+    def clipped(ps: list) -> Any:
+        return torch.optim.AdamW(ps, lr=LR, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0)
+
+    for name, make, mine, clip in (("SGD", sgd, sgd, None),
+                                   ("clipped AdamW", clipped, AdamW(lr=LR, eps=1e-6), 0.5)):
+        model = _llama(seed, tied=True)
+        reference = copy.deepcopy(model)
+        opt = make(list(reference.parameters()))
+        want = []
+        for s in range(steps):
+            loss = torch.stack([_loss(reference, _batch(seed, micro * s + m, r))
+                                for m in range(micro) for r in range(group.size)]).mean()
+            opt.zero_grad()
             loss.backward()
-            total += float(loss.detach()) / micro
-        sm.step()
-        got.append(group.comm.allreduce(total) / group.size)
-    _compare(group, got, want, "gradient accumulation")
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            opt.step()
+            want.append(float(loss.detach()))
+        sm = _wrap(model, group, optimizer=mine)
+        got = []
+        for s in range(steps):
+            total = 0.0
+            for m in range(micro):
+                loss = _loss(sm, _batch(seed, micro * s + m, group.rank)) / micro
+                loss.backward()
+                total += float(loss.detach())
+            if clip is not None:
+                sm.clip_grad_norm_(clip)
+            sm.step()
+            got.append(group.comm.allreduce(total) / group.size)
+        _compare(group, got, want, f"gradient accumulation, {name}")
 
 
 @pytest.mark.parametrize("optimizer", ["fused", "torch"])

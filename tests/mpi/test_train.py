@@ -207,6 +207,45 @@ def test_gradient_accumulation_matches_the_reference(group):
     agree(group.comm, _close(got, reference_losses(group.size, 6, micro=2), "micro-batches"))
 
 
+@pytest.mark.parametrize("accumulate", ["mean", "sum"])
+def test_micro_batches_combine_as_asked(group, accumulate):
+    """Two backward passes of one unit before a step, each writing a fresh random gradient
+    on every rank: the finalized gradient (the shards times the step's factor) is, row
+    by row, the mean over ranks of the passes' mean (``accumulate="mean"``) or of their
+    sum (``"sum"``, torch's), against a float64 reference within 1e-6 relative. A bad
+    value is a TideInvalid."""
+    from tidearray.fsdp import Runtime
+
+    with pytest.raises(tidearray.TideInvalid, match="accumulate: expected 'mean' or 'sum'"):
+        Runtime([[("w", np.zeros((2, 3), np.float32))]], group=group, param_dtype="float32",
+                accumulate="avg")
+    shape = (5, 3)
+    seed = group.comm.bcast(int(np.random.SeedSequence().entropy % 2**32))
+    grads = np.random.default_rng(seed).standard_normal((2, group.size, *shape))
+    grads = grads.astype(np.float32)  # [pass, rank]: what each pass writes on each rank
+    rt = Runtime([[("w", np.zeros(shape, np.float32))]], group=group, param_dtype="float32",
+                 accumulate=accumulate)
+    for m in range(2):
+        rt.pre_forward(0)
+        rt.post_forward(0)
+        _, out = rt.pre_backward(0)
+        out[0][...] = rt.xp.asarray(grads[m, group.rank])
+        rt.post_backward(0)
+    factor = rt.finalize_grads().factor
+    rt.synchronize()
+    total = grads.astype(np.float64).sum(axis=(0, 1)) / group.size
+    want = total / 2 if accumulate == "mean" else total
+    rows = rt.arena.layout.units[0].specs[0].rows(rt.rank)
+    shard = rt.grads(0)[0]
+    shard = shard.get() if hasattr(shard, "get") else shard  # cupy on the cuda backend
+    got = np.asarray(shard, dtype=np.float64)[:rows[1] - rows[0]] * factor
+    err = float(np.max(np.abs(got - want[rows[0]:rows[1]]) / np.maximum(
+        np.abs(want[rows[0]:rows[1]]), 1e-3), initial=0.0))
+    rt.close()
+    agree(group.comm, [] if err <= 1e-6 else [f"{accumulate}: relative error {err:.1e}"],
+          f"micro-batches, {accumulate}")
+
+
 def test_gradient_clipping_matches_the_reference(group):
     """A clip well below the gradients' norm, so every step is clipped."""
     if group.backend.name != "host":

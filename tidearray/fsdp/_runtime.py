@@ -129,6 +129,11 @@ class Runtime:
             gradient of each unit between ``pre_backward`` and ``post_backward``.
         on_release: called with a unit's index whenever its slot is released (the
             torch front end points its parameters away from the slot then).
+        accumulate: how the backward passes since the last step combine:
+            ``"mean"`` (default: the step takes their mean; the trainers of this
+            package) or ``"sum"`` (torch's and FSDP2's: each backward adds to the
+            gradient, so a loop divides each micro-batch's loss by their count; the
+            torch front end). Either way the gradient is averaged over the ranks.
 
     Raises:
         TideInvalid: on every rank, for bad units, dtype or settings.
@@ -144,9 +149,12 @@ class Runtime:
                  trainable: Optional[Sequence[Sequence[bool]]] = None,
                  param_groups: Sequence[tuple[AdamW, Sequence[str]]] = (),
                  report_grads: bool = False,
-                 on_release: Optional[Callable[[int], None]] = None) -> None:
+                 on_release: Optional[Callable[[int], None]] = None,
+                 accumulate: str = "mean") -> None:
         group = group or default_group()
         names, shapes, values = describe_units(units, init)
+        if accumulate not in ("mean", "sum"):
+            raise TideInvalid(f"accumulate: expected 'mean' or 'sum', got {accumulate!r}")
         if prefetch < 1:
             raise TideInvalid(f"prefetch: expected >= 1, got {prefetch}")
         num_slots = prefetch + 1 if num_slots is None else num_slots
@@ -183,6 +191,7 @@ class Runtime:
                                self._may_give_up, self._released, self.describe)
         self._pending: dict[int, tuple[Any, int, bool]] = {}
         self._micro = 0
+        self.accumulate = accumulate
         self._scratch: Any = None
         self.report_grads = bool(report_grads)
         self.on_release = on_release
@@ -380,7 +389,7 @@ class Runtime:
         self.release()  # parameters gathered now would be stale after the step
         if self._micro == 0:
             raise TideInvalid("step: expected a backward since the last step, got none")
-        average = 1.0 / (self.world * self._micro)
+        average = 1.0 / (self.world * (self._micro if self.accumulate == "mean" else 1))
         if max_norm is None:
             return GradScale(average)
         opt = self.optimizer

@@ -124,7 +124,7 @@ class ShardedModule:
         return self.sharding.step(lr)
 
     def clip_grad_norm_(self, max_norm: float) -> Union[float, torch.Tensor]:
-        """Clip the averaged gradient to the global norm ``max_norm`` at the next
+        """Clip the gradient (averaged over the ranks) to the global norm ``max_norm`` at the next
         :meth:`step`, as ``torch.nn.utils.clip_grad_norm_`` (collective).
 
         Returns:

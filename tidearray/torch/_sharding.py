@@ -117,7 +117,7 @@ class Sharding:
             named, init=values, group=group, param_dtype=dtype, optimizer=fused,
             prefetch=prefetch, comm=comm, keep_param_shards=keep_param_shards, root=spec.root,
             trainable=self.trainable, num_slots=num_slots, report_grads=True,
-            on_release=self._use_placeholders,
+            on_release=self._use_placeholders, accumulate="sum",  # as torch's .grad
             param_groups=_param_groups(param_groups, fused, spec, self.names))
         if meta or checkpoint is not None:
             _init.materialise_buffers(module, self.device, values)
@@ -429,10 +429,11 @@ class Sharding:
     def shard_parameters(self) -> list:
         """This rank's fp32 master shards as torch tensors (padded rows), each trained one
         with its fp32 gradient shard as ``.grad``: what a torch optimizer steps
-        (``optimizer=``). The runtime sets the gradients to the averaged gradient before
-        that step; a frozen shard has no ``.grad`` (and ``requires_grad=False``), nor,
-        during a step, has a shard that no rank gave a gradient, so a torch optimizer
-        leaves both bitwise unchanged."""
+        (``optimizer=``). The runtime sets the gradients to the gradient averaged over
+        the ranks (summed over the backwards since the last step) before that step; a
+        frozen shard has no ``.grad`` (and ``requires_grad=False``), nor, during a step,
+        has a shard that no rank gave a gradient, so a torch optimizer leaves both
+        bitwise unchanged."""
         out = []
         for u in range(len(self.units)):
             for k, (m, g) in enumerate(zip(self.runtime.params(u), self.runtime.grads(u))):
