@@ -587,6 +587,8 @@ def _tensor(a: Any, shape: Any) -> Any:
             return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).reshape(shape)
         return torch.from_numpy(a).reshape(shape)
     return torch.from_dlpack(a).reshape(shape)
+
+
 def _mixed_dtypes(names: list[list[str]], params: list[list[Any]]) -> list[str]:
     """The error, if any, of parameters of several dtypes without ``param_dtype``: every
     parameter is gathered in one dtype, so casting some silently (fp32 norms or LoRA
