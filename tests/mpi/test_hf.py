@@ -147,15 +147,17 @@ def _loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(model: Any, seed: int, world: int, groups: Any = None,
-               make_opt: Callable = None, clip: float = None) -> list[float]:
+               make_opt: Callable = None, clip: float = None, micro: int = 1,
+               steps: int = STEPS) -> list[float]:
+    """One process on every rank's ``micro`` batches per step (the global batch)."""
     params = groups(model) if groups else [p for p in model.parameters() if p.requires_grad]
     opt = (make_opt or (lambda ps: torch.optim.AdamW(ps, lr=LR, betas=(0.9, 0.95), eps=1e-8,
                                                       weight_decay=0.0)))(params)
     losses = []
-    for s in range(STEPS):
-        ids = torch.cat([_batch(seed, s, r) for r in range(world)])
-        # The mean over ranks of each rank's mean loss: the same tokens per rank.
-        loss = torch.stack([_loss(model, ids[r:r + 1]) for r in range(world)]).mean()
+    for s in range(steps):
+        # The mean over ranks and micro-batches of each one's mean loss (the same tokens each).
+        loss = torch.stack([_loss(model, _batch(seed, micro * s + m, r))
+                            for m in range(micro) for r in range(world)]).mean()
         opt.zero_grad()
         loss.backward()
         if clip is not None:
@@ -165,18 +167,23 @@ def _reference(model: Any, seed: int, world: int, groups: Any = None,
     return losses
 
 
-def _sharded(sm: Any, group, seed: int, between: Callable = None, clip: float = None
-             ) -> list[float]:
+def _sharded(sm: Any, group, seed: int, between: Callable = None, clip: float = None,
+             micro: int = 1, steps: int = STEPS) -> list[float]:
+    """This rank's ``micro`` batches per step, each loss divided by ``micro`` as a torch
+    loop does (the backwards add up)."""
     losses = []
-    for s in range(STEPS):
+    for s in range(steps):
         if between is not None:
             between(sm, s)
-        loss = _loss(sm, _batch(seed, s, group.rank))
-        loss.backward()
+        total = 0.0
+        for m in range(micro):
+            loss = _loss(sm, _batch(seed, micro * s + m, group.rank)) / micro
+            loss.backward()
+            total += float(loss.detach())
         if clip is not None:
             sm.clip_grad_norm_(clip)
         sm.step()
-        losses.append(group.comm.allreduce(float(loss.detach())) / group.size)
+        losses.append(group.comm.allreduce(total) / group.size)
     return losses
 
 
@@ -394,7 +401,6 @@ def test_gradient_accumulation_sums_the_micro_batches(group):
     from tidearray.fsdp import AdamW
 
     seed = _seed(group)
-    micro, steps = 2, 5
 
     def sgd(ps: list) -> Any:
         return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
@@ -405,30 +411,10 @@ def test_gradient_accumulation_sums_the_micro_batches(group):
     for name, make, mine, clip in (("SGD", sgd, sgd, None),
                                    ("clipped AdamW", clipped, AdamW(lr=LR, eps=1e-6), 0.5)):
         model = _llama(seed, tied=True)
-        reference = copy.deepcopy(model)
-        opt = make(list(reference.parameters()))
-        want = []
-        for s in range(steps):
-            loss = torch.stack([_loss(reference, _batch(seed, micro * s + m, r))
-                                for m in range(micro) for r in range(group.size)]).mean()
-            opt.zero_grad()
-            loss.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
-            opt.step()
-            want.append(float(loss.detach()))
-        sm = _wrap(model, group, optimizer=mine)
-        got = []
-        for s in range(steps):
-            total = 0.0
-            for m in range(micro):
-                loss = _loss(sm, _batch(seed, micro * s + m, group.rank)) / micro
-                loss.backward()
-                total += float(loss.detach())
-            if clip is not None:
-                sm.clip_grad_norm_(clip)
-            sm.step()
-            got.append(group.comm.allreduce(total) / group.size)
+        want = _reference(copy.deepcopy(model), seed, group.size, make_opt=make, clip=clip,
+                          micro=2, steps=5)
+        got = _sharded(_wrap(model, group, optimizer=mine), group, seed, clip=clip, micro=2,
+                       steps=5)
         _compare(group, got, want, f"gradient accumulation, {name}")
 
 
