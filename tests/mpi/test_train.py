@@ -212,8 +212,8 @@ def test_micro_batches_combine_as_asked(group, accumulate):
     """Two backward passes of one unit before a step, each writing a fresh random gradient
     on every rank: the finalized gradient (the shards times the step's factor) is, row
     by row, the mean over ranks of the passes' mean (``accumulate="mean"``) or of their
-    sum (``"sum"``, torch's), against a float64 reference within 1e-6 relative. A bad
-    value is a TideInvalid."""
+    sum (``"sum"``, torch's), against a float64 reference within 1e-6 of the sum of the
+    terms' magnitudes (fp32 sums). A bad value is a TideInvalid."""
     from tidearray.fsdp import Runtime
 
     with pytest.raises(tidearray.TideInvalid, match="accumulate: expected 'mean' or 'sum'"):
@@ -226,24 +226,59 @@ def test_micro_batches_combine_as_asked(group, accumulate):
     rt = Runtime([[("w", np.zeros(shape, np.float32))]], group=group, param_dtype="float32",
                  accumulate=accumulate)
     for m in range(2):
-        rt.pre_forward(0)
-        rt.post_forward(0)
-        _, out = rt.pre_backward(0)
-        out[0][...] = rt.xp.asarray(grads[m, group.rank])
-        rt.post_backward(0)
+        _one_pass(rt, grads[m, group.rank])
     factor = rt.finalize_grads().factor
     rt.synchronize()
-    total = grads.astype(np.float64).sum(axis=(0, 1)) / group.size
-    want = total / 2 if accumulate == "mean" else total
+    per = 2.0 * group.size if accumulate == "mean" else float(group.size)
+    want = grads.astype(np.float64).sum(axis=(0, 1)) / per
+    scale = np.abs(grads.astype(np.float64)).sum(axis=(0, 1)) / per  # fp32 sums' error scale
     rows = rt.arena.layout.units[0].specs[0].rows(rt.rank)
     shard = rt.grads(0)[0]
     shard = shard.get() if hasattr(shard, "get") else shard  # cupy on the cuda backend
     got = np.asarray(shard, dtype=np.float64)[:rows[1] - rows[0]] * factor
-    err = float(np.max(np.abs(got - want[rows[0]:rows[1]]) / np.maximum(
-        np.abs(want[rows[0]:rows[1]]), 1e-3), initial=0.0))
+    err = float(np.max(np.abs(got - want[rows[0]:rows[1]]) / scale[rows[0]:rows[1]],
+                       initial=0.0))
     rt.close()
     agree(group.comm, [] if err <= 1e-6 else [f"{accumulate}: relative error {err:.1e}"],
           f"micro-batches, {accumulate}")
+
+
+def _one_pass(rt, grad: np.ndarray) -> None:
+    """A forward and backward of a one-unit runtime whose backward writes ``grad``."""
+    rt.pre_forward(0)
+    rt.post_forward(0)
+    _, out = rt.pre_backward(0)
+    out[0][...] = rt.xp.asarray(grad)
+    rt.post_backward(0)
+
+
+def test_zero_grad_drops_a_clip_of_the_dropped_gradients(group):
+    """``clip_grad_norm_`` of a backward that ``zero_grad()`` then drops does not clip the
+    next step: after it and one more backward, the masters are bitwise those of a runtime
+    that saw only that backward (fresh random gradients and weights)."""
+    from tidearray.fsdp import Runtime
+
+    seed = group.comm.bcast(int(np.random.SeedSequence().entropy % 2**32))
+    rng = np.random.default_rng(seed)
+    weights, dropped, kept = (rng.standard_normal((3, 7, 3)) * [[[1]], [[100]], [[1]]]
+                              ).astype(np.float32)
+    masters = []
+    for drop_one in (True, False):
+        rt = Runtime([[("w", weights)]], group=group, param_dtype="float32",
+                     optimizer=AdamW(lr=LR))
+        if drop_one:
+            _one_pass(rt, dropped)
+            rt.clip_grad_norm_(1e-3)  # far below the dropped gradient's norm
+            rt.zero_grad()
+        _one_pass(rt, kept)
+        rt.step()
+        rt.synchronize()
+        m = rt.params(0)[0]
+        masters.append(np.array(m.get() if hasattr(m, "get") else m))
+        rt.close()
+    same = masters[0].tobytes() == masters[1].tobytes()
+    agree(group.comm, [] if same else ["the dropped backward's clip reached the step"],
+          "zero_grad after clip_grad_norm_")
 
 
 def test_gradient_clipping_matches_the_reference(group):

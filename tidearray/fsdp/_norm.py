@@ -270,6 +270,10 @@ class Clipper:
         the next step."""
         self._held = (micro, scale)
 
+    def drop(self) -> None:
+        """Forget the held clip (the gradients it was of were dropped)."""
+        self._held = None
+
     def take(self, micro: int, in_backward: bool) -> Optional[GradScale]:
         """The held clip's scale, no longer held; None where none is.
 

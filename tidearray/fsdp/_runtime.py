@@ -427,7 +427,7 @@ class Runtime:
         for k in list(self._pending):
             self._retire(k)
         self._micro = 0
-        self._clipped = None
+        self._clip.drop()  # a clip_grad_norm_ since the last step was of what is dropped
         self.life.end_step()
 
     def clip_grad_norm_(self, max_norm: float) -> Any:
