@@ -392,13 +392,17 @@ class Sharding:
         anything replaced it (the optimizer's ``zero_grad()`` goes to :meth:`zero_grad`
         and leaves them; a ``p.grad = None`` of the user's does not skip a parameter
         that got a gradient)."""
+        # Set only what differs: a step of a large model touches few ``.grad``s.
         for t, g, ok in zip(self._shards, self._shard_grads, present):
-            t.grad = g if ok else None
+            want = g if ok else None
+            if t.grad is not want:
+                t.grad = want
         try:
             self.optimizer.step()
         finally:
             for t, g in zip(self._shards, self._shard_grads):
-                t.grad = g
+                if t.grad is not g:
+                    t.grad = g
 
     def zero_grad(self) -> None:
         """The model's (and a torch ``optimizer=``'s) ``zero_grad()``: the gradients
