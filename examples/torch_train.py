@@ -3,6 +3,7 @@
     mpiexec -n 2 python examples/torch_train.py
     mpiexec -n 2 python examples/torch_train.py --graph   # cuda: the step as a CUDA graph
     mpiexec -n 2 python examples/torch_train.py --graph --clip 0.5  # the clip captured too
+    mpiexec -n 2 python examples/torch_train.py --micro-batches 2   # gradient accumulation
 
 Each rank's module is sharded by units (here: the three layers). The forward and
 backward run as plain PyTorch; tidearray's hooks gather each unit just before it
@@ -17,6 +18,9 @@ backward, reductions, AdamW) with ``torch.cuda.graph`` through
 every replay; it runs the eager steps beside it on a second copy of the network and
 checks that the losses are bitwise equal. ``--clip`` clips by the global norm
 (``model.clip_grad_norm_``), eagerly and inside the captured step.
+``--micro-batches K`` splits each rank's batch in K and runs K forward/backward
+passes per step, each loss divided by K as in a torch loop: the backwards add up,
+as torch's ``.grad`` does, to the gradient of the whole batch's loss.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
                     help="clip the gradient to this global norm (model.clip_grad_norm_), inside "
                          "the captured step too")
+    ap.add_argument("--micro-batches", type=int, default=1, metavar="K",
+                    help="forward/backward passes per step, each on 1/K of the batch")
     args = ap.parse_args()
     try:
         import torch
@@ -72,12 +78,16 @@ def main() -> None:
         return 3e-3 * min(1.0, (step + 1) / 10)
 
     def whole_step(model: torch.nn.Sequential, rate: float) -> torch.Tensor:
-        loss = torch.nn.functional.mse_loss(model(x_in).float(), y)
-        loss.backward()
+        k = args.micro_batches
+        loss = torch.zeros((), device=device)
+        for xb, yb in zip(x_in.chunk(k), y.chunk(k)):
+            part = torch.nn.functional.mse_loss(model(xb).float(), yb) / k
+            part.backward()  # the micro-batches' gradients add up, as torch's .grad
+            loss += part.detach()
         if args.clip is not None:
             model.clip_grad_norm_(args.clip)  # a float eagerly, a device tensor in the capture
         model.step(rate)
-        return loss.detach()
+        return loss
 
     model = shard()
     eager = shard() if args.graph else None  # the same network, stepped eagerly beside it
