@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import random
+import sys
+import time
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -82,9 +84,52 @@ def xp(group):
     return group.backend.xp
 
 
+#: Seconds a rank waits at the barrier after a test for the other ranks. Every test ends
+#: in a collective (``_util.agree``), so ranks finish within moments of each other; a rank
+#: still missing after this long is stuck in a collective that a rank which raised alone
+#: left behind.
+_SKEW_S = float(os.environ.get("TIDE_TEST_SKEW_S", "120"))
+
+
+_REPORTS = pytest.StashKey[dict]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Keep each phase's report on the item, for the barrier after the test."""
+    outcome = yield
+    report = outcome.get_result()
+    item.stash.setdefault(_REPORTS, {})[report.when] = report
+
+
+def _timed_barrier(comm, item: pytest.Item) -> None:
+    """``comm.Barrier()``, but after ``_SKEW_S`` seconds without the other ranks: print
+    this rank's failure, if it had one, and abort the run instead of hanging it."""
+    from mpi4py import MPI
+
+    request, pause = comm.Ibarrier(), 1e-4
+    deadline = time.monotonic() + _SKEW_S
+    while not request.Test():
+        if time.monotonic() > deadline:
+            failed = [r for r in item.stash.get(_REPORTS, {}).values() if r.failed]
+            capture = item.config.pluginmanager.getplugin("capturemanager")
+            with capture.global_and_fixture_disabled():  # the run's log, not the test's
+                print(f"\nrank {comm.rank}: the other ranks did not finish {item.nodeid} "
+                      f"within {_SKEW_S:.0f} s; this rank {'failed' if failed else 'passed'}"
+                      " it. A rank that raised alone leaves the others in a collective: "
+                      "aborting the run.", file=sys.stderr)
+                for report in failed:
+                    print(report.longreprtext, file=sys.stderr)
+                sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+        time.sleep(pause)  # polls lightly: waiting ranks leave the cores to the others
+        pause = min(2 * pause, 0.02)
+
+
 @pytest.fixture(autouse=True)
 def _mpi_barrier(request: pytest.FixtureRequest):
-    """A barrier around each multi-rank test, so one test's traffic never meets the next's."""
+    """A barrier around each multi-rank test, so one test's traffic never meets the next's;
+    the one after the test aborts the run when a rank never arrives (``_timed_barrier``)."""
     if not (_with_mpi(request.config) and request.node.get_closest_marker("mpi")):
         yield
         return
@@ -92,4 +137,4 @@ def _mpi_barrier(request: pytest.FixtureRequest):
 
     MPI.COMM_WORLD.Barrier()
     yield
-    MPI.COMM_WORLD.Barrier()
+    _timed_barrier(MPI.COMM_WORLD, request.node)

@@ -4,6 +4,7 @@ lazy optional layers, no implicit group, no global state; picklable errors."""
 from __future__ import annotations
 
 import ast
+import json
 import pickle
 import subprocess
 import sys
@@ -30,6 +31,32 @@ def test_import_works_when_gpu_modules_are_unavailable():
     code = f"import sys; {blocked}; import tidearray; print(tidearray.__version__)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_the_checkout_shadows_no_installed_package():
+    """A process started in the checkout has the checkout on ``sys.path``: none of its
+    top-level directories may be a regular package that hides an installed one. The
+    kernel sources' directory, ``kernels/``, shares its name with the Hugging Face
+    ``kernels`` distribution that ``transformers`` imports."""
+    code = ("import importlib.util as u, json; "
+            "print(json.dumps({n: (u.find_spec(n) or u).__dict__.get('origin') "
+            "for n in ('kernels', 'examples', 'docs')}))")
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    for name, origin in json.loads(out.stdout).items():
+        assert not (origin and Path(origin).is_relative_to(ROOT / name)), (
+            f"{name}/ of the checkout is importable as the package {name!r} ({origin})")
+
+
+def test_the_kernel_sources_are_found():
+    """Installed or not, the loader finds each ``.cu`` file of ``kernels/``, headers too."""
+    from tidearray.backends.cuda.kernels import source
+
+    names = sorted(p.name for p in (ROOT / "kernels").glob("*.cu"))
+    assert len(names) >= 5, names
+    for name in names:
+        text = source(name)
+        assert '#include "' not in text and "__global__" in text, name
 
 
 def test_public_names_exist():

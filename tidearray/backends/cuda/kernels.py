@@ -1,8 +1,11 @@
 """Loads the CUDA C++ sources in ``kernels/`` and compiles them once, with CuPy.
 
-The sources ship as the package ``tidearray.kernels`` (setup.py maps the
-top-level ``kernels/`` directory onto it). In a source checkout that is not
-installed, they are read from ``kernels/`` next to the ``tidearray`` package.
+The sources ship as package data under ``tidearray/kernels/`` (setup.py maps the
+top-level ``kernels/`` directory onto it). In a source checkout, installed
+editable or not at all, they are read from ``kernels/`` next to the
+``tidearray`` package. ``kernels/`` has no ``__init__.py``: a regular package
+of that name would shadow, for every process started in the checkout, the
+``kernels`` distribution that ``transformers`` imports.
 Compiled modules are cached per (file, device), so each process compiles a
 file once (CuPy also caches the binary on disk across processes).
 
