@@ -123,7 +123,7 @@ def _timed_barrier(comm, item: pytest.Item) -> None:
                 sys.stderr.flush()
             MPI.COMM_WORLD.Abort(1)
         time.sleep(pause)  # polls lightly: waiting ranks leave the cores to the others
-        pause = min(2 * pause, 0.02)
+        pause = min(2 * pause, 0.005)
 
 
 @pytest.fixture(autouse=True)
