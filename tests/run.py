@@ -150,6 +150,7 @@ def mpiexec_flags(mpiexec: str) -> list[str]:
 EXAMPLES = (("examples/train.py", "--steps", "5"), ("examples/quickstart.py",),
             ("examples/async_prefetch.py",), ("examples/interop_dlpack.py",),
             ("examples/torch_train.py", "--micro-batches", "2"), ("examples/hf_train.py",),
+            ("examples/hf_train.py", "--lora", "--steps", "6"),
             ("examples/jax_train.py", "--steps", "5"),
             ("examples/memory_plan.py",), ("examples/graph_plans.py",))
 #: The benchmarks, on small settings: the step comparisons, then the harness.

@@ -296,14 +296,18 @@ def _ran(model: Any) -> list[int]:
 
 def test_lora_through_peft(group):
     """LoRA adapters on ``q_proj`` and ``v_proj`` (peft), every base weight frozen; units:
-    the decoder layers. The adapters end as the reference's; the base stays bitwise."""
+    the decoder layers. The adapters end as the reference's; the base stays bitwise.
+    peft's merge refuses the sharded model; merged in a plain PeftModel from the full
+    state dict, it gives the reference's logits."""
     peft = pytest.importorskip("peft")
+    import tidearray
 
     seed = _seed(group)
     base = _llama(seed, tied=False)
     torch.manual_seed(seed + 1)
-    model = peft.get_peft_model(base, peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             lora_dropout=0.0)
+    model = peft.get_peft_model(base, config)
     reference = copy.deepcopy(model)
     frozen = _frozen(model)
     adapters = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -328,6 +332,18 @@ def test_lora_through_peft(group):
             failures.append(f"adapter {name}: expected the reference's within rtol "
                             f"{ADAPTER_RTOL:.0e}, atol {ADAPTER_ATOL:.0e}, got max |diff| "
                             f"{float((a - b).abs().max()):.2e}")
+    with pytest.raises(tidearray.TideInvalid, match=r"merge_and_unload\(\): expected a plain"):
+        sm.merge_and_unload()  # it would merge into the placeholders and return no weights
+    # What the refusal says to do instead: the full state dict into a plain PeftModel.
+    if full is not None:
+        plain = peft.get_peft_model(_llama(seed + 7, tied=False), config)
+        plain.load_state_dict(full, strict=True)
+        merged, ids = plain.merge_and_unload(), _batch(seed, 99, 0).to(test_hf.DEVICE[0])
+        with torch.no_grad():
+            a, b = (m(input_ids=ids).logits.cpu() for m in (merged, reference))
+        if not torch.allclose(a, b, rtol=ADAPTER_RTOL, atol=ADAPTER_ATOL):
+            failures.append(f"merged plain model: expected the reference's logits, got max "
+                            f"|diff| {float((a - b).abs().max()):.2e}")
     agree(group.comm, failures, "LoRA vs one process")
 
 

@@ -29,8 +29,8 @@ from ._sharding import Optimizer, Sharding
 if TYPE_CHECKING:
     from .._group import Group
 
-#: The class each module class is swapped for, made once per class.
-_SHARDED_CLASSES: dict[type, type] = {}
+#: The class each module class is swapped for, made once per class and refused set.
+_SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
 def shard_module(module: torch.nn.Module, units: Optional[Sequence[Any]] = None, *,
@@ -92,15 +92,36 @@ def shard_module(module: torch.nn.Module, units: Optional[Sequence[Any]] = None,
                         num_slots=num_slots, comm=comm, keep_param_shards=keep_param_shards,
                         init_fn=init_fn, checkpoint=checkpoint, device=device)
     module._tide_sharding = sharding
-    module.__class__ = _sharded_class(type(module))
+    refused = tuple(name for name in _WEIGHT_EDITS if hasattr(module, name))
+    module.__class__ = _sharded_class(type(module), refused)
     return module
 
 
-def _sharded_class(cls: type) -> type:
-    sharded = _SHARDED_CLASSES.get(cls)
+#: peft's calls that write the adapters into the base weights or hand out the base model
+#: (a ``PeftModel`` forwards them to its tuner). On a sharded model the weights are empty
+#: placeholders outside a unit's forward, so each would merge into nothing and return a
+#: model without weights: the sharded class refuses those the model has.
+_WEIGHT_EDITS = ("merge_and_unload", "merge_adapter", "unmerge_adapter", "unload")
+
+
+def _refusal(name: str) -> Callable[..., Any]:
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise TideInvalid(
+            f"{name}(): expected a plain model, got a sharded {type(self).__name__} (its "
+            "weights are shards in the runtime, empty placeholders outside forward): take "
+            "model.state_dict() on every rank, load it into a plain model of the same "
+            f"make and call {name}() there")
+
+    refuse.__name__ = refuse.__qualname__ = name
+    return refuse
+
+
+def _sharded_class(cls: type, refused: tuple[str, ...] = ()) -> type:
+    sharded = _SHARDED_CLASSES.get((cls, refused))
     if sharded is None:
-        sharded = _SHARDED_CLASSES[cls] = type(cls.__name__, (ShardedModule, cls), {
-            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        sharded = _SHARDED_CLASSES[cls, refused] = type(cls.__name__, (ShardedModule, cls), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            **{name: _refusal(name) for name in refused}})
     return sharded
 
 
