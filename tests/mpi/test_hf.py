@@ -643,13 +643,33 @@ def test_meta_init_never_holds_the_full_model(group):
     agree(group.comm, failures, "meta init RSS")
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_hf_gradient_checkpointing(group, reentrant):
-    """``gradient_checkpointing_enable()``: each layer's forward runs again in backward."""
+#: ``activation_checkpointing_enable``'s arguments (transformers >= 5.25; before it,
+#: ``gradient_checkpointing_enable`` took the first two).
+CHECKPOINTING = {
+    "not-reentrant": {"activation_checkpointing_kwargs": {"use_reentrant": False}},
+    "reentrant": {"activation_checkpointing_kwargs": {"use_reentrant": True}},
+    "every-2nd-layer": {"every_n_layers": 2},
+    "offloaded": {"offload": True},  # the saved activations in (pinned) host memory
+}
+
+
+@pytest.mark.parametrize("how", list(CHECKPOINTING))
+def test_hf_activation_checkpointing(group, how):
+    """``activation_checkpointing_enable()``: a checkpointed layer's forward runs again in
+    backward (its unit gathered again), or, offloaded, its inputs come back from the host."""
     seed = _seed(group)
     model = _llama(seed, tied=True)
     reference = copy.deepcopy(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    kwargs = CHECKPOINTING[how]
+    if kwargs.get("offload") and DEVICE[0].type != "cuda":
+        pytest.skip("offloading pins host memory, which torch allocates only beside a GPU")
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(**kwargs)
+    elif set(kwargs) == {"activation_checkpointing_kwargs"}:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=kwargs["activation_checkpointing_kwargs"])
+    else:
+        pytest.skip(f"{how}: transformers {transformers.__version__} predates it")
     model.train()
     got = _sharded(_wrap(model, group), group, seed)
-    _compare(group, got, _reference(reference, seed, group.size), "gradient checkpointing")
+    _compare(group, got, _reference(reference, seed, group.size), f"checkpointing, {how}")
