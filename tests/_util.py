@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -115,6 +115,42 @@ def agree(comm: Any, failures: Sequence[str], what: str = "") -> None:
     lines = [f"rank {r}: {f}" for r, fs in enumerate(everything) for f in fs]
     if lines:
         raise AssertionError((what + ": " if what else "") + "\n".join(lines[:20]))
+
+
+def quiet_barrier(comm: Any, timeout_s: Optional[float] = None) -> bool:
+    """``comm.Barrier()``, sleeping between polls: a waiting rank leaves the cores to the
+    ranks still working (MPICH's blocking calls spin, and CI runs four ranks on two
+    cores). False if ``timeout_s`` passed first."""
+    request, pause = comm.Ibarrier(), 1e-4
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not request.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 0.005)
+    return True
+
+
+def on_rank_zero(comm: Any, compute: Callable[[], Any]) -> Any:
+    """``compute()`` run on rank 0 alone, its result on every rank (collective).
+
+    For a reference every rank would compute alike (one process training on the global
+    batch): the other ranks sleep meanwhile. If it raises, rank 0 raises it and every
+    other rank an AssertionError that names it, so no rank is left waiting.
+    """
+    outcome: Any = None
+    if comm.rank == 0:
+        try:
+            outcome = (True, compute())
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            error, outcome = e, (False, f"{type(e).__name__}: {e}")
+    quiet_barrier(comm)
+    ok, value = comm.bcast(outcome, root=0)
+    if not ok:
+        if comm.rank == 0:
+            raise error
+        raise AssertionError(f"rank 0's reference raised {value}")
+    return value
 
 
 def compare_bits(got: Any, want: np.ndarray, label: str) -> list[str]:

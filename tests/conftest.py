@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import random
 import sys
-import time
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -107,23 +106,21 @@ def _timed_barrier(comm, item: pytest.Item) -> None:
     this rank's failure, if it had one, and abort the run instead of hanging it."""
     from mpi4py import MPI
 
-    request, pause = comm.Ibarrier(), 1e-4
-    deadline = time.monotonic() + _SKEW_S
-    while not request.Test():
-        if time.monotonic() > deadline:
-            failed = [r for r in item.stash.get(_REPORTS, {}).values() if r.failed]
-            capture = item.config.pluginmanager.getplugin("capturemanager")
-            with capture.global_and_fixture_disabled():  # the run's log, not the test's
-                print(f"\nrank {comm.rank}: the other ranks did not finish {item.nodeid} "
-                      f"within {_SKEW_S:.0f} s; this rank {'failed' if failed else 'passed'}"
-                      " it. A rank that raised alone leaves the others in a collective: "
-                      "aborting the run.", file=sys.stderr)
-                for report in failed:
-                    print(report.longreprtext, file=sys.stderr)
-                sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
-        time.sleep(pause)  # polls lightly: waiting ranks leave the cores to the others
-        pause = min(2 * pause, 0.005)
+    from ._util import quiet_barrier
+
+    if quiet_barrier(comm, _SKEW_S):
+        return
+    failed = [r for r in item.stash.get(_REPORTS, {}).values() if r.failed]
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():  # the run's log, not the test's
+        print(f"\nrank {comm.rank}: the other ranks did not finish {item.nodeid} within "
+              f"{_SKEW_S:.0f} s; this rank {'failed' if failed else 'passed'} it. A rank "
+              "that raised alone leaves the others in a collective: aborting the run.",
+              file=sys.stderr)
+        for report in failed:
+            print(report.longreprtext, file=sys.stderr)
+        sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
 
 
 @pytest.fixture(autouse=True)
@@ -135,6 +132,8 @@ def _mpi_barrier(request: pytest.FixtureRequest):
         return
     from mpi4py import MPI
 
-    MPI.COMM_WORLD.Barrier()
+    from ._util import quiet_barrier
+
+    quiet_barrier(MPI.COMM_WORLD)
     yield
     _timed_barrier(MPI.COMM_WORLD, request.node)

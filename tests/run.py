@@ -12,8 +12,8 @@ Runs, in order, each in its own process group under a timeout:
    steps) and 4 (recursive doubling), and ``TIDE_LOCAL_SIZE=2`` with N = 4 (two
    nodes of two ranks), that one in debug mode (``TIDE_DEBUG=1``: stamps checked);
    these runs leave out the framework front ends and the harness (``CORE_TESTS``);
-   then 8 ranks as 2 x 4 and 8 x 1 nodes, on the collectives and their
-   pipelines (``WIDE_TESTS``; ``--no-wide`` skips them). These re-checks take 10
+   then 8 ranks as 2 x 4 nodes, on the collectives and their pipelines
+   (``WIDE_TESTS``; ``--no-wide`` skips it). These re-checks take 10
    Hypothesis examples per property (``AGAIN``), the plain runs 40 at 1-2 ranks and
    12 at 3-4 (``WIDER``);
 4. every example under ``mpiexec -n 2`` (the trainer for 5 steps; the torch, JAX
@@ -94,14 +94,12 @@ AGAIN = {"TIDE_TEST_EXAMPLES": "10"}
 WIDER = {"TIDE_TEST_EXAMPLES": "12"}
 #: The single-process run's planning properties: 75 examples each (150 outside CI).
 SINGLE = {"TIDE_TEST_EXAMPLES": "75"}
-#: Eight ranks as 2 x 4 nodes (the collectives and their inter-node pipelines) and 8 x 1
-#: (the all-gather and the pipelines, whose reduction test checks every reduce-scatter
-#: against the documented order) only: eight processes share CI's two cores; nodes of
-#: two ranks are n=4's 2 x 2.
-WIDE_TESTS = {4: ("tests/mpi/test_all_gather.py", "tests/mpi/test_reduce_scatter.py",
-                  "tests/mpi/test_pipeline.py"),
-              1: ("tests/mpi/test_all_gather.py", "tests/mpi/test_pipeline.py")}
-WIDE = 8
+#: Eight ranks as 2 x 4 nodes: the collectives and their inter-node pipelines, with four
+#: ranks per node (eight processes share CI's two cores). Nodes of one rank and of two
+#: are the 4-rank runs' 4 x 1 and 2 x 2.
+WIDE_TESTS = ("tests/mpi/test_all_gather.py", "tests/mpi/test_reduce_scatter.py",
+              "tests/mpi/test_pipeline.py")
+WIDE, WIDE_LOCAL = 8, 4
 
 
 def plan(ranks: list[int], wide: bool = True) -> list[Run]:
@@ -114,8 +112,8 @@ def plan(ranks: list[int], wide: bool = True) -> list[Run]:
                  {"TIDE_LOCAL_SIZE": str(L), **({"TIDE_DEBUG": "1"} if debug else {}), **AGAIN},
                  targets=CORE_TESTS) for n, L, debug in overrides if n in ranks]
     if wide:
-        runs += [Run(f"mpi n={WIDE} local_size={L}", WIDE, {"TIDE_LOCAL_SIZE": str(L), **AGAIN},
-                     targets=WIDE_TESTS[L]) for L in (4, 1)]
+        runs.append(Run(f"mpi n={WIDE} local_size={WIDE_LOCAL}", WIDE,
+                        {"TIDE_LOCAL_SIZE": str(WIDE_LOCAL), **AGAIN}, targets=WIDE_TESTS))
     if 2 in ranks:
         runs.append(Run("examples n=2", 2, scripts=EXAMPLES))
         runs.append(Run("benchmarks n=2", 2, scripts=BENCHMARKS))
@@ -274,7 +272,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="Hypothesis seed for every run (default: TIDE_TEST_SEED or random)")
     ap.add_argument("--ranks", default="1,2,3,4", help="world sizes (default 1,2,3,4)")
     ap.add_argument("--no-wide", action="store_true",
-                    help=f"skip the {WIDE}-rank runs (2x4 and 8x1 nodes)")
+                    help=f"skip the {WIDE}-rank run (2 x {WIDE_LOCAL} nodes)")
     ap.add_argument("--only", default=None, help="run only the runs whose name contains this")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
     ap.add_argument("--logs", default=None, help="directory for the logs (default: a temp dir)")

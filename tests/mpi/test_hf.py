@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from .._util import agree
+from .._util import agree, on_rank_zero
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -146,9 +146,15 @@ def _loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def _reference(model: Any, seed: int, world: int, groups: Any = None,
-               make_opt: Callable = None, clip: float = None, micro: int = 1,
-               steps: int = STEPS) -> list[float]:
+def _reference(model: Any, seed: int, group, **kw: Any) -> list[float]:
+    """The losses of :func:`_one_process` (collective): rank 0 trains ``model`` (the
+    others' copies stay untrained) while the others wait, off the cores."""
+    return on_rank_zero(group.comm, lambda: _one_process(model, seed, group.size, **kw))
+
+
+def _one_process(model: Any, seed: int, world: int, groups: Any = None,
+                 make_opt: Callable = None, clip: float = None, micro: int = 1,
+                 steps: int = STEPS) -> list[float]:
     """One process on every rank's ``micro`` batches per step (the global batch)."""
     params = groups(model) if groups else [p for p in model.parameters() if p.requires_grad]
     opt = (make_opt or (lambda ps: torch.optim.AdamW(ps, lr=LR, betas=(0.9, 0.95), eps=1e-8,
@@ -213,7 +219,7 @@ def test_model_matches_one_process(group, name):
     model = MODELS[name](seed)
     reference = copy.deepcopy(model)
     got = _sharded(_wrap(model, group), group, seed)
-    _compare(group, got, _reference(reference, seed, group.size), f"{name} vs one process")
+    _compare(group, got, _reference(reference, seed, group), f"{name} vs one process")
     if name == "per-expert-moe":  # the case must have happened somewhere
         idle = sum(layer.mlp.idle for layer in model.model.layers)
         assert group.comm.allreduce(idle) > 0
@@ -244,7 +250,7 @@ def test_eval_generate_and_discarded_forwards_between_steps(group):
     from tidearray.fsdp import AdamW
 
     got = _sharded(_wrap(model, group, optimizer=AdamW(lr=LR, eps=1e-6)), group, seed, between)
-    want = _reference(reference, seed, group.size, make_opt=lambda ps: torch.optim.AdamW(
+    want = _reference(reference, seed, group, make_opt=lambda ps: torch.optim.AdamW(
         ps, lr=LR, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0))
     _compare(group, got, want, "eval between steps")
 
@@ -284,7 +290,7 @@ def test_the_model_is_the_one_handle(group, tmp_path):
     compiled = torch.compile(model, backend="inductor" if DEVICE[0].type == "cuda"
                              else "aot_eager")
     got = _sharded(compiled, group, seed)
-    _compare(group, got, _reference(reference, seed, group.size), "torch.compile(model)")
+    _compare(group, got, _reference(reference, seed, group), "torch.compile(model)")
     full = model.state_dict()
     path = group.comm.bcast(str(tmp_path), root=0)
     model.save_pretrained(path, is_main_process=group.rank == 0)  # gathers on every rank
@@ -310,7 +316,7 @@ def test_frozen_parameters(group):
     frozen = reference.model.embed_tokens.weight.detach().clone()
     sm = _wrap(model, group)
     got = _sharded(sm, group, seed)
-    _compare(group, got, _reference(reference, seed, group.size), "frozen")
+    _compare(group, got, _reference(reference, seed, group), "frozen")
     full = sm.state_dict()
     if group.rank == 0 or full:
         assert torch.equal(full["model.embed_tokens.weight"], frozen.cpu())
@@ -334,7 +340,7 @@ def test_param_groups_and_clipping(group):
     sm = _wrap(model, group, optimizer=AdamW(lr=LR, weight_decay=0.1),
                param_groups=[g for g in _no_decay_groups(model)[1:]])
     got = _sharded(sm, group, seed, clip=0.5)
-    want = _reference(reference, seed, group.size, groups=_no_decay_groups, clip=0.5,
+    want = _reference(reference, seed, group, groups=_no_decay_groups, clip=0.5,
                       make_opt=lambda gs: torch.optim.AdamW(gs, lr=LR, betas=(0.9, 0.95),
                                                             eps=1e-8))
     _compare(group, got, want, "param groups + clip")
@@ -349,7 +355,7 @@ def test_torch_optimizer_on_the_shards(group):
         return torch.optim.SGD(ps, lr=0.05, momentum=0.9)
 
     got = _sharded(_wrap(model, group, optimizer=sgd), group, seed)
-    _compare(group, got, _reference(reference, seed, group.size, make_opt=sgd), "SGD on shards")
+    _compare(group, got, _reference(reference, seed, group, make_opt=sgd), "SGD on shards")
 
 
 def test_zero_grad_drops_gradients_as_torch_does(group):
@@ -411,7 +417,7 @@ def test_gradient_accumulation_sums_the_micro_batches(group):
     for name, make, mine, clip in (("SGD", sgd, sgd, None),
                                    ("clipped AdamW", clipped, AdamW(lr=LR, eps=1e-6), 0.5)):
         model = _llama(seed, tied=True)
-        want = _reference(copy.deepcopy(model), seed, group.size, make_opt=make, clip=clip,
+        want = _reference(copy.deepcopy(model), seed, group, make_opt=make, clip=clip,
                           micro=2, steps=5)
         got = _sharded(_wrap(model, group, optimizer=mine), group, seed, clip=clip, micro=2,
                        steps=5)
@@ -510,7 +516,7 @@ def test_meta_device_init_from_a_checkpoint(group, tmp_path_factory):
         model = transformers.LlamaForCausalLM(reference.config)
     sm = _wrap(model, group, checkpoint=path)
     got = _sharded(sm, group, seed)
-    _compare(group, got, _reference(reference, seed, group.size), "meta + checkpoint")
+    _compare(group, got, _reference(reference, seed, group), "meta + checkpoint")
 
 
 def test_meta_device_init_by_init_fn(group):
@@ -672,4 +678,4 @@ def test_hf_activation_checkpointing(group, how):
         pytest.skip(f"{how}: transformers {transformers.__version__} predates it")
     model.train()
     got = _sharded(_wrap(model, group), group, seed)
-    _compare(group, got, _reference(reference, seed, group.size), f"checkpointing, {how}")
+    _compare(group, got, _reference(reference, seed, group), f"checkpointing, {how}")

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from .._util import agree
+from .._util import agree, on_rank_zero
 from . import test_hf
 from .test_hf import LR, VOCAB, PerExpertMoE, _batch, _llama, _loss, _on_device, _per_expert, _seed
 
@@ -65,9 +65,15 @@ def _adamw(weight_decay: float = 0.0, eps: float = 1e-8) -> MakeOpt:
                                         weight_decay=weight_decay)
 
 
-def _reference(model: Any, seed: int, world: int, steps: int = STEPS,
-               make_opt: Optional[MakeOpt] = None, setup: Optional[Setup] = None
-               ) -> list[float]:
+def _reference(model: Any, seed: int, group, **kw: Any) -> list[float]:
+    """The losses of :func:`_one_process` (collective), trained on rank 0 alone (the
+    other ranks' copies of ``model`` stay untrained)."""
+    return on_rank_zero(group.comm, lambda: _one_process(model, seed, group.size, **kw))
+
+
+def _one_process(model: Any, seed: int, world: int, steps: int = STEPS,
+                 make_opt: Optional[MakeOpt] = None, setup: Optional[Setup] = None
+                 ) -> list[float]:
     """One process, the global batch, a torch optimizer over the trainable parameters:
     test_hf's reference, with a number of steps and a ``setup`` per step and rank. No
     gradient is filled in: what autograd left as None the optimizer skips."""
@@ -321,12 +327,12 @@ def test_lora_through_peft(group):
     sm = _wrap(model, list(model.base_model.model.model.layers), group,
                optimizer=AdamW(lr=LR, eps=1e-6))
     got = _sharded(sm, model, group, seed)
-    failures = _loss_failures(got, _reference(reference, seed, group.size,
+    failures = _loss_failures(got, _reference(reference, seed, group,
                                               make_opt=_adamw(eps=1e-6)))
     full = _full(sm, group)
     failures += _changed(full, frozen, "frozen base weight")
-    want = dict(reference.named_parameters())
-    for name in adapters if full is not None else ():
+    want = dict(reference.named_parameters())  # trained on rank 0 (_reference)
+    for name in adapters if group.rank == 0 else ():
         a, b = full[name], want[name].detach().cpu()
         if not torch.allclose(a, b, rtol=ADAPTER_RTOL, atol=ADAPTER_ATOL):
             failures.append(f"adapter {name}: expected the reference's within rtol "
@@ -335,7 +341,7 @@ def test_lora_through_peft(group):
     with pytest.raises(tidearray.TideInvalid, match=r"merge_and_unload\(\): expected a plain"):
         sm.merge_and_unload()  # it would merge into the placeholders and return no weights
     # What the refusal says to do instead: the full state dict into a plain PeftModel.
-    if full is not None:
+    if group.rank == 0:
         plain = peft.get_peft_model(_llama(seed + 7, tied=False), config)
         plain.load_state_dict(full, strict=True)
         merged, ids = plain.merge_and_unload(), _batch(seed, 99, 0).to(test_hf.DEVICE[0])
@@ -368,7 +374,7 @@ def test_partly_frozen_llama(group, name):
     assert frozen and len(frozen) < len(list(model.parameters()))
     sm = _wrap(model, list(model.model.layers), group)
     got = _sharded(sm, model, group, seed)
-    failures = _loss_failures(got, _reference(reference, seed, group.size))
+    failures = _loss_failures(got, _reference(reference, seed, group))
     failures += _changed(_full(sm, group), frozen, "frozen")
     agree(group.comm, failures, f"{name} vs one process")
 
@@ -393,7 +399,7 @@ def test_torch_optimizer_skips_frozen_and_unused(group):
 
     sm = _wrap(model, list(model.model.layers), group, optimizer=make)
     got = _sharded(sm, model, group, seed)
-    failures = _loss_failures(got, _reference(reference, seed, group.size, make_opt=make))
+    failures = _loss_failures(got, _reference(reference, seed, group, make_opt=make))
     full = _full(sm, group)
     failures += _changed(full, frozen, "frozen")
     failures += _changed(full, unused, "never given a gradient (torch skips it)")
@@ -419,7 +425,7 @@ def test_albert_shared_layer_group(group):
     runs = []
     shared.register_forward_hook(lambda *_: runs.append(1))
     got = _sharded(_wrap(model, [shared], group), model, group, seed)
-    failures = _loss_failures(got, _reference(reference, seed, group.size))
+    failures = _loss_failures(got, _reference(reference, seed, group))
     if len(runs) != 3 * STEPS:
         failures.append(f"expected the shared group to run {3 * STEPS} times, got {len(runs)}")
     agree(group.comm, failures, "ALBERT vs one process")
@@ -436,7 +442,7 @@ def test_block_called_in_a_python_loop(group):
 
     sm = _wrap(model, [model.first, model.loop], group)
     got = _sharded(sm, model, group, seed, setup=setup)
-    agree(group.comm, _loss_failures(got, _reference(reference, seed, group.size, setup=setup)),
+    agree(group.comm, _loss_failures(got, _reference(reference, seed, group, setup=setup)),
           "looped block vs one process")
 
 
@@ -446,7 +452,7 @@ def test_siamese_encoder(group):
     model = _tiny(Siamese, seed)
     reference = copy.deepcopy(model)
     got = _sharded(_wrap(model, [model.encoder], group), model, group, seed)
-    agree(group.comm, _loss_failures(got, _reference(reference, seed, group.size)),
+    agree(group.comm, _loss_failures(got, _reference(reference, seed, group)),
           "siamese vs one process")
 
 
@@ -457,7 +463,7 @@ def test_reused_block_inside_a_reused_block(group):
     model = _tiny(Nested, seed)
     reference = copy.deepcopy(model)
     got = _sharded(_wrap(model, [model.outer, model.outer.inner], group), model, group, seed)
-    agree(group.comm, _loss_failures(got, _reference(reference, seed, group.size)),
+    agree(group.comm, _loss_failures(got, _reference(reference, seed, group)),
           "nested reuse vs one process")
 
 
@@ -503,7 +509,7 @@ def test_units_in_use_at_once_need_slots_of_their_own(group):
     sm.close()
     sm = tt.shard_module(model, units(model), group=group, optimizer=AdamW(lr=LR), num_slots=4)
     got = _sharded(sm, model, group, seed)
-    agree(group.comm, _loss_failures(got, _reference(reference, seed, group.size)),
+    agree(group.comm, _loss_failures(got, _reference(reference, seed, group)),
           "three nested units with a slot each vs one process")
 
 
@@ -537,7 +543,7 @@ def test_experts_idle_on_every_rank_are_skipped(group):
 
     sm = _wrap(model, list(model.model.layers), group, optimizer=AdamW(lr=LR, weight_decay=0.1))
     got = _sharded(sm, model, group, seed, steps=MOE_STEPS, setup=setup)
-    want = _reference(reference, seed, group.size, steps=MOE_STEPS, make_opt=_adamw(0.1),
+    want = _reference(reference, seed, group, steps=MOE_STEPS, make_opt=_adamw(0.1),
                       setup=setup)
     failures = _loss_failures(got, want, MOE_LOSS_RTOL)
     failures += _changed(_full(sm, group), never, "expert 0 (never routed to)")
@@ -570,7 +576,7 @@ def test_expert_idle_on_some_ranks(group):
 
     sm = _wrap(model, list(model.model.layers), group, optimizer=AdamW(lr=LR, weight_decay=0.1))
     got = _sharded(sm, model, group, seed, steps=MOE_STEPS, setup=setup)
-    want = _reference(reference, seed, group.size, steps=MOE_STEPS, make_opt=_adamw(0.1),
+    want = _reference(reference, seed, group, steps=MOE_STEPS, make_opt=_adamw(0.1),
                       setup=setup)
     failures = _loss_failures(got, want, MOE_LOSS_RTOL)
     ran = group.comm.allgather(_ran(model)[3])

@@ -13,7 +13,7 @@ import copy
 import numpy as np
 import pytest
 
-from .._util import agree
+from .._util import agree, on_rank_zero
 
 torch = pytest.importorskip("torch")
 
@@ -66,7 +66,12 @@ def _batch(step: int, first: int, n: int) -> tuple:
     return torch.from_numpy(x), torch.from_numpy(y)
 
 
-def _reference(model, world: int) -> list[float]:
+def _reference(model, group) -> list[float]:
+    """One process on the global batch (collective: rank 0 trains ``model``)."""
+    return on_rank_zero(group.comm, lambda: _one_process(model, group.size))
+
+
+def _one_process(model, world: int) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.0)
     losses = []
@@ -107,7 +112,7 @@ def test_shard_module_matches_plain_torch(group, wrap, units_given):
         loss.backward()
         sm.step()
         losses.append(group.comm.allreduce(float(loss.detach())) / group.size)
-    want = _reference(reference, group.size)
+    want = _reference(reference, group)
     failures = [f"step {i}: {a!r} vs reference {b!r}" for i, (a, b) in enumerate(zip(losses, want))
                 if abs(a - b) > LOSS_RTOL * abs(b)]
     if not losses[-1] < losses[0]:
