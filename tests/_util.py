@@ -7,6 +7,7 @@ the tests compare against cannot inherit a bug from the code under test.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -117,15 +118,21 @@ def agree(comm: Any, failures: Sequence[str], what: str = "") -> None:
         raise AssertionError((what + ": " if what else "") + "\n".join(lines[:20]))
 
 
-def quiet_barrier(comm: Any, timeout_s: Optional[float] = None) -> bool:
-    """``comm.Barrier()``, sleeping between polls: a waiting rank leaves the cores to the
-    ranks still working (MPICH's blocking calls spin, and CI runs four ranks on two
-    cores). False if ``timeout_s`` passed first."""
+def quiet_barrier(comm: Any, timeout_s: Optional[float] = None, spin_s: float = 0.05) -> bool:
+    """``comm.Barrier()`` that, after ``spin_s`` of polling (yielding the core between
+    polls, as the barrier's other ranks may need it), sleeps between polls: a rank that
+    waits long leaves the cores to the ranks still working (CI runs up to eight ranks on
+    two cores). False if ``timeout_s`` passed first."""
     request, pause = comm.Ibarrier(), 1e-4
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    now = time.monotonic()
+    spin_until, deadline = now + spin_s, None if timeout_s is None else now + timeout_s
     while not request.Test():
-        if deadline is not None and time.monotonic() > deadline:
+        now = time.monotonic()
+        if deadline is not None and now > deadline:
             return False
+        if now < spin_until:
+            os.sched_yield()
+            continue
         time.sleep(pause)
         pause = min(2 * pause, 0.005)
     return True

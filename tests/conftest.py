@@ -132,8 +132,6 @@ def _mpi_barrier(request: pytest.FixtureRequest):
         return
     from mpi4py import MPI
 
-    from ._util import quiet_barrier
-
-    quiet_barrier(MPI.COMM_WORLD)
+    MPI.COMM_WORLD.Barrier()
     yield
     _timed_barrier(MPI.COMM_WORLD, request.node)
