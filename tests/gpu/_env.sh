@@ -33,6 +33,14 @@ step() {  # step NAME CMD...: run, log to $LOGS/NAME.log, remember failures
     [ "$rc" -eq 0 ] || status=1
 }
 
+no_signal() {  # no_signal NAME: fail if step NAME's log shows a rank killed by a signal (a
+    # crash at exit too, after its tests passed); for steps whose tests kill no process
+    if grep -aqE "exited on signal|Segmentation fault|core dumped" "$LOGS/$1.log"; then
+        echo "== $1: a rank died of a signal: $(grep -aoE "exited on signal [0-9]+[^.]*" \
+            "$LOGS/$1.log" | head -1)"; status=1
+    fi
+}
+
 bundle() {  # TIDE_GPU_TAR=NAME: everything under $OUT into $OUT/NAME.tgz (few files come back)
     [ -n "${TIDE_GPU_TAR:-}" ] || return 0
     local tmp; tmp=$(mktemp -d)
@@ -41,9 +49,17 @@ bundle() {  # TIDE_GPU_TAR=NAME: everything under $OUT into $OUT/NAME.tgz (few f
 }
 
 stacks_after() {  # stacks_after SECONDS NAME PATTERN: a watcher (its pid in $!): if processes
-    # (Python) whose command line matches PATTERN still run after SECONDS, every thread's native
-    # stack of each (cuda-gdb attaches; there is no gdb) goes to $LOGS/NAME.stacks
-    (sleep "$1"; for pid in $(pgrep -f "^python3? .*$3"); do
+    # (Python) whose command line matches PATTERN still run after SECONDS and the step's log
+    # ($LOGS/NAME.log) has no pytest summary yet, every thread's native stack of each (cuda-gdb
+    # attaches; there is no gdb) goes to $LOGS/NAME.stacks. It never attaches to a process
+    # that has finished its tests (a summary in the log: the ranks are tearing down) or is
+    # exiting (not running or sleeping): cuda-gdb attached to a process that is tearing down
+    # its CUDA context crashed it once (exit 139 after its tests had passed).
+    (sleep "$1"
+     if grep -aqE "[0-9]+ (passed|failed|errors?|skipped)(, .*)? in [0-9.]+s" "$LOGS/$2.log" \
+         2>/dev/null; then exit 0; fi
+     for pid in $(pgrep -f "^python3? .*$3"); do
+        case $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) in R|S|D) ;; *) continue ;; esac
         echo "== pid $pid: $(tr '\0' ' ' < "/proc/$pid/cmdline")"
         timeout 90 cuda-gdb -p "$pid" -batch -ex "thread apply all bt 40" 2>&1 | grep -v '^\[New'
     done > "$LOGS/$2.stacks" 2>&1) &

@@ -33,7 +33,7 @@ from tidearray.fsdp._adamw import MAX_GROUPS, AdamW, ParamGroup
 from tidearray.fsdp._norm import GlobalNorm, clip_scale
 from tidearray.fsdp._optim import BLOCK, FusedAdamW
 
-from .._util import BF16, DTYPES, bits
+from .._util import BF16, DTYPES, bits, stall
 
 pytestmark = pytest.mark.gpu
 
@@ -79,10 +79,11 @@ def _ulps(a: np.ndarray, b: np.ndarray) -> int:
 
 def _pair(cp: Any, master: np.ndarray, dtype: np.dtype, offset: int = 0,
           groups: Optional[list[ParamGroup]] = None,
-          params: Optional[list[tuple[int, int]]] = None):
+          params: Optional[list[tuple[int, int]]] = None, late_s: float = 0.0):
     """A NumPy optimizer and a CuPy one on copies of ``master`` (and ``groups``,
     ``params``); the CuPy shards sit ``offset`` elements into larger arrays (as they do
-    in the arena)."""
+    in the arena). ``late_s``: the current stream runs that late when the CuPy one is
+    made, and nothing here waits for it after."""
     n = master.size
     # send starts as the rounded master, as the runtime starts it: a parameter absent at
     # every step keeps it.
@@ -95,9 +96,9 @@ def _pair(cp: Any, master: np.ndarray, dtype: np.dtype, offset: int = 0,
     if sent is not None:
         send = cp.zeros(n + 2 * offset, dtype)[offset:offset + n]
         send.view(np.uint16 if dtype.itemsize == 2 else np.uint32).set(bits(sent))
-    dev = FusedAdamW(HP, big_m[offset:offset + n], send, cp, groups, params)
     cp.cuda.get_current_stream().synchronize()  # a side stream's step must see these writes
-    return host, dev
+    stall(cp, late_s)
+    return host, FusedAdamW(HP, big_m[offset:offset + n], send, cp, groups, params)
 
 
 def _scheduled(k: int, steps: int) -> float:
@@ -183,6 +184,27 @@ def test_side_stream(cp: Any, rng, kind: str) -> None:
     else:
         stream = {"cupy": s, "int": s.ptr, "cuda_stream": _StreamObj(s.ptr)}[kind]
     _steps(host, dev, cp, grads, stream=stream)
+    _compare(host, dev, seed)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_first_step_on_another_stream_waits_for_the_constructor(cp: Any, rng,
+                                                                  grouped: bool) -> None:
+    """The constructor zeroes the moments (and writes the group index) on the current
+    stream, here 0.3 s late; a first step straight after, on a non-blocking stream that
+    does not wait for it, must still start from zero moments ([Note: initialized memory]
+    in ``backends.cuda.streams``)."""
+    gen, seed = rng
+    n = 100_003
+    master = gen.standard_normal(n).astype(np.float32)
+    groups = _groups(gen, n)[0] if grouped else None
+    grads = _grads_n(gen, n, 1)
+    g_dev = cp.asarray(grads[0])
+    host, dev = _pair(cp, master, BF16, groups=groups, late_s=0.3)
+    stream = cp.cuda.Stream(non_blocking=True)
+    host.step(grads[0], lr=HP.lr)
+    dev.step(g_dev, lr=HP.lr, stream=stream)
+    cp.cuda.Device().synchronize()
     _compare(host, dev, seed)
 
 
@@ -434,7 +456,9 @@ def test_captured_step_matches_numpy(cp: Any, rng, case: str) -> None:
     # Per step, then the capture's (None: no params).
     present = [None] * (len(schedule) + 1) if params is None else [
         p.tolist() for p in _presence(gen, len(params), len(schedule) + 1)]
-    g_buf, ref, norm = cp.zeros(n, np.float32), GlobalNorm(None, 1, cp), GlobalNorm(None, 1, cp)
+    # Written by each step's upload alone: a zeroing memset on the default stream could
+    # land after the upload on this non-blocking one.
+    g_buf, ref, norm = cp.empty(n, np.float32), GlobalNorm(None, 1, cp), GlobalNorm(None, 1, cp)
     stream, scale, max_norm = cp.cuda.Stream(non_blocking=True), 0.5, 1.0
     graph = None
     for k, (kind, g) in enumerate(zip(schedule, grads)):
@@ -472,6 +496,7 @@ def test_replay_of_one_row_refused_once_counts_drift_apart(cp: Any, rng) -> None
     params = _params(gen, n)
     _, dev = _pair(cp, master, BF16, params=params)
     g_buf, stream = cp.asarray(_grads_n(gen, n, 1)[0]), cp.cuda.Stream(non_blocking=True)
+    cp.cuda.get_current_stream().synchronize()  # the upload, before the step's stream reads it
     dev.step(g_buf, stream=stream)
     graph = _captured(cp, dev, GlobalNorm(None, 1, cp), g_buf, 1.0, 1e9, None, stream)
     assert dev._captured.indexed is False

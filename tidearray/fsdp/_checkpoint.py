@@ -104,6 +104,7 @@ def load(model: Any, path: str) -> None:
                                      **({"param_steps": steps} if steps is not None
                                         and steps.size else {})})
     model.arena.refresh_send()
+    model.group.synchronize()  # [Note: initialized memory] in backends.cuda.streams
 
 
 def export(model: Any, path: str) -> None:

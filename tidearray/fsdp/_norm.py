@@ -45,7 +45,7 @@ from .._arena import SlotArena
 from .._errors import TideInvalid
 from .._plan import Unit
 from ..backends.cuda import kernels as _kernels
-from ..backends.cuda.streams import on_stream
+from ..backends.cuda.streams import on_stream, settle
 
 if TYPE_CHECKING:
     from .._group import Group
@@ -149,6 +149,7 @@ class GlobalNorm:
             self._blocks, self._total, self._finish = (
                 _kernels.function("gradnorm.cu", k, dev)
                 for k in ("sum_squares_blocks", "sum_squares_total", "clip_finish"))
+            settle()  # the zeros above, before a first use on another stream
 
     def compute(self, grad: Any, scale: float, *, stream: Any = None,
                 max_norm: Optional[float] = None, table: Any = None,

@@ -19,11 +19,14 @@ waiting. The caller orders it after the reduce-scatter that wrote ``grad``
 and before the all-gather that reads ``send``, by using the same stream or
 events. ``grad`` must stay unchanged until the kernel has run. The moments,
 the row index and the device tables belong to the optimizer and live as long
-as it does; the constructor writes the moments and any group index on the
-current stream, so a first step on another stream waits for that stream (one
-synchronize will do); later steps, and :meth:`FusedAdamW.stage_step`, write
-the index and tables on their own stream, so the steps of one optimizer must
-be ordered (one stream, or events).
+as it does; the constructor, :meth:`FusedAdamW.prepare_capture` and
+:meth:`FusedAdamW.load_state_dict` write the moments, the group index and the
+table on the current stream and wait for it before they return, so a first
+step may come on any stream ([Note: initialized memory] in
+``backends.cuda.streams``); later steps, and :meth:`FusedAdamW.stage_step`,
+write the index and tables on their own stream, their coefficients copied from
+pinned memory that outlives the copy (``HostUpload``), so the steps of one
+optimizer must be ordered (one stream, or events).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import numpy as np
 from .. import _dtypes
 from .._errors import TideInvalid
 from ..backends.cuda import kernels as _kernels
-from ..backends.cuda.streams import on_stream
+from ..backends.cuda.streams import HostUpload, on_stream, settle
 from ._adamw import (
     MAX_GROUPS,
     AdamW,
@@ -162,8 +165,11 @@ class FusedAdamW:
             self._exp_avg_sq = xp.zeros(master.size, dtype=np.float32)
             if xp is not np and (self._pieces.group != 0).any():
                 self._write_index(self._pieces.group.astype(np.uint8))  # the group index
+            if xp is not np:
+                settle()  # a first step may come on another stream
         self._kernels: dict[str, Any] = {}  # by name, fetched at their first launch
         self._rows_dev: Any = None  # an eager step's rows past the by-value table
+        self._upload = HostUpload()  # the coefficient tables' host side, pinned
         self.coeff_dev: Any = None  # a captured step's coefficients (prepare_capture)
         self._captured: Optional[Captured] = None  # and what it reads
         self.step_count = 0
@@ -308,6 +314,8 @@ class FusedAdamW:
         with self._device():
             self._xp.copyto(self._exp_avg, moments[0], casting="same_kind")
             self._xp.copyto(self._exp_avg_sq, moments[1], casting="same_kind")
+            if self._xp is not np:
+                settle()  # the next step may come on another stream
         self.step_count = int(step)
         self._plan.set_lags(lag)
 
@@ -322,6 +330,7 @@ class FusedAdamW:
             if self._index is None and self._pieces.start.size > 1:
                 self._write_index(np.zeros(self._pieces.start.size, np.uint8))  # allocates
             self._kernel(TABLE_KERNELS)
+            settle()  # the replays' stream may not wait for these zeros
 
     def stage_step(self, lr: Union[float, Sequence[float], None], grad_scale: float,
                    stream: Any = None) -> None:
@@ -355,8 +364,8 @@ class FusedAdamW:
             if cap.indexed:
                 self._write_index(rows.pieces)
             if cs:
-                table = _coeff_rows(cs, max(cs) + 1).ravel()
-                self.coeff_dev[:table.size].set(table, stream=self._xp.cuda.get_current_stream())
+                self._upload(self.coeff_dev, _coeff_rows(cs, max(cs) + 1),
+                             self._xp.cuda.get_current_stream())
         self._plan.advance(cap.present)
 
     # -- private --------------------------------------------------------------------------
@@ -409,8 +418,8 @@ class FusedAdamW:
             if self._rows_dev is None:
                 self._rows_dev = self._xp.zeros(MAX_ROWS * len(Coefficients._fields),
                                                 np.float32)
-            table = _coeff_rows(cs, max(cs) + 1).ravel()
-            self._rows_dev[:table.size].set(table, stream=cupy.cuda.get_current_stream())
+            self._upload(self._rows_dev, _coeff_rows(cs, max(cs) + 1),
+                         cupy.cuda.get_current_stream())
             self._launch(TABLE_KERNELS, grad, (self._index, self._rows_dev))
         return False
 

@@ -197,6 +197,9 @@ class Runtime:
         self.on_release = on_release
         self.life = UnitLifecycle(self.trainable)  # [Note: passes]
         self._to_reduce = {i for i, t in enumerate(self.trainable) if any(t)}
+        # The arena's zeros and masters went on the current stream, which the model's
+        # stream need not wait for ([Note: initialized memory] in backends.cuda.streams).
+        group.synchronize()
 
     @property
     def num_units(self) -> int:
@@ -410,7 +413,8 @@ class Runtime:
         with on_stream(self.stream):
             self.arena.grad *= np.float32(scale.factor)
         step(self._present())
-        self.arena.refresh_send()
+        with on_stream(self.stream):  # before the next gather, which reads them
+            self.arena.refresh_send()
         self._micro = 0
 
     def zero_grad(self) -> None:

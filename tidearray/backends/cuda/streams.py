@@ -5,12 +5,29 @@ an object with ``__cuda_stream__`` (returning ``(version, handle)``: cuda.core,
 CuPy, Numba) or with ``cuda_stream`` (a ``torch.cuda.Stream``). The collectives
 take its handle (:func:`stream_ptr`); the optimizer's kernels and the runtime's
 own work run inside it as CuPy's current stream (:func:`cupy_stream`).
+
+[Note: initialized memory]
+Whatever the library writes into device memory outside a call's own stream
+order (the zeroed moments, masters, tables and norms its constructors make,
+the masters and moments a load writes) goes on the stream that is current
+then: often the legacy default stream, while the first use may come on the
+model's stream, or any stream a caller passes, which need not wait for it (a
+non-blocking stream never does). On a busy GPU such a write can land after
+that first use: a zeroing memset wipes a step's moments, or a gradient is read
+before its upload. So an entry point that writes device memory that way
+returns only once those writes are done (:func:`settle`, or the group's
+``synchronize``): it runs once, at construction or load, never per step.
+Writes made per call (index fills, coefficient uploads) go on the call's own
+stream instead, and an asynchronous upload's host source is pinned memory that
+outlives the copy (:class:`HostUpload`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from typing import Any
+
+import numpy as np
 
 from ..._errors import TideInvalid
 
@@ -62,6 +79,46 @@ class _Handle:
 
     def __cuda_stream__(self) -> tuple[int, int]:
         return 0, self.ptr
+
+
+def settle() -> None:
+    """Wait (on the host) for the work issued so far on CuPy's current stream: the
+    device writes of a constructor or a load ([Note: initialized memory])."""
+    import cupy
+
+    cupy.cuda.get_current_stream().synchronize()
+
+
+class HostUpload:
+    """Host-to-device copies of small tables whose host source outlives each copy
+    ([Note: initialized memory]): the table goes into pinned memory, which the
+    copy engine reads asynchronously after the call returns, and the next upload
+    reuses that memory only once the event after the last copy has fired."""
+
+    def __init__(self) -> None:
+        self._host: Any = None  # pinned bytes
+        self._nbytes = 0  # how many
+        self._event: Any = None  # recorded after the last copy out of them
+
+    def __call__(self, dst: Any, table: np.ndarray, stream: Any) -> None:
+        """Copy ``table`` into the start of CuPy array ``dst`` on ``stream`` (a CuPy
+        stream); returns without waiting for the copy."""
+        import cupy
+
+        if table.nbytes > dst.nbytes:
+            raise AssertionError(f"an upload of {table.nbytes} bytes into {dst.nbytes}")
+        if self._event is None:
+            self._event = cupy.cuda.Event(block=False, disable_timing=True)
+        elif not self._event.done:
+            self._event.synchronize()  # the last copy has read the pinned bytes
+        if table.nbytes > self._nbytes:
+            self._nbytes = max(table.nbytes, 4096)
+            self._host = cupy.cuda.alloc_pinned_memory(self._nbytes)
+        np.frombuffer(self._host, np.uint8, table.nbytes)[:] = \
+            np.ascontiguousarray(table).view(np.uint8).ravel()
+        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, self._host.ptr, table.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        self._event.record(stream)
 
 
 def wait_for_readers(event: Any) -> None:
