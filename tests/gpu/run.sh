@@ -115,8 +115,9 @@ run_graphs() {
 # The stress step: the timing-sensitive tests in loops while other jobs share the GPU on
 # purpose, as on a busy node. A result that changes under load is a race, not noise.
 #   foreground "adamw" (1 rank): the fused AdamW on the device (captured steps, eager
-#     grouped and absent rows, side streams) and graph plans, TIDE_STRESS_LOOPS times (30;
-#     TIDE_STRESS_TESTS: other pytest arguments);
+#     grouped and absent rows, side streams, a first step on another stream) and graph
+#     plans, TIDE_STRESS_LOOPS times (30; TIDE_STRESS_TESTS: other pytest arguments), by
+#     TIDE_STRESS_WORKERS processes at once (2);
 #   beside it, each looping until the foreground is done (TIDE_STRESS_JOBS, all four):
 #     "rs" (3 ranks): the pipeline's documented summing order, reduce-scatter, Slot-Reuse;
 #     "graphs" (2 ranks): graph plans, collectives in a user's capture, the captured CuPy
@@ -125,7 +126,11 @@ run_graphs() {
 #     "gemm": back-to-back fp16 matrix products (tests/gpu/_gemm_load.py).
 # One line per loop goes to $LOGS/stress/loops.txt (a failing loop keeps its log beside it),
 # then a line per job: loops run and failed. Any failed loop fails the step.
-read -ra STRESS_ADAMW <<< "${TIDE_STRESS_TESTS:-tests/gpu/test_adamw_gpu.py tests/gpu/test_cuda_graphs.py}"
+A=tests/gpu/test_adamw_gpu.py
+read -ra STRESS_ADAMW <<< "${TIDE_STRESS_TESTS:-$A::test_captured_step_matches_numpy
+    $A::test_a_first_step_on_another_stream_waits_for_the_constructor
+    $A::test_grouped_odd_offsets_and_side_stream $A::test_absent_kernel_matches_numpy
+    tests/gpu/test_cuda_graphs.py}"
 STRESS_RS=(tests/mpi/test_pipeline.py tests/mpi/test_reduce_scatter.py)
 STRESS_JAX_ENV=(-x TIDE_JAX_CUDA=1 -x XLA_FLAGS="${XLA_FLAGS:---xla_gpu_autotune_level=0}")
 
@@ -153,7 +158,12 @@ run_stress() {
     [[ $jobs != *" jax "* ]] || {
         stress_loop jax 2 0 "${STRESS_JAX_ENV[@]}" -- tests/gpu/test_jax_jit_gpu.py & pids+=($!); }
     sleep 5  # the loads start first
-    stress_loop adamw 1 "${TIDE_STRESS_LOOPS:-30}" "${STRESS_ADAMW[@]}"
+    local w workers=${TIDE_STRESS_WORKERS:-2} loops=${TIDE_STRESS_LOOPS:-30} fg=()
+    for ((w = 0; w < workers; w++)); do  # the loops shared out, the first workers one more
+        stress_loop "adamw$w" 1 $((loops / workers + (w < loops % workers))) \
+            "${STRESS_ADAMW[@]}" & fg+=($!)
+    done
+    wait "${fg[@]}"
     touch "$SDIR/stop"; wait "${pids[@]}"  # each job ends its loop under way
     cat "$SDIR/gemm.log" 2>/dev/null
     awk '{split($0, a, " loop "); n[a[1]]++; if ($0 !~ /: exit 0:/) f[a[1]]++}
@@ -170,11 +180,14 @@ run_stress() {
 # and accumulate kernels. Each log ends with the tool's ERROR SUMMARY; any error fails.
 SAN_NP1=(tests/gpu/test_adamw_gpu.py tests/gpu/test_cuda_engine.py -k
          "captured or another_stream or grouped_kernel or accumulate or copier")
-SAN_NP2=(tests/mpi/test_pipeline.py -k "documented_order or slot")
+SAN_NP2=(tests/mpi/test_pipeline.py tests/mpi/test_reduce_scatter.py tests/mpi/test_all_gather.py)
 SAN_RACE=(tests/gpu/test_adamw_gpu.py tests/gpu/test_cuda_engine.py -k
           "kernel_matches_numpy or accumulate_bitwise")
 run_sanitize() {
-    local tool sanitizer=(compute-sanitizer --print-limit 20)
+    # API errors are not reported: cuda-bindings looks optional driver entry points up with
+    # cuGetProcAddress, which answers CUDA_ERROR_INVALID_VALUE for those this driver lacks
+    # (34 such "errors" per process, nothing else, when they were reported).
+    local tool sanitizer=(compute-sanitizer --print-limit 20 --report-api-errors no)
     for tool in memcheck synccheck; do
         step "sanitize_${tool}_np1" "${MPI[@]}" -x TIDE_TEST_EXAMPLES=3 -x TIDE_TIMEOUT=600 -n 1 \
             "${sanitizer[@]}" --tool "$tool" "${PYTEST[@]}" "${SAN_NP1[@]}"
@@ -183,8 +196,10 @@ run_sanitize() {
     done
     step sanitize_racecheck_np1 "${MPI[@]}" -n 1 "${sanitizer[@]}" --tool racecheck \
         "${PYTEST[@]}" "${SAN_RACE[@]}"
-    grep -aH "ERROR SUMMARY" "$LOGS"/sanitize_*.log
-    if grep -aE "ERROR SUMMARY: [1-9]" "$LOGS"/sanitize_*.log > /dev/null; then status=1; fi
+    grep -aHE "(ERROR|RACECHECK) SUMMARY" "$LOGS"/sanitize_*.log
+    if grep -aE "ERROR SUMMARY: [1-9]|\([1-9][0-9]* errors" "$LOGS"/sanitize_*.log > /dev/null; then
+        status=1
+    fi
 }
 
 run_pipelines() {  # TIDE_GPU_PIPELINES="np2 jax|np3 faults|...": side by side (correctness

@@ -200,6 +200,9 @@ def test_a_first_step_on_another_stream_waits_for_the_constructor(cp: Any, rng,
     groups = _groups(gen, n)[0] if grouped else None
     grads = _grads_n(gen, n, 1)
     g_dev = cp.asarray(grads[0])
+    # The kernel loaded first: loading a module waits for the whole device, which would
+    # hide the race.
+    _pair(cp, master, BF16, groups=groups)[1].step(g_dev, lr=HP.lr)
     host, dev = _pair(cp, master, BF16, groups=groups, late_s=0.3)
     stream = cp.cuda.Stream(non_blocking=True)
     host.step(grads[0], lr=HP.lr)
