@@ -164,7 +164,14 @@ run_stress() {
             "${STRESS_ADAMW[@]}" & fg+=($!)
     done
     wait "${fg[@]}"
-    touch "$SDIR/stop"; wait "${pids[@]}"  # each job ends its loop under way
+    touch "$SDIR/stop"  # each job ends the loop under way, or is stopped after a grace
+    local p t=0 alive=1
+    while [ "$alive" -eq 1 ] && [ "$t" -lt "${TIDE_STRESS_GRACE_S:-90}" ]; do
+        alive=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+        sleep 1; t=$((t + 1))
+    done
+    for p in "${pids[@]}"; do pkill -TERM -P "$p" 2>/dev/null; kill "$p" 2>/dev/null; done
+    wait "${pids[@]}" 2>/dev/null  # a stopped loop writes no line: only finished loops count
     cat "$SDIR/gemm.log" 2>/dev/null
     awk '{split($0, a, " loop "); n[a[1]]++; if ($0 !~ /: exit 0:/) f[a[1]]++}
          END {for (j in n) printf "== stress %s: %d loops, %d failed\n", j, n[j], f[j]}' \
