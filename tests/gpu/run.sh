@@ -118,7 +118,8 @@ run_graphs() {
 #     grouped and absent rows, side streams, a first step on another stream) and graph
 #     plans, TIDE_STRESS_LOOPS times (30; TIDE_STRESS_TESTS: other pytest arguments), by
 #     TIDE_STRESS_WORKERS processes at once (2);
-#   beside it, each looping until the foreground is done (TIDE_STRESS_JOBS, all four):
+#   beside it, each looping until the foreground is done (TIDE_STRESS_JOBS: rs graphs gemm;
+#   add jax where a loop of its compiles fits the step's timeout):
 #     "rs" (3 ranks): the pipeline's documented summing order, reduce-scatter, Slot-Reuse;
 #     "graphs" (2 ranks): graph plans, collectives in a user's capture, the captured CuPy
 #       and torch steps;
@@ -149,7 +150,7 @@ stress_loop() {  # stress_loop NAME RANKS LOOPS [MPIRUN ARGS --] TESTS...: LOOPS
 
 run_stress() {
     SDIR="$LOGS/stress"; rm -rf "$SDIR"; mkdir -p "$SDIR"; : > "$SDIR/loops.txt"
-    local jobs=" ${TIDE_STRESS_JOBS:-rs graphs jax gemm} " pids=() t0=$SECONDS
+    local jobs=" ${TIDE_STRESS_JOBS:-rs graphs gemm} " pids=() t0=$SECONDS
     echo "== stress: ${TIDE_STRESS_LOOPS:-30} loops of adamw beside:$jobs"
     [[ $jobs != *" gemm "* ]] || { python3 tests/gpu/_gemm_load.py "$SDIR/stop" \
         > "$SDIR/gemm.log" 2>&1 & pids+=($!); }
