@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The single test entry point: single-process tests, then the multi-rank suite.
 
-Runs, in order, each in its own process group under a timeout:
+Runs, in order, each in its own process group (every run starts, however long the ones
+before it took: there is no total time limit):
 
 1. ``python -m pytest -q tests benchmarks/tests``: layout, config and helper tests
    (Hypothesis, 75 examples per property: ``SINGLE``), and the benchmark harness's own
@@ -32,10 +33,18 @@ those tests skip and those examples fail).
 Consecutive runs whose processes fit in the machine's cores together run at once (on
 two cores: the single-process run beside ``mpi n=1``); the others one at a time.
 
+Each run has a hang timeout, which no healthy run comes near: 20 minutes
+(``--timeout S`` or ``TIDE_TEST_HANG_S``) times how many times over the cores are asked
+for (the wave's processes or the 1-minute load average, whichever is higher, over the
+cores; at least 1, and the highest seen while the run lasts). A run that reaches it is
+killed and reported as a hang. ``TIDE_TIMEOUT`` (a host-backend wait) defaults to 60 s
+here and ``TIDE_TEST_SKEW_S`` (the barrier after a test) to 120 s, both times the same
+factor as the run starts, so a lost signal fails a test instead of hanging it, while a
+busy machine does not.
+
 Every run gets the same Hypothesis seed (printed; pass ``--seed`` to reproduce),
-so all ranks of a run draw the same examples. ``TIDE_TIMEOUT`` defaults to 60 s
-here, so a lost signal fails a test instead of hanging it. Prints a summary
-table; the exit status is nonzero if any run failed or timed out.
+so all ranks of a run draw the same examples. Prints a summary table; the exit status
+is nonzero if any run failed or hung.
 
 Usage: ``python tests/run.py [--seed S] [--only WORD] [--ranks 1,2] [-- PYTEST ARGS]``
 """
@@ -58,10 +67,42 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Stop starting new runs after this long, so a CI job never runs past ~15 minutes.
-TOTAL_BUDGET_S = 13 * 60
+#: A run's hang timeout before scaling (``hang_limit``). Healthy runs take 13-140 s on an
+#: idle two-core machine; a slow or busy one may take several times that and must still
+#: pass, so only a hang should come near this. ``--timeout`` or ``TIDE_TEST_HANG_S`` set it.
+HANG_BASE_S = 20 * 60
+#: ``TIDE_TIMEOUT`` and ``TIDE_TEST_SKEW_S`` before scaling: short enough that a lost signal
+#: fails its test within minutes, far above a healthy wait on an idle machine. A peer's
+#: lateness grows with contention as everything else does, so they scale like the hang limit.
+WAIT_BASE_S = 60.0
+SKEW_BASE_S = 120.0
 #: Frameworks the ``test`` extra installs; the suite and the examples need every one.
 FRAMEWORKS = ("torch", "transformers", "safetensors", "peft", "jax")
+
+
+@dataclass(frozen=True)
+class Load:
+    """How many times over the cores are asked for while a run lasts: ``factor`` (at least
+    1) and ``why``, the figures behind it, for the messages."""
+    factor: float
+    why: str
+
+
+def contention(procs: int, cores: int) -> Load:
+    """The wave's ``procs`` processes or the 1-minute load average, whichever is higher, over
+    ``cores``. Not their sum: once a wave has run a while the load average counts its own
+    processes (and for a while the previous wave's, which only makes the limit kinder)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average on this platform: count our own processes only
+        load = 0.0
+    factor = max(1.0, max(procs, load) / cores)
+    return Load(factor, f"{procs} processes, 1-min load {load:.1f}, {cores} cores")
+
+
+def hang_limit(base: float, load: Load) -> float:
+    """Seconds a run may take before it counts as hung: ``base`` times the contention."""
+    return base * load.factor
 
 
 @dataclass
@@ -77,6 +118,8 @@ class Run:
     scripts: tuple = ()
     #: pytest's paths and options for a multi-rank run.
     targets: tuple = ("tests/mpi", "benchmarks/tests/mpi")
+    #: The contention the run met, highest seen (it sets the hang limit; see ``Load``).
+    load: Optional[Load] = None
 
 
 #: The topology and debug runs re-run the layers that topology and stamps reach: the
@@ -190,13 +233,17 @@ def waves(runs: list[Run], cores: int) -> list[list[Run]]:
 
 def start(run: Run, cmd: list[str], logdir: Path) -> tuple[subprocess.Popen, float]:
     """Start ``cmd`` in its own process group (so a timeout kills mpiexec and its ranks),
-    writing to the run's log; returns the process and its start time."""
-    env = dict(os.environ, **run.env)
-    env.setdefault("TIDE_TIMEOUT", "60")
+    writing to the run's log; returns the process and its start time. ``run.load`` is the
+    contention as it starts."""
+    # The in-test waits scale with the contention the run starts under; the variables
+    # themselves, where set, win (the hang limit still scales).
+    waits = {k: os.environ.get(k, f"{base * run.load.factor:.0f}")
+             for k, base in (("TIDE_TIMEOUT", WAIT_BASE_S), ("TIDE_TEST_SKEW_S", SKEW_BASE_S))}
+    env = dict(os.environ, **waits, **run.env)
     env.setdefault("PYTHONUNBUFFERED", "1")
     run.log = logdir / (re.sub(r"[^\w]+", "_", run.name) + ".log")
     with open(run.log, "w") as log:
-        log.write("$ " + " ".join(f"{k}={v}" for k, v in run.env.items()) + " "
+        log.write("$ " + " ".join(f"{k}={v}" for k, v in {**waits, **run.env}.items()) + " "
                   + " ".join(cmd) + "\n\n")
         log.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -204,26 +251,36 @@ def start(run: Run, cmd: list[str], logdir: Path) -> tuple[subprocess.Popen, flo
     return proc, time.monotonic()
 
 
-def finish(wave: list[Run], started: list[tuple[subprocess.Popen, float]],
-           until: list[float]) -> None:
-    """Wait for a wave's processes, each until its monotonic time in ``until`` (then kill
-    its group); each run's time is its own, up to when it ended."""
+def finish(wave: list[Run], started: list[tuple[subprocess.Popen, float]], base: float,
+           cores: int) -> None:
+    """Wait for a wave's processes, each until its hang limit (then kill its group): ``base``
+    times the highest contention seen since it started, so load that comes mid-run counts
+    too. Each run's time is its own, up to when it ended."""
     pending = dict(enumerate(wave))
+    procs = sum(max(r.ranks, 1) for r in wave)
     try:
         while pending:
             now = time.monotonic()
+            load = contention(procs, cores)
             for i, run in list(pending.items()):
                 proc, t0 = started[i]
+                if run.load is None or load.factor > run.load.factor:
+                    run.load = load
+                limit = hang_limit(base, run.load)
                 rc = proc.poll()
-                if rc is None and now < until[i]:
+                if rc is None and now < t0 + limit:
                     continue
                 if rc is None:
-                    run.status = f"TIMEOUT ({until[i] - t0:.0f} s)"
+                    run.status = f"TIMEOUT (hang, {limit:.0f} s)"
+                    run.summary = (f"hang timeout {limit:.0f} s = {base:.0f} s x "
+                                   f"{run.load.factor:.2f} (highest contention seen: "
+                                   f"{run.load.why}); --timeout S or TIDE_TEST_HANG_S=S "
+                                   "sets the base")
                     _kill(proc)
                 else:
                     run.status = "passed" if rc == 0 else f"FAILED (exit {rc})"
+                    run.summary = _pytest_summary(run.log.read_text(errors="replace"))
                 run.seconds = time.monotonic() - t0
-                run.summary = _pytest_summary(run.log.read_text(errors="replace"))
                 del pending[i]
             time.sleep(0.2)
     except KeyboardInterrupt:
@@ -277,7 +334,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-wide", action="store_true",
                     help=f"skip the {WIDE}-rank run (2 x {WIDE_LOCAL} nodes)")
     ap.add_argument("--only", default=None, help="run only the runs whose name contains this")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
+    ap.add_argument("--timeout", type=float,
+                    default=float(os.environ.get("TIDE_TEST_HANG_S") or HANG_BASE_S),
+                    help="a run's hang timeout in seconds before it is scaled by the "
+                         "contention (default TIDE_TEST_HANG_S or %(default)g)")
     ap.add_argument("--logs", default=None, help="directory for the logs (default: a temp dir)")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = ap.parse_args(argv)
@@ -295,18 +355,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     logdir = Path(args.logs or tempfile.mkdtemp(prefix="tidearray-tests-"))
     logdir.mkdir(parents=True, exist_ok=True)
     print(f"tests/run.py: {len(runs)} runs, Hypothesis seed {seed}, {mpi}, logs in {logdir}")
-    deadline = time.monotonic() + TOTAL_BUDGET_S
-    for wave in waves(runs, os.cpu_count() or 1):
-        if deadline - time.monotonic() <= 0:
-            for run in wave:
-                run.status = "not run (time budget spent)"
-            continue
+    cores = os.cpu_count() or 1
+    print(f"tests/run.py: no total time limit; each run's hang timeout is {args.timeout:.0f} s "
+          f"times the contention (the wave's processes or the 1-min load average over the "
+          f"{cores} cores, at least 1); --timeout S or TIDE_TEST_HANG_S=S sets the base")
+    for wave in waves(runs, cores):
         started = []
+        load = contention(sum(max(r.ranks, 1) for r in wave), cores)
         for run in wave:
+            run.load = load
             cmd = command(run, mpiexec, seed, args.pytest_args)
-            print(f"--> {run.name}: {' '.join(cmd)}", flush=True)
+            print(f"--> {run.name} (hang timeout {hang_limit(args.timeout, load):.0f} s, "
+                  f"x{load.factor:.2f}: {load.why}): {' '.join(cmd)}", flush=True)
             started.append(start(run, cmd, logdir))
-        finish(wave, started, [min(t0 + args.timeout, deadline) for _, t0 in started])
+        finish(wave, started, args.timeout, cores)
         for run in wave:
             print(f"    {run.name}: {run.status} in {run.seconds:.1f} s {run.summary}", flush=True)
             if run.status != "passed":
