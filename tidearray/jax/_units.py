@@ -48,12 +48,30 @@ gather's copy out of the slot is issued on that stream before the callback
 returns, so the next collective's writes into the slot are ordered after it
 (:func:`tidearray.all_gather`'s "Reusing a slot"). The callbacks call a runner
 (``_runners``), in place on XLA's buffers or staged through plans.
+
+[Note: stacked units under lax.scan]
+A stacked unit (``shard_units(..., stacked=...)``) holds ``L`` layers of one
+structure, its leaves ``(L, d0, *rest)``; each layer is sharded as a unit of its
+own, and the layers' shards are stacked again, ``(L, ceil(d0/W), *rest)``. Every
+layer has the same shapes, so one :class:`_UnitCollectives`, with one plan per
+collective, serves them all: a ``lax.scan`` over the stacked shards hands
+:meth:`ShardedUnits.apply` one layer's slice per iteration, and the callbacks
+never need to know which layer it is (the layer index is the scan's, traced;
+reading it in a callback would cost a device-to-host copy on GPUs). The scan's
+body is one XLA computation whose buffers are assigned once, so its gathers and
+reductions find the same addresses, hence the same in-place plans, at every
+iteration. The chain of [Note: collective order in a jitted step] holds
+through the loop: iteration ``l`` takes the carry that iteration ``l-1`` made,
+and the transposed scan (backward, layers in reverse) takes the carry cotangent
+that the previous iteration's reduce-scatter passed through. The scan's own
+machinery adds what the unrolled loop has anyway: the layers' inputs and outputs
+are stacked as residuals, and the shard gradients stacked as the scan's outputs.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +93,10 @@ _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": 
 class _UnitCollectives:
     """One unit's gather and reduce-scatter as ``buffer_callback`` s (see the Notes)."""
 
-    def __init__(self, owner: ShardedUnits, index: int, unit: Unit, treedef: Any) -> None:
+    def __init__(self, owner: ShardedUnits, index: int, unit: Unit, treedef: Any,
+                 layers: Optional[int]) -> None:
         self.owner, self.index, self.unit, self.treedef = owner, index, unit, treedef
+        self.layers = layers  # None: not stacked ([Note: stacked units under lax.scan])
         self.shapes = [tuple(s) for s in unit.shapes]
         self.full_types = [jax.ShapeDtypeStruct(s, owner.compute_dtype) for s in self.shapes]
         self.shard_types = [jax.ShapeDtypeStruct(s, jnp.float32) for s in unit.shard_shapes]
@@ -139,6 +159,25 @@ def _float_leaves(tree: Any) -> tuple[list[Any], list[int], list[Any]]:
     return [leaves[k] for k in idx], idx, leaves
 
 
+def _checked_leaves(col: _UnitCollectives, unit_shards: Any) -> list[Any]:
+    """The leaves of ``unit_shards`` if they are structured and shaped as ``col``'s (one
+    layer's) shards; else :class:`TideInvalid`."""
+    leaves, treedef = jax.tree_util.tree_flatten(unit_shards)
+    if treedef != col.treedef:
+        raise TideInvalid(f"tidearray.jax: unit {col.index}: expected shards structured as "
+                          f"{col.treedef}, got {treedef}")
+    want = [t.shape for t in col.shard_types]
+    got = [tuple(np.shape(a)) for a in leaves]
+    if got == want:
+        return leaves
+    if col.layers is None:
+        raise TideInvalid(f"tidearray.jax: unit {col.index}: expected shards shaped "
+                          f"{want}, got {got}")
+    raise TideInvalid(f"tidearray.jax: unit {col.index} is stacked over {col.layers} layers: "
+                      f"expected one layer's shards, shaped {want}, as lax.scan over the "
+                      f"unit's shards slices them (or ShardedUnits.scan), got {got}")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _apply(col: _UnitCollectives, fn: Callable, shards: list, x: Any) -> Any:
     return fn(col.gather(shards, jax.tree_util.tree_leaves(x)), x)
@@ -189,9 +228,9 @@ class ShardedUnits:
         group: the group the collectives run on.
     """
 
-    def __init__(self, group: Group, units: list, treedefs: list, shard_arrays: list,
-                 device: Any, compute_dtype: Any, *, reshard_after_forward: bool,
-                 command_buffer: bool) -> None:
+    def __init__(self, group: Group, units: list, treedefs: list, layers: list,
+                 shard_arrays: list, device: Any, compute_dtype: Any, *,
+                 reshard_after_forward: bool, command_buffer: bool) -> None:
         self.group, self.device, self.compute_dtype = group, device, compute_dtype
         self.reshard_after_forward = reshard_after_forward
         self.command_buffer = command_buffer
@@ -202,13 +241,18 @@ class ShardedUnits:
         # [Note: in place or staged] in _runners
         self.runner = (Staged(group, self.slot, self.buffers, units) if command_buffer
                        else InPlace(group, self.slot, self.buffers))
-        self._units = [_UnitCollectives(self, i, u, t)
-                       for i, (u, t) in enumerate(zip(units, treedefs))]
+        self._units = [_UnitCollectives(self, i, u, t, n)
+                       for i, (u, t, n) in enumerate(zip(units, treedefs, layers))]
         self.shards = [jax.tree_util.tree_unflatten(t, [jax.device_put(a, device) for a in arrs])
                        for t, arrs in zip(treedefs, shard_arrays)]
 
     def __len__(self) -> int:
         return len(self._units)
+
+    def layers(self, index: int) -> Optional[int]:
+        """The number of layers of unit ``index`` if it is stacked (``shard_units``'
+        ``stacked``), else None."""
+        return self._units[index].layers
 
     def apply(self, index: int, fn: Callable[[Any, Any], Any], unit_shards: Any, x: Any) -> Any:
         """``fn(params, x)`` with unit ``index``'s full parameters, differentiable in
@@ -222,9 +266,12 @@ class ShardedUnits:
         Args:
             index: the unit (its position in :func:`shard_units`' list).
             fn: the unit's computation, ``fn(params, x)``; ``params`` has the unit's
-                pytree structure. Pure JAX, traced once per ``apply`` call site.
+                pytree structure (one layer's, for a stacked unit). Pure JAX, traced
+                once per ``apply`` call site.
             unit_shards: the unit's shards as the step received them
-                (``shards[index]``, or what an optimizer made of it).
+                (``shards[index]``, or what an optimizer made of it); for a stacked
+                unit, one layer's, as ``lax.scan`` over ``shards[index]`` slices them
+                (or use :meth:`scan`).
             x: the unit's input (any pytree). Units must be applied as a chain: each
                 unit's input computed from the previous unit's output ([Note:
                 collective order in a jitted step]).
@@ -232,18 +279,52 @@ class ShardedUnits:
         Raises:
             TideInvalid: under ``jax.vmap``, or inside a mesh context (one JAX device per
                 rank is what runs; the ranks are the data-parallel dimension), or if
-                ``unit_shards`` is not structured as the unit.
+                ``unit_shards`` is not structured and shaped as the unit's (one layer's)
+                shards.
         """
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty:
             raise TideInvalid(f"tidearray.jax: expected no mesh context (one device per "
                               f"rank, the ranks sharding the data), got {mesh}")
         col = self._units[index]
-        leaves, treedef = jax.tree_util.tree_flatten(unit_shards)
-        if treedef != col.treedef:
-            raise TideInvalid(f"tidearray.jax: unit {index}: expected shards structured as "
-                              f"{col.treedef}, got {treedef}")
-        return _apply(col, fn, leaves, x)
+        return _apply(col, fn, _checked_leaves(col, unit_shards), x)
+
+    def scan(self, index: int, fn: Callable[[Any, Any], Any], unit_shards: Any, x: Any, *,
+             unroll: int = 1) -> Any:
+        """``fn`` of every layer of stacked unit ``index`` in turn, inside ``jax.lax.scan``:
+        ``x`` through layer 0, its output through layer 1, and so on; call it inside the
+        jitted step.
+
+        Each iteration is an :meth:`apply` of one layer: its gather runs in the
+        iteration, in layer order; in backward, its re-gather and reduce-scatter run in
+        reverse layer order ([Note: stacked units under lax.scan] in
+        ``tidearray.jax._units``). One compiled layer, whatever the depth.
+
+        Args:
+            index: a stacked unit (``shard_units(..., stacked=[index])``).
+            fn: one layer's computation, ``fn(params, x)``, returning a pytree of the
+                same structure, shapes and dtypes as ``x`` (the scan's carry).
+            unit_shards: the unit's stacked shards (``shards[index]``): leaves
+                ``(layers, ceil(d0/W), *rest)``.
+            x: the first layer's input.
+            unroll: ``jax.lax.scan``'s ``unroll``.
+
+        Returns:
+            The last layer's output.
+
+        Raises:
+            TideInvalid: unit ``index`` is not stacked, or as :meth:`apply`.
+        """
+        col = self._units[index]
+        if col.layers is None:
+            raise TideInvalid(f"tidearray.jax: ShardedUnits.scan of unit {index}: expected a "
+                              f"stacked unit (shard_units(..., stacked=[{index}])), got an "
+                              f"unstacked one (use apply)")
+
+        def layer(h: Any, layer_shards: Any) -> tuple[Any, None]:
+            return self.apply(index, fn, layer_shards, h), None
+
+        return jax.lax.scan(layer, x, unit_shards, unroll=unroll)[0]
 
     def __repr__(self) -> str:
         return (f"ShardedUnits({len(self)} units, {np.dtype(self.compute_dtype).name}, "
@@ -252,7 +333,7 @@ class ShardedUnits:
 
 def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
                 compute_dtype: Any = jnp.float32, reshard_after_forward: bool = True,
-                command_buffer: bool = False) -> ShardedUnits:
+                command_buffer: bool = False, stacked: Sequence[int] = ()) -> ShardedUnits:
     """Shard a model's units over the group, for :meth:`ShardedUnits.apply` in a jitted step.
 
     Collective: every rank must call it with units of the same structure, shapes and
@@ -274,14 +355,21 @@ def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
             through plans built here over buffers of tidearray's, with XLA's buffers
             copied in and out ([Note: in place or staged] in ``tidearray.jax._runners``):
             one unit's gradients more of memory, and copies of them.
+        stacked: the indices of the units whose leaves stack per-layer parameters on a
+            leading layer axis, ``(layers, d0, *rest)`` (MaxText's ``scan_layers``,
+            Flax's ``nn.scan``): each layer's ``(d0, *rest)`` is sharded on its dim 0,
+            and the unit's shards are ``(layers, ceil(d0/W), *rest)``, for
+            :meth:`ShardedUnits.scan` ([Note: stacked units under lax.scan] in
+            ``tidearray.jax._units``).
 
     Returns:
         The :class:`ShardedUnits`, whose ``shards`` hold this rank's fp32 shards.
 
     Raises:
-        TideInvalid: on every rank, if a rank's units differ from rank 0's, or a leaf is
-            not a floating array of at least one dimension, or JAX's device does not fit
-            the backend (the host backend needs CPU JAX, cuda a CUDA JAX).
+        TideInvalid: on every rank, if a rank's units or ``stacked`` differ from rank 0's,
+            or a leaf is not a floating array of at least one dimension (two, stacked, with
+            one number of layers per unit), or JAX's device does not fit the backend (the
+            host backend needs CPU JAX, cuda a CUDA JAX).
     """
     group = group or default_group()
     errors: list[str] = []
@@ -294,26 +382,78 @@ def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
     if dtype_name not in _COMPUTE_DTYPES:
         errors.append(f"compute_dtype: expected one of {sorted(_COMPUTE_DTYPES)}, "
                       f"got {dtype_name}")
-    treedefs, leaves_of, signature = [], [], [("compute_dtype", dtype_name),
-                                              ("units", len(units))]
-    for i, unit in enumerate(units):
-        leaves, treedef = jax.tree_util.tree_flatten(unit)
-        treedefs.append(treedef)
-        leaves_of.append(leaves)
-        signature.append((f"unit {i}", (str(treedef),
-                                        tuple((tuple(a.shape), str(a.dtype)) for a in leaves))))
-        errors += [f"unit {i} leaf {k}: expected a floating array of at least 1 dim, got "
-                   f"{a.dtype}{tuple(a.shape)}" for k, a in enumerate(leaves)
-                   if a.ndim == 0 or not jnp.issubdtype(a.dtype, jnp.floating)]
+    stacked_set = _stacked_indices(stacked, len(units), errors)
+    signature = [("compute_dtype", dtype_name), ("units", len(units)),
+                 ("stacked", tuple(sorted(stacked_set)))]
+    described = [_describe(i, unit, i in stacked_set, errors) for i, unit in enumerate(units)]
+    signature += [d.signature for d in described]
     _validate.check(group, "tidearray.jax.shard_units", tuple(signature), errors)
-    compute = _COMPUTE_DTYPES[dtype_name]
-    plans = [Unit([a.shape for a in leaves], _dtypes.normalize(dtype_name), group=group)
-             for leaves in leaves_of]
-    shard_arrays = [[shard(np.asarray(a, np.float32), group=group) for a in leaves]
-                    for leaves in leaves_of]
-    return ShardedUnits(group, plans, treedefs, shard_arrays, device, compute,
+    plans = [Unit(d.shapes, _dtypes.normalize(dtype_name), group=group) for d in described]
+    return ShardedUnits(group, plans, [d.treedef for d in described],
+                        [d.layers for d in described],
+                        [d.shards(group) for d in described], device,
+                        _COMPUTE_DTYPES[dtype_name],
                         reshard_after_forward=reshard_after_forward,
                         command_buffer=command_buffer)
+
+
+def _stacked_indices(stacked: Any, n: int, errors: list[str]) -> set[int]:
+    """``stacked`` as a set of unit indices (appends to ``errors`` what is not one)."""
+    try:
+        given = list(stacked)
+    except TypeError:
+        errors.append(f"stacked: expected a sequence of unit indices, got {stacked!r}")
+        return set()
+    bad = [k for k in given if not isinstance(k, (int, np.integer)) or isinstance(k, bool)
+           or not 0 <= k < n]
+    if bad or len(set(given)) != len(given):
+        errors.append(f"stacked: expected distinct unit indices in [0, {n}), got {given!r}")
+        return set()
+    return {int(k) for k in given}
+
+
+class _Described(NamedTuple):
+    """One unit as ``shard_units`` read it."""
+
+    treedef: Any
+    leaves: list
+    layers: Optional[int]  # None: not stacked
+    signature: tuple  # what must be equal on every rank
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """The full shape of each parameter (of one layer, stacked)."""
+        skip = 0 if self.layers is None else 1
+        return [tuple(a.shape[skip:]) for a in self.leaves]
+
+    def shards(self, group: Group) -> list[np.ndarray]:
+        """This rank's fp32 shard of each leaf (each layer's, stacked)."""
+        def one(a: Any) -> np.ndarray:
+            return shard(np.asarray(a, np.float32), group=group)
+
+        if self.layers is None:
+            return [one(a) for a in self.leaves]
+        return [np.stack([one(a[k]) for k in range(self.layers)]) for a in self.leaves]
+
+
+def _describe(i: int, unit: Any, is_stacked: bool, errors: list[str]) -> _Described:
+    """Unit ``i``'s structure, layers and signature (appends to ``errors`` its bad leaves)."""
+    leaves, treedef = jax.tree_util.tree_flatten(unit)
+    signature = (f"unit {i}", (str(treedef), tuple((tuple(a.shape), str(a.dtype))
+                                                   for a in leaves)))
+    least = 2 if is_stacked else 1
+    errors += [f"unit {i} leaf {k}: expected a floating array of at least {least} dim"
+               f"{'s (a leading layer axis: the unit is stacked)' if is_stacked else ''}, got "
+               f"{a.dtype}{tuple(a.shape)}" for k, a in enumerate(leaves)
+               if a.ndim < least or not jnp.issubdtype(a.dtype, jnp.floating)]
+    if not is_stacked:
+        return _Described(treedef, leaves, None, signature)
+    counts = sorted({a.shape[0] for a in leaves if a.ndim})
+    if len(counts) != 1 or counts[0] < 1:
+        errors.append(f"unit {i} (stacked): expected every leaf to have one number of layers "
+                      f">= 1 on its leading axis, got {counts}")
+        return _Described(treedef, [], 1, signature)
+    return _Described(treedef, leaves, counts[0], signature)
 
 
 def _device(group: Group, errors: list[str]) -> Any:
