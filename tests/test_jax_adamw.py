@@ -44,6 +44,12 @@ def _compare() -> None:
     assert worst <= 1, f"ShardAdamW and FusedAdamW {worst:.2f}x the bound apart after {STEPS}"
 
 
-def test_shard_adamw_refuses_clipping():
-    with pytest.raises(TideInvalid, match="max_grad_norm"):
-        tj.ShardAdamW(AdamW(max_grad_norm=1.0))
+def test_shard_adamw_without_clipping_needs_no_group():
+    """A ShardAdamW that does not clip is made on one process alone (the references of the
+    multi-rank tests are): only a clipping one is collective (tests/mpi/test_jax_jit.py)."""
+    opt = tj.ShardAdamW(AdamW(lr=1e-2))
+    shards = {"w": jax.numpy.ones(3)}
+    new, _ = opt.update(shards, {"w": jax.numpy.ones(3)}, opt.init(shards), opt.coefficients(1))
+    assert np.all(np.asarray(new["w"]) < 1)
+    with pytest.raises(TideInvalid, match="max_grad_norm"):  # AdamW's own check
+        tj.ShardAdamW(AdamW(max_grad_norm=0.0))

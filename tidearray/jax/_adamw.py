@@ -7,6 +7,10 @@ every element is updated in float32 by XLA. Passing the scalars as an argument k
 one compiled step for every step count and learning rate. XLA may fuse the element
 operations (on GPU, contract a multiply and an add), so results agree with the fused
 optimizer to a few float32 roundings, not bitwise.
+
+With ``max_grad_norm`` the shard gradients are clipped by the global norm of the whole
+gradient ([Note: the global norm in a jitted step] in ``_clip``): the clip factor
+multiplies into ``grad_scale``, as the fused optimizer takes the runtime's clip.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._errors import TideInvalid
+from .._group import Group
 from ..fsdp._adamw import AdamW as AdamWConfig
 from ..fsdp._adamw import Coefficients, coefficients
+from ._clip import GlobalNorm, checked_clip, clip_factor
 
 
 class AdamWState(NamedTuple):
@@ -33,19 +38,26 @@ class ShardAdamW:
     """AdamW over fp32 shard pytrees, for use inside ``jax.jit``.
 
     Args:
-        hp: the hyper-parameters (:class:`tidearray.fsdp.AdamW`); ``max_grad_norm``
-            must be None (a global norm needs a collective of its own).
+        hp: the hyper-parameters (:class:`tidearray.fsdp.AdamW`). With ``max_grad_norm``
+            each :meth:`update` first clips the gradients by the global norm of the whole
+            gradient, over every rank's shards (torch's ``clip_grad_norm_``; [Note: the
+            global norm in a jitted step] in ``tidearray.jax._clip``).
+        group: the group the shards are spread over, where ``hp`` clips (default: the
+            last ``tidearray.init``); unused otherwise.
 
     Raises:
-        TideInvalid: ``hp`` clips.
+        TideInvalid: on every rank, before any transfer, where ``hp`` clips and the ranks'
+            ``hp`` differ. Constructing a clipping ShardAdamW is collective; one that does
+            not clip is not.
     """
 
-    def __init__(self, hp: Optional[AdamWConfig] = None) -> None:
-        hp = hp or AdamWConfig()
-        if hp.max_grad_norm is not None:
-            raise TideInvalid(f"tidearray.jax.ShardAdamW: expected max_grad_norm None, got "
-                              f"{hp.max_grad_norm!r} (clip the shard gradients in the step)")
-        self.hp = hp
+    def __init__(self, hp: Optional[AdamWConfig] = None, *,
+                 group: Optional[Group] = None) -> None:
+        self.hp = hp or AdamWConfig()
+        self._norm: Optional[GlobalNorm] = None
+        if self.hp.max_grad_norm is not None:
+            self._norm = checked_clip(group, "tidearray.jax.ShardAdamW", self.hp.max_grad_norm,
+                                      (("hp", repr(self.hp)),))
 
     def init(self, shards: Any) -> AdamWState:
         """Zero moments shaped like ``shards``."""
@@ -60,8 +72,12 @@ class ShardAdamW:
 
     def update(self, shards: Any, grads: Any, state: AdamWState,
                coef: jax.Array) -> tuple[Any, AdamWState]:
-        """``(new shards, new state)``: one AdamW step of every shard (inside jit)."""
+        """``(new shards, new state)``: one AdamW step of every shard (inside jit), after
+        clipping ``grads`` where ``hp.max_grad_norm`` is set."""
         c = Coefficients(*(coef[k] for k in range(len(Coefficients._fields))))
+        if self._norm is not None:
+            factor = clip_factor(self._norm(grads), self.hp.max_grad_norm)
+            c = c._replace(grad_scale=c.grad_scale * factor)
 
         def one(p, g, m, v):
             g = g * c.grad_scale
