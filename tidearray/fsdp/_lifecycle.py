@@ -90,6 +90,9 @@ class UnitLifecycle:
         n = len(self.trainable)
         self.state = [State.IDLE] * n
         self.running: set[int] = set()
+        #: The highest unit used in this pass's forward phase (-1: none).
+        self.last_used = -1
+        self._open: set[int] = set()  # the units in BACKWARD (closing scans these only)
         self._backward_began = False
         self._pending: list[weakref.WeakSet] = [weakref.WeakSet() for _ in range(n)]
         self._blind = [False] * n
@@ -117,6 +120,11 @@ class UnitLifecycle:
         """Whether open unit ``i`` is done by what the tokens say: none pending, not blind."""
         return self.state[i] is State.BACKWARD and not self._blind[i] and not self.waits(i)
 
+    def closable_above(self, i: int) -> list[int]:
+        """The open units above ``i`` that wait for no tracked use, in descending order:
+        they close before ``i`` does ([Note: unit lifecycle], order)."""
+        return sorted((j for j in self._open if j > i and not self.waits(j)), reverse=True)
+
     # -- transitions -------------------------------------------------------------------
 
     def use(self, i: int, token: Any) -> None:
@@ -124,6 +132,7 @@ class UnitLifecycle:
         if self.state[i] is State.IDLE:
             self.state[i] = State.FORWARD
         self.running.add(i)
+        self.last_used = max(self.last_used, i)
         if token is BLIND:
             self._blind[i] = True
         elif token is not None:
@@ -137,6 +146,7 @@ class UnitLifecycle:
         if self.state[i] is State.IDLE:
             self._blind[i] = True  # no forward of it in this pass: nothing reports its end
         self.state[i] = State.BACKWARD
+        self._open.add(i)
         self._backward_began = True
         self.written[i] = [False] * len(self.written[i])
 
@@ -150,6 +160,7 @@ class UnitLifecycle:
         """BACKWARD to DONE, with the parameters whose gradients were ``written`` (None:
         all of them) recorded in :attr:`had_grad`."""
         self.state[i] = State.DONE
+        self._open.discard(i)
         for k, t in enumerate(self.trainable[i]):
             if t and (written is None or written[k]):
                 self.had_grad[self._first[i] + k] = 1
@@ -158,13 +169,18 @@ class UnitLifecycle:
         """A pass with no backward ends (``release``): its FORWARD units are IDLE again."""
         self.state = [State.IDLE if s is State.FORWARD else s for s in self.state]
         self.running.clear()
+        self.last_used = -1
 
     def end_pass(self) -> None:
         n = len(self.state)
         self.state = [State.IDLE] * n
         self.running.clear()
+        self.last_used = -1
+        self._open.clear()
         self._backward_began = False
-        self._pending = [weakref.WeakSet() for _ in range(n)]
+        for pending in self._pending:  # tokens of uses whose backward never came
+            if pending:
+                pending.clear()
         self._blind = [False] * n
 
     def end_step(self) -> np.ndarray:

@@ -304,8 +304,7 @@ class Runtime:
 
     def _close_through(self, i: int) -> None:
         """Close the open units above ``i`` that wait for no use (descending), then ``i``."""
-        for j in sorted((j for j in self.life.units_in(State.BACKWARD)
-                         if j > i and not self.life.waits(j)), reverse=True):
+        for j in self.life.closable_above(i):
             self.post_backward(j)
         self.post_backward(i)
 
@@ -343,6 +342,10 @@ class Runtime:
     def state(self, i: int) -> State:
         """Unit ``i``'s place in the current pass ([Note: unit lifecycle])."""
         return self.life.state[i]
+
+    def last_used(self) -> int:
+        """The highest unit used in this pass's forward phase (-1: none)."""
+        return self.life.last_used
 
     # -- the step -----------------------------------------------------------------
 

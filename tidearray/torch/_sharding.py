@@ -29,7 +29,7 @@ Activation checkpointing works: a forward recomputed during backward finds its
 unit gathered already, and the hooks leave the runtime alone then; under
 reentrant checkpointing, whose first forward runs without grad (so the unit was
 released and hooked no outputs), the recompute opens the unit's backward. Every
-hook runs outside ``torch.compile``'s graphs (``torch._dynamo.disable``).
+hook runs outside ``torch.compile``'s graphs ([Note: hooks and Dynamo]).
 
 Parameters are empty placeholders whenever their unit is not gathered. So that
 torch's own tools cannot silently see nothing, ``module.state_dict()`` raises
@@ -207,12 +207,11 @@ class Sharding:
     def _check_order(self, u: int) -> None:
         """Units must be given in the order their forwards begin (the runtime prefetches
         the next one and assigns slots by that order); the same on every rank."""
-        later = [j for j in range(u + 1, len(self.units))
-                 if self.runtime.state(j) is not State.IDLE and not (self.spec.root and j == 0)]
-        if later:
+        last = self.runtime.last_used()
+        if last > u:
             raise TideInvalid(f"units: expected them in the order their forwards begin, got "
                               f"unit {u} ({type(self.units[u].modules[0]).__name__}) after unit "
-                              f"{max(later)}; pass the units in execution order")
+                              f"{last}; pass the units in execution order")
 
     def _post_forward(self, u: int, module: Any, args: Any, output: Any) -> Any:
         if _in_backward():
@@ -222,9 +221,11 @@ class Sharding:
             return None  # a list unit: its other modules are still to run
         self._members_left[u] = len(self.units[u].modules)
         if torch.is_grad_enabled():
-            for t in tree_flatten(output)[0]:
-                if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(self._output_hooks[u])
+            # A block's output is mostly one tensor: flattened only when it is not.
+            outs = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+            for t in outs:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    _on_first_grad(t, self._output_hooks[u])
         self.runtime.post_forward(u)
         return None
 
@@ -258,13 +259,15 @@ class Sharding:
                 p.grad = g
 
     def _grad_ready(self, u: int, k: int, param: Any) -> None:
-        if self.runtime.state(u) is State.DONE:
-            raise TideInvalid(f"parameter {self.names[u][k]!r} (unit {u}): expected its "
-                              "gradient before its unit's backward was done, got it after its "
-                              "reduction began: is it used outside its unit? Put it in a unit "
-                              "that holds every module using it (or in the root)")
         grad = param.grad  # autograd's own where the unit was not open yet: moved over
-        self._begin(u)
+        state = self.runtime.state(u)
+        if state is not State.BACKWARD:  # (per parameter and step: the open unit first)
+            if state is State.DONE:
+                raise TideInvalid(f"parameter {self.names[u][k]!r} (unit {u}): expected its "
+                                  "gradient before its unit's backward was done, got it after "
+                                  "its reduction began: is it used outside its unit? Put it in "
+                                  "a unit that holds every module using it (or in the root)")
+            self._begin(u)
         buf = self._grads[u][k]
         if grad is not buf:
             param.grad = buf
@@ -558,17 +561,62 @@ class _ShardedGrad(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
+def _on_first_grad(t: torch.Tensor, hook: Callable[..., Any]) -> None:
+    """``hook`` runs when autograd is about to compute the gradient of ``t``'s inputs (the
+    moment a hook on ``t`` would run): a pre-hook of the node that made ``t``, registered
+    in C++ (``Tensor.register_hook`` costs a few microseconds of Python more); a hook on
+    ``t`` itself where no node made it (a leaf)."""
+    node = t.grad_fn
+    if node is None:
+        t.register_hook(hook)
+    else:
+        node.register_prehook(hook)
+
+
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1
 
 
-def _outside_compile(fn: Any) -> Any:
-    """``fn`` run eagerly, never traced by Dynamo: the hooks keep the runtime's state."""
+#: Dynamo's frame-evaluation callback on this thread (None: no frame is compiled here).
+#: None where torch lacks it: every hook call then goes through ``torch._dynamo.disable``.
+_FRAME_CALLBACK: Optional[Callable[[], Any]] = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
+    "get_eval_frame_callback", None)
+
+
+def _outside_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run eagerly, never traced by Dynamo: the hooks keep the runtime's state.
+
+    [Note: hooks and Dynamo]
+    A hook must not be traced into a ``torch.compile`` graph, nor may Dynamo compile
+    the runtime's frames it calls. ``torch._dynamo.disable`` ensures both, but each call
+    through it switches Dynamo's frame evaluation off and on again (about a microsecond,
+    and a hook runs several times per unit per step). So the hook decides per call:
+    while Dynamo traces it (``torch.compile`` of the model, or of a function calling
+    it), ``is_compiling()`` is a constant True in the trace and the call goes to the
+    disabled ``fn`` (a graph break, run eagerly); when a hook runs eagerly while
+    Dynamo evaluates frames on this thread (the eager part of a compiled function
+    around a graph break, or a frame Dynamo gave up on), the frame callback is set and
+    the call goes to the disabled ``fn`` too; otherwise (no compile on this thread: the
+    eager loop, a block compiled on its own, whose hooks run in ``Module.__call__``,
+    and a backward on autograd's device threads) it calls ``fn`` directly.
+    """
     # The first call imports torch._dynamo, and with it sympy, whose import adds a
     # process-wide warnings filter: keep the caller's filters as they were.
     with warnings.catch_warnings():
-        return torch._dynamo.disable(fn, recursive=True)
+        disabled = torch._dynamo.disable(fn, recursive=True)
+    frame_callback = _FRAME_CALLBACK
+    if frame_callback is None:
+        return disabled
+    is_compiling = torch.compiler.is_compiling
+
+    def hook(*args: Any) -> Any:
+        if is_compiling() or frame_callback() is not None:
+            return disabled(*args)
+        return fn(*args)
+
+    return hook
 
 def _placeholder(p: Any, dtype: np.dtype, device: Any) -> Any:
     return torch.empty(0, dtype=getattr(torch, dtype.name), device=device)
