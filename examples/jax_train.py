@@ -4,23 +4,29 @@
 
 The model is plain JAX: a token and position embedding, pre-norm blocks of causal
 self-attention and an MLP, a final norm and a head. Each of them is a *unit*: a
-pytree of parameters and a function ``unit(params, x)``. ``tidearray.jax.shard_units``
-keeps this rank's fp32 dim-0 shard of each; the training step, one ``jax.jit``, runs
-every unit through ``ShardedUnits.apply``: its parameters are gathered (TIDE-AG) just
+pytree of parameters and a function ``unit(params, x)``. By default the blocks are one
+*stacked* unit, their parameters stacked on a leading layer axis (MaxText's
+``scan_layers``), run by ``ShardedUnits.scan`` inside ``jax.lax.scan``: one compiled
+block, whatever the depth; ``--unrolled`` makes each block a unit of its own, applied
+in a Python loop. ``tidearray.jax.shard_units`` keeps this rank's fp32 dim-0 shard of
+each unit (of each layer); the training step, one ``jax.jit``, runs every unit (every
+layer) through ``ShardedUnits.apply``: its parameters are gathered (TIDE-AG) just
 before its forward, released after it, and gathered again for its backward, and its
 gradients are reduced (TIDE-RS) into fp32 shard gradients, averaged over the ranks.
-``ShardAdamW`` steps the shards inside the same jit. Nothing leaves the jitted step
-but the loss: the collectives run inside it, on XLA's buffers and, on GPUs, on XLA's
-stream.
+``ShardAdamW`` clips them by the whole gradient's global norm (``--max-grad-norm``,
+torch's ``clip_grad_norm_`` rule; ``none`` turns it off) and steps the shards inside
+the same jit. Nothing leaves the jitted step but the loss: the collectives run inside
+it, on XLA's buffers and, on GPUs, on XLA's stream.
 
 At the end, rank 0 trains the same model in one process on every rank's samples
-(the global batch) with the same AdamW and prints the largest loss difference; the
-run fails if it is above 1e-5 relative on CPU or 1e-4 on GPUs (fp32 throughout,
-matmuls at full precision). ``--dtype bfloat16`` gathers bf16 parameters and reduces
-bf16 gradients into the fp32 shards (tolerance 3e-2). It runs on the default backend
-(cuda where a GPU and a CUDA JAX exist, opt-in: ``TIDE_JAX_CUDA=1``, docs/jax.md;
-``TIDE_BACKEND=host`` forces the CPU). Needs
-JAX (``pip install 'tidearray[jax]'``); without it, it fails, naming the extra.
+(the global batch), its blocks unrolled, clipping the whole gradient, with the same
+AdamW, and prints the largest loss difference; the run fails if it is above 1e-5
+relative on CPU or 1e-4 on GPUs (fp32 throughout, matmuls at full precision).
+``--dtype bfloat16`` gathers bf16 parameters and reduces bf16 gradients into the fp32
+shards (tolerance 3e-2). It runs on the default backend (cuda where a GPU and a CUDA
+JAX exist, opt-in: ``TIDE_JAX_CUDA=1``, docs/jax.md; ``TIDE_BACKEND=host`` forces the
+CPU). Needs JAX (``pip install 'tidearray[jax]'``); without it, it fails, naming the
+extra.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class Config:
     batch: int = 4  # sequences per rank per step
     steps: int = 10
     lr: float = 3e-3
+    scan: bool = True  # the blocks as one stacked unit under lax.scan (False: unrolled)
+    max_grad_norm: Optional[float] = 1.5  # clip the global gradient norm (None: no clip)
 
 
 def init_units(cfg: Config, seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -92,7 +100,7 @@ def unit_fns(jax: Any, cfg: Config) -> list[Callable[[Any, Any], Any]]:
         hd = d // cfg.heads
         q, k, v = jnp.split(layer_norm(p["ln1"], x) @ p["qkv"].T, 3, axis=-1)
         q, k, v = (a.reshape(b, t, cfg.heads, hd).transpose(0, 2, 1, 3) for a in (q, k, v))
-        scores = (q @ k.transpose(0, 1, 3, 2)) / np.sqrt(hd).astype(np.float32)
+        scores = (q @ k.transpose(0, 1, 3, 2)) / float(np.sqrt(hd))  # weak: keeps the dtype
         causal = jnp.tril(jnp.ones((t, t), bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
         att = jax.nn.softmax(scores, axis=-1) @ v
@@ -104,6 +112,19 @@ def unit_fns(jax: Any, cfg: Config) -> list[Callable[[Any, Any], Any]]:
         return layer_norm(p["ln"], x) @ p["out"].T
 
     return [embed, *[block] * cfg.layers, head]
+
+
+def sharded_model(jax: Any, cfg: Config,
+                  units: Optional[list] = None) -> tuple[list, list, list[int]]:
+    """``(units, fns, stacked)`` as ``shard_units`` and :func:`sharded_step` take them: with
+    ``cfg.scan`` the blocks are one unit, each leaf stacked on a leading layer axis, whose
+    one ``fn`` is a block's. ``units``: :func:`init_units`' (made here if None)."""
+    units = init_units(cfg) if units is None else units
+    fns = unit_fns(jax, cfg)
+    if not cfg.scan:
+        return units, fns, []
+    blocks = jax.tree_util.tree_map(lambda *layers: np.stack(layers), *units[1:-1])
+    return [units[0], blocks, units[-1]], [fns[0], fns[1], fns[-1]], [1]
 
 
 def batch(cfg: Config, step: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -125,7 +146,9 @@ def sharded_step(jax: Any, su: Any, fns: list, opt: Any) -> Callable:
     def loss_fn(shards: list, tokens: Any, targets: Any) -> Any:
         h = tokens
         for i, fn in enumerate(fns):
-            h = su.apply(i, fn, shards[i], h)  # gathered here, reduced in backward
+            # gathered here (each layer in its iteration of lax.scan), reduced in backward
+            run = su.apply if su.layers(i) is None else su.scan
+            h = run(i, fn, shards[i], h)
         return cross_entropy(jax, h, targets)
 
     def step(shards: list, state: Any, coef: Any, tokens: Any, targets: Any) -> tuple:
@@ -140,9 +163,11 @@ def train_sharded(jax: Any, g: ta.Group, cfg: Config, dtype: str = "float32") ->
     """``(losses averaged over the ranks, ShardedUnits)`` of ``cfg.steps`` jitted steps."""
     import tidearray.jax as tj
 
-    su = tj.shard_units(init_units(cfg), group=g, compute_dtype=jax.numpy.dtype(dtype))
-    opt = tj.ShardAdamW(AdamW(lr=cfg.lr))
-    step = sharded_step(jax, su, unit_fns(jax, cfg), opt)
+    units, fns, stacked = sharded_model(jax, cfg)
+    su = tj.shard_units(units, group=g, compute_dtype=jax.numpy.dtype(dtype), stacked=stacked)
+    # clips by the norm of the whole gradient, over every rank's shards
+    opt = tj.ShardAdamW(AdamW(lr=cfg.lr, max_grad_norm=cfg.max_grad_norm), group=g)
+    step = sharded_step(jax, su, fns, opt)
     shards, state, losses = su.shards, opt.init(su.shards), []
     for s in range(cfg.steps):
         tokens, targets = (jax.device_put(a, su.device) for a in batch(cfg, s, g.rank))
@@ -159,7 +184,14 @@ def train_sharded(jax: Any, g: ta.Group, cfg: Config, dtype: str = "float32") ->
 
 
 def train_reference(jax: Any, cfg: Config, world: int) -> list[float]:
-    """One process, every rank's samples, the same AdamW on the full parameters."""
+    """The losses of :func:`reference_run`."""
+    return reference_run(jax, cfg, world)[0]
+
+
+def reference_run(jax: Any, cfg: Config, world: int) -> tuple[list[float], list[float]]:
+    """``(losses, gradient norms)`` of one process on every rank's samples: the blocks
+    unrolled, the whole gradient clipped (:func:`clip_whole`), the same AdamW on the full
+    parameters."""
     import tidearray.jax as tj
 
     fns, opt = unit_fns(jax, cfg), tj.ShardAdamW(AdamW(lr=cfg.lr))
@@ -173,17 +205,32 @@ def train_reference(jax: Any, cfg: Config, world: int) -> list[float]:
     @jax.jit
     def step(units: list, state: Any, coef: Any, tokens: Any, targets: Any) -> tuple:
         loss, grads = jax.value_and_grad(loss_fn)(units, tokens, targets)
+        grads, norm = clip_whole(jax, grads, cfg.max_grad_norm)
         units, state = opt.update(units, grads, state, coef)
-        return units, state, loss
+        return units, state, loss, norm
 
     units = jax.tree_util.tree_map(jax.numpy.asarray, init_units(cfg))
-    state, losses = opt.init(units), []
+    state, losses, norms = opt.init(units), [], []
     for s in range(cfg.steps):
         tokens, targets = (np.concatenate(a) for a in zip(*[batch(cfg, s, r)
                                                              for r in range(world)]))
-        units, state, loss = step(units, state, opt.coefficients(s + 1), tokens, targets)
+        units, state, loss, norm = step(units, state, opt.coefficients(s + 1), tokens,
+                                        targets)
         losses.append(float(loss))
-    return losses
+        norms.append(float(norm))
+    return losses, norms
+
+
+def clip_whole(jax: Any, grads: Any, max_norm: Optional[float]) -> tuple[Any, Any]:
+    """``(grads clipped, their norm before)``: torch's ``clip_grad_norm_`` on one process's
+    whole gradient, ``min(1, max_norm / (norm + 1e-6))`` (not clipped where ``max_norm`` is
+    None)."""
+    jnp = jax.numpy
+    norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
+    if max_norm is None:
+        return grads, norm
+    factor = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    return jax.tree_util.tree_map(lambda g: g * factor, grads), norm
 
 
 def setup_jax(g: ta.Group) -> Any:
@@ -205,6 +252,12 @@ def main(argv: Optional[list] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--steps", type=int, default=Config.steps)
+    p.add_argument("--unrolled", action="store_true",
+                   help="each block a unit of its own, applied in a Python loop (default: "
+                        "the blocks stacked, under lax.scan)")
+    p.add_argument("--max-grad-norm", type=_limit, default=Config.max_grad_norm,
+                   help="clip the global gradient norm to this; 'none': no clip (default "
+                        f"{Config.max_grad_norm})")
     args = p.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to us
     try:
@@ -213,23 +266,32 @@ def main(argv: Optional[list] = None) -> None:
         sys.exit(f"jax_train.py: needs JAX ({e}); pip install 'tidearray[jax]'")
     g = ta.init()
     jax = setup_jax(g)
-    cfg = Config(steps=args.steps)
+    cfg = Config(steps=args.steps, scan=not args.unrolled, max_grad_norm=args.max_grad_norm)
     losses, su = train_sharded(jax, g, cfg, args.dtype)
     ok = True
     if g.rank == 0:
         kind = su.device.platform if su.device.platform == "cpu" else "gpu"
         tol = TOLERANCE.get((kind, args.dtype), BF16_TOLERANCE)
         with jax.default_device(su.device):
-            want = train_reference(jax, cfg, g.size)
+            want, norms = reference_run(jax, cfg, g.size)
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses, want))
         ok = diff <= tol and losses[-1] < losses[0]
-        print(f"backend {g.backend.name}, JAX on {su.device}, {args.dtype} parameters")
+        blocks = f"{cfg.layers} blocks " + ("under lax.scan" if cfg.scan else "unrolled")
+        clipped = sum(n > cfg.max_grad_norm for n in norms) if cfg.max_grad_norm else 0
+        print(f"backend {g.backend.name}, JAX on {su.device}, {args.dtype} parameters, {blocks}")
+        print(f"gradient norm {min(norms):.3f} to {max(norms):.3f}; clip at "
+              f"{cfg.max_grad_norm}: {clipped} of {cfg.steps} steps clipped")
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; largest relative difference from "
               f"one JAX process on all the samples: {diff:.2e} (tolerance {tol:g})")
     ok = g.comm.bcast(ok)
     g.close()
     if not ok:
         sys.exit("jax_train.py: the sharded run does not match the reference")
+
+
+def _limit(text: str) -> Optional[float]:
+    """``--max-grad-norm``'s value: a float, or None for 'none'."""
+    return None if text.lower() == "none" else float(text)
 
 
 def _has_gpu(jax: Any) -> bool:

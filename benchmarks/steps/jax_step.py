@@ -11,7 +11,10 @@ inside one jit, and the per-unit ``jax.vjp`` path outside jit.
 * ``tidearray``: ``ShardedUnits.apply`` per unit in the jitted step, parameters
   released after each unit's forward and gathered again for its backward (the unit's
   forward runs again: one more forward of compute);
-* ``tidearray-keep``: the same with ``reshard_after_forward=False`` (no second gather or
+* ``tidearray-scan``: ``tidearray`` with the blocks as one stacked unit, run by
+  ``ShardedUnits.scan`` inside ``jax.lax.scan`` (one compiled block; the same
+  collectives, per layer in the loop);
+* ``tidearray-keep``: ``tidearray`` with ``reshard_after_forward=False`` (no second gather or
   forward; every unit's parameters live until its backward);
 * ``tidearray-cb``: ``tidearray`` with ``command_buffer=True`` (XLA may record the
   callbacks' GPU work into its command buffers);
@@ -37,6 +40,7 @@ limit, for the jitted impls.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -59,7 +63,7 @@ import tidearray as ta  # noqa: E402
 from benchmarks.harness.records import git_commit  # noqa: E402
 from tidearray.fsdp import AdamW  # noqa: E402
 
-IMPLS = ("tidearray", "tidearray-keep", "tidearray-cb", "per-unit", "unsharded")
+IMPLS = ("tidearray", "tidearray-scan", "tidearray-keep", "tidearray-cb", "per-unit", "unsharded")
 
 
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
@@ -167,11 +171,13 @@ def build(jax: Any, g: ta.Group, cfg: Any, args: argparse.Namespace, impl: str,
         state["opt"] = opt.init(state["params"])
         jitted = jax.jit(whole_step(jax, fns, opt, dtype), donate_argnums=(0, 1))
     else:
-        su = tj.shard_units(units, group=g, compute_dtype=dtype,
+        model, model_fns, stacked = ex.sharded_model(
+            jax, dataclasses.replace(cfg, scan=impl == "tidearray-scan"), units)
+        su = tj.shard_units(model, group=g, compute_dtype=dtype, stacked=stacked,
                             reshard_after_forward=impl != "tidearray-keep",
                             command_buffer=impl == "tidearray-cb")
         device, state = su.device, {"params": su.shards, "opt": opt.init(su.shards)}
-        jitted = ex.sharded_step(jax, su, fns, opt)
+        jitted = ex.sharded_step(jax, su, model_fns, opt)
 
     def step(s: int, tokens: Any, targets: Any) -> Any:
         coef = opt.coefficients(s + 1)
