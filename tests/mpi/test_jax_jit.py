@@ -637,3 +637,8 @@ def test_scan_misuse(group, cpu_jax):
         jax.jit(lambda s: su.apply(1, _block, s, x))(su.shards[1])
     with pytest.raises(TideInvalid, match="expected a stacked unit"):
         jax.jit(lambda s: su.scan(0, _dense, s, jnp.ones((2, 5))))(su.shards[0])
+    with pytest.raises(TideInvalid, match="its input's structure, shapes and dtypes"):
+        jax.jit(lambda s: su.scan(1, lambda p, h: _block(p, h).astype(jnp.bfloat16), s,
+                                  x))(su.shards[1])
+    with pytest.raises(TideInvalid, match="its input's structure, shapes and dtypes"):
+        jax.jit(lambda s: su.scan(1, lambda p, h: (_block(p, h), h), s, x))(su.shards[1])

@@ -178,6 +178,22 @@ def _checked_leaves(col: _UnitCollectives, unit_shards: Any) -> list[Any]:
                       f"unit's shards slices them (or ShardedUnits.scan), got {got}")
 
 
+def _check_carry(col: _UnitCollectives, fn: Callable, x: Any) -> None:
+    """:class:`TideInvalid` unless one layer's ``fn`` returns what it takes, ``x``'s
+    structure, shapes and dtypes (``lax.scan``'s carry; traced abstractly, no compute)."""
+    params = jax.tree_util.tree_unflatten(col.treedef, col.full_types)
+
+    def kinds(tree: Any) -> tuple:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        return treedef, [(tuple(jnp.shape(a)), jnp.dtype(a.dtype)) for a in leaves]
+
+    want, got = kinds(x), kinds(jax.eval_shape(fn, params, x))
+    if got != want:
+        raise TideInvalid(f"tidearray.jax: ShardedUnits.scan of unit {col.index}: expected fn "
+                          f"to return its input's structure, shapes and dtypes (the scan's "
+                          f"carry), {want}, got {got} (cast the output to the input's dtype)")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _apply(col: _UnitCollectives, fn: Callable, shards: list, x: Any) -> Any:
     return fn(col.gather(shards, jax.tree_util.tree_leaves(x)), x)
@@ -313,13 +329,15 @@ class ShardedUnits:
             The last layer's output.
 
         Raises:
-            TideInvalid: unit ``index`` is not stacked, or as :meth:`apply`.
+            TideInvalid: unit ``index`` is not stacked, or ``fn`` does not return ``x``'s
+                structure, shapes and dtypes, or as :meth:`apply`.
         """
         col = self._units[index]
         if col.layers is None:
             raise TideInvalid(f"tidearray.jax: ShardedUnits.scan of unit {index}: expected a "
                               f"stacked unit (shard_units(..., stacked=[{index}])), got an "
                               f"unstacked one (use apply)")
+        _check_carry(col, fn, x)
 
         def layer(h: Any, layer_shards: Any) -> tuple[Any, None]:
             return self.apply(index, fn, layer_shards, h), None
