@@ -18,7 +18,8 @@
   relative over 10 steps, the norms the same bits on every rank; bad or differing
   ``max_norm`` raise on every rank;
 * a stacked unit under ``jax.lax.scan`` (``ShardedUnits.scan``, and a hand-written
-  ``lax.scan`` over ``jax.checkpoint`` of ``apply`` without resharding), stepped by a
+  ``lax.scan`` over ``jax.checkpoint`` of ``apply`` without resharding, through the
+  staged plans of ``command_buffer=True``), stepped by a
   clipping ``ShardAdamW(max_grad_norm)``, against one process training the unrolled
   network: losses and final parameters within 1e-5 relative over 10 steps (fp32), the
   clip active at every step, ragged layer rows; the first step's collectives in layer
@@ -238,7 +239,7 @@ def test_collective_order(group, cpu_jax, monkeypatch):
     reduce-scatter, whatever XLA's scheduling; the same on every rank."""
     widths = [3, 4, 5, 6, 7]
     su = tj.shard_units(_units(_seed(group.comm), widths), group=group)
-    order = _Order(monkeypatch)
+    order = _Order(monkeypatch, su)
 
     # sum(h): the last unit's output cotangent is a constant ([Note: collective order in
     # a jitted step] in tidearray/jax/_units.py).
@@ -469,32 +470,31 @@ def _scanned_loss(su: Any, how: str) -> Callable:
 
 
 class _Order:
-    """The collectives run while :attr:`on`, as ``ag{unit}`` / ``rs{unit}``; a gather of
-    stacked unit 1 as ``ag1@{layer}``, the layer read from the contents of the shards it
-    gathers (this rank's shards of each layer at the start, ``stacked_shards``, which no
-    other layer's equal: the first step's)."""
+    """The collectives ``su`` runs while :attr:`on`, as ``ag{unit}`` / ``rs{unit}``; a
+    gather of stacked unit 1 as ``ag1@{layer}``, the layer read from the contents of the
+    shards it gathers (this rank's shards of each layer at the start, which no other
+    layer's equal: the first step's)."""
 
-    def __init__(self, monkeypatch: Any, stacked_shards: Any = None) -> None:
-        from tidearray.jax._runners import InPlace
-
+    def __init__(self, monkeypatch: Any, su: Any) -> None:
         self.log: list[str] = []
         self.on = True
-        self.layers = [] if stacked_shards is None else [
-            _flat(_layer(stacked_shards, k)) for k in range(LAYERS)]
-        gather, reduce = InPlace.gather, InPlace.reduce
+        self.layers = [] if su.layers(1) is None else [
+            _flat(_layer(su.shards[1], k)) for k in range(LAYERS)]
+        runner = type(su.runner)  # in place, or staged ([Note: in place or staged])
+        gather, reduce = runner.gather, runner.reduce
 
-        def ag(runner, index, shapes, sends, *args):
+        def ag(self_, index, shapes, sends, *args):
             if self.on:
                 self.log.append(f"ag{index}" + self._layer(index, sends))
-            return gather(runner, index, shapes, sends, *args)
+            return gather(self_, index, shapes, sends, *args)
 
-        def rs(runner, index, *args):
+        def rs(self_, index, *args):
             if self.on:
                 self.log.append(f"rs{index}")
-            return reduce(runner, index, *args)
+            return reduce(self_, index, *args)
 
-        monkeypatch.setattr(InPlace, "gather", ag)
-        monkeypatch.setattr(InPlace, "reduce", rs)
+        monkeypatch.setattr(runner, "gather", ag)
+        monkeypatch.setattr(runner, "reduce", rs)
 
     def _layer(self, index: int, sends: list) -> str:
         found = [k for k, mine in enumerate(self.layers)
@@ -570,19 +570,26 @@ def case(group, cpu_jax) -> _Case:
                  on_rank_zero(group.comm, lambda: _reference(units, hp, data)))
 
 
-@pytest.mark.parametrize("how,reshard", [("scan", True), ("lax.scan+checkpoint", False)])
-def test_scanned_step_matches_one_process(group, case, monkeypatch, how, reshard):
+#: (how, reshard_after_forward, command_buffer): ShardedUnits.scan in place; a hand-written
+#: scan over jax.checkpoint without resharding, staged ([Note: in place or staged]).
+SCANS = [("scan", True, False), ("lax.scan+checkpoint", False, True)]
+
+
+@pytest.mark.parametrize("how,reshard,command_buffer", SCANS)
+def test_scanned_step_matches_one_process(group, case, monkeypatch, how, reshard,
+                                          command_buffer):
     """Ten steps of the scanned sharded network, clipped by ``ShardAdamW(max_grad_norm)``,
     against one process training the unrolled one on every rank's samples and clipping the
     whole gradient by torch's rule: per-step losses, the final parameters, and the order of
-    the first step's collectives. The hand-written scan runs at 1-2 ranks in CI (two cores):
-    the same collectives in another loop."""
+    the first step's collectives. The hand-written scan (staged plans) runs at 1-2 ranks in
+    CI (two cores): the same collectives in another loop."""
     if how != "scan" and group.size > 2:
         pytest.skip("CI's time: the hand-written scan at 1-2 ranks")
     W, rank, (seed, units, data, hp, (want, norms, want_params)) = group.size, group.rank, case
     opt = tj.ShardAdamW(hp, group=group)
-    su = tj.shard_units(units, group=group, stacked=[1], reshard_after_forward=reshard)
-    order = _Order(monkeypatch, su.shards[1])
+    su = tj.shard_units(units, group=group, stacked=[1], reshard_after_forward=reshard,
+                        command_buffer=command_buffer)
+    order = _Order(monkeypatch, su)
     step, shards, losses = _step(_scanned_loss(su, how), opt), su.shards, []
     state = opt.init(shards)
     for k, (xs, ys) in enumerate(data):
