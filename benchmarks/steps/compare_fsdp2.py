@@ -150,6 +150,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--passes", type=int, default=1,
                    help="run the impls this many times, every other pass in reverse order "
                         "(so no impl always runs on the warmest GPU); medians pool the passes")
+    p.add_argument("--interleave", action="store_true",
+                   help="build every impl at once and run step s of each in turn (host-time "
+                        "figures on a shared machine); peak memory is then not per impl")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each block's forward, in every impl alike")
     p.add_argument("--out", default=None)
@@ -471,50 +474,92 @@ def memory_parts(torch: Any, g: Any, cuda: bool) -> dict:
             "cupy_held": pool.total_bytes() if pool else 0}
 
 
-def run(kind: str, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.ModelConfig,
-        B: int, device: Any, log: Any, with_profile: bool = True) -> dict:
-    cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    _release(torch, g, cuda)
-    base = device_used(torch, cuda)
-    impl = Impl(kind, torch, build(torch, cfg, device, args.seed), g, args, dtype)
-    # The last step trains on the first step's batch again: its loss there must be lower
-    # (other batches' losses differ by more than a few steps of training change them).
-    data = [llama.batch(cfg, step=s if s < args.steps - 1 else 0, batch_size=B, seed=args.seed,
-                        first_sample=g.rank * B) for s in range(args.steps)]
-    losses, times, host, cpu, peak, parts, clock_log = [], [], [], [], 0, {}, None
-    try:
-        for s, (tokens, targets) in enumerate(data):
-            tokens = torch.from_numpy(tokens.astype(np.int64)).to(device)
-            targets = torch.from_numpy(targets.astype(np.int64)).to(device)
-            _sync(torch, cuda)
-            if cuda and s == args.warmup:  # the timed steps' clocks, not compilation's
-                clock_log = ClockLog(device.index)
-            t0, c0 = time.perf_counter(), time.process_time()
-            loss = impl.train_step(tokens, targets, learning_rate(args, s))
-            host.append(time.perf_counter() - t0)
-            _sync(torch, cuda)
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-            used = device_used(torch, cuda) - base
-            if used > peak or not parts:
-                peak, parts = max(peak, used), memory_parts(torch, g, cuda)
-            losses.append(g.comm.allreduce(float(loss)) / g.size)
-            log(f"[{kind}] step {s + 1:4d}  loss {losses[-1]:.6f}  {times[-1] * 1e3:9.2f} ms  "
-                f"mem {peak / 2**30:6.2f} GiB")
-    finally:  # never leave the background nvidia-smi running
-        clocks = clock_log.close() if clock_log else []
-    prof = (profile(kind, torch, impl, data[-1], device, args, g, log)
-            if args.profile and with_profile else None)
-    if args.host_profile and with_profile:
-        host_profile(kind, torch, impl, data[-1], device, args, g, log)
-    impl.close()
-    del impl
-    return {"impl": kind, "losses": losses, "step_s": times, "host_s": host, "cpu_s": cpu,
-            "peak_bytes": peak, "peak_parts": parts, "clocks": clocks,
-            "median_step_s": float(np.median(times[args.warmup:] or times)),
-            "median_host_s": float(np.median(host[args.warmup:] or host)),
-            "median_cpu_s": float(np.median(cpu[args.warmup:] or cpu)), "profile": prof}
+class Run:
+    """One impl's run: built, stepped one step at a time (:meth:`step`), then closed into its
+    record (:meth:`finish`). ``--interleave`` steps several runs in turn."""
+
+    def __init__(self, kind: str, torch: Any, g: Any, args: argparse.Namespace,
+                 cfg: llama.ModelConfig, B: int, device: Any, log: Any) -> None:
+        self.kind, self.torch, self.g, self.args, self.device, self.log = (
+            kind, torch, g, args, device, log)
+        self.cuda = device.type == "cuda"
+        _release(torch, g, self.cuda)
+        self.base = device_used(torch, self.cuda)
+        dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.impl = Impl(kind, torch, build(torch, cfg, device, args.seed), g, args, dtype)
+        # The last step trains on the first step's batch again: its loss there must be lower
+        # (other batches' losses differ by more than a few steps of training change them).
+        self.data = [llama.batch(cfg, step=s if s < args.steps - 1 else 0, batch_size=B,
+                                 seed=args.seed, first_sample=g.rank * B)
+                     for s in range(args.steps)]
+        self.losses: list = []
+        self.times: list = []
+        self.host: list = []
+        self.cpu: list = []
+        self.peak, self.parts, self.clock_log = 0, {}, None
+
+    def step(self, s: int) -> None:
+        """Step ``s``, timed: until the calls return (host), until the device is done, and
+        the process's CPU time."""
+        torch, cuda = self.torch, self.cuda
+        tokens, targets = (torch.from_numpy(a.astype(np.int64)).to(self.device)
+                           for a in self.data[s])
+        _sync(torch, cuda)
+        if cuda and s == self.args.warmup:  # the timed steps' clocks, not compilation's
+            self.clock_log = ClockLog(self.device.index)
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = self.impl.train_step(tokens, targets, learning_rate(self.args, s))
+        self.host.append(time.perf_counter() - t0)
+        _sync(torch, cuda)
+        self.times.append(time.perf_counter() - t0)
+        self.cpu.append(time.process_time() - c0)
+        used = device_used(torch, cuda) - self.base
+        if used > self.peak or not self.parts:
+            self.peak, self.parts = max(self.peak, used), memory_parts(torch, self.g, cuda)
+        self.losses.append(self.g.comm.allreduce(float(loss)) / self.g.size)
+        self.log(f"[{self.kind}] step {s + 1:4d}  loss {self.losses[-1]:.6f}  "
+                 f"{self.times[-1] * 1e3:9.2f} ms  mem {self.peak / 2**30:6.2f} GiB")
+
+    def stop_clocks(self) -> list:
+        """Stop the background clock readings (never leave nvidia-smi running)."""
+        return self.clock_log.close() if self.clock_log else []
+
+    def finish(self, clocks: list, with_profile: bool) -> dict:
+        """The profiles asked for, then the impl closed; its record."""
+        args, impl, w = self.args, self.impl, self.args.warmup
+        prof = (profile(self.kind, self.torch, impl, self.data[-1], self.device, args, self.g,
+                        self.log) if args.profile and with_profile else None)
+        if args.host_profile and with_profile:
+            host_profile(self.kind, self.torch, impl, self.data[-1], self.device, args, self.g,
+                         self.log)
+        impl.close()
+        del self.impl
+        return {"impl": self.kind, "losses": self.losses, "step_s": self.times,
+                "host_s": self.host, "cpu_s": self.cpu, "peak_bytes": self.peak,
+                "peak_parts": self.parts, "clocks": clocks,
+                "median_step_s": float(np.median(self.times[w:] or self.times)),
+                "median_host_s": float(np.median(self.host[w:] or self.host)),
+                "median_cpu_s": float(np.median(self.cpu[w:] or self.cpu)), "profile": prof}
+
+
+def run(kinds: list, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.ModelConfig,
+        B: int, device: Any, log: Any, with_profile: bool = True) -> list:
+    """The runs of ``kinds``, one after another, or with ``--interleave`` all built at once
+    and stepped in turn (step ``s`` of each before step ``s + 1`` of any: load that comes
+    and goes on the machine then weighs on every impl alike). Their records, in order."""
+    groups = [kinds] if args.interleave else [[k] for k in kinds]
+    records = []
+    for group in groups:
+        runs = [Run(k, torch, g, args, cfg, B, device, log) for k in group]
+        clocks: list = []
+        try:
+            for s in range(args.steps):
+                for r in runs:
+                    r.step(s)
+        finally:  # never leave the background nvidia-smi running
+            clocks = [r.stop_clocks() for r in runs]
+        records += [r.finish(c, with_profile) for r, c in zip(runs, clocks)]
+    return records
 
 
 def pooled(passes: list, warmup: int) -> dict:
@@ -771,7 +816,8 @@ def table(rec: dict, out: Optional[str] = None) -> str:
     c = rec["comparison"]
     lines = [f"# FSDP2 vs tidearray.torch.shard_module: {rec['model']}, {rec['world']} ranks, "
              f"{rec['tokens_per_rank']} tokens per rank"
-             + (", blocks under torch.compile" if rec.get("compiled") else ""), "",
+             + (", blocks under torch.compile" if rec.get("compiled") else "")
+             + (", impls interleaved step by step" if rec.get("interleaved") else ""), "",
              f"Commit `{rec['commit']}`, {rec['time']}, device: {rec['device']}. Command: "
              f"`{' '.join(rec['argv'])}`.", ""]
     plain = "vs_plain" in c  # records before plain lack its columns
@@ -982,14 +1028,14 @@ def main(argv: Optional[list] = None) -> None:
         order = impls if n % 2 == 0 else impls[::-1]
         if args.passes > 1:
             log(f"pass {n + 1} of {args.passes}: {', '.join(order)}")
-        for k in order:
-            by_impl[k].append(run(k, torch, g, args, cfg, tokens // cfg.seq, device, log,
-                                  with_profile=n == 0))
+        for r in run(order, torch, g, args, cfg, tokens // cfg.seq, device, log,
+                     with_profile=n == 0):
+            by_impl[r["impl"]].append(r)
     records = [pooled(by_impl[k], args.warmup) for k in impls]
     rec = {"commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "argv": ["python", *sys.argv], "model": args.model, "config": cfg.__dict__,
            "tokens_per_rank": tokens, "world": g.size, "torch": torch.__version__,
-           "compiled": args.compile, "passes": args.passes,
+           "compiled": args.compile, "passes": args.passes, "interleaved": args.interleave,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "runs": records}
     dtype = "bfloat16" if cuda else "float32"
