@@ -45,11 +45,18 @@ class InPlace:
     Each unit's gather and reduce-scatter keep their eager plans here, a few address
     sets each, not in the group's cache of the latest 64 eager plans: a model of 30
     units issues about 90 collectives a step, which would push each other out of it
-    and be built again at every step.
+    and be built again at every step. A stacked unit keeps two more per layer: a
+    ``lax.scan`` unrolled ``k`` times has ``k`` copies of its body, each at addresses
+    of its own, forward and backward.
+
+    Args:
+        layers: per unit, its layers if stacked, else None.
     """
 
-    def __init__(self, group: Group, slot: Region, buffers: XlaBuffers) -> None:
+    def __init__(self, group: Group, slot: Region, buffers: XlaBuffers,
+                 layers: Sequence[Optional[int]]) -> None:
         self.group, self.slot, self.buffers = group, slot, buffers
+        self._sets = [ADDRESS_SETS + 2 * (n or 0) for n in layers]
         self._plans: dict[tuple[str, int], BoundedCache] = {}
 
     def gather(self, index: int, shapes: Sequence[tuple], sends: list, outs: list,
@@ -73,7 +80,7 @@ class InPlace:
     def _cache(self, kind: str, index: int) -> BoundedCache:
         cache = self._plans.get((kind, index))
         if cache is None:
-            cache = self._plans[kind, index] = BoundedCache(ADDRESS_SETS)
+            cache = self._plans[kind, index] = BoundedCache(self._sets[index])
         return cache
 
 

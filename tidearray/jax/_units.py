@@ -256,7 +256,7 @@ class ShardedUnits:
         self.slot = self.arena[0]
         # [Note: in place or staged] in _runners
         self.runner = (Staged(group, self.slot, self.buffers, units) if command_buffer
-                       else InPlace(group, self.slot, self.buffers))
+                       else InPlace(group, self.slot, self.buffers, layers))
         self._units = [_UnitCollectives(self, i, u, t, n)
                        for i, (u, t, n) in enumerate(zip(units, treedefs, layers))]
         self.shards = [jax.tree_util.tree_unflatten(t, [jax.device_put(a, device) for a in arrs])
