@@ -66,6 +66,13 @@ and the transposed scan (backward, layers in reverse) takes the carry cotangent
 that the previous iteration's reduce-scatter passed through. The scan's own
 machinery adds what the unrolled loop has anyway: the layers' inputs and outputs
 are stacked as residuals, and the shard gradients stacked as the scan's outputs.
+The callbacks may sit inside ``lax.scan``, ``custom_vjp`` and ``jax.checkpoint``
+because they carry no effect: without ``has_side_effect`` a ``buffer_callback``'s
+abstract evaluation returns ``core.no_effects`` (jax 0.10.2,
+``jax/_src/buffer_callback.py``). With it, its effect is allowed in control flow
+but neither in ``custom_vjp`` nor under remat (it is not added to
+``custom_derivatives_allowed_effects`` or ``remat_allowed_effects``), so the
+collectives keep to data dependences for their order, here as everywhere.
 """
 
 from __future__ import annotations
