@@ -600,14 +600,17 @@ def _outside_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     around a graph break, or a frame Dynamo gave up on), the frame callback is set and
     the call goes to the disabled ``fn`` too; otherwise (no compile on this thread: the
     eager loop, a block compiled on its own, whose hooks run in ``Module.__call__``,
-    and a backward on autograd's device threads) it calls ``fn`` directly.
+    and a backward on autograd's device threads) it calls ``fn`` directly. Dynamo
+    never compiles the deciding frame itself (``skip_code``): compiled once per hook,
+    its guards on the arguments would reach Dynamo's recompile limit, which warns.
     """
     # The first call imports torch._dynamo, and with it sympy, whose import adds a
     # process-wide warnings filter: keep the caller's filters as they were.
     with warnings.catch_warnings():
         disabled = torch._dynamo.disable(fn, recursive=True)
+    skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
     frame_callback = _FRAME_CALLBACK
-    if frame_callback is None:
+    if frame_callback is None or skip_code is None:
         return disabled
     is_compiling = torch.compiler.is_compiling
 
@@ -616,7 +619,9 @@ def _outside_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
             return disabled(*args)
         return fn(*args)
 
+    skip_code(hook.__code__)
     return hook
+
 
 def _placeholder(p: Any, dtype: np.dtype, device: Any) -> Any:
     return torch.empty(0, dtype=getattr(torch, dtype.name), device=device)
