@@ -120,6 +120,54 @@ def test_shard_module_matches_plain_torch(group, wrap, units_given):
     agree(group.comm, failures, "shard_module vs torch")
 
 
+def test_a_compiled_forward_and_backward_runs_the_hooks_eagerly(group):
+    """A function compiled whole, forward and backward, runs the hooks while Dynamo
+    evaluates frames around its graph breaks ([Note: hooks and Dynamo] in
+    ``tidearray/torch/_sharding.py``): it trains as one process does, and Dynamo compiles
+    none of the hooks (compiled per hook, they would reach its recompile limit, which
+    warns)."""
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    if not hasattr(torch, "compile"):
+        pytest.skip("this torch has no torch.compile")
+    if group.size > 2:
+        pytest.skip("CI's time: compiling costs each rank seconds of CPU; 1-2 ranks")
+    import logging
+
+    import tidearray.torch as tt
+    from tidearray.fsdp import AdamW
+
+    model, units = _model(4)
+    reference = copy.deepcopy(model)
+    sm = tt.shard_module(model, units, group=group, optimizer=AdamW(lr=LR))
+
+    @torch.compile(backend="aot_eager")
+    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(sm(x), y)
+        loss.backward()
+        return loss.detach()
+
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    dynamo_log = logging.getLogger("torch._dynamo")
+    dynamo_log.addHandler(handler)
+    losses = []
+    try:
+        for s in range(STEPS):
+            x, y = _batch(s, group.rank, B)
+            loss = forward_backward(x, y)
+            sm.step()
+            losses.append(group.comm.allreduce(float(loss)) / group.size)
+    finally:
+        dynamo_log.removeHandler(handler)
+    want = _reference(reference, group)
+    failures = [f"step {i}: {a!r} vs reference {b!r}" for i, (a, b) in enumerate(zip(losses, want))
+                if abs(a - b) > LOSS_RTOL * abs(b)]
+    failures += [f"Dynamo warned: {w[:200]}" for w in warned if "recompile" in w]
+    agree(group.comm, failures, "a compiled forward and backward vs torch")
+
+
 def test_bad_units_are_refused(group):
     import tidearray
     import tidearray.torch as tt
