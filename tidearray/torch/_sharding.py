@@ -13,7 +13,8 @@ is in its pass ([Note: unit lifecycle] in ``tidearray.fsdp._lifecycle``):
   that is when this use's backward is done: it reports the use's token
   (``use_done``), and the runtime closes the unit once no use is pending;
 * a forward hook lets the slot go (the runtime keeps the last unit and the
-  root) and registers a hook on each output tensor: the first to get its
+  root) and hooks each output tensor (a pre-hook of the node that made it,
+  ``_on_first_grad``): the first to get its
   gradient opens the unit's backward (regathered into the same slot, so the
   tensors autograd saved see the same memory with the same values); opening
   zeroes the unit's gradient buffer and makes it each trained parameter's
