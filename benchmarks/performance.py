@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -647,6 +648,45 @@ def one_h200_units(run: Run) -> tuple[Figure, ...]:
     return tuple(figs)
 
 
+def _stress_loops(run: Run, name: str) -> dict[str, tuple[int, int]]:
+    """A stress step's ``loops.txt``: {job: (loops, failed)}, the foreground's workers
+    (``adamw0``, ``adamw1``, ...) counted as one job."""
+    out: dict[str, tuple[int, int]] = {}
+    with open(os.path.join(run.path, name)) as f:
+        for line in f:
+            job, _, rest = line.partition(" loop ")
+            job = job.rstrip("0123456789")
+            loops, failed = out.get(job, (0, 0))
+            out[job] = (loops + 1, failed + (": exit 0:" not in rest))
+    return out
+
+
+def one_h200_stress(run: Run) -> tuple[Figure, ...]:
+    """The timing-sensitive tests in loops under load, before and after the fix; the
+    sanitizer's error counts."""
+    before, after = (_stress_loops(run, f"{k}_fix_loops.txt") for k in ("before", "after"))
+    figs = [Figure("Stress: captured fused-AdamW loops that failed, on the code before the "
+                   "fix (6c6dced)", "reference",
+                   f"{before['adamw'][1]} of {before['adamw'][0]}")]
+    for job, what in (("adamw", "the AdamW tests (captured, first step, side streams, "
+                               "absent rows) and graph plans, 1 rank"),
+                      ("rs", "beside it: pipeline and reduce-scatter tests, 3 ranks"),
+                      ("graphs", "beside it: graph tests, 2 ranks")):
+        loops, failed = after.get(job, (0, 0))
+        goal, ok = ("0 of >= 30", failed == 0 and loops >= 30) if job == "adamw" else (
+            "0", failed == 0)
+        figs.append(Figure(f"Stress after the fix: loops that failed, {what}", goal,
+                           f"{failed} of {loops}", ok))
+    with open(os.path.join(run.path, "sanitize_summary.txt")) as f:
+        text = f.read()
+    errors = sum(int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text))
+    hazards = sum(int(n) for n in re.findall(r"\((\d+) errors, \d+ warnings\)", text))
+    figs.append(Figure("compute-sanitizer: memcheck and synccheck errors (1 and 2 ranks), "
+                       "racecheck hazards", "0", f"{errors} errors, {hazards} hazards",
+                       errors == 0 and hazards == 0))
+    return tuple(figs)
+
+
 #: The run folder of ``benchmarks/steps/jax_step.py``'s record (``jax_step.json``), listed
 #: once it exists (``benchmarks/run.sh jax`` on one H200 makes it).
 JAX_RUN = "run26-one-h200-jax"
@@ -753,6 +793,11 @@ def sections(root: str) -> list[Section]:
           "learning rate, and the fused AdamW's and torch's part by 2.8e-2 by step 17 "
           "(bf16 rounding grows; `floor` and `tide` agree exactly, `plain` and `fsdp2` "
           "too).", one_h200_units),
+        S("run27-one-h200-stress", "Under load: the stress step and compute-sanitizer",
+          "Correctness, not timing: `tests/gpu/run.sh` steps `stress` (the timing-sensitive "
+          "tests in loops while other jobs share the GPU: a 3-rank reduce-scatter loop, a "
+          "2-rank graph-test loop, fp16 matrix products) and `sanitize` "
+          "(docs/reliability.md, \"Under load\").", one_h200_stress),
     ] + ([S(JAX_RUN, "A JAX transformer's jitted step: `tidearray.jax` against unsharded "
             "and the per-unit path", "One rank: `benchmarks/steps/jax_step.py` (8 layers, "
             "hidden 2048, 4096 tokens, bf16 parameters), medians after the warm-up; the "
