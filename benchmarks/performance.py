@@ -668,8 +668,8 @@ def one_h200_stress(run: Run) -> tuple[Figure, ...]:
     figs = [Figure("Stress: captured fused-AdamW loops that failed, on the code before the "
                    "fix (6c6dced)", "reference",
                    f"{before['adamw'][1]} of {before['adamw'][0]}")]
-    for job, what in (("adamw", "the AdamW tests (captured, first step, side streams, "
-                               "absent rows) and graph plans, 1 rank"),
+    for job, what in (("adamw", "the captured fused-AdamW tests ([plain], [groups], "
+                               "[absent]), 1 rank, two processes at once"),
                       ("rs", "beside it: pipeline and reduce-scatter tests, 3 ranks"),
                       ("graphs", "beside it: graph tests, 2 ranks")):
         loops, failed = after.get(job, (0, 0))
