@@ -20,7 +20,8 @@ MPIRUN=(mpirun --allow-run-as-root --oversubscribe ${TIDE_MPI_ARGS:-} -x PYTHONP
 for v in $(compgen -e | grep '^TIDE_'); do MPIRUN+=(-x "$v"); done  # settings reach every rank
 [ -z "${XLA_FLAGS:-}" ] || MPIRUN+=(-x XLA_FLAGS)
 MPI=(timeout "$T" "${MPIRUN[@]}")
-PYTEST=(python3 -m pytest --with-mpi -q -p no:cacheprovider -o faulthandler_timeout=60 -rf)
+PYTEST=(python3 -m pytest --with-mpi -q -p no:cacheprovider -o faulthandler_timeout=60 -rf
+        --durations=8)  # the slowest tests in each log: where a step's time goes
 status=0
 
 step() {  # step NAME CMD...: run, log to $LOGS/NAME.log, remember failures

@@ -7,7 +7,8 @@
 #                                              # np3 np4 (ranks sharing GPUs)
 #                                              # jax (examples/jax_train.py on cuda)
 #                                              # jaxjit (tidearray.jax's GPU tests, 1-4
-#                                              # ranks sharing the GPU; the example in bf16)
+#                                              # ranks sharing the GPU; the example in bf16;
+#                                              # jaxjit1 ... jaxjit4, jaxjit_bf16: one part)
 #                                              # plans (the plan and AdamW tests at 2 ranks)
 #                                              # faults (tests/test_faults.py on host and
 #                                              # cuda), soak (2,000 steps at 2 and 4 ranks),
@@ -66,21 +67,28 @@ run_jaxjit() {  # tidearray.jax on cuda: 1-4 ranks sharing the GPU, then the exa
     # XLA's compile of the first step for over a minute (cause not found). If a step's tests
     # still run after TIDE_JAX_STACKS_S (120 s; 0: no watcher), its ranks' native stacks go
     # next to its log (stacks_after). A rank that dies of a signal fails the step (no_signal).
-    # Correctness needs no autotuned matmuls: XLA's gemm autotuning (it compiles many
-    # candidate kernels per shape) is off unless XLA_FLAGS is set.
-    local n w xla=${XLA_FLAGS:---xla_gpu_autotune_level=0}
-    for n in ${TIDE_JAXJIT_RANKS:-1 2 3 4}; do
-        w=""
-        if [ "${TIDE_JAX_STACKS_S:-120}" != 0 ]; then
-            stacks_after "${TIDE_JAX_STACKS_S:-120}" "jaxjit_np$n" "test_jax_jit_gpu"; w=$!
-        fi
-        step "jaxjit_np$n" "${MPI[@]}" -x XLA_FLAGS="$xla" -x TIDE_JAX_CUDA=1 -n "$n" "${PYTEST[@]}" \
-            tests/gpu/test_jax_jit_gpu.py
-        [ -z "$w" ] || kill "$w" 2>/dev/null
-        no_signal "jaxjit_np$n"
-    done
-    step jaxjit_bf16_np2 "${MPI[@]}" -x XLA_FLAGS="$xla" -x TIDE_JAX_CUDA=1 -n 2 python3 examples/jax_train.py \
-        --dtype bfloat16
+    # Steps jaxjit1 ... jaxjit4 and jaxjit_bf16 run one rank count or the example alone (to
+    # spread the rank counts over pipelines).
+    local n
+    for n in ${TIDE_JAXJIT_RANKS:-1 2 3 4}; do jaxjit_ranks "$n"; done
+    run_jaxjit_bf16
+}
+# Correctness needs no autotuned matmuls: XLA's gemm autotuning (it compiles many candidate
+# kernels per shape) is off unless XLA_FLAGS is set.
+JAX_ENV=(-x XLA_FLAGS="${XLA_FLAGS:---xla_gpu_autotune_level=0}" -x TIDE_JAX_CUDA=1)
+jaxjit_ranks() {  # jaxjit_ranks N: tidearray.jax's GPU tests at N ranks
+    local n=$1 w=""
+    if [ "${TIDE_JAX_STACKS_S:-120}" != 0 ]; then
+        stacks_after "${TIDE_JAX_STACKS_S:-120}" "jaxjit_np$n" "test_jax_jit_gpu"; w=$!
+    fi
+    step "jaxjit_np$n" "${MPI[@]}" "${JAX_ENV[@]}" -n "$n" "${PYTEST[@]}" tests/gpu/test_jax_jit_gpu.py
+    [ -z "$w" ] || kill "$w" 2>/dev/null
+    no_signal "jaxjit_np$n"
+}
+for n in 1 2 3 4; do eval "run_jaxjit$n() { jaxjit_ranks $n; }"; done
+run_jaxjit_bf16() {
+    step jaxjit_bf16_np2 "${MPI[@]}" "${JAX_ENV[@]}" -n 2 python3 examples/jax_train.py --dtype bfloat16
+    no_signal jaxjit_bf16_np2
 }
 
 # The torch front end on real models: the Hugging Face tests at 1-4 ranks (ranks sharing the
@@ -135,7 +143,6 @@ STRESS_ADAMW=("$A::test_captured_step_matches_numpy"
 # (read -a takes one line: a default spread over lines here once ran its first line only.)
 [ -z "${TIDE_STRESS_TESTS:-}" ] || read -ra STRESS_ADAMW <<< "$TIDE_STRESS_TESTS"
 STRESS_RS=(tests/mpi/test_pipeline.py tests/mpi/test_reduce_scatter.py)
-STRESS_JAX_ENV=(-x TIDE_JAX_CUDA=1 -x XLA_FLAGS="${XLA_FLAGS:---xla_gpu_autotune_level=0}")
 
 stress_loop() {  # stress_loop NAME RANKS LOOPS [MPIRUN ARGS --] TESTS...: LOOPS times, or
     # (LOOPS 0) until $SDIR/stop exists; one line per loop in $SDIR/loops.txt
@@ -159,7 +166,7 @@ run_stress() {
     [[ $jobs != *" rs "* ]] || { stress_loop rs 3 0 "${STRESS_RS[@]}" & pids+=($!); }
     [[ $jobs != *" graphs "* ]] || { stress_loop graphs 2 0 "${GRAPH_TESTS[@]}" & pids+=($!); }
     [[ $jobs != *" jax "* ]] || {
-        stress_loop jax 2 0 "${STRESS_JAX_ENV[@]}" -- tests/gpu/test_jax_jit_gpu.py & pids+=($!); }
+        stress_loop jax 2 0 "${JAX_ENV[@]}" -- tests/gpu/test_jax_jit_gpu.py & pids+=($!); }
     sleep 5  # the loads start first
     local w workers=${TIDE_STRESS_WORKERS:-2} loops=${TIDE_STRESS_LOOPS:-30} fg=()
     for ((w = 0; w < workers; w++)); do  # the loops shared out, the first workers one more
