@@ -125,7 +125,7 @@ run_graphs() {
 #   foreground "adamw" (1 rank): the fused AdamW on the device (captured steps, eager
 #     grouped and absent rows, side streams, a first step on another stream) and graph
 #     plans, TIDE_STRESS_LOOPS times (30; TIDE_STRESS_TESTS: other pytest arguments), by
-#     TIDE_STRESS_WORKERS processes at once (2);
+#     TIDE_STRESS_WORKERS processes at once (4);
 #   beside it, each looping until the foreground is done (TIDE_STRESS_JOBS: rs graphs gemm;
 #   add jax where a loop of its compiles fits the step's timeout):
 #     "rs" (3 ranks): the pipeline's documented summing order, reduce-scatter, Slot-Reuse;
@@ -168,7 +168,7 @@ run_stress() {
     [[ $jobs != *" jax "* ]] || {
         stress_loop jax 2 0 "${JAX_ENV[@]}" -- tests/gpu/test_jax_jit_gpu.py & pids+=($!); }
     sleep 5  # the loads start first
-    local w workers=${TIDE_STRESS_WORKERS:-2} loops=${TIDE_STRESS_LOOPS:-30} fg=()
+    local w workers=${TIDE_STRESS_WORKERS:-4} loops=${TIDE_STRESS_LOOPS:-30} fg=()
     for ((w = 0; w < workers; w++)); do  # the loops shared out, the first workers one more
         stress_loop "adamw$w" 1 $((loops / workers + (w < loops % workers))) \
             "${STRESS_ADAMW[@]}" & fg+=($!)
