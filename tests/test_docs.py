@@ -202,8 +202,11 @@ def test_bash_block_names_files_that_exist(block: Block):
 
 
 def test_every_python_fence_is_found():
-    """The parser finds as many ```python blocks as a plain count of their fences, and at
-    least the README's first one runs (a parser that found nothing would pass the rest)."""
+    """The parser finds as many ```python blocks as a plain count of their fences, at least
+    the README's first one runs (a parser that found nothing would pass the rest), and no
+    block hides from the run under another name for Python."""
+    others = [b.id for b in BLOCKS if b.lang in ("py", "python3", "pycon", "ipython")]
+    assert not others, f"label these ```python, so that they run: {others}"
     for doc in DOCS:
         count = len(re.findall(r"^\s*```python\b", (ROOT / doc).read_text(), re.M))
         assert count == sum(b.doc == doc and b.lang == "python" for b in BLOCKS), doc
