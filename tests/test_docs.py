@@ -10,7 +10,9 @@ What a document says before a fence (only blank lines between):
 
 - ``<!-- not run: REASON -->``: the block is not run. It shows up as a skip with its
   reason (``pytest -rs`` lists them), so nothing leaves the test silently. Use it for
-  signatures, sketches over names the reader supplies, and what needs a GPU.
+  what cannot run on the host backend (a GPU) and what is not a program. A block
+  marked ``<!-- not run: a signature -->`` must read as ``inspect.signature`` gives the
+  function (``ta.NAME(...)``, up to a ``->``).
 - ``<!-- setup: WHAT ... -->``: the lines after the first, up to ``-->``, run before the
   block, in the same program: names a fragment takes from the prose or from a block
   before it. A reader of the rendered page does not see them.
@@ -40,6 +42,7 @@ RANKS = int(os.environ.get("TIDE_DOCS_RANKS", "2"))
 #: two cores with the runs beside this one.
 TIMEOUT_S = 300
 RUN = ("python",)
+SIGNATURE = "a signature"
 
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.*?)\s*-->", re.S)
@@ -193,6 +196,30 @@ def test_python_block_runs(block: Block):
         tail = "\n".join(done.stdout.splitlines()[-60:])
         pytest.fail(f"the ```python block at {block.id} failed at {RANKS} ranks "
                     f"(exit {done.returncode}):\n{tail}", pytrace=False)
+
+
+def _signature(name: str) -> str:
+    """``name`` (``ta.X`` or ``ta.x.Y``) and its parameters as the code has them, without
+    annotations, strings in double quotes."""
+    import inspect
+
+    import tidearray
+
+    obj = tidearray
+    for part in name.split(".")[1:]:
+        obj = getattr(obj, part)
+    sig = inspect.signature(obj)
+    bare = sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+                       return_annotation=sig.empty)
+    return name + str(bare).replace("'", '"')
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.skip == SIGNATURE], ids=lambda b: b.id)
+def test_signature_block_matches_the_code(block: Block):
+    shown = " ".join(block.code.split("->")[0].split())
+    assert shown.startswith("ta."), f"{block.id}: expected a signature of ta.NAME, got {shown}"
+    want = _signature(shown.split("(")[0])
+    assert shown == want, f"{block.id}: the docs show\n  {shown}\nthe code has\n  {want}"
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "bash"], ids=lambda b: b.id)
