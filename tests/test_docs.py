@@ -86,7 +86,7 @@ def _marker(lines: list[str], fence: int) -> tuple[str, int]:
 
 def parse(doc: str, text: str) -> list[Block]:
     """Every fenced block of ``text`` with its marker. Raises ``ValueError`` on a marker
-    that names no reason, or one that no fence follows."""
+    that names no reason, a setup without code, or a marker that no fence follows."""
     lines = text.split("\n")
     blocks, used, i = [], set(), 0
     while i < len(lines):
@@ -100,16 +100,19 @@ def parse(doc: str, text: str) -> list[Block]:
                    len(lines))
         body = [s[len(indent):] if s.startswith(indent) else s.lstrip() for s in lines[i + 1:end]]
         comment, start = _marker(lines, i)
-        skip = setup = None
-        if (n := NOT_RUN.search(comment)) is not None:
-            if not n.group(1):
+        skip, setup, kind = None, "", MARKER.search(comment)
+        if kind and kind.group(1) == "not run":
+            if not (n := NOT_RUN.search(comment)) or not n.group(1):
                 raise ValueError(f"{doc}:{start + 1}: 'not run' without a reason")
             skip = n.group(1)
-        elif (s := SETUP.search(comment)) is not None:
-            setup = s.group(1)
-        if comment and MARKER.search(comment):
+        elif kind:
+            if not (c := SETUP.search(comment)) or not c.group(1).strip():
+                raise ValueError(f"{doc}:{start + 1}: 'setup' without code on the lines "
+                                 "after its first")
+            setup = c.group(1)
+        if kind:
             used.add(start)
-        blocks.append(Block(doc, i + 1, lang, "\n".join(body), skip, setup or "",
+        blocks.append(Block(doc, i + 1, lang, "\n".join(body), skip, setup,
                             start + 2 if setup else 0))
         i = end + 1
     stray = [k for k, s in enumerate(lines) if MARKER.search(s) and k not in used]
@@ -158,8 +161,8 @@ if tests.strip():
 def run_block(block: Block, ranks: int = RANKS) -> subprocess.CompletedProcess:
     """Run ``block`` as its own program at ``ranks`` ranks, in a temporary directory."""
     code, tests = _program(block)
-    mpiexec = find_mpiexec()
-    mpiexec = [mpiexec, *mpiexec_flags(mpiexec)]
+    found = find_mpiexec()
+    mpiexec = [found, *mpiexec_flags(found)]
     env = dict(os.environ, TIDE_BACKEND="host", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get(
                    "PYTHONPATH")])]))
@@ -181,16 +184,12 @@ def run_block(block: Block, ranks: int = RANKS) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(cmd, proc.returncode, out)
 
 
-@pytest.fixture(autouse=True)
-def _outside_mpi():
-    if any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
-        pytest.skip("starts its own mpiexec: run it outside an MPI job")
-
-
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang in RUN], ids=lambda b: b.id)
 def test_python_block_runs(block: Block):
     if block.skip:
         pytest.skip(f"{block.id} not run: {block.skip}")
+    if any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
+        pytest.skip("starts its own mpiexec: run it outside an MPI job")
     done = run_block(block)
     if done.returncode != 0:
         tail = "\n".join(done.stdout.splitlines()[-60:])
@@ -250,5 +249,7 @@ def test_markers():
     assert code.split("\n")[7:11] == ["y = 1", "", "", "print(y)"] and not tests
     with pytest.raises(ValueError, match="without a reason"):
         parse("t.md", "<!-- not run: -->\n```python\n```\n")
+    with pytest.raises(ValueError, match="without code"):
+        parse("t.md", "<!-- setup: y = 1 -->\n```python\n```\n")
     with pytest.raises(ValueError, match="no fenced block follows"):
         parse("t.md", "<!-- not run: why -->\ntext\n\n```python\n```\n")
