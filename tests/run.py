@@ -5,8 +5,8 @@ Runs, in order, each in its own process group (every run starts, however long th
 before it took: there is no total time limit):
 
 1. ``python -m pytest -q tests benchmarks/tests``: layout, config and helper tests
-   (Hypothesis, 75 examples per property: ``SINGLE``), and the benchmark harness's own
-   tests;
+   (Hypothesis, 75 examples per property: ``SINGLE``), every python block of the docs
+   (``test_docs.py``, each under ``mpiexec -n 2``), and the benchmark harness's own tests;
 2. ``mpiexec -n N python -m pytest --with-mpi -q tests/mpi benchmarks/tests/mpi`` for
    N = 1, 2, 3, 4 (the library, then the harness and the baseline comms);
 3. topology overrides: ``TIDE_LOCAL_SIZE=1`` with N = 2, 3 (pairwise inter-node
@@ -14,7 +14,7 @@ before it took: there is no total time limit):
    nodes of two ranks), that one in debug mode (``TIDE_DEBUG=1``: stamps checked);
    these runs leave out the framework front ends and the harness (``CORE_TESTS``);
    then 8 ranks as 2 x 4 nodes, on the collectives and their pipelines
-   (``WIDE_TESTS``; ``--no-wide`` skips it). These re-checks take 10
+   (``WIDE_TESTS``; ``--no-wide`` skips it). These re-checks take 6
    Hypothesis examples per property (``AGAIN``), the plain runs 30 at 1-2 ranks
    (``PLAIN``) and 10 at 3-4 (``WIDER``); each CI run draws a new seed, so the runs
    together search further than any one;
