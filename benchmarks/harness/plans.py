@@ -7,7 +7,7 @@ two ways: ``{op}_host_us`` with the device idle and the ranks synchronized befor
 each call, and ``{op}_queued_host_us`` with the calls issued back to back, as a
 loop that runs ahead of the device issues them. After an idle wait a call costs
 more: on one H200 at 2 ranks sharing it, a graph's launch alone costs about 4x what
-the same unit's does at one rank (``benchmarks/probes/graph_replay.py``). Per impl:
+the same unit's does at one rank (run22-one-h200, docs/performance.md). Per impl:
 
 * ``plan``: ``GatherPlan(...)(async_op=True)`` / ``ReducePlan(...)(async_op=True)``,
   the host time to issue (no wait); the reduction's chunks are sized to its

@@ -238,22 +238,10 @@ def gemm_rows(res: Results, unit: str = "llama3.1-8b") -> list[Row]:
                + "); under stock "
                f"{'-' if stock is None else f'{stock * 100:+.0f}%'}; tide {op.upper()} phases: "
                f"{_phases(res, op, 'tide', unit)}"
-               + (f"; CUPTI: {describe(ex['cupti'])}" if ex.get("cupti") else "")
-               + _narrow(res, op, unit))
+               + (f"; CUPTI: {describe(ex['cupti'])}" if ex.get("cupti") else ""))
         rows.append(Row(f"GEMM slowdown under TIDE-{op.upper()}", unit, "<= 10%", v, met,
                         f"{(v - 0.10) * 100:+.1f} points vs goal", "" if met else why))
     return rows
-
-
-def _narrow(res: Results, op: str, unit: str) -> str:
-    """The GEMM beside TIDE-RS with the opt-in narrow accumulate, where the run has it."""
-    r = res.get("interference", "tide-narrow", unit, f"{op}:{GEMM}") if op == "rs" else None
-    if r is None or r.get("value") is None:
-        return ""
-    ex = r.get("extra") or {}
-    return (f"; with the narrow accumulate variant (tide-narrow, opt-in): "
-            f"{r['value'] * 100:+.1f}%"
-            f"{_pairs(ex)}, TIDE-RS per call {us(ex.get('collective_alone_s'))} us timed alone")
 
 
 def _pairs(ex: dict) -> str:

@@ -1,6 +1,6 @@
 """Where a repeated call's host time goes (diagnostic).
 
-    mpirun -n 2 python benchmarks/probes/call_profile.py [UNIT]     # default qwen3-30b-a3b
+    mpirun -n 2 python benchmarks/call_profile.py [UNIT]     # default qwen3-30b-a3b
 
 Runs against whichever ``tidearray`` comes first on ``sys.path``: ``benchmarks/run.sh``'s
 ``ab`` step puts another commit's tree (``before/``) there to compare its eager calls'
