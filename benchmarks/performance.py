@@ -67,7 +67,7 @@ MOVED = {
     "tests/gpu/hf_models.py": f"`hf_models.py` is retired: {RETIRED} under "
                               "`benchmarks/steps/`; the `ab` step is `benchmarks/run.sh`'s.",
     "probes/eager_ab.py": f"The probe `eager_ab.py` is retired: {RETIRED}; "
-                          "`benchmarks/call_profile.py` (`TIDE_AB_STEPS=calls`) times eager "
+                          "`benchmarks/ab/call_profile.py` (`TIDE_AB_STEPS=calls`) times eager "
                           "calls of two trees now.",
     "probes/graph_launch.py --out DIR": f"The probe `graph_launch.py` is retired: {RETIRED}.",
     "probes/graph_replay.py": f"The probe `graph_replay.py` is retired: {RETIRED}.",

@@ -15,7 +15,7 @@
 #       ctas       (TIDE-RS and GEMM interference at each accumulate grid of TIDE_CTAS)
 #       priority   (the interference GEMMs at the default and highest stream priority,
 #                  at each grid of TIDE_PRIO_CTAS)
-#       calls      (benchmarks/call_profile.py: host time per eager all_gather /
+#       calls      (benchmarks/ab/call_profile.py: host time per eager all_gather /
 #                  reduce_scatter call and per plan call, and their cProfiles)
 #       train      (the trainer, small model: tide vs stock vs the floor)
 #       train8b    (the same at the Llama-8B shape, profiled: the step-time comparison)
@@ -99,7 +99,7 @@ run_priority() {  # the interference GEMMs at the default and the highest stream
 }
 run_calls() {  # host time of repeated eager calls and of plan calls, and their cProfiles; a
                # script, so the tidearray first on PYTHONPATH is the one measured (ab)
-    step "call_profile$AB" "${MPI[@]}" -n 2 python3 benchmarks/call_profile.py \
+    step "call_profile$AB" "${MPI[@]}" -n 2 python3 benchmarks/ab/call_profile.py \
         "${TIDE_PROFILE_UNIT:-qwen3-30b-a3b}"
 }
 run_train() {  # the trainer on cuda: small model, tide vs stock vs the floor (correctness)

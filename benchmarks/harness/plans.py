@@ -39,9 +39,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from tests import support as W
 from tidearray._dtypes import bfloat16
-
-from . import workloads as W
 
 #: Units of the ``plan-400`` case (the plans share two slots).
 MANY = 400

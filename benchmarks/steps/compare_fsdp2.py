@@ -84,19 +84,15 @@ from typing import Any, Optional
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-if not any(os.path.abspath(p or ".") == ROOT for p in sys.path):
-    sys.path.append(ROOT)  # appended: a tree put first on the path (A/B runs) wins
+import tidearray as ta
+from benchmarks.baselines import LocalComm
+from benchmarks.harness.device import ClockLog, clock_median, clock_readings
+from benchmarks.harness.records import git_commit
+from benchmarks.steps.compare_train import plot_steps, plot_timelines
+from tests.support import example
 
-import llama  # noqa: E402
-from train import learning_rate, run_as_group  # noqa: E402
-
-import tidearray as ta  # noqa: E402
-from benchmarks.baselines import LocalComm  # noqa: E402
-from benchmarks.harness.device import ClockLog, clock_median, clock_readings  # noqa: E402
-from benchmarks.harness.records import git_commit  # noqa: E402
-from benchmarks.steps.compare_train import plot_steps, plot_timelines  # noqa: E402
+llama, train = example("llama"), example("train")
+learning_rate, run_as_group = train.learning_rate, train.run_as_group
 
 IMPLS = ("plain", "floor", "fsdp2", "tide", "tide-kept", "tide-graph", "floor-graph")
 #: Impls run only when named: ``plain-hooks`` is ``plain`` with no-op hooks of every kind
