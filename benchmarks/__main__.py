@@ -23,7 +23,8 @@ import os
 import sys
 from typing import Any, Callable
 
-from .harness import workloads as W
+from tests import support as W
+
 from .harness.timing import MIN_ITERS
 
 COMMANDS: dict[str, Callable[[Any], None]] = {}

@@ -27,11 +27,10 @@ import textwrap
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from tests.support import BF16_BYTES, MiB, Unit, units
 from tidearray._config import Config
 from tidearray._errors import TideInvalid
 from tidearray.layout import MemoryReport, memory_report
-
-from .harness.workloads import BF16_BYTES, MiB, Unit, units
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = "docs/memory.md"

@@ -15,12 +15,8 @@
 #       ctas       (TIDE-RS and GEMM interference at each accumulate grid of TIDE_CTAS)
 #       priority   (the interference GEMMs at the default and highest stream priority,
 #                  at each grid of TIDE_PRIO_CTAS)
-#       narrow     (the narrow accumulate against the default: probe, interference, RS)
-#       calls      (benchmarks/probes/call_profile.py: host time per eager all_gather /
+#       calls      (benchmarks/ab/call_profile.py: host time per eager all_gather /
 #                  reduce_scatter call and per plan call, and their cProfiles)
-#       footprints (benchmarks/probes/footprints.py: can a GEMM's CTA and ours share an SM)
-#       bounds     (benchmarks/probes/hw_bounds.py: per-CTA streaming rates, GEMM beside
-#                  bare copies; TIDE_BOUNDS_RANKS)
 #       train      (the trainer, small model: tide vs stock vs the floor)
 #       train8b    (the same at the Llama-8B shape, profiled: the step-time comparison)
 #       fsdp2      (benchmarks/steps/compare_fsdp2.py, Llama-8B shape: FSDP2 vs
@@ -29,9 +25,7 @@
 #                  shard_module eager and captured: per-unit overhead of a host-bound model)
 #       jax        (benchmarks/steps/jax_step.py, one rank: a JAX transformer, 8 layers,
 #                  hidden 2048, 4K tokens, unsharded jit vs tidearray.jax vs per-unit vjp)
-#       hf8b, meta70b (benchmarks/steps/hf_models.py: an 8B-shaped HF model trained,
-#                  a 70B-shaped model's deferred init at 4 ranks)
-#       tests      (the harness's, the baselines' and the variants' tests, benchmarks/tests,
+#       tests      (the harness's and the baselines' tests, benchmarks/tests,
 #                  at 2 ranks)
 #       ab         (this tree against the one in before/: see below)
 #   TIDE_GPU_TAR=run bash benchmarks/run.sh      # $OUT bundled into $OUT/run.tgz at the end
@@ -103,33 +97,11 @@ run_priority() {  # the interference GEMMs at the default and the highest stream
             --impls tide,stock --workloads units --units llama3.1-8b --out "$OUT/prio/rs-ctas$c"
     done
 }
-narrow_impl() { [ "$1" = narrow ] && echo tide-narrow || echo tide; }
-run_narrow() {  # the narrow accumulate against the default: benchmarks/probes/narrow_probe.py
-                # (one process), then the interference GEMMs (TIDE_NARROW_ROUNDS rounds, 2)
-                # and TIDE-RS with each kernel, launched in turn, at TIDE_NARROW_RANKS ranks (2)
-    local k a n=${TIDE_NARROW_RANKS:-2}  # vector: tide; narrow: tide-narrow (benchmarks/variants)
-    step narrow_probe timeout "$T" python3 benchmarks/probes/narrow_probe.py \
-        "$OUT/narrow_probe.json"
-    for k in $(seq "${TIDE_NARROW_ROUNDS:-2}"); do
-        for a in vector narrow; do
-            step "interference_${a}_$k" "${MPI[@]}" -n "$n" python3 -m benchmarks \
-                interference --impls "$(narrow_impl "$a")" --out "$OUT/narrow/$a-$k"
-        done
-    done
-    for a in vector narrow; do
-        step "rs_$a" "${MPI[@]}" -n "$n" python3 -m benchmarks rs \
-            --impls "$(narrow_impl "$a")",stock --workloads units --out "$OUT/narrow/rs-$a"
-    done
-}
 run_calls() {  # host time of repeated eager calls and of plan calls, and their cProfiles; a
                # script, so the tidearray first on PYTHONPATH is the one measured (ab)
-    step "call_profile$AB" "${MPI[@]}" -n 2 python3 benchmarks/probes/call_profile.py \
+    step "call_profile$AB" "${MPI[@]}" -n 2 python3 benchmarks/ab/call_profile.py \
         "${TIDE_PROFILE_UNIT:-qwen3-30b-a3b}"
 }
-run_footprints() {  # which CTAs can share an SM with the GEMMs' (one process, no timing)
-    step footprints timeout "$T" python3 benchmarks/probes/footprints.py "$OUT/footprints.json"; }
-run_bounds() { step hw_bounds "${MPI[@]}" -n "${TIDE_BOUNDS_RANKS:-2}" python3 \
-    benchmarks/probes/hw_bounds.py "$OUT/hw_bounds.json"; }
 run_train() {  # the trainer on cuda: small model, tide vs stock vs the floor (correctness)
     step train_small "${MPI[@]}" -n 2 python3 benchmarks/steps/compare_train.py --model small \
         --steps 20 --impl all
@@ -163,10 +135,6 @@ run_fsdp2ab() {  # one rank, shard_module only: the step time an A/B compares
         --model llama3-8b-8l --tokens 8192 --impls tide --steps "${TIDE_AB_ITERS:-25}" \
         --warmup 5 --out "$OUT/ab$AB"
 }
-run_hf8b() { step hf8b "${MPI[@]}" -n 2 python3 benchmarks/steps/hf_models.py train8b \
-    "$OUT/hf8b.json"; }
-run_meta70b() { step meta70b "${MPI[@]}" -n 4 python3 benchmarks/steps/hf_models.py meta70b \
-    "$OUT/meta70b.json"; }
 run_tests() { step bench_tests "${MPI[@]}" -n 2 "${PYTEST[@]}" benchmarks/tests; }
 run_ab() {  # TIDE_AB_PASSES (2) of: this tree, then before/ (reversed on odd passes)
     local n build s path=$PYTHONPATH

@@ -20,20 +20,16 @@ import argparse
 import contextlib
 import functools
 import math
-import os
 import sys
 import time
 import zlib
 from typing import Any, Callable, Optional
 
+import llama
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import llama  # noqa: E402
-
-import tidearray as ta  # noqa: E402
-from tidearray.fsdp import AdamW, CapturedStep, Runtime  # noqa: E402
+import tidearray as ta
+from tidearray.fsdp import AdamW, CapturedStep, Runtime
 
 
 def parse(argv: Optional[list] = None) -> argparse.Namespace:

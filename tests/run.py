@@ -198,8 +198,8 @@ EXAMPLES = (("examples/train.py", "--steps", "5"), ("examples/quickstart.py",),
             ("examples/jax_train.py", "--steps", "5"),
             ("examples/memory_plan.py",), ("examples/graph_plans.py",))
 #: The benchmarks, on small settings: the step comparisons, then the harness.
-BENCHMARKS = (("benchmarks/steps/compare_train.py", "--steps", "4"),
-              ("benchmarks/steps/compare_fsdp2.py", "--steps", "4"),
+BENCHMARKS = (("-m", "benchmarks.steps.compare_train", "--steps", "4"),
+              ("-m", "benchmarks.steps.compare_fsdp2", "--steps", "4"),
               ("-m", "benchmarks", "all", "--quick", "--iters", "20", "--out",
                str(Path(tempfile.gettempdir()) / "tidearray-ci-bench")))
 

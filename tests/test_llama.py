@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
-import llama  # noqa: E402
+from .support import example
+
+llama = example("llama")
 
 TINY = llama.MODELS["tiny"]
 #: Finite differences: the 4-point central stencil (error O(step**4)) in float64.

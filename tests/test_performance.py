@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # benchmarks/ is not installed: import it from the tree
+from benchmarks import performance
 
-from benchmarks import performance  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 FIX = f"run `{performance.COMMAND}` from the repository root"
 RUN_KEYS = ("name", "date", "commit", "machine", "command", "notes")

@@ -152,41 +152,6 @@ class TidePull(Tide):
 
 
 @register
-class TideNarrow(Tide):
-    """TIDE-RS with the narrow accumulate (``benchmarks/variants``), in the same run as
-    ``tide``."""
-
-    name = "tide-narrow"
-    description = ("TIDE-RS with the narrow accumulate variant (one warp per SM: shares "
-                   "every SM with a GEMM's CTAs)")
-    backends = ("cuda",)
-    ops = ("rs",)
-
-    def unavailable(self) -> Optional[str]:
-        why = super().unavailable()
-        if why is None and self.ctx.dev.name == "cuda":
-            import cupy
-
-            major = cupy.cuda.runtime.getDeviceProperties(self.ctx.dev.dev.id)["major"]
-            if major < 9:
-                why = f"the narrow accumulate needs compute capability 9.0, not {major}.x"
-        return why
-
-    def setup(self, data: UnitData) -> Prepared:
-        import dataclasses
-
-        from benchmarks.variants.accumulate import StreamedAccumulator
-
-        prep = super().setup(data)
-        lanes = self.ctx.group.backend.lanes
-        narrow = StreamedAccumulator(lanes.accumulator.device, lanes.accumulator.sm_count,
-                                     self.ctx.group.config.accum_ctas, kernel="narrow")
-        # The executor reads lanes.accumulator at each launch.
-        rs = _swapped(lanes, "accumulator", narrow, prep.rs)
-        return dataclasses.replace(prep, ag=None, ag_out=None, rs=rs, phases={})
-
-
-@register
 class HostStock(Impl):
     """FSDP2's path on CPUs: NumPy copy-in, flat MPI Allgather, copy-out; pack to fp32 and
     MPI Reduce_scatter_block (sum, then scaled)."""

@@ -7,7 +7,7 @@ two ways: ``{op}_host_us`` with the device idle and the ranks synchronized befor
 each call, and ``{op}_queued_host_us`` with the calls issued back to back, as a
 loop that runs ahead of the device issues them. After an idle wait a call costs
 more: on one H200 at 2 ranks sharing it, a graph's launch alone costs about 4x what
-the same unit's does at one rank (``benchmarks/probes/graph_replay.py``). Per impl:
+the same unit's does at one rank (run22-one-h200, docs/performance.md). Per impl:
 
 * ``plan``: ``GatherPlan(...)(async_op=True)`` / ``ReducePlan(...)(async_op=True)``,
   the host time to issue (no wait); the reduction's chunks are sized to its
@@ -18,9 +18,6 @@ the same unit's does at one rank (``benchmarks/probes/graph_replay.py``). Per im
 * ``graph``: the same plans made with ``graph=True``, each call one replay of
   a captured CUDA graph (on the host backend, of the recorded primitives); on
   cuda its flags are one-thread kernels (``Config.graph_flag_kernels``, the default);
-* ``graph-memops`` (cuda): the same, captured with the flags as stream memory
-  operations instead (``graph_flag_kernels=False``: each costs a graph's launch about
-  2 us of host time);
 * ``plan-400``: the gather plans of 400 units of the same shapes, called in
   turn, so each call's plan differs from the last (no cliff at many units);
 * ``{op}_launch_us`` of the graph impls (cuda): the graph's bare launch, no
@@ -33,15 +30,13 @@ against the full ones (bitwise), so calls that skipped their work fail.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
+from tests import support as W
 from tidearray._dtypes import bfloat16
-
-from . import workloads as W
 
 #: Units of the ``plan-400`` case (the plans share two slots).
 MANY = 400
@@ -79,9 +74,6 @@ def _one_unit(ctx: Any, u: Any) -> None:
     reduce = unit.reduce_plan(grads, op="avg", staging=arena[1])
     graph_gather = unit.gather_plan(shards, arena[0], graph=True)
     graph_reduce = unit.reduce_plan(grads, op="avg", staging=arena[1], graph=True)
-    memop_graphs = _with_memop_flags(g, lambda: (
-        unit.gather_plan(shards, arena[0], graph=True),
-        unit.reduce_plan(grads, op="avg", staging=arena[1], graph=True)))
     cases = {
         ("ag", "graph"): lambda: graph_gather(stream=stream, async_op=True),
         ("rs", "graph"): lambda: graph_reduce(stream=stream, async_op=True),
@@ -92,10 +84,6 @@ def _one_unit(ctx: Any, u: Any) -> None:
         ("rs", "call"): lambda: ta.reduce_scatter(grads, op="avg", out=reduce.out, group=g,
                                                   staging=arena[1], stream=stream,
                                                   async_op=True)}
-    if memop_graphs is not None:
-        mg, mr = memop_graphs
-        cases[("ag", "graph-memops")] = lambda: mg(stream=stream, async_op=True)
-        cases[("rs", "graph-memops")] = lambda: mr(stream=stream, async_op=True)
     for (op, impl), fn in cases.items():
         us = _host_us(ctx, fn)
         ctx.sink.add("plans", impl, u.name, f"{op}_host_us", us, "us")
@@ -104,8 +92,6 @@ def _one_unit(ctx: Any, u: Any) -> None:
         ctx.log(f"  {u.name:16s} {op} {impl:12s}: {us:8.1f} us host per call, "
                 f"{queued:8.1f} us back to back")
     graphs = {("ag", "graph"): graph_gather, ("rs", "graph"): graph_reduce}
-    if memop_graphs is not None:
-        graphs[("ag", "graph-memops")], graphs[("rs", "graph-memops")] = memop_graphs
     for (op, impl), plan in graphs.items():
         launch = getattr(plan.graph, "_launch_on", None)
         if launch is None or stream is None:  # the host backend: no driver launch to isolate
@@ -118,8 +104,6 @@ def _one_unit(ctx: Any, u: Any) -> None:
         plan(stream=stream)
     _check(ctx, gather, full)
     _check(ctx, graph_gather, full)
-    if memop_graphs is not None:
-        _check(ctx, memop_graphs[0], full)
     _where_time_goes(ctx, u.name, {k: cases[k] for k in cases if k[1] != "call"})
     plans = [unit.gather_plan(shards, arena[i % 2]) for i in range(MANY)]
     for p in plans:  # each plan's first call plans its copy batches: not the steady state
@@ -129,42 +113,6 @@ def _one_unit(ctx: Any, u: Any) -> None:
     ctx.sink.add("plans", "plan-400", u.name, "ag_host_us", us, "us")
     ctx.log(f"  {u.name:16s} ag plan-400: {us:8.1f} us host per call")
     _check(ctx, plans[-1], full)
-
-
-def raw_copies(program: Any) -> tuple[tuple, dict]:
-    """A gather program's ``(own, pushes)`` as ``(dst, src, nbytes)`` triples, before the
-    backend compiles them: the own copies, and per peer every push in issue order (what
-    the probes of the copy paths replay; read from the program's internals, which the
-    library keeps no accessor for)."""
-    own, pushes = program._raw[0], program._raw[1]
-    return own, {p: tuple(c for group in groups for c in group)
-                 for p, groups in pushes.items()}
-
-
-@contextlib.contextmanager
-def memop_graph_flags(flags: Any) -> Iterator[None]:
-    """Graphs captured inside signal and wait by stream memory operations: what
-    ``graph_flag_kernels=False`` sets for a whole group ([Note: flags in graphs]), on the
-    group at hand, so that both kinds run on the same buffers. ``flags`` is the cuda
-    backend's ``FlagOps`` (``group.backend.lanes.flags``), whose ``graph_kernels`` each
-    capture reads."""
-    was, flags.graph_kernels = flags.graph_kernels, False
-    try:
-        yield
-    finally:
-        flags.graph_kernels = was
-
-
-def _with_memop_flags(group: Any, build: Any) -> Any:
-    """``build()`` with the cuda backend's graphs signalling and waiting by stream memory
-    operations (:func:`memop_graph_flags`); None on other backends, or where graphs use
-    them anyway (their kernels did not load). The setting is read at capture, so the
-    plans keep it."""
-    flags = getattr(getattr(group.backend, "lanes", None), "flags", None)
-    if flags is None or not flags.graph_kernels:
-        return None
-    with memop_graph_flags(flags):
-        return build()
 
 
 def _host_us(ctx: Any, fn: Any, idle: bool = True) -> float:

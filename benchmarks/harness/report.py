@@ -1,8 +1,9 @@
-"""``report``: markdown tables, PNG plots and the targets table, rebuilt from JSON records.
+"""``report``: markdown tables and PNG plots, rebuilt from JSON records.
 
 ``python -m benchmarks report --json run.jsonl [--json more.jsonl] --docs DIR``
 writes ``DIR/README.md`` and ``DIR/*.png``. The terminal summary of a run uses
-the same tables (:func:`summary`).
+the same tables (:func:`summary`). The goals are judged in one place, from the records
+kept under ``benchmarks/results``: ``python -m benchmarks.performance``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import statistics
 from typing import Any, Optional
 
-from . import plots, targets
+from . import plots
 from .interference import footprint
 from .records import load
 from .tables import Results, back_to_back, gbs, grid, markdown, mib, num, phase_table, us
@@ -99,13 +100,6 @@ def _spread(rec: dict) -> str:
 def render(res: Results, pngs: list[str], note: str = "") -> str:
     out = ["# tidearray benchmarks\n"] + ([note + "\n"] if note else [])
     out.append(_provenance(res))
-    rows = targets.evaluate(res)
-    out += ["## Targets (the collectives' goals; TIDE-AG's bandwidth on the GPU)\n",
-            markdown(targets.table(rows))]
-    misses = [r for r in rows if r.met is False]
-    if misses:
-        out.append("### Why the missed targets were missed (measured, in the runs above)\n")
-        out += [f"* **{r.target}, {r.workload}**: {r.why}\n" for r in misses]
     out.append(_units_section(res))
     out.append(_detail_section(res))
     out.append(_interference_section(res))
@@ -289,9 +283,6 @@ def summary(ctx: Any) -> str:
         out.append(_interference_section(res))
     if res.workloads("memory"):
         out.append(_memory_section(res))
-    rows = targets.evaluate(res)
-    if any(r.met is not None for r in rows):
-        out += ["Targets", markdown(targets.table([r for r in rows if r.met is not None]))]
     probs = res.problems()
     if probs:
         out.append(f"{len(probs)} skipped/failed entries (see the JSON records)")

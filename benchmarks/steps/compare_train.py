@@ -25,19 +25,14 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "examples"))
-if not any(Path(p or ".").resolve() == ROOT for p in sys.path):
-    sys.path.append(str(ROOT))  # appended: a tree put first on the path (A/B runs) wins
+import tidearray as ta
+from benchmarks.baselines import LocalComm, StockComm
+from benchmarks.harness.records import git_commit
+from tests.support import example
 
-import train  # noqa: E402
-
-import tidearray as ta  # noqa: E402
-from benchmarks.baselines import LocalComm, StockComm  # noqa: E402
-from benchmarks.harness.records import git_commit  # noqa: E402
+train = example("train")
 
 #: ``--impl`` name -> what ``Runtime(comm=...)`` gets.
 COMMS = {"tide": "tide", "stock": StockComm, "local": LocalComm}

@@ -56,21 +56,17 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "examples"))
-if not any(Path(p or ".").resolve() == ROOT for p in sys.path):
-    sys.path.append(str(ROOT))
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # a true peak per impl
 
-import jax_train as ex  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.harness.records import git_commit  # noqa: E402
+from tests.support import example  # noqa: E402
 from tidearray.fsdp import AdamW  # noqa: E402
+
+ex = example("jax_train")
 
 IMPLS = ("xla-fsdp", "tidearray", "unsharded")
 LOSS_RTOL = {"float32": 1e-4, "bfloat16": 3e-2}

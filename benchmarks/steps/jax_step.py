@@ -46,22 +46,18 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "examples"))
-if not any(Path(p or ".").resolve() == ROOT for p in sys.path):
-    sys.path.append(str(ROOT))
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax_train as ex  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tidearray as ta  # noqa: E402
 from benchmarks.harness.records import git_commit  # noqa: E402
+from tests.support import example  # noqa: E402
 from tidearray.fsdp import AdamW  # noqa: E402
+
+ex = example("jax_train")
 
 IMPLS = ("tidearray", "tidearray-scan", "tidearray-keep", "tidearray-cb", "per-unit", "unsharded")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import memory
-from benchmarks.harness.workloads import units
+from tests.support import units
 from tidearray import TideInvalid
 from tidearray._layout import plan_unit
 from tidearray._schedule import plan_reduce_scatter

@@ -18,8 +18,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _from_workloads() -> dict:
-    """The benchmark's own unit shapes (``benchmarks/harness/workloads.py``): one definition."""
-    from benchmarks.harness import workloads
+    """The benchmark's own unit shapes (``tests/support.py``): one definition."""
+    from tests import support as workloads
 
     wanted = ("llama3.1-8b", "qwen3-30b-a3b")
     return {u.name: (lambda u=u: [tuple(s) for s in u.shapes])

@@ -7,19 +7,15 @@ the clipping's norms) must be bitwise equal.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
+import tidearray as ta
+
 from .._util import agree, skip_in_debug
+from ..support import example
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-
-import train  # noqa: E402
-
-import tidearray as ta  # noqa: E402
+train = example("train")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 STEPS = 50

@@ -1,5 +1,5 @@
 """TIDE-AG and TIDE-RS on the cuda backend, on real models' unit shapes
-(``benchmarks.harness.workloads.units``).
+(``tests.support.units``).
 
 * all-gather: bitwise equal to the full parameters, gathered into a slot
   poisoned with all-ones bytes (a bf16 NaN that the data never holds);

@@ -217,13 +217,11 @@ def test_a_captured_step_needs_the_cuda_backend(group):
     every rank (and ``train.py --graph`` says so before building anything)."""
     if group.backend.name != "host":
         pytest.skip("the cuda backend captures (tests/gpu/test_captured_step.py)")
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-    import train
-
     from tidearray.fsdp import CapturedStep, Runtime
+
+    from ..support import example
+
+    train = example("train")
 
     model = Runtime([[("w", np.ones((4 * group.size, 3), np.float32))]], group=group,
                          param_dtype="float32")

@@ -12,22 +12,19 @@ run these checks too: ``benchmarks/tests/mpi/test_comms.py``.)
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import numpy as np
 import pytest
 
+import tidearray
+from tidearray.fsdp import AdamW, clip_scale
+from tidearray.fsdp._adamw import adamw_numpy, coefficients
+
 from .._util import agree
+from ..support import example
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-
-import llama  # noqa: E402
-import train  # noqa: E402
-
-import tidearray  # noqa: E402
-from tidearray.fsdp import AdamW, clip_scale  # noqa: E402
-from tidearray.fsdp._adamw import adamw_numpy, coefficients  # noqa: E402
+llama, train = example("llama"), example("train")
 
 pytestmark = pytest.mark.mpi
 

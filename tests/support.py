@@ -1,4 +1,10 @@
-"""What the benchmark moves: the FSDP unit shapes of real models and synthetic sweeps.
+"""What tests and benchmarks share: the example model and trainer, and the workloads.
+
+* :func:`example` imports a script of ``examples/`` (``llama``: the model; ``train``: the
+  trainer; ``jax_train``: the JAX transformer) by its path: ``examples/`` is no package,
+  and nothing puts it on ``sys.path``.
+* The workloads: the FSDP unit shapes of real models and synthetic sweeps, which the
+  benchmark moves and the GPU tests check.
 
 A :class:`Unit` is a list of parameter shapes (bf16). Unit sizes, in bf16, are
 checked by the tests: Llama-3.1-8B 416 MiB, Llama-3.1-70B 1632 MiB,
@@ -11,12 +17,40 @@ them, and NumPy and CuPy produce the same values.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Sequence
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+#: The examples a script imports by name, loaded first (``train`` imports ``llama``).
+NEEDS = {"train": ("llama",)}
 MiB = 1 << 20
 BF16_BYTES = 2
+
+
+def example(name: str) -> ModuleType:
+    """``examples/<name>.py`` as the module ``name``, imported once.
+
+    Registered in ``sys.modules`` under its own name, as running it would: its dataclasses
+    look their module up there, and ``train``'s ``import llama`` finds the one loaded here.
+    """
+    if name in sys.modules:
+        return sys.modules[name]
+    for dep in NEEDS.get(name, ()):
+        example(dep)
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return mod
 
 
 @dataclass(frozen=True)

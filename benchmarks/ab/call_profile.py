@@ -1,12 +1,13 @@
 """Where a repeated call's host time goes (diagnostic).
 
-    mpirun -n 2 python benchmarks/probes/call_profile.py [UNIT]     # default qwen3-30b-a3b
+    mpirun -n 2 python benchmarks/ab/call_profile.py [UNIT]     # default qwen3-30b-a3b
 
-Runs against whichever ``tidearray`` comes first on ``sys.path``: ``benchmarks/run.sh``'s
-``ab`` step puts another commit's tree (``before/``) there to compare its eager calls'
+Run as a script, with the repository root on ``PYTHONPATH`` (for ``tests.support``): it
+measures whichever ``tidearray`` comes first there. ``benchmarks/run.sh``'s ``ab`` step
+puts another commit's tree (``before/``) ahead of the root to compare its eager calls'
 host time with this tree's (``TIDE_AB_STEPS=calls``). It uses only names both have.
 
-For one unit of ``benchmarks.harness.workloads``, on the default backend: the median host
+For one unit of ``tests.support``, on the default backend: the median host
 time (the call's return) of ``reduce_scatter`` and ``all_gather`` called on the same
 arrays again and again, as the benchmark's ``tide`` calls them, beside the same work
 through a plan; then each call's cProfile on rank 0 (the functions with the most time
@@ -25,12 +26,8 @@ import time
 from pathlib import Path
 
 import tidearray as ta
+from tests.support import units
 from tidearray._shard import shard_shape
-
-if not any(Path(p or ".").resolve() == Path(__file__).resolve().parents[2] for p in sys.path):
-    sys.path.append(str(Path(__file__).resolve().parents[2]))  # after any tree put first
-
-from benchmarks.harness.workloads import units  # noqa: E402
 
 REPS = 30
 
