@@ -49,10 +49,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tidearray import TideInvalid
-from tidearray.fsdp._adamw import MAX_GROUPS, AdamW, ParamGroup, coefficients, group_runs
-from tidearray.fsdp._norm import HOST_CHUNK, GlobalNorm, clip_scale, host_sum_squares
+from tidearray._adamw import HOST_CHUNK, MAX_GROUPS, AdamW, ParamGroup, coefficients
+from tidearray.fsdp._norm import GlobalNorm, clip_scale, host_sum_squares
 from tidearray.fsdp._optim import FusedAdamW
-from tidearray.fsdp._rows import MAX_ROWS
+from tidearray.fsdp._rows import MAX_ROWS, group_runs
 
 from ._util import BF16, DTYPES, FP32, bits
 

@@ -26,8 +26,8 @@ import llama  # noqa: E402
 import train  # noqa: E402
 
 import tidearray  # noqa: E402
+from tidearray._adamw import adamw_numpy, coefficients  # noqa: E402
 from tidearray.fsdp import AdamW, clip_scale  # noqa: E402
-from tidearray.fsdp._adamw import adamw_numpy, coefficients  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 

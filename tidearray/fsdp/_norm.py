@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 import numpy as np
 
 from .. import _dtypes
+from .._adamw import HOST_CHUNK
 from .._arena import SlotArena
 from .._errors import TideInvalid
 from .._plan import Unit
@@ -53,8 +54,6 @@ if TYPE_CHECKING:
 #: ``NORM_BLOCKS`` and ``NORM_THREADS`` of ``kernels/gradnorm.cu``: the fixed grid.
 NORM_BLOCKS = 1024
 NORM_THREADS = 256
-#: Elements per float64 pass of the host backend's sum: its copies stay in cache.
-HOST_CHUNK = 1 << 16
 
 
 class GradScale(NamedTuple):

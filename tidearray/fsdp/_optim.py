@@ -9,7 +9,7 @@ runtime does) it writes master and moments only. CuPy arrays run
 NumPy's ufuncs.
 
 The update, its hyper-parameters and parameter groups, and the float32
-coefficients both paths read are [Note: AdamW math] in ``_adamw``; this
+coefficients both paths read are [Note: AdamW math] in ``tidearray/_adamw.py``; this
 module runs them.
 
 [Note: optimizer streams]
@@ -38,23 +38,21 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from .. import _dtypes
-from .._errors import TideInvalid
-from ..backends.cuda import kernels as _kernels
-from ..backends.cuda.streams import HostUpload, on_stream, settle
-from ._adamw import (
+from .._adamw import (
     MAX_GROUPS,
     AdamW,
     Coefficients,
     ParamGroup,
-    _check_params,
-    _check_real,
-    _is_int,
-    _is_real,
     adamw_numpy,
+    check_real,
     coefficients,
-    group_runs,
+    is_int,
+    is_real,
 )
-from ._rows import MAX_ROWS, Captured, RowPlan, Rows
+from .._errors import TideInvalid
+from ..backends.cuda import kernels as _kernels
+from ..backends.cuda.streams import HostUpload, on_stream, settle
+from ._rows import MAX_ROWS, Captured, RowPlan, Rows, check_params, group_runs
 
 #: An array of the optimizer's array module (numpy.ndarray or cupy.ndarray).
 Array = Any
@@ -154,7 +152,7 @@ class FusedAdamW:
         self._groups: tuple[ParamGroup, ...] = () if groups is None else tuple(groups)
         self._runs = group_runs(master.size, self._groups)
         self._hps = (hp, *(g.hp for g in self._groups))
-        self._params = () if params is None else _check_params(master.size, params)
+        self._params = () if params is None else check_params(master.size, params)
         self._per_param = params is not None
         # [Note: absent gradients] in _rows: the lags, each step's rows and the index fills.
         self._plan = RowPlan(master.size, self._runs, len(self._hps), self._params)
@@ -264,7 +262,7 @@ class FusedAdamW:
         """
         self._check_vector("grad", grad, self._master.size)
         lrs = self._group_lrs(lr)
-        if not _is_real(grad_scale):
+        if not is_real(grad_scale):
             raise TideInvalid(f"grad_scale: expected a real number, got {grad_scale!r}")
         mask = self._plan.mask(present)
         rows = self._plan.rows(mask)
@@ -307,7 +305,7 @@ class FusedAdamW:
             raise TideInvalid(f"state: expected keys step, exp_avg, exp_avg_sq, "
                               f"got {sorted(state)} (missing {sorted(missing)})")
         step = state["step"]
-        if not (_is_int(step) and step >= 0):
+        if not (is_int(step) and step >= 0):
             raise TideInvalid(f"state['step']: expected an int >= 0, got {step!r}")
         lag = self._plan.checked_lags(state.get("param_steps"), int(step))
         moments = [self._to_module(f"state[{k!r}]", state[k]) for k in ("exp_avg", "exp_avg_sq")]
@@ -379,9 +377,9 @@ class FusedAdamW:
                 raise TideInvalid(f"lr: expected None, a real or {len(self._hps)} reals (one "
                                   f"per group, the default first), got {len(lr)} values")
             for j, x in enumerate(lr):
-                _check_real(f"lr[{j}]", x, "a finite real >= 0", _is_real(x) and x >= 0)
+                check_real(f"lr[{j}]", x, "a finite real >= 0", is_real(x) and x >= 0)
             return tuple(float(x) for x in lr)
-        _check_real("lr", lr, "a finite real >= 0", _is_real(lr) and lr >= 0)
+        check_real("lr", lr, "a finite real >= 0", is_real(lr) and lr >= 0)
         if len(self._hps) == 1:
             return (float(lr),)
         if self._hp.lr == 0:

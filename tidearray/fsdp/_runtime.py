@@ -65,10 +65,10 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .. import _dtypes
+from .._adamw import AdamW
 from .._errors import TideInvalid
 from .._group import Group, default_group
 from ..backends.cuda.streams import on_stream
-from ._adamw import AdamW
 from ._comm import UnitComm, comm_factory
 from ._lifecycle import State, UnitLifecycle, UseToken
 from ._norm import Clipper, GlobalNorm, GradScale, check_max_norm, clip_limit
