@@ -45,8 +45,7 @@ from .._adamw import HOST_CHUNK
 from .._arena import SlotArena
 from .._errors import TideInvalid
 from .._plan import Unit
-from ..backends.cuda import kernels as _kernels
-from ..backends.cuda.streams import on_stream, settle
+from ..backends import array_backend
 
 if TYPE_CHECKING:
     from .._group import Group
@@ -133,6 +132,7 @@ class GlobalNorm:
 
     def __init__(self, group: Optional[Group], world: int, xp: Any) -> None:
         self.world, self.xp = world, xp
+        self._backend = array_backend(xp)  # its streams and kernels ([Note: backend interface])
         self.cuda = xp is not np
         self.local = xp.zeros(1, np.float64)  # this rank's sum of squares, the last call's
         self.norm = xp.zeros(1, np.float64)  # cuda: the last norm, on the device
@@ -143,12 +143,11 @@ class GlobalNorm:
             self._gather = unit.gather_plan([self.local.view(np.float32)], self._slots[0])
             self._gather()  # a first call uploads its tables, which a capture cannot
         if self.cuda:
-            dev = self.local.device.id
             self._partial = xp.empty(NORM_BLOCKS, np.float64)
             self._blocks, self._total, self._finish = (
-                _kernels.function("gradnorm.cu", k, dev)
+                self._backend.kernel("gradnorm.cu", k, self.local)
                 for k in ("sum_squares_blocks", "sum_squares_total", "clip_finish"))
-            settle()  # the zeros above, before a first use on another stream
+        self._backend.settle()  # the zeros above, before a first use on another stream
 
     def compute(self, grad: Any, scale: float, *, stream: Any = None,
                 max_norm: Optional[float] = None, table: Any = None,
@@ -175,7 +174,7 @@ class GlobalNorm:
         if not self.cuda:
             total = sum(self._per_rank().tolist())  # rank order, as on the device
             return math.sqrt(total) * scale
-        with on_stream(stream):
+        with self._backend.on_stream(stream):
             per_rank = self._per_rank(stream)
             rows, width, field = table_shape
             self._finish((1,), (1,), (per_rank, np.int32(self.world), np.float64(scale),
@@ -209,7 +208,7 @@ class GlobalNorm:
         if not self.cuda:
             self.local[0] = host_sum_squares(grad)
             return
-        with on_stream(stream):
+        with self._backend.on_stream(stream):
             n = np.int64(grad.size)
             self._blocks((NORM_BLOCKS,), (NORM_THREADS,), (grad, n, self._partial))
             self._total((1,), (NORM_THREADS,), (self._partial, self.local))

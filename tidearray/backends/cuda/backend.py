@@ -44,7 +44,7 @@ from .._base import (
     TupleBatch,
     check_accumulate,
 )
-from . import driver
+from . import driver, kernels, streams
 from .accumulate import Accumulator
 from .copies import Copier, CudaBatch
 from .executor import CudaExecutor, Lanes
@@ -395,3 +395,27 @@ class CudaBackend(Backend):
 
         with cupy.cuda.Device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
+
+    # -- device work of the layers above ([Note: backend interface] in ``_base``) ----------
+
+    def on_stream(self, stream: Any) -> Any:
+        return streams.on_stream(stream)
+
+    def on_device(self, array: Any) -> Any:
+        import cupy
+
+        return cupy.cuda.Device(array.device.id)
+
+    def settle(self) -> None:
+        streams.settle()
+
+    def capturing(self) -> bool:
+        import cupy
+
+        return bool(cupy.cuda.get_current_stream().is_capturing())
+
+    def uploader(self) -> streams.HostUpload:
+        return streams.HostUpload()
+
+    def kernel(self, source: str, name: str, like: Any) -> Any:
+        return kernels.function(source, name, like.device.id)
