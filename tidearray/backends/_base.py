@@ -18,8 +18,10 @@ its own, each general enough for every caller:
 * ``on_stream(stream)``: make a stream current, so that the array module's work
   (CuPy operations, kernel launches) goes on it: the runtime's compute stream,
   an optimizer step's stream.
-* ``on_device(array)``: make an array's device current, for work on arrays a
-  caller holds (an optimizer's shards), whatever device is current.
+* ``on_device(array)``: make an array's device (or the group's) current, for work
+  on arrays a caller holds (an optimizer's shards), or on a thread of XLA's.
+* ``wrap(buffer)``: an array over a producer's memory with no copy and no
+  synchronization (XLA's buffers inside a ``buffer_callback``).
 * ``settle()``: wait for the writes a constructor or a load issued on the current
   stream, which a first use on another stream need not wait for ([Note:
   initialized memory] in ``backends.cuda.streams``); the settles stay exactly
@@ -397,9 +399,16 @@ class Backend(abc.ABC):
         collectives take); nothing for None (the current stream) or without a device."""
         return contextlib.nullcontext()
 
-    def on_device(self, array: Any) -> ContextManager:
-        """A ``with`` context in which ``array``'s device is current (nothing without one)."""
+    def on_device(self, array: Any = None) -> ContextManager:
+        """A ``with`` context in which ``array``'s device (None: this group's) is current;
+        nothing without a device."""
         return contextlib.nullcontext()
+
+    def wrap(self, buffer: Any) -> Any:
+        """An array of this backend over a producer's ``buffer`` (``__array__`` on the host,
+        ``__cuda_array_interface__`` on cuda; XLA's, in a callback), no copy and no
+        synchronization: the caller uses it only in the producer's stream order."""
+        raise TideBackendError(f"the {self.name} backend wraps no external buffers")
 
     def settle(self) -> None:
         """Wait for the work issued so far on the current stream: the device writes of a

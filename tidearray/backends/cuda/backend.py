@@ -32,6 +32,8 @@ import socket
 import warnings
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+import numpy as np
+
 from ..._copies import Copy
 from ..._dtypes import float32, normalize
 from ..._errors import TideBackendError, TideInvalid, fail_together
@@ -401,10 +403,22 @@ class CudaBackend(Backend):
     def on_stream(self, stream: Any) -> Any:
         return streams.on_stream(stream)
 
-    def on_device(self, array: Any) -> Any:
+    def on_device(self, array: Any = None) -> Any:
         import cupy
 
-        return cupy.cuda.Device(array.device.id)
+        return cupy.cuda.Device(self.device if array is None else array.device.id)
+
+    def wrap(self, buffer: Any) -> Any:
+        """A CuPy array straight over the pointer (``UnownedMemory``, kept alive by
+        ``buffer``): ``cupy.asarray`` and DLPack may synchronize on the producer's stream
+        ([Note: XLA's buffers on cuda] in ``tidearray.jax._buffers``)."""
+        import cupy
+
+        iface = buffer.__cuda_array_interface__
+        shape, dtype = tuple(iface["shape"]), np.dtype(buffer.dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        mem = cupy.cuda.UnownedMemory(iface["data"][0], nbytes, buffer, self.device)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
 
     def settle(self) -> None:
         streams.settle()
