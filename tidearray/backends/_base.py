@@ -35,9 +35,15 @@ its own, each general enough for every caller:
   callers compute with NumPy.
 
 The host backend answers the stream methods as no-ops (program order: every write
-is done when it returns). None of these reads the group, so
-``backends.array_backend(xp)`` gives them to a caller that holds arrays but no
-group (``FusedAdamW(..., xp)``), and importing ``fsdp`` loads no cuda module.
+is done when it returns). Only ``on_device()`` without an array and ``wrap`` read
+the group's device, so ``backends.array_backend(xp)`` gives the rest to a caller
+that holds arrays but no group (``FusedAdamW(..., xp)``, ``GlobalNorm``), and
+importing ``fsdp`` loads no cuda module.
+
+Not here yet: the optimizer step and the gradient norm still choose, by their
+array module, between kernels and NumPy, since the two differ in more than the
+launch (a per-element row index and device tables on cuda, runs of rows on the
+host; the norm's fixed kernel grid versus NumPy's float64 chunks).
 """
 
 from __future__ import annotations
@@ -391,8 +397,9 @@ class Backend(abc.ABC):
         """Wait for all device work of this process."""
 
     # -- device work of the layers above ([Note: backend interface]) ---------------------
-    # None of these reads the group or needs setup: ``backends.array_backend(xp)`` answers
-    # them for arrays a caller holds without a group (a standalone FusedAdamW).
+    # None needs setup, and only on_device() and wrap read the group's device:
+    # ``backends.array_backend(xp)`` answers the rest without a group (a standalone
+    # FusedAdamW).
 
     def on_stream(self, stream: Any) -> ContextManager:
         """A ``with`` context in which the array module issues on ``stream`` (any kind the

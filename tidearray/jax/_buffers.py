@@ -9,10 +9,11 @@ copies between such arrays on that stream.
 [Note: XLA's buffers on cuda]
 The backend's ``wrap`` makes a CuPy array straight over the buffer's pointer
 (``UnownedMemory``), not through ``cupy.asarray`` or DLPack: CuPy's
-``__cuda_array_interface__`` import synchronizes on a producer's stream where the interface names one, and a DLPack
-export may do the same. Inside a callback the buffer is XLA's and in order on
-XLA's stream already, so no synchronization is needed, and none is done: the
-arrays are used only by work issued on ``ctx.stream`` during the callback.
+``__cuda_array_interface__`` import synchronizes on a producer's stream where the
+interface names one, and a DLPack export may do the same. Inside a callback the
+buffer is XLA's and in order on XLA's stream already, so no synchronization is
+needed, and none is done: the arrays are used only by work issued on
+``ctx.stream`` during the callback.
 """
 
 from __future__ import annotations
