@@ -48,11 +48,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tidearray import TideInvalid
-from tidearray.fsdp._adamw import MAX_GROUPS, AdamW, ParamGroup, coefficients, group_runs
-from tidearray.fsdp._norm import HOST_CHUNK, GlobalNorm, clip_scale, host_sum_squares
+from tidearray import TideBackendError, TideInvalid
+from tidearray._adamw import HOST_CHUNK, MAX_GROUPS, AdamW, ParamGroup, coefficients
+from tidearray.fsdp._norm import GlobalNorm, clip_scale, host_sum_squares
 from tidearray.fsdp._optim import FusedAdamW
-from tidearray.fsdp._rows import MAX_ROWS
+from tidearray.fsdp._rows import MAX_ROWS, group_runs
 
 from ._util import BF16, DTYPES, FP32, bits
 
@@ -919,3 +919,23 @@ def test_rows_keep_their_numbers_and_free_ones_are_reused() -> None:
     opt.step(g, present=[False, False, True])  # parameter 2 lags by 2: a new pair, row 0
     assert opt._row_of_pair == {2: 0}
     assert opt.param_steps.tolist() == [3, 3, 3] and opt.step_count == 5
+
+
+def test_the_host_backend_answers_the_device_methods():
+    """What the optimizer and the norm ask the backend ([Note: backend interface] in
+    ``backends/_base``): on the host, no-op streams and settles, a NumPy upload and wrap,
+    and no kernels."""
+    from tidearray.backends import array_backend
+
+    be = array_backend(np)
+    assert be is array_backend(np) and be.name == "host"
+    with be.on_stream(None), be.on_device(np.zeros(1)):
+        be.settle()
+        assert not be.capturing()
+    dst = np.zeros(4, np.float32)
+    be.uploader()(dst, np.arange(3, dtype=np.float32))
+    assert dst.tolist() == [0.0, 1.0, 2.0, 0.0]
+    buf = np.arange(5)
+    assert np.shares_memory(be.wrap(buf), buf)
+    with pytest.raises(TideBackendError, match="no kernels"):
+        be.kernel("adamw.cu", "adamw_f32", dst)

@@ -33,6 +33,26 @@ def test_import_works_when_gpu_modules_are_unavailable():
     assert out.returncode == 0, out.stderr
 
 
+def test_the_jax_front_end_loads_no_runtime():
+    """``tidearray.jax`` takes AdamW's hyper-parameters and coefficients from the neutral
+    ``tidearray._adamw``: importing it loads no module of ``tidearray.fsdp``."""
+    pytest.importorskip("jax")
+    out = _run("import sys, tidearray.jax; "
+               "print(sorted(m for m in sys.modules if m.startswith('tidearray.fsdp')))")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_runtime_loads_no_cuda_module():
+    """``tidearray.fsdp`` reaches the device through the backend interface ([Note: backend
+    interface] in ``backends/_base``): importing it on a CPU machine loads no module of the
+    cuda backend."""
+    out = _run("import sys, tidearray.fsdp; "
+               "print(sorted(m for m in sys.modules if m.startswith('tidearray.backends.cuda')))")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_the_checkout_shadows_no_installed_package():
     """A process started in the checkout has the checkout on ``sys.path``: none of its
     top-level directories may be a regular package that hides an installed one. The

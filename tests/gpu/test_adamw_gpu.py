@@ -1,6 +1,6 @@
 """FusedAdamW's kernel (``kernels/adamw.cu``) against its NumPy path, on one GPU.
 
-Both paths evaluate [Note: AdamW math] (``tidearray/fsdp/_adamw.py``) in
+Both paths evaluate [Note: AdamW math] (``tidearray/_adamw.py``) in
 float32 with every operation rounded to nearest even: the kernel through
 ``_rn`` intrinsics (never contracted into FMAs), NumPy through float32 ufuncs.
 So master and moments are held to ``MAX_ULP`` = 0 units in the last place
@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from tidearray import TideInvalid
-from tidearray.fsdp._adamw import MAX_GROUPS, AdamW, ParamGroup
+from tidearray._adamw import MAX_GROUPS, AdamW, ParamGroup
 from tidearray.fsdp._norm import GlobalNorm, clip_scale
 from tidearray.fsdp._optim import BLOCK, FusedAdamW
 

@@ -19,7 +19,7 @@ import pytest
 
 import tidearray
 from tidearray.fsdp import AdamW, clip_scale
-from tidearray.fsdp._adamw import adamw_numpy, coefficients
+from tidearray._adamw import adamw_numpy, coefficients
 
 from .._util import agree
 from ..support import example

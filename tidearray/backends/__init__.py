@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .._group import Group
 
 __all__ = ["AccumPiece", "Backend", "Completion", "Executor", "Resolved", "SymmetricBuffer",
-           "cuda_usable", "make_backend"]
+           "array_backend", "cuda_usable", "make_backend"]
 
 
 def cuda_usable() -> tuple[bool, str]:
@@ -54,6 +54,35 @@ def make_backend(name: str, group: Group) -> Backend:
 
         return CudaBackend(group)
     raise TideInvalid(f"expected backend 'auto', 'cuda' or 'host', got {name!r}")
+
+
+_ARRAY_BACKENDS: dict[str, Backend] = {}
+
+
+def array_backend(xp: Any) -> Backend:
+    """The backend of the array module ``xp`` (numpy: host; cupy: cuda), bound to no
+    group: for the device methods of a caller that holds arrays but no group
+    ([Note: backend interface] in ``_base``). Made once per module; nothing is set up.
+
+    Raises:
+        TideInvalid: ``xp`` is neither numpy nor cupy.
+    """
+    name = getattr(xp, "__name__", None)
+    backend = _ARRAY_BACKENDS.get(name)
+    if backend is not None:
+        return backend
+    if name == "numpy":
+        from .host import HostBackend
+
+        backend = HostBackend(None)  # type: ignore[arg-type]
+    elif name == "cupy":
+        from .cuda import CudaBackend
+
+        backend = CudaBackend(None)  # type: ignore[arg-type]
+        backend.xp = xp
+    else:
+        raise TideInvalid(f"xp: expected the numpy or cupy module, got {xp!r}")
+    return _ARRAY_BACKENDS.setdefault(name, backend)
 
 
 def _mpi_min() -> Any:

@@ -7,13 +7,53 @@ backend. Lanes ``0..L-1`` push to node-local peer ``0..L-1``; ``COMPUTE`` runs
 accumulation; ``NET`` runs inter-node traffic.
 
 Public methods here are checked; backends implement the ``_`` hooks.
+
+[Note: backend interface]
+The layers above ``backends/`` (``fsdp``, the front ends) reach the device only
+through :class:`Backend`; a branch on ``xp is np`` or ``backend.name`` up there is
+a method missing here. Besides memory, resolution and executors (the collectives'
+primitives), a backend offers the few things a layer needs to issue device work of
+its own, each general enough for every caller:
+
+* ``on_stream(stream)``: make a stream current, so that the array module's work
+  (CuPy operations, kernel launches) goes on it: the runtime's compute stream,
+  an optimizer step's stream.
+* ``on_device(array)``: make an array's device (or the group's) current, for work
+  on arrays a caller holds (an optimizer's shards), or on a thread of XLA's.
+* ``wrap(buffer)``: an array over a producer's memory with no copy and no
+  synchronization (XLA's buffers inside a ``buffer_callback``).
+* ``settle()``: wait for the writes a constructor or a load issued on the current
+  stream, which a first use on another stream need not wait for ([Note:
+  initialized memory] in ``backends.cuda.streams``); the settles stay exactly
+  where that note puts them.
+* ``capturing()``: whether the current stream is in a graph capture, where
+  nothing may be read back or allocated.
+* ``uploader()``: asynchronous copies of small host tables to the device, from
+  host memory that outlives each copy (the optimizer's coefficient rows).
+* ``kernel(source, name, like)``: a compiled kernel of ``kernels/`` for an
+  array's device (AdamW, the gradient norm); the host backend has none, and its
+  callers compute with NumPy.
+
+The host backend answers the stream methods as no-ops (program order: every write
+is done when it returns). Only ``on_device()`` without an array and ``wrap`` read
+the group's device, so ``backends.array_backend(xp)`` gives the rest to a caller
+that holds arrays but no group (``FusedAdamW(..., xp)``, ``GlobalNorm``), and
+importing ``fsdp`` loads no cuda module.
+
+Not here yet: the optimizer step and the gradient norm still choose, by their
+array module, between kernels and NumPy, since the two differ in more than the
+launch (a per-element row index and device tables on cuda, runs of rows on the
+host; the norm's fixed kernel grid versus NumPy's float64 chunks).
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, NamedTuple, Optional, Sequence
+
+import numpy as np
 
 from .. import _dtypes
 from .._copies import Copy
@@ -355,6 +395,55 @@ class Backend(abc.ABC):
 
     def synchronize(self) -> None:
         """Wait for all device work of this process."""
+
+    # -- device work of the layers above ([Note: backend interface]) ---------------------
+    # None needs setup, and only on_device() and wrap read the group's device:
+    # ``backends.array_backend(xp)`` answers the rest without a group (a standalone
+    # FusedAdamW).
+
+    def on_stream(self, stream: Any) -> ContextManager:
+        """A ``with`` context in which the array module issues on ``stream`` (any kind the
+        collectives take); nothing for None (the current stream) or without a device."""
+        return contextlib.nullcontext()
+
+    def on_device(self, array: Any = None) -> ContextManager:
+        """A ``with`` context in which ``array``'s device (None: this group's) is current;
+        nothing without a device."""
+        return contextlib.nullcontext()
+
+    def wrap(self, buffer: Any) -> Any:
+        """An array of this backend over a producer's ``buffer`` (``__array__`` on the host,
+        ``__cuda_array_interface__`` on cuda; XLA's, in a callback), no copy and no
+        synchronization: the caller uses it only in the producer's stream order."""
+        raise TideBackendError(f"the {self.name} backend wraps no external buffers")
+
+    def settle(self) -> None:
+        """Wait for the work issued so far on the current stream: the device writes of a
+        constructor or a load ([Note: initialized memory] in ``backends.cuda.streams``).
+        Nothing where every write is done when it returns."""
+
+    def capturing(self) -> bool:
+        """Whether the current stream is being captured into a graph (never without one)."""
+        return False
+
+    def uploader(self) -> Callable[[Any, Any], None]:
+        """``upload(dst, table)``: a NumPy ``table``'s bytes into the start of ``dst``, on
+        the current stream, returning before the copy has run; the host memory it copies
+        from is the uploader's own, reused only once the last copy has read it. One per
+        owner of the device tables (an optimizer)."""
+        def upload(dst: Any, table: Any) -> None:
+            dst.view(np.uint8)[:table.nbytes] = np.ascontiguousarray(table).view(np.uint8).ravel()
+        return upload
+
+    def kernel(self, source: str, name: str, like: Any) -> Any:
+        """The compiled kernel ``name`` of ``kernels/<source>`` for ``like``'s device, called
+        as ``kernel(grid, block, args)`` on the current stream.
+
+        Raises:
+            TideBackendError: this backend runs no kernels (its callers use NumPy).
+        """
+        raise TideBackendError(f"the {self.name} backend runs no kernels, got a call for "
+                               f"{name} of kernels/{source}")
 
 
 class _Recorder(Executor):

@@ -266,6 +266,9 @@ class HostBackend(Backend):
     def _alloc_multicast(self, nbytes: int) -> HostSymmetricBuffer:
         return HostSymmetricBuffer(self.group.node_comm, nbytes, multicast=True)
 
+    def wrap(self, buffer: Any) -> np.ndarray:
+        return np.asarray(buffer)
+
     def executor(self, stream: Any = None) -> HostExecutor:
         self.check()  # a timed-out collective broke the group
         return HostExecutor(self)

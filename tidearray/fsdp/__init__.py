@@ -9,7 +9,7 @@ calls its hooks (see ``docs/fsdp.md``). :class:`UnitComm` is the extension point
 ``Runtime(comm=...)``: a comm of one's own (FSDP2's flat path, in the benchmarks).
 """
 
-from ._adamw import AdamW, ParamGroup
+from .._adamw import AdamW, ParamGroup
 from ._checkpoint import export, load, save
 from ._comm import UnitComm
 from ._graph import CapturedStep

@@ -50,11 +50,11 @@ from .._layout import UnitLayout, cached_unit
 from .._plan import Unit, slot_chunk_nbytes
 from .._work import Work
 from ..backends._base import Completion
-from ..backends.cuda.streams import on_stream
 from ._shards import ShardArena
 
 if TYPE_CHECKING:
     from .._group import Group
+
 
 class _Ready(Completion):
     """Work that is complete when issued (host lanes, or the compute stream itself):
@@ -176,21 +176,16 @@ class UnitComm(abc.ABC):
         end.record(side)
         return Work(CudaCompletion([end]), result)
 
-    @staticmethod
-    def on_stream(stream: Any) -> Any:
-        """A context in which CuPy issues on ``stream`` (any kind the runtime passes;
-        nothing on the host): for work on the compute stream itself."""
-        return on_stream(stream)
+    def on_stream(self, stream: Any) -> Any:
+        """A context in which the array module issues on ``stream`` (any kind the runtime
+        passes; nothing on the host): for work on the compute stream itself."""
+        return self.group.backend.on_stream(stream)
 
     def zero_grads(self, unit: int, k: int, stream: Any) -> None:
-        """Zero the gradient bytes ``unit`` takes in buffer ``k``, on ``stream`` (one
-        memset: what a backward leaves unwritten reduces as zeros)."""
-        view = self._grad_bufs[k][:self.layouts[unit].nbytes]
-        if self.xp is np:
-            view.fill(0)
-            return
-        self.xp.cuda.runtime.memsetAsync(view.data.ptr, 0, view.nbytes,
-                                         0 if stream is None else stream.ptr)
+        """Zero the gradient bytes ``unit`` takes in buffer ``k``, on ``stream`` (None: the
+        current one; one memset: what a backward leaves unwritten reduces as zeros)."""
+        with self.on_stream(stream):
+            self._grad_bufs[k][:self.layouts[unit].nbytes].fill(0)  # CuPy: a memset
 
     def slot_max(self, k: int, size: Any) -> int:
         """The largest ``size(unit)`` of the units that use slot ``k`` (0 if none)."""

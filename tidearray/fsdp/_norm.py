@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 import numpy as np
 
 from .. import _dtypes
+from .._adamw import HOST_CHUNK
 from .._arena import SlotArena
 from .._errors import TideInvalid
 from .._plan import Unit
-from ..backends.cuda import kernels as _kernels
-from ..backends.cuda.streams import on_stream, settle
+from ..backends import array_backend
 
 if TYPE_CHECKING:
     from .._group import Group
@@ -53,8 +53,6 @@ if TYPE_CHECKING:
 #: ``NORM_BLOCKS`` and ``NORM_THREADS`` of ``kernels/gradnorm.cu``: the fixed grid.
 NORM_BLOCKS = 1024
 NORM_THREADS = 256
-#: Elements per float64 pass of the host backend's sum: its copies stay in cache.
-HOST_CHUNK = 1 << 16
 
 
 class GradScale(NamedTuple):
@@ -134,6 +132,7 @@ class GlobalNorm:
 
     def __init__(self, group: Optional[Group], world: int, xp: Any) -> None:
         self.world, self.xp = world, xp
+        self._backend = array_backend(xp)  # its streams and kernels ([Note: backend interface])
         self.cuda = xp is not np
         self.local = xp.zeros(1, np.float64)  # this rank's sum of squares, the last call's
         self.norm = xp.zeros(1, np.float64)  # cuda: the last norm, on the device
@@ -144,12 +143,11 @@ class GlobalNorm:
             self._gather = unit.gather_plan([self.local.view(np.float32)], self._slots[0])
             self._gather()  # a first call uploads its tables, which a capture cannot
         if self.cuda:
-            dev = self.local.device.id
             self._partial = xp.empty(NORM_BLOCKS, np.float64)
             self._blocks, self._total, self._finish = (
-                _kernels.function("gradnorm.cu", k, dev)
+                self._backend.kernel("gradnorm.cu", k, self.local)
                 for k in ("sum_squares_blocks", "sum_squares_total", "clip_finish"))
-            settle()  # the zeros above, before a first use on another stream
+        self._backend.settle()  # the zeros above, before a first use on another stream
 
     def compute(self, grad: Any, scale: float, *, stream: Any = None,
                 max_norm: Optional[float] = None, table: Any = None,
@@ -176,7 +174,7 @@ class GlobalNorm:
         if not self.cuda:
             total = sum(self._per_rank().tolist())  # rank order, as on the device
             return math.sqrt(total) * scale
-        with on_stream(stream):
+        with self._backend.on_stream(stream):
             per_rank = self._per_rank(stream)
             rows, width, field = table_shape
             self._finish((1,), (1,), (per_rank, np.int32(self.world), np.float64(scale),
@@ -210,7 +208,7 @@ class GlobalNorm:
         if not self.cuda:
             self.local[0] = host_sum_squares(grad)
             return
-        with on_stream(stream):
+        with self._backend.on_stream(stream):
             n = np.int64(grad.size)
             self._blocks((NORM_BLOCKS,), (NORM_THREADS,), (grad, n, self._partial))
             self._total((1,), (NORM_THREADS,), (self._partial, self.local))

@@ -9,7 +9,7 @@ runtime does) it writes master and moments only. CuPy arrays run
 NumPy's ufuncs.
 
 The update, its hyper-parameters and parameter groups, and the float32
-coefficients both paths read are [Note: AdamW math] in ``_adamw``; this
+coefficients both paths read are [Note: AdamW math] in ``tidearray/_adamw.py``; this
 module runs them.
 
 [Note: optimizer streams]
@@ -25,36 +25,32 @@ table on the current stream and wait for it before they return, so a first
 step may come on any stream ([Note: initialized memory] in
 ``backends.cuda.streams``); later steps, and :meth:`FusedAdamW.stage_step`,
 write the index and tables on their own stream, their coefficients copied from
-pinned memory that outlives the copy (``HostUpload``), so the steps of one
+pinned memory that outlives the copy (the backend's ``uploader``), so the steps of one
 optimizer must be ordered (one stream, or events).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import numpy as np
 
 from .. import _dtypes
-from .._errors import TideInvalid
-from ..backends.cuda import kernels as _kernels
-from ..backends.cuda.streams import HostUpload, on_stream, settle
-from ._adamw import (
+from .._adamw import (
     MAX_GROUPS,
     AdamW,
     Coefficients,
     ParamGroup,
-    _check_params,
-    _check_real,
-    _is_int,
-    _is_real,
     adamw_numpy,
+    check_real,
     coefficients,
-    group_runs,
+    is_int,
+    is_real,
 )
-from ._rows import MAX_ROWS, Captured, RowPlan, Rows
+from .._errors import TideInvalid
+from ..backends import array_backend
+from ._rows import MAX_ROWS, Captured, RowPlan, Rows, check_params, group_runs
 
 #: An array of the optimizer's array module (numpy.ndarray or cupy.ndarray).
 Array = Any
@@ -139,8 +135,7 @@ class FusedAdamW:
                  params: Optional[Sequence[tuple[int, int]]] = None) -> None:
         if not isinstance(hp, AdamW):
             raise TideInvalid(f"hp: expected an AdamW, got {type(hp).__name__}")
-        if xp is not np and getattr(xp, "__name__", None) != "cupy":
-            raise TideInvalid(f"xp: expected the numpy or cupy module, got {xp!r}")
+        self._backend = array_backend(xp)  # its streams and kernels ([Note: backend interface])
         self._hp, self._xp = hp, xp
         self._check_vector("master", master, getattr(master, "size", 0))
         self._master = master
@@ -154,22 +149,21 @@ class FusedAdamW:
         self._groups: tuple[ParamGroup, ...] = () if groups is None else tuple(groups)
         self._runs = group_runs(master.size, self._groups)
         self._hps = (hp, *(g.hp for g in self._groups))
-        self._params = () if params is None else _check_params(master.size, params)
+        self._params = () if params is None else check_params(master.size, params)
         self._per_param = params is not None
         # [Note: absent gradients] in _rows: the lags, each step's rows and the index fills.
         self._plan = RowPlan(master.size, self._runs, len(self._hps), self._params)
         self._pieces = self._plan.pieces
         self._index: Optional[Array] = None  # each element's row (cupy, where rows differ)
-        with self._device():
+        with self._backend.on_device(master):
             self._exp_avg = xp.zeros(master.size, dtype=np.float32)
             self._exp_avg_sq = xp.zeros(master.size, dtype=np.float32)
             if xp is not np and (self._pieces.group != 0).any():
                 self._write_index(self._pieces.group.astype(np.uint8))  # the group index
-            if xp is not np:
-                settle()  # a first step may come on another stream
+            self._backend.settle()  # a first step may come on another stream
         self._kernels: dict[str, Any] = {}  # by name, fetched at their first launch
         self._rows_dev: Any = None  # an eager step's rows past the by-value table
-        self._upload = HostUpload()  # the coefficient tables' host side, pinned
+        self._upload = self._backend.uploader()  # the coefficient tables' host side, pinned
         self.coeff_dev: Any = None  # a captured step's coefficients (prepare_capture)
         self._captured: Optional[Captured] = None  # and what it reads
         self.step_count = 0
@@ -264,7 +258,7 @@ class FusedAdamW:
         """
         self._check_vector("grad", grad, self._master.size)
         lrs = self._group_lrs(lr)
-        if not _is_real(grad_scale):
+        if not is_real(grad_scale):
             raise TideInvalid(f"grad_scale: expected a real number, got {grad_scale!r}")
         mask = self._plan.mask(present)
         rows = self._plan.rows(mask)
@@ -307,15 +301,14 @@ class FusedAdamW:
             raise TideInvalid(f"state: expected keys step, exp_avg, exp_avg_sq, "
                               f"got {sorted(state)} (missing {sorted(missing)})")
         step = state["step"]
-        if not (_is_int(step) and step >= 0):
+        if not (is_int(step) and step >= 0):
             raise TideInvalid(f"state['step']: expected an int >= 0, got {step!r}")
         lag = self._plan.checked_lags(state.get("param_steps"), int(step))
         moments = [self._to_module(f"state[{k!r}]", state[k]) for k in ("exp_avg", "exp_avg_sq")]
-        with self._device():
+        with self._backend.on_device(self._master):
             self._xp.copyto(self._exp_avg, moments[0], casting="same_kind")
             self._xp.copyto(self._exp_avg_sq, moments[1], casting="same_kind")
-            if self._xp is not np:
-                settle()  # the next step may come on another stream
+            self._backend.settle()  # the next step may come on another stream
         self.step_count = int(step)
         self._plan.set_lags(lag)
 
@@ -325,12 +318,12 @@ class FusedAdamW:
         kernel ([Note: captured steps] in ``_graph``)."""
         if self._xp is np or self.coeff_dev is not None:
             return
-        with self._device():
+        with self._backend.on_device(self._master):
             self.coeff_dev = self._xp.zeros(MAX_ROWS * len(Coefficients._fields), np.float32)
             if self._index is None and self._pieces.start.size > 1:
                 self._write_index(np.zeros(self._pieces.start.size, np.uint8))  # allocates
             self._kernel(TABLE_KERNELS)
-            settle()  # the replays' stream may not wait for these zeros
+            self._backend.settle()  # the replays' stream may not wait for these zeros
 
     def stage_step(self, lr: Union[float, Sequence[float], None], grad_scale: float,
                    stream: Any = None) -> None:
@@ -360,12 +353,11 @@ class FusedAdamW:
         pairs = cap.pairs(rows)
         self.step_count += 1
         cs = self._coefficients(pairs, lrs, float(grad_scale))
-        with self._device(), on_stream(stream):
+        with self._backend.on_device(self._master), self._backend.on_stream(stream):
             if cap.indexed:
                 self._write_index(rows.pieces)
             if cs:
-                self._upload(self.coeff_dev, _coeff_rows(cs, max(cs) + 1),
-                             self._xp.cuda.get_current_stream())
+                self._upload(self.coeff_dev, _coeff_rows(cs, max(cs) + 1))
         self._plan.advance(cap.present)
 
     # -- private --------------------------------------------------------------------------
@@ -379,9 +371,9 @@ class FusedAdamW:
                 raise TideInvalid(f"lr: expected None, a real or {len(self._hps)} reals (one "
                                   f"per group, the default first), got {len(lr)} values")
             for j, x in enumerate(lr):
-                _check_real(f"lr[{j}]", x, "a finite real >= 0", _is_real(x) and x >= 0)
+                check_real(f"lr[{j}]", x, "a finite real >= 0", is_real(x) and x >= 0)
             return tuple(float(x) for x in lr)
-        _check_real("lr", lr, "a finite real >= 0", _is_real(lr) and lr >= 0)
+        check_real("lr", lr, "a finite real >= 0", is_real(lr) and lr >= 0)
         if len(self._hps) == 1:
             return (float(lr),)
         if self._hp.lr == 0:
@@ -400,10 +392,8 @@ class FusedAdamW:
     def _step_cupy(self, grad: Array, rows: Rows, cs: dict[int, Coefficients],
                    mask: np.ndarray, stream: Any) -> bool:
         """Enqueue the step on ``stream``; True where it was captured instead."""
-        import cupy
-
-        with self._device(), on_stream(stream):
-            if cupy.cuda.get_current_stream().is_capturing():  # [Note: captured steps] in _graph
+        with self._backend.on_device(self._master), self._backend.on_stream(stream):
+            if self._backend.capturing():  # [Note: captured steps] in _graph
                 self._capture(grad, rows, mask)
                 return True
             if self._master.size == 0 or not cs:
@@ -418,8 +408,7 @@ class FusedAdamW:
             if self._rows_dev is None:
                 self._rows_dev = self._xp.zeros(MAX_ROWS * len(Coefficients._fields),
                                                 np.float32)
-            self._upload(self._rows_dev, _coeff_rows(cs, max(cs) + 1),
-                         cupy.cuda.get_current_stream())
+            self._upload(self._rows_dev, _coeff_rows(cs, max(cs) + 1))
             self._launch(TABLE_KERNELS, grad, (self._index, self._rows_dev))
         return False
 
@@ -441,21 +430,19 @@ class FusedAdamW:
         """The kernel of ``names`` for this send dtype, fetched once."""
         name = names[self._kind]
         if name not in self._kernels:
-            self._kernels[name] = _kernels.function("adamw.cu", name, self._master.device.id)
+            self._kernels[name] = self._backend.kernel("adamw.cu", name, self._master)
         return self._kernels[name]
 
     def _launch(self, names: dict, grad: Array, coeffs: tuple) -> None:
         """The kernel of ``names`` over the arena on the current stream, with ``coeffs``
         after the arrays and the length."""
-        import cupy
-
         # bf16 and fp16 travel as raw 16-bit words: the kernel rounds them itself.
         if self._send is None:  # adamw_none ignores it: any float32 array will do
             send = self._master
         elif self._kind == "float32":
             send = self._send
         else:
-            send = self._send.view(cupy.uint16)
+            send = self._send.view(np.uint16)
         n = self._master.size
         blocks = min(-(-n // BLOCK), MAX_BLOCKS)
         self._kernel(names)((blocks,), (BLOCK,), (self._master, self._exp_avg, self._exp_avg_sq,
@@ -469,12 +456,6 @@ class FusedAdamW:
             self._index = self._xp.zeros(self._master.size, dtype=np.uint8)
         for lo, hi, r in self._plan.index_fills(rows):
             self._index[lo:hi] = r
-
-    def _device(self) -> Any:
-        """Context with the master's GPU current (nothing for NumPy)."""
-        if self._xp is np:
-            return contextlib.nullcontext()
-        return self._xp.cuda.Device(self._master.device.id)
 
     def _check_vector(self, what: str, a: Any, n: int, dtype: Any = np.float32) -> None:
         """``a`` must be a 1-D, C-contiguous array of this module, dtype and length
@@ -503,7 +484,7 @@ class FusedAdamW:
         """``a`` as a float32 array of this module, checked against the master's length."""
         if self._xp is np and hasattr(a, "get"):
             a = a.get()  # a cupy array loaded into a NumPy optimizer
-        with self._device():
+        with self._backend.on_device(self._master):
             a = self._xp.asarray(a)
         if a.ndim != 1 or a.size != self._master.size:
             raise TideInvalid(f"{what}: expected a 1-D array of {self._master.size} elements, "

@@ -27,7 +27,7 @@ is cut into pieces of one group and one parameter (:func:`arena_pieces`);
 each piece's row is its pair's, or :data:`SKIP` where its parameter is
 absent.
 
-* NumPy: ``_adamw.adamw_numpy`` over each run of pieces of one row
+* NumPy: ``tidearray._adamw.adamw_numpy`` over each run of pieces of one row
   (:meth:`RowPlan.host_runs`); SKIP runs are not touched.
 * cupy, eager: where every element has one row, no index: the nine-float
   ``adamw_<send>`` kernel, the launch of an ungrouped step; where none
@@ -62,6 +62,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
+from .._adamw import MAX_GROUPS, ParamGroup, is_int
 from .._errors import TideInvalid
 
 #: Most coefficient rows one step uses (distinct (group, lag) pairs; see [Note:
@@ -107,6 +108,47 @@ def labelled_runs(size: int, spans: Sequence[Run], rest: int,
     return runs
 
 
+def group_runs(size: int, groups: Sequence[ParamGroup]) -> tuple[Run, ...]:
+    """The arena ``[0, size)`` as maximal runs ``(start, stop, group)``, in order.
+
+    Group 0 is the default (the elements in no range); ``groups[j]`` is group
+    ``j + 1``. Runs are never empty; an empty arena has none.
+
+    Raises:
+        TideInvalid: more than ``MAX_GROUPS - 1`` groups, an item that is not a
+            ParamGroup, a range past the arena, or two ranges that overlap (of one
+            group or two).
+    """
+    if len(groups) >= MAX_GROUPS:
+        raise TideInvalid(f"groups: expected at most {MAX_GROUPS - 1} groups ({MAX_GROUPS} with "
+                          f"the default one), got {len(groups)}")
+    for j, g in enumerate(groups):
+        if not isinstance(g, ParamGroup):
+            raise TideInvalid(f"groups[{j}]: expected a ParamGroup, got {type(g).__name__}")
+        for r in g.ranges:
+            if r[1] > size:
+                raise TideInvalid(f"groups[{j}].ranges: expected ranges inside the arena "
+                                  f"[0, {size}), got {r}")
+    spans = sorted((a, b, j) for j, g in enumerate(groups, start=1) for a, b in g.ranges if a < b)
+    return tuple(labelled_runs(size, spans, 0, lambda span, owner, end: (
+        f"groups[{span[2] - 1}].ranges: expected ranges that overlap no other, got "
+        f"{span[:2]}, which overlaps a range of groups[{owner - 1}] ending at {end}")))
+
+
+def check_params(size: int, params: Any) -> tuple[tuple[int, int], ...]:
+    """``params`` as plain ``(start, stop)`` pairs inside ``[0, size)`` (overlaps are
+    found by :class:`RowPlan`)."""
+    if not isinstance(params, Sequence) or isinstance(params, str):
+        raise TideInvalid(f"params: expected None or a sequence of (start, stop), got "
+                          f"{type(params).__name__}")
+    for i, r in enumerate(params):
+        if not (isinstance(r, Sequence) and len(r) == 2 and all(map(is_int, r))
+                and 0 <= r[0] <= r[1] <= size):
+            raise TideInvalid(f"params[{i}]: expected (start, stop), integers with 0 <= "
+                              f"start <= stop <= {size} (the arena's length), got {r!r}")
+    return tuple((int(a), int(b)) for a, b in params)
+
+
 def param_runs(size: int, params: Sequence[tuple[int, int]]) -> list[Run]:
     """``[0, size)`` as runs ``(start, stop, i)`` of parameter ``i``; the elements in no
     range are labelled ``len(params)`` (the implicit parameter).
@@ -133,7 +175,7 @@ class Pieces(NamedTuple):
 
 
 def arena_pieces(groups: Sequence[Run], params: Sequence[Run]) -> Pieces:
-    """The pieces of two runs of one arena: ``_adamw.group_runs``' and the parameters'."""
+    """The pieces of two runs of one arena: :func:`group_runs`' and the parameters'."""
     cut: list[tuple[int, int, int, int]] = []
     i = j = 0
     while i < len(groups) and j < len(params):
@@ -205,7 +247,7 @@ class RowPlan:
 
     Args:
         size: the arena's length.
-        groups: its group runs (``_adamw.group_runs``).
+        groups: its group runs (:func:`group_runs`).
         num_groups: how many groups, the default one included.
         params: each parameter's element range, checked to lie in ``[0, size)``.
 

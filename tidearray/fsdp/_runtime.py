@@ -65,10 +65,9 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .. import _dtypes
+from .._adamw import AdamW
 from .._errors import TideInvalid
 from .._group import Group, default_group
-from ..backends.cuda.streams import on_stream
-from ._adamw import AdamW
 from ._comm import UnitComm, comm_factory
 from ._lifecycle import State, UnitLifecycle, UseToken
 from ._norm import Clipper, GlobalNorm, GradScale, check_max_norm, clip_limit
@@ -263,7 +262,7 @@ class Runtime:
             k = self.slots.gathered[i][0]
             self._retire(k)  # [Note: gradient buffers]
             if self.report_grads:  # what the backward does not write reduces as zeros
-                self.comm.zero_grads(i, k, self._stream_or_current())
+                self.comm.zero_grads(i, k, self.stream)
         k = self.slots.gathered[i][0]
         return self._params(i), self.comm.grads(i, k)
 
@@ -328,7 +327,7 @@ class Runtime:
             if life.state[i] is State.FORWARD:  # its backward never began: reduce zeros
                 self.pre_backward(i)
                 if not self.report_grads:
-                    self.comm.zero_grads(i, self.slots.gathered[i][0], self._stream_or_current())
+                    self.comm.zero_grads(i, self.slots.gathered[i][0], self.stream)
                 self._close(i, [False] * len(self.names[i]))
             elif life.state[i] is State.IDLE and self._micro == 0:
                 self._zero_grad(i)  # not forwarded: zero on every rank, no collective
@@ -413,10 +412,10 @@ class Runtime:
         if scale.on_device:
             raise TideInvalid("a clip inside a stream capture reaches the fused AdamW "
                               "(step()) only, got another optimizer's step")
-        with on_stream(self.stream):
+        with self._on_stream():
             self.arena.grad *= np.float32(scale.factor)
         step(self._present())
-        with on_stream(self.stream):  # before the next gather, which reads them
+        with self._on_stream():  # before the next gather, which reads them
             self.arena.refresh_send()
         self._micro = 0
 
@@ -507,18 +506,14 @@ class Runtime:
                               "model's step(), got one that does not")
         return self._captured
 
-    def _stream_or_current(self) -> Any:
-        """The compute stream as a stream object (CuPy's current where None; NumPy: None)."""
-        if self.xp is np or self.stream is not None:
-            return self.stream
-        return self.xp.cuda.get_current_stream()
-
     def _capturing(self) -> bool:
         """Whether the stream the runtime issues on is capturing (cuda only)."""
-        if self.xp is np:
-            return False
-        with on_stream(self.stream):
-            return bool(self.xp.cuda.get_current_stream().is_capturing())
+        with self._on_stream():
+            return self.group.backend.capturing()
+
+    def _on_stream(self) -> Any:
+        """A context in which the array module issues on the compute stream."""
+        return self.group.backend.on_stream(self.stream)
 
     # -- internals -------------------------------------------------------------------
 
@@ -531,7 +526,7 @@ class Runtime:
             self.slots.release(i)
 
     def _zero_grad(self, i: int) -> None:
-        with on_stream(self.stream):
+        with self._on_stream():
             self.arena.block(self.arena.grad, i).fill(0)
 
     def describe(self, i: int) -> str:
@@ -560,7 +555,7 @@ class Runtime:
         work, unit, accumulate = entry
         work.wait(self.stream)
         if accumulate:
-            with on_stream(self.stream):
+            with self._on_stream():
                 grad = self.arena.block(self.arena.grad, unit)
                 self.xp.add(grad, self.arena.block(self._scratch, unit), out=grad)
 

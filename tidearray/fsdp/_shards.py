@@ -21,10 +21,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from .._adamw import AdamW, ParamGroup
 from .._dtypes import float32
 from .._errors import TideInvalid
 from .._layout import FlatLayout, flat_layout
-from ._adamw import AdamW, ParamGroup
 
 #: ``init(name, shape)``: a full parameter (any array), made one at a time.
 Init = Callable[[str, tuple], Any]

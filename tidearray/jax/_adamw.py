@@ -1,8 +1,8 @@
 """AdamW on fp32 shards inside a jitted JAX step, with the fused optimizer's coefficients.
 
 The update is the one of ``tidearray.fsdp.FusedAdamW`` ([Note: AdamW math] in
-``tidearray.fsdp._adamw``): the step's scalars are computed once on the host in
-float64 and rounded to float32 (:func:`tidearray.fsdp._adamw.coefficients`), then
+``tidearray/_adamw.py``): the step's scalars are computed once on the host in
+float64 and rounded to float32 (:func:`tidearray._adamw.coefficients`), then
 every element is updated in float32 by XLA. Passing the scalars as an argument keeps
 one compiled step for every step count and learning rate. XLA may fuse the element
 operations (on GPU, contract a multiply and an add), so results agree with the fused
@@ -21,9 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._adamw import AdamW, Coefficients, coefficients
 from .._group import Group
-from ..fsdp._adamw import AdamW as AdamWConfig
-from ..fsdp._adamw import Coefficients, coefficients
 from ._clip import GlobalNorm, checked_clip, clip_factor
 
 
@@ -51,9 +50,9 @@ class ShardAdamW:
             not clip is not.
     """
 
-    def __init__(self, hp: Optional[AdamWConfig] = None, *,
+    def __init__(self, hp: Optional[AdamW] = None, *,
                  group: Optional[Group] = None) -> None:
-        self.hp = hp or AdamWConfig()
+        self.hp = hp or AdamW()
         self._norm: Optional[GlobalNorm] = None
         if self.hp.max_grad_norm is not None:
             self._norm = checked_clip(group, "tidearray.jax.ShardAdamW", self.hp.max_grad_norm,

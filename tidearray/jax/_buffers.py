@@ -7,17 +7,17 @@ turns them, once per callback, into the arrays and the stream the backend takes,
 copies between such arrays on that stream.
 
 [Note: XLA's buffers on cuda]
-A CuPy array is made straight over the buffer's pointer (``UnownedMemory``), not
-through ``cupy.asarray`` or DLPack: CuPy's ``__cuda_array_interface__`` import
-synchronizes on a producer's stream where the interface names one, and a DLPack
-export may do the same. Inside a callback the buffer is XLA's and in order on
-XLA's stream already, so no synchronization is needed, and none is done: the
-arrays are used only by work issued on ``ctx.stream`` during the callback.
+The backend's ``wrap`` makes a CuPy array straight over the buffer's pointer
+(``UnownedMemory``), not through ``cupy.asarray`` or DLPack: CuPy's
+``__cuda_array_interface__`` import synchronizes on a producer's stream where the
+interface names one, and a DLPack export may do the same. Inside a callback the
+buffer is XLA's and in order on XLA's stream already, so no synchronization is
+needed, and none is done: the arrays are used only by work issued on
+``ctx.stream`` during the callback.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, ContextManager, Optional, Sequence
 
 import numpy as np
@@ -40,9 +40,7 @@ class XlaBuffers:
 
     def arrays(self, buffers: Sequence[Any]) -> list[Any]:
         """Each buffer as an array of the backend over the same memory (no copy)."""
-        if not self.cuda:
-            return [np.asarray(b) for b in buffers]
-        return [self._cupy(b) for b in buffers]
+        return [self.backend.wrap(b) for b in buffers]
 
     def runs(self, ctx: Any) -> bool:
         """Whether the callback is to act now: XLA may call it at earlier stages of an
@@ -52,11 +50,7 @@ class XlaBuffers:
     def on_device(self) -> ContextManager:
         """The backend's device current for CuPy (XLA calls back on a thread of its own,
         whose current device CuPy does not know)."""
-        if not self.cuda:
-            return contextlib.nullcontext()
-        import cupy
-
-        return cupy.cuda.Device(self.backend.device)
+        return self.backend.on_device()
 
     def stream(self, ctx: Any) -> Optional[int]:
         """XLA's stream of this callback (cuda), None on the host backend."""
@@ -74,13 +68,3 @@ class XlaBuffers:
         for d, s in zip(dst, src):
             if d.nbytes:
                 cupy.cuda.runtime.memcpyAsync(d.data.ptr, s.data.ptr, d.nbytes, _D2D, stream)
-
-    def _cupy(self, buf: Any) -> Any:
-        import cupy
-
-        iface = buf.__cuda_array_interface__
-        shape, dtype = tuple(iface["shape"]), np.dtype(buf.dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        ptr = iface["data"][0]
-        mem = cupy.cuda.UnownedMemory(ptr, nbytes, buf, self.backend.device)
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))

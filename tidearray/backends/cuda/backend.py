@@ -32,6 +32,8 @@ import socket
 import warnings
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+import numpy as np
+
 from ..._copies import Copy
 from ..._dtypes import float32, normalize
 from ..._errors import TideBackendError, TideInvalid, fail_together
@@ -44,7 +46,7 @@ from .._base import (
     TupleBatch,
     check_accumulate,
 )
-from . import driver
+from . import driver, kernels, streams
 from .accumulate import Accumulator
 from .copies import Copier, CudaBatch
 from .executor import CudaExecutor, Lanes
@@ -395,3 +397,39 @@ class CudaBackend(Backend):
 
         with cupy.cuda.Device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
+
+    # -- device work of the layers above ([Note: backend interface] in ``_base``) ----------
+
+    def on_stream(self, stream: Any) -> Any:
+        return streams.on_stream(stream)
+
+    def on_device(self, array: Any = None) -> Any:
+        import cupy
+
+        return cupy.cuda.Device(self.device if array is None else array.device.id)
+
+    def wrap(self, buffer: Any) -> Any:
+        """A CuPy array straight over the pointer (``UnownedMemory``, kept alive by
+        ``buffer``): ``cupy.asarray`` and DLPack may synchronize on the producer's stream
+        ([Note: XLA's buffers on cuda] in ``tidearray.jax._buffers``)."""
+        import cupy
+
+        iface = buffer.__cuda_array_interface__
+        shape, dtype = tuple(iface["shape"]), np.dtype(buffer.dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        mem = cupy.cuda.UnownedMemory(iface["data"][0], nbytes, buffer, self.device)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+    def settle(self) -> None:
+        streams.settle()
+
+    def capturing(self) -> bool:
+        import cupy
+
+        return bool(cupy.cuda.get_current_stream().is_capturing())
+
+    def uploader(self) -> streams.HostUpload:
+        return streams.HostUpload()
+
+    def kernel(self, source: str, name: str, like: Any) -> Any:
+        return kernels.function(source, name, like.device.id)

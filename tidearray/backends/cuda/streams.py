@@ -100,10 +100,13 @@ class HostUpload:
         self._nbytes = 0  # how many
         self._event: Any = None  # recorded after the last copy out of them
 
-    def __call__(self, dst: Any, table: np.ndarray, stream: Any) -> None:
+    def __call__(self, dst: Any, table: np.ndarray, stream: Any = None) -> None:
         """Copy ``table`` into the start of CuPy array ``dst`` on ``stream`` (a CuPy
-        stream); returns without waiting for the copy."""
+        stream; None: the current one); returns without waiting for the copy."""
         import cupy
+
+        if stream is None:
+            stream = cupy.cuda.get_current_stream()
 
         if table.nbytes > dst.nbytes:
             raise AssertionError(f"an upload of {table.nbytes} bytes into {dst.nbytes}")

@@ -1,6 +1,9 @@
 """AdamW's hyper-parameters and arithmetic, on the host: :class:`AdamW`, parameter
-groups and their runs over the arena, a step's float32 coefficients, and the step
-itself on NumPy arrays.
+groups, a step's float32 coefficients, and the step itself on NumPy arrays.
+
+Neutral ground: it imports neither the runtime nor a backend, so ``tidearray.fsdp`` and
+``tidearray.jax`` both take their hyper-parameters and coefficients from here, and
+importing ``tidearray.jax`` loads no part of the runtime.
 
 Pure host code over NumPy: it launches nothing. :class:`FusedAdamW` (``_optim``)
 runs this update over the flat fp32 shard arena, with ``kernels/adamw.cu``
@@ -62,26 +65,28 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from .._errors import TideInvalid
-from ._norm import HOST_CHUNK
-from ._rows import Run, labelled_runs
+from ._errors import TideInvalid
+
+#: Elements per chunk of the host paths (NumPy's AdamW step, the gradient norm): the
+#: float64 and float32 temporaries stay chunk-sized and in cache.
+HOST_CHUNK = 1 << 16
 
 #: Most parameter groups, the default one included, and the rows of the by-value
 #: table: ``ADAMW_MAX_GROUPS`` in ``kernels/adamw.cu``.
 MAX_GROUPS = 16
 
 
-def _is_real(value: Any) -> bool:
+def is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_real(what: str, value: Any, expected: str, ok: bool) -> None:
+def check_real(what: str, value: Any, expected: str, ok: bool) -> None:
     """Raise ``TideInvalid`` unless ``value`` is a finite real and ``ok`` holds."""
-    if not (_is_real(value) and math.isfinite(value) and ok):
+    if not (is_real(value) and math.isfinite(value) and ok):
         raise TideInvalid(f"{what}: expected {expected}, got {value!r}")
 
 
@@ -110,19 +115,19 @@ class AdamW:
     ``max_grad_norm`` where that is not given ([Note: clipping] in ``_norm``)."""
 
     def __post_init__(self) -> None:
-        _check_real("AdamW.lr", self.lr, "a finite real >= 0", _is_real(self.lr) and self.lr >= 0)
+        check_real("AdamW.lr", self.lr, "a finite real >= 0", is_real(self.lr) and self.lr >= 0)
         b = self.betas
         if not (isinstance(b, (tuple, list)) and len(b) == 2
-                and all(_is_real(x) and 0.0 <= x < 1.0 for x in b)):
+                and all(is_real(x) and 0.0 <= x < 1.0 for x in b)):
             raise TideInvalid(f"AdamW.betas: expected two reals in [0, 1), got {b!r}")
         object.__setattr__(self, "betas", (float(b[0]), float(b[1])))  # hashable, plain floats
-        _check_real("AdamW.eps", self.eps, "a finite real >= 0",
-                    _is_real(self.eps) and self.eps >= 0)
-        _check_real("AdamW.weight_decay", self.weight_decay, "a finite real >= 0",
-                    _is_real(self.weight_decay) and self.weight_decay >= 0)
+        check_real("AdamW.eps", self.eps, "a finite real >= 0",
+                    is_real(self.eps) and self.eps >= 0)
+        check_real("AdamW.weight_decay", self.weight_decay, "a finite real >= 0",
+                    is_real(self.weight_decay) and self.weight_decay >= 0)
         if self.max_grad_norm is not None:
-            _check_real("AdamW.max_grad_norm", self.max_grad_norm, "None or a finite real > 0",
-                        _is_real(self.max_grad_norm) and self.max_grad_norm > 0)
+            check_real("AdamW.max_grad_norm", self.max_grad_norm, "None or a finite real > 0",
+                        is_real(self.max_grad_norm) and self.max_grad_norm > 0)
 
 
 class Coefficients(NamedTuple):
@@ -185,54 +190,13 @@ class ParamGroup:
             raise TideInvalid(f"ParamGroup.ranges: expected a sequence of (start, stop), got "
                               f"{type(self.ranges).__name__}")
         for k, r in enumerate(self.ranges):
-            if not (isinstance(r, Sequence) and len(r) == 2 and all(map(_is_int, r))
+            if not (isinstance(r, Sequence) and len(r) == 2 and all(map(is_int, r))
                     and 0 <= r[0] <= r[1]):
                 raise TideInvalid(f"ParamGroup.ranges[{k}]: expected (start, stop), integers "
                                   f"with 0 <= start <= stop, got {r!r}")
         # Hashable, plain ints; overlaps, in this group or with others, are found by
         # group_runs, which sees every group at once.
         object.__setattr__(self, "ranges", tuple((int(a), int(b)) for a, b in self.ranges))
-
-
-def group_runs(size: int, groups: Sequence[ParamGroup]) -> tuple[Run, ...]:
-    """The arena ``[0, size)`` as maximal runs ``(start, stop, group)``, in order.
-
-    Group 0 is the default (the elements in no range); ``groups[j]`` is group
-    ``j + 1``. Runs are never empty; an empty arena has none.
-
-    Raises:
-        TideInvalid: more than ``MAX_GROUPS - 1`` groups, an item that is not a
-            ParamGroup, a range past the arena, or two ranges that overlap (of one
-            group or two).
-    """
-    if len(groups) >= MAX_GROUPS:
-        raise TideInvalid(f"groups: expected at most {MAX_GROUPS - 1} groups ({MAX_GROUPS} with "
-                          f"the default one), got {len(groups)}")
-    for j, g in enumerate(groups):
-        if not isinstance(g, ParamGroup):
-            raise TideInvalid(f"groups[{j}]: expected a ParamGroup, got {type(g).__name__}")
-        for r in g.ranges:
-            if r[1] > size:
-                raise TideInvalid(f"groups[{j}].ranges: expected ranges inside the arena "
-                                  f"[0, {size}), got {r}")
-    spans = sorted((a, b, j) for j, g in enumerate(groups, start=1) for a, b in g.ranges if a < b)
-    return tuple(labelled_runs(size, spans, 0, lambda span, owner, end: (
-        f"groups[{span[2] - 1}].ranges: expected ranges that overlap no other, got "
-        f"{span[:2]}, which overlaps a range of groups[{owner - 1}] ending at {end}")))
-
-
-def _check_params(size: int, params: Any) -> tuple[tuple[int, int], ...]:
-    """``params`` as plain ``(start, stop)`` pairs inside ``[0, size)`` (overlaps are
-    found by :class:`RowPlan`)."""
-    if not isinstance(params, Sequence) or isinstance(params, str):
-        raise TideInvalid(f"params: expected None or a sequence of (start, stop), got "
-                          f"{type(params).__name__}")
-    for i, r in enumerate(params):
-        if not (isinstance(r, Sequence) and len(r) == 2 and all(map(_is_int, r))
-                and 0 <= r[0] <= r[1] <= size):
-            raise TideInvalid(f"params[{i}]: expected (start, stop), integers with 0 <= "
-                              f"start <= stop <= {size} (the arena's length), got {r!r}")
-    return tuple((int(a), int(b)) for a, b in params)
 
 
 def adamw_numpy(master: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray,
