@@ -123,7 +123,7 @@ def test_shard_module_matches_plain_torch(group, wrap, units_given):
 def test_a_compiled_forward_and_backward_runs_the_hooks_eagerly(group):
     """A function compiled whole, forward and backward, runs the hooks while Dynamo
     evaluates frames around its graph breaks ([Note: hooks and Dynamo] in
-    ``tidearray/torch/_sharding.py``): it trains as one process does, and Dynamo compiles
+    ``tidearray/torch/_hooks.py``): it trains as one process does, and Dynamo compiles
     none of the hooks (compiled per hook, they would reach its recompile limit, which
     warns)."""
     if group.backend.name != "host":

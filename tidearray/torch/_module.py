@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 import torch
 
 from .._errors import TideInvalid
-from ._sharding import Optimizer, Sharding
+from ._optimizer import Optimizer
+from ._sharding import Sharding
 
 if TYPE_CHECKING:
     from .._group import Group
@@ -218,14 +219,14 @@ class ShardedModule:
         them is refused (a no-op one, ``model.to(its own device)``, passes)."""
         sharding = self.sharding
         # Every placeholder has the one device and param_dtype: one tells for all.
-        e = next((e for es in sharding._empty for e in es), None)
+        e = sharding.storage.sample()
         moved = fn(e) if e is not None else None
         if moved is not None and (moved.device != e.device or moved.dtype != e.dtype):
             raise TideInvalid(
                 f"{type(self).__name__}: expected a conversion that keeps the sharded "
                 f"parameters on {e.device} in {e.dtype} (shard_module's device= and "
                 f"param_dtype=), got one to {moved.device}, {moved.dtype}")
-        with sharding.sentinels_cleared():
+        with sharding.storage.sentinels_cleared():
             return super()._apply(fn, recurse)  # type: ignore[misc]
 
     def close(self) -> None:
