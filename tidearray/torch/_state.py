@@ -124,7 +124,7 @@ def _sharding(sm: Sharding, cpu: bool) -> dict:
     model = sm.runtime
     params = {}
     for u, k in _every_param(sm):
-        spec = model.arena.layout.units[u].specs[k]
+        spec = _spec(sm, u, k)
         params[sm.names[u][k]] = {"shape": list(spec.shape), "rows": list(spec.rows(model.rank))}
     return {"format": FORMAT, "world": model.world, "rank": model.rank, "params": params,
             "optimizer": _optim_state(sm, cpu)}
@@ -235,7 +235,7 @@ def _check_values(sm: Sharding, taken: dict, buffers: dict, own: dict, sharded: 
     """Each parameter's value has its full shape (sharded: this rank's rows), each
     buffer its buffer's."""
     for (u, k), (key, value) in taken.items():
-        spec = sm.runtime.arena.layout.units[u].specs[k]
+        spec = _spec(sm, u, k)
         want = spec.shape if not sharded else (spec.valid_rows(sm.runtime.rank), *spec.shape[1:])
         _check_shape(f"parameter {key!r}" + (" (this rank's rows)" if sharded else ""),
                      value, want, errors)
@@ -263,7 +263,7 @@ def _check_sharding(sm: Sharding, meta: Any, strict: bool, errors: list[str]) ->
         return True
     params = meta.get("params") if isinstance(meta.get("params"), Mapping) else {}
     for u, k in _every_param(sm):
-        spec, name = model.arena.layout.units[u].specs[k], sm.names[u][k]
+        spec, name = _spec(sm, u, k), sm.names[u][k]
         want = {"shape": list(spec.shape), "rows": list(spec.rows(model.rank))}
         got = params.get(name)
         if got is not None and (not isinstance(got, Mapping) or {
@@ -297,7 +297,7 @@ def _check_optim(sm: Sharding, saved: Any, strict: bool, errors: list[str]) -> N
     for what in ("exp_avg", "exp_avg_sq"):
         moments = saved.get(what) if isinstance(saved.get(what), Mapping) else {}
         for u, k in _every_param(sm):
-            spec, name = sm.runtime.arena.layout.units[u].specs[k], sm.names[u][k]
+            spec, name = _spec(sm, u, k), sm.names[u][k]
             _check_shape(f"optimizer {what} of {name!r}", moments.get(name),
                          (spec.valid_rows(sm.runtime.rank), *spec.shape[1:]), errors)
 
@@ -308,7 +308,7 @@ def _apply(sm: Sharding, taken: dict, buffers: dict, own: dict, sharded: bool) -
     model.synchronize()
     model.release()  # gathered units would hold the old values
     for (u, k), (_, value) in taken.items():
-        start, stop = model.arena.layout.units[u].specs[k].rows(model.rank)
+        start, stop = _spec(sm, u, k).rows(model.rank)
         rows = value if sharded else value[start:stop]
         _write_rows(model, model.params(u)[k], rows)
     with torch.no_grad():
@@ -399,9 +399,15 @@ def _every_param(sm: Sharding) -> list[tuple[int, int]]:
     return [(u, k) for u, ps in enumerate(sm.params) for k in range(len(ps))]
 
 
+def _spec(sm: Sharding, u: int, k: int) -> Any:
+    """Parameter ``k`` of unit ``u`` as the runtime shards it: its full shape, and its
+    rows on each rank (``_layout.ShardSpec``)."""
+    return sm.runtime.arena.layout.units[u].specs[k]
+
+
 def _rows(sm: Sharding, views: list, u: int, k: int) -> Any:
     """This rank's valid rows of parameter ``k`` of unit ``u`` in padded shard ``views``."""
-    return views[k][:sm.runtime.arena.layout.units[u].specs[k].valid_rows(sm.runtime.rank)]
+    return views[k][:_spec(sm, u, k).valid_rows(sm.runtime.rank)]
 
 
 def _write_rows(model: Any, shard: Any, rows: Any) -> None:
