@@ -21,8 +21,8 @@ module         room                    owns
                                        events to the runtime ([Note: hooks])
 ``_storage``   ``ParamStorage``        what each parameter's ``.data`` and ``.grad``
                                        are: placeholder, views of the slot and of
-                                       the gradient buffer, sentinel ([Note:
-                                       parameter storage])
+                                       the gradient buffer, sentinel
+                                       ([Note: parameter storage])
 ``_streams``   ``TorchStream``         the stream the runtime issues on (torch's
                                        current), and norms handed out on it
 ``_optimizer`` ``OptimizerBridge``     the fused AdamW or a torch optimizer over the
