@@ -47,12 +47,16 @@ copy. The states are FSDP2's ``TrainingState`` for a parameter group:
   every gradient of every unit it closes.
 * **What a front end asks.** The pass state a front end's hooks need is here
   too, as plain attributes and transitions, so that a hook reads it without
-  a call: ``in_pass`` (a use or an open since the last pass ended: the torch
-  hooks begin a pass at the first use that finds it False), ``in_backward``
-  (the backward phase has begun: the torch hooks queue autograd's
-  end-of-backward callback at the open that finds it False), and
-  ``forward_done`` (a unit of several modules, torch's list unit, ends its
-  forward when the last of them does). Each ends with the pass.
+  a call (the hooks run several times per unit per step): ``state`` and
+  ``last_used`` (the torch hooks check the units' order with it),
+  ``in_pass`` (a use or an open since the last pass ended: the torch hooks
+  begin a pass at the first use that finds it False), ``in_backward`` (the
+  backward phase has begun: the torch hooks queue autograd's end-of-backward
+  callback at the open that finds it False), and ``forward_done`` (a unit of
+  several modules, torch's list unit, ends its forward when the last of them
+  does). Each ends with the pass. A front end reads them and changes them only
+  through the runtime, but for ``forward_done``, which the runtime does not
+  read.
 """
 
 from __future__ import annotations
