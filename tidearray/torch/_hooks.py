@@ -45,13 +45,18 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._errors import TideInvalid
 from ..fsdp._lifecycle import BLIND, State, UseToken
+
+if TYPE_CHECKING:
+    from ..fsdp import Runtime
+    from ._storage import ParamStorage
+    from ._streams import TorchStream
 
 
 class Hooks:
@@ -65,8 +70,8 @@ class Hooks:
         stream: the stream follower (``_streams.TorchStream``).
     """
 
-    def __init__(self, module: torch.nn.Module, units: Sequence[Any], runtime: Any,
-                 storage: Any, stream: Any) -> None:
+    def __init__(self, module: torch.nn.Module, units: Sequence[Any], runtime: Runtime,
+                 storage: ParamStorage, stream: TorchStream) -> None:
         self.module = module
         self.units = units
         self.runtime = runtime

@@ -18,13 +18,16 @@ setting the shards' ``.grad`` to None.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 
 from .._errors import TideInvalid
 from ..fsdp import AdamW
 from ._storage import as_tensor
+
+if TYPE_CHECKING:
+    from ..fsdp import Runtime
 
 #: ``optimizer=``: the fused AdamW's settings, or a function making any torch optimizer
 #: from the fp32 shards (see :func:`shard_tensors`).
@@ -68,7 +71,7 @@ def runtime_groups(groups: Sequence[dict], fused: Optional[AdamW], all_names: di
     return out
 
 
-def shard_tensors(runtime: Any) -> list:
+def shard_tensors(runtime: Runtime) -> list:
     """This rank's fp32 master shards as torch tensors (padded rows), each trained one
     with its fp32 gradient shard as ``.grad``; a frozen shard has no ``.grad`` (and
     ``requires_grad=False``)."""
@@ -96,7 +99,7 @@ class OptimizerBridge:
         optimizer: the fused AdamW, or the torch optimizer ``make`` returned.
     """
 
-    def __init__(self, runtime: Any, make: Optional[Callable[[list], Any]],
+    def __init__(self, runtime: Runtime, make: Optional[Callable[[list], Any]],
                  zero_grad: Callable[[], None]) -> None:
         self.runtime = runtime
         self.kind = "fused" if make is None else "torch"

@@ -79,6 +79,7 @@ from ._streams import TorchStream
 if TYPE_CHECKING:
     from .._group import Group
 
+
 class Sharding:
     """What :func:`~tidearray.torch.shard_module` attaches to a module (its ``sharding``):
     the units, the runtime that gathers, reduces and steps them, and the rooms around it

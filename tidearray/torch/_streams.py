@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ..fsdp import Runtime
 
 
 class TorchStream:
@@ -19,7 +22,7 @@ class TorchStream:
             no stream to follow).
     """
 
-    def __init__(self, runtime: Any, device: Any, cuda: bool) -> None:
+    def __init__(self, runtime: Runtime, device: Any, cuda: bool) -> None:
         self.runtime = runtime
         self.device = device
         self.cuda = cuda
