@@ -84,6 +84,38 @@ def test_release_forgets_a_forward_with_no_backward():
     assert life.state == [State.IDLE, State.IDLE] and not life.running
 
 
+def test_a_pass_begins_at_a_use_or_an_open_and_ends_with_the_pass():
+    """``in_pass`` and ``in_backward``: what a front end's hooks read to begin a pass and
+    to queue the end of a backward, without keeping a flag of their own."""
+    life = UnitLifecycle([[True], [True]])
+    assert not life.in_pass and not life.in_backward
+    life.use(0, None)
+    assert life.in_pass and not life.in_backward
+    life.forget_forward()  # a forward with no backward ends its pass
+    assert not life.in_pass
+    life.open(1)  # a backward with no forward in this pass (after a release)
+    assert life.in_pass and life.in_backward
+    life.close(1, None)
+    life.end_pass()
+    assert not life.in_pass and not life.in_backward
+
+
+def test_a_unit_of_several_modules_ends_its_forward_with_the_last():
+    life = UnitLifecycle([[True]])
+    assert life.forward_done(0, 1)  # one module: every forward ends the unit's
+    assert not life.forward_done(0, 3) and not life.forward_done(0, 3)
+    assert life.forward_done(0, 3)
+    assert not life.forward_done(0, 3)  # the next use counts afresh
+    life.end_pass()  # a pass cut short forgets the modules counted
+    assert not life.forward_done(0, 2) and life.forward_done(0, 2)
+
+
+def test_the_trainable_flags_are_the_callers():
+    """The lifecycle keeps the runtime's flags, not a copy (one home)."""
+    flags = [[True, False]]
+    assert UnitLifecycle(flags).trainable is flags
+
+
 class _Table:
     """A SlotTable over 4 units and 2 slots, recording gathers and releases."""
 

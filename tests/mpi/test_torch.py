@@ -105,12 +105,38 @@ def test_shard_module_matches_plain_torch(group, wrap, units_given):
     reference = copy.deepcopy(model)
     sm = tt.shard_module(model, units[:units_given], group=group, optimizer=AdamW(lr=LR))
     assert len(sm.sharding.units) == max(units_given + (units_given < 3), 1)
+    _train_as_one_process(sm, reference, group)
+
+
+def test_a_unit_of_several_modules_matches_plain_torch(group):
+    """A unit given as a list of modules (the first two layers): each one's forward is a
+    use, and the unit's forward ends with the last one's (the lifecycle's
+    ``forward_done``); an evaluation forward after each step changes nothing."""
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    import tidearray.torch as tt
+    from tidearray.fsdp import AdamW
+
+    model, units = _model(0)
+    reference = copy.deepcopy(model)
+    sm = tt.shard_module(model, [[units[0], units[1]], units[2]], group=group,
+                         optimizer=AdamW(lr=LR))
+    assert [len(u.modules) for u in sm.sharding.units] == [2, 1]
+    _train_as_one_process(sm, reference, group, evaluate=True)
+
+
+def _train_as_one_process(sm, reference, group, evaluate: bool = False) -> None:
+    """``sm`` trains for :data:`STEPS` steps as ``reference`` does in one process on the
+    global batch (with ``evaluate``, a forward without grad after each step)."""
     losses = []
     for s in range(STEPS):
         x, y = _batch(s, group.rank, B)
         loss = torch.nn.functional.mse_loss(sm(x), y)
         loss.backward()
         sm.step()
+        if evaluate:
+            with torch.no_grad():
+                sm(x)
         losses.append(group.comm.allreduce(float(loss.detach())) / group.size)
     want = _reference(reference, group)
     failures = [f"step {i}: {a!r} vs reference {b!r}" for i, (a, b) in enumerate(zip(losses, want))
@@ -123,7 +149,7 @@ def test_shard_module_matches_plain_torch(group, wrap, units_given):
 def test_a_compiled_forward_and_backward_runs_the_hooks_eagerly(group):
     """A function compiled whole, forward and backward, runs the hooks while Dynamo
     evaluates frames around its graph breaks ([Note: hooks and Dynamo] in
-    ``tidearray/torch/_sharding.py``): it trains as one process does, and Dynamo compiles
+    ``tidearray/torch/_hooks.py``): it trains as one process does, and Dynamo compiles
     none of the hooks (compiled per hook, they would reach its recompile limit, which
     warns)."""
     if group.backend.name != "host":

@@ -45,6 +45,18 @@ copy. The states are FSDP2's ``TrainingState`` for a parameter group:
   parameter that no rank and no micro-batch gave a gradient (torch's AdamW
   skips a ``.grad`` of None). A front end that does not report them writes
   every gradient of every unit it closes.
+* **What a front end asks.** The pass state a front end's hooks need is here
+  too, as plain attributes and transitions, so that a hook reads it without
+  a call (the hooks run several times per unit per step): ``state`` and
+  ``last_used`` (the torch hooks check the units' order with it),
+  ``in_pass`` (a use or an open since the last pass ended: the torch hooks
+  begin a pass at the first use that finds it False), ``in_backward`` (the
+  backward phase has begun: the torch hooks queue autograd's end-of-backward
+  callback at the open that finds it False), and ``forward_done`` (a unit of
+  several modules, torch's list unit, ends its forward when the last of them
+  does). Each ends with the pass. A front end reads them and changes them only
+  through the runtime, but for ``forward_done``, which the runtime does not
+  read.
 """
 
 from __future__ import annotations
@@ -86,14 +98,19 @@ class UnitLifecycle:
     """
 
     def __init__(self, trainable: Sequence[Sequence[bool]]) -> None:
-        self.trainable = [list(t) for t in trainable]
+        #: Per unit, per parameter, whether it is trained: the runtime's flags, not a copy.
+        self.trainable = trainable
         n = len(self.trainable)
         self.state = [State.IDLE] * n
         self.running: set[int] = set()
         #: The highest unit used in this pass's forward phase (-1: none).
         self.last_used = -1
+        #: Whether a pass has begun: a use or an open since the last pass ended.
+        self.in_pass = False
+        #: Whether this pass's backward phase has begun.
+        self.in_backward = False
         self._open: set[int] = set()  # the units in BACKWARD (closing scans these only)
-        self._backward_began = False
+        self._members_done: dict[int, int] = {}  # unit -> its modules that ran this forward
         self._pending: list[weakref.WeakSet] = [weakref.WeakSet() for _ in range(n)]
         self._blind = [False] * n
         self.written: list[list[bool]] = [[False] * len(t) for t in self.trainable]
@@ -103,11 +120,6 @@ class UnitLifecycle:
         self.had_grad = np.zeros(int(starts[-1]), dtype=np.uint8)
 
     # -- queries ----------------------------------------------------------------------
-
-    @property
-    def in_backward(self) -> bool:
-        """Whether this pass's backward phase has begun."""
-        return self._backward_began
 
     def units_in(self, state: State) -> list[int]:
         return [i for i, s in enumerate(self.state) if s is state]
@@ -133,6 +145,7 @@ class UnitLifecycle:
             self.state[i] = State.FORWARD
         self.running.add(i)
         self.last_used = max(self.last_used, i)
+        self.in_pass = True
         if token is BLIND:
             self._blind[i] = True
         elif token is not None:
@@ -141,13 +154,24 @@ class UnitLifecycle:
     def use_done(self, i: int, token: Any) -> None:
         self._pending[i].discard(token)
 
+    def forward_done(self, i: int, members: int) -> bool:
+        """One of the ``members`` modules of unit ``i`` ended its forward (a unit of
+        several modules: each one's start is a use); whether it was the last of them,
+        which ends the unit's forward."""
+        done = self._members_done.get(i, 0) + 1
+        if done < members:
+            self._members_done[i] = done
+            return False
+        self._members_done.pop(i, None)
+        return True
+
     def open(self, i: int) -> None:
         """IDLE or FORWARD to BACKWARD; a recompute's open makes the unit blind."""
         if self.state[i] is State.IDLE:
             self._blind[i] = True  # no forward of it in this pass: nothing reports its end
         self.state[i] = State.BACKWARD
         self._open.add(i)
-        self._backward_began = True
+        self.in_pass = self.in_backward = True
         self.written[i] = [False] * len(self.written[i])
 
     def write(self, i: int, k: int) -> bool:
@@ -170,6 +194,9 @@ class UnitLifecycle:
         self.state = [State.IDLE if s is State.FORWARD else s for s in self.state]
         self.running.clear()
         self.last_used = -1
+        self.in_pass = False
+        if self._members_done:
+            self._members_done.clear()
 
     def end_pass(self) -> None:
         n = len(self.state)
@@ -177,7 +204,9 @@ class UnitLifecycle:
         self.running.clear()
         self.last_used = -1
         self._open.clear()
-        self._backward_began = False
+        self.in_pass = self.in_backward = False
+        if self._members_done:
+            self._members_done.clear()
         for pending in self._pending:  # tokens of uses whose backward never came
             if pending:
                 pending.clear()

@@ -11,7 +11,7 @@ the same addresses. Everything else is the CuPy trainer's captured step
 
 * the module's hooks run once, during the capture; the gathers and reductions
   they issue are captured on the capturing stream, which the runtime follows as
-  it follows any torch current stream (``Sharding._follow_stream``);
+  it follows any torch current stream (``TorchStream.follow`` in ``_streams``);
 * the fused AdamW reads the step's coefficients (learning rate, bias
   corrections) from a device table that each call writes, on torch's current
   stream, before ``CUDAGraph.replay()`` launches on that stream;
@@ -59,7 +59,7 @@ class TorchCapturedStep(CapturedStep):
         if sharding.group.backend.name != "cuda":
             raise TideInvalid("capture_step: expected a model on the cuda backend (a CUDA "
                               f"graph), got the {sharding.group.backend.name} backend")
-        if sharding._make_optimizer is not None:
+        if sharding.bridge.kind != "fused":
             raise TideInvalid("capture_step: expected the fused AdamW (a replay reads its "
                               "learning rate from the device), got a torch optimizer "
                               "(optimizer=make)")

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 import torch
 
 from .._errors import TideInvalid
-from ._sharding import Optimizer, Sharding
+from . import _init
+from ._optimizer import Optimizer
+from ._sharding import Sharding
 
 if TYPE_CHECKING:
     from .._group import Group
@@ -37,8 +39,7 @@ def shard_module(module: torch.nn.Module, units: Optional[Sequence[Any]] = None,
                  group: Optional[Group] = None, param_dtype: Any = None,
                  optimizer: Optimizer = None, param_groups: Sequence[dict] = (),
                  prefetch: int = 1, num_slots: Optional[int] = None, comm: Any = "tide",
-                 keep_param_shards: bool = False,
-                 init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
+                 keep_param_shards: bool = False, init_fn: Optional[_init.InitFn] = None,
                  checkpoint: Optional[str] = None, device: Any = None) -> Any:
     """Shard ``module``'s parameters by ``units``, as ``fully_shard`` on each unit and then
     on the model does, and return ``module`` itself, its class swapped for one that
@@ -87,13 +88,12 @@ def shard_module(module: torch.nn.Module, units: Optional[Sequence[Any]] = None,
     if isinstance(module, ShardedModule):
         raise TideInvalid(f"shard_module: expected a module not sharded yet, got a "
                           f"{type(module).__name__} sharded already")
-    sharding = Sharding(module, units, group=group, param_dtype=param_dtype,
-                        optimizer=optimizer, param_groups=param_groups, prefetch=prefetch,
-                        num_slots=num_slots, comm=comm, keep_param_shards=keep_param_shards,
-                        init_fn=init_fn, checkpoint=checkpoint, device=device)
-    module._tide_sharding = sharding
-    refused = tuple(name for name in _WEIGHT_EDITS if hasattr(module, name))
-    module.__class__ = _sharded_class(type(module), refused)
+    module._tide_sharding = Sharding(
+        module, units, group=group, param_dtype=param_dtype, optimizer=optimizer,
+        param_groups=param_groups, prefetch=prefetch, num_slots=num_slots, comm=comm,
+        keep_param_shards=keep_param_shards, init_fn=init_fn, checkpoint=checkpoint,
+        device=device)
+    module.__class__ = _sharded_class(type(module), _refused(module))
     return module
 
 
@@ -102,6 +102,11 @@ def shard_module(module: torch.nn.Module, units: Optional[Sequence[Any]] = None,
 #: placeholders outside a unit's forward, so each would merge into nothing and return a
 #: model without weights: the sharded class refuses those the model has.
 _WEIGHT_EDITS = ("merge_and_unload", "merge_adapter", "unmerge_adapter", "unload")
+
+
+def _refused(module: Any) -> tuple[str, ...]:
+    """The calls of :data:`_WEIGHT_EDITS` that ``module`` has (its sharded class refuses)."""
+    return tuple(name for name in _WEIGHT_EDITS if hasattr(module, name))
 
 
 def _refusal(name: str) -> Callable[..., Any]:
@@ -218,14 +223,14 @@ class ShardedModule:
         them is refused (a no-op one, ``model.to(its own device)``, passes)."""
         sharding = self.sharding
         # Every placeholder has the one device and param_dtype: one tells for all.
-        e = next((e for es in sharding._empty for e in es), None)
+        e = sharding.storage.sample()
         moved = fn(e) if e is not None else None
         if moved is not None and (moved.device != e.device or moved.dtype != e.dtype):
             raise TideInvalid(
                 f"{type(self).__name__}: expected a conversion that keeps the sharded "
                 f"parameters on {e.device} in {e.dtype} (shard_module's device= and "
                 f"param_dtype=), got one to {moved.device}, {moved.dtype}")
-        with sharding.sentinels_cleared():
+        with sharding.storage.sentinels_cleared():
             return super()._apply(fn, recurse)  # type: ignore[misc]
 
     def close(self) -> None:

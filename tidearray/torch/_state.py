@@ -33,16 +33,22 @@ samples differ, as under FSDP).
 Both calls are collective and check together (``_validate.check``) before any
 transfer or change: a bad key, shape, world size or rank on any rank raises the
 same ``TideInvalid`` on every rank, and nothing is loaded anywhere.
+
+A submodule's own ``state_dict()`` or ``load_state_dict()`` would see the empty
+placeholders ([Note: parameter storage] in ``_storage``): :class:`StateDictGuard`
+refuses them, naming the sharded model's, whose calls pass (``allowed``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, NamedTuple, Optional
 
 import numpy as np
 import torch
 
 from .. import _validate
+from .._errors import TideInvalid
 
 if TYPE_CHECKING:
     from ._sharding import Sharding
@@ -118,14 +124,14 @@ def _sharding(sm: Sharding, cpu: bool) -> dict:
     model = sm.runtime
     params = {}
     for u, k in _every_param(sm):
-        spec = model.arena.layout.units[u].specs[k]
+        spec = _spec(sm, u, k)
         params[sm.names[u][k]] = {"shape": list(spec.shape), "rows": list(spec.rows(model.rank))}
     return {"format": FORMAT, "world": model.world, "rank": model.rank, "params": params,
             "optimizer": _optim_state(sm, cpu)}
 
 
 def _optim_state(sm: Sharding, cpu: bool) -> dict:
-    if sm._make_optimizer is not None:
+    if sm.bridge.kind == "torch":
         return {"kind": "torch", "state": _copy(sm.optimizer.state_dict(), cpu)}
     opt, model = sm.runtime.optimizer, sm.runtime
     moments = {}
@@ -229,7 +235,7 @@ def _check_values(sm: Sharding, taken: dict, buffers: dict, own: dict, sharded: 
     """Each parameter's value has its full shape (sharded: this rank's rows), each
     buffer its buffer's."""
     for (u, k), (key, value) in taken.items():
-        spec = sm.runtime.arena.layout.units[u].specs[k]
+        spec = _spec(sm, u, k)
         want = spec.shape if not sharded else (spec.valid_rows(sm.runtime.rank), *spec.shape[1:])
         _check_shape(f"parameter {key!r}" + (" (this rank's rows)" if sharded else ""),
                      value, want, errors)
@@ -257,7 +263,7 @@ def _check_sharding(sm: Sharding, meta: Any, strict: bool, errors: list[str]) ->
         return True
     params = meta.get("params") if isinstance(meta.get("params"), Mapping) else {}
     for u, k in _every_param(sm):
-        spec, name = model.arena.layout.units[u].specs[k], sm.names[u][k]
+        spec, name = _spec(sm, u, k), sm.names[u][k]
         want = {"shape": list(spec.shape), "rows": list(spec.rows(model.rank))}
         got = params.get(name)
         if got is not None and (not isinstance(got, Mapping) or {
@@ -273,7 +279,7 @@ def _check_optim(sm: Sharding, saved: Any, strict: bool, errors: list[str]) -> N
         if strict:
             errors.append(f"state[{SHARDING_KEY!r}]: expected the optimizer's state, got none")
         return
-    kind = "torch" if sm._make_optimizer is not None else "fused"
+    kind = sm.bridge.kind
     if not isinstance(saved, Mapping) or saved.get("kind") != kind:
         got = saved.get("kind") if isinstance(saved, Mapping) else type(saved).__name__
         errors.append(f"optimizer: expected the state of a {kind} optimizer, got {got!r}")
@@ -291,7 +297,7 @@ def _check_optim(sm: Sharding, saved: Any, strict: bool, errors: list[str]) -> N
     for what in ("exp_avg", "exp_avg_sq"):
         moments = saved.get(what) if isinstance(saved.get(what), Mapping) else {}
         for u, k in _every_param(sm):
-            spec, name = sm.runtime.arena.layout.units[u].specs[k], sm.names[u][k]
+            spec, name = _spec(sm, u, k), sm.names[u][k]
             _check_shape(f"optimizer {what} of {name!r}", moments.get(name),
                          (spec.valid_rows(sm.runtime.rank), *spec.shape[1:]), errors)
 
@@ -302,7 +308,7 @@ def _apply(sm: Sharding, taken: dict, buffers: dict, own: dict, sharded: bool) -
     model.synchronize()
     model.release()  # gathered units would hold the old values
     for (u, k), (_, value) in taken.items():
-        start, stop = model.arena.layout.units[u].specs[k].rows(model.rank)
+        start, stop = _spec(sm, u, k).rows(model.rank)
         rows = value if sharded else value[start:stop]
         _write_rows(model, model.params(u)[k], rows)
     with torch.no_grad():
@@ -315,7 +321,7 @@ def _apply(sm: Sharding, taken: dict, buffers: dict, own: dict, sharded: bool) -
 
 
 def _load_optim(sm: Sharding, saved: Mapping) -> None:
-    if sm._make_optimizer is not None:
+    if sm.bridge.kind == "torch":
         sm.optimizer.load_state_dict(_copy(saved["state"], cpu=False))  # its own tensors
         return
     opt, model = sm.runtime.optimizer, sm.runtime
@@ -329,18 +335,57 @@ def _load_optim(sm: Sharding, saved: Mapping) -> None:
                          **({"param_steps": steps} if steps is not None else {})})
 
 
+# -- the guard -------------------------------------------------------------------------
+
+
+class StateDictGuard:
+    """Refuses ``state_dict()`` and ``load_state_dict()`` of the modules that register
+    sharded parameters, except inside :meth:`allowed` (the sharded model's own)."""
+
+    def __init__(self) -> None:
+        self._allowed = False
+
+    def register(self, modules: Iterable[torch.nn.Module]) -> list:
+        """Guard ``modules``; returns the hooks' handles."""
+        handles = []
+        for m in modules:
+            handles.append(m.register_state_dict_pre_hook(self._refuse_state_dict))
+            handles.append(m.register_load_state_dict_pre_hook(self._refuse_load))
+        return handles
+
+    @contextlib.contextmanager
+    def allowed(self) -> Iterator[None]:
+        """The sharded model's own state dict is being taken or loaded."""
+        before = self._allowed
+        self._allowed = True
+        try:
+            yield
+        finally:
+            self._allowed = before
+
+    def _refuse_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:
+        if not self._allowed:
+            raise TideInvalid("state_dict() of a submodule of a model sharded by tidearray: "
+                              "expected the sharded model's own state_dict() (full or "
+                              "sharded), got a submodule's, whose parameters are empty "
+                              "placeholders")
+
+    def _refuse_load(self, *args: Any) -> None:
+        if not self._allowed:
+            raise TideInvalid("load_state_dict() of a submodule of a model sharded by "
+                              "tidearray: expected the sharded model's own load_state_dict() "
+                              "(full or sharded), got a submodule's, whose parameters are "
+                              "empty placeholders")
+
+
 # -- helpers ---------------------------------------------------------------------------
 
 
 def _own_state(sm: Sharding, keep_vars: bool = False) -> dict:
     """The module's own ``state_dict()`` (parameters as their empty placeholders)."""
-    before = sm._allow_state_dict
-    sm._allow_state_dict = True
-    try:
+    with sm.guard.allowed():
         # The state dict of the module's own class (the swapped class's gathers).
         return sm.module_class.state_dict(sm.module, keep_vars=keep_vars)
-    finally:
-        sm._allow_state_dict = before
 
 
 def _where(sm: Sharding) -> dict[str, tuple[int, int]]:
@@ -354,9 +399,15 @@ def _every_param(sm: Sharding) -> list[tuple[int, int]]:
     return [(u, k) for u, ps in enumerate(sm.params) for k in range(len(ps))]
 
 
+def _spec(sm: Sharding, u: int, k: int) -> Any:
+    """Parameter ``k`` of unit ``u`` as the runtime shards it: its full shape, and its
+    rows on each rank (``_layout.ShardSpec``)."""
+    return sm.runtime.arena.layout.units[u].specs[k]
+
+
 def _rows(sm: Sharding, views: list, u: int, k: int) -> Any:
     """This rank's valid rows of parameter ``k`` of unit ``u`` in padded shard ``views``."""
-    return views[k][:sm.runtime.arena.layout.units[u].specs[k].valid_rows(sm.runtime.rank)]
+    return views[k][:_spec(sm, u, k).valid_rows(sm.runtime.rank)]
 
 
 def _write_rows(model: Any, shard: Any, rows: Any) -> None:

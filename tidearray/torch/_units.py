@@ -52,26 +52,7 @@ def resolve(model: Any, units: Optional[Sequence[Any]]) -> ModelUnits:
         TideInvalid: a unit that is not a submodule of ``model``, a module in two
             units, or a unit that owns no parameter.
     """
-    import torch
-
-    units = list(units or [])
-    modules = {id(m): m for m in model.modules()}
-    members: list[tuple] = []
-    seen: dict[int, int] = {}
-    for j, u in enumerate(units):
-        ms = tuple(u) if isinstance(u, (list, tuple)) else (u,)
-        if not ms or not all(isinstance(m, torch.nn.Module) for m in ms):
-            raise TideInvalid(f"unit {j}: expected a module or a list of modules, got "
-                              f"{type(u).__name__}")
-        for m in ms:
-            if id(m) not in modules or m is model:
-                raise TideInvalid(f"unit {j}: expected a submodule of the model (the model "
-                                  f"itself is the root), got a {type(m).__name__} outside it")
-            if id(m) in seen:
-                raise TideInvalid(f"expected each module in one unit, got a "
-                                  f"{type(m).__name__} in units {seen[id(m)]} and {j}")
-            seen[id(m)] = j
-        members.append(ms)
+    members = _members(model, units)
     # Every module's subtree size, and for every module the units whose subtrees hold it.
     holders: dict[int, list[int]] = {}
     size = []
@@ -113,6 +94,30 @@ def resolve(model: Any, units: Optional[Sequence[Any]]) -> ModelUnits:
         raise TideInvalid("expected a model with parameters, got none")
     return ModelUnits(tuple(specs), root, {k: tuple(v) for k, v in aliases.items()},
                       {k: tuple(v) for k, v in all_names.items()})
+
+
+def _members(model: Any, units: Optional[Sequence[Any]]) -> list[tuple]:
+    """Each unit's modules, checked: submodules of ``model``, each in one unit."""
+    import torch
+
+    modules = {id(m): m for m in model.modules()}
+    members: list[tuple] = []
+    seen: dict[int, int] = {}
+    for j, u in enumerate(units or []):
+        ms = tuple(u) if isinstance(u, (list, tuple)) else (u,)
+        if not ms or not all(isinstance(m, torch.nn.Module) for m in ms):
+            raise TideInvalid(f"unit {j}: expected a module or a list of modules, got "
+                              f"{type(u).__name__}")
+        for m in ms:
+            if id(m) not in modules or m is model:
+                raise TideInvalid(f"unit {j}: expected a submodule of the model (the model "
+                                  f"itself is the root), got a {type(m).__name__} outside it")
+            if id(m) in seen:
+                raise TideInvalid(f"expected each module in one unit, got a "
+                                  f"{type(m).__name__} in units {seen[id(m)]} and {j}")
+            seen[id(m)] = j
+        members.append(ms)
+    return members
 
 
 def signature(model_units: ModelUnits) -> tuple:

@@ -1,0 +1,327 @@
+"""The module and autograd hooks of a sharded model: they report events to the runtime
+([Note: torch front end] in ``_sharding``).
+
+[Note: hooks]
+The hooks only report events to the runtime, which alone knows where each unit
+is in its pass ([Note: unit lifecycle] in ``tidearray.fsdp._lifecycle``); they
+read its lifecycle (``runtime.life``) to decide, and keep no pass state of their
+own:
+
+* a forward pre-hook of each of the unit's modules is one use of the unit:
+  the runtime gathers it if it is not (and prefetches the next), and its
+  parameters' ``.data`` point at the gathered slot, zero-copy through DLPack
+  ([Note: parameter storage] in ``_storage``); the first use of a pass (the
+  lifecycle's ``in_pass`` False) clears the sentinel ``.grad``s and follows
+  torch's current stream (``_streams``); with grad enabled the forward's
+  inputs that need a gradient pass through ``_PostBackward``, whose backward
+  runs when their gradients are computed, that is when this use's backward is
+  done: it reports the use's token (``use_done``), and the runtime closes the
+  unit once no use is pending;
+* a forward hook lets the slot go (the runtime keeps the last unit and the
+  root; a unit of several modules when the last of them is done, the
+  lifecycle's ``forward_done``) and hooks each output tensor (a pre-hook of
+  the node that made it, ``_on_first_grad``): the first to get its gradient
+  opens the unit's backward (regathered into the same slot, so the tensors
+  autograd saved see the same memory with the same values); opening zeroes the
+  unit's gradient buffer and makes it each trained parameter's ``.grad``, which
+  autograd then accumulates into in place;
+* each trained parameter's post-accumulate-grad hook reports that it got a
+  gradient (the optimizer skips a parameter no rank gave one);
+* the model's forward hook, with grad disabled (evaluation, generation),
+  releases every unit;
+* autograd's end-of-backward callback, queued by the open that begins the
+  backward phase (the lifecycle's ``in_backward`` False), lets the runtime
+  close what is open and reduce zeros for units never reached; then each
+  trained placeholder's ``.grad`` is a sentinel.
+
+Activation checkpointing works: a forward recomputed during backward finds its
+unit gathered already, and the hooks leave the runtime alone then; under
+reentrant checkpointing, whose first forward runs without grad (so the unit was
+released and hooked no outputs), the recompute opens the unit's backward. Every
+hook runs outside ``torch.compile``'s graphs ([Note: hooks and Dynamo]).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .._errors import TideInvalid
+from ..fsdp._lifecycle import BLIND, State, UseToken
+
+if TYPE_CHECKING:
+    from ..fsdp import Runtime
+    from ._storage import ParamStorage
+    from ._streams import TorchStream
+
+
+class Hooks:
+    """A sharded model's hooks ([Note: hooks]): made once, registered by :meth:`register`.
+
+    Args:
+        module: the model (its forward hook ends a forward-only pass).
+        units: the units (``_units.UnitSpec``), in the runtime's order.
+        runtime: the :class:`tidearray.fsdp.Runtime` they drive.
+        storage: the parameters' storage (``_storage.ParamStorage``).
+        stream: the stream follower (``_streams.TorchStream``).
+    """
+
+    def __init__(self, module: torch.nn.Module, units: Sequence[Any], runtime: Runtime,
+                 storage: ParamStorage, stream: TorchStream) -> None:
+        self.module = module
+        self.units = units
+        self.runtime = runtime
+        self.life = runtime.life  # where each unit is in its pass: read here, kept there
+        self.storage = storage
+        self.stream = stream
+        self._members = [len(unit.modules) for unit in units]
+        # Dynamo-free wrappers of what autograd calls each backward, made once.
+        self._end_backward_eager = _outside_compile(self._end_backward)
+        self._use_done_eager = _outside_compile(runtime.use_done)
+        self._output_hooks = [_outside_compile(functools.partial(self._output_grad, u))
+                              for u in range(len(units))]
+
+    def register(self) -> list:
+        """Register the hooks; returns their handles."""
+        handles = []
+        for u, unit in enumerate(self.units):
+            for m in unit.modules:
+                handles.append(m.register_forward_pre_hook(
+                    _outside_compile(functools.partial(self._pre_forward, u)), with_kwargs=True))
+                handles.append(m.register_forward_hook(
+                    _outside_compile(functools.partial(self._post_forward, u))))
+            for k, p in enumerate(self.storage.params[u]):
+                if p.requires_grad:
+                    handles.append(p.register_post_accumulate_grad_hook(
+                        _outside_compile(functools.partial(self._grad_ready, u, k))))
+        handles.append(self.module.register_forward_hook(_outside_compile(self._model_done)))
+        return handles
+
+    # -- forward --------------------------------------------------------------------
+
+    def _pre_forward(self, u: int, module: Any, args: Any, kwargs: Any) -> Any:
+        runtime, life = self.runtime, self.life
+        if _in_backward():  # activation checkpointing recomputes the forward in backward:
+            if life.state[u] in (State.IDLE, State.FORWARD):
+                # Reentrant checkpointing ran the first forward without grad (the unit was
+                # released and hooked no outputs): the recompute opens its backward.
+                self._open(u)
+            return None  # else gathered already: its backward opened it
+        if not life.in_pass:  # the first use of a pass
+            self.storage.clear_sentinels()
+            self.stream.follow()
+        if not life.in_backward and life.state[u] is State.IDLE:
+            self._check_order(u)
+        if not torch.is_grad_enabled():
+            self.storage.use_gathered(u, runtime.pre_forward(u))
+            return None
+        inputs = _GradInputs(args, kwargs)
+        use = UseToken() if inputs.tensors else BLIND  # [Note: unit lifecycle]
+        self.storage.use_gathered(u, runtime.pre_forward(u, use))
+        if not inputs.tensors:
+            return None
+        outs = _PostBackward.apply(self._use_done_eager, u, use, *inputs.tensors)
+        return inputs.replaced(outs if isinstance(outs, tuple) else (outs,))
+
+    def _check_order(self, u: int) -> None:
+        """Units must be given in the order their forwards begin (the runtime prefetches
+        the next one and assigns slots by that order); the same on every rank."""
+        last = self.life.last_used
+        if last > u:
+            raise TideInvalid(f"units: expected them in the order their forwards begin, got "
+                              f"unit {u} ({type(self.units[u].modules[0]).__name__}) after unit "
+                              f"{last}; pass the units in execution order")
+
+    def _post_forward(self, u: int, module: Any, args: Any, output: Any) -> Any:
+        if _in_backward():
+            return None
+        members = self._members[u]
+        if members > 1 and not self.life.forward_done(u, members):
+            return None  # a list unit: its other modules are still to run
+        if torch.is_grad_enabled():
+            # A block's output is mostly one tensor: flattened only when it is not.
+            outs = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+            for t in outs:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    _on_first_grad(t, self._output_hooks[u])
+        self.runtime.post_forward(u)
+        return None
+
+    def _model_done(self, module: Any, args: Any, output: Any) -> None:
+        """The whole model's forward returned: with grad disabled nothing will run a
+        backward (evaluation, generation), so every gathered unit is released (and the
+        pass ends: the lifecycle forgets its forward)."""
+        if not torch.is_grad_enabled() and not _in_backward():
+            self.runtime.release()
+
+    # -- backward ----------------------------------------------------------------------
+
+    def _output_grad(self, u: int, grad: Any) -> None:
+        if self.life.state[u] is not State.DONE:
+            self._open(u)
+
+    def _open(self, u: int) -> None:
+        """Open unit ``u``'s backward: regathered, and each trained parameter's ``.grad``
+        its (zeroed) gradient buffer, which autograd then accumulates into in place."""
+        life = self.life
+        if life.state[u] is State.BACKWARD:
+            return
+        if not life.in_backward:  # the backward phase begins: autograd says when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(
+                self._end_backward_eager)
+        params, grads = self.runtime.pre_backward(u)
+        self.storage.open_backward(u, params, grads, self.runtime.trainable[u])
+
+    def _grad_ready(self, u: int, k: int, param: Any) -> None:
+        grad = param.grad  # autograd's own where the unit was not open yet: moved over
+        state = self.life.state[u]
+        if state is not State.BACKWARD:  # (per parameter and step: the open unit first)
+            if state is State.DONE:
+                raise TideInvalid(f"parameter {self.runtime.names[u][k]!r} (unit {u}): "
+                                  "expected its gradient before its unit's backward was done, "
+                                  "got it after its reduction began: is it used outside its "
+                                  "unit? Put it in a unit that holds every module using it (or "
+                                  "in the root)")
+            self._open(u)
+        buf = self.storage.grad_views[u][k]
+        if grad is not buf:
+            param.grad = buf
+            buf.add_(grad)
+        self.runtime.grad_written(u, k)
+
+    def _end_backward(self) -> None:
+        """Autograd's engine runs this when a backward pass is done."""
+        self.runtime.finish_backward()
+        self.storage.set_sentinels()
+
+
+class _GradInputs:
+    """A forward's tensor inputs that need a gradient, and the inputs with those replaced.
+
+    Top-level tensors (a decoder layer's hidden states) are found without flattening;
+    only containers are flattened (pytree flattening of a Hugging Face layer's keyword
+    arguments costs tens of microseconds a call)."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        self.args, self.kwargs = args, kwargs
+        self.tensors: list = []
+        self._where: list = []  # (is_kwarg, key, None or (flat, tree, indices))
+        for is_kwarg, items in ((False, enumerate(args)), (True, kwargs.items())):
+            for key, value in items:
+                self._scan(is_kwarg, key, value)
+
+    def _scan(self, is_kwarg: bool, key: Any, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                self.tensors.append(value)
+                self._where.append((is_kwarg, key, None))
+        elif isinstance(value, (tuple, list)) and not any(
+                isinstance(v, (tuple, list, dict)) or (isinstance(v, torch.Tensor)
+                                                       and v.requires_grad) for v in value):
+            return  # a flat sequence with nothing that needs a gradient (rotary cos, sin)
+        elif isinstance(value, (tuple, list, dict)) and value:
+            flat, tree = tree_flatten(value)
+            idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+            if idx:
+                self.tensors.extend(flat[i] for i in idx)
+                self._where.append((is_kwarg, key, (flat, tree, idx)))
+
+    def replaced(self, outs: tuple) -> tuple:
+        args, kwargs = list(self.args), dict(self.kwargs)
+        it = iter(outs)
+        for is_kwarg, key, nested in self._where:
+            if nested is None:
+                value = next(it)
+            else:
+                flat, tree, idx = nested
+                for i in idx:
+                    flat[i] = next(it)
+                value = tree_unflatten(flat, tree)
+            if is_kwarg:
+                kwargs[key] = value
+            else:
+                args[key] = value
+        return tuple(args), kwargs
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs once their gradients are
+    computed, that is when the unit's backward is done (FSDP2's
+    ``RegisterPostBackwardFunction``)."""
+
+    @staticmethod
+    def forward(ctx: Any, use_done: Callable[[int, UseToken], None], u: int, use: UseToken,
+                *inputs: Any) -> Any:
+        ctx.use_done, ctx.u, ctx.use = use_done, u, use  # the context keeps the token alive
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.use_done(ctx.u, ctx.use)
+        return (None, None, None) + grads
+
+
+def _on_first_grad(t: torch.Tensor, hook: Callable[..., Any]) -> None:
+    """``hook`` runs when autograd is about to compute the gradient of ``t``'s inputs (the
+    moment a hook on ``t`` would run): a pre-hook of the node that made ``t``, registered
+    in C++ (``Tensor.register_hook`` costs a few microseconds of Python more); a hook on
+    ``t`` itself where no node made it (a leaf)."""
+    node = t.grad_fn
+    if node is None:
+        t.register_hook(hook)
+    else:
+        node.register_prehook(hook)
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+#: Dynamo's frame-evaluation callback on this thread (None: no frame is compiled here).
+#: None where torch lacks it: every hook call then goes through ``torch._dynamo.disable``.
+_FRAME_CALLBACK: Optional[Callable[[], Any]] = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
+    "get_eval_frame_callback", None)
+
+
+def _outside_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run eagerly, never traced by Dynamo: the hooks keep the runtime's state.
+
+    [Note: hooks and Dynamo]
+    A hook must not be traced into a ``torch.compile`` graph, nor may Dynamo compile
+    the runtime's frames it calls. ``torch._dynamo.disable`` ensures both, but each call
+    through it switches Dynamo's frame evaluation off and on again (about a microsecond,
+    and a hook runs several times per unit per step). So the hook decides per call:
+    while Dynamo traces it (``torch.compile`` of the model, or of a function calling
+    it), ``is_compiling()`` is a constant True in the trace and the call goes to the
+    disabled ``fn`` (a graph break, run eagerly); when a hook runs eagerly while
+    Dynamo evaluates frames on this thread (the eager part of a compiled function
+    around a graph break, or a frame Dynamo gave up on), the frame callback is set and
+    the call goes to the disabled ``fn`` too; otherwise (no compile on this thread: the
+    eager loop, a block compiled on its own, whose hooks run in ``Module.__call__``,
+    and a backward on autograd's device threads) it calls ``fn`` directly. Dynamo
+    never compiles the deciding frame itself (``skip_code``): compiled once per hook,
+    its guards on the arguments would reach Dynamo's recompile limit, which warns.
+    """
+    # The first call imports torch._dynamo, and with it sympy, whose import adds a
+    # process-wide warnings filter: keep the caller's filters as they were.
+    with warnings.catch_warnings():
+        disabled = torch._dynamo.disable(fn, recursive=True)
+    skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
+    frame_callback = _FRAME_CALLBACK
+    if frame_callback is None or skip_code is None:
+        return disabled
+    is_compiling = torch.compiler.is_compiling
+
+    def hook(*args: Any) -> Any:
+        if is_compiling() or frame_callback() is not None:
+            return disabled(*args)
+        return fn(*args)
+
+    skip_code(hook.__code__)
+    return hook

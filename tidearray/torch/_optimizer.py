@@ -1,0 +1,152 @@
+"""The optimizer over the shards: the runtime's fused AdamW, or any torch optimizer over torch
+views of the fp32 shards ([Note: torch front end] in ``_sharding``).
+
+[Note: the optimizer bridge]
+``optimizer=`` is the fused AdamW's settings (the runtime steps it; torch-style
+``param_groups`` become the runtime's ``(AdamW, names)`` pairs), or
+``make(params)``: a torch optimizer made over :func:`shard_tensors`, the fp32
+master shards as torch Parameters whose ``.grad`` is the runtime's gradient
+shard. The runtime averages (and clips) the gradients, then
+:meth:`OptimizerBridge.step` runs the torch optimizer with no ``.grad`` on a
+shard that no rank gave a gradient (torch's optimizers skip those, as in one
+process) and every other trained shard's ``.grad`` set back to the gradient
+shard if anything replaced it. The torch optimizer's ``zero_grad()`` is routed
+to the model's, which drops the accumulated gradients as torch does, instead of
+setting the shards' ``.grad`` to None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from .._errors import TideInvalid
+from ..fsdp import AdamW
+from ._storage import as_tensor
+
+if TYPE_CHECKING:
+    from ..fsdp import Runtime
+
+#: ``optimizer=``: the fused AdamW's settings, or a function making any torch optimizer
+#: from the fp32 shards (see :func:`shard_tensors`).
+Optimizer = Union[AdamW, Callable[[list], Any], None]
+
+
+def split_optimizer(optimizer: Optimizer) -> tuple[Optional[AdamW], Optional[Callable]]:
+    """``optimizer=`` as the fused AdamW's settings or a torch optimizer's maker (one is
+    None)."""
+    if optimizer is None or isinstance(optimizer, AdamW):
+        return optimizer, None
+    if callable(optimizer):
+        return None, optimizer
+    raise TideInvalid(f"optimizer: expected an AdamW or a function making a torch optimizer "
+                      f"from a list of tensors, got {type(optimizer).__name__}")
+
+
+_GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay"}
+
+
+def runtime_groups(groups: Sequence[dict], fused: Optional[AdamW], all_names: dict,
+                   names: list) -> list:
+    """Torch-style groups as the runtime's ``(AdamW, names)`` pairs (``all_names``:
+    ``id(param)`` -> its names; ``names``: per unit, its parameters' names)."""
+    base = fused or AdamW()
+    known = {n for ns in names for n in ns}
+    out = []
+    for j, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g or set(g) - _GROUP_KEYS:
+            raise TideInvalid(f"param_groups[{j}]: expected a dict with 'params' and any of "
+                              f"lr, betas, eps, weight_decay, got {g!r}"[:300])
+        chosen = []
+        for p in g["params"]:
+            name = p if isinstance(p, str) else all_names.get(id(p), (None,))[0]
+            if name not in known:
+                raise TideInvalid(f"param_groups[{j}]: expected parameters of the model (or "
+                                  f"their names), got {p if isinstance(p, str) else type(p)}")
+            chosen.append(name)
+        opts = {k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"}
+        out.append((replace(base, max_grad_norm=None, **opts), chosen))
+    return out
+
+
+def shard_tensors(runtime: Runtime) -> list:
+    """This rank's fp32 master shards as torch tensors (padded rows), each trained one
+    with its fp32 gradient shard as ``.grad``; a frozen shard has no ``.grad`` (and
+    ``requires_grad=False``)."""
+    out = []
+    for u in range(runtime.num_units):
+        trainable = runtime.trainable[u]
+        for k, (m, g) in enumerate(zip(runtime.params(u), runtime.grads(u))):
+            t = torch.nn.Parameter(as_tensor(m, m.shape), requires_grad=trainable[k])
+            if trainable[k]:
+                t.grad = as_tensor(g, g.shape)
+            out.append(t)
+    return out
+
+
+class OptimizerBridge:
+    """The optimizer a sharded model steps ([Note: the optimizer bridge]).
+
+    Args:
+        runtime: the runtime (its fused AdamW, or its shards for a torch optimizer).
+        make: ``make(shards)`` -> a torch optimizer, or None (the fused AdamW).
+        zero_grad: the model's ``zero_grad``, which the torch optimizer's calls.
+
+    Attributes:
+        kind: ``"fused"`` or ``"torch"``.
+        optimizer: the fused AdamW, or the torch optimizer ``make`` returned.
+    """
+
+    def __init__(self, runtime: Runtime, make: Optional[Callable[[list], Any]],
+                 zero_grad: Callable[[], None]) -> None:
+        self.runtime = runtime
+        self.kind = "fused" if make is None else "torch"
+        self._shards = shard_tensors(runtime) if make is not None else []
+        self._shard_grads = [t.grad for t in self._shards]  # the runtime's, set back each step
+        self.optimizer = make(self._shards) if make is not None else runtime.optimizer
+        if make is not None:
+            _route_zero_grad(self.optimizer, zero_grad)
+
+    def step(self, lr: Optional[float]) -> Any:
+        """One step: the fused AdamW's (its norm when it clips, else None), or the torch
+        optimizer's over the averaged gradients (None)."""
+        if self.kind == "fused":
+            return self.runtime.step(lr)
+        if lr is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+        self.runtime.apply_step(self._torch_step)
+        return None
+
+    def _torch_step(self, present: Any) -> None:
+        """The torch optimizer's step over the shards, with no ``.grad`` on a parameter that
+        no rank gave a gradient. Each other trained shard's ``.grad`` is the runtime's
+        gradient shard, set back if anything replaced it (the optimizer's ``zero_grad()``
+        goes to the model's and leaves them; a ``p.grad = None`` of the user's does not
+        skip a parameter that got a gradient)."""
+        # Set only what differs: a step of a large model touches few ``.grad``s.
+        for t, g, ok in zip(self._shards, self._shard_grads, present):
+            want = g if ok else None
+            if t.grad is not want:
+                t.grad = want
+        try:
+            self.optimizer.step()
+        finally:
+            for t, g in zip(self._shards, self._shard_grads):
+                if t.grad is not g:
+                    t.grad = g
+
+
+def _route_zero_grad(optimizer: Any, zero_grad: Callable[[], None]) -> None:
+    """``optimizer.zero_grad()`` (the torch optimizer over the shards) drops the accumulated
+    gradients through ``zero_grad``, as in torch, instead of setting the shards' ``.grad``
+    to None (the runtime's gradient shards, which the optimizer must keep seeing)."""
+    if not callable(getattr(optimizer, "zero_grad", None)):
+        return
+
+    def routed(set_to_none: bool = True) -> None:
+        zero_grad()
+
+    optimizer.zero_grad = routed

@@ -1,0 +1,200 @@
+"""What each sharded parameter's ``.data`` and ``.grad`` are, between the runtime's arrays and
+torch's tensors ([Note: torch front end] in ``_sharding``).
+
+[Note: parameter storage]
+A sharded parameter keeps its ``torch.nn.Parameter`` (the module's, under every
+name it has), and only its storage changes:
+
+* outside its unit's gather, ``.data`` is an empty placeholder (one per
+  parameter, made once, in the param dtype on the model's device), so the
+  model holds no weights;
+* while its unit is used, ``.data`` is a torch view (DLPack, zero-copy) of the
+  parameter in the unit's slot, made again only when the runtime hands out
+  other arrays (a unit takes the same slot step after step);
+* while its unit's backward is open, a trained parameter's ``.grad`` is a view
+  of the unit's gradient buffer, which autograd accumulates into in place; the
+  runtime releasing the slot (``on_release``) puts the placeholder back and
+  drops the ``.grad``;
+* after a backward, each trained placeholder's ``.grad`` is a sentinel
+  (:class:`_ShardedGrad`, made once) that raises when used, so that torch's
+  own tools cannot silently see nothing
+  (``torch.nn.utils.clip_grad_norm_(model.parameters())`` names the model's
+  ``clip_grad_norm_`` instead of returning 0); the next pass, step or
+  ``zero_grad`` clears it.
+
+:class:`ParamStorage` owns these tensors and the two facts about them: which
+units' parameters point at their slot, and whether the sentinels are set. Where
+a unit is in its pass is the runtime's ([Note: unit lifecycle]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+from .. import _dtypes
+from .._errors import TideInvalid
+
+
+class ParamStorage:
+    """The sharded parameters' tensors ([Note: parameter storage]).
+
+    Args:
+        params: per unit, its ``torch.nn.Parameter`` objects (meta ones included:
+            :meth:`take_over` replaces those).
+        dtype: the param dtype (NumPy).
+        device: where gathered parameters live.
+
+    Attributes:
+        params: per unit, the parameters (after :meth:`take_over`, the real ones).
+        shapes: per unit, each parameter's full shape.
+        grad_views: per unit, the torch views of its gradient buffer, set when its
+            backward opens (:meth:`open_backward`).
+    """
+
+    def __init__(self, params: list[list[Any]], dtype: np.dtype, device: Any) -> None:
+        self.params = params
+        self.shapes = [[tuple(p.shape) for p in ps] for ps in params]
+        torch_dtype = getattr(torch, dtype.name)
+        self._empty = [[torch.empty(0, dtype=torch_dtype, device=device) for _ in ps]
+                       for ps in params]
+        self._views: dict[tuple[str, int], tuple[list, list]] = {}
+        self._live = [False] * len(params)  # parameters pointed at the unit's slot
+        self.grad_views: list[list] = [[] for _ in params]
+        self._sentinel_grads: list[tuple[Any, Any]] = []
+        self._sentinels = False
+
+    def take_over(self, aliases: dict, all_names: dict, meta: bool) -> None:
+        """Every parameter's ``.data`` becomes its placeholder (the runtime holds the
+        values now). With ``meta`` (a model on the meta device), each parameter is
+        replaced by a new one on the device, under every name it had (``aliases``,
+        ``all_names``: the ``ModelUnits``'s, updated)."""
+        for ps, es in zip(self.params, self._empty):
+            if meta:
+                ps[:] = [_replace_param(aliases, all_names, p, e) for p, e in zip(ps, es)]
+            for p, e in zip(ps, es):
+                p.data = e
+        # Made once: each backward only assigns them (a parameter's, one placeholder's size).
+        self._sentinel_grads = [(p, _ShardedGrad.make(e)) for ps, es in
+                                zip(self.params, self._empty) for p, e in zip(ps, es)
+                                if p.requires_grad]
+
+    def sample(self) -> Optional[Any]:
+        """One placeholder (every one has the model's device and the param dtype)."""
+        return next((e for es in self._empty for e in es), None)
+
+    # -- slots --------------------------------------------------------------------------
+
+    def views(self, what: str, u: int, arrays: list) -> list:
+        """Torch views of unit ``u``'s ``arrays`` (``what``: "params" or "grads"), made
+        again only when the runtime hands out other arrays."""
+        hit = self._views.get((what, u))
+        if hit is None or hit[0] is not arrays:
+            hit = self._views[(what, u)] = (arrays, [as_tensor(a, s) for a, s in
+                                                     zip(arrays, self.shapes[u])])
+        return hit[1]
+
+    def use_gathered(self, u: int, arrays: list) -> None:
+        """Unit ``u``'s parameters' ``.data`` become torch views of its gathered slot."""
+        if self._live[u]:
+            return  # on this gather already (a released unit is back on its placeholders)
+        for p, t in zip(self.params[u], self.views("params", u, arrays)):
+            p.data = t
+        self._live[u] = True
+
+    def use_placeholders(self, u: int) -> None:
+        """Unit ``u``'s parameters' ``.data`` become their empty placeholders again (the
+        runtime released the unit's slot: its ``on_release``)."""
+        if self._live[u]:
+            for p, e in zip(self.params[u], self._empty[u]):
+                p.grad = None  # the gradient buffer goes with the slot
+                p.data = e
+            self._live[u] = False
+
+    def open_backward(self, u: int, params: list, grads: list, trainable: list[bool]) -> None:
+        """Unit ``u``'s backward opened: its parameters' ``.data`` are views of its slot
+        ``params`` (as :meth:`use_gathered` makes them), and each trained one's ``.grad``
+        its view of the (zeroed) gradient buffer ``grads``, which autograd accumulates
+        into in place."""
+        if not self._live[u]:  # (inline: one call per opened unit)
+            for p, t in zip(self.params[u], self.views("params", u, params)):
+                p.data = t
+            self._live[u] = True
+        views = self.grad_views[u] = self.views("grads", u, grads)
+        for p, g, t in zip(self.params[u], views, trainable):
+            if t:
+                p.grad = g
+
+    # -- sentinels ----------------------------------------------------------------------
+
+    def set_sentinels(self) -> None:
+        """Each trained parameter's ``.grad`` is its sentinel (a backward ended)."""
+        for p, s in self._sentinel_grads:
+            p.grad = s
+        self._sentinels = True
+
+    def clear_sentinels(self) -> None:
+        """No sentinel ``.grad`` is left (a pass, a step or a ``zero_grad`` begins)."""
+        if self._sentinels:
+            for p, s in self._sentinel_grads:
+                if p.grad is s:
+                    p.grad = None
+            self._sentinels = False
+
+    @contextlib.contextmanager
+    def sentinels_cleared(self) -> Iterator[None]:
+        """No sentinel ``.grad`` inside (``nn.Module._apply`` converts each ``.grad``);
+        put back after, if they were set."""
+        were = self._sentinels
+        self.clear_sentinels()
+        try:
+            yield
+        finally:
+            if were:
+                self.set_sentinels()
+
+
+class _ShardedGrad(torch.Tensor):
+    """The ``.grad`` of a sharded parameter's placeholder after a backward: using it
+    raises, since the gradient lives in the shards (torch tools would see nothing)."""
+
+    ALLOWED = frozenset({"__get__", "__set__", "__repr__", "__format__", "__bool__",
+                         "requires_grad", "is_leaf", "grad_fn", "_base", "dtype", "device",
+                         "shape", "layout", "is_sparse", "size", "dim", "numel", "__hash__",
+                         "_is_view", "data", "detach", "__eq__"})
+
+    @staticmethod
+    def make(like: Any) -> _ShardedGrad:
+        return torch.Tensor._make_subclass(_ShardedGrad, torch.empty_like(like))
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name not in cls.ALLOWED:
+            raise TideInvalid("a gradient of a module sharded by tidearray: expected "
+                              "the sharded model's clip_grad_norm_() or its shards "
+                              "(shard_parameters()), got a use of the placeholder's .grad "
+                              f"({name or func})")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _replace_param(aliases: dict, all_names: dict, old: Any, empty: Any) -> Any:
+    """A real Parameter in place of a meta one, under every name it had."""
+    new = torch.nn.Parameter(empty, requires_grad=old.requires_grad)
+    for module, attr in aliases[id(old)]:
+        module._parameters[attr] = new
+    aliases[id(new)] = aliases[id(old)]
+    all_names[id(new)] = all_names[id(old)]
+    return new
+
+
+def as_tensor(a: Any, shape: Any) -> Any:
+    """A torch view of a tidearray array (NumPy or CuPy), no copy; bf16 included."""
+    if isinstance(a, np.ndarray):
+        if a.dtype == _dtypes.bfloat16:  # NumPy's DLPack has no bf16: move the bits
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).reshape(shape)
+        return torch.from_numpy(a).reshape(shape)
+    return torch.from_dlpack(a).reshape(shape)
