@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import tidearray
-from tidearray.fsdp import AdamW, clip_scale
 from tidearray._adamw import adamw_numpy, coefficients
+from tidearray.fsdp import AdamW, clip_scale
 
 from .._util import agree
 from ..support import example
