@@ -20,7 +20,7 @@ before JAX reads a gathered unit: the host joins the two at every unit boundary.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -82,8 +82,9 @@ class PerUnitTrainer:
         self.sm = Runtime(named, group=g, param_dtype=param_dtype, optimizer=hp)
         self.loss_grad = jax.jit(jax.value_and_grad(loss))
 
-    def step(self, x: Any, targets: Any) -> float:
-        """One training step on this rank's samples; returns this rank's loss."""
+    def step(self, x: Any, targets: Any, lr: Optional[float] = None) -> float:
+        """One training step on this rank's samples (at ``lr``, default ``hp.lr``); returns
+        this rank's loss."""
         jax, sm, bridge = self.jax, self.sm, self.bridge
         h, pullbacks = x, []
         for i, treedef in enumerate(self.treedefs):
@@ -102,7 +103,7 @@ class PerUnitTrainer:
             for buf, d in zip(grads_out, jax.tree_util.tree_leaves(dparams)):
                 bridge.copy_into(buf, d)
             sm.post_backward(i)
-        sm.step()
+        sm.step(lr=lr)
         return float(loss)
 
     def close(self) -> None:

@@ -1,33 +1,57 @@
-"""A JAX transformer's training step three ways, in one run: unsharded jit, ``tidearray.jax``
-inside one jit, and the per-unit ``jax.vjp`` path outside jit.
+"""A JAX transformer's training step: unsharded, ``tidearray.jax``, the per-unit path and
+JAX's own FSDP over a mesh, from the same weights on the same batches.
 
     mpirun -n 1 python benchmarks/steps/jax_step.py --out OUT/jax        # mid-size, GPU
     mpiexec -n 1 python benchmarks/steps/jax_step.py --tiny             # the CPU check
 
-``examples/jax_train.py``'s model, data and AdamW (``ShardAdamW``), at ``--layers``,
-``--width`` and ``--seq`` (one sequence of ``--seq`` tokens per rank per step). Impls
-(``--impls``, in this order, which is that of expected peak memory):
+    # tidearray.jax against JAX's FSDP (docs/jax.md): one launch each, then one report
+    python benchmarks/steps/jax_step.py --impls xla-fsdp --scan --out D/xla
+    mpirun -n 2 -x TIDE_JAX_CUDA=1 python benchmarks/steps/jax_step.py --impls tidearray \\
+        --scan --out D/tide
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/steps/jax_step.py --impls unsharded --world 2 \\
+        --scan --out D/one
+    python benchmarks/steps/jax_step.py --report D/*/jax_step.json
+    # on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2 for xla-fsdp, --tiny and
+    # --dtype float32 in each launch
+
+``examples/jax_train.py``'s model, data and loss at ``--layers``, ``--width`` and
+``--seq`` (one sequence of ``--seq`` tokens per rank or device per step; ``--tiny``, alias
+``--quick``: 2 layers, width 64, 32 tokens), bf16 compute over fp32 masters by default,
+AdamW with no clipping, the learning rate warmed up linearly over the untimed
+``--warmup`` steps. The blocks run in a Python loop, or stacked under ``lax.scan``
+(``--scan``; always in ``tidearray-scan``). Impls (``--impls``, run in this order, which
+is that of expected peak memory):
 
 * ``tidearray``: ``ShardedUnits.apply`` per unit in the jitted step, parameters
   released after each unit's forward and gathered again for its backward (the unit's
   forward runs again: one more forward of compute);
-* ``tidearray-scan``: ``tidearray`` with the blocks as one stacked unit, run by
-  ``ShardedUnits.scan`` inside ``jax.lax.scan`` (one compiled block; the same
-  collectives, per layer in the loop);
-* ``tidearray-keep``: ``tidearray`` with ``reshard_after_forward=False`` (no second gather or
-  forward; every unit's parameters live until its backward);
-* ``tidearray-cb``: ``tidearray`` with ``command_buffer=True`` (XLA may record the
-  callbacks' GPU work into its command buffers);
+* ``tidearray-scan``: the blocks as one stacked unit, run by ``ShardedUnits.scan`` inside
+  ``jax.lax.scan`` (one compiled block; the same collectives, per layer in the loop);
+* ``tidearray-keep``: ``reshard_after_forward=False`` (no second gather or forward; every
+  unit's parameters live until its backward);
+* ``tidearray-cb``: ``command_buffer=True`` (XLA may record the callbacks' GPU work into
+  its command buffers);
 * ``per-unit``: ``benchmarks/baselines/jax_per_unit.py`` (the runtime's plans, one
   ``jax.vjp`` per unit, XLA's stream joined on the host at every unit);
-* ``unsharded``: the whole model in one jitted step, fp32 masters, the same AdamW.
+* ``unsharded``: the whole model in one jitted step on one device, the global batch
+  (``--world`` devices' samples: the group's size by default), ``ShardAdamW``'s math;
+* ``xla-fsdp`` (not by default; a launch of its own, one process over every local
+  device): a 1-D mesh axis ``fsdp``, the fp32 parameters and AdamW's moments sharded on
+  (each layer's) dim 0 with ``NamedSharding(mesh, P('fsdp'))``, replicated where it does
+  not divide, the batch sharded on the same axis, the collectives XLA inserts; it keeps
+  what XLA chooses to keep (no re-gather in backward): the ratios include that trade.
 
-Per impl: the median step time (wall, the loss made concrete), the median host time
-to issue a step (until the call returns) and the median host CPU time per step (every
-thread of the process: XLA's callback threads included), JAX's device memory (the
-peak, and XLA's own estimate of a jitted step's footprint), and on cuda the cost of the
-copy out of the slot into XLA's buffer for the largest unit against its gather.
-``--out DIR`` writes ``jax_step.json`` (with the git commit) and a table.
+Per impl: the compile time of the step, the median step time (wall, the loss made
+concrete), the median host time to issue a step (until the call returns) and host CPU
+time per step (every thread of the process: XLA's callback threads included; the mean
+of the ranks'), JAX's peak device memory (the largest of the ranks'), XLA's own estimate
+of the compiled step's footprint, and on cuda the copy out of the slot into XLA's buffer
+for the largest unit against its gather. ``--out DIR`` writes ``jax_step.json`` (with the
+git commit) and a table; ``--report JSON...`` remakes the table from records. A run or
+a report fails unless every loss fell (the last step re-runs the first step's batch) and
+the impls agree step by step with ``xla-fsdp`` (else ``unsharded``) within
+``LOSS_RTOL``. On GPUs JAX runs at XLA's default flags: never time with
+``--xla_gpu_autotune_level=0`` (it picks slow kernels).
 
 [Note: peak memory in one process]
 JAX has no way to reset its peak counter, so the impls run in order of expected
@@ -59,158 +83,258 @@ from tidearray.fsdp import AdamW  # noqa: E402
 
 ex = example("jax_train")
 
-IMPLS = ("tidearray", "tidearray-scan", "tidearray-keep", "tidearray-cb", "per-unit", "unsharded")
+IMPLS = ("tidearray", "tidearray-scan", "tidearray-keep", "tidearray-cb", "per-unit",
+         "unsharded", "xla-fsdp")
+#: Impls that need a tidearray group (every other runs without one).
+GROUP_IMPLS = IMPLS[:5]
+#: Largest relative loss difference accepted as agreement, by compute dtype.
+LOSS_RTOL = {"float32": 1e-4, "bfloat16": 3e-2}
 
 
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--impls", default=",".join(IMPLS[:-1]))
+    p.add_argument("--report", nargs="+", metavar="JSON", help="the table of these records")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq", type=int, default=4096, help="tokens per rank per step")
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(LOSS_RTOL))
+    p.add_argument("--lr", type=float, default=None, help="3e-4 (3e-3 with --tiny)")
     p.add_argument("--steps", type=int, default=12, help="timed steps per impl")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--impls", default=",".join(IMPLS))
-    p.add_argument("--tiny", action="store_true", help="a tiny model (the CPU check)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (the lr's warm-up)")
+    p.add_argument("--world", type=int, default=None,
+                   help="unsharded: devices whose batches make the global batch")
+    p.add_argument("--scan", action="store_true", help="the blocks under lax.scan")
+    p.add_argument("--tiny", "--quick", action="store_true", help="a tiny model (CPU check)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.tiny:
-        args.layers, args.width, args.heads, args.seq, args.vocab = 2, 32, 2, 16, 64
-        args.steps, args.warmup = 3, 1
+        args.layers, args.width, args.heads, args.seq, args.vocab = 2, 64, 2, 32, 64
+        args.steps, args.warmup = 6, 2
+    args.lr = args.lr or (3e-3 if args.tiny else 3e-4)
     return args
 
 
 def main(argv: Optional[list] = None) -> None:
     args = parse(argv)
-    g = ta.init()
-    jax = ex.setup_jax(g)
+    if args.report:
+        sys.exit(report(args.report))
+    impls = [i for i in IMPLS if i in args.impls.split(",")]
+    g = ta.init() if set(impls) & set(GROUP_IMPLS) else None
+    if g is not None:
+        jax = ex.setup_jax(g)
+    else:
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "highest")  # as setup_jax: no TF32
     cfg = ex.Config(vocab=args.vocab, width=args.width, heads=args.heads, layers=args.layers,
-                    seq=args.seq, batch=1, steps=args.warmup + args.steps)
-    log = print if g.rank == 0 else (lambda *a, **k: None)
+                    seq=args.seq, batch=1, steps=args.warmup + args.steps, lr=args.lr,
+                    scan=args.scan, max_grad_norm=None)
+    rank0 = g is None or g.rank == 0
+    log = print if rank0 else (lambda *a, **k: None)
     log(f"jax_step: {args.layers} layers, width {args.width}, {args.seq} tokens/rank, "
-        f"{args.dtype}, {g.size} rank(s), backend {g.backend.name}")
+        f"{args.dtype}, {g.size if g else 1} rank(s), impls {impls}")
     records, units = [], ex.init_units(cfg)  # made once: seconds at the mid size
-    for impl in [i for i in IMPLS if i in args.impls.split(",")]:
-        rec = run_impl(jax, g, cfg, args, impl, units)
-        records.append(rec)
-        log(f"[{impl}] step {rec['median_step_s'] * 1e3:.2f} ms, host issue "
-            f"{rec['median_issue_s'] * 1e3:.3f} ms, host CPU {rec['median_cpu_s'] * 1e3:.2f} "
-            f"ms, peak {rec['peak_bytes'] / 2**30:.2f} GiB, loss {rec['losses'][-1]:.4f}")
-    table = summarize(records)
-    log(table)
-    if args.out and g.rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        record = {"commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                  "argv": sys.argv, "config": cfg.__dict__, "dtype": args.dtype,
-                  "world": g.size, "backend": g.backend.name, "runs": records}
-        with open(os.path.join(args.out, "jax_step.json"), "w") as f:
-            json.dump(record, f, indent=1)
-        with open(os.path.join(args.out, "jax_step.md"), "w") as f:
-            f.write(table + "\n")
-        log(f"record: {os.path.join(args.out, 'jax_step.json')}")
-    g.close()
+    for impl in impls:
+        records.append(run_impl(jax, g, cfg, args, impl, units, log))
+    rec = {"commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "argv": sys.argv, "config": cfg.__dict__, "dtype": args.dtype,
+           "world": g.size if g else 1, "backend": g.backend.name if g else "jax",
+           "runs": records}
+    failed = 0
+    if rank0:
+        failed = summarize([rec])
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "jax_step.json"), "w") as f:
+                json.dump(rec, f, indent=1)
+            with open(os.path.join(args.out, "jax_step.md"), "w") as f:
+                f.write(table(records) + "\n")
+            log(f"record: {os.path.join(args.out, 'jax_step.json')}")
+    if g is not None:
+        failed = g.comm.bcast(failed)
+        g.close()
+    sys.exit(failed)
 
 
-def run_impl(jax: Any, g: ta.Group, cfg: Any, args: argparse.Namespace, impl: str,
-             units: list) -> dict:
-    """Warm-up and timed steps of one impl: its record."""
-    step, device, extra = build(jax, g, cfg, args, impl, units)
+def run_impl(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace, impl: str,
+             units: list, log: Callable) -> dict:
+    """Compile, then warm-up and timed steps of one impl: its record."""
+    run, devices, world, extra = build(jax, g, dataclasses.replace(
+        cfg, scan=cfg.scan or impl == "tidearray-scan"), args, impl, units)
+    t0 = time.perf_counter()
+    compiled = run(0, compile_only=True)  # ahead of the steps: the compile alone
+    compile_s = time.perf_counter() - t0
+    if compiled is not None:
+        extra["xla_bytes"] = _xla_bytes(compiled)
     issue, cpu, wall, losses = [], [], [], []
     for s in range(cfg.steps):
-        tokens, targets = (jax.device_put(a, device) for a in ex.batch(cfg, s, g.rank))
-        g.comm.Barrier()
+        if g is not None:
+            g.comm.Barrier()
         c0, t0 = time.process_time(), time.perf_counter()
-        loss = step(s, tokens, targets)
+        loss = run(s)
         t1 = time.perf_counter()
-        losses.append(float(np.asarray(loss)))  # waits for the step
+        loss = float(np.asarray(loss))  # waits for the step
         t2, c1 = time.perf_counter(), time.process_time()
-        if s < args.warmup and g.rank == 0:  # progress: the first includes XLA's compile
-            print(f"[{impl}] warm-up step {s}: {t2 - t0:.2f} s", flush=True)
-        if s >= args.warmup:
+        losses.append(loss if g is None else g.comm.allreduce(loss) / g.size)
+        if s < args.warmup:
+            log(f"[{impl}] warm-up step {s}: {t2 - t0:.2f} s", flush=True)
+        else:
             issue.append(t1 - t0)
             wall.append(t2 - t0)
             cpu.append(c1 - c0)
-    stats = device.memory_stats() or {}
-    return {"impl": impl, "median_step_s": statistics.median(wall),
-            "median_issue_s": statistics.median(issue), "median_cpu_s": statistics.median(cpu),
-            "peak_bytes": stats.get("peak_bytes_in_use", 0), "losses": losses, **extra}
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    peak, cpu_s = max((p for p in peaks if p is not None), default=None), statistics.median(cpu)
+    if g is not None:  # the largest of the ranks' peaks, the mean of their CPU times
+        peak = max((p for p in g.comm.allgather(peak) if p is not None), default=None)
+        cpu_s = g.comm.allreduce(cpu_s) / g.size
+    r = {"impl": impl, "world": world, "compile_s": compile_s, "step_s": wall,
+         "median_step_s": statistics.median(wall), "median_issue_s": statistics.median(issue),
+         "median_cpu_s": cpu_s, "peak_bytes": peak, "losses": losses,
+         "platform": devices[0].platform, **extra}
+    log(f"[{impl}] step {r['median_step_s'] * 1e3:.2f} ms, compile {compile_s:.2f} s, host "
+        f"issue {r['median_issue_s'] * 1e3:.3f} ms, host CPU {cpu_s * 1e3:.2f} ms, peak "
+        f"{_gib(peak)} GiB, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    return r
 
 
-def build(jax: Any, g: ta.Group, cfg: Any, args: argparse.Namespace, impl: str,
-          units: list) -> tuple[Callable, Any, dict]:
-    """``(step(s, tokens, targets) -> loss, device, extra record fields)`` of one impl."""
+def learning_rate(args: argparse.Namespace, s: int) -> float:
+    """Linear warm-up over the untimed steps, then constant (examples/train.py's rule)."""
+    return args.lr * (s + 1) / args.warmup if s < args.warmup else args.lr
+
+
+def data_step(cfg: Any, s: int) -> int:
+    """The batch of step ``s``: the last step re-runs the first's, so its loss must be lower."""
+    return 0 if s == cfg.steps - 1 else s
+
+
+def global_batch(cfg: Any, s: int, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every device's samples of step ``s``, in rank order (what tidearray's ranks see)."""
+    parts = [ex.batch(cfg, data_step(cfg, s), r) for r in range(world)]
+    return np.concatenate([t for t, _ in parts]), np.concatenate([y for _, y in parts])
+
+
+def build(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace, impl: str,
+          units: list) -> tuple[Callable, list, int, dict]:
+    """``(run(s, compile_only=False) -> loss, devices, world, extra record fields)``."""
     import tidearray.jax as tj
 
-    fns, opt = ex.unit_fns(jax, cfg), tj.ShardAdamW(AdamW(lr=cfg.lr))
+    opt, extra = tj.ShardAdamW(AdamW(lr=args.lr)), {}
     dtype = jax.numpy.dtype(args.dtype)
+    coef = lambda s: opt.coefficients(s + 1, learning_rate(args, s))  # noqa: E731
     if impl == "per-unit":
         from benchmarks.baselines.jax_per_unit import PerUnitTrainer
 
         device = _device(jax, g)
-        trainer = PerUnitTrainer(jax, g, units, fns,
+        trainer = PerUnitTrainer(jax, g, units, ex.unit_fns(jax, cfg),
                                  lambda h, y: ex.cross_entropy(jax, h, y), device,
                                  ta.bfloat16 if args.dtype == "bfloat16" else ta.float32,
-                                 AdamW(lr=cfg.lr))
-        extra: dict = {"copied_params": 0}
+                                 AdamW(lr=args.lr))
 
-        def per_unit_step(s: int, x: Any, y: Any) -> float:
-            loss = trainer.step(x, y)
+        def per_unit_step(s: int, compile_only: bool = False) -> Any:
+            if compile_only:  # outside jit: nothing to compile ahead
+                return None
+            x, y = (jax.device_put(a, device) for a in ex.batch(cfg, data_step(cfg, s), g.rank))
+            loss = trainer.step(x, y, lr=learning_rate(args, s))
             # parameters JAX could not take through DLPack (copied: slower than the path)
             extra["copied_params"] = trainer.bridge.copies
             return loss
-        return per_unit_step, device, extra
+        return per_unit_step, [device], g.size, extra
+    model, fns, stacked = ex.sharded_model(jax, cfg, units)
+    if impl == "xla-fsdp":
+        return (*xla_fsdp(jax, cfg, model, stacked, opt, whole_step(jax, cfg, opt, dtype), coef),
+                extra)
     if impl == "unsharded":
-        device = _device(jax, g)
-        state = {"params": jax.device_put(units, device)}
-        state["opt"] = opt.init(state["params"])
-        jitted = jax.jit(whole_step(jax, fns, opt, dtype), donate_argnums=(0, 1))
-    else:
-        model, model_fns, stacked = ex.sharded_model(
-            jax, dataclasses.replace(cfg, scan=impl == "tidearray-scan"), units)
-        su = tj.shard_units(model, group=g, compute_dtype=dtype, stacked=stacked,
-                            reshard_after_forward=impl != "tidearray-keep",
-                            command_buffer=impl == "tidearray-cb")
-        device, state = su.device, {"params": su.shards, "opt": opt.init(su.shards)}
-        jitted = ex.sharded_step(jax, su, model_fns, opt)
-
-    def step(s: int, tokens: Any, targets: Any) -> Any:
-        coef = opt.coefficients(s + 1)
-        if "xla_bytes" not in extra:
-            extra["xla_bytes"] = _xla_bytes(jitted, state, coef, tokens, targets)
-        state["params"], state["opt"], loss = jitted(state["params"], state["opt"], coef,
-                                                     tokens, targets)
-        return loss
-
-    extra: dict = {}
+        device, world = _device(jax, g), args.world or (g.size if g else 1)
+        params = jax.device_put(model, device)
+        return (runner(jax.jit(whole_step(jax, cfg, opt, dtype), donate_argnums=(0, 1)),
+                       params, opt.init(params), coef,
+                       lambda s: jax.device_put(global_batch(cfg, s, world), device)),
+                [device], world, extra)
+    su = tj.shard_units(model, group=g, compute_dtype=dtype, stacked=stacked,
+                        reshard_after_forward=impl != "tidearray-keep",
+                        command_buffer=impl == "tidearray-cb")
     if impl == "tidearray" and g.backend.name == "cuda":
         extra["slot_copy"] = slot_copy_cost(g, su)
-    return step, device, extra
+    return (runner(ex.sharded_step(jax, su, fns, opt), su.shards, opt.init(su.shards), coef,
+                   lambda s: [jax.device_put(a, su.device)
+                              for a in ex.batch(cfg, data_step(cfg, s), g.rank)]),
+            [su.device], g.size, extra)
 
 
-def whole_step(jax: Any, fns: list, opt: Any, dtype: Any) -> Callable:
-    """The unsharded step: the same model and AdamW on the full fp32 parameters."""
-    def loss_fn(units: list, tokens: Any, targets: Any) -> Any:
-        h = tokens
-        for p, fn in zip(units, fns):
-            h = fn(jax.tree_util.tree_map(lambda a: a.astype(dtype), p), h)
-        return ex.cross_entropy(jax, h, targets)
+def runner(jitted: Any, params: Any, state: Any, coef: Callable, batch: Callable) -> Callable:
+    """``run(s, compile_only=False)``: a jitted ``step(params, state, coef, tokens, targets)
+    -> (params, state, loss)`` on step ``s``'s batch; ``compile_only`` compiles it (the
+    steps run that executable) and returns the compiled step."""
+    box = {"params": params, "state": state}
 
-    def step(units: list, state: Any, coef: Any, tokens: Any, targets: Any) -> tuple:
-        loss, grads = jax.value_and_grad(loss_fn)(units, tokens, targets)
-        return (*opt.update(units, grads, state, coef), loss)
+    def run(s: int, compile_only: bool = False) -> Any:
+        args = (coef(s), *batch(s))
+        if compile_only:
+            box["step"] = jitted.lower(box["params"], box["state"], *args).compile()
+            return box["step"]
+        box["params"], box["state"], loss = box["step"](box["params"], box["state"], *args)
+        return loss
+    return run
+
+
+def whole_step(jax: Any, cfg: Any, opt: Any, dtype: Any) -> Callable:
+    """The step on the whole model's fp32 parameters cast to ``dtype`` (scanned or not)."""
+    fns = ex.unit_fns(jax, cfg)
+
+    def loss_fn(model: list, tokens: Any, targets: Any) -> Any:
+        model = jax.tree_util.tree_map(lambda a: a.astype(dtype), model)
+        h = fns[0](model[0], tokens)
+        if cfg.scan:  # model[1]: the blocks stacked on a leading layer axis
+            h = jax.lax.scan(lambda x, p: (fns[1](p, x), None), h, model[1])[0]
+        else:
+            for p, fn in zip(model[1:-1], fns[1:-1]):
+                h = fn(p, h)
+        return ex.cross_entropy(jax, fns[-1](model[-1], h), targets)
+
+    def step(params: list, state: Any, coef: Any, tokens: Any, targets: Any) -> tuple:
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets)
+        return (*opt.update(params, grads, state, coef), loss)
     return step
 
 
-def _device(jax: Any, g: ta.Group) -> Any:
-    return jax.devices("gpu")[g.backend.device] if g.backend.name == "cuda" else jax.devices()[0]
+def xla_fsdp(jax: Any, cfg: Any, model: list, stacked: list, opt: Any, step: Callable,
+             coef: Callable) -> tuple:
+    """``(run, devices, world)``: one jit over a 1-D mesh ``fsdp`` of every local device."""
+    devices = jax.devices()
+    mesh, P = jax.sharding.Mesh(np.array(devices), ("fsdp",)), jax.sharding.PartitionSpec
+    named = lambda spec: jax.sharding.NamedSharding(mesh, spec)  # noqa: E731
+
+    def spec(shape: tuple, st: bool) -> Any:  # dim 0 (of each layer) where it divides
+        return P() if len(shape) <= st or shape[st] % len(devices) else P(*[None] * st, "fsdp")
+
+    shardings = [jax.tree_util.tree_map(lambda a, st=int(i in stacked): named(
+        spec(a.shape, st)), unit) for i, unit in enumerate(model)]
+    params = jax.device_put(model, shardings)
+    state = opt.init(model)
+    state = jax.device_put(state, type(state)(shardings, shardings))
+    replicated = named(P())
+    # the outputs keep the inputs' shardings: the parameters stay sharded between steps
+    jitted = jax.jit(step, donate_argnums=(0, 1),
+                     out_shardings=(shardings, type(state)(shardings, shardings), replicated))
+    batch = named(P("fsdp"))
+    return (runner(jitted, params, state, lambda s: jax.device_put(coef(s), replicated),
+                   lambda s: jax.device_put(global_batch(cfg, s, len(devices)), batch)),
+            devices, len(devices))
 
 
-def _xla_bytes(jitted: Any, state: dict, *rest: Any) -> Optional[int]:
+def _device(jax: Any, g: Optional[ta.Group]) -> Any:
+    if g is not None and g.backend.name == "cuda":
+        return jax.devices("gpu")[g.backend.device]
+    return jax.devices()[0]
+
+
+def _xla_bytes(compiled: Any) -> Optional[int]:
     """XLA's footprint of the compiled step (arguments + outputs + temporaries - aliased)."""
     try:
-        m = jitted.lower(state["params"], state["opt"], *rest).compile().memory_analysis()
+        m = compiled.memory_analysis()
         return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                    - m.alias_size_in_bytes)
     except Exception:  # noqa: BLE001 - a backend without the analysis
@@ -249,18 +373,25 @@ def slot_copy_cost(g: ta.Group, su: Any, reps: int = 20) -> dict:
             "gathers_per_step": 2 * len(su._units)}
 
 
-def summarize(records: list) -> str:
-    """The table of a run (markdown)."""
-    base = next((r for r in records if r["impl"] == "unsharded"), None)
-    lines = ["| impl | step ms | vs unsharded | host issue ms | host CPU ms | peak GiB | "
-             "XLA GiB | last loss |", "|---|---|---|---|---|---|---|---|"]
+def _gib(b: Optional[float]) -> str:
+    return "-" if b is None else f"{b / 2**30:.2f}"
+
+
+def table(records: list) -> str:
+    """The runs as markdown, each against the reference (``xla-fsdp``, else ``unsharded``)."""
+    by = {r["impl"]: r for r in records}
+    ref = by.get("xla-fsdp") or by.get("unsharded")
+    vs = f"vs {ref['impl']}" if ref else "vs -"
+    lines = [f"| impl | world | step ms | {vs} | compile s | host issue ms | host CPU ms | "
+             f"peak GiB | {vs} | XLA GiB | first loss | last loss |", "|---" * 12 + "|"]
     for r in records:
-        ratio = f"{r['median_step_s'] / base['median_step_s']:.3f}x" if base else "-"
-        xla = r.get("xla_bytes")
-        lines.append(f"| {r['impl']} | {r['median_step_s'] * 1e3:.2f} | {ratio} | "
-                     f"{r['median_issue_s'] * 1e3:.3f} | {r['median_cpu_s'] * 1e3:.2f} | "
-                     f"{r['peak_bytes'] / 2**30:.2f} | "
-                     f"{'-' if xla is None else f'{xla / 2**30:.2f}'} | "
+        t = f"{r['median_step_s'] / ref['median_step_s']:.3f}x" if ref else "-"
+        m = (f"{r['peak_bytes'] / ref['peak_bytes']:.3f}x"
+             if ref and r.get("peak_bytes") and ref.get("peak_bytes") else "-")
+        lines.append(f"| {r['impl']} | {r.get('world', '-')} | {r['median_step_s'] * 1e3:.2f} "
+                     f"| {t} | {r.get('compile_s', 0):.2f} | {r['median_issue_s'] * 1e3:.3f} | "
+                     f"{r['median_cpu_s'] * 1e3:.2f} | {_gib(r.get('peak_bytes'))} | {m} | "
+                     f"{_gib(r.get('xla_bytes'))} | {r['losses'][0]:.4f} | "
                      f"{r['losses'][-1]:.4f} |")
     for r in records:
         c = r.get("slot_copy")
@@ -270,6 +401,53 @@ def summarize(records: list) -> str:
                          f"its gather {c['gather_us']:.1f} us; {c['gathers_per_step']} "
                          f"gathers a step")
     return "\n".join(lines)
+
+
+def checks(recs: list) -> list[str]:
+    """What is wrong with the records, in words (empty: every impl trained, and alike)."""
+    first = recs[0]
+    want = {"dtype": first["dtype"], **first["config"]}
+    out = [f"{r['argv']} ran with {k} {got[k]!r}, {first['argv']} with {v!r}: not the same run"
+           for r in recs[1:] for got in [{**r["config"], **r}]
+           for k, v in want.items() if got.get(k) != v]
+    by = {r["impl"]: r for rec in recs for r in rec["runs"]}
+    out += [f"{k}'s loss did not fall ({r['losses'][0]:.6f} at the first step, "
+            f"{r['losses'][-1]:.6f} at the last, on the same batch)"
+            for k, r in by.items() if not r["losses"][-1] < r["losses"][0]]
+    ref = "xla-fsdp" if "xla-fsdp" in by else "unsharded"
+    rtol = LOSS_RTOL[want["dtype"]]
+    for k, r in by.items():
+        if k == ref or ref not in by:
+            continue
+        a, b = np.array(by[ref]["losses"]), np.array(r["losses"])
+        if a.shape != b.shape:
+            out.append(f"{k}: {b.size} steps, {ref}: {a.size}")
+            continue
+        rel = np.abs(a - b) / np.abs(a)
+        print(f"{k} vs {ref}: largest relative loss difference {rel.max():.2e} (step "
+              f"{int(rel.argmax()) + 1}), tolerance {rtol:g}")
+        if not rel.max() <= rtol:
+            out.append(f"{k} and {ref} losses differ by {rel.max():.2e} at step "
+                       f"{int(rel.argmax()) + 1} (> {rtol:g})")
+    return out
+
+
+def summarize(recs: list) -> int:
+    """Print the table of these records and their checks; 1 where a check fails."""
+    print("\n" + table([r for rec in recs for r in rec["runs"]]) + "\n")
+    problems = checks(recs)
+    for p in problems:
+        print(f"FAIL: {p}")
+    print("jax_step: " + ("FAILED" if problems else "OK: every impl trained, and alike"))
+    return 1 if problems else 0
+
+
+def report(paths: list) -> int:
+    recs = []
+    for path in paths:
+        with open(path) as f:
+            recs.append(json.load(f))
+    return summarize(recs)
 
 
 if __name__ == "__main__":
