@@ -8,67 +8,38 @@
     mpirun -n 2 python benchmarks/steps/compare_fsdp2.py --model llama3-8b-8l --tokens 8192 \\
         --steps 50 --lr-warmup 10 --profile --passes 2 --out benchmarks/results/RUN
 
-(``RUN``: a new run folder; give it a ``run.json`` with the commit, machine and command,
-like ``benchmarks/results/run12-fsdp2/``.)
+(``RUN``: a new run folder with a ``run.json``, like ``benchmarks/results/run12-fsdp2/``.)
+A PyTorch Llama-style decoder (``torch_llama``: RMSNorm, RoPE, grouped-query attention,
+SwiGLU) trained several ways in turn, each from the same weights on the same batches:
 
-The same PyTorch Llama-style decoder (``TorchLlama`` below: RMSNorm, RoPE, grouped
-query attention through ``scaled_dot_product_attention``, SwiGLU), trained several ways
-in turn, each from the same initial weights on the same batches:
+* ``plain``: no wrapper, nothing communicated (each rank its own data); on cuda bf16
+  parameters and fp32 masters stepped by ``torch.optim.AdamW(fused=True)``, cast by one
+  ``torch._foreach_copy_`` each way (:class:`Plain`);
+* ``fsdp2``: ``fully_shard`` on every block and the root,
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, fused torch AdamW;
+* ``tide``: ``shard_module`` (units: embedding, each block, head), tidearray's fused
+  AdamW with the same settings; ``tide-kept``: with ``keep_param_shards=True``;
+* ``floor``: ``tide`` with ``comm=LocalComm`` (nothing communicated, own data);
+* ``tide-graph``, ``floor-graph`` (cuda): the whole step captured by ``capture_step``
+  after the first eager step and replayed on each batch (FSDP2 cannot be captured).
 
-* ``plain``: no wrapper at all, the floor of torch itself: the whole model on each
-  rank's device and nothing communicated (each rank trains on its own data, as in
-  ``floor``). On cuda the model's parameters are cast to bf16 (what the forward and
-  backward compute in, with autocast off) and an fp32 master copy of each is kept:
-  after the backward one ``torch._foreach_copy_`` casts the bf16 gradients into fp32
-  gradient buffers of the masters (allocated once), ``torch.optim.AdamW(fused=True)``
-  (the settings of the others) steps the masters, a second ``torch._foreach_copy_``
-  casts them back into the bf16 parameters, and the bf16 gradients are set to ``None``.
-  On CPU (fp32) the optimizer steps the model's own parameters and nothing is cast;
-* ``fsdp2``: ``fully_shard`` on every block and on the root, with
-  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, and
-  ``torch.optim.AdamW(fused=True)`` on the fp32 shards;
-* ``tide``: ``shard_module`` with units embedding, each block, head: bf16 parameters
-  gathered by TIDE-AG, gradients reduced by TIDE-RS into fp32 shards, tidearray's
-  fused AdamW with the same settings;
-* ``tide-kept``: the same with ``keep_param_shards=True`` (bf16 shards kept by the
-  optimizer, no cast kernel per gather);
-* ``floor``: the same ``shard_module`` code with ``comm=LocalComm``: every rank holds the
-  whole model and nothing is communicated (each rank trains on its own data);
-* ``tide-graph`` and ``floor-graph`` (cuda only): ``tide`` and ``floor`` with the whole
-  step (forward, backward, reductions, AdamW) captured by the sharded model's ``capture_step``
-  after the first eager step, and replayed on each step's batch, copied into the
-  captured inputs (FSDP2 cannot be captured).
+The table: median step time after ``--warmup`` steps and its ratio to the floor, the
+median host time per step (until the calls return) and CPU time; where ``plain`` ran,
+each impl's overhead per unit over plain's, ``(median - plain's) / (layers + 2)``; peak
+device memory per rank (sampled after every step, above what was in use before the
+model); the loss difference to ``fsdp2``. ``--out DIR`` writes ``compare.json`` (with the
+git commit), ``compare.md`` and a step plot; ``--report JSON`` remakes them.
+``--host-profile N``: N more steps of each under cProfile; ``--profile``: a CUPTI
+timeline of one step of each; ``--passes N``: the impls N times, every other pass
+reversed, medians pooled; ``--interleave``: step ``s`` of every impl in turn;
+``--compile``: each block's forward under ``torch.compile``. The GPU's clocks are read
+during the timed steps. Without a GPU it runs on CPU (gloo, the host backend, fp32, one
+torch thread per rank); ``--model host-32l`` then measures host time per unit.
 
-Prints, per step, the loss and time, then a table: median step time (after
-``--warmup`` steps), its ratio to the floor, the median host time per step (until the
-step's calls return, before the device is waited for); where ``plain`` ran, each impl's
-step time against plain's and its overhead per unit over plain's, ``(median step -
-plain's) / units``, of the step and of the host time (units: the ``shard_module``
-impls' units, the embedding, each block and the head, ``layers + 2``, for every impl:
-FSDP2 wraps ``layers + 1``); peak device memory per rank (the device's
-memory in use, sampled after every step, minus what was in use before the model was
-built; PyTorch's and CuPy's caches keep what a step used, so a sample holds the step's
-peak), and the largest loss difference between ``fsdp2`` and ``tide``. ``--out DIR``
-writes ``compare.json`` (with the git commit), ``compare.md`` (the table) and a step
-plot; ``--host-profile N`` runs N more steps of each under cProfile (where the host
-time goes, by function); ``--profile`` adds a CUPTI timeline of one step of each, its
-kernels' durations and, from the saved traces, the GEMMs against the floor's.
-``--passes N`` repeats the impls, every other pass in reverse order, each median over
-every pass's timed steps;
-``--compile`` puts each block's forward under ``torch.compile`` in every impl; the GPU's
-clocks, power and temperature are read during the timed steps. ``--report JSON``
-remakes the table and plots from a record. On a machine without a GPU it runs on CPU (gloo and
-the host backend, fp32, one torch thread per rank) as a correctness check, and with
-``--model host-32l`` measures the wrapper's host time per unit (the CPU time per step
-is in the table too, which other load on the machine disturbs less than the wall time).
-
-Every run checks that the impls trained: each impl's loss falls (the last step trains on
-the first step's batch again, to a lower loss), and the impls that train one model
-alike agree step by step within ``LOSS_RTOL`` (relative; 1e-2 in bf16, 1e-4 in fp32):
-``fsdp2``, ``tide-kept`` and ``tide-graph`` with ``tide`` (the global batch), and
-``floor-graph`` and ``plain`` with ``floor`` (each rank's own batch); at one rank every
-impl with ``tide``. A run that fails either check exits non-zero, after its table. The
-learning rate warms up linearly over the untimed ``--warmup`` steps (``--lr-warmup``).
+Every run checks that each impl's loss falls (the last step re-runs the first batch) and
+that impls training alike agree step by step within ``LOSS_RTOL`` (``GLOBAL_IMPLS``,
+``PER_RANK_IMPLS``; at one rank all of them), and exits non-zero otherwise. The learning
+rate warms up linearly over ``--lr-warmup`` steps (default: the untimed ones).
 """
 
 from __future__ import annotations
@@ -389,19 +360,6 @@ def device_used(torch: Any, cuda: bool) -> int:
     return total - free
 
 
-def memory_parts(torch: Any, g: Any, cuda: bool) -> dict:
-    """Where device memory sits (bytes): torch's allocator (in use, its peak, held) and
-    CuPy's pool (in use, held), so a peak can be traced to an owner."""
-    if not cuda:
-        return {}
-    pool = g.backend.xp.get_default_memory_pool() if g.backend.name == "cuda" else None
-    return {"torch_allocated": torch.cuda.memory_allocated(),
-            "torch_max_allocated": torch.cuda.max_memory_allocated(),
-            "torch_reserved": torch.cuda.memory_reserved(),
-            "cupy_used": pool.used_bytes() if pool else 0,
-            "cupy_held": pool.total_bytes() if pool else 0}
-
-
 class Run:
     """One impl's run: built, stepped one step at a time (:meth:`step`), then closed into its
     record (:meth:`finish`). ``--interleave`` steps several runs in turn."""
@@ -424,7 +382,7 @@ class Run:
         self.times: list = []
         self.host: list = []
         self.cpu: list = []
-        self.peak, self.parts, self.clock_log = 0, {}, None
+        self.peak, self.clock_log = 0, None
 
     def step(self, s: int) -> None:
         """Step ``s``, timed: until the calls return (host), until the device is done, and
@@ -442,8 +400,7 @@ class Run:
         self.times.append(time.perf_counter() - t0)
         self.cpu.append(time.process_time() - c0)
         used = device_used(torch, cuda) - self.base
-        if used > self.peak or not self.parts:
-            self.peak, self.parts = max(self.peak, used), memory_parts(torch, self.g, cuda)
+        self.peak = max(self.peak, used)
         self.losses.append(self.g.comm.allreduce(float(loss)) / self.g.size)
         self.log(f"[{self.kind}] step {s + 1:4d}  loss {self.losses[-1]:.6f}  "
                  f"{self.times[-1] * 1e3:9.2f} ms  mem {self.peak / 2**30:6.2f} GiB")
@@ -464,7 +421,7 @@ class Run:
         del self.impl
         return {"impl": self.kind, "losses": self.losses, "step_s": self.times,
                 "host_s": self.host, "cpu_s": self.cpu, "peak_bytes": self.peak,
-                "peak_parts": self.parts, "clocks": clocks,
+                "clocks": clocks,
                 "median_step_s": float(np.median(self.times[w:] or self.times)),
                 "median_host_s": float(np.median(self.host[w:] or self.host)),
                 "median_cpu_s": float(np.median(self.cpu[w:] or self.cpu)), "profile": prof}
@@ -492,7 +449,7 @@ def run(kinds: list, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.Mo
 
 def pooled(passes: list, warmup: int) -> dict:
     """One impl's record over its passes: the first pass's losses, steps and profile;
-    the median over every pass's timed steps; the highest peak and its memory parts."""
+    the median over every pass's timed steps; the highest peak."""
     first = dict(passes[0])
     if len(passes) > 1:
         first["passes"] = [{"step_s": r["step_s"], "median_step_s": r["median_step_s"],
@@ -501,8 +458,7 @@ def pooled(passes: list, warmup: int) -> dict:
         for key in ("step_s", "host_s", "cpu_s"):
             first[f"median_{key}"] = float(np.median(
                 [t for r in passes for t in (r[key][warmup:] or r[key])]))
-        top = max(passes, key=lambda r: r["peak_bytes"])
-        first["peak_bytes"], first["peak_parts"] = top["peak_bytes"], top["peak_parts"]
+        first["peak_bytes"] = max(r["peak_bytes"] for r in passes)
     return first
 
 
@@ -590,57 +546,7 @@ def profile(kind: str, torch: Any, impl: Impl, batch: tuple, device: Any,
     if g.rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         cupti.save(events, os.path.join(args.out, f"{kind}_step_trace.json"))
-    return {"ms_per_role": {r: us / 1e3 for r, us in timeline.roles(events).items()},
-            "kernels": kernel_stats(events)}
-
-
-def kernel_stats(events: list) -> dict:
-    """Per kernel name (in full): calls, total and median duration (us)."""
-    kernels: dict = {}
-    for e in events:
-        if e["cat"] == "kernel":
-            kernels.setdefault(e["name"], []).append(e["dur_us"])
-    return {n: {"count": len(d), "total_us": float(sum(d)), "median_us": float(np.median(d))}
-            for n, d in kernels.items()}
-
-
-#: Kernel names are printed to this many characters (templates make them long).
-KERNEL_NAME = 60
-#: Kernels listed in the table: the floor's largest by total time.
-TOP_KERNELS = 8
-
-
-def kernel_lines(runs: list, out: Optional[str] = None) -> list:
-    """The floor's largest compute kernels that every impl runs, and their median
-    duration in each: the same kernels running slower beside communication (or on a
-    hotter GPU). From the traces saved in ``out`` where every impl has one (full
-    kernel names), else from the records."""
-    traces = {r["impl"]: _trace(out, r["impl"]) for r in runs} if out else {}
-    if traces and all(t is not None for t in traces.values()):
-        kern = {k: kernel_stats(t) for k, t in traces.items()}
-    else:
-        kern = {r["impl"]: (r.get("profile") or {}).get("kernels") for r in runs}
-    base = kern.get("floor")
-    if not base or not all(kern.values()):
-        return []
-    from benchmarks.harness import timeline
-
-    common = [n for n in base if timeline.role({"cat": "kernel", "name": n}) == "compute"
-              and all(n in k for k in kern.values())]  # the model's own, not an impl's
-    top = sorted(common, key=lambda n: -base[n]["total_us"])[:TOP_KERNELS]
-    impls = list(kern)
-    lines = ["", "The floor's largest compute kernels in the profiled step: median duration "
-             "(us) in each impl, and its ratio to the floor's.", "",
-             "| kernel | calls | " + " | ".join(impls) + " |",
-             "| --- | ---: |" + " ---: |" * len(impls)]
-    for n in top:
-        cells = []
-        for k in impls:
-            m, m0 = kern[k][n]["median_us"], base[n]["median_us"]
-            cells.append(f"{m:.1f}" if k == "floor" else f"{m:.1f} ({m / m0:.2f}x)")
-        lines.append(f"| `{n[:KERNEL_NAME]}` | {base[n]['count']} | " + " | ".join(cells)
-                     + " |")
-    return lines
+    return {"ms_per_role": {r: us / 1e3 for r, us in timeline.roles(events).items()}}
 
 
 def compare(records: list, units: int, rtol: float) -> dict:
@@ -739,8 +645,8 @@ def training_lines(t: dict) -> list:
     return lines
 
 
-def table(rec: dict, out: Optional[str] = None) -> str:
-    """The record as markdown; with ``out``, the saved traces there add the GEMM lines."""
+def table(rec: dict) -> str:
+    """The record as markdown."""
     c = rec["comparison"]
     lines = [f"# FSDP2 vs tidearray.torch.shard_module: {rec['model']}, {rec['world']} ranks, "
              f"{rec['tokens_per_rank']} tokens per rank"
@@ -774,18 +680,6 @@ def table(rec: dict, out: Optional[str] = None) -> str:
             lines += versus_lines(k, c[k])
     if "training" in rec:  # records before the training check lack it
         lines += training_lines(rec["training"])
-    parts = [(r["impl"], r.get("peak_parts")) for r in rec["runs"] if r.get("peak_parts")]
-    if parts:
-        lines += ["", "Memory at each impl's peak sample (GiB): torch's allocator in use (its "
-                  "own peak) and held; CuPy's pool in use and held.", ""]
-        for impl, p in parts:
-            lines.append(f"- {impl}: torch {p['torch_allocated'] / 2**30:.2f} "
-                         f"({p['torch_max_allocated'] / 2**30:.2f}) / "
-                         f"{p['torch_reserved'] / 2**30:.2f}; CuPy {p['cupy_used'] / 2**30:.2f}"
-                         f" / {p['cupy_held'] / 2**30:.2f}")
-    lines += kernel_lines(rec["runs"], out)
-    if out:
-        lines += gemm_lines(rec, out)
     if any(r.get("passes") for r in rec["runs"]):
         lines += ["", f"Passes ({rec['passes']}, every other one in reverse order; the "
                   "table's medians pool them): each pass's median step (ms).", ""]
@@ -818,62 +712,12 @@ def _table_row(r: dict, c: dict, plain: bool, cpu: bool) -> str:
             + f"{r['peak_bytes'] / 2**30:.2f} | {r['losses'][0]:.4f} | {r['losses'][-1]:.4f} |")
 
 
-def _trace(out: str, impl: str) -> Optional[list]:
-    from benchmarks.harness import timeline
-
-    for name in (f"{impl}_step_trace.json", f"{impl}_step_trace.json.gz"):
-        if os.path.exists(os.path.join(out, name)):
-            return timeline.load(os.path.join(out, name))
-    return None
-
-
-def _is_gemm(e: dict) -> bool:
-    return e["cat"] == "kernel" and any(k in e["name"].lower() for k in GEMM_NAMES)
-
-
-#: Kernel-name fragments of cuBLAS's GEMMs on Hopper (nvjet), and of older ones.
-GEMM_NAMES = ("nvjet", "gemm", "cutlass")
-
-
-def gemm_lines(rec: dict, out: str) -> list:
-    """The profiled step's GEMMs against the same GEMMs in the floor's (matched in order),
-    split by whether any work the floor does not do (a copy, or a kernel the floor never
-    runs) overlapped them on this rank's GPU: median duration ratios."""
-    floor = _trace(out, "floor")
-    if floor is None:
-        return []
-    gf = sorted((e for e in floor if _is_gemm(e)), key=lambda e: e["ts_us"])
-    floor_names = {e["name"] for e in floor}
-    lines = ["", "The profiled step's GEMMs against the floor's, matched in order: median "
-             "duration ratio, alone (nothing else on rank 0's GPU) and beside a copy or a "
-             "kernel the floor never runs.", ""]
-    for r in rec["runs"]:
-        ev = _trace(out, r["impl"]) if r["impl"] != "floor" else None
-        if ev is None:
-            continue
-        g = sorted((e for e in ev if _is_gemm(e)), key=lambda e: e["ts_us"])
-        if [e["name"] for e in g] != [e["name"] for e in gf]:
-            lines.append(f"- {r['impl']}: its GEMMs differ from the floor's")
-            continue
-        own = [(e["ts_us"], e["ts_us"] + e["dur_us"]) for e in ev
-               if e["cat"] == "gpu_memcpy" or (e["cat"] == "kernel"
-                                               and e["name"] not in floor_names)]
-        split: dict = {False: [], True: []}
-        for a, b in zip(gf, g):
-            s, t = b["ts_us"], b["ts_us"] + b["dur_us"]
-            split[any(x < t and y > s for x, y in own)].append(b["dur_us"] / a["dur_us"])
-        lines.append(f"- {r['impl']}: " + "; ".join(
-            f"{len(v)} {'beside' if k else 'alone'}, {np.median(v):.3f}x"
-            for k, v in split.items() if v))
-    return lines
-
-
 def report(path: str) -> str:
     """Remake ``compare.md`` and the plots next to a ``compare.json``."""
     with open(path) as f:
         rec = json.load(f)
     out = os.path.dirname(os.path.abspath(path))
-    text = table(rec, out)
+    text = table(rec)
     with open(os.path.join(out, "compare.md"), "w") as f:
         f.write(text)
     try:
