@@ -116,15 +116,15 @@ class Run:
         with open(os.path.join(self.path, name)) as f:
             return json.load(f)
 
+    def rows(self, name: str) -> list[dict]:
+        """A JSON Lines file's records."""
+        with open(os.path.join(self.path, name)) as f:
+            return [json.loads(line) for line in f]
+
     def bench(self, name: str) -> dict:
         """A bench records file as {(suite, impl, workload, metric): record}, ok only."""
-        out = {}
-        with open(os.path.join(self.path, name)) as f:
-            for line in f:
-                r = json.loads(line)
-                if r.get("status") == "ok" and r["suite"] != "run":
-                    out[(r["suite"], r["impl"], r["workload"], r["metric"])] = r
-        return out
+        return {(r["suite"], r["impl"], r["workload"], r["metric"]): r
+                for r in self.rows(name) if r.get("status") == "ok" and r["suite"] != "run"}
 
     def launches(self, names: list[str]) -> list[dict]:
         return [self.bench(n) for n in names]
@@ -472,11 +472,8 @@ def one_h200_eager(run: Run) -> tuple[Figure, ...]:
     and world size: the median over both device calls' rounds, beside the plan calls
     (the spread between launches)."""
     times: dict = {}
-    with open(os.path.join(run.path, "eager_ab.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            times.setdefault((r["world"], r["unit"], r["call"], r["label"]), []).append(
-                r["host_us"])
+    for r in run.rows("eager_ab.jsonl"):
+        times.setdefault((r["world"], r["unit"], r["call"], r["label"]), []).append(r["host_us"])
     figs = []
     for world in (1, 2):
         every = []
@@ -562,16 +559,12 @@ def one_h200_flag_kernels(run: Run) -> tuple[Figure, ...]:
 def one_h200_graph_replay(run: Run) -> tuple[Figure, ...]:
     """A graph plan's replay taken apart (``graph_replay.py``), at 2 ranks sharing the GPU
     and at one; what a second process launching beside it costs ``graph_launch.py``."""
-    def rows(name: str) -> list[dict]:
-        with open(os.path.join(run.path, name)) as f:
-            return [json.loads(line) for line in f]
-
     def mid(rec: dict, part: str) -> float:
         return statistics.median(r["median_us"] for r in rec[part])
 
-    one = {(r["unit"], r["op"], r["flags"]): r for r in rows("graph_replay_np1.jsonl")}
+    one = {(r["unit"], r["op"], r["flags"]): r for r in run.rows("graph_replay_np1.jsonl")}
     figs = []
-    for r in rows("graph_replay_np2.jsonl"):
+    for r in run.rows("graph_replay_np2.jsonl"):
         k = (r["unit"], r["op"], r["flags"])
         nodes = ", ".join(f"{n} {kind.lower()}" for kind, n in sorted(r["nodes"].items()))
         figs.append(Figure(
@@ -582,8 +575,8 @@ def one_h200_graph_replay(run: Run) -> tuple[Figure, ...]:
             + " us; " + " / ".join(f"{mid(one[k], p):.1f}" for p in ("bare", "event",
                                                                       "launch", "call"))
             + " us"))
-    alone = {r["graph"]: r for r in rows("graph_launch_alone.jsonl")}
-    pairs = [{r["graph"]: r for r in rows(f"graph_launch_pair{i}.jsonl")} for i in (0, 1)]
+    alone = {r["graph"]: r for r in run.rows("graph_launch_alone.jsonl")}
+    pairs = [{r["graph"]: r for r in run.rows(f"graph_launch_pair{i}.jsonl")} for i in (0, 1)]
     for g, r in alone.items():
         beside = statistics.median(p[g]["idle_us"] for p in pairs)
         figs.append(Figure(f"`cuGraphLaunch`, {g}: one process alone; two processes "
@@ -636,8 +629,7 @@ def one_h200_graph_plans(run: Run) -> tuple[Figure, ...]:
 def one_h200_graph_launch(run: Run) -> tuple:
     """What a graph's launch costs the host, by the nodes it holds: the flags' stream
     memory operations against copies and kernels."""
-    with open(os.path.join(run.path, "graph_launch.jsonl")) as f:
-        recs = [json.loads(line) for line in f]
+    recs = run.rows("graph_launch.jsonl")
     return tuple(Figure(f"`cuGraphLaunch` host time, {r['graph']} ({r['nodes']} nodes; device "
                         "idle before each launch, then back to back)", "reference",
                         f"{r['idle_us']:.2f} us ({r['queued_us']:.2f} us)") for r in recs)
