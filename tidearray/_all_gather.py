@@ -22,10 +22,10 @@ from ._errors import TideInvalid
 from ._group import Group, default_group
 from ._layout import UnitLayout, cached_unit, int_shapes, parse_shapes
 from ._schedule import ag_pieces, internode_ag_steps
-from .backends._base import AccumPiece
+from .backends import AccumPiece
 
 if TYPE_CHECKING:
-    from .backends._base import Executor
+    from .backends import Executor
 
 
 @functools.lru_cache(maxsize=1024)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from tidearray._dtypes import bfloat16, float32
+from tidearray import bfloat16, float32
 
 from ..baselines import pack
 from .data import UnitData, as_f32_shards
@@ -43,10 +43,9 @@ class Tide(Impl):
 
     def setup(self, data: UnitData) -> Prepared:
         import tidearray as ta
-        from tidearray._all_gather import unit_nbytes
         from tidearray._arena import Region
-        from tidearray._layout import plan_unit
         from tidearray._schedule import plan_reduce_scatter
+        from tidearray.layout import plan_unit, unit_nbytes
 
         ctx, g = self.ctx, self.ctx.group
         shapes, xp, stream = data.unit.shapes, ctx.dev.xp, ctx.dev.stream
