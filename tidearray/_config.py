@@ -56,8 +56,8 @@ class Config:
     ``"push"``, the only one (one batch per peer, each on its own lane, straight
     from the shards into the peer's slot, and our own copy beside them:
     copy-engine writes into a peer's memory were the fastest route measured).
-    ``"pull"`` and ``"push-batch"`` were measured slower and retired: they raise
-    ``TideInvalid``. Multicast slots (``multicast``) write once instead.
+    ``"pull"`` (measured slower) and ``"push-batch"`` (no faster) were removed:
+    they raise ``TideInvalid``. Multicast slots (``multicast``) write once instead.
     Env: ``TIDE_AG_TRANSPORT``."""
 
     accum_ctas: Optional[int] = None
@@ -163,7 +163,7 @@ class Config:
         if self.ag_transport in RETIRED_AG_TRANSPORTS:
             raise TideInvalid(f"ag_transport: expected 'push' (the one all-gather transport "
                               f"left; multicast=True for multicast slots), got "
-                              f"{self.ag_transport!r}, which was measured slower and removed "
+                              f"{self.ag_transport!r}, which was measured and removed "
                               f"(docs/performance.md, Retired experiments)")
         if self.ag_transport not in AG_TRANSPORTS:
             raise TideInvalid(f"ag_transport: expected one of {AG_TRANSPORTS}, got "
