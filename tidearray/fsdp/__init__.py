@@ -15,7 +15,8 @@ from ._comm import UnitComm
 from ._graph import CapturedStep
 from ._norm import GradScale, clip_scale
 from ._optim import FusedAdamW
+from ._options import FrontEnd
 from ._runtime import Runtime
 
-__all__ = ["AdamW", "CapturedStep", "FusedAdamW", "GradScale", "ParamGroup", "Runtime",
-           "UnitComm", "clip_scale", "export", "load", "save"]
+__all__ = ["AdamW", "CapturedStep", "FrontEnd", "FusedAdamW", "GradScale", "ParamGroup",
+           "Runtime", "UnitComm", "clip_scale", "export", "load", "save"]
