@@ -13,8 +13,8 @@ import gc
 import pytest
 
 from tidearray import TideInvalid
-from tidearray.fsdp._lifecycle import BLIND, State, UnitLifecycle, UseToken
 from tidearray.fsdp import FrontEnd
+from tidearray.fsdp._lifecycle import BLIND, State, UnitLifecycle, UseToken
 from tidearray.fsdp._slots import SlotTable, slot_of, slot_units
 
 

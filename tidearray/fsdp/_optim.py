@@ -42,7 +42,7 @@ correcting them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 
@@ -82,6 +82,17 @@ TABLE_KERNELS = {k: v.replace("adamw_", "adamw_table_") for k, v in KERNELS.item
 #: The kernel argument ``CoeffTable`` of ``kernels/adamw.cu``: ``MAX_GROUPS`` rows
 #: of :class:`Coefficients`, float32, in their order.
 _COEFF_TABLE = np.dtype([("c", np.float32, (MAX_GROUPS, len(Coefficients._fields)))])
+
+
+class TableLayout(NamedTuple):
+    """Where a captured step's ``grad_scale`` lies in :attr:`FusedAdamW.coeff_dev`."""
+
+    #: The rows a captured step may read.
+    rows: int
+    #: A row's width, in floats.
+    width: int
+    #: The index of ``grad_scale`` in a row.
+    field: int
 
 
 def _coeff_rows(cs: dict[int, Coefficients], rows: int) -> np.ndarray:
@@ -223,14 +234,14 @@ class FusedAdamW:
         return self._exp_avg_sq
 
     @property
-    def table_layout(self) -> tuple[int, int, int]:
+    def table_layout(self) -> TableLayout:
         """Where a captured step's ``grad_scale`` lies in :attr:`coeff_dev`: ``(rows,
         width, field)``, the rows a captured step may read, their width in floats and the
         field's index. ``rows`` is every row of the table (``MAX_ROWS``): a clip writes
         them before the step it scales is issued, and that step picks its rows from
         which parameters are present ([Note: absent gradients] in ``_rows``)."""
         fields = Coefficients._fields
-        return MAX_ROWS, len(fields), fields.index("grad_scale")
+        return TableLayout(MAX_ROWS, len(fields), fields.index("grad_scale"))
 
     def step(self, grad: Array, *, grad_scale: float = 1.0,
              lr: Union[float, Sequence[float], None] = None, stream: Any = None,
