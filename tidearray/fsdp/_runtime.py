@@ -187,9 +187,9 @@ class Runtime:
         self.max_grad_norm = clip_limit(max_grad_norm, hp.max_grad_norm)
         self.comm: UnitComm = factory(group, self.shapes, self.param_dtype, self.arena,
                                       self.num_slots, self.root)
-        self.slots = SlotTable(self.num_units, self.num_slots, self.root, self._gather,
-                               self._may_give_up, self._released, self.describe)
         self.life = UnitLifecycle(self.trainable)  # [Note: passes]
+        self.slots = SlotTable(self.num_units, self.num_slots, self.root, self._gather,
+                               self.life.may_give_up, self._released, self.describe)
         self.accum = GradAccumulator(group, self.world, self.arena, self.comm,
                                      mean=self.front_end.accumulate == "mean")
         self._to_reduce = {i for i, t in enumerate(self.trainable) if any(t)}
@@ -231,7 +231,7 @@ class Runtime:
         """Unit ``i``'s forward is issued: its slot may take another gather.
         The last unit keeps its parameters for its backward, which comes next,
         and so does the root (see [Note: passes])."""
-        self.life.running.discard(i)
+        self.life.forward_issued(i)
         if i != self.num_units - 1 and not (self.root and i == 0) and self.slots.holds(i):
             self.slots.release(i)
 
@@ -515,11 +515,6 @@ class Runtime:
 
     def _gather(self, i: int, k: int) -> Any:
         return self.comm.gather(i, k, self.stream)
-
-    def _may_give_up(self, u: int) -> bool:
-        """A gathered unit not running and not open for its backward gives its slot up:
-        its next use (or backward) gathers it again, into the same slot."""
-        return u not in self.life.running and self.life.state[u] is not State.BACKWARD
 
     def _released(self, u: int) -> None:
         if self.front_end.on_release is not None:
