@@ -83,7 +83,7 @@ reading back the gradient norm when clipping is on (not inside a capture).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -98,6 +98,15 @@ from ._norm import GlobalNorm, GradScale, check_max_norm, clip_limit
 from ._options import FrontEnd, slot_count
 from ._shards import Init, ShardArena, arena_adamw, arena_layout, describe_units, trainable_flags
 from ._slots import SlotTable
+
+
+class UnitArrays(NamedTuple):
+    """What :meth:`Runtime.pre_backward` gives: the unit's arrays for its backward."""
+
+    #: Its gathered parameters (views of its slot).
+    params: list
+    #: The gradient arrays its backward writes (views of its gradient buffer).
+    grads: list
 
 
 class Runtime:
@@ -247,7 +256,7 @@ class Runtime:
         if not self.life.in_backward:
             self.life.forget_forward()
 
-    def pre_backward(self, i: int) -> tuple[list, list]:
+    def pre_backward(self, i: int) -> UnitArrays:
         """Open unit ``i``'s backward: its parameters and the gradient arrays its backward
         must write (the same ones again while it is open)."""
         state = self.life.state[i]
@@ -263,7 +272,7 @@ class Runtime:
             self.accum.retire(k, self.stream)  # [Note: gradient buffers]
             if self.report_grads:  # what the backward does not write reduces as zeros
                 self.comm.zero_grads(i, k, self.stream)
-        return self.slots.params(i, self.stream), self.comm.grads(i, k)
+        return UnitArrays(self.slots.params(i, self.stream), self.comm.grads(i, k))
 
     def grad_written(self, i: int, k: int) -> bool:
         """(``report_grads``) Parameter ``k`` of open unit ``i`` got its gradient;
