@@ -1,5 +1,5 @@
-"""The unit lifecycle's bookkeeping, the slot table and the runtime's front-end options,
-alone: no ranks, no arrays.
+"""The runtime's parts alone, with no ranks: the unit lifecycle's bookkeeping, the slot
+table, the front-end options and the gradient accumulator (NumPy, a fake comm).
 
 ``UnitLifecycle`` ([Note: unit lifecycle] in ``tidearray/fsdp/_lifecycle.py``) and
 ``SlotTable`` ([Note: slots] in ``tidearray/fsdp/_slots.py``) are pure bookkeeping; the
@@ -8,13 +8,17 @@ multi-rank tests (``tests/mpi/test_lifecycle.py``) check what training does with
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
+import numpy as np
 import pytest
 
 from tidearray import TideInvalid
-from tidearray.fsdp import FrontEnd
+from tidearray.fsdp import FrontEnd, GradScale
+from tidearray.fsdp._accum import GradAccumulator
 from tidearray.fsdp._lifecycle import BLIND, State, UnitLifecycle, UseToken
+from tidearray.fsdp._shards import ShardArena, arena_layout
 from tidearray.fsdp._slots import SlotTable, slot_of, slot_units
 
 
@@ -174,3 +178,49 @@ def test_front_end_options_come_one_way():
         FrontEnd(accumulate="avg")
     with pytest.raises(TideInvalid, match="front_end: expected a FrontEnd, got dict"):
         FrontEnd.of({}, False, None, "mean")
+
+
+class _Host:
+    """The group and the comm a GradAccumulator asks: NumPy, and reductions that write
+    ones at once (a Work whose wait does nothing)."""
+
+    xp = np
+
+    def __init__(self) -> None:
+        self.backend = self
+
+    def on_stream(self, stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def reduce(self, unit: int, k: int, out, stream):
+        out += 1
+        return self
+
+    def wait(self, stream) -> None:
+        pass
+
+
+def test_the_accumulator_alone_counts_micro_batches_and_holds_the_clip():
+    """Later micro-batches reduce into scratch, added at retire; ``end_step`` is the one
+    reset of the count (and of a held clip); a held clip is refused after a backward."""
+    host = _Host()
+    arena = ShardArena(arena_layout([[(4,)]], 1), np, np.float32, send=False)
+    acc = GradAccumulator(host, 1, arena, host, mean=True)
+    for _ in range(2):
+        acc.reduce(0, 0, None)
+        acc.retire(0, None)
+        acc.end_pass()
+    assert acc.micro_batches == 2 and (arena.grad == 2).all()
+    scale = acc.finalize(None, None, False, None, (0, 0, 0))
+    assert scale == GradScale(0.5)
+    acc.hold(scale)
+    assert acc.take_held(in_backward=False) == scale and acc.take_held(False) is None
+    acc.hold(scale)
+    acc.end_pass()  # a backward after the clip: its norm is stale
+    with pytest.raises(TideInvalid, match="no backward between clip_grad_norm_ and the step"):
+        acc.take_held(in_backward=False)
+    acc.hold(scale)
+    acc.end_step()
+    assert acc.micro_batches == 0 and acc.take_held(False) is None
+    with pytest.raises(TideInvalid, match="expected a backward since the last step"):
+        acc.finalize(None, None, False, None, (0, 0, 0))
