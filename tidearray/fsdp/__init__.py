@@ -18,7 +18,8 @@ from ._graph import CapturedStep
 from ._lifecycle import BLIND, State, UseToken
 from ._norm import GradScale, clip_scale
 from ._optim import FusedAdamW
+from ._options import FrontEnd
 from ._runtime import Runtime
 
-__all__ = ["BLIND", "AdamW", "CapturedStep", "FusedAdamW", "GradScale", "ParamGroup", "Runtime",
-           "State", "UnitComm", "UseToken", "clip_scale", "export", "load", "save"]
+__all__ = ["BLIND", "AdamW", "CapturedStep", "FrontEnd", "FusedAdamW", "GradScale", "ParamGroup",
+           "Runtime", "State", "UnitComm", "UseToken", "clip_scale", "export", "load", "save"]
