@@ -25,14 +25,12 @@ from typing import NamedTuple, Optional
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 AREAS = ("tidearray", "benchmarks", "examples", "tests")
-RUNTIME = "runtime restructure in progress"
 
 #: (importing module, imported module or ``module:_name``, reason); fnmatch patterns over
 #: dotted names. A private name needs an entry of its own: a module's entry allows its
 #: public names only. Tests reaching internals to test them is a fair reason; the library's
 #: own imports are fixed by exporting instead, except in files being restructured.
 ALLOWED = [
-    ("tidearray.fsdp._comm", "tidearray.backends._base", RUNTIME),
     ("tidearray.torch._hooks", "torch.utils._pytree",
      "torch has no public pytree module (torch.utils.pytree) in the versions supported"),
     ("benchmarks.*", "tidearray._arena", "the harness times collectives into raw regions"),

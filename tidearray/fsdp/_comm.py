@@ -49,7 +49,7 @@ from .._errors import TideInvalid
 from .._layout import UnitLayout, cached_unit
 from .._plan import Unit, slot_chunk_nbytes
 from .._work import Work
-from ..backends._base import Completion
+from ..backends import Completion
 from ._shards import ShardArena
 from ._slots import slot_units
 
