@@ -129,9 +129,6 @@ def parser() -> argparse.ArgumentParser:
                        help="any of units,sizes,counts (ag, rs)")
         s.add_argument("--units", default="", help="comma list of unit names (default: all four)")
         s.add_argument("--unit", default="llama3.1-8b", help="unit of the interference suite")
-        s.add_argument("--gemm-priority", default="default", choices=("default", "high"),
-                       help="stream priority of the interference suite's GEMMs: the "
-                            "default (the collectives' own) or the device's highest")
         s.add_argument("--device", default="auto", choices=("auto", "cuda", "host"))
         s.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures")
     return p

@@ -71,6 +71,9 @@ MOVED = {
                           "calls of two trees now.",
     "probes/graph_launch.py --out DIR": f"The probe `graph_launch.py` is retired: {RETIRED}.",
     "probes/graph_replay.py": f"The probe `graph_replay.py` is retired: {RETIRED}.",
+    "--gemm-priority": "`--gemm-priority` and the `priority` step are retired: the code is "
+                       "at commit `37ceaf1`, its findings under \"Retired experiments\" "
+                       "below.",
 }
 MACHINES = {
     "nvidia-h200-x2": "2 NVIDIA H200 joined by NVLink, one process per GPU",
@@ -965,8 +968,9 @@ def rewrite_block(path: str, find: Callable[[str], Optional[str]], new: str,
 
 
 def write(root: str = ROOT) -> None:
+    page = render_page(root)  # before the open below empties the page's hand-written part
     with open(os.path.join(root, PAGE), "w") as f:
-        f.write(render_page(root))
+        f.write(page)
     rewrite_block(os.path.join(root, README), readme_block, render_summary(root),
                   f"{README} has no {BEGIN} ... {END} block to rewrite")
 

@@ -12,9 +12,6 @@
 #       plans      (python -m benchmarks plans: host time per plan call)
 #       graphs     (plans, then the trainer at one rank, eager and with its whole step
 #                  captured: llama3-8b-8l, host time, step time and peak memory)
-#       ctas       (TIDE-RS and GEMM interference at each accumulate grid of TIDE_CTAS)
-#       priority   (the interference GEMMs at the default and highest stream priority,
-#                  at each grid of TIDE_PRIO_CTAS)
 #       calls      (benchmarks/ab/call_profile.py: host time per eager all_gather /
 #                  reduce_scatter call and per plan call, and their cProfiles)
 #       train      (the trainer, small model: tide vs stock vs the floor)
@@ -67,35 +64,6 @@ run_graphs() {  # CUDA graphs: host time per graph plan call, and the captured t
     run_plans
     step train_graph "${MPI[@]}" -n 1 python3 benchmarks/steps/compare_train.py --impl graph \
         --model llama3-8b-8l --tokens 8192 --steps 20 --out "$OUT/train_graph"
-}
-run_ctas() {  # TIDE-RS and the GEMM beside it at each accumulate grid (TIDE_CTAS;
-              # TIDE_CTAS_IMPLS: the reduce-scatters timed beside tide's, e.g. tide,stock)
-    local c
-    for c in ${TIDE_CTAS:-66 33 16 8}; do
-        step "rs_ctas$c" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 python3 -m benchmarks rs \
-            --impls "${TIDE_CTAS_IMPLS:-tide}" --workloads units --out "$OUT/ctas$c"
-        step "interference_ctas$c" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 python3 -m \
-            benchmarks interference --impls tide --out "$OUT/ctas$c"
-    done
-}
-run_priority() {  # the interference GEMMs at the default and the highest stream priority,
-                  # beside the accumulate at each grid of TIDE_PRIO_CTAS (a grid past the
-                  # tile count gives one short CTA per tile), TIDE_PRIO_ROUNDS rounds (2);
-                  # then TIDE-RS there
-    local k c p
-    for k in $(seq "${TIDE_PRIO_ROUNDS:-2}"); do
-        for c in ${TIDE_PRIO_CTAS:-66 100000}; do
-            for p in default high; do
-                step "interference_ctas${c}_${p}_$k" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 \
-                    python3 -m benchmarks interference --impls tide --gemm-priority "$p" \
-                    --out "$OUT/prio/ctas$c-$p-$k"
-            done
-        done
-    done
-    for c in ${TIDE_PRIO_CTAS:-66 100000}; do
-        step "rs_ctas$c" "${MPI[@]}" -x TIDE_ACCUM_CTAS="$c" -n 2 python3 -m benchmarks rs \
-            --impls tide,stock --workloads units --units llama3.1-8b --out "$OUT/prio/rs-ctas$c"
-    done
 }
 run_calls() {  # host time of repeated eager calls and of plan calls, and their cProfiles; a
                # script, so the tidearray first on PYTHONPATH is the one measured (ab)

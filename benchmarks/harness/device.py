@@ -117,26 +117,14 @@ class CudaDevice:
 
     name = "cuda"
 
-    def __init__(self, side_priority: str = "default") -> None:
+    def __init__(self) -> None:
         import cupy
 
         self.xp = cupy
         self.dev = cupy.cuda.Device()
         self.num_sms = int(self.dev.attributes["MultiProcessorCount"])
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        # "high": the device's highest stream priority for the side stream (the
-        # interference GEMMs), so the block scheduler starts their CTAs before
-        # those of the collectives' lanes, which run at the default (lowest).
-        self.side_priority = side_priority
-        if side_priority == "high":
-            from cuda.bindings import runtime as cudart  # CuPy does not expose the range
-
-            err, _least, greatest = cudart.cudaDeviceGetStreamPriorityRange()
-            if err != cudart.cudaError_t.cudaSuccess:
-                raise RuntimeError(f"cudaDeviceGetStreamPriorityRange: {err}")
-            self.side_stream = cupy.cuda.Stream(non_blocking=True, priority=greatest)
-        else:
-            self.side_stream = cupy.cuda.Stream(non_blocking=True)
+        self.side_stream = cupy.cuda.Stream(non_blocking=True)  # the interference GEMMs
 
     def describe(self) -> dict:
         import cupy
@@ -303,7 +291,6 @@ class ClockLog:
         return readings
 
 
-def make_device(backend_name: str, side_priority: str = "default") -> Any:
-    """The bench's device; ``side_priority`` ("default" or "high") is the cuda side
-    stream's priority (``--gemm-priority``)."""
-    return CudaDevice(side_priority) if backend_name == "cuda" else HostDevice()
+def make_device(backend_name: str) -> Any:
+    """The bench's device for the backend ``backend_name``."""
+    return CudaDevice() if backend_name == "cuda" else HostDevice()
