@@ -7,7 +7,6 @@
 #   bash benchmarks/run.sh                       # the default step: benchall
 #   TIDE_BENCH_STEPS="calls fsdp2" bash benchmarks/run.sh   # some steps:
 #       benchall   (python -m benchmarks all; TIDE_BENCH_DOCS: report directory)
-#       launches   (benchall 3 times, one report of the spread)
 #       suites     (each suite alone; TIDE_BENCH_SUITES, TIDE_BENCH_ARGS)
 #       plans      (python -m benchmarks plans: host time per plan call)
 #       graphs     (plans, then the trainer at one rank, eager and with its whole step
@@ -38,17 +37,6 @@ AB=""  # the A/B suffix of step names and outputs (empty outside ab)
 
 run_benchall() { step "benchall$AB" "${MPI[@]}" -n 2 python3 -m benchmarks all \
     --out "$OUT/b$AB" ${TIDE_BENCH_DOCS:+--docs "$TIDE_BENCH_DOCS"}; }
-run_launches() {  # 3 separate launches, one report of the spread (TIDE_LAUNCH_SUITES: all;
-    local jsons=() k suite  # TIDE_LAUNCH_ARGS, e.g. "--workloads units", goes to each suite)
-    for k in 1 2 3; do
-        for suite in ${TIDE_LAUNCH_SUITES:-all}; do
-            step "bench_${suite}_launch$k" "${MPI[@]}" -n 2 python3 -m benchmarks "$suite" \
-                --out "$OUT/launch$k" ${TIDE_LAUNCH_ARGS:-}
-        done
-        jsons+=(--json "$OUT/launch$k/bench.jsonl")
-    done
-    step launches_report python3 -m benchmarks report "${jsons[@]}" --docs "$OUT/report3"
-}
 run_suites() {  # the same suites as benchall, each under its own timeout, one record file
     local suite
     for suite in ${TIDE_BENCH_SUITES:-interference memory ag rs}; do

@@ -9,7 +9,6 @@ kept under ``benchmarks/results``: ``python -m benchmarks.performance``.
 from __future__ import annotations
 
 import os
-import statistics
 from typing import Any, Optional
 
 from . import plots
@@ -71,24 +70,6 @@ def build(json_paths: list[str], docs: str, note: str = "") -> str:
     return path
 
 
-def _launches(res: Results, suite: str, name: str, ws: list) -> list[str]:
-    """With records of several launches (``report --json`` of each), the spread of the
-    median time across them: median of the launches' medians [min, max]."""
-    runs = {r["run"] for r in res.records if r["suite"] == suite and r["metric"] == "time"}
-    if len(runs) < 2:
-        return []
-
-    def cell(rec: dict) -> str:
-        vals = sorted(res.across_runs(suite, rec["impl"], rec["workload"], "time"))
-        if not vals:
-            return "-"
-        mid = statistics.median(vals)
-        return f"{us(mid)} [{us(vals[0])}, {us(vals[-1])}] ({len(vals)})"
-
-    return [f"### {name}: median time across {len(runs)} launches, median [min, max] "
-            "(launches) (us)\n", markdown(grid(res, suite, "time", ws, cell, value=lambda r: r))]
-
-
 def _spread(rec: dict) -> str:
     """A time record as ``median [p10, p90]`` in microseconds."""
     extra = rec.get("extra") or {}
@@ -146,7 +127,6 @@ def _units_section(res: Results) -> str:
             continue
         out += [f"### {name}: median time [p10, p90] (us)\n",
                 markdown(grid(res, suite, "time", ws, _spread, value=lambda r: r)),
-                *_launches(res, suite, name, ws),
                 f"### {name}: median time per call issued back to back (us)\n",
                 markdown(grid(res, suite, "time", ws, us, value=_back_to_back)),
                 f"### {name}: speedup vs stock\n",

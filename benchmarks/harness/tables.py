@@ -55,15 +55,6 @@ class Results:
                 return r["extra"]["nbytes"] / 2**20
         return None
 
-    def across_runs(self, suite: str, impl: str, workload: str, metric: str) -> list[float]:
-        """The last value of a key in each run (launch) that recorded it, in run order."""
-        last: dict = {}
-        for r in self.records:
-            if (r["suite"], r["impl"], r["workload"], r["metric"]) == (
-                    suite, impl, workload, metric) and r.get("value") is not None:
-                last[r["run"]] = r["value"]
-        return list(last.values())
-
     def problems(self) -> list[dict]:
         return [r for k, r in self.by_key.items() if r.get("status") in ("skipped", "error")]
 
