@@ -500,25 +500,6 @@ def one_h200_eager(run: Run) -> tuple[Figure, ...]:
     return tuple(figs)
 
 
-def one_h200_graphs(run: Run) -> tuple[Figure, ...]:
-    """Host time per graph plan call against the plan's eager call, per unit; the captured
-    trainer step against the eager one."""
-    P = run.bench("plans.jsonl")
-    figs = []
-    for w in (UNIT, "llama3.1-70b", QWEN, "wan2.2-dit"):
-        for op in ("ag", "rs"):
-            graph = value(P, "plans", "graph", f"{op}_host_us", w)
-            plan = value(P, "plans", "plan", f"{op}_host_us", w)
-            launch = next((t["us"] for t in extra(P, "plans", "graph", f"{op}_host_profile",
-                                                  w).get("top", ())
-                           if "(launch)" in t["where"]), None)
-            figs.append(Figure(
-                f"Host time per {op.upper()} graph plan call, {w} (the plan's eager call; the "
-                "graph launch's own time under cProfile)", "<= 10 us",
-                f"{graph:,.1f} us ({plan:,.0f} us; launch {launch:,.1f} us)", graph <= 10))
-    return tuple(figs) + _captured_trainer(run)
-
-
 def _captured_trainer(run: Run) -> tuple[Figure, ...]:
     """The captured trainer step against the eager one (``compare_train.py --impl graph``)."""
     rows, goals = _train_log(os.path.join(run.path, "train_graph.log"))
@@ -590,7 +571,7 @@ def one_h200_graph_replay(run: Run) -> tuple[Figure, ...]:
 
 def one_h200_graph_plans(run: Run) -> tuple[Figure, ...]:
     """Host time per graph plan call, back to back (the goal) and with the device idle;
-    with the flags as memory operations; the eager plan's; the torch step where it ran."""
+    with the flags as memory operations; the eager plan's."""
     P = run.bench("plans.jsonl")
     figs = []
     for w in GRAPH_UNITS:
@@ -605,37 +586,7 @@ def one_h200_graph_plans(run: Run) -> tuple[Figure, ...]:
                 "plan's, back to back)", "<= 10 us",
                 f"{q:,.1f} us ({us('graph', 'host_us')}; {us('graph-memops', 'queued_host_us')}"
                 f"; {us('plan', 'queued_host_us')})", q <= 10))
-    if os.path.exists(os.path.join(run.path, "compare.json")):
-        d = run.json("compare.json")
-        by = {r["impl"]: r for r in d["runs"]}
-        for impl in ("tide-graph", "floor-graph"):
-            eager = impl.removesuffix("-graph")
-            g, e, f = by[impl], by[eager], by["fsdp2"]
-            figs.append(Figure(
-                f"torch, one rank: `{impl}` host time per step against `{eager}` "
-                "(`fully_shard`'s)", "below eager",
-                f"{x(g['median_host_s'] / e['median_host_s'], 3)} ({ms(g['median_host_s'])} "
-                f"against {ms(e['median_host_s'])}; {ms(f['median_host_s'])})",
-                g["median_host_s"] < e["median_host_s"]))
-            figs.append(Figure(
-                f"torch, one rank: `{impl}` step time against `{eager}` (`fully_shard`'s)",
-                "<= 1x", f"{x(g['median_step_s'] / e['median_step_s'], 3)} "
-                f"({ms(g['median_step_s'])} against {ms(e['median_step_s'])}; "
-                f"{ms(f['median_step_s'])})", g["median_step_s"] <= e["median_step_s"]))
-        c = d["comparison"]["tide-graph"]
-        figs.append(Figure("torch, one rank: `tide-graph` losses against `fully_shard`'s",
-                           f"rtol {c['loss_rtol']:g}", f"largest relative difference "
-                           f"{c['loss_max_rel_diff']:.2e}", c["losses_agree"]))
     return tuple(figs)
-
-
-def one_h200_graph_launch(run: Run) -> tuple:
-    """What a graph's launch costs the host, by the nodes it holds: the flags' stream
-    memory operations against copies and kernels."""
-    recs = run.rows("graph_launch.jsonl")
-    return tuple(Figure(f"`cuGraphLaunch` host time, {r['graph']} ({r['nodes']} nodes; device "
-                        "idle before each launch, then back to back)", "reference",
-                        f"{r['idle_us']:.2f} us ({r['queued_us']:.2f} us)") for r in recs)
 
 
 def one_h200_units(run: Run) -> tuple[Figure, ...]:
@@ -769,31 +720,21 @@ def sections(root: str) -> list[Section]:
           "the step at one rank.", one_h200_torch),
         S("run18-one-h200", "Host time per eager call: one pipeline against the caches",
           "Medians of 30 calls per launch, then over 4 launches per tree.", one_h200_eager),
-        S("run19-one-h200", "CUDA graphs: graph plans and the captured step",
-          "Host time per plan call at 2 ranks sharing the GPU (medians of 20 calls, the "
-          "device idle between calls); the trainer at one rank: llama3-8b-8l, 8192 tokens, "
-          "medians after 2 warm-up steps, each run's model in its capturable form.",
-          one_h200_graphs),
-        S("run20-one-h200", "What a graph's launch costs the host",
-          "One process; medians of 300 launches of each graph.", one_h200_graph_launch),
         S("run21-one-h200", "CUDA graphs: flags as kernels, and the captured step's memory",
           "Host time per plan call at 2 ranks sharing the GPU (medians of 20 calls, the "
-          "device idle before each); the trainer at one rank as in run19.",
+          "device idle before each); the trainer at one rank: llama3-8b-8l, 8192 tokens, "
+          "medians after 2 warm-up steps, each run's model in its capturable form.",
           one_h200_flag_kernels),
         S("run22-one-h200", "CUDA graphs: a replay's host time taken apart",
           "Medians of 100 calls, device idle before each; per rank, then the median over "
           "ranks. At one rank a plan has no peer, so no flags.", one_h200_graph_replay),
-        S("run23-one-h200", "CUDA graphs: host time per graph plan call, back to back",
-          "2 ranks sharing the GPU, medians of 20 calls. Back to back is how a training "
-          "loop issues them, ahead of the device. With the device idle and the ranks "
-          "synchronized before each call, the driver's launch alone costs about 4x (1.4-13x) "
-          "what the same unit's launch costs at one rank, where a plan has no flags "
-          "(run22); why is not known: two processes launching at once account for 1-2 us "
-          "of it. The torch step at one rank: llama3-8b-8l, 8192 "
-          "tokens, 12 steps, medians after 3.", one_h200_graph_plans),
-        S("run24-one-h200", "CUDA graphs: host time per graph plan call, back to back, "
-          "again", "As run23, medians of 50 calls, on a fresh machine of the same kind, "
-          "after the replay path kept its stream handle.", one_h200_graph_plans),
+        S("run24-one-h200", "CUDA graphs: host time per graph plan call, back to back",
+          "2 ranks sharing the GPU, medians of 50 calls, after the replay path kept its "
+          "stream handle. Back to back is how a training loop issues them, ahead of the "
+          "device. With the device idle and the ranks synchronized before each call, the "
+          "driver's launch alone costs about 4x (1.4-13x) what the same unit's launch costs "
+          "at one rank, where a plan has no flags (run22); why is not known: two processes "
+          "launching at once account for 1-2 us of it.", one_h200_graph_plans),
         S("run25-one-h200", "Per-unit overhead of the eager step, host-bound",
           "One rank: small-32l (32 decoder layers, hidden 512, 512 tokens per step, bf16; "
           "34 units), 20 steps, medians after 5; `plain` is the same model with no wrapper "
