@@ -91,6 +91,8 @@ HOST_MODELS = {
                                   ffn=192, seq=32),
 }
 MODELS = {**llama.MODELS, **HOST_MODELS}
+#: The weights' and the batches' seed, the same for every impl.
+SEED = 0
 
 
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
@@ -99,13 +101,10 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank per step")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
-    p.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default: 3e-4 from hidden 1024, else 1e-3)")
     p.add_argument("--lr-warmup", type=int, default=None,
-                   help="steps of linear warm-up to --lr (default: --warmup, the untimed "
-                        "steps, so the timed steps run at --lr)")
+                   help="steps of linear warm-up to the peak rate (3e-4 from hidden 1024, "
+                        "else 1e-3; default: --warmup, the untimed steps)")
     p.add_argument("--impls", default=",".join(IMPLS))
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="CUPTI timeline of one step each")
     p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                    help="after the timed steps, STEPS more under cProfile: each impl's host "
@@ -372,11 +371,11 @@ class Run:
         _release(torch, g, self.cuda)
         self.base = device_used(torch, self.cuda)
         dtype = torch.bfloat16 if self.cuda else torch.float32
-        self.impl = Impl(kind, torch, build(torch, cfg, device, args.seed), g, args, dtype)
+        self.impl = Impl(kind, torch, build(torch, cfg, device, SEED), g, args, dtype)
         # The last step trains on the first step's batch again: its loss there must be lower
         # (other batches' losses differ by more than a few steps of training change them).
         self.data = [llama.batch(cfg, step=s if s < args.steps - 1 else 0, batch_size=B,
-                                 seed=args.seed, first_sample=g.rank * B)
+                                 seed=SEED, first_sample=g.rank * B)
                      for s in range(args.steps)]
         self.losses: list = []
         self.times: list = []
@@ -779,7 +778,7 @@ def main(argv: Optional[list] = None) -> None:
         raise SystemExit(f"--tokens: expected a multiple of {cfg.seq}, got {tokens}")
     # At 3e-3 (this script's rate until then) small-32l's loss rose in every impl on the
     # H200; the warm-up spans the untimed steps.
-    args.lr = args.lr or (3e-4 if cfg.hidden >= 1024 else 1e-3)
+    args.lr = 3e-4 if cfg.hidden >= 1024 else 1e-3
     if args.lr_warmup is None:
         args.lr_warmup = args.warmup
     impls = [k for k in args.impls.split(",") if k]
