@@ -4,19 +4,15 @@
   every peer's slot (``cudaMemcpyAsync``): the line-rate floor of TIDE-AG.
 * ``rs.accumulate``: TIDE-RS's accumulate launches alone (the plan's pieces, read
   from the staging buffer as it is), through the backend's executor: the only
-  SM work of TIDE-RS. Its grid comes from the backend if the executor reports
-  its launches (see :func:`launch_ctas`); otherwise SM time is an upper bound.
+  SM work of TIDE-RS. Its grid follows the cuda backend's own rule
+  (:func:`accumulator_ctas`); where that rule is gone, SM time is an upper bound.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 from .impl import Phase
-
-#: Executor/backend attributes that may list kernel launches (newest first wins).
-LAUNCH_ATTRS = ("launches", "last_launches", "kernel_launches")
 
 
 def peer_copy_phase(ctx: Any, data: Any, slot: Any) -> Phase:
@@ -58,47 +54,24 @@ def accumulate_phase(ctx: Any, data: Any, plan: Any, staging: Any, outs: list) -
                     for q in peers}
         per_chunk.append(accum_pieces(unit, chunk, topo, grad_ptrs, out_ptrs, src_base))
     stream, scale = ctx.dev.stream, 1.0 / g.size
-    seen: dict[str, Any] = {}
 
     def run() -> None:
         ex = be.executor(stream)
         for pieces in per_chunk:
             ex.accumulate(ex.COMPUTE, pieces, bfloat16, scale)
-        seen["ctas"] = launch_ctas(ex, be)
         ex.finish().wait(stream)
 
-    run()  # once, to learn the grid
-    ctx.dev.sync()
-    ctas, src = seen.get("ctas"), "reported by the executor"
-    if not ctas:
-        ctas, src = accumulator_ctas(be, per_chunk), "the backend's accumulator grid rule"
-    note = (f"{len(per_chunk)} launches, mean grid {ctas} CTAs ({src})" if ctas else
-            "grid not reported by the cuda backend: SM time assumes every SM (upper bound)")
+    ctas = accumulator_ctas(be, per_chunk)
+    note = (f"{len(per_chunk)} launches, mean grid {ctas} CTAs (the backend's accumulator "
+            "grid rule)" if ctas else
+            "grid not known from the cuda backend: SM time assumes every SM (upper bound)")
     return Phase(run, "kernel", ctas, note)
-
-
-def launch_ctas(ex: Any, be: Any) -> Optional[int]:
-    """Mean CTAs per accumulate launch, if the executor or backend lists its launches.
-
-    Accepted entries: an int (CTAs), a tuple/list whose first item is the grid
-    (int or dims), or a dict with ``ctas`` or ``grid``.
-    """
-    for obj in (ex, be):
-        for attr in LAUNCH_ATTRS:
-            items = getattr(obj, attr, None)
-            if not items:
-                continue
-            grids = [_ctas_of(x) for x in items]
-            grids = [c for c in grids if c]
-            if grids:
-                return int(round(sum(grids) / len(grids)))
-    return None
 
 
 def accumulator_ctas(be: Any, per_chunk: list) -> Optional[int]:
     """Mean grid of the accumulate launches, by the cuda backend's own rule
     (``min(tiles of the launch's table, Accumulator.max_grid)``, tiles sized by its
-    ``choose_tile`` where it has one), or None if that rule is not there."""
+    ``choose_tile``), or None if that rule is not there."""
     try:
         from tidearray.backends.cuda import accumulate as ca
 
@@ -107,21 +80,8 @@ def accumulator_ctas(be: Any, per_chunk: list) -> Optional[int]:
         for pieces in per_chunk:
             if not pieces:
                 continue
-            choose = getattr(ca, "choose_tile", None)
-            tile = choose(sum(p.numel for p in pieces), acc.max_grid) if choose else ca.TILE
+            tile = ca.choose_tile(sum(p.numel for p in pieces), acc.max_grid)
             grids.append(min(ca.build_table(pieces, tile)[1], acc.max_grid))
     except Exception:  # noqa: BLE001 - a changed backend: report the grid as unknown
         return None
     return int(round(sum(grids) / len(grids))) if grids else None
-
-
-def _ctas_of(x: Any) -> Optional[int]:
-    if isinstance(x, dict):
-        x = x.get("ctas", x.get("grid"))
-    elif isinstance(x, (tuple, list)) and x and not all(isinstance(v, int) for v in x):
-        x = x[0]
-    if isinstance(x, int):
-        return x
-    if isinstance(x, (tuple, list)) and x and all(isinstance(v, int) for v in x):
-        return math.prod(x)
-    return None
