@@ -646,35 +646,6 @@ def one_h200_stress(run: Run) -> tuple[Figure, ...]:
     return tuple(figs)
 
 
-#: The run folder of ``benchmarks/steps/jax_step.py``'s record (``jax_step.json``), listed
-#: once it exists (``benchmarks/run.sh jax`` on one H200 makes it).
-JAX_RUN = "run26-one-h200-jax"
-
-
-def one_h200_jax(run: Run) -> tuple[Figure, ...]:
-    """A JAX transformer's jitted step: unsharded, ``tidearray.jax``, the per-unit path."""
-    d = run.json("jax_step.json")
-    by = {r["impl"]: r for r in d["runs"]}
-    base = by["unsharded"]
-    figs = [Figure(f"Step time, {k}", "reference",
-                   f"{ms(r['median_step_s'])} ({x(r['median_step_s'] / base['median_step_s'])} "
-                   f"unsharded's); host CPU {ms(r['median_cpu_s'])} a step; peak "
-                   f"{gib(r['peak_bytes'])}") for k, r in by.items()]
-    tide, per_unit = by["tidearray"], by["per-unit"]
-    figs += [Figure("`tidearray.jax` step against the per-unit path", "faster",
-                    f"{ms(tide['median_step_s'])} vs {ms(per_unit['median_step_s'])}",
-                    tide["median_step_s"] < per_unit["median_step_s"]),
-             Figure("`tidearray.jax` peak memory against unsharded", "lower",
-                    f"{gib(tide['peak_bytes'])} vs {gib(base['peak_bytes'])}",
-                    tide["peak_bytes"] < base["peak_bytes"])]
-    copy = tide.get("slot_copy")
-    if copy:
-        figs.append(Figure("Slot -> XLA copy of the largest unit, against its gather",
-                           "reference", f"{copy['copy_us']:.1f} us vs {copy['gather_us']:.1f} "
-                           f"us ({copy['unit_bytes'] / 2**20:.0f} MiB)"))
-    return tuple(figs)
-
-
 def _train_log(path: str) -> tuple[dict, list]:
     """The summary rows (impl -> step ms, host ms, peak GiB) and the goal lines
     (goal, measured, met) that ``compare_train.py`` printed."""
@@ -747,11 +718,7 @@ def sections(root: str) -> list[Section]:
           "tests in loops while other jobs share the GPU: a 3-rank reduce-scatter loop, a "
           "2-rank graph-test loop, fp16 matrix products) and `sanitize` "
           "(docs/reliability.md, \"Under load\").", one_h200_stress),
-    ] + ([S(JAX_RUN, "A JAX transformer's jitted step: `tidearray.jax` against unsharded "
-            "and the per-unit path", "One rank: `benchmarks/steps/jax_step.py` (8 layers, "
-            "hidden 2048, 4096 tokens, bf16 parameters), medians after the warm-up; the "
-            "peak of each impl as its docstring says.", one_h200_jax)]
-         if os.path.isdir(os.path.join(root, RESULTS, JAX_RUN)) else [])
+    ]
 
 
 def _status(f: Figure) -> str:
