@@ -28,6 +28,8 @@ from tests import support as W
 from .harness.timing import MIN_ITERS
 
 COMMANDS: dict[str, Callable[[Any], None]] = {}
+#: The unit whose collectives the interference suite runs beside the GEMMs.
+INTERFERENCE_UNIT = "llama3.1-8b"
 
 
 def command(name: str) -> Callable:
@@ -77,7 +79,7 @@ def cmd_rs(ctx: Any) -> None:
 def cmd_interference(ctx: Any) -> None:
     from .harness import interference
 
-    unit = next(u for u in W.units(16 if ctx.args.quick else 1) if u.name == ctx.args.unit)
+    unit = next(u for u in W.units(16 if ctx.args.quick else 1) if u.name == INTERFERENCE_UNIT)
     interference.run(ctx, unit)
 
 
@@ -115,7 +117,6 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--docs", default=os.path.join(os.environ.get("OUT", "bench-out"),
                                                           "report"),
                            help="output directory (default $OUT/report, else bench-out/report)")
-            s.add_argument("--note", default="", help="a paragraph under the title")
             continue
         s.add_argument("--out", default="bench-out",
                        help="directory for bench.jsonl, bench.log and (all) report/")
@@ -128,7 +129,6 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--workloads", default="units,sizes,counts",
                        help="any of units,sizes,counts (ag, rs)")
         s.add_argument("--units", default="", help="comma list of unit names (default: all four)")
-        s.add_argument("--unit", default="llama3.1-8b", help="unit of the interference suite")
         s.add_argument("--device", default="auto", choices=("auto", "cuda", "host"))
         s.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures")
     return p
@@ -139,7 +139,7 @@ def main(argv: Any = None) -> int:
     if args.command == "report":
         from .harness.report import build
 
-        print(build(args.json, args.docs, args.note))
+        print(build(args.json, args.docs))
         return 0
     if args.iters < MIN_ITERS:
         print(f"note: --iters {args.iters} < {MIN_ITERS}: medians over fewer iterations "

@@ -47,22 +47,22 @@ DEFINITIONS = """\
 """
 
 
-def build(json_paths: list[str], docs: str, note: str = "") -> str:
+def build(json_paths: list[str], docs: str) -> str:
     """Write ``docs/README.md`` and plots from the records; returns the README path.
 
     Args:
         json_paths: JSON Lines record files (later records of a key win).
         docs: output directory.
-        note: a paragraph put under the title (e.g. what the run was for).
     """
     res = Results(load(json_paths))
     os.makedirs(docs, exist_ok=True)
+    note = ""
     try:
         pngs = [p for p in (f(res, docs) for f in plots.ALL) if p]
     except ImportError as e:  # matplotlib is the optional 'bench' extra
         pngs = []
-        note = (note + "\n\n" if note else "") + (
-            f"Plots left out: {e.name or e} is not installed (pip install 'tidearray[bench]').")
+        note = (f"Plots left out: {e.name or e} is not installed "
+                "(pip install 'tidearray[bench]').")
     text = render(res, pngs, note)
     path = os.path.join(docs, "README.md")
     with open(path, "w") as f:
