@@ -124,7 +124,7 @@ def test_the_report_gives_the_gemm_groups_and_the_collectives_time_beside_them()
               _kernel("nvjet_gemm", 10, 180), _kernel("nvjet_gemm", 300, 95)]
     traced = pool([split_gemms(alone, beside)])
     recs = [json.loads(line) for line in
-            (Path(__file__).resolve().parents[1] / "results/run14/records.jsonl").open()]
+            (Path(__file__).resolve().parents[2] / "benchmarks/results/run14/records.jsonl").open()]
     for r in recs:
         if r["suite"] == "interference" and r["impl"] == "tide" and r["metric"].startswith("rs:"):
             r["extra"]["cupti"] = traced

@@ -107,7 +107,7 @@ def test_every_field_has_its_environment_variable():
 def test_config_page_lists_every_variable_with_its_field_default_and_parser():
     """docs/config.md: a table row per field (its variable and default), and each
     variable under the parser its field's type gives it."""
-    page = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
     rows = {m[0]: (m[1], m[2]) for m in re.findall(
         r"^\| `(\w+)` \| `(TIDE_\w+)` \| ([^|]+?) \|", page, re.M)}
     parsing = page[page.index("## Parsing the environment variables"):]

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from .run import mpiexec_flags
+from ..run import mpiexec_flags
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 5.0
 RANKS = 3
 
@@ -107,7 +107,7 @@ def _run_job(backend: str, fault: str, **env: str) -> tuple[int, str, float]:
     if "--oversubscribe" in mpiexec:  # Open MPI passes on only what it is told to
         mpiexec += [a for v in [*env, "PYTHONPATH"] if v in env or v in os.environ
                     for a in ("-x", v)]
-    cmd = mpiexec + ["-n", str(RANKS), sys.executable, "tests/faults/worker.py", fault, token]
+    cmd = mpiexec + ["-n", str(RANKS), sys.executable, "tests/core/faults/worker.py", fault, token]
     environ = dict(os.environ, **env)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=environ, stdout=subprocess.PIPE,

@@ -10,7 +10,7 @@ import tidearray
 from tidearray import _validate
 from tidearray.layout import full_from_shards, shard_shape
 
-from ._util import DTYPES, bits, padded_shard, random_bits, torch_chunk_rows
+from .._util import DTYPES, bits, padded_shard, random_bits, torch_chunk_rows
 
 shape_st = st.tuples(st.integers(0, 40), st.lists(st.integers(0, 4), max_size=2)).map(
     lambda t: (t[0], *t[1]))

@@ -15,7 +15,7 @@ import pytest
 
 import tidearray
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_import_pulls_in_no_gpu_or_framework_module():

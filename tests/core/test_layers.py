@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "tidearray"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "tidearray"
 
 #: Lowest first; a module may import its own layer or lower ones. The facade
 #: (``tidearray``) sits with its consumers: it re-exports the core and the runtime.

@@ -14,7 +14,7 @@ from tidearray._layout import ALIGN, plan_unit, shard_spec
 from tidearray._schedule import ag_pieces
 from tidearray.layout import shard_shape
 
-from ._util import torch_chunk_rows
+from .._util import torch_chunk_rows
 
 worlds = st.integers(1, 64)
 shape_st = st.tuples(st.integers(0, 200), st.lists(st.integers(0, 7), max_size=2)).map(

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import pytest
 
-from .run import find_mpiexec, mpiexec_flags
+from ..run import find_mpiexec, mpiexec_flags
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
 RANKS = int(os.environ.get("TIDE_DOCS_RANKS", "2"))
 #: Seconds one block may take: a JAX block compiles its step, and two ranks share CI's

@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks import performance
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 FIX = f"run `{performance.COMMAND}` from the repository root"
 RUN_KEYS = ("name", "date", "commit", "machine", "command", "notes")

@@ -54,7 +54,7 @@ from tidearray.fsdp._norm import GlobalNorm, clip_scale, host_sum_squares
 from tidearray.fsdp._optim import FusedAdamW
 from tidearray.fsdp._rows import MAX_ROWS, group_runs
 
-from ._util import BF16, DTYPES, FP32, bits
+from .._util import BF16, DTYPES, FP32, bits
 
 STEPS = 10
 RTOL_MASTER = 3 * STEPS * 2**-24

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from .support import example
+from ..support import example
 
 llama = example("llama")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import tests.mpi.test_train as tt
+import tests.fsdp.mpi.test_train as tt
 from benchmarks.baselines import LocalComm, StockComm
 from tests._util import agree
 

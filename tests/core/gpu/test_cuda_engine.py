@@ -17,7 +17,7 @@ import tidearray
 from tidearray.backends._base import AccumPiece
 from tidearray.layout import shard_shape
 
-from .._util import stall
+from ..._util import stall
 from ._units import UNITS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]

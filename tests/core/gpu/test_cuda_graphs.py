@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 import tidearray as ta
 
-from .._util import BF16, FP32, agree, compare_bits, padded_shard, skip_in_debug, to_numpy
+from ..._util import BF16, FP32, agree, compare_bits, padded_shard, skip_in_debug, to_numpy
 from ..mpi._cases import full_params, poison, rank_grads
 from ..mpi.test_graphs import nonzero_flags
 

@@ -17,7 +17,7 @@ import pytest
 
 import tidearray as ta
 
-from .._util import agree
+from ..._util import agree
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.gpu]
 TIMEOUT_S = 3.0

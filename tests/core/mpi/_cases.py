@@ -15,7 +15,7 @@ import numpy as np
 import tidearray
 from tidearray.layout import shard_shape
 
-from .._util import (
+from ..._util import (
     agree,
     bits,
     compare_bits,

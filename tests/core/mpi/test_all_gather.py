@@ -16,7 +16,7 @@ from mpi4py import MPI
 import tidearray
 from tidearray.layout import unit_nbytes
 
-from .._util import (
+from ..._util import (
     BF16,
     DTYPES,
     FP16,

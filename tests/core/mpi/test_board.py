@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from .._util import agree
+from ..._util import agree
 
 pytestmark = pytest.mark.mpi
 

@@ -20,8 +20,8 @@ from mpi4py import MPI
 import tidearray
 from tidearray.layout import shard_shape
 
-from .._guard import guarded
-from .._util import agree, compare_bits, dtypes, seeds, shapes, torch_chunk_rows
+from ..._guard import guarded
+from ..._util import agree, compare_bits, dtypes, seeds, shapes, torch_chunk_rows
 from ._cases import compare_rs, full_params, rank_grads, rs_reference
 
 WORLD = MPI.COMM_WORLD.Get_size()

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 import tidearray as ta
 
-from .._util import BF16, FP32, agree, bits, padded_shard, to_numpy, to_xp
+from ..._util import BF16, FP32, agree, bits, padded_shard, to_numpy, to_xp
 from ._cases import documented_sum
 
 WORLD = MPI.COMM_WORLD.Get_size()

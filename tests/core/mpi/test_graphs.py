@@ -18,7 +18,7 @@ import tidearray as ta
 import tidearray._stamps as _stamps
 from tidearray._arena import ARRIVED, DONE, FREE, NUM_CHANNELS, NUM_KINDS, READY, STAMP
 
-from .._util import BF16, FP32, agree, compare_bits, padded_shard, to_numpy, to_xp
+from ..._util import BF16, FP32, agree, compare_bits, padded_shard, to_numpy, to_xp
 from ._cases import full_params, poison, rank_grads
 
 WORLD = MPI.COMM_WORLD.Get_size()
@@ -219,7 +219,7 @@ def test_a_captured_step_needs_the_cuda_backend(group):
         pytest.skip("the cuda backend captures (tests/gpu/test_captured_step.py)")
     from tidearray.fsdp import CapturedStep, Runtime
 
-    from ..support import example
+    from ...support import example
 
     train = example("train")
 

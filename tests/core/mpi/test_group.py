@@ -12,7 +12,7 @@ import tidearray
 from tidearray._group import default_group
 from tidearray.layout import full_from_shards
 
-from .._util import BF16, agree, bits, compare_bits, padded_shard, random_bits, to_numpy, to_xp
+from ..._util import BF16, agree, bits, compare_bits, padded_shard, random_bits, to_numpy, to_xp
 from ._cases import check_usable
 
 WORLD = MPI.COMM_WORLD.Get_size()

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from .._util import agree
+from ..._util import agree
 
 pytestmark = pytest.mark.mpi
 

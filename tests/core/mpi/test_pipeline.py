@@ -28,7 +28,7 @@ from mpi4py import MPI
 import tidearray as ta
 from tidearray._schedule import internode_ag_steps
 
-from .._util import (
+from ..._util import (
     DTYPES,
     FP16,
     agree,

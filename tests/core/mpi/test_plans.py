@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 import tidearray as ta
 
-from .._util import (
+from ..._util import (
     DTYPES,
     FP32,
     agree,

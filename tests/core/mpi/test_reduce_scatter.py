@@ -19,7 +19,7 @@ from tidearray._layout import plan_unit
 from tidearray._schedule import plan_reduce_scatter
 from tidearray.layout import shard_shape
 
-from .._util import BF16, FP16, FP32, agree, bits, dtypes, seeds, shapes, to_numpy, to_xp
+from ..._util import BF16, FP16, FP32, agree, bits, dtypes, seeds, shapes, to_numpy, to_xp
 from ._cases import (
     compare_rs,
     rank_grads,
@@ -198,7 +198,7 @@ def test_sum_order_is_local_rank_order(group, seed, op, dtype):
         g = rng.standard_normal(shape) * np.exp2(rng.integers(-8, top, shape))
         every.append(g.astype(dtype))
     xp = group.backend.xp
-    from .._util import to_xp
+    from ..._util import to_xp
 
     out = tidearray.reduce_scatter([to_xp(xp, every[group.rank])], op=op, group=group)[0]
     scale = np.float32(1.0 / WORLD if op == "avg" else 1.0)

@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 import tidearray as ta
 
-from .._util import FP32, agree, compare_bits, padded_shard, to_numpy, to_xp
+from ..._util import FP32, agree, compare_bits, padded_shard, to_numpy, to_xp
 from ._cases import rank_grads
 
 WORLD = MPI.COMM_WORLD.Get_size()

@@ -21,7 +21,7 @@ from mpi4py import MPI
 import tidearray
 from tidearray.layout import shard_shape
 
-from .._util import BF16, FP16, FP32, agree, compare_bits, to_numpy, to_xp
+from ..._util import BF16, FP16, FP32, agree, compare_bits, to_numpy, to_xp
 from ._cases import (
     POISON_BYTE,
     check_usable,

@@ -33,7 +33,7 @@ from tidearray._adamw import MAX_GROUPS, AdamW, ParamGroup
 from tidearray.fsdp._norm import GlobalNorm, clip_scale
 from tidearray.fsdp._optim import BLOCK, FusedAdamW
 
-from .._util import BF16, DTYPES, bits, stall
+from ..._util import BF16, DTYPES, bits, stall
 
 pytestmark = pytest.mark.gpu
 

@@ -12,8 +12,8 @@ import pytest
 
 import tidearray as ta
 
-from .._util import agree, skip_in_debug
-from ..support import example
+from ..._util import agree, skip_in_debug
+from ...support import example
 
 train = example("train")
 

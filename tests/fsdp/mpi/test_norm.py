@@ -19,7 +19,7 @@ import pytest
 from tidearray.fsdp import clip_scale
 from tidearray.fsdp._norm import GlobalNorm
 
-from .._util import agree, to_numpy, to_xp
+from ..._util import agree, to_numpy, to_xp
 
 pytestmark = pytest.mark.mpi
 REL = 1e-12

@@ -21,8 +21,8 @@ import tidearray
 from tidearray._adamw import adamw_numpy, coefficients
 from tidearray.fsdp import AdamW, clip_scale
 
-from .._util import agree
-from ..support import example
+from ..._util import agree
+from ...support import example
 
 llama, train = example("llama"), example("train")
 

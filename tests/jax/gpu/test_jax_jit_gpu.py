@@ -28,10 +28,10 @@ import pytest
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # ranks share the GPU
 jax = pytest.importorskip("jax")
 
-from .._util import agree  # noqa: E402
+from ..._util import agree  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "jax_train.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "jax_train.py"
 
 
 def _example() -> Any:

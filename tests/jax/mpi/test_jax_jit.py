@@ -41,8 +41,8 @@ import pytest
 from tidearray import TideInvalid
 from tidearray.fsdp import AdamW
 
-from .._util import agree, on_rank_zero
-from ._cases import poison
+from ..._util import agree, on_rank_zero
+from ...core.mpi._cases import poison
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pytest
 
-from .._util import agree, skip_in_debug
+from ..._util import agree, skip_in_debug
 
 torch = pytest.importorskip("torch")
 

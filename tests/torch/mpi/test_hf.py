@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from .._util import agree, on_rank_zero
+from ..._util import agree, on_rank_zero
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from .._util import agree, on_rank_zero
+from ..._util import agree, on_rank_zero
 from . import test_hf
 from .test_hf import LR, VOCAB, PerExpertMoE, _batch, _llama, _loss, _on_device, _per_expert, _seed
 

@@ -13,7 +13,7 @@ import copy
 import numpy as np
 import pytest
 
-from .._util import agree, on_rank_zero
+from ..._util import agree, on_rank_zero
 
 torch = pytest.importorskip("torch")
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from .._util import agree, compare_bits
+from ..._util import agree, compare_bits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
