@@ -1,6 +1,6 @@
 """Faults under mpiexec: a dead, stopped, failing or out-of-order rank.
 
-Each case starts ``tests/faults/worker.py`` on 3 ranks with ``TIDE_TIMEOUT`` = 5 s, on
+Each case starts ``tests/core/faults/worker.py`` on 3 ranks with ``TIDE_TIMEOUT`` = 5 s, on
 the host backend, and on the cuda backend where a GPU is visible (ranks share GPUs), and
 checks that the job ends within the timeout plus 10 s, that no process of it is left,
 that no rank ever returned wrong data, and what the survivors said. What each fault

@@ -1,4 +1,4 @@
-"""The guard pages that tests/mpi/test_bounds.py relies on really fault."""
+"""The guard pages that tests/core/mpi/test_bounds.py relies on really fault."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 ``UnitLifecycle`` ([Note: unit lifecycle] in ``tidearray/fsdp/_lifecycle.py``) and
 ``SlotTable`` ([Note: slots] in ``tidearray/fsdp/_slots.py``) are pure bookkeeping; the
-multi-rank tests (``tests/mpi/test_lifecycle.py``) check what training does with them.
+multi-rank tests (``tests/torch/mpi/test_lifecycle.py``) check what training does with them.
 """
 
 from __future__ import annotations

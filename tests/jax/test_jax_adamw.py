@@ -46,7 +46,7 @@ def _compare() -> None:
 
 def test_shard_adamw_without_clipping_needs_no_group():
     """A ShardAdamW that does not clip is made on one process alone (the references of the
-    multi-rank tests are): only a clipping one is collective (tests/mpi/test_jax_jit.py)."""
+    multi-rank tests are): only a clipping one is collective (tests/jax/mpi/test_jax_jit.py)."""
     opt = tj.ShardAdamW(AdamW(lr=1e-2))
     shards = {"w": jax.numpy.ones(3)}
     new, _ = opt.update(shards, {"w": jax.numpy.ones(3)}, opt.init(shards), opt.coefficients(1))

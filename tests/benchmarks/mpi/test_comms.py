@@ -1,5 +1,5 @@
 """The baseline comms (:class:`StockComm`, :class:`LocalComm`) under the library's trainer
-checks (``tests/mpi/test_train.py``): the single-process reference, bitwise agreement
+checks (``tests/fsdp/mpi/test_train.py``): the single-process reference, bitwise agreement
 with ``tide`` where sums are order-free, and the hook orders front ends produce."""
 
 from __future__ import annotations

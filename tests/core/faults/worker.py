@@ -1,6 +1,6 @@
-"""A loop of collectives in which rank 1 misbehaves once; run by tests/test_faults.py.
+"""A loop of collectives in which rank 1 misbehaves once; run by tests/core/test_faults.py.
 
-Usage: ``mpiexec -n N python tests/faults/worker.py FAULT TOKEN`` with FAULT one of
+Usage: ``mpiexec -n N python tests/core/faults/worker.py FAULT TOKEN`` with FAULT one of
 ``exit`` (rank 1 ``os._exit``), ``raise`` (rank 1 raises between collectives),
 ``stop`` (rank 1 stops itself with SIGSTOP), ``order`` (rank 1 calls two plans in the
 other order; run with ``TIDE_DEBUG=1``). TOKEN only marks the processes, so the test

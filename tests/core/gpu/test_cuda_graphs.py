@@ -1,7 +1,7 @@
 """CUDA graphs on the cuda backend: collectives inside a user's stream capture.
 
 Graph plans (``graph=True``) are tested with every other plan in
-``tests/mpi/test_graphs.py``, which runs on cuda too. Here the user captures: a gather
+``tests/core/mpi/test_graphs.py``, which runs on cuda too. Here the user captures: a gather
 plan, a reduce plan and an eager gather are issued inside ``Stream.begin_capture``,
 after one run outside it (the warm-up that uploads their tables), and the user's graph
 is replayed with new inputs written in place and poisoned outputs: the gathers are the

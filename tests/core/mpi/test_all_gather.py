@@ -1,6 +1,6 @@
 """TIDE-AG, multi-rank: bitwise equal to the reference, into poisoned slots, at any world size.
 
-Run with ``mpiexec -n N python -m pytest --with-mpi tests/mpi``. Every rank
+Run with ``mpiexec -n N python -m pytest --with-mpi tests/core/mpi``. Every rank
 generates the same full parameters from a shared seed, shards its own copy,
 gathers, and compares bits; failures are collective (``agree``).
 """

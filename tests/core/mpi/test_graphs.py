@@ -216,7 +216,7 @@ def test_a_captured_step_needs_the_cuda_backend(group):
     """``CapturedStep`` captures a CUDA graph: on the host backend it refuses, clearly, on
     every rank (and ``train.py --graph`` says so before building anything)."""
     if group.backend.name != "host":
-        pytest.skip("the cuda backend captures (tests/gpu/test_captured_step.py)")
+        pytest.skip("the cuda backend captures (tests/fsdp/gpu/test_captured_step.py)")
     from tidearray.fsdp import CapturedStep, Runtime
 
     from ...support import example

@@ -6,7 +6,7 @@ samples at once, one AdamW step per parameter. The runtime shards, gathers,
 reduces and steps per rank; its losses must match the reference's within
 1e-5 relative for 20 steps, at any world size, with and without gradient
 accumulation. Checkpoints must resume bit for bit. (The benchmark's baseline comms
-run these checks too: ``benchmarks/tests/mpi/test_comms.py``.)
+run these checks too: ``tests/benchmarks/mpi/test_comms.py``.)
 """
 
 from __future__ import annotations

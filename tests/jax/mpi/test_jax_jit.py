@@ -27,7 +27,7 @@
   shard's contents); bad stacked units and misuse of ``scan``/``apply`` raise.
 
 Fresh seeds every run (drawn on rank 0). Runs on the host backend at any world size;
-the cuda path is ``tests/gpu/test_jax_jit_gpu.py``. Skipped without JAX.
+the cuda path is ``tests/jax/gpu/test_jax_jit_gpu.py``. Skipped without JAX.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ EPS32 = float(np.finfo(np.float32).eps)
 @pytest.fixture(scope="module")
 def cpu_jax(group):
     if group.backend.name != "host":
-        pytest.skip("CPU JAX: the host backend (cuda: tests/gpu/test_jax_jit_gpu.py)")
+        pytest.skip("CPU JAX: the host backend (cuda: tests/jax/gpu/test_jax_jit_gpu.py)")
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_default_matmul_precision", "highest")
     return jax

@@ -246,7 +246,7 @@ def test_units_out_of_order_are_refused_at_the_first_forward(group):
 def test_a_captured_torch_step_needs_the_cuda_backend(group):
     """``model.capture_step`` captures with ``torch.cuda.graph``: on the host
     backend it refuses, clearly, on every rank, before touching CUDA
-    (tests/gpu/test_torch_graph.py replays it on the cuda backend)."""
+    (tests/torch/gpu/test_torch_graph.py replays it on the cuda backend)."""
     import tidearray
     import tidearray.torch as tt
 
