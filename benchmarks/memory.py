@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from tests.support import BF16_BYTES, MiB, Unit, units
-from tidearray._config import Config
-from tidearray._errors import TideInvalid
+from tidearray import Config, TideInvalid
 from tidearray.layout import MemoryReport, memory_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

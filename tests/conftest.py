@@ -128,7 +128,7 @@ def _timed_barrier(comm, item: pytest.Item) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _mpi_barrier(request: pytest.FixtureRequest):
+def mpi_barrier(request: pytest.FixtureRequest):
     """A barrier around each multi-rank test, so one test's traffic never meets the next's;
     the one after the test aborts the run when a rank never arrives (``_timed_barrier``)."""
     if not (_with_mpi(request.config) and request.node.get_closest_marker("mpi")):

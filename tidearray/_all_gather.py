@@ -1,16 +1,13 @@
 """TIDE-AG: each rank's shard lands straight in every peer's parameter storage.
 
-Every byte goes to the offset it occupies in the full parameter inside a
-slot; no flat buffer, no copy-out. Node-local transports, by copy engine
-between GPUs (``Config.ag_transport``; the own copy, within the GPU, the driver
-runs on the SMs: [Note: same-device copies]): ``push`` (default: one batch per peer, straight
-from the shards into its slot), ``pull`` (each rank stages its shards in its
-own slot, in parts, and peers read them from there), ``push-batch`` (all
-pushes in one batch), and
-multicast slots (one write reaches every peer). Across nodes, ranks with the
-same local rank first exchange shards by recursive doubling (pairwise for a
-node count that is not a power of two), straight into their slots; the
-node-local transport then spreads everything the column holds.
+Every byte goes to the offset it occupies in the full parameter inside a slot; no
+flat buffer, no copy-out. Node-local transports, by copy engine between GPUs (the
+own copy, within the GPU, the driver runs on the SMs: [Note: same-device copies]):
+pushes (one batch per peer, straight from the shards into its slot), or multicast
+slots (one write reaches every peer). Across nodes, ranks with the same local rank
+first exchange shards by recursive doubling (pairwise for a node count that is not a
+power of two), straight into their slots; the node-local transport then spreads
+everything the column holds.
 """
 
 from __future__ import annotations
@@ -20,20 +17,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import _dtypes, _stamps, _validate
-from ._arena import AG_CHANNEL, ARRIVED, DONE, FREE, READY, STAMP, Region
-from ._copies import split_copies
+from ._arena import AG_CHANNEL, ARRIVED, FREE, Region
 from ._errors import TideInvalid
 from ._group import Group, default_group
 from ._layout import UnitLayout, cached_unit, int_shapes, parse_shapes
 from ._schedule import ag_pieces, internode_ag_steps
-from .backends._base import AccumPiece
+from .backends import AccumPiece
 
 if TYPE_CHECKING:
-    from .backends._base import Executor
-
-#: Parts of a pull gather, and the unit size below which it uses one part.
-PULL_PARTS = 2
-PULL_SPLIT_MIN = 32 << 20
+    from .backends import Executor
 
 
 @functools.lru_cache(maxsize=1024)
@@ -128,11 +120,10 @@ def _check_shards(group: Group, layout: UnitLayout, shards: list, dtype: Any,
     return errors
 
 
+@dataclass(frozen=True)
 class Program:
-    """Every address an all-gather into one slot touches, computed once; each batch
-    compiled to its backend's form ([Note: compiled batches] in ``backends._base``)
-    for the transport that issues it, when that transport first does (a group's
-    transport is fixed, so once).
+    """Every address an all-gather into one slot touches, computed once; the copies
+    compiled to the backend's form ([Note: compiled batches] in ``backends._base``).
 
     Attributes:
         exchanges: inter-node steps as (sends, recvs) of (peer, addr, nbytes).
@@ -143,66 +134,18 @@ class Program:
             shards into its rows of the slot (then the gather runs in place: no
             own copies); None otherwise.
         out_dtype: the slot's dtype (what ``cast`` rounds to).
+        own: the compiled copies of this rank's shards into its own slot (a push
+            gather's; a multicast slot writes ``column`` instead).
+        pushes: per node-local peer, the compiled copies into that peer's slot in
+            arrival groups, as ``column``.
     """
 
-    def __init__(self, backend: Any, exchanges: tuple, own: tuple, pushes: dict,
-                 column: tuple, own_parts: list, pulls: dict, cast: Any, out_dtype: Any,
-                 peers: list) -> None:
-        self.exchanges, self.column, self.cast, self.out_dtype = (exchanges, column, cast,
-                                                                  out_dtype)
-        self._be, self._peers = backend, peers
-        self._raw = (own, pushes, own_parts, pulls)
-        self._compiled: dict = {}
-
-    def batches(self, transport: str) -> Batches:
-        """The compiled batches ``transport`` issues."""
-        found = self._compiled.get(transport)
-        if found is None:
-            found = self._compiled[transport] = self._compile(transport)
-        return found
-
-    def _compile(self, transport: str) -> Batches:
-        be, (own, pushes, own_parts, pulls) = self._be, self._raw
-        if transport == "pull":
-            return Batches(
-                own_parts=tuple(be.compile_copies([c for c in run if c[0] != c[1]], local=True)
-                                for run in own_parts),
-                pulls={q: tuple(be.compile_copies(run, split=True) for run in runs)
-                       for q, runs in pulls.items()})
-        if transport == "push-batch":
-            return Batches(batch=be.compile_copies(
-                own + tuple(c for p in self._peers for group in pushes[p] for c in group)))
-        return Batches(own=be.compile_copies(own, local=True),
-                       pushes={p: tuple(be.compile_copies(group, split=True) for group in groups)
-                               for p, groups in pushes.items()})
-
-
-@dataclass(frozen=True)
-class Batches:
-    """One transport's compiled copies of a :class:`Program`.
-
-    Attributes:
-        own: copies of this rank's shards into its own slot (``push``).
-        pushes: per node-local peer, the copies into that peer's slot in arrival
-            groups, as ``Program.column`` (``push``).
-        batch: the own copies, then every peer's pushes in issue order, as one
-            batch (``push-batch``).
-        own_parts: the own copies cut into the pull transport's parts.
-        pulls: per node-local peer, that peer's slot cut into the same parts,
-            as copies into this rank's slot.
-    """
-
-    own: Any = None
-    pushes: Any = None
-    batch: Any = None
-    own_parts: tuple = ()
-    pulls: Any = None
-
-
-def pull_parts(unit: UnitLayout) -> int:
-    """Parts a pull gather stages in: readers start on part 0 while the owner
-    still copies the rest. One part for small units, where a flag costs more."""
-    return 1 if unit.nbytes < PULL_SPLIT_MIN else PULL_PARTS
+    exchanges: tuple
+    column: tuple
+    cast: Any
+    out_dtype: Any
+    own: Any
+    pushes: dict
 
 
 def build_program(group: Group, unit: UnitLayout, shard_ptrs: Sequence[int],
@@ -237,22 +180,14 @@ def build_program(group: Group, unit: UnitLayout, shard_ptrs: Sequence[int],
     groups = _arrival_groups(column, topo)
     own = tuple((base + pc.offset, src(pc), pc.nbytes) for pc in column
                 if pc.rank == topo.rank and base + pc.offset != src(pc))
-    pushes = {p: tuple(tuple((slot.ptr(p) + pc.offset, src(pc), pc.nbytes) for pc in group)
+    pushes = {p: tuple(be.compile_copies(tuple((slot.ptr(p) + pc.offset, src(pc), pc.nbytes)
+                                               for pc in group), split=True)
                        for group in groups)
               for p in range(L) if p != me}
-    # Cut points depend only on piece sizes and order, so an owner and its
-    # readers cut the owner's column identically.
-    parts = pull_parts(unit)
-    own_parts = split_copies([(base + pc.offset, src(pc), pc.nbytes) for pc in column], parts)
-    pulls = {q: split_copies([(base + pc.offset, slot.ptr(q) + pc.offset, pc.nbytes)
-                              for pc in _pieces(unit, topo.column(q))], parts)
-             for q in range(L) if q != me}
-    program = Program(be, tuple(exchanges), own, pushes,
-                      tuple(tuple((pc.offset, src(pc), pc.nbytes) for pc in group)
-                            for group in groups), own_parts, pulls,
-                      cast, cast_to, [(me + k) % L for k in range(1, L)])
-    program.batches(_transport(group, slot))  # compiled now, not at the first call
-    return program
+    return Program(tuple(exchanges),
+                   tuple(tuple((pc.offset, src(pc), pc.nbytes) for pc in group)
+                         for group in groups),
+                   cast, cast_to, be.compile_copies(own, local=True), pushes)
 
 
 def _arrival_groups(column: tuple, topo: Any) -> tuple:
@@ -266,21 +201,14 @@ def _arrival_groups(column: tuple, topo: Any) -> tuple:
     return tuple(tuple(pc for pc in column if pc.rank // L in nodes) for nodes in arrivals)
 
 
-def _transport(group: Group, slot: Region) -> str:
-    return "multicast" if slot.buffer.multicast else group.config.ag_transport
-
-
 def grant(group: Group, ex: Executor, slot: Region) -> None:
     """Tell every node-local peer that our slot may take its next gather.
 
     A grant moves no data: it lets peers write our slot once our stream's
     earlier work (which may still read the slot) is done. It is issued only for
     a call every rank accepted: a rejected call must leave the slot to its owner,
-    who may write it before the next call. (A pull gather writes only its own
-    slot: no grants.)
+    who may write it before the next call.
     """
-    if _transport(group, slot) == "pull":
-        return
     topo = group.topology
     me, L = topo.local_rank, topo.local_size
     # On COMPUTE: after its earlier work, which may still read staging that a
@@ -305,7 +233,6 @@ def issue(group: Group, ex: Executor, program: Program, slot: Region,
     me, L = topo.local_rank, topo.local_size
     use = slot.uses[AG_CHANNEL] = slot.uses[AG_CHANNEL] + 1
     peers = [(me + k) % L for k in range(1, L)]
-    transport = _transport(group, slot)
     if program.cast:
         # On COMPUTE, after its earlier work: our rows may hold staging that a
         # reduce-scatter still reads (Slot-Reuse). Every copy that reads them
@@ -315,29 +242,20 @@ def issue(group: Group, ex: Executor, program: Program, slot: Region,
         # The exchanges write our slot, which may still hold staging that a
         # reduce-scatter reads on COMPUTE (Slot-Reuse), and send the cast's rows.
         ex.depend(ex.NET, ex.COMPUTE)
-    if transport in _STEPWISE:
-        _STEPWISE[transport](ex, slot, program, me, peers, use, stamps)
-    else:  # these spread the whole column at once: after every exchange
-        for sends, recvs in program.exchanges:
-            ex.exchange(ex.NET, sends, recvs)
-        after_net = bool(program.exchanges)
-        if transport == "pull":
-            _pull(ex, slot, program, me, peers, use, after_net, stamps)
-            return
-        _push_single_batch(ex, slot, program, me, peers, use, after_net, stamps)
+    if slot.buffer.multicast:
+        _push_multicast(ex, slot, program, me, peers, use, stamps)
+    else:
+        _push_per_peer(ex, slot, program, me, peers, use, stamps)
     for q in peers:
         ex.consume(ex.COMPUTE, slot.flag(me, AG_CHANNEL, ARRIVED, q), 1)
     if stamps is not None:
         stamps.snapshot(ex, ex.COMPUTE, slot, AG_CHANNEL, peers, use, f"slot {slot.id}")
 
 
-def _start(ex: Executor, lane: int, after_net: bool) -> None:
+def _start(ex: Executor, lane: int) -> None:
     # After COMPUTE's earlier work: a reduce-scatter may still be reading
-    # staging that lives in this slot (Slot-Reuse); after NET: the column's
-    # shards from other nodes must have landed.
+    # staging that lives in this slot (Slot-Reuse).
     ex.depend(lane, ex.COMPUTE)
-    if after_net:
-        ex.depend(lane, ex.NET)
 
 
 def _in_steps(ex: Executor, program: Program, deliver: Any) -> None:
@@ -350,38 +268,6 @@ def _in_steps(ex: Executor, program: Program, deliver: Any) -> None:
         deliver(s + 1)
 
 
-def _pull(ex: Executor, slot: Region, program: Program, me: int, peers: list, use: int,
-          after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
-    """Stage own shards in our slot part by part; read each peer's parts from its slot.
-
-    See [Note: ready/done] in ``_arena``. Our slot is written only by us, so no
-    grant is needed; our completion waits until every reader is done with it.
-    """
-    b = program.batches("pull")
-    _start(ex, me, after_net)
-    for k, part in enumerate(b.own_parts):
-        ex.copy(me, part)
-        if stamps is not None and k == len(b.own_parts) - 1:
-            stamps.send(ex, me, slot, AG_CHANNEL, me, use)  # before the last READY
-        for p in peers:
-            ex.signal(me, slot.flag(p, AG_CHANNEL, READY, me), k + 1)
-    for q in peers:
-        _start(ex, q, after_net)  # lane q writes into our slot too
-        last = len(b.pulls[q]) - 1
-        for k, part in enumerate(b.pulls[q]):
-            (ex.consume if k == last else ex.wait)(
-                q, slot.flag(me, AG_CHANNEL, READY, q), k + 1)
-            ex.copy(q, part)
-        if stamps is not None:  # q's stamp, read from q's slot after its last part
-            stamps.fetch(ex, q, slot.flag(q, AG_CHANNEL, STAMP, q), q, use,
-                         f"slot {slot.id} (pulled)")
-        ex.signal(q, slot.flag(q, AG_CHANNEL, DONE, me), 1)
-    for q in peers:
-        ex.consume(ex.COMPUTE, slot.flag(me, AG_CHANNEL, DONE, q), 1)
-    if stamps is not None:  # our own stamp, which every reader has fetched by now
-        stamps.reset(ex, ex.COMPUTE, slot.flag(me, AG_CHANNEL, STAMP, me))
-
-
 def _push_per_peer(ex: Executor, slot: Region, program: Program, me: int, peers: list, use: int,
                    stamps: Optional[_stamps.Stamps]) -> None:
     """One copy-engine batch per peer and arrival group, each on that peer's lane; our
@@ -390,7 +276,6 @@ def _push_per_peer(ex: Executor, slot: Region, program: Program, me: int, peers:
     The pushes are issued first: they are the long pole, and the own copy (a
     local copy at several times the link's rate) overlaps them.
     """
-    b = program.batches("push")
     for p in peers:
         if program.cast:
             ex.depend(p, ex.COMPUTE)
@@ -400,10 +285,10 @@ def _push_per_peer(ex: Executor, slot: Region, program: Program, me: int, peers:
         for p in peers:
             if group:  # what the exchange just issued brings
                 ex.depend(p, ex.NET)
-            ex.copy(p, b.pushes[p][group])
-        if group == 0 and b.own:  # none when the shards were cast into the slot
-            _start(ex, me, False)
-            ex.copy(me, b.own)
+            ex.copy(p, program.pushes[p][group])
+        if group == 0 and program.own:  # none when the shards were cast into the slot
+            _start(ex, me)
+            ex.copy(me, program.own)
 
     _in_steps(ex, program, deliver)
     for p in peers:
@@ -412,26 +297,10 @@ def _push_per_peer(ex: Executor, slot: Region, program: Program, me: int, peers:
         ex.signal(p, slot.flag(p, AG_CHANNEL, ARRIVED, me), 1)
 
 
-def _push_single_batch(ex: Executor, slot: Region, program: Program, me: int, peers: list,
-                       use: int, after_net: bool, stamps: Optional[_stamps.Stamps]) -> None:
-    """Own copy and every peer's push in one copy-engine batch, once all peers granted.
-
-    One batch lets the driver spread the copies over the copy engines itself
-    (NCCL's CE all-gather does the same). The own copies go whole in it, not cut
-    as the other transports' same-device copies are, and runs of equal ones may
-    become 2D copies ([Note: same-device copies]).
-    """
-    _start(ex, me, after_net)
-    for p in peers:
-        ex.consume(me, slot.flag(me, AG_CHANNEL, FREE, p), 1)
-    ex.copy(me, program.batches("push-batch").batch)
-    _arrive(ex, me, slot, peers, use, stamps)
-
-
 def _push_multicast(ex: Executor, slot: Region, program: Program, me: int, peers: list, use: int,
                     stamps: Optional[_stamps.Stamps]) -> None:
     """Each piece written once, to the multicast address: every peer's slot gets it."""
-    _start(ex, me, False)
+    _start(ex, me)
     for p in peers:  # every peer must have granted before the first write
         ex.consume(me, slot.flag(me, AG_CHANNEL, FREE, p), 1)
 
@@ -455,6 +324,3 @@ def _arrive(ex: Executor, me: int, slot: Region, peers: list, use: int,
             stamps.send(ex, me, slot, AG_CHANNEL, p, use)
         ex.signal(me, slot.flag(p, AG_CHANNEL, ARRIVED, me), 1)
 
-
-#: Transports that spread each arrival group as soon as it is in our slot.
-_STEPWISE = {"push": _push_per_peer, "multicast": _push_multicast}

@@ -16,31 +16,19 @@ For each use of a channel:
   ARRIVED word for that writer;
 * the owner waits for ARRIVED >= 1 from every writer, consumes it, then reads.
 
-[Note: ready/done]
-The pull all-gather reverses the direction: each rank reads peers' slots and
-writes only its own. An owner copies its shards into its own slot in parts
-and, after part ``k``, writes ``k + 1`` into every reader's READY word; a
-reader waits for ``k + 1``, copies the part from the owner's slot into its
-own, consumes READY after the last part and then writes 1 into the owner's
-DONE word. The owner consumes every reader's DONE before its collective
-completes, so the next write into its slot cannot race a slow reader.
-
 [Note: replay-safe flags]
-Every flag is written with the same value on every call, and every wait is
-for the same value, so a collective captured once (a CUDA graph, or a host
-recording) replays correctly. What makes that safe is the reset: each flag
-has one reader, who writes it back to 0 right after its wait, on the lane
-that waited, and the writer writes it again only after a chain that starts
-after that reset. For FREE: the writer's reset, then its copies and ARRIVED
-(same lane), which the owner waits for before it grants again (later, on the
-same lane as that wait). For ARRIVED: the owner's reset, then its next grant
-(same lane), which the writer waits for before it arrives again. READY and
-DONE alike, with the reader's DONE after its reset of READY, and the owner's
-next READY after its reset of DONE. So no write of 1 can land before the
-0 that precedes it, and between calls every flag is 0. A call consumes every
-flag it sets: the reduce-scatter grants a buffer again only for a chunk of
-the same call. Debug stamps carry use numbers ([Note: stamps]) and are reset
-by their readers the same way.
+Every flag is written with the same value on every call, and every wait is for the
+same value, so a collective captured once (a CUDA graph, or a host recording)
+replays correctly. What makes that safe is the reset: each flag has one reader, who
+writes it back to 0 right after its wait, on the lane that waited, and the writer
+writes it again only after a chain that starts after that reset. For FREE: the
+writer's reset, then its copies and ARRIVED (same lane), which the owner waits for
+before it grants again (later, on the same lane as that wait). For ARRIVED: the
+owner's reset, then its next grant (same lane), which the writer waits for before it
+arrives again. So no write of 1 can land before the 0 that precedes it, and between
+calls every flag is 0. A call consumes every flag it sets: the reduce-scatter grants
+a buffer again only for a chunk of the same call. Debug stamps carry use numbers
+([Note: stamps]) and are reset by their readers the same way.
 
 All waits are on local memory, all signals are remote writes issued on the
 same lane as the data they follow: zero SMs on the cuda backend.
@@ -58,13 +46,10 @@ if TYPE_CHECKING:
     from ._layout import UnitLayout
 
 FREE, ARRIVED = 0, 1
-#: Pull all-gather: the owner's part k is in its slot (READY, k + 1), and a reader
-#: finished pulling from the owner (DONE).
-READY, DONE = 2, 3
 #: Debug stamps ([Note: stamps] in ``_stamps``): a writer's use number, copied in
 #: after its data (STAMP, in the reader's memory), from a word of the writer's own (OUTBOX).
-STAMP, OUTBOX = 4, 5
-NUM_KINDS = 6
+STAMP, OUTBOX = 2, 3
+NUM_KINDS = 4
 AG_CHANNEL = 0
 #: Channel of reduce-scatter staging buffer ``b`` is ``RS_CHANNEL0 + b``.
 RS_CHANNEL0 = 1

@@ -9,7 +9,9 @@ from typing import Any, Callable, Optional
 
 from ._errors import TideInvalid
 
-AG_TRANSPORTS = ("pull", "push", "push-batch")
+AG_TRANSPORTS = ("push",)
+#: Transports measured and retired (docs/performance.md, "Retired experiments").
+RETIRED_AG_TRANSPORTS = ("pull", "push-batch")
 SYMMETRIC_MEMORY = ("auto", "vmm", "ipc")
 #: ``local_copy_max`` is a multiple of this (``_copies.SPLIT_ALIGN``): pieces keep their
 #: copy's vector alignment, and a tiny value cannot make millions of pieces.
@@ -51,13 +53,12 @@ class Config:
     ag_transport: str = "push"
     """How the node-local all-gather moves data, by copy engine between GPUs (the
     own copy, within the GPU, the driver runs on the SMs: ``local_copy_max``):
-    ``"push"`` (default: one batch per peer, each on its own lane, straight from
-    the shards into the peer's slot, and our own copy beside them: copy-engine
-    writes into a peer's memory were the fastest route measured), ``"pull"``
-    (each rank stages its shards in its own slot, in parts, and every peer reads
-    them from there: reads were slower, and the staging copy slows them), or
-    ``"push-batch"`` (own copy and every push in one batch on one lane, like
-    NCCL's CE all-gather). Env: ``TIDE_AG_TRANSPORT``."""
+    ``"push"``, the only one (one batch per peer, each on its own lane, straight
+    from the shards into the peer's slot, and our own copy beside them:
+    copy-engine writes into a peer's memory were the fastest route measured).
+    ``"pull"`` (measured slower) and ``"push-batch"`` (no faster) were removed:
+    they raise ``TideInvalid``. Multicast slots (``multicast``) write once instead.
+    Env: ``TIDE_AG_TRANSPORT``."""
 
     accum_ctas: Optional[int] = None
     """CTAs of the reduce-scatter's accumulate kernel; None means half the SMs.
@@ -83,11 +84,10 @@ class Config:
     Env: ``TIDE_BATCH_COPIES``."""
 
     local_copy_max: int = 8 << 20
-    """Same-device copies (the all-gather's own copy, except in ``push-batch``;
-    the pull transport's staging; the reduce-scatter's copy from NCCL's buffer
-    into ``out`` across nodes) are cut into pieces of at most this many bytes
-    (8 MiB), in the call's batch (one memcpy each where batches are off), never
-    merged into 2D copies.
+    """Same-device copies (the all-gather's own copy; the reduce-scatter's copy
+    from NCCL's buffer into ``out`` across nodes) are cut into pieces of at most
+    this many bytes (8 MiB), in the call's batch (one memcpy each where batches
+    are off), never merged into 2D copies.
     The driver runs such copies on the SMs, and large ones slow a concurrent
     kernel most; pieces of this size in one batch slowed it least
     ([Note: same-device copies] in the cuda backend's ``copies``). 0 leaves them
@@ -96,10 +96,10 @@ class Config:
 
     local_copy_kernel_min: int = 64
     """A cached batch of at least this many same-device copies (64; the all-gather's
-    own copy, the pull transport's staging, the reduce-scatter's copy out of
-    NCCL's buffer across nodes) goes as one copy kernel (``kernels/pack.cu``, on
-    a quarter of the SMs) instead of the driver's batch: the driver spends
-    microseconds of host time on each same-device copy, so a unit of many
+    own copy, the reduce-scatter's copy out of NCCL's buffer across nodes) goes as
+    one copy kernel (``kernels/pack.cu``, on a quarter of the SMs) instead of the
+    driver's batch: the driver spends microseconds of host time on each
+    same-device copy, so a unit of many
     parameters held as separate arrays was bound by that issue. The driver runs
     such copies on the SMs either way.
     0: never (TIDE-AG then launches no kernel). Env: ``TIDE_LOCAL_COPY_KERNEL_MIN``."""
@@ -160,6 +160,11 @@ class Config:
     def check(self) -> None:
         if self.backend not in ("auto", "cuda", "host"):
             raise TideInvalid(f"backend: expected 'auto', 'cuda' or 'host', got {self.backend!r}")
+        if self.ag_transport in RETIRED_AG_TRANSPORTS:
+            raise TideInvalid(f"ag_transport: expected 'push' (the one all-gather transport "
+                              f"left; multicast=True for multicast slots), got "
+                              f"{self.ag_transport!r}, which was measured and removed "
+                              f"(docs/performance.md, Retired experiments)")
         if self.ag_transport not in AG_TRANSPORTS:
             raise TideInvalid(f"ag_transport: expected one of {AG_TRANSPORTS}, got "
                               f"{self.ag_transport!r}")

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
     from ._board import HostBoard
-    from .backends._base import Backend
+    from .backends import Backend
 
 _default: Optional[Group] = None
 

@@ -65,7 +65,7 @@ from ._schedule import RsPlan, plan_reduce_scatter
 from ._work import Work, finish
 
 if TYPE_CHECKING:
-    from .backends._base import Executor
+    from .backends import Executor
 
 #: Programs an eager reduction without ``out=`` keeps, one per receive buffer: each
 #: call returns new arrays, and the memory pool often hands back the same address.

@@ -48,10 +48,10 @@ from ._layout import ShardSpec, UnitLayout, cached_unit
 from ._schedule import RsChunk, RsPiece, RsPlan, plan_reduce_scatter
 from ._topology import Topology
 from ._validate import overlaps
-from .backends._base import AccumPiece
+from .backends import AccumPiece
 
 if TYPE_CHECKING:
-    from .backends._base import Executor
+    from .backends import Executor
 
 OPS = ("sum", "avg")
 
@@ -226,7 +226,7 @@ def build_program(group: Group, red: Reduce, outs: Optional[Sequence[int]],
             out = functools.partial(_into_partials, plan, partial)
             net = _net_stage(group, unit, plan, k, partial, staging.ptr(me) + plan.receive_offset,
                              out_ptrs)
-        pieces = _accum_pieces(unit, chunk, topo, grad_ptrs, out, src_base)
+        pieces = accum_pieces(unit, chunk, topo, grad_ptrs, out, src_base)
         chunks.append((pushes, be.compile_pieces(pieces, red.dtype), net))
     zeros = []
     for spec, ptr in zip(unit.specs, out_ptrs):  # padding rows: nobody contributes
@@ -347,8 +347,8 @@ def _into_partials(plan: RsPlan, partial: int, m: int, pc: RsPiece, spec: ShardS
     return partial + (m * plan.net_numel + pc.offset // plan.itemsize) * 4
 
 
-def _accum_pieces(unit: UnitLayout, chunk: RsChunk, topo: Topology, grad_ptrs: list[int],
-                  out: Any, src_base: dict) -> list[AccumPiece]:
+def accum_pieces(unit: UnitLayout, chunk: RsChunk, topo: Topology, grad_ptrs: list[int],
+                 out: Any, src_base: dict) -> list[AccumPiece]:
     """The node-local sums of ``chunk``: for each node's rank of our column (only us on
     one node), our node's sources in local-rank order, into ``out(node, piece, spec)``."""
     me, L = topo.local_rank, topo.local_size

@@ -32,7 +32,7 @@ from ._errors import agree
 
 if TYPE_CHECKING:
     from ._group import Group
-    from .backends._base import Executor
+    from .backends import Executor
 
 
 class Stamps:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, Generic, Optional, TypeVar
 
 if TYPE_CHECKING:
     from ._stamps import Stamps
-    from .backends._base import Completion, Executor
+    from .backends import Completion, Executor
 
 T = TypeVar("T")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import tidearray as ta
 from tests.support import units
-from tidearray._shard import shard_shape
+from tidearray.layout import shard_shape
 
 REPS = 30
 

@@ -78,8 +78,11 @@ def communicator(comm: Any, cta_policy: Optional[str] = None) -> Any:
 
 
 def raw(nccl_comm: Any) -> Any:
-    """The bindings-level communicator object that the raw calls take."""
-    return nccl_comm._comm
+    """The bindings-level communicator object that the raw calls take: a handle over the
+    communicator's public pointer (it owns nothing)."""
+    from nccl.bindings import nccl as nb
+
+    return nb.Comm(nccl_comm.ptr)
 
 
 def all_gather(nccl_comm: Any, send: int, recv: int, count: int, dtype: str,

@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from tests.support import Unit, values
-from tidearray._dtypes import bfloat16, float32
-from tidearray._layout import ShardSpec, shard_spec
+from tidearray import bfloat16, float32
+from tidearray.layout import ShardSpec, shard_spec
 
 GRAD_SEED = 1_000_003
 #: Seed offset of each :meth:`UnitData.renew` round; exponent range of the gradients.

@@ -184,7 +184,7 @@ class CudaDevice:
         """A bf16 ``(m, k) @ (k, n)`` product on the side stream (cuBLAS via CuPy)."""
         import cupy
 
-        from tidearray._dtypes import bfloat16
+        from tidearray import bfloat16
 
         with self.side_stream:
             a = (cupy.random.standard_normal((m, k), dtype=cupy.float32) * 0.01).astype(bfloat16)

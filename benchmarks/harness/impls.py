@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from tidearray._dtypes import bfloat16, float32
+from tidearray import bfloat16, float32
 
 from ..baselines import pack
 from .data import UnitData, as_f32_shards
@@ -43,10 +43,9 @@ class Tide(Impl):
 
     def setup(self, data: UnitData) -> Prepared:
         import tidearray as ta
-        from tidearray._all_gather import unit_nbytes
         from tidearray._arena import Region
-        from tidearray._layout import plan_unit
         from tidearray._schedule import plan_reduce_scatter
+        from tidearray.layout import plan_unit, unit_nbytes
 
         ctx, g = self.ctx, self.ctx.group
         shapes, xp, stream = data.unit.shapes, ctx.dev.xp, ctx.dev.stream
@@ -91,20 +90,6 @@ class Tide(Impl):
         return phases if ok else {}
 
 
-def _swapped(obj: Any, attr: str, value: Any, fn: Callable[[], Any]) -> Callable[[], None]:
-    """``fn`` as a call that runs with ``obj.attr`` set to ``value``, restored after."""
-
-    def run() -> None:
-        saved = getattr(obj, attr)
-        setattr(obj, attr, value)
-        try:
-            fn()
-        finally:
-            setattr(obj, attr, saved)
-
-    return run
-
-
 @register
 class TidePlan(Tide):
     """TIDE-AG / TIDE-RS through persistent plans: the path ``tidearray.fsdp`` takes."""
@@ -131,24 +116,6 @@ class TidePlan(Tide):
         return Prepared(ag, lambda: reduce(stream=stream), lambda: last["ag"], lambda: outs,
                         {}, slot.nbytes + staging.nbytes + sum(o.nbytes for o in outs),
                         _release(last, slot, staging))
-
-
-@register
-class TidePull(Tide):
-    """TIDE-AG over copy-engine pulls instead of pushes, in the same run as ``tide``."""
-
-    name = "tide-pull"
-    description = ("TIDE-AG with ag_transport='pull' (own shards staged in our slot, "
-                   "read by each peer)")
-    ops = ("ag",)
-
-    def setup(self, data: UnitData) -> Prepared:
-        import dataclasses
-
-        prep = super().setup(data)
-        g = self.ctx.group
-        ag = _swapped(g, "config", dataclasses.replace(g.config, ag_transport="pull"), prep.ag)
-        return dataclasses.replace(prep, ag=ag, rs=None, rs_out=None, phases={})
 
 
 @register

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from tests import support as W
-from tidearray._dtypes import bfloat16
+from tidearray import bfloat16
 
 #: Units of the ``plan-400`` case (the plans share two slots).
 MANY = 400
@@ -52,8 +52,7 @@ def unit_buffers(g: Any, xp: Any, u: Any) -> tuple:
     ``tidearray.fsdp`` makes them), a two-slot arena, its full parameters, this rank's
     shards of them and gradients of ones."""
     import tidearray as ta
-    from tidearray._all_gather import unit_nbytes
-    from tidearray._plan import slot_chunk_nbytes
+    from tidearray.layout import slot_chunk_nbytes, unit_nbytes
 
     chunk = slot_chunk_nbytes(unit_nbytes(u.shapes, bfloat16, group=g), g)
     unit = ta.Unit(u.shapes, bfloat16, group=g, chunk_nbytes=chunk)

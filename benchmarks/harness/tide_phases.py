@@ -38,9 +38,9 @@ def peer_copy_phase(ctx: Any, data: Any, slot: Any) -> Phase:
 
 def accumulate_phase(ctx: Any, data: Any, plan: Any, staging: Any, outs: list) -> Optional[Phase]:
     """TIDE-RS's accumulate launches alone, or None where the topology has several nodes."""
-    from tidearray._dtypes import bfloat16
-    from tidearray._layout import plan_unit
-    from tidearray._reduce_scatter import _accum_pieces
+    from tidearray import bfloat16
+    from tidearray._reduce_scatter import accum_pieces
+    from tidearray.layout import plan_unit
 
     g = ctx.group
     topo = g.topology
@@ -56,7 +56,7 @@ def accumulate_phase(ctx: Any, data: Any, plan: Any, staging: Any, outs: list) -
         boff = plan.buffer_of(k) * plan.buffer_nbytes
         src_base = {q: staging.ptr(me) + boff + ((q - me) % L - 1) * plan.source_nbytes
                     for q in peers}
-        per_chunk.append(_accum_pieces(unit, chunk, topo, grad_ptrs, out_ptrs, src_base))
+        per_chunk.append(accum_pieces(unit, chunk, topo, grad_ptrs, out_ptrs, src_base))
     stream, scale = ctx.dev.stream, 1.0 / g.size
     seen: dict[str, Any] = {}
 

@@ -12,10 +12,9 @@ import pytest
 from benchmarks import memory
 from tests.support import units
 from tidearray import TideInvalid
-from tidearray._layout import plan_unit
 from tidearray._schedule import plan_reduce_scatter
 from tidearray._topology import Topology
-from tidearray.layout import memory_report
+from tidearray.layout import memory_report, plan_unit
 
 ROOT = Path(__file__).resolve().parents[2]
 SCALING = memory.Settings(ranks=(16, 32, 64, 128, 512), local_size=8)

@@ -62,6 +62,19 @@ def test_rejects_bad_values(key, value, word):
     assert repr(value) in str(info.value) or str(value) in str(info.value)
 
 
+@pytest.mark.parametrize("value", ["pull", "push-batch"])
+def test_retired_transports_name_what_remains(value):
+    """A transport measured and removed is refused, by keyword and by environment,
+    with a message that names the one left and where the measurement is."""
+    for kwargs, env in (({"ag_transport": value}, {}), ({}, {"TIDE_AG_TRANSPORT": value})):
+        with pytest.raises(tidearray.TideInvalid, match="ag_transport") as info:
+            Config.make(env=env, **kwargs)
+        text = str(info.value)
+        assert "expected 'push'" in text and repr(value) in text and "multicast" in text
+        assert "Retired experiments" in text
+    assert Config.make(env={"TIDE_AG_TRANSPORT": "push"}).ag_transport == "push"
+
+
 @pytest.mark.parametrize("var,value", [("TIDE_LOCAL_SIZE", "two"), ("TIDE_CHUNK_BYTES", "1.5x"),
                                        ("TIDE_DEPTH", "0"), ("TIDE_BACKEND", "tpu"),
                                        ("TIDE_SYMMETRIC_MEMORY", "posix"),
@@ -145,6 +158,6 @@ def test_info_names_the_settings_not_at_their_defaults():
     from tidearray.info import settings_changed
 
     assert settings_changed(Config.make(env={})) == []
-    changed = settings_changed(Config.make(env={"TIDE_AG_TRANSPORT": "pull", "TIDE_DEPTH": "2"},
+    changed = settings_changed(Config.make(env={"TIDE_CE_SPLIT": "2", "TIDE_DEPTH": "2"},
                                            chunk_nbytes=8192))
-    assert changed == ["chunk_nbytes=8192", "ag_transport='pull'"]
+    assert changed == ["chunk_nbytes=8192", "ce_split=2"]

@@ -7,15 +7,19 @@ into the slots; the baselines keep bf16 send shards, which the AdamW writes
 too). It knows nothing of autograd: a front end
 calls its hooks (see ``docs/fsdp.md``). :class:`UnitComm` is the extension point of
 ``Runtime(comm=...)``: a comm of one's own (FSDP2's flat path, in the benchmarks).
+:class:`State`, :class:`UseToken` and ``BLIND`` are a unit's lifecycle as front ends
+(``tidearray.torch``) read it.
 """
 
 from .._adamw import AdamW, ParamGroup
 from ._checkpoint import export, load, save
 from ._comm import UnitComm
 from ._graph import CapturedStep
+from ._lifecycle import BLIND, State, UseToken
 from ._norm import GradScale, clip_scale
 from ._optim import FusedAdamW
+from ._options import FrontEnd
 from ._runtime import Runtime
 
-__all__ = ["AdamW", "CapturedStep", "FusedAdamW", "GradScale", "ParamGroup", "Runtime",
-           "UnitComm", "clip_scale", "export", "load", "save"]
+__all__ = ["BLIND", "AdamW", "CapturedStep", "FrontEnd", "FusedAdamW", "GradScale", "ParamGroup",
+           "Runtime", "State", "UnitComm", "UseToken", "clip_scale", "export", "load", "save"]

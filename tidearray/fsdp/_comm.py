@@ -33,7 +33,7 @@ the slot the unit just vacated (Slot-Reuse).
 Every implementation keeps ``num_slots`` gradient buffers in the param dtype:
 unit ``i`` in slot ``k`` writes its gradients into buffer ``k``, and the
 runtime waits for that buffer's previous reduction before handing it out
-again ([Note: gradient buffers] in ``_runtime``).
+again ([Note: gradient buffers] in ``_accum``).
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ from .._errors import TideInvalid
 from .._layout import UnitLayout, cached_unit
 from .._plan import Unit, slot_chunk_nbytes
 from .._work import Work
-from ..backends._base import Completion
+from ..backends import Completion
 from ._shards import ShardArena
+from ._slots import slot_units
 
 if TYPE_CHECKING:
     from .._group import Group
@@ -125,10 +126,8 @@ class UnitComm(abc.ABC):
         self.num_slots = num_slots
         self.layouts: list[UnitLayout] = [cached_unit(s, self.dtype.itemsize, self.world)
                                           for s in self.shapes]
-        #: Per slot, the units gathered into it (the root's own slot last).
-        self.slot_units: list[list[int]] = [[] for _ in range(num_slots + root)]
-        for i in range(len(self.shapes)):
-            self.slot_units[num_slots if root and i == 0 else i % num_slots].append(i)
+        #: Per slot, the units gathered into it (the root's own slot last; [Note: slots]).
+        self.slot_units: list[list[int]] = slot_units(len(self.shapes), num_slots, root)
         self._grad_bufs = [self.xp.empty((self.slot_max(k, lambda u: self.layouts[u].nbytes),),
                                          np.uint8) for k in range(len(self.slot_units))]
         self._grad_views: dict = {}

@@ -79,10 +79,8 @@ class CapturedStep:
         # trainer step peaked at 1.35x the eager one's with both held).
         cupy.get_default_memory_pool().free_all_blocks()
         self.pool = cupy.cuda.MemoryPool()  # the graph's own memory ([Note: captured steps])
-        count = opt.step_count
-        with cupy.cuda.using_allocator(self.pool.malloc):
-            self.graph, self.result = self._capture(step)
-        opt.step_count = count  # the capture ran no step; each replay counts one
+        with cupy.cuda.using_allocator(self.pool.malloc):  # counts no step: each replay
+            self.graph, self.result = self._capture(step)  # does ([Note: step counts])
         self.grad_scale = model.captured_scale().factor  # what each replay stages
 
     def _capture(self, step: Callable[[], Any]) -> tuple[Any, Any]:

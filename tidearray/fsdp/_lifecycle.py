@@ -132,6 +132,11 @@ class UnitLifecycle:
         """Whether open unit ``i`` is done by what the tokens say: none pending, not blind."""
         return self.state[i] is State.BACKWARD and not self._blind[i] and not self.waits(i)
 
+    def may_give_up(self, i: int) -> bool:
+        """Whether gathered unit ``i`` may lose its slot: neither running nor open for its
+        backward (its next use, or its backward, gathers it again)."""
+        return i not in self.running and self.state[i] is not State.BACKWARD
+
     def closable_above(self, i: int) -> list[int]:
         """The open units above ``i`` that wait for no tracked use, in descending order:
         they close before ``i`` does ([Note: unit lifecycle], order)."""
@@ -150,6 +155,10 @@ class UnitLifecycle:
             self._blind[i] = True
         elif token is not None:
             self._pending[i].add(token)
+
+    def forward_issued(self, i: int) -> None:
+        """A ``post_forward`` of unit ``i``: it is no longer running."""
+        self.running.discard(i)
 
     def use_done(self, i: int, token: Any) -> None:
         self._pending[i].discard(token)

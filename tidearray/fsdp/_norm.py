@@ -12,7 +12,7 @@ order whatever the call, which a stream capture can hold.
 
 [Note: clipping]
 The norm spans every rank's shard, so the optimizer cannot clip by itself: the
-runtime clips (``Runtime.finalize_grads``, through its :class:`Clipper`), and
+runtime clips (``Runtime.finalize_grads``, through ``_accum.GradAccumulator``), and
 the result is a value, :class:`GradScale`, whose ``factor`` the fused AdamW
 takes as its ``grad_scale``. The averaging ``1 / (world x micro-batches)``
 multiplies into that same factor, so the norm is of the averaged gradient,
@@ -218,72 +218,3 @@ class GlobalNorm:
         if self._gather is None:
             return self.local
         return self._gather(stream=stream)[0].view(np.float64)
-
-
-class Clipper:
-    """The runtime's clip between its calls ([Note: clipping]): the global norm, made at
-    its first use, and the clip that ``clip_grad_norm_`` finalized for the next step.
-
-    Args:
-        group: the group the gradient shards are spread over.
-        world: the ranks they are sharded over (1: no exchange).
-        xp: the array module of the shards (numpy or cupy).
-    """
-
-    def __init__(self, group: Group, world: int, xp: Any) -> None:
-        self._group, self._world, self._xp = group, world, xp
-        self._norm: Optional[GlobalNorm] = None
-        # clip_grad_norm_'s finalized gradients, which the next step takes, with the
-        # micro-batches they cover.
-        self._held: Optional[tuple[int, GradScale]] = None
-
-    def global_norm(self) -> GlobalNorm:
-        """The :class:`GlobalNorm`, made at its first use (collective: every rank makes it
-        at the same call)."""
-        if self._norm is None:
-            self._norm = GlobalNorm(self._group if self._world > 1 else None, self._world,
-                                    self._xp)
-        return self._norm
-
-    def clip(self, grad: Any, average: float, max_norm: float, *, stream: Any,
-             capturing: bool, table: Any, table_shape: tuple[int, int, int]) -> GradScale:
-        """:meth:`GlobalNorm.clip` of the averaged gradient: the host computes the clip
-        factor, or, where the stream is ``capturing``, the device, into the optimizer's
-        coefficient ``table`` (laid out as ``table_shape``; None: not made yet).
-
-        Raises:
-            TideInvalid: inside a capture, the norm or the table not made before it
-                (``Runtime.prepare_capture``).
-        """
-        if not capturing:
-            return self.global_norm().clip(grad, average, max_norm, stream=stream)
-        if self._norm is None or table is None:
-            raise TideInvalid("clip_grad_norm_ inside a stream capture: expected "
-                              "prepare_capture() before the capture (it makes what the "
-                              "captured clip reads), got none")
-        return self._norm.clip(grad, average, max_norm, stream=stream, table=table,
-                               table_shape=table_shape)
-
-    def hold(self, micro: int, scale: GradScale) -> None:
-        """Keep ``clip_grad_norm_``'s finalized gradients, of ``micro`` micro-batches, for
-        the next step."""
-        self._held = (micro, scale)
-
-    def drop(self) -> None:
-        """Forget the held clip (the gradients it was of were dropped)."""
-        self._held = None
-
-    def take(self, micro: int, in_backward: bool) -> Optional[GradScale]:
-        """The held clip's scale, no longer held; None where none is.
-
-        Raises:
-            TideInvalid: a backward began since the clip (``in_backward``, or ``micro``
-                micro-batches now); the clip is dropped all the same.
-        """
-        held, self._held = self._held, None
-        if held is None:
-            return None
-        if in_backward or micro != held[0]:
-            raise TideInvalid("step: expected no backward between clip_grad_norm_ and the "
-                              "step (its norm is of the gradient before), got one")
-        return held[1]

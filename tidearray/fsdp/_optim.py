@@ -27,12 +27,22 @@ step may come on any stream ([Note: initialized memory] in
 write the index and tables on their own stream, their coefficients copied from
 pinned memory that outlives the copy (the backend's ``uploader``), so the steps of one
 optimizer must be ordered (one stream, or events).
+
+[Note: step counts]
+The optimizer is the one home of the step count (:attr:`FusedAdamW.step_count`,
+and each parameter's own count, ``param_steps``): a step counts when it runs,
+an eager :meth:`FusedAdamW.step` after its launch is issued, a replay of a
+captured step in :meth:`FusedAdamW.stage_step`. A step issued inside a stream
+capture runs nothing and counts nothing (its coefficients are those of the
+step it would be, checked as an eager step checks them), so a captured step
+(``fsdp._graph``) leaves the counts as it found them, with no one outside
+correcting them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 
@@ -72,6 +82,17 @@ TABLE_KERNELS = {k: v.replace("adamw_", "adamw_table_") for k, v in KERNELS.item
 #: The kernel argument ``CoeffTable`` of ``kernels/adamw.cu``: ``MAX_GROUPS`` rows
 #: of :class:`Coefficients`, float32, in their order.
 _COEFF_TABLE = np.dtype([("c", np.float32, (MAX_GROUPS, len(Coefficients._fields)))])
+
+
+class TableLayout(NamedTuple):
+    """Where a captured step's ``grad_scale`` lies in :attr:`FusedAdamW.coeff_dev`."""
+
+    #: The rows a captured step may read.
+    rows: int
+    #: A row's width, in floats.
+    width: int
+    #: The index of ``grad_scale`` in a row.
+    field: int
 
 
 def _coeff_rows(cs: dict[int, Coefficients], rows: int) -> np.ndarray:
@@ -167,8 +188,8 @@ class FusedAdamW:
         self.coeff_dev: Any = None  # a captured step's coefficients (prepare_capture)
         self._captured: Optional[Captured] = None  # and what it reads
         self.step_count = 0
-        """Steps taken (calls of :meth:`step`, and replays); a parameter's own count is
-        in :attr:`param_steps`."""
+        """Steps taken ([Note: step counts]); a parameter's own count is in
+        :attr:`param_steps`."""
 
     @property
     def hp(self) -> AdamW:
@@ -213,14 +234,14 @@ class FusedAdamW:
         return self._exp_avg_sq
 
     @property
-    def table_layout(self) -> tuple[int, int, int]:
+    def table_layout(self) -> TableLayout:
         """Where a captured step's ``grad_scale`` lies in :attr:`coeff_dev`: ``(rows,
         width, field)``, the rows a captured step may read, their width in floats and the
         field's index. ``rows`` is every row of the table (``MAX_ROWS``): a clip writes
         them before the step it scales is issued, and that step picks its rows from
         which parameters are present ([Note: absent gradients] in ``_rows``)."""
         fields = Coefficients._fields
-        return MAX_ROWS, len(fields), fields.index("grad_scale")
+        return TableLayout(MAX_ROWS, len(fields), fields.index("grad_scale"))
 
     def step(self, grad: Array, *, grad_scale: float = 1.0,
              lr: Union[float, Sequence[float], None] = None, stream: Any = None,
@@ -262,16 +283,16 @@ class FusedAdamW:
             raise TideInvalid(f"grad_scale: expected a real number, got {grad_scale!r}")
         mask = self._plan.mask(present)
         rows = self._plan.rows(mask)
-        self.step_count += 1
-        cs = self._coefficients(rows.pairs, lrs, float(grad_scale))
+        cs = self._coefficients(rows.pairs, lrs, float(grad_scale), self.step_count + 1)
         if self._xp is not np:
             if self._step_cupy(grad, rows, cs, mask, stream):
-                return  # captured: only the replays count ([Note: absent gradients])
+                return  # captured: only the replays count ([Note: step counts])
         else:
             for lo, hi, r in self._plan.host_runs(rows):  # one row: one run, the whole arena
                 send = None if self._send is None else self._send[lo:hi]
                 adamw_numpy(self._master[lo:hi], self._exp_avg[lo:hi], self._exp_avg_sq[lo:hi],
                             grad[lo:hi], send, cs[r])
+        self.step_count += 1
         self._plan.advance(mask)
 
     def state_dict(self) -> dict:
@@ -351,13 +372,13 @@ class FusedAdamW:
         lrs = self._group_lrs(lr)
         rows = self._plan.rows(cap.present)
         pairs = cap.pairs(rows)
-        self.step_count += 1
-        cs = self._coefficients(pairs, lrs, float(grad_scale))
+        cs = self._coefficients(pairs, lrs, float(grad_scale), self.step_count + 1)
         with self._backend.on_device(self._master), self._backend.on_stream(stream):
             if cap.indexed:
                 self._write_index(rows.pieces)
             if cs:
                 self._upload(self.coeff_dev, _coeff_rows(cs, max(cs) + 1))
+        self.step_count += 1
         self._plan.advance(cap.present)
 
     # -- private --------------------------------------------------------------------------
@@ -383,10 +404,10 @@ class FusedAdamW:
         return (float(lr), *(h.lr * ratio for h in self._hps[1:]))
 
     def _coefficients(self, pairs: dict[int, tuple[int, int]], lrs: Sequence[float],
-                      grad_scale: float) -> dict[int, Coefficients]:
-        """Each row's coefficients at the current :attr:`step_count`: its group's, at the
-        group's lr and the row's own step count ``step_count - lag``."""
-        return {r: coefficients(self._hps[g], self.step_count - lag, lrs[g], grad_scale)
+                      grad_scale: float, step: int) -> dict[int, Coefficients]:
+        """Each row's coefficients at step ``step`` (the one being taken): its group's, at
+        the group's lr and the row's own step count ``step - lag``."""
+        return {r: coefficients(self._hps[g], step - lag, lrs[g], grad_scale)
                 for r, (g, lag) in pairs.items()}
 
     def _step_cupy(self, grad: Array, rows: Rows, cs: dict[int, Coefficients],

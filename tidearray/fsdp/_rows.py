@@ -17,8 +17,8 @@ implicit parameter, present at every step.
 
 Each parameter keeps its lag ``d = step_count - (own count)``: 0 at the
 start, kept by a step it is present in, one more after each it misses. (So
-code that sets ``step_count``, a restored capture or a loaded checkpoint,
-moves every count with it.) A step's coefficient rows are the distinct
+code that sets ``step_count``, a loaded checkpoint, moves every count with
+it; [Note: step counts] in ``_optim``.) A step's coefficient rows are the distinct
 ``(group, d)`` pairs of the present parameters' elements, with ``k =
 step_count - d``; a pair keeps its row number while it stays in use, and a
 new pair takes the lowest free one (at the start group ``j`` at lag 0 has row

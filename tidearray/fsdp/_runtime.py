@@ -13,6 +13,34 @@ points where FSDP2 hooks in, and :meth:`Runtime.step` once per step::
         model.post_backward(i)              # reduce-scatter starts; slot reused as staging
     model.step()                            # fused AdamW on the shards
 
+[Note: runtime parts]
+``Runtime`` coordinates: it holds what describes the model (names, shapes,
+trainable flags, the root), where to issue (``stream``, which the torch front
+end points at torch's current stream) and a :class:`FrontEnd`'s options (those
+only a front end sets). The state of a step lives in the parts it owns, each
+changed only through its own methods:
+
+* ``slots``, a ``SlotTable`` (``_slots``): which unit holds which slot, its
+  gather's work, the prefetches deferred for a slot. The slot rule itself is
+  ``_slots.slot_of``, which the comms' buffers follow too ([Note: slots]).
+* ``life``, a ``UnitLifecycle`` (``_lifecycle``): where each unit is in the
+  pass, the uses pending, the gradients written, and per parameter whether it
+  had a gradient in this step (``end_step`` hands that over and clears it).
+  The torch hooks read it (``runtime.life``) and change it through the runtime.
+* ``accum``, a ``GradAccumulator`` (``_accum``): the reductions in flight, one
+  per gradient buffer, the scratch arena, the micro-batch count, the clip
+  ``clip_grad_norm_`` holds for the step, the scale of the step a capture
+  holds, and the global norm. It alone counts micro-batches: one more at its
+  ``end_pass`` (the runtime's end of each backward pass), back to 0 at its
+  ``end_step``, which the runtime calls after ``step`` and ``apply_step`` and
+  from ``zero_grad``.
+* ``optimizer``, a ``FusedAdamW`` (``_optim``): the moments and the step
+  counts. It alone counts steps ([Note: step counts] in ``_optim``): an eager
+  step, and each replay's ``stage_step``; a step issued inside a capture
+  counts none, so ``CapturedStep`` leaves the count alone.
+* ``comm`` (a ``UnitComm``) and ``arena`` (a ``ShardArena``): the buffers and
+  what moves them; the runtime and its parts call them.
+
 [Note: slots] is in ``_slots``: which unit holds which slot, and when a slot
 changes hands.
 
@@ -42,13 +70,8 @@ the other units (embedding, final norm, head, a weight tied between them). It
 has a slot of its own, is gathered at its ``pre_forward`` and stays gathered
 until its ``post_backward``, which comes last.
 
-[Note: gradient buffers]
-Unit ``i`` in slot ``k`` writes its gradients into gradient buffer ``k``
-(``num_slots`` of them, each as big as the largest unit). The reduction of
-buffer ``k`` reads it on tidearray's lanes while compute goes on; before
-buffer ``k`` is handed to another backward, the compute stream waits for that
-reduction (``_retire``). So at most ``num_slots`` units' gradients exist at once
-and nothing blocks the host.
+[Note: gradient buffers] is in ``_accum``: which buffer a unit's backward writes, and
+when the compute stream waits for its reduction.
 
 [Note: streams]
 Compute runs on the caller's stream (``stream=``, CuPy's current stream if
@@ -60,7 +83,7 @@ reading back the gradient norm when clipping is on (not inside a capture).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -68,12 +91,22 @@ from .. import _dtypes
 from .._adamw import AdamW
 from .._errors import TideInvalid
 from .._group import Group, default_group
+from ._accum import GradAccumulator
 from ._comm import UnitComm, comm_factory
 from ._lifecycle import State, UnitLifecycle, UseToken
-from ._norm import Clipper, GlobalNorm, GradScale, check_max_norm, clip_limit
-from ._optim import FusedAdamW
-from ._shards import Init, ShardArena, arena_groups, arena_layout, describe_units, trainable_flags
+from ._norm import GlobalNorm, GradScale, check_max_norm, clip_limit
+from ._options import FrontEnd, slot_count
+from ._shards import Init, ShardArena, arena_adamw, arena_layout, describe_units, trainable_flags
 from ._slots import SlotTable
+
+
+class UnitArrays(NamedTuple):
+    """What :meth:`Runtime.pre_backward` gives: the unit's arrays for its backward."""
+
+    #: Its gathered parameters (views of its slot).
+    params: list
+    #: The gradient arrays its backward writes (views of its gradient buffer).
+    grads: list
 
 
 class Runtime:
@@ -120,19 +153,10 @@ class Runtime:
             parameters step with those AdamW settings (say, no weight decay on
             norms and biases); the others with ``optimizer``. Frozen parameters
             are never stepped.
-        report_grads: the front end reports each gradient it writes
-            (:meth:`grad_written`) and the end of each use's backward
-            (:meth:`use_done`); the gradients it does not write are zeros, and a
-            parameter no rank gave a gradient in a step is not stepped
-            ([Note: unit lifecycle]). Without it, the front end writes every
-            gradient of each unit between ``pre_backward`` and ``post_backward``.
-        on_release: called with a unit's index whenever its slot is released (the
-            torch front end points its parameters away from the slot then).
-        accumulate: how the backward passes since the last step combine:
-            ``"mean"`` (default: the step takes their mean; the trainers of this
-            package) or ``"sum"`` (torch's and FSDP2's: each backward adds to the
-            gradient, so a loop divides each micro-batch's loss by their count; the
-            torch front end). Either way the gradient is averaged over the ranks.
+        report_grads, on_release, accumulate: :class:`FrontEnd`'s fields, given one by
+            one (where ``front_end`` is None).
+        front_end: the options only a front end sets (:class:`FrontEnd`; its defaults
+            if None).
 
     Raises:
         TideInvalid: on every rank, for bad units, dtype or settings.
@@ -149,52 +173,34 @@ class Runtime:
                  param_groups: Sequence[tuple[AdamW, Sequence[str]]] = (),
                  report_grads: bool = False,
                  on_release: Optional[Callable[[int], None]] = None,
-                 accumulate: str = "mean") -> None:
+                 accumulate: str = "mean", front_end: Optional[FrontEnd] = None) -> None:
         group = group or default_group()
-        names, shapes, values = describe_units(units, init)
-        if accumulate not in ("mean", "sum"):
-            raise TideInvalid(f"accumulate: expected 'mean' or 'sum', got {accumulate!r}")
-        if prefetch < 1:
-            raise TideInvalid(f"prefetch: expected >= 1, got {prefetch}")
-        num_slots = prefetch + 1 if num_slots is None else num_slots
-        if num_slots < prefetch + 1:
-            raise TideInvalid(f"num_slots: expected >= prefetch + 1 = {prefetch + 1}, got "
-                              f"{num_slots}")
+        described = describe_units(units, init)
+        self.front_end = FrontEnd.of(front_end, report_grads, on_release, accumulate)
+        self.num_slots, self.prefetch = slot_count(prefetch, num_slots), prefetch
         factory = comm_factory(comm)
         self.group, self.kind, self.stream = group, factory.name, stream
-        self.names, self.shapes = names, shapes
+        self.names, self.shapes = described.names, described.shapes
         self.root = bool(root)
-        self.trainable = trainable_flags(trainable, shapes)
+        self.trainable = trainable_flags(trainable, self.shapes)
         self.param_dtype = _dtypes.normalize(param_dtype)
         self.xp = group.backend.xp
         self.world = factory.sharded_over(group)
         self.rank = group.rank if self.world > 1 else 0
         # Unless asked to keep them, tide's gathers cast the masters into the slots.
-        self.arena = ShardArena(arena_layout(shapes, self.world), self.xp, self.param_dtype,
+        self.arena = ShardArena(arena_layout(self.shapes, self.world), self.xp, self.param_dtype,
                                 send=factory.send_shards or keep_param_shards)
-        self.arena.fill_masters(values, init, self.rank)
+        self.arena.fill_masters(described.values, init, self.rank)
         hp = optimizer or AdamW()
-        self.optimizer = FusedAdamW(
-            hp, self.arena.master, self.arena.send, self.xp,
-            groups=arena_groups(self.arena, names, param_groups),
-            params=[self.arena.param_range(u, k) for u, ns in enumerate(names)
-                    for k in range(len(ns))])
+        self.optimizer = arena_adamw(hp, self.arena, self.names, param_groups)
         self.max_grad_norm = clip_limit(max_grad_norm, hp.max_grad_norm)
-        self._clip = Clipper(group, self.world, self.xp)
-        self._captured: Optional[GradScale] = None  # the scale of the step a capture holds
-        self.num_slots = num_slots
-        self.prefetch = prefetch
-        self.comm: UnitComm = factory(group, shapes, self.param_dtype, self.arena,
+        self.comm: UnitComm = factory(group, self.shapes, self.param_dtype, self.arena,
                                       self.num_slots, self.root)
-        self.slots = SlotTable(self.num_units, num_slots, self.root, self._gather,
-                               self._may_give_up, self._released, self.describe)
-        self._pending: dict[int, tuple[Any, int, bool]] = {}
-        self._micro = 0
-        self.accumulate = accumulate
-        self._scratch: Any = None
-        self.report_grads = bool(report_grads)
-        self.on_release = on_release
         self.life = UnitLifecycle(self.trainable)  # [Note: passes]
+        self.slots = SlotTable(self.num_units, self.num_slots, self.root, self._gather,
+                               self.life.may_give_up, self._released, self.describe)
+        self.accum = GradAccumulator(group, self.world, self.arena, self.comm,
+                                     mean=self.front_end.accumulate == "mean")
         self._to_reduce = {i for i, t in enumerate(self.trainable) if any(t)}
         # The arena's zeros and masters went on the current stream, which the model's
         # stream need not wait for ([Note: initialized memory] in backends.cuda.streams).
@@ -203,6 +209,11 @@ class Runtime:
     @property
     def num_units(self) -> int:
         return len(self.shapes)
+
+    @property
+    def report_grads(self) -> bool:
+        """Whether the front end reports the gradients it writes (:class:`FrontEnd`)."""
+        return self.front_end.report_grads
 
     # -- the four hooks ---------------------------------------------------------
 
@@ -223,14 +234,14 @@ class Runtime:
         self.slots.ensure(i)
         for j in range(i + 1, min(i + 1 + self.prefetch, self.num_units)):
             self.slots.prefetch(j)
-        return self._params(i)
+        return self.slots.params(i, self.stream)
 
     def post_forward(self, i: int) -> None:
         """Unit ``i``'s forward is issued: its slot may take another gather.
         The last unit keeps its parameters for its backward, which comes next,
         and so does the root (see [Note: passes])."""
-        self.life.running.discard(i)
-        if i != self.num_units - 1 and not (self.root and i == 0) and i in self.slots.gathered:
+        self.life.forward_issued(i)
+        if i != self.num_units - 1 and not (self.root and i == 0) and self.slots.holds(i):
             self.slots.release(i)
 
     def release(self) -> None:
@@ -240,31 +251,28 @@ class Runtime:
         Not collective and never needed for correctness (units are gathered again
         where needed), but it frees the slots at once.
         """
-        for i in list(self.slots.gathered):
-            self.slots.gathered[i][1].wait(self.stream)  # a later gather waits on this stream
-            self.slots.release(i)
-        self.slots.deferred.clear()
+        self.slots.release_all(self.stream, wait=True)  # a later gather waits on this stream
+        self.slots.drop_deferred()
         if not self.life.in_backward:
             self.life.forget_forward()
 
-    def pre_backward(self, i: int) -> tuple[list, list]:
+    def pre_backward(self, i: int) -> UnitArrays:
         """Open unit ``i``'s backward: its parameters and the gradient arrays its backward
         must write (the same ones again while it is open)."""
         state = self.life.state[i]
         if state is State.DONE:
             raise TideInvalid(f"unit {i}: expected one backward per unit per pass, got a "
                               "second one after its gradients were reduced")
+        k = self.slots.slot(i)
         if state is not State.BACKWARD:
             self.life.open(i)
             self.slots.ensure(i)
             for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
                 self.slots.prefetch(j)
-            k = self.slots.gathered[i][0]
-            self._retire(k)  # [Note: gradient buffers]
+            self.accum.retire(k, self.stream)  # [Note: gradient buffers]
             if self.report_grads:  # what the backward does not write reduces as zeros
                 self.comm.zero_grads(i, k, self.stream)
-        k = self.slots.gathered[i][0]
-        return self._params(i), self.comm.grads(i, k)
+        return UnitArrays(self.slots.params(i, self.stream), self.comm.grads(i, k))
 
     def grad_written(self, i: int, k: int) -> bool:
         """(``report_grads``) Parameter ``k`` of open unit ``i`` got its gradient;
@@ -293,12 +301,9 @@ class Runtime:
         """Reduce open unit ``i`` (with ``report_grads`` its buffer was zeroed when it
         opened) and release it; ``written``: the parameters that got a gradient (None:
         all)."""
-        k = self.slots.gathered[i][0]
         self.life.close(i, written)
         if i in self._to_reduce:
-            accumulate = self._micro > 0
-            out = self._scratch_arena() if accumulate else self.arena.grad
-            self._pending[k] = (self.comm.reduce(i, k, out, self.stream), i, accumulate)
+            self.accum.reduce(i, self.slots.slot(i), self.stream)
         self.slots.release(i)
 
     def _close_through(self, i: int) -> None:
@@ -327,11 +332,18 @@ class Runtime:
             if life.state[i] is State.FORWARD:  # its backward never began: reduce zeros
                 self.pre_backward(i)
                 if not self.report_grads:
-                    self.comm.zero_grads(i, self.slots.gathered[i][0], self.stream)
+                    self.comm.zero_grads(i, self.slots.slot(i), self.stream)
                 self._close(i, [False] * len(self.names[i]))
-            elif life.state[i] is State.IDLE and self._micro == 0:
-                self._zero_grad(i)  # not forwarded: zero on every rank, no collective
+            elif life.state[i] is State.IDLE:
+                self.accum.no_backward(i, self.stream)  # not forwarded: no collective
         self._end_pass()
+
+    def _end_pass(self) -> None:
+        """Count the micro-batch; release what the pass gathered."""
+        self.accum.end_pass()
+        self.life.end_pass()
+        self.slots.drop_deferred()  # a backward's prefetches end with it
+        self.slots.release_all()
 
     @property
     def in_backward(self) -> bool:
@@ -365,10 +377,10 @@ class Runtime:
         """
         scale = self._step_scale()
         if self._capturing():
-            self._captured = scale  # what each replay stages (captured_scale)
+            self.accum.captured(scale)  # what each replay stages (captured_scale)
         self.optimizer.step(self.arena.grad, grad_scale=scale.factor, lr=lr,
                             stream=self.stream, present=self._present())
-        self._micro = 0
+        self.accum.end_step()
         return scale.norm
 
     def finalize_grads(self, max_norm: Optional[float] = None) -> GradScale:
@@ -389,18 +401,12 @@ class Runtime:
         if max_norm is not None:
             check_max_norm(max_norm)
         self.finish_backward()
-        for k in list(self._pending):
-            self._retire(k)
+        self.accum.retire_all(self.stream)
         self.release()  # parameters gathered now would be stale after the step
-        if self._micro == 0:
-            raise TideInvalid("step: expected a backward since the last step, got none")
-        average = 1.0 / (self.world * (self._micro if self.accumulate == "mean" else 1))
-        if max_norm is None:
-            return GradScale(average)
         opt = self.optimizer
-        return self._clip.clip(self.arena.grad, average, max_norm, stream=self.stream,
-                               capturing=self._capturing(), table=opt.coeff_dev,
-                               table_shape=opt.table_layout)
+        return self.accum.finalize(max_norm, self.stream,
+                                   max_norm is not None and self._capturing(),
+                                   opt.coeff_dev, opt.table_layout)
 
     def apply_step(self, step: Callable[[np.ndarray], None]) -> None:
         """Step with another optimizer: the gradient shards finalized (:meth:`finalize_grads`,
@@ -417,7 +423,7 @@ class Runtime:
         step(self._present())
         with self._on_stream():  # before the next gather, which reads them
             self.arena.refresh_send()
-        self._micro = 0
+        self.accum.end_step()
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last step, as torch's ``zero_grad()``
@@ -430,10 +436,8 @@ class Runtime:
         """
         if self.life.in_backward:
             raise TideInvalid("zero_grad: expected no backward in progress, got one")
-        for k in list(self._pending):
-            self._retire(k)
-        self._micro = 0
-        self._clip.drop()  # a clip_grad_norm_ since the last step was of what is dropped
+        self.accum.retire_all(self.stream)
+        self.accum.end_step()  # a clip_grad_norm_ since the last step was of what is dropped
         self.life.end_step()
 
     def clip_grad_norm_(self, max_norm: float) -> Any:
@@ -455,14 +459,14 @@ class Runtime:
                 :meth:`prepare_capture`.
         """
         scale = self.finalize_grads(max_norm)
-        self._clip.hold(self._micro, scale)
+        self.accum.hold(scale)
         return scale.norm
 
     def _step_scale(self) -> GradScale:
         """This step's finalized gradients, finalized once: :meth:`clip_grad_norm_`'s where
         it ran (a forward since only gathered parameters, released here), else
         :meth:`finalize_grads` with :attr:`max_grad_norm`."""
-        scale = self._clip.take(self._micro, self.life.in_backward)
+        scale = self.accum.take_held(self.life.in_backward)
         if scale is None:
             return self.finalize_grads(self.max_grad_norm)
         self.release()  # parameters gathered now would be stale after the step
@@ -484,7 +488,7 @@ class Runtime:
     def global_norm(self) -> GlobalNorm:
         """What computes the gradient's global norm, made at its first use (collective:
         every rank makes it at the same call)."""
-        return self._clip.global_norm()
+        return self.accum.global_norm()
 
     def prepare_capture(self) -> None:
         """Make, outside a capture, what a captured step reads (collective): the
@@ -492,7 +496,7 @@ class Runtime:
         A capture's :meth:`captured_scale` starts here."""
         self.optimizer.prepare_capture()
         self.global_norm()
-        self._captured = None
+        self.accum.begin_capture()
 
     def captured_scale(self) -> GradScale:
         """The gradient scale of the :meth:`step` captured since :meth:`prepare_capture`:
@@ -501,10 +505,7 @@ class Runtime:
         Raises:
             TideInvalid: no step was captured since.
         """
-        if self._captured is None:
-            raise TideInvalid("a captured step: expected a step function that calls the "
-                              "model's step(), got one that does not")
-        return self._captured
+        return self.accum.captured_scale()
 
     def _capturing(self) -> bool:
         """Whether the stream the runtime issues on is capturing (cuda only)."""
@@ -515,19 +516,7 @@ class Runtime:
         """A context in which the array module issues on the compute stream."""
         return self.group.backend.on_stream(self.stream)
 
-    # -- internals -------------------------------------------------------------------
-
-    def _end_pass(self) -> None:
-        """Count the micro-batch; release what the pass gathered."""
-        self._micro += 1
-        self.life.end_pass()
-        self.slots.deferred.clear()  # a backward's prefetches end with it
-        for i in list(self.slots.gathered):
-            self.slots.release(i)
-
-    def _zero_grad(self, i: int) -> None:
-        with self._on_stream():
-            self.arena.block(self.arena.grad, i).fill(0)
+    # -- what the slots ask ----------------------------------------------------------
 
     def describe(self, i: int) -> str:
         """Unit ``i`` in words, for errors: its index and its first parameter's name."""
@@ -536,33 +525,9 @@ class Runtime:
     def _gather(self, i: int, k: int) -> Any:
         return self.comm.gather(i, k, self.stream)
 
-    def _may_give_up(self, u: int) -> bool:
-        """A gathered unit not running and not open for its backward gives its slot up:
-        its next use (or backward) gathers it again, into the same slot."""
-        return u not in self.life.running and self.life.state[u] is not State.BACKWARD
-
     def _released(self, u: int) -> None:
-        if self.on_release is not None:
-            self.on_release(u)
-
-    def _params(self, i: int) -> list:
-        return self.slots.gathered[i][1].wait(self.stream)
-
-    def _retire(self, k: int) -> None:
-        entry = self._pending.pop(k, None)
-        if entry is None:
-            return
-        work, unit, accumulate = entry
-        work.wait(self.stream)
-        if accumulate:
-            with self._on_stream():
-                grad = self.arena.block(self.arena.grad, unit)
-                self.xp.add(grad, self.arena.block(self._scratch, unit), out=grad)
-
-    def _scratch_arena(self) -> Any:
-        if self._scratch is None:
-            self._scratch = self.xp.zeros_like(self.arena.grad)
-        return self._scratch
+        if self.front_end.on_release is not None:
+            self.front_end.on_release(u)
 
     # -- state --------------------------------------------------------------------
 
@@ -576,12 +541,11 @@ class Runtime:
 
     def gathered(self, unit: int) -> bool:
         """Whether ``unit`` holds a slot now (gathered, or its gather issued)."""
-        return unit in self.slots.gathered
+        return self.slots.holds(unit)
 
     def synchronize(self) -> None:
         """Wait for every outstanding gather, reduction and optimizer step (host)."""
-        for k in list(self._pending):
-            self._retire(k)
+        self.accum.retire_all(self.stream)
         self.group.synchronize()  # the group's device, not whichever is current
 
     def close(self) -> None:

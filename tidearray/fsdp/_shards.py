@@ -17,7 +17,7 @@ gradient, so AdamW keeps them zero in the master and the send shard.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -25,13 +25,23 @@ from .._adamw import AdamW, ParamGroup
 from .._dtypes import float32
 from .._errors import TideInvalid
 from .._layout import FlatLayout, flat_layout
+from ._optim import FusedAdamW
 
 #: ``init(name, shape)``: a full parameter (any array), made one at a time.
 Init = Callable[[str, tuple], Any]
 
 
+class DescribedUnits(NamedTuple):
+    """``Runtime``'s ``units``, per unit, per parameter."""
+
+    names: list[list[str]]
+    shapes: list[list[tuple]]
+    #: ``(name, value)`` pairs: full parameters, or with ``init`` their shapes.
+    values: list[list[tuple[str, Any]]]
+
+
 def describe_units(units: Sequence[Sequence[tuple[str, Any]]],
-                   init: Optional[Init]) -> tuple[list, list, list]:
+                   init: Optional[Init]) -> DescribedUnits:
     """Per unit, its parameters' names, shapes and ``(name, value)`` pairs (``Runtime``'s
     ``units``: the values are full parameters, or with ``init`` their shapes).
 
@@ -57,7 +67,7 @@ def describe_units(units: Sequence[Sequence[tuple[str, Any]]],
     if not shapes or not all(shapes):
         raise TideInvalid("units: expected at least one unit, each with parameters, got "
                           f"{[len(s) for s in shapes]}")
-    return names, shapes, values
+    return DescribedUnits(names, shapes, values)
 
 
 def trainable_flags(trainable: Optional[Sequence[Sequence[bool]]],
@@ -195,3 +205,13 @@ def arena_groups(arena: ShardArena, names: list[list[str]],
             ranges.append(arena.param_range(*where[name]))
         groups.append(ParamGroup(group_hp, tuple(ranges)))
     return groups
+
+
+def arena_adamw(hp: AdamW, arena: ShardArena, names: list[list[str]],
+                param_groups: Sequence[tuple[AdamW, Sequence[str]]]) -> FusedAdamW:
+    """The fused AdamW over the arena's masters (and send shards), with ``Runtime``'s
+    ``param_groups`` and one element range per parameter, units in order."""
+    return FusedAdamW(hp, arena.master, arena.send, arena.xp,
+                      groups=arena_groups(arena, names, param_groups),
+                      params=[arena.param_range(u, k) for u, ns in enumerate(names)
+                              for k in range(len(ns))])

@@ -2,7 +2,8 @@
 
 [Note: slots]
 ``prefetch + 1`` slots; unit ``i`` is always gathered into slot
-``i % (prefetch + 1)``, when first needed or prefetched, so its parameters
+``i % (prefetch + 1)`` (:func:`slot_of`, the one home of that rule: the comms size
+their buffers by it too), when first needed or prefetched, so its parameters
 have the same addresses in forward and in backward (front ends whose autograd
 saved the forward's parameter tensors find them again, regathered, in
 backward). A slot is free again after its unit's forward (the last unit stays
@@ -35,6 +36,20 @@ from typing import Any, Callable
 from .._errors import TideInvalid
 
 
+def slot_of(unit: int, num_slots: int, root: bool) -> int:
+    """The slot ``unit`` is always gathered into (and whose gradient buffer its backward
+    writes): ``unit % num_slots``; with ``root``, unit 0 has slot ``num_slots``, its own."""
+    return num_slots if root and unit == 0 else unit % num_slots
+
+
+def slot_units(num_units: int, num_slots: int, root: bool) -> list[list[int]]:
+    """Per slot (the root's own last, with ``root``), the units :func:`slot_of` puts in it."""
+    units: list[list[int]] = [[] for _ in range(num_slots + root)]
+    for i in range(num_units):
+        units[slot_of(i, num_slots, root)].append(i)
+    return units
+
+
 class SlotTable:
     """The runtime's slots: ``num_slots`` shared ones and, with ``root``, the root's own
     (the last). ``gather(i, k)`` starts gathering unit ``i`` into slot ``k`` and returns
@@ -48,21 +63,37 @@ class SlotTable:
         self.num_units, self.num_slots, self.root = num_units, num_slots, root
         self._gather, self._may_give_up, self._released = gather, may_give_up, released
         self._describe = describe
-        self.free = list(range(num_slots + root))
-        self.gathered: dict[int, tuple[int, Any]] = {}  # unit -> (slot, its gather's work)
-        self.deferred: list[int] = []  # prefetches waiting for their slot
+        self._work: dict[int, Any] = {}  # gathered unit -> its gather's work, in gather order
+        self._holder: dict[int, int] = {}  # slot -> the unit gathered into it
+        self._deferred: list[int] = []  # prefetches waiting for their slot
 
     def slot(self, i: int) -> int:
-        """Unit ``i``'s slot: the same one every time; the root's own last."""
-        return self.num_slots if self.root and i == 0 else i % self.num_slots
+        """Unit ``i``'s slot: the same one every time (:func:`slot_of`)."""
+        return slot_of(i, self.num_slots, self.root)
+
+    def holds(self, i: int) -> bool:
+        """Whether unit ``i`` holds its slot (gathered, or its gather issued)."""
+        return i in self._work
+
+    def units(self) -> list[int]:
+        """The units holding a slot, in the order they were gathered."""
+        return list(self._work)
+
+    def waiting(self) -> list[int]:
+        """The prefetches deferred until their slot is released, in order."""
+        return list(self._deferred)
+
+    def params(self, i: int, stream: Any) -> list:
+        """Gathered unit ``i``'s parameters, its gather waited for on ``stream``."""
+        return self._work[i].wait(stream)
 
     def ensure(self, i: int) -> None:
         """Gather unit ``i`` now (into its slot, taken from a unit that may give it up)."""
-        if i in self.gathered:
+        if i in self._work:
             return
         k = self.slot(i)
-        if k not in self.free:
-            holder = self._holder(k)
+        holder = self._holder.get(k)
+        if holder is not None:
             if not self._may_give_up(holder):
                 raise TideInvalid(
                     f"{self._describe(i)}: expected its slot {k} to be free, got it holding "
@@ -73,34 +104,46 @@ class SlotTable:
                     f"num_slots={self.num_units} (one per unit), or keep no forward's output "
                     "alive that never runs a backward")
             self.release(holder, issue_deferred=False)
-        if i in self.deferred:  # only now: a refused gather changes nothing
-            self.deferred.remove(i)
-        self.free.remove(k)
-        self.gathered[i] = (k, self._gather(i, k))
+        if i in self._deferred:  # only now: a refused gather changes nothing
+            self._deferred.remove(i)
+        self._holder[k] = i
+        self._work[i] = self._gather(i, k)
 
     def prefetch(self, i: int) -> None:
         """Gather ``i`` ahead now if its slot is free (or may be given up), else when the
         slot is released."""
-        if i in self.gathered or i in self.deferred:
+        if i in self._work or i in self._deferred:
             return
-        k = self.slot(i)
-        if k in self.free or self._may_give_up(self._holder(k)):
+        holder = self._holder.get(self.slot(i))
+        if holder is None or self._may_give_up(holder):
             self.ensure(i)
         else:
-            self.deferred.append(i)
+            self._deferred.append(i)
 
     def release(self, i: int, issue_deferred: bool = True) -> None:
         """Unit ``i`` gives its slot up; a prefetch deferred for the slot is issued."""
-        k = self.gathered.pop(i)[0]
-        self.free.append(k)
+        del self._work[i]
+        k = self.slot(i)
+        del self._holder[k]
         self._released(i)
         if not issue_deferred:
             return
-        for j in self.deferred:
+        for j in self._deferred:
             if self.slot(j) == k:
-                self.deferred.remove(j)
+                self._deferred.remove(j)
                 self.ensure(j)
                 return
 
-    def _holder(self, k: int) -> int:
-        return next(u for u, (s, _) in self.gathered.items() if s == k)
+    def release_all(self, stream: Any = None, *, wait: bool = False) -> None:
+        """Every unit holding a slot gives it up, in the order they were gathered (a
+        deferred prefetch whose slot that frees is issued); with ``wait``, each gather is
+        first waited for on ``stream`` (a later gather into the slot is ordered after
+        that stream)."""
+        for i in list(self._work):
+            if wait:
+                self._work[i].wait(stream)
+            self.release(i)
+
+    def drop_deferred(self) -> None:
+        """Forget the prefetches waiting for their slot (the pass they were for ended)."""
+        self._deferred.clear()

@@ -398,15 +398,7 @@ def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
     """
     group = group or default_group()
     errors: list[str] = []
-    if group.backend.name == "cuda" and not group.config.jax_cuda:
-        errors.append("the cuda backend: expected TIDE_JAX_CUDA=1 (jax_cuda=True) to run "
-                      "tidearray.jax on GPUs, got it unset: its first runs stalled in "
-                      "XLA's compile of the jitted step (docs/jax.md, Limits)")
-    device = _device(group, errors)
-    dtype_name = np.dtype(compute_dtype).name
-    if dtype_name not in _COMPUTE_DTYPES:
-        errors.append(f"compute_dtype: expected one of {sorted(_COMPUTE_DTYPES)}, "
-                      f"got {dtype_name}")
+    device, dtype_name = _check_settings(group, compute_dtype, errors)
     stacked_set = _stacked_indices(stacked, len(units), errors)
     signature = [("compute_dtype", dtype_name), ("units", len(units)),
                  ("stacked", tuple(sorted(stacked_set)))]
@@ -420,6 +412,21 @@ def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
                         _COMPUTE_DTYPES[dtype_name],
                         reshard_after_forward=reshard_after_forward,
                         command_buffer=command_buffer)
+
+
+def _check_settings(group: Group, compute_dtype: Any, errors: list[str]) -> tuple[Any, str]:
+    """JAX's device for the group's backend, and ``compute_dtype``'s name; what does not
+    fit goes into ``errors`` (raised on every rank by the caller's agreement)."""
+    if group.backend.name == "cuda" and not group.config.jax_cuda:
+        errors.append("the cuda backend: expected TIDE_JAX_CUDA=1 (jax_cuda=True) to run "
+                      "tidearray.jax on GPUs, got it unset: its first runs stalled in "
+                      "XLA's compile of the jitted step (docs/jax.md, Limits)")
+    device = _device(group, errors)
+    dtype_name = np.dtype(compute_dtype).name
+    if dtype_name not in _COMPUTE_DTYPES:
+        errors.append(f"compute_dtype: expected one of {sorted(_COMPUTE_DTYPES)}, "
+                      f"got {dtype_name}")
+    return device, dtype_name
 
 
 def _stacked_indices(stacked: Any, n: int, errors: list[str]) -> set[int]:

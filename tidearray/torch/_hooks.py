@@ -51,7 +51,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._errors import TideInvalid
-from ..fsdp._lifecycle import BLIND, State, UseToken
+from ..fsdp import BLIND, State, UseToken
 
 if TYPE_CHECKING:
     from ..fsdp import Runtime

@@ -68,7 +68,7 @@ import torch
 
 from .. import _dtypes, _validate
 from .._errors import TideInvalid
-from ..fsdp import Runtime
+from ..fsdp import FrontEnd, Runtime
 from . import _init, _units
 from ._hooks import Hooks
 from ._optimizer import Optimizer, OptimizerBridge, runtime_groups, shard_tensors, split_optimizer
@@ -124,8 +124,8 @@ class Sharding:
             group=group, param_dtype=dtype, optimizer=fused, prefetch=prefetch, comm=comm,
             keep_param_shards=keep_param_shards, root=spec.root, num_slots=num_slots,
             trainable=[[bool(p.requires_grad) for p in ps] for ps in params],
-            report_grads=True, on_release=self.storage.use_placeholders,
-            accumulate="sum",  # as torch's .grad
+            front_end=FrontEnd(report_grads=True, on_release=self.storage.use_placeholders,
+                               accumulate="sum"),  # as torch's .grad
             param_groups=runtime_groups(param_groups, fused, spec.all_names, names))
         if meta or checkpoint is not None:
             _init.materialise_buffers(module, self.device, values)

@@ -43,31 +43,15 @@ def _skip_without_multicast(group) -> None:
         pytest.skip(f"no multicast here: {answers}")
 
 
-@pytest.fixture(scope="module",
-                params=["push", "pull", "pull-parts", "push-batch", "multicast"])
+@pytest.fixture(scope="module", params=["push", "multicast"])
 def arena(request, group):
     """Two slots, made once (mapping is the expensive part), for each transport: push
-    (the default: one batch per peer), pull ("pull-parts" also cuts small units into
-    parts, as large ones are) and one batch for all peers (each on a second group
-    with that ``ag_transport``), and multicast slots (on host: the emulation that
-    checks multicast addressing). Tests use ``arena.group``."""
-    g = group
-    patch = pytest.MonkeyPatch()
+    (one batch per peer) and multicast slots (on host: the emulation that checks
+    multicast addressing). Tests use ``arena.group``."""
     if request.param == "multicast":
         _skip_without_multicast(group)
-    elif request.param != group.config.ag_transport:
-        transport = request.param.replace("-parts", "")
-        g = tidearray.init(backend=group.backend.name, ag_transport=transport)
-    if request.param == "pull-parts":
-        import tidearray._all_gather as ag
-
-        patch.setattr(ag, "PULL_SPLIT_MIN", 0)
-    yield tidearray.SlotArena(SLOT_BYTES, num_slots=2, group=g,
-                              multicast=request.param == "multicast")
-    patch.undo()
-    if g is not group:
-        g.comm.Barrier()
-        g.close()
+    return tidearray.SlotArena(SLOT_BYTES, num_slots=2, group=group,
+                               multicast=request.param == "multicast")
 
 
 def _fits(group, unit, dtype) -> list[str]:
@@ -200,9 +184,9 @@ def test_multicast_group_default_slots(group):
 
 def test_only_own_copies_are_marked_local(arena, monkeypatch):
     """The copies a gather marks ``local`` (which the cuda backend cuts: [Note: same-device
-    copies]) are exactly this rank's shards into its own slot: on the push and pull
-    transports there is one per non-empty local parameter, and every other copy
-    reads or writes a peer's slot."""
+    copies]) are exactly this rank's shards into its own slot: on the push transport
+    there is one per non-empty local parameter, and every other copy reads or writes
+    a peer's slot."""
     from tidearray._layout import shard_spec
     from tidearray.backends.host import HostBackend
 
@@ -238,8 +222,8 @@ def test_only_own_copies_are_marked_local(arena, monkeypatch):
     for dst, src, n in local:
         if not inside(dst, n, *mine) or not any(inside(src, n, *s) for s in own):
             failures.append(f"a local copy ({dst:#x} <- {src:#x}, {n} B) leaves this rank")
-    transport = g.config.ag_transport
-    cut = transport in ("push", "pull") and not slot.buffer.multicast  # push-batch: whole
+    transport = "multicast" if slot.buffer.multicast else "push"
+    cut = not slot.buffer.multicast
     for dst, src, n in other:
         if cut and inside(dst, n, *mine) and any(inside(src, n, *s) for s in own):
             failures.append(f"an own copy ({n} B) not marked local")

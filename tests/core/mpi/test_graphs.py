@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import tidearray as ta
 import tidearray._stamps as _stamps
-from tidearray._arena import ARRIVED, DONE, FREE, NUM_CHANNELS, NUM_KINDS, READY, STAMP
+from tidearray._arena import ARRIVED, FREE, NUM_CHANNELS, NUM_KINDS, STAMP
 
 from ..._util import BF16, FP32, agree, compare_bits, padded_shard, to_numpy, to_xp
 from ._cases import full_params, poison, rank_grads
@@ -30,27 +30,17 @@ RS_RTOL = 4 * WORLD * 2.0**-24
 REPLAYS = 6
 
 
-@pytest.fixture(scope="module",
-                params=["push", "pull-parts", "push-batch", "debug", "flag-memops"])
+@pytest.fixture(scope="module", params=["default", "debug", "flag-memops"])
 def tgroup(request, group):
-    """A group per transport (pull cut into parts even for small units, as large units
-    are), one in debug mode, whose replays check their stamps, and on cuda one whose
-    graphs signal and wait with stream memory operations (``graph_flag_kernels=False``;
-    kernels by default); 4 KiB chunks."""
+    """A group with the defaults, one in debug mode, whose replays check their stamps,
+    and on cuda one whose graphs signal and wait with stream memory operations
+    (``graph_flag_kernels=False``; kernels by default); 4 KiB chunks."""
     if request.param == "flag-memops" and group.backend.name != "cuda":
         pytest.skip("flags in graphs are a cuda backend choice")
-    transport = {"pull-parts": "pull", "debug": group.config.ag_transport,
-                 "flag-memops": group.config.ag_transport}.get(request.param, request.param)
-    patch = pytest.MonkeyPatch()
-    if request.param == "pull-parts":
-        import tidearray._all_gather as ag
-
-        patch.setattr(ag, "PULL_SPLIT_MIN", 0)
-    g = ta.init(backend=group.backend.name, ag_transport=transport, chunk_nbytes=4096,
+    g = ta.init(backend=group.backend.name, chunk_nbytes=4096,
                 debug=request.param == "debug",
                 graph_flag_kernels=request.param != "flag-memops")
     yield g
-    patch.undo()
     g.comm.Barrier()
     g.close()
 
@@ -60,7 +50,7 @@ def _seed(comm) -> int:
 
 
 def nonzero_flags(group, regions) -> list[str]:
-    """Every FREE, ARRIVED, READY, DONE and STAMP word of ``regions`` that is not 0 on
+    """Every FREE, ARRIVED and STAMP word of ``regions`` that is not 0 on
     this rank, once every rank has finished its calls."""
     group.synchronize()
     group.comm.Barrier()
@@ -69,8 +59,7 @@ def nonzero_flags(group, regions) -> list[str]:
     for r in regions:
         words = to_numpy(r.buffer.view(r.nbytes, (NUM_CHANNELS * NUM_KINDS * L,), "int32"))
         flags = words.reshape(NUM_CHANNELS, NUM_KINDS, L)
-        for kind, name in ((FREE, "FREE"), (ARRIVED, "ARRIVED"), (READY, "READY"),
-                           (DONE, "DONE"), (STAMP, "STAMP")):
+        for kind, name in ((FREE, "FREE"), (ARRIVED, "ARRIVED"), (STAMP, "STAMP")):
             for ch, peer in zip(*np.nonzero(flags[:, kind, :])):
                 bad.append(f"region {r.id}: {name} word of channel {ch} about peer {peer} "
                            f"is {flags[ch, kind, peer]} between calls")

@@ -98,6 +98,7 @@ def test_exchange_fds_refuses_a_process_that_is_not_a_peer(group, monkeypatch):
     """Another local process connects to rank 0's socket first, claiming to be rank 1
     and sending a descriptor: rank 0 refuses it unread, warns, and still gets every
     real peer's descriptors."""
+    import socket
     import subprocess
     import sys
     import warnings
@@ -109,18 +110,26 @@ def test_exchange_fds_refuses_a_process_that_is_not_a_peer(group, monkeypatch):
         pytest.skip("needs 2+ ranks on one node")
     intruder: list = []
     if comm.rank == 1:  # the intruder connects to rank 0 before rank 1 does
+        connect = socket.socket.connect
 
         def run_intruder(name: str) -> None:  # never raises: rank 0 is waiting for us
             try:
                 done = subprocess.run([sys.executable, "-c", _INTRUDER,
-                                       name.replace("\0", "@") + "0"],
+                                       name.replace("\0", "@")],
                                       capture_output=True, text=True, timeout=30)
                 if done.returncode:
                     intruder.append(f"the intruder failed: {done.stderr[-300:]}")
             except (OSError, subprocess.SubprocessError) as e:
                 intruder.append(f"the intruder did not run: {e}")
 
-        monkeypatch.setattr(vmm, "before_connect", run_intruder)
+        def intrude_first(self, addr):  # rank 1's connection to rank 0, once
+            if isinstance(addr, str) and addr.startswith("\0tidearray-") \
+                    and addr.endswith("-0") and not intruder:
+                intruder.append(None)
+                run_intruder(addr)
+            return connect(self, addr)
+
+        monkeypatch.setattr(socket.socket, "connect", intrude_first)
     token = os.urandom(8).hex()
     fd = os.memfd_create("tide-test")
     os.write(fd, f"{token}:{comm.rank}".encode())
@@ -128,7 +137,10 @@ def test_exchange_fds_refuses_a_process_that_is_not_a_peer(group, monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = vmm.exchange_fds(comm, [fd])
-    failures = list(intruder)
+    monkeypatch.undo()
+    failures = [f for f in intruder if f is not None]
+    if comm.rank == 1 and not intruder:
+        failures.append("rank 1 never connected to rank 0: the intruder did not run")
     for r, fds in enumerate(got):
         text = os.pread(fds[0], 64, 0).decode()
         if text != f"{tokens[r]}:{r}":

@@ -101,8 +101,6 @@ def test_each_chunk_crosses_the_network_before_the_next_is_reduced(group, xp, mo
 @pytest.mark.parametrize("multicast", [False, True], ids=["push", "multicast"])
 def test_gather_spreads_each_step_before_the_next_exchange(group, xp, monkeypatch, multicast):
     _needs(group, nodes=2, local=2)
-    if not multicast and group.config.ag_transport != "push":
-        pytest.skip("the push transport (this group uses another)")
     topo = group.topology
     steps = len(internode_ag_steps(topo.num_nodes, topo.node))
     shapes = [(4 * WORLD + 3, 40), (WORLD, 8)]

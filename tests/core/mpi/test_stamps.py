@@ -2,8 +2,8 @@
 
 In debug mode each node-local transfer is followed, on its lane, by a copy of its
 sequence number into the reader's memory, and the reader snapshots those numbers where
-it starts reading. These tests check that good calls pass the check with correct data
-on every transport, and that the check fails, on every rank, when a writer's stamp
+it starts reading. These tests check that good calls pass the check with correct data,
+and that the check fails, on every rank, when a writer's stamp
 never arrives (what a reader that went ahead without the data would see).
 """
 
@@ -24,10 +24,9 @@ pytestmark = pytest.mark.mpi
 SHAPES = [(6 * WORLD + 1, 40), (5,), (2 * WORLD, 3, 7)]
 
 
-@pytest.fixture(scope="module", params=["push", "push-batch", "pull"])
-def debug_group(request, group):
-    g = ta.init(backend=group.backend.name, debug=True, ag_transport=request.param,
-                chunk_nbytes=4096)
+@pytest.fixture(scope="module")
+def debug_group(group):
+    g = ta.init(backend=group.backend.name, debug=True, chunk_nbytes=4096)
     yield g
     g.comm.Barrier()
     g.close()

@@ -437,7 +437,7 @@ def _captured(cp: Any, dev: FusedAdamW, norm: GlobalNorm, g_buf: Any, scale: flo
                      table_shape=dev.table_layout)
         dev.step(g_buf, grad_scale=scale, lr=HP.lr, stream=stream, present=present)
         graph = stream.end_capture()
-    dev.step_count = count  # as CapturedStep does: the capture ran no step
+    assert dev.step_count == count  # a capture counts no step ([Note: step counts])
     return graph
 
 

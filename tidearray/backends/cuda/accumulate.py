@@ -2,9 +2,7 @@
 
 :func:`build_table` is pure NumPy (tested on CPU); :class:`Accumulator` uploads
 a table and launches ``kernels/accumulate.cu`` on a lane stream: the library's one
-accumulate. Other kernels that take the same table and arguments and give the same
-bits (the bulk-copy and narrow experiments, ``benchmarks/variants/``) plug in through
-:meth:`Accumulator._select`, in a subclass.
+accumulate (other kernels were measured and retired: docs/backends.md).
 
 [Note: table lifetime]
 A plan's pieces become an :class:`AccumTable` when the plan is built; its table
@@ -148,10 +146,8 @@ class Accumulator:
             so it needs to keep pace with them, not to fill the GPU: a small grid
             leaves the other SMs to concurrent compute.
 
-    The kernel of a launch is :meth:`_select`'s for its dtypes and source count:
-    ``kernels/accumulate.cu`` here. A subclass may override it to launch another
-    kernel that takes the same table and arguments and gives the same bits
-    (``benchmarks/variants/accumulate.py``).
+    Attributes:
+        max_grid: the grid cap every table is tiled for.
     """
 
     def __init__(self, device: int, sm_count: int, ctas: Optional[int] = None) -> None:
@@ -160,18 +156,7 @@ class Accumulator:
         self._ring = [_Slot() for _ in range(RING)]
         self._next = 0
         self._kernels: dict = {}
-        self.set_grid(ctas)
-
-    def set_grid(self, ctas: Optional[int]) -> None:
-        """Cap the grid at ``ctas`` (None: the default), for tables made from now on.
-        ``max_grid`` is the vector kernel's cap."""
-        self.ctas = ctas
-        self._kernels.clear()  # each Kernel holds its grid cap
-        self.max_grid = self._cap(self.sm_count // 2)
-
-    def _cap(self, default: int) -> int:
-        """The grid cap: ``ctas`` where set, else ``default`` (at least 1)."""
-        return max(1, self.ctas) if self.ctas else max(1, default)
+        self.max_grid = max(1, ctas) if ctas else max(1, sm_count // 2)
 
     def table(self, pieces: Sequence[AccumPiece], src_dtype: Any,
               out_dtype: Any = "float32") -> AccumTable:
@@ -228,8 +213,9 @@ class Accumulator:
         return slot.dev, slot.event
 
     def _kernel(self, src_dtype: Any, out_dtype: Any, n_srcs: int) -> Kernel:
-        """:meth:`_select`'s kernel, kept under the normalized dtypes and under the
-        dtypes as given too (when hashable), so the next launch normalizes nothing."""
+        """The kernel for ``n_srcs`` sources of ``src_dtype`` into ``out_dtype``, loaded
+        once per normalized triple and kept under the dtypes as given too (when
+        hashable), so the next launch normalizes nothing."""
         given = (src_dtype, out_dtype, n_srcs)
         try:
             return self._kernels[given]
@@ -237,7 +223,7 @@ class Accumulator:
             pass
         key = (normalize(src_dtype).name, normalize(out_dtype).name, n_srcs)
         if key not in self._kernels:
-            self._kernels[key] = self._select(*key)
+            self._kernels[key] = self._load(key[0], key[1])
         found = self._kernels[key]
         try:
             self._kernels[given] = found
@@ -245,17 +231,9 @@ class Accumulator:
             pass
         return found
 
-    def _select(self, src: str, out: str, n_srcs: int) -> Kernel:
-        """The seam: the kernel for ``n_srcs`` sources of dtype ``src`` into ``out``
-        (normalized names, e.g. ``"bfloat16"``, ``"float32"``); called once per such
-        triple and kept. Here :meth:`_vector`'s. An override returns a :class:`Kernel`
-        that walks :func:`build_table`'s table with the arguments of ``launch`` and
-        gives the same bits, and returns ``super()._select(...)`` for what it does not
-        take. :meth:`set_grid` forgets the choices (their grid caps change)."""
-        return self._vector(src, out)
-
-    def _vector(self, src: str, out: str) -> Kernel:
-        """``kernels/accumulate.cu``'s kernel for (``src``, ``out``), on half the SMs."""
+    def _load(self, src: str, out: str) -> Kernel:
+        """``kernels/accumulate.cu``'s kernel for (``src``, ``out``: normalized names,
+        e.g. ``"bfloat16"``), capped at ``max_grid``."""
         from . import kernels as _kernels
 
         return Kernel(_kernels.function("accumulate.cu", KERNELS[src, out], self.device),

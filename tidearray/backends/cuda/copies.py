@@ -98,7 +98,7 @@ class _Run(NamedTuple):
 class CudaBatch(Batch):
     """A plan's copies, planned once ([Note: copy plans]): one run per copy-engine stream
     (several where a push to a peer is split: [Note: split pushes] in ``executor``),
-    each a :class:`_Run` or, for many same-device copies, a :class:`_KernelCopy`."""
+    each a :class:`_Run` or, for many same-device copies, a :class:`KernelCopy`."""
 
     def __init__(self, runs: tuple, count: int) -> None:
         self.runs, self.count = runs, count
@@ -284,7 +284,7 @@ class Copier:
         each ([Note: graph plans on cuda] in ``graphs``)."""
         import cupy
 
-        if isinstance(run, _KernelCopy):
+        if isinstance(run, KernelCopy):
             run(stream if stream is not None else cupy_stream(stream_ptr), capture)
             return
         rt = cupy.cuda.runtime
@@ -318,7 +318,7 @@ class Copier:
         all in the batch ([Note: same-device copies])."""
         live = [c for c in copies if c[2]]
         if kernel and self.kernel_min and len(live) >= self.kernel_min:
-            return _KernelCopy(live, self.device, self.ctas)
+            return KernelCopy(live, self.device, self.ctas)
         return self._packed((), (), tuple(c for c in cut_copies(copies, self.local_max) if c[2]))
 
     def _packed(self, strided: tuple, large: tuple, rest: tuple) -> _Run:
@@ -363,7 +363,7 @@ class Copier:
                                    f"{err} (failing copy index {fail})")
 
 
-class _KernelCopy:
+class KernelCopy:
     """Same-device copies as one launch of ``pack_bytes`` (``kernels/pack.cu``), its
     segment table uploaded at the first call, on the stream of that call
     ([Note: same-device copies]). Owned by a plan's batch; when that goes, the table

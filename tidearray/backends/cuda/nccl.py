@@ -89,7 +89,9 @@ class NcclLink:
         except Exception as e:
             raise TideBackendError(f"ncclCommInitRank failed on inter-node rank "
                                    f"{inter_comm.rank}: {e}") from e
-        self._raw = self.comm._comm  # the binding handle the thin calls take
+        # The binding handle the thin calls take, over the communicator's public pointer
+        # (a handle owns nothing: ``Communicator.destroy`` still ends the communicator).
+        self._raw = self._nb.Comm(self.comm.ptr)
         self._connect(inter_comm.size, inter_comm.rank)
 
     def _connect(self, size: int, rank: int) -> None:

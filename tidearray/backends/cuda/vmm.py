@@ -18,7 +18,7 @@ import socket
 import struct
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..._errors import TideBackendError, agree, fail_together
 from .._base import SymmetricBuffer
@@ -26,9 +26,6 @@ from .memory import device_view
 
 if TYPE_CHECKING:
     from mpi4py import MPI
-
-#: Called (tests only) once every listener is up, before this rank connects to its peers.
-before_connect: Optional[Callable[[str], None]] = None
 
 
 def exchange_fds(node_comm: MPI.Comm, fds: Sequence[int], timeout: float = 30.0) -> list[list[int]]:
@@ -66,8 +63,6 @@ def exchange_fds(node_comm: MPI.Comm, fds: Sequence[int], timeout: float = 30.0)
     except OSError as e:
         err = f"listen: {e}"
     node_comm.Barrier()  # every listener is up (or has failed)
-    if before_connect is not None:
-        before_connect(f"\0tidearray-{tag}-")
     try:
         for r in range(size):  # connections queue in the backlog: no accept needed to send
             if r != me and err is None:

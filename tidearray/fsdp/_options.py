@@ -1,0 +1,72 @@
+"""The options of ``Runtime`` checked at its construction: :class:`FrontEnd`, those only a
+front end sets, and the slots the prefetch depth needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .._errors import TideInvalid
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    """The runtime's options that only a front end sets (the torch front end sets all
+    three; a trainer that calls the four hooks itself keeps the defaults).
+
+    Raises:
+        TideInvalid: ``accumulate`` is neither ``"mean"`` nor ``"sum"``.
+    """
+
+    #: The front end reports each gradient it writes (:meth:`Runtime.grad_written`) and
+    #: the end of each use's backward (:meth:`Runtime.use_done`); the gradients it does
+    #: not write are zeros, and a parameter no rank gave a gradient in a step is not
+    #: stepped ([Note: unit lifecycle]). False (default): the front end writes every
+    #: gradient of each unit between ``pre_backward`` and ``post_backward``.
+    report_grads: bool = False
+    #: Called with a unit's index whenever its slot is released (the torch front end
+    #: points its parameters away from the slot then); None (default): nothing.
+    on_release: Optional[Callable[[int], None]] = None
+    #: How the backward passes since the last step combine: ``"mean"`` (default: the
+    #: step takes their mean; the trainers of this package) or ``"sum"`` (torch's and
+    #: FSDP2's: each backward adds to the gradient, so a loop divides each micro-batch's
+    #: loss by their count; the torch front end). Either way the gradient is averaged
+    #: over the ranks.
+    accumulate: str = "mean"
+
+    def __post_init__(self) -> None:
+        if self.accumulate not in ("mean", "sum"):
+            raise TideInvalid(f"accumulate: expected 'mean' or 'sum', got {self.accumulate!r}")
+
+    @classmethod
+    def of(cls, front_end: Optional[FrontEnd], report_grads: bool,
+           on_release: Optional[Callable[[int], None]], accumulate: str) -> FrontEnd:
+        """``Runtime``'s ``front_end``, or, where that is None, its three keywords of the
+        same names (the spelling of earlier versions).
+
+        Raises:
+            TideInvalid: ``front_end`` and any of the three keywords given.
+        """
+        if front_end is None:
+            return cls(bool(report_grads), on_release, accumulate)
+        if (report_grads, on_release, accumulate) != (False, None, "mean"):
+            raise TideInvalid("front_end: expected it or report_grads/on_release/accumulate, "
+                              "got both")
+        if not isinstance(front_end, cls):
+            raise TideInvalid(f"front_end: expected a FrontEnd, got {type(front_end).__name__}")
+        return front_end
+
+
+def slot_count(prefetch: int, num_slots: Optional[int]) -> int:
+    """``Runtime``'s slots: ``num_slots``, or ``prefetch + 1`` where None.
+
+    Raises:
+        TideInvalid: ``prefetch`` below 1, or fewer slots than ``prefetch + 1``.
+    """
+    if prefetch < 1:
+        raise TideInvalid(f"prefetch: expected >= 1, got {prefetch}")
+    num_slots = prefetch + 1 if num_slots is None else num_slots
+    if num_slots < prefetch + 1:
+        raise TideInvalid(f"num_slots: expected >= prefetch + 1 = {prefetch + 1}, got "
+                          f"{num_slots}")
+    return num_slots
