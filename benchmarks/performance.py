@@ -10,7 +10,7 @@ from the records of one run folder, ``benchmarks/results/<run>/``, whose ``run.j
 names its commit, machine kind and command. The same records give byte-identical
 markdown; ``--check`` compares the markdown only and needs nothing beyond the standard
 library, while writing the plots needs matplotlib. A test
-(``tests/test_performance.py``) fails when the page or the block is stale.
+(``tests/docs/test_performance.py``) fails when the page or the block is stale.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@
 #                  shard_module eager and captured: per-unit overhead of a host-bound model)
 #       jax        (benchmarks/steps/jax_step.py, one rank: a JAX transformer, 8 layers,
 #                  hidden 2048, 4K tokens, unsharded jit vs tidearray.jax vs per-unit vjp)
-#       tests      (the harness's and the baselines' tests, benchmarks/tests,
+#       tests      (the harness's and the baselines' tests, tests/benchmarks,
 #                  at 2 ranks)
 #       ab         (this tree against the one in before/: see below)
 #   TIDE_GPU_TAR=run bash benchmarks/run.sh      # $OUT bundled into $OUT/run.tgz at the end
@@ -91,7 +91,7 @@ run_fsdp2ab() {  # one rank, shard_module only: the step time an A/B compares
         --model llama3-8b-8l --tokens 8192 --impls tide --steps "${TIDE_AB_ITERS:-25}" \
         --warmup 5 --out "$OUT/ab$AB"
 }
-run_tests() { step bench_tests "${MPI[@]}" -n 2 "${PYTEST[@]}" benchmarks/tests; }
+run_tests() { step bench_tests "${MPI[@]}" -n 2 "${PYTEST[@]}" tests/benchmarks; }
 run_ab() {  # TIDE_AB_PASSES (2) of: this tree, then before/ (reversed on odd passes)
     local n build s path=$PYTHONPATH
     [ -d before/tidearray ] || { echo "== ab: no before/ tree"; status=1; return; }

@@ -1,4 +1,5 @@
-"""Shared fixtures: Hypothesis profiles, the MPI seed, the group, and per-test barriers.
+"""Shared fixtures: Hypothesis profiles, the MPI seed, the group, per-test barriers, and
+the GPU tests' cuda group (every area's ``gpu/``: skipped cleanly without a GPU).
 
 Hypothesis under MPI: every rank runs the same test function, and each draw
 becomes a collective, so every rank must draw the same examples in the same
@@ -95,10 +96,13 @@ _REPORTS = pytest.StashKey[dict]()
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """Keep each phase's report on the item, for the barrier after the test."""
+    """Keep each phase's report on the item, for the barrier after the test; print a GPU
+    test's failure at once (``_print_gpu_failure``)."""
     outcome = yield
     report = outcome.get_result()
     item.stash.setdefault(_REPORTS, {})[report.when] = report
+    if report.failed and item.get_closest_marker("gpu"):
+        _print_gpu_failure(item, report)
 
 
 def _timed_barrier(comm, item: pytest.Item) -> None:
@@ -135,3 +139,78 @@ def mpi_barrier(request: pytest.FixtureRequest):
     MPI.COMM_WORLD.Barrier()
     yield
     _timed_barrier(MPI.COMM_WORLD, request.node)
+
+
+# GPU tests (``tests/*/gpu/``). The skip is collective: under MPI every rank must agree, or
+# a rank that skips would leave the others waiting in ``init``.
+
+
+def _print_gpu_failure(item: pytest.Item, rep: pytest.TestReport) -> None:
+    """Print a GPU test's failure at once, with the rank: under MPI a failed rank
+    can leave its peers waiting, and the end-of-session report never comes."""
+    try:
+        from mpi4py import MPI
+
+        rank = MPI.COMM_WORLD.rank
+    except ImportError:
+        rank = 0
+    sys.__stderr__.write(f"\n[rank {rank}] FAILED ({rep.when}) {item.nodeid}\n"
+                         f"{rep.longreprtext[-4000:]}\n")
+    sys.__stderr__.flush()
+
+
+def _all_ranks_have_gpu() -> tuple[bool, str]:
+    from tidearray.backends import cuda_usable
+
+    ok, why = cuda_usable()
+    try:
+        from mpi4py import MPI
+
+        oks = MPI.COMM_WORLD.allgather((ok, why))
+    except ImportError:
+        oks = [(ok, why)]
+    bad = [w for o, w in oks if not o]
+    return (not bad), (bad[0] if bad else why)
+
+
+@pytest.fixture(scope="session")
+def cuda_group(request: pytest.FixtureRequest):
+    """A group on the cuda backend: the session's own ``group`` when TIDE_BACKEND=cuda."""
+    pytest.importorskip("cupy")
+    ok, why = _all_ranks_have_gpu()
+    if not ok:
+        pytest.skip(f"no usable GPU: {why}")
+    if os.environ.get("TIDE_BACKEND") == "cuda":
+        yield request.getfixturevalue("group")
+        return
+    import tidearray
+
+    g = tidearray.init(backend="cuda")
+    yield g
+    g.close()
+
+
+@pytest.fixture(autouse=True)
+def _own_device(request: pytest.FixtureRequest):
+    """Make this rank's GPU current around every GPU test.
+
+    JAX and PyTorch can leave another device current; arrays made afterwards
+    would then sit on the wrong GPU, and the collectives rightly refuse them.
+    Restoring it after the test also keeps later (generic) tests on the right GPU.
+    """
+    if "cuda_group" not in request.fixturenames:
+        yield
+        return
+    import cupy
+
+    dev = request.getfixturevalue("cuda_group").backend.device
+    cupy.cuda.Device(dev).use()
+    yield
+    cupy.cuda.Device(dev).use()
+
+
+@pytest.fixture(scope="session")
+def cp(cuda_group):
+    import cupy
+
+    return cupy

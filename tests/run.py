@@ -4,15 +4,19 @@
 Runs, in order, each in its own process group (every run starts, however long the ones
 before it took: there is no total time limit):
 
-1. ``python -m pytest -q tests benchmarks/tests``: layout, config and helper tests
-   (Hypothesis, 75 examples per property: ``SINGLE``), every python block of the docs
-   (``test_docs.py``, each under ``mpiexec -n 2``), and the benchmark harness's own tests;
-2. ``mpiexec -n N python -m pytest --with-mpi -q tests/mpi benchmarks/tests/mpi`` for
-   N = 1, 2, 3, 4 (the library, then the harness and the baseline comms);
+1. ``python -m pytest -q tests``: every area's single-process tests (its folder's own
+   ``test_*.py``): layout, config and helper tests (Hypothesis, 75 examples per property:
+   ``SINGLE``), every python block of the docs (``docs/test_docs.py``, each under
+   ``mpiexec -n 2``), and the benchmark harness's own tests; the ``mpi/`` and ``gpu/``
+   tests there skip;
+2. ``mpiexec -n N python -m pytest --with-mpi -q`` on every area's ``mpi/`` folder
+   (``MPI_TESTS``) for N = 1, 2, 3, 4 (the library, then the harness and the baseline
+   comms);
 3. topology overrides: ``TIDE_LOCAL_SIZE=1`` with N = 2, 3 (pairwise inter-node
    steps) and 4 (recursive doubling), and ``TIDE_LOCAL_SIZE=2`` with N = 4 (two
    nodes of two ranks), that one in debug mode (``TIDE_DEBUG=1``: stamps checked);
-   these runs leave out the framework front ends and the harness (``CORE_TESTS``);
+   these runs leave out the framework front ends and the harness (``CORE_TESTS``: core
+   and fsdp);
    then 8 ranks as 2 x 4 nodes, on the collectives and their pipelines
    (``WIDE_TESTS``; ``--no-wide`` skips it). These re-checks take 6
    Hypothesis examples per property (``AGAIN``), the plain runs 30 at 1-2 ranks
@@ -117,18 +121,21 @@ class Run:
     #: Example scripts to run under mpiexec instead of pytest.
     scripts: tuple = ()
     #: pytest's paths and options for a multi-rank run.
-    targets: tuple = ("tests/mpi", "benchmarks/tests/mpi")
+    targets: tuple = ()
     #: The contention the run met, highest seen (it sets the hang limit; see ``Load``).
     load: Optional[Load] = None
 
 
+#: The multi-rank tier: every area's ``mpi/`` folder, the library's, then the harness's
+#: (a new area's ``mpi/`` goes here too).
+MPI_TESTS = ("tests/core/mpi", "tests/fsdp/mpi", "tests/torch/mpi", "tests/jax/mpi",
+             "tests/benchmarks/mpi")
 #: The topology and debug runs re-run the layers that topology and stamps reach: the
-#: collectives, plans, errors and the runtime (``test_train``). The framework front ends
-#: and the benchmark harness sit above the collectives and take no path of their own there,
-#: so those runs leave them to the plain runs (which keeps CI well inside its budget).
-CORE_TESTS = ("tests/mpi", "--ignore=tests/mpi/test_torch.py",
-              "--ignore=tests/mpi/test_torch_state.py", "--ignore=tests/mpi/test_hf.py",
-              "--ignore=tests/mpi/test_lifecycle.py", "--ignore=tests/mpi/test_jax_jit.py")
+#: collectives, plans, errors (core) and the runtime (fsdp). The framework front ends
+#: (torch, jax) and the benchmark harness sit above the collectives and take no path of
+#: their own there, so those runs leave them to the plain runs (which keeps CI well inside
+#: its budget).
+CORE_TESTS = ("tests/core/mpi", "tests/fsdp/mpi")
 
 
 #: The runs that re-check on another split or mode what the plain runs searched take
@@ -143,14 +150,15 @@ SINGLE = {"TIDE_TEST_EXAMPLES": "75"}
 #: Eight ranks as 2 x 4 nodes: the collectives and their inter-node pipelines, with four
 #: ranks per node (eight processes share CI's two cores). Nodes of one rank and of two
 #: are the 4-rank runs' 4 x 1 and 2 x 2.
-WIDE_TESTS = ("tests/mpi/test_all_gather.py", "tests/mpi/test_reduce_scatter.py",
-              "tests/mpi/test_pipeline.py")
+WIDE_TESTS = ("tests/core/mpi/test_all_gather.py", "tests/core/mpi/test_reduce_scatter.py",
+              "tests/core/mpi/test_pipeline.py")
 WIDE, WIDE_LOCAL = 8, 4
 
 
 def plan(ranks: list[int], wide: bool = True) -> list[Run]:
     runs = [Run("single-process", 0, SINGLE)]
-    runs += [Run(f"mpi n={n}", n, PLAIN if n <= 2 else WIDER) for n in ranks]
+    runs += [Run(f"mpi n={n}", n, PLAIN if n <= 2 else WIDER, targets=MPI_TESTS)
+             for n in ranks]
     # (ranks, TIDE_LOCAL_SIZE, debug mode: plan order re-checked and every node-local
     # transfer's stamps checked, here with the inter-node pipelines around those copies)
     overrides = [(2, 1, False), (3, 1, False), (4, 1, False), (4, 2, True)]
@@ -214,7 +222,7 @@ def command(run: Run, mpiexec: list[str], seed: int, extra: list[str]) -> list[s
     pytest = [sys.executable, "-m", "pytest", "-q", "--color=no", "-p", "no:cacheprovider",
               f"--hypothesis-seed={seed}"]
     if run.ranks == 0:
-        return pytest + ["tests", "benchmarks/tests"] + extra
+        return pytest + ["tests"] + extra
     return (mpiexec + ["-n", str(run.ranks)] + pytest
             + ["--with-mpi", *run.targets] + extra)
 
@@ -343,6 +351,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     seed = args.seed if args.seed is not None else int(
         os.environ.get("TIDE_TEST_SEED") or random.getrandbits(32))
+    # ``python tests/run.py`` puts tests/ first on sys.path, where the front ends' tests
+    # (tests/torch, tests/jax) would pass for the frameworks themselves.
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     missing = [m for m in FRAMEWORKS if importlib.util.find_spec(m) is None]
     if missing:
         sys.exit(f"tests/run.py: {', '.join(missing)} not installed in {sys.prefix}; the torch, "

@@ -10,7 +10,7 @@
 #                                              # ranks sharing the GPU; the example in bf16;
 #                                              # jaxjit1 ... jaxjit4, jaxjit_bf16: one part)
 #                                              # plans (the plan and AdamW tests at 2 ranks)
-#                                              # faults (tests/test_faults.py on host and
+#                                              # faults (tests/core/test_faults.py on host and
 #                                              # cuda), soak (2,000 steps at 2 and 4 ranks),
 #                                              # debug (np2 with TIDE_DEBUG=1: stamps)
 #                                              # hf (the Hugging Face, lifecycle and torch
@@ -27,37 +27,48 @@
 #   TIDE_GPU_TAR=run bash tests/gpu/run.sh     # $OUT bundled into $OUT/run.tgz at the end
 #
 # Installs the carried wheels (.whl/: nccl4py, pytest-mpi) into /tmp/site, then
-# runs the generic suite (tests/) and the GPU tests (tests/gpu) on the cuda
-# backend under mpirun -n 2 and -n 1, the GPU tests once more with
-# TIDE_LOCAL_SIZE=1 (two emulated nodes: the NCCL path). Logs go to $OUT (or
+# runs the generic suite (tests/, but for the harness's tests: benchmarks/run.sh's tests
+# step) and the GPU tests (each area's gpu/: GPU_TESTS) on the cuda backend under
+# mpirun -n 2 and -n 1, the GPU tests once more with TIDE_LOCAL_SIZE=1 (two emulated
+# nodes: the NCCL path). Logs go to $OUT (or
 # ./gpu-logs), step logs to $TIDE_GPU_LOGS if set. Every multi-rank command runs under
 # timeout. The set-up is tests/gpu/_env.sh, shared with benchmarks/run.sh.
 source "$(dirname "$0")/_env.sh"
 
+# The tiers of the library's areas (tests/README.md): the multi-rank and the GPU tests.
+MPI_TESTS=(tests/core/mpi tests/fsdp/mpi tests/torch/mpi tests/jax/mpi)
+GPU_TESTS=(tests/core/gpu tests/fsdp/gpu tests/torch/gpu tests/jax/gpu)
 run_info() { step info "${MPI[@]}" -n 2 python3 -m tidearray.info; }
-run_np2() { step np2 "${MPI[@]}" -n "${TIDE_GPU_RANKS:-2}" "${PYTEST[@]}" tests; }
-run_np1() { step np1 "${MPI[@]}" -n 1 "${PYTEST[@]}" tests; }
+run_np2() {
+    step np2 "${MPI[@]}" -n "${TIDE_GPU_RANKS:-2}" "${PYTEST[@]}" tests --ignore=tests/benchmarks
+}
+run_np1() { step np1 "${MPI[@]}" -n 1 "${PYTEST[@]}" tests --ignore=tests/benchmarks; }
 # Ranks sharing GPUs (rank -> device is local rank % count): correctness runs, not timings.
-run_np3() { step np3 "${MPI[@]}" -n 3 "${PYTEST[@]}" tests/mpi tests/gpu; }
-run_np4() { step np4 "${MPI[@]}" -n 4 "${PYTEST[@]}" tests/mpi tests/gpu; }
+run_np3() { step np3 "${MPI[@]}" -n 3 "${PYTEST[@]}" "${MPI_TESTS[@]}" "${GPU_TESTS[@]}"; }
+run_np4() { step np4 "${MPI[@]}" -n 4 "${PYTEST[@]}" "${MPI_TESTS[@]}" "${GPU_TESTS[@]}"; }
 run_nodes() {  # two emulated nodes: NCCL takes no two ranks of one communicator on one GPU
     local gpus; gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
     if [ "${gpus:-0}" -lt 2 ]; then
         echo "== np2_nodes: skipped ($gpus GPU(s): the inter-node NCCL path needs two)"; return 0
     fi
-    step np2_nodes "${MPI[@]}" -x TIDE_LOCAL_SIZE=1 -n 2 "${PYTEST[@]}" tests/gpu
+    step np2_nodes "${MPI[@]}" -x TIDE_LOCAL_SIZE=1 -n 2 "${PYTEST[@]}" "${GPU_TESTS[@]}"
 }
-run_debug() { step np2_debug "${MPI[@]}" -x TIDE_DEBUG=1 -n 2 "${PYTEST[@]}" tests/mpi tests/gpu; }
+run_debug() {
+    step np2_debug "${MPI[@]}" -x TIDE_DEBUG=1 -n 2 "${PYTEST[@]}" "${MPI_TESTS[@]}" \
+        "${GPU_TESTS[@]}"
+}
 run_faults() {  # starts its own mpiexec per case: not under mpirun
-    step faults timeout "$T" python3 -m pytest -q -p no:cacheprovider -rf tests/test_faults.py; }
+    step faults timeout "$T" python3 -m pytest -q -p no:cacheprovider -rf \
+        tests/core/test_faults.py; }
 run_soak() {  # TIDE_SOAK_STEPS (2000); before/after figures in $OUT/soak.jsonl
     for n in 2 4; do
         step "soak_np$n" "${MPI[@]}" -x TIDE_SOAK_STEPS="${TIDE_SOAK_STEPS:-2000}" \
-            -x TIDE_SOAK_REPORT="$OUT/soak.jsonl" -n "$n" "${PYTEST[@]}" tests/mpi/test_soak.py
+            -x TIDE_SOAK_REPORT="$OUT/soak.jsonl" -n "$n" "${PYTEST[@]}" tests/core/mpi/test_soak.py
     done
 }
 run_plans() {  # plan tests on cuda at 2 ranks (host time per plan call: benchmarks/run.sh plans)
-    step plans_np2 "${MPI[@]}" -n 2 "${PYTEST[@]}" tests/mpi/test_plans.py tests/gpu/test_adamw_gpu.py
+    step plans_np2 "${MPI[@]}" -n 2 "${PYTEST[@]}" tests/core/mpi/test_plans.py \
+        tests/fsdp/gpu/test_adamw_gpu.py
 }
 run_jax() {  # the JAX example on the cuda backend (one jitted step, collectives on XLA's stream)
     step jax_np2 "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n 2 python3 examples/jax_train.py
@@ -81,7 +92,8 @@ jaxjit_ranks() {  # jaxjit_ranks N: tidearray.jax's GPU tests at N ranks
     if [ "${TIDE_JAX_STACKS_S:-120}" != 0 ]; then
         stacks_after "${TIDE_JAX_STACKS_S:-120}" "jaxjit_np$n" "test_jax_jit_gpu"; w=$!
     fi
-    step "jaxjit_np$n" "${MPI[@]}" "${JAX_ENV[@]}" -n "$n" "${PYTEST[@]}" tests/gpu/test_jax_jit_gpu.py
+    step "jaxjit_np$n" "${MPI[@]}" "${JAX_ENV[@]}" -n "$n" "${PYTEST[@]}" \
+        tests/jax/gpu/test_jax_jit_gpu.py
     [ -z "$w" ] || kill "$w" 2>/dev/null
     no_signal "jaxjit_np$n"
 }
@@ -93,8 +105,8 @@ run_jaxjit_bf16() {
 
 # The torch front end on real models: the Hugging Face tests at 1-4 ranks (ranks sharing the
 # GPU: correctness). Measured runs of real models are benchmarks/run.sh's hf8b and meta70b.
-HF_TESTS=(tests/mpi/test_hf.py tests/mpi/test_lifecycle.py tests/mpi/test_torch.py
-          tests/mpi/test_torch_state.py)
+HF_TESTS=(tests/torch/mpi/test_hf.py tests/torch/mpi/test_lifecycle.py
+          tests/torch/mpi/test_torch.py tests/torch/mpi/test_torch_state.py)
 run_hf() {
     local n
     for n in 1 2 3 4; do step "hf_np$n" "${MPI[@]}" -n "$n" "${PYTEST[@]}" "${HF_TESTS[@]}"; done
@@ -111,8 +123,8 @@ run_hfpar() {
 }
 
 # Graph plans, collectives in a user's capture, the captured CuPy and torch steps, 1-4 ranks.
-GRAPH_TESTS=(tests/gpu/test_cuda_graphs.py tests/gpu/test_captured_step.py
-             tests/gpu/test_torch_graph.py tests/mpi/test_graphs.py)
+GRAPH_TESTS=(tests/core/gpu/test_cuda_graphs.py tests/fsdp/gpu/test_captured_step.py
+             tests/torch/gpu/test_torch_graph.py tests/core/mpi/test_graphs.py)
 run_graphs() {
     local n
     for n in ${TIDE_GRAPH_RANKS:-1 2 3 4}; do
@@ -135,14 +147,14 @@ run_graphs() {
 #     "gemm": back-to-back fp16 matrix products (tests/gpu/_gemm_load.py).
 # One line per loop goes to $LOGS/stress/loops.txt (a failing loop keeps its log beside it),
 # then a line per job: loops run and failed. Any failed loop fails the step.
-A=tests/gpu/test_adamw_gpu.py
+A=tests/fsdp/gpu/test_adamw_gpu.py
 STRESS_ADAMW=("$A::test_captured_step_matches_numpy"
               "$A::test_a_first_step_on_another_stream_waits_for_the_constructor"
               "$A::test_grouped_odd_offsets_and_side_stream" "$A::test_absent_kernel_matches_numpy"
-              tests/gpu/test_cuda_graphs.py)
+              tests/core/gpu/test_cuda_graphs.py)
 # (read -a takes one line: a default spread over lines here once ran its first line only.)
 [ -z "${TIDE_STRESS_TESTS:-}" ] || read -ra STRESS_ADAMW <<< "$TIDE_STRESS_TESTS"
-STRESS_RS=(tests/mpi/test_pipeline.py tests/mpi/test_reduce_scatter.py)
+STRESS_RS=(tests/core/mpi/test_pipeline.py tests/core/mpi/test_reduce_scatter.py)
 
 stress_loop() {  # stress_loop NAME RANKS LOOPS [MPIRUN ARGS --] TESTS...: LOOPS times, or
     # (LOOPS 0) until $SDIR/stop exists; one line per loop in $SDIR/loops.txt
@@ -166,7 +178,7 @@ run_stress() {
     [[ $jobs != *" rs "* ]] || { stress_loop rs 3 0 "${STRESS_RS[@]}" & pids+=($!); }
     [[ $jobs != *" graphs "* ]] || { stress_loop graphs 2 0 "${GRAPH_TESTS[@]}" & pids+=($!); }
     [[ $jobs != *" jax "* ]] || {
-        stress_loop jax 2 0 "${JAX_ENV[@]}" -- tests/gpu/test_jax_jit_gpu.py & pids+=($!); }
+        stress_loop jax 2 0 "${JAX_ENV[@]}" -- tests/jax/gpu/test_jax_jit_gpu.py & pids+=($!); }
     sleep 5  # the loads start first
     local w workers=${TIDE_STRESS_WORKERS:-4} loops=${TIDE_STRESS_LOOPS:-30} fg=()
     for ((w = 0; w < workers; w++)); do  # the loops shared out, the first workers one more
@@ -195,10 +207,11 @@ run_stress() {
 # accumulate, the copier, captured steps) and 2 ranks (the reduce-scatter pipeline: IPC
 # memory, copy engines, stream memory operations), racecheck (shared memory) on the AdamW
 # and accumulate kernels. Each log ends with the tool's ERROR SUMMARY; any error fails.
-SAN_NP1=(tests/gpu/test_adamw_gpu.py tests/gpu/test_cuda_engine.py -k
+SAN_NP1=(tests/fsdp/gpu/test_adamw_gpu.py tests/core/gpu/test_cuda_engine.py -k
          "captured or another_stream or grouped_kernel or accumulate or copier")
-SAN_NP2=(tests/mpi/test_pipeline.py tests/mpi/test_reduce_scatter.py tests/mpi/test_all_gather.py)
-SAN_RACE=(tests/gpu/test_adamw_gpu.py tests/gpu/test_cuda_engine.py -k
+SAN_NP2=(tests/core/mpi/test_pipeline.py tests/core/mpi/test_reduce_scatter.py
+         tests/core/mpi/test_all_gather.py)
+SAN_RACE=(tests/fsdp/gpu/test_adamw_gpu.py tests/core/gpu/test_cuda_engine.py -k
           "kernel_matches_numpy or accumulate_bitwise")
 run_sanitize() {
     # API errors are not reported: cuda-bindings looks optional driver entry points up with

@@ -24,7 +24,7 @@ So the callbacks are chained by data, never left to the scheduler:
 
 ``y`` matters: a cotangent may be a constant (the last unit's, when the loss is
 linear in it), and then only ``y`` keeps the last unit's backward after every
-forward gather (``test_collective_order`` in ``tests/mpi/test_jax_jit.py`` saw
+forward gather (``test_collective_order`` in ``tests/jax/mpi/test_jax_jit.py`` saw
 XLA run that re-gather between the first two forward gathers without it). The
 chain orders all of a step's collectives totally: forward gathers in unit order,
 then per unit in reverse order its re-gather and its reduce-scatter. Units must

@@ -1,0 +1,651 @@
+"""``tidearray.jax``: sharded units inside one ``jax.jit`` step, multi-rank, on CPU JAX.
+
+* a jitted sharded step (forward, ``jax.grad``, ``ShardAdamW``) against one JAX
+  process training the same network on the global batch: losses within 1e-5 relative
+  over 10 steps in fp32, within 3e-2 with bf16 parameters and fp32 reduction (the
+  example's transformer, ``examples/jax_train.py``, makes the same check; CI runs it);
+  ``command_buffer=True``'s staged plans once (XLA's command buffers exist on GPUs only:
+  on CPU this checks the staged path's results);
+* gathers bitwise against a NumPy reference (ragged and empty shards included), with
+  the slot poisoned before each call;
+* shard gradients against a float64 NumPy reference within the fp32 bound;
+* the order the collectives run in: the forward gathers in unit order, then per unit
+  in reverse its re-gather and its reduce-scatter, the same on every rank;
+* errors: units that differ between ranks, bad leaves, ``jax.vmap``, a mesh context;
+* clipping by the global norm: a chain (optax's protocol, written here: optax is not a
+  dependency) of ``clip_by_global_norm`` active, then never active, then momentum SGD,
+  against one process clipping the whole gradient by torch's rule: losses within 1e-5
+  relative over 10 steps, the norms the same bits on every rank; bad or differing
+  ``max_norm`` raise on every rank;
+* a stacked unit under ``jax.lax.scan`` (``ShardedUnits.scan``, and a hand-written
+  ``lax.scan`` over ``jax.checkpoint`` of ``apply`` without resharding, through the
+  staged plans of ``command_buffer=True``), stepped by a
+  clipping ``ShardAdamW(max_grad_norm)``, against one process training the unrolled
+  network: losses and final parameters within 1e-5 relative over 10 steps (fp32), the
+  clip active at every step, ragged layer rows; the first step's collectives in layer
+  order forward and reverse layer order backward (the layer read from the gathered
+  shard's contents); bad stacked units and misuse of ``scan``/``apply`` raise.
+
+Fresh seeds every run (drawn on rank 0). Runs on the host backend at any world size;
+the cuda path is ``tests/jax/gpu/test_jax_jit_gpu.py``. Skipped without JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+import pytest
+
+from tidearray import TideInvalid
+from tidearray.fsdp import AdamW
+
+from ..._util import agree, on_rank_zero
+from ...core.mpi._cases import poison
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+tj = pytest.importorskip("tidearray.jax")
+
+pytestmark = pytest.mark.mpi
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+@pytest.fixture(scope="module")
+def cpu_jax(group):
+    if group.backend.name != "host":
+        pytest.skip("CPU JAX: the host backend (cuda: tests/jax/gpu/test_jax_jit_gpu.py)")
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_default_matmul_precision", "highest")
+    return jax
+
+
+def _seed(comm) -> int:
+    return comm.bcast(int(np.random.default_rng().integers(2**31)) if comm.rank == 0 else None)
+
+
+def _dense(p: dict, x: Any) -> Any:
+    return jnp.tanh(x @ p["w"].T + p["b"])
+
+
+def _chain_grads(su: Any, weights: Any = None) -> Any:
+    """A jitted ``(shards, x) -> shard gradients`` of ``sum(weights * h)`` (``sum(h)`` without
+    weights), ``h`` the units of ``su`` applied to ``x`` as a chain of tanh layers."""
+    @jax.jit
+    def grads(shards, x):
+        def loss(shards):
+            h = x
+            for i in range(len(shards)):
+                h = su.apply(i, _dense, shards[i], h)
+            return jnp.sum(h if weights is None else h * weights)
+        return jax.grad(loss)(shards)
+    return grads
+
+
+def _units(seed: int, widths: list[int]) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [{"w": rng.standard_normal((o, i)).astype(np.float32) / np.sqrt(i),
+             "b": rng.standard_normal(o).astype(np.float32)}
+            for i, o in zip(widths, widths[1:])]
+
+
+def _batches(seed: int, world: int, widths: list[int], steps: int = 10) -> list[tuple]:
+    """Per step, ``(inputs, targets)``: one array per rank each (two batches, alternating)."""
+    data = []
+    for k in range(steps):
+        xs = [np.random.default_rng([seed, k % 2, r]).standard_normal((4, widths[0]))
+              .astype(np.float32) for r in range(world)]
+        data.append((xs, [np.sin(x[:, :widths[-1]]) for x in xs]))
+    return data
+
+
+def _chain_loss(n: int, apply: Any) -> Any:
+    """``loss(params, x, y)``: the mean squared error of ``n`` units applied as a chain
+    (``apply(i, params[i], h)``)."""
+    def loss(params, x, y):
+        h = x
+        for i in range(n):
+            h = apply(i, params[i], h)
+        return jnp.mean((h.astype(jnp.float32) - y) ** 2)
+    return loss
+
+
+def _step(loss: Any, opt: Any) -> Any:
+    """A jitted ``(params, state, coef, x, y) -> (params, state, loss)`` stepped by ``opt``
+    (``ShardAdamW``'s ``update`` signature)."""
+    def step(params, state, coef, x, y):
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        return (*opt.update(params, grads, state, coef), value)
+    return jax.jit(step)
+
+
+def _train(step: Any, params: Any, opt: Any, batches: list) -> list[float]:
+    state, losses = opt.init(params), []
+    for k, (x, y) in enumerate(batches):
+        params, state, loss = step(params, state, opt.coefficients(k + 1), x, y)
+        losses.append(float(loss))
+    return losses
+
+
+#: (compute dtype, command_buffer): the in-place runner in both dtypes, the staged one once
+#: ([Note: in place or staged] in tidearray/jax/_runners.py).
+RUNS = [("float32", False), ("bfloat16", False), ("float32", True)]
+
+
+@pytest.mark.parametrize("dtype,command_buffer", RUNS)
+def test_jitted_step_matches_one_process(group, cpu_jax, dtype, command_buffer):
+    """Ten jitted steps (forward, jax.grad, ShardAdamW) on each rank's samples against one
+    process on all of them; the transformer is the example's (run by CI at 2 ranks).
+    The bf16 and staged runs take 1-2 ranks in CI (two cores); fp32 in place any number."""
+    if (dtype, command_buffer) != RUNS[0] and group.size > 2:
+        pytest.skip("CI's time: the bf16 and staged runs at 1-2 ranks (the same collectives)")
+    W, rank, seed = group.size, group.rank, _seed(group.comm)
+    widths = [6, 2 * W + 3, 8, 2]
+    units, data = _units(seed, widths), _batches(seed, W, widths)
+    opt = tj.ShardAdamW(AdamW(lr=1e-2))
+    su = tj.shard_units(units, group=group, compute_dtype=jnp.dtype(dtype),
+                        command_buffer=command_buffer)
+    sharded = _step(_chain_loss(len(units), lambda i, p, h: su.apply(i, _dense, p, h)), opt)
+    losses = _train(sharded, su.shards, opt, [(xs[rank], ys[rank]) for xs, ys in data])
+    losses = [group.comm.allreduce(v) / W for v in losses]
+
+    def reference() -> list[float]:  # one process on every rank's samples
+        whole = _step(_chain_loss(len(units), lambda i, p, h: _dense(jax.tree_util.tree_map(
+            lambda a: a.astype(jnp.dtype(dtype)), p), h)), opt)
+        return _train(whole, jax.tree_util.tree_map(jnp.asarray, units), opt,
+                      [(np.concatenate(xs), np.concatenate(ys)) for xs, ys in data])
+
+    want = on_rank_zero(group.comm, reference)
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    failures = [f"step {i}: {a!r} vs reference {b!r}" for i, (a, b) in enumerate(zip(losses, want))
+                if abs(a - b) > tol * abs(b)]
+    if not losses[-2] < losses[0]:  # the same samples
+        failures.append(f"losses {losses} do not go down")
+    agree(group.comm, failures, f"{dtype} jitted sharded step vs one JAX process (seed {seed})")
+
+
+@pytest.mark.parametrize("dtype,command_buffer", [("float32", False), ("bfloat16", False),
+                                                  ("bfloat16", True)])
+def test_gather_bitwise(group, cpu_jax, dtype, command_buffer):
+    W, seed = group.size, _seed(group.comm)
+    rng = np.random.default_rng(seed)
+    shapes = [(0, 3), (1, 2), (max(W - 1, 1), 5), (3 * W + 1,), (W, 2, 3)]
+    full = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    su = tj.shard_units([full[:3], full[3:]], group=group, compute_dtype=jnp.dtype(dtype),
+                        command_buffer=command_buffer)
+    gather = jax.jit(lambda shards, i, x: su.apply(i, lambda p, _: p, shards[i], x),
+                     static_argnums=1)
+    failures = []
+    for i, want in ((0, full[:3]), (1, full[3:])):
+        poison(su.slot)
+        got = gather(su.shards, i, jnp.zeros(2))
+        for k, (a, w) in enumerate(zip(got, want)):
+            w = w.astype(jnp.dtype(dtype))
+            a = np.asarray(a)
+            if a.shape != w.shape or a.dtype != w.dtype or a.tobytes() != w.tobytes():
+                failures.append(f"unit {i} parameter {k} {w.shape}: gathered bits differ")
+    agree(group.comm, failures, f"{dtype} gathers in a jit vs NumPy (seed {seed})")
+
+
+def _reference_grads(units: list, x: np.ndarray, c: np.ndarray) -> list[dict]:
+    """float64 gradients of ``sum(c * net(x))`` for the tanh network, and each gradient's
+    magnitude bound (the same products in absolute values)."""
+    hs, h = [x], x
+    for u in units:
+        h = np.tanh(h @ u["w"].T + u["b"])
+        hs.append(h)
+    dh, out = c, []
+    for u, hin, hout in zip(reversed(units), reversed(hs[:-1]), reversed(hs[1:])):
+        dz = dh * (1 - hout ** 2)
+        out.append({"w": (dz.T @ hin, np.abs(dz).T @ np.abs(hin)),
+                    "b": (dz.sum(0), np.abs(dz).sum(0))})
+        dh = dz @ u["w"]
+    return out[::-1]
+
+
+def test_shard_grads_against_float64(group, cpu_jax):
+    W, rank, seed = group.size, group.rank, _seed(group.comm)
+    widths = [5, 2 * W + 1, 3]
+    units = _units(seed, widths)
+    su = tj.shard_units(units, group=group)
+    xs = [np.random.default_rng([seed, r]).standard_normal((4, widths[0])) for r in range(W)]
+    c = np.random.default_rng([seed, W]).standard_normal((4, widths[-1]))
+
+    got = _chain_grads(su, c.astype(np.float32))(su.shards, xs[rank].astype(np.float32))
+    u64 = [{k: v.astype(np.float64) for k, v in u.items()} for u in units]
+    per_rank = [_reference_grads(u64, x, c) for x in xs]
+    failures = []
+    for i, u in enumerate(units):
+        for name, a in u.items():
+            want = sum(r[i][name][0] for r in per_rank) / W
+            mag = sum(r[i][name][1] for r in per_rank) / W
+            bound = 8 * (4 * W + widths[i] + 4) * EPS32 * (mag + np.abs(want)) + 1e-30
+            c0 = -(-a.shape[0] // W)
+            rows = slice(rank * c0, min((rank + 1) * c0, a.shape[0]))
+            g = np.asarray(got[i][name], np.float64)
+            n = max(rows.stop - rows.start, 0)
+            err = np.abs(g[:n] - want[rows]) - bound[rows]
+            if err.size and err.max() > 0:
+                failures.append(f"unit {i} {name}: {int((err > 0).sum())} elements outside "
+                                f"the fp32 bound, worst by {err.max():.3g}")
+            if np.any(g[n:] != 0):
+                failures.append(f"unit {i} {name}: padding rows of the gradient are not zero")
+    agree(group.comm, failures, f"shard gradients vs float64 (seed {seed})")
+
+
+def test_collective_order(group, cpu_jax, monkeypatch):
+    """Forward gathers in unit order, then per unit in reverse its re-gather and its
+    reduce-scatter, whatever XLA's scheduling; the same on every rank."""
+    widths = [3, 4, 5, 6, 7]
+    su = tj.shard_units(_units(_seed(group.comm), widths), group=group)
+    order = _Order(monkeypatch, su)
+
+    # sum(h): the last unit's output cotangent is a constant ([Note: collective order in
+    # a jitted step] in tidearray/jax/_units.py).
+    jax.block_until_ready(_chain_grads(su)(su.shards, jnp.ones((2, 3))))
+    n = len(widths) - 1
+    want = [f"ag{i}" for i in range(n)]
+    for i in reversed(range(n)):
+        want += [f"ag{i}", f"rs{i}"]
+    failures = [] if order.log == want else [f"collectives ran as {order.log}, expected {want}"]
+    agree(group.comm, failures, "collective order in a jitted step")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("differ", ["shape", "dtype", "structure"])
+def test_units_differing_between_ranks(group, cpu_jax, differ):
+    units = [{"w": np.zeros((4, 3), np.float32)}]
+    if group.rank == 1:
+        units = {"shape": [{"w": np.zeros((4, 2), np.float32)}],
+                 "dtype": [{"w": np.zeros((4, 3), np.float16)}],
+                 "structure": [{"v": np.zeros((4, 3), np.float32)}]}[differ]
+    with pytest.raises(TideInvalid, match="shard_units"):
+        tj.shard_units(units, group=group)
+
+
+def test_bad_leaves_vmap_and_mesh(group, cpu_jax):
+    for bad in ([{"w": np.zeros((), np.float32)}], [{"w": np.zeros(3, np.int32)}]):
+        with pytest.raises(TideInvalid, match="expected a floating array"):
+            tj.shard_units(bad, group=group)
+    su = tj.shard_units([{"w": np.ones((2, 3), np.float32), "b": np.zeros(2, np.float32)}],
+                        group=group)
+    with pytest.raises(TideInvalid, match="vmap"):
+        jax.vmap(lambda x: su.apply(0, _dense, su.shards[0], x))(jnp.ones((4, 1, 3)))
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+        with pytest.raises(TideInvalid, match="mesh"):
+            jax.jit(lambda s, x: su.apply(0, _dense, s, x))(su.shards[0], jnp.ones((4, 3)))
+
+
+def test_the_cuda_path_is_opt_in(group, cpu_jax, monkeypatch):
+    """On the cuda backend ``shard_units`` refuses, on every rank, unless ``jax_cuda`` is
+    set (docs/jax.md, Limits); seen here through the backend's name."""
+    units = [{"w": np.ones((4, 3), np.float32)}]
+    monkeypatch.setattr(group.backend, "name", "cuda")
+    monkeypatch.setattr(group.backend, "device", 0, raising=False)
+    with pytest.raises(TideInvalid, match="TIDE_JAX_CUDA=1"):
+        tj.shard_units(units, group=group)
+    monkeypatch.setattr(group, "config", dataclasses.replace(group.config, jax_cuda=True))
+    with pytest.raises(TideInvalid) as e:  # still no JAX GPU here: only that is said
+        tj.shard_units(units, group=group)
+    assert "TIDE_JAX_CUDA" not in str(e.value) and "JAX gpu device" in str(e.value)
+
+
+#: Below the tanh chain's gradient norms (about 0.1 to 1) at every step: the clip is active.
+ACTIVE = 1e-2
+#: Above any of its norms: a clip that is never active.
+INACTIVE = 1e6
+
+
+def _reference_clip(max_norm: float) -> Any:
+    """torch's ``clip_grad_norm_`` of a whole (one-process) gradient, written from its
+    documented rule, in optax's protocol; its state holds the norm, as tidearray's does."""
+    def update(grads, state, params=None):
+        norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
+        factor = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+        return jax.tree_util.tree_map(lambda g: g * factor, grads), (norm,)
+    return (lambda params: (jnp.zeros(()),), update)
+
+
+def _momentum(lr: float, beta: float = 0.9) -> Any:
+    """SGD with momentum (optax's ``sgd(lr, momentum)``) in optax's protocol."""
+    def update(grads, trace, params=None):
+        trace = jax.tree_util.tree_map(lambda m, g: beta * m + g, trace, grads)
+        return jax.tree_util.tree_map(lambda m: -lr * m, trace), trace
+    return (lambda params: jax.tree_util.tree_map(jnp.zeros_like, params), update)
+
+
+class _Chain:
+    """``optax.chain`` of ``transforms`` (what it does, written here: optax is not a
+    dependency), then ``optax.apply_updates``, with ``ShardAdamW``'s ``update`` signature."""
+
+    def __init__(self, *transforms: Any) -> None:
+        self.inits, self.updates = zip(*transforms)  # optax.chain unpacks them the same way
+
+    def init(self, params: Any) -> tuple:
+        return tuple(init(params) for init in self.inits)
+
+    def coefficients(self, step: int) -> Any:
+        return jnp.zeros(())
+
+    def update(self, params: Any, grads: Any, state: tuple, coef: Any) -> tuple:
+        states = []
+        for update, s in zip(self.updates, state):
+            grads, s = update(grads, s, params)
+            states.append(s)
+        return jax.tree_util.tree_map(jnp.add, params, grads), tuple(states)
+
+
+class _ClippedAdamW:
+    """The reference of ``ShardAdamW(max_grad_norm=...)``: the reference clip, then AdamW."""
+
+    def __init__(self, hp: AdamW) -> None:
+        self.clip = _reference_clip(hp.max_grad_norm)[1]
+        self.adamw = tj.ShardAdamW(dataclasses.replace(hp, max_grad_norm=None))
+        self.coefficients = self.adamw.coefficients
+
+    def init(self, params: Any) -> tuple:
+        return self.adamw.init(params), jnp.zeros(())
+
+    def update(self, params: Any, grads: Any, state: tuple, coef: Any) -> tuple:
+        grads, (norm,) = self.clip(grads, None)
+        params, adamw = self.adamw.update(params, grads, state[0], coef)
+        return params, (adamw, norm)
+
+
+def _norms(state: Any) -> list[float]:
+    """The norms a step's optimizer state holds, in order: each clip's."""
+    return [float(a) for a in jax.tree_util.tree_leaves(state) if np.ndim(a) == 0]
+
+
+def _train_with_norms(step: Any, params: Any, opt: Any, batches: list) -> tuple[list, list]:
+    """``(losses, per step the norms each clip saw)``."""
+    state, losses, norms = opt.init(params), [], []
+    for k, (x, y) in enumerate(batches):
+        params, state, loss = step(params, state, opt.coefficients(k + 1), x, y)
+        losses.append(float(loss))
+        norms.append(_norms(state))
+    return losses, norms
+
+
+def test_clip_chain_matches_one_process(group, cpu_jax):
+    """Ten jitted steps through a chain of an active clip, a clip never active and momentum
+    SGD, against one process clipping the whole gradient by torch's rule: losses, and the
+    norms each clip saw, the same bits on every rank. (``ShardAdamW``'s own clip is checked
+    in tests/mpi/test_jax_scan.py, with the scanned network.)"""
+    W, rank, seed = group.size, group.rank, _seed(group.comm)
+    widths = [6, 2 * W + 3, 8, 2]
+    units, data = _units(seed, widths), _batches(seed, W, widths)
+    opt = _Chain(tj.clip_by_global_norm(ACTIVE, group=group),
+                 tj.clip_by_global_norm(INACTIVE, group=group), _momentum(0.05))
+    su = tj.shard_units(units, group=group)
+    step = _step(_chain_loss(len(units), lambda i, p, h: su.apply(i, _dense, p, h)), opt)
+    losses, norms = _train_with_norms(step, su.shards, opt,
+                                      [(xs[rank], ys[rank]) for xs, ys in data])
+    losses = [group.comm.allreduce(v) / W for v in losses]
+
+    def reference() -> tuple[list, list]:
+        ref = _Chain(_reference_clip(ACTIVE), _reference_clip(INACTIVE), _momentum(0.05))
+        whole = _step(_chain_loss(len(units), lambda i, p, h: _dense(p, h)), ref)
+        return _train_with_norms(whole, jax.tree_util.tree_map(jnp.asarray, units), ref,
+                                 [(np.concatenate(xs), np.concatenate(ys)) for xs, ys in data])
+
+    want, want_norms = on_rank_zero(group.comm, reference)
+    failures = [f"step {i}: loss {a!r} vs reference {b!r}"
+                for i, (a, b) in enumerate(zip(losses, want)) if abs(a - b) > 1e-5 * abs(b)]
+    failures += [f"step {i}: norms {a} vs reference {b}" for i, (a, b)
+                 in enumerate(zip(norms, want_norms)) if not np.allclose(a, b, rtol=1e-5, atol=0)]
+    if not all(ACTIVE < n[0] and n[1] < INACTIVE for n in want_norms):
+        failures.append(f"the reference's norms {want_norms}: expected the first clip active "
+                        f"(above {ACTIVE}) and the second not (below {INACTIVE}) at every step")
+    every = group.comm.allgather(np.array(norms, np.float32).tobytes())
+    if any(e != every[0] for e in every):
+        failures.append("the ranks' global norms differ in their bits")
+    agree(group.comm, failures, f"clip chain vs one JAX process (seed {seed})")
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), "1.0", None])
+def test_clip_refuses_bad_max_norm(group, cpu_jax, bad):
+    with pytest.raises(TideInvalid, match="max_norm: expected a finite real > 0"):
+        tj.clip_by_global_norm(bad, group=group)
+    if bad is not None and not isinstance(bad, str):
+        with pytest.raises(TideInvalid, match="max_grad_norm"):  # AdamW's own check
+            tj.ShardAdamW(AdamW(max_grad_norm=bad), group=group)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_clip_limits_differing_between_ranks(group, cpu_jax):
+    limit = 2.0 if group.rank == 1 else 1.0
+    with pytest.raises(TideInvalid, match="clip_by_global_norm"):
+        tj.clip_by_global_norm(limit, group=group)
+    with pytest.raises(TideInvalid, match="ShardAdamW"):
+        tj.ShardAdamW(AdamW(max_grad_norm=limit), group=group)
+
+
+# A stacked unit under jax.lax.scan.
+
+LAYERS, STEPS, BATCH = 3, 10, 4
+
+
+def _model(seed: int, d: int, d_in: int = 5, d_out: int = 2) -> list[dict[str, np.ndarray]]:
+    """``[input dense, LAYERS residual MLP blocks (stacked leaves), output dense]``."""
+    rng = np.random.default_rng(seed)
+
+    def dense(o: int, i: int) -> np.ndarray:
+        return (rng.standard_normal((o, i)) / np.sqrt(i)).astype(np.float32)
+
+    blocks = {"up": np.stack([dense(2 * d, d) for _ in range(LAYERS)]),
+              "up_b": (0.1 * rng.standard_normal((LAYERS, 2 * d))).astype(np.float32),
+              "down": np.stack([dense(d, 2 * d) for _ in range(LAYERS)])}
+    return [{"w": dense(d, d_in), "b": np.zeros(d, np.float32)}, blocks,
+            {"w": dense(d_out, d), "b": np.zeros(d_out, np.float32)}]
+
+
+def _block(p: dict, x: Any) -> Any:
+    return x + jnp.tanh(x @ p["up"].T + p["up_b"]) @ p["down"].T
+
+
+def _layer(tree: Any, k: int) -> Any:
+    return jax.tree_util.tree_map(lambda a: a[k], tree)
+
+
+def _unrolled_loss(units: list, x: Any, y: Any) -> Any:
+    """The independent reference: plain JAX, the layers in a Python loop."""
+    h = _dense(units[0], x)
+    for k in range(LAYERS):
+        h = _block(_layer(units[1], k), h)
+    return jnp.mean((_dense(units[2], h) - y) ** 2)
+
+
+def _scanned_loss(su: Any, how: str) -> Callable:
+    def loss(shards: list, x: Any, y: Any) -> Any:
+        h = su.apply(0, _dense, shards[0], x)
+        if how == "scan":
+            h = su.scan(1, _block, shards[1], h)
+        else:  # what a MaxText- or Flax-style model writes itself
+            body = jax.checkpoint(lambda h, p: (su.apply(1, _block, p, h), None))
+            h = jax.lax.scan(body, h, shards[1])[0]
+        return jnp.mean((su.apply(2, _dense, shards[2], h) - y) ** 2)
+    return loss
+
+
+class _Order:
+    """The collectives ``su`` runs while :attr:`on`, as ``ag{unit}`` / ``rs{unit}``; a
+    gather of stacked unit 1 as ``ag1@{layer}``, the layer read from the contents of the
+    shards it gathers (this rank's shards of each layer at the start, which no other
+    layer's equal: the first step's)."""
+
+    def __init__(self, monkeypatch: Any, su: Any) -> None:
+        self.log: list[str] = []
+        self.on = True
+        self.layers = [] if su.layers(1) is None else [
+            _flat(_layer(su.shards[1], k)) for k in range(LAYERS)]
+        runner = type(su.runner)  # in place, or staged ([Note: in place or staged])
+        gather, reduce = runner.gather, runner.reduce
+
+        def ag(self_, index, shapes, sends, *args):
+            if self.on:
+                self.log.append(f"ag{index}" + self._layer(index, sends))
+            return gather(self_, index, shapes, sends, *args)
+
+        def rs(self_, index, *args):
+            if self.on:
+                self.log.append(f"rs{index}")
+            return reduce(self_, index, *args)
+
+        monkeypatch.setattr(runner, "gather", ag)
+        monkeypatch.setattr(runner, "reduce", rs)
+
+    def _layer(self, index: int, sends: list) -> str:
+        found = [k for k, mine in enumerate(self.layers)
+                 if index == 1 and np.array_equal(_flat(sends), mine)]
+        return f"@{found[0]}" if found else ""
+
+
+def _flat(tree: Any) -> np.ndarray:
+    return np.concatenate([np.asarray(a).ravel() for a in jax.tree_util.tree_leaves(tree)])
+
+
+def _expected_order(reshard: bool) -> list[str]:
+    """Forward: unit 0, the layers in order, unit 2. Backward, per unit and layer in reverse:
+    its re-gather (resharded) or, under ``jax.checkpoint``, its forward's gather again, then
+    its reduce-scatter."""
+    layers = [f"ag1@{k}" for k in range(LAYERS)]
+    order = ["ag0", *layers, "ag2", *(["ag2"] if reshard else []), "rs2"]
+    for k in reversed(range(LAYERS)):
+        order += [layers[k], "rs1"]
+    return order + [*(["ag0"] if reshard else []), "rs0"]
+
+
+def _full(group: Any, shards: Any, like: Any, stacked: bool) -> Any:
+    """Full parameters from every rank's padded shards (dim 0, or dim 1 under a layer axis)."""
+    every = group.comm.allgather(jax.tree_util.tree_map(np.asarray, shards))
+    axis = 1 if stacked else 0
+
+    def one(k: int, want: np.ndarray) -> np.ndarray:
+        parts = [jax.tree_util.tree_leaves(s)[k] for s in every]
+        return np.concatenate(parts, axis=axis)[(slice(None),) * axis + (slice(want.shape[axis]),)]
+
+    return [one(k, w) for k, w in enumerate(jax.tree_util.tree_leaves(like))]
+
+
+def _reference(units: list, hp: AdamW, data: list) -> tuple[list, list, list]:
+    """``(losses, clip norms, final parameters)`` of one process training the unrolled
+    network on every rank's samples, clipping the whole gradient by torch's rule."""
+    opt = _ClippedAdamW(hp)
+    params = jax.tree_util.tree_map(jnp.asarray, units)
+    step = _step(_unrolled_loss, opt)
+    state, losses, norms = opt.init(params), [], []
+    for k, (xs, ys) in enumerate(data):
+        params, state, loss = step(params, state, opt.coefficients(k + 1), np.concatenate(xs),
+                                   np.concatenate(ys))
+        losses.append(float(loss))
+        norms.append(float(state[1]))
+    return losses, norms, [np.asarray(a) for a in jax.tree_util.tree_leaves(params)]
+
+
+class _Case(NamedTuple):
+    """The scanned network's training: model, data, and one process's run of it."""
+
+    seed: int
+    units: list
+    data: list  # per step, (inputs, targets): one array per rank each
+    hp: AdamW
+    want: tuple  # _reference's (losses, clip norms, final parameters)
+
+
+@pytest.fixture(scope="module")
+def case(group, cpu_jax) -> _Case:
+    """One case per run for every scan variant: they share the reference's compile."""
+    W, seed = group.size, _seed(group.comm)
+    units = _model(seed, d=2 * W + 1)  # ragged rows; at 4 ranks the last rank's are empty
+    data = []
+    for k in range(STEPS):
+        xs = [np.random.default_rng([seed, k % 3, r]).standard_normal((BATCH, 5))
+              .astype(np.float32) for r in range(W)]
+        data.append((xs, [np.sin(2 * x[:, :2]) for x in xs]))
+    # eps above the clipped gradients' elements: AdamW's step then follows their size
+    hp = AdamW(lr=1e-2, eps=1e-3, weight_decay=0.1, max_grad_norm=ACTIVE)
+    return _Case(seed, units, data, hp,
+                 on_rank_zero(group.comm, lambda: _reference(units, hp, data)))
+
+
+#: (how, reshard_after_forward, command_buffer): ShardedUnits.scan in place; a hand-written
+#: scan over jax.checkpoint without resharding, staged ([Note: in place or staged]).
+SCANS = [("scan", True, False), ("lax.scan+checkpoint", False, True)]
+
+
+@pytest.mark.parametrize("how,reshard,command_buffer", SCANS)
+def test_scanned_step_matches_one_process(group, case, monkeypatch, how, reshard,
+                                          command_buffer):
+    """Ten steps of the scanned sharded network, clipped by ``ShardAdamW(max_grad_norm)``,
+    against one process training the unrolled one on every rank's samples and clipping the
+    whole gradient by torch's rule: per-step losses, the final parameters, and the order of
+    the first step's collectives. The hand-written scan (staged plans) runs at 1-2 ranks in
+    CI (two cores): the same collectives in another loop."""
+    if how != "scan" and group.size > 2:
+        pytest.skip("CI's time: the hand-written scan at 1-2 ranks")
+    W, rank, (seed, units, data, hp, (want, norms, want_params)) = group.size, group.rank, case
+    opt = tj.ShardAdamW(hp, group=group)
+    su = tj.shard_units(units, group=group, stacked=[1], reshard_after_forward=reshard,
+                        command_buffer=command_buffer)
+    order = _Order(monkeypatch, su)
+    step, shards, losses = _step(_scanned_loss(su, how), opt), su.shards, []
+    state = opt.init(shards)
+    for k, (xs, ys) in enumerate(data):
+        shards, state, loss = step(shards, state, opt.coefficients(k + 1), xs[rank], ys[rank])
+        losses.append(group.comm.allreduce(float(loss)) / W)
+        order.on = False
+    got = [p for i, u in enumerate(units) for p in _full(group, shards[i], u, i == 1)]
+
+    failures = [f"step {k}: loss {a!r} vs reference {b!r}"
+                for k, (a, b) in enumerate(zip(losses, want)) if abs(a - b) > 1e-5 * abs(b)]
+    for k, (a, b) in enumerate(zip(got, want_params)):
+        err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+        if a.shape != b.shape or not err <= 1e-5:
+            failures.append(f"parameter {k} {b.shape}: got {a.shape}, relative error {err:.2e}")
+    if not losses[-1] < losses[0] or not min(norms) > ACTIVE:
+        failures.append(f"expected falling losses and an active clip, got losses {losses}, "
+                        f"norms {norms} (limit {ACTIVE})")
+    if order.log != _expected_order(reshard):
+        failures.append(f"the first step's collectives ran as {order.log}, expected "
+                        f"{_expected_order(reshard)}")
+    agree(group.comm, failures, f"{how} vs one unrolled JAX process (seed {seed})")
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("flat leaf", "at least 2 dims"), ("two layer counts", "one number of layers"),
+    ("index out of range", "distinct unit indices"), ("repeated index", "distinct unit indices")])
+def test_bad_stacked_units(group, cpu_jax, bad, match):
+    units, stacked = _model(0, d=4), [1]
+    if bad == "flat leaf":
+        units[1]["up_b"] = units[1]["up_b"][0]
+    elif bad == "two layer counts":
+        units[1]["down"] = units[1]["down"][:-1]
+    else:
+        stacked = [3] if bad == "index out of range" else [1, 1]
+    with pytest.raises(TideInvalid, match=match):
+        tj.shard_units(units, group=group, stacked=stacked)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_disagree_on_stacked(group, cpu_jax):
+    units = _model(0, d=4)
+    units[0] = {"w": np.stack([units[0]["w"]] * 2)}  # 2-D leaves either way
+    with pytest.raises(TideInvalid, match="shard_units"):
+        tj.shard_units(units, group=group, stacked=[1] if group.rank else [0, 1])
+
+
+def test_scan_misuse(group, cpu_jax):
+    su = tj.shard_units(_model(0, d=4), group=group, stacked=[1])
+    x = jnp.ones((2, 4))
+    assert su.layers(1) == LAYERS and su.layers(0) is None
+    with pytest.raises(TideInvalid, match="one layer's shards"):
+        jax.jit(lambda s: su.apply(1, _block, s, x))(su.shards[1])
+    with pytest.raises(TideInvalid, match="expected a stacked unit"):
+        jax.jit(lambda s: su.scan(0, _dense, s, jnp.ones((2, 5))))(su.shards[0])
+    with pytest.raises(TideInvalid, match="its input's structure, shapes and dtypes"):
+        jax.jit(lambda s: su.scan(1, lambda p, h: _block(p, h).astype(jnp.bfloat16), s,
+                                  x))(su.shards[1])
+    with pytest.raises(TideInvalid, match="its input's structure, shapes and dtypes"):
+        jax.jit(lambda s: su.scan(1, lambda p, h: (_block(p, h), h), s, x))(su.shards[1])

@@ -1,0 +1,259 @@
+"""``tidearray.torch.shard_module`` against plain PyTorch, multi-rank, on the host backend.
+
+A small network trained on every rank's samples by ``shard_module`` (units sharded,
+gathered by hooks, gradients reduce-scattered, the fused AdamW on the shards) must give
+the losses of the same network trained in one process on all the samples with
+``torch.optim.AdamW``: within 1e-5 relative, for 10 steps, in fp32. Skipped without torch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from ..._util import agree, on_rank_zero
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.mpi
+LR, STEPS, B = 1e-2, 10, 4
+LOSS_RTOL = 1e-5
+
+
+class _Checkpointed(torch.nn.Module):
+    """Runs ``inner`` under non-reentrant activation checkpointing."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+class _Compiled(torch.nn.Module):
+    """Runs ``inner`` through ``torch.compile`` (AOT autograd, no code generation: the
+    graph capture and the compiled backward are what meet the hooks)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.fn = torch.compile(inner, backend="aot_eager")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+WRAP = {"plain": lambda u: u, "checkpointed": _Checkpointed, "compiled": _Compiled}
+
+
+def _model(seed: int, wrap: str = "plain") -> tuple:
+    torch.manual_seed(seed)
+    units = [torch.nn.Linear(6, 16), torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(16, 16)),
+             torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(16, 3))]
+    layers = [WRAP[wrap](u) if k == 1 else u for k, u in enumerate(units)]
+    return torch.nn.Sequential(*layers), units
+
+
+def _batch(step: int, first: int, n: int) -> tuple:
+    rng = np.random.default_rng([step % 2, first])  # two batches in turn: a learnable fit
+    x = rng.standard_normal((n, 6)).astype(np.float32)
+    y = np.sin(x[:, :3] * 2).astype(np.float32)
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def _reference(model, group) -> list[float]:
+    """One process on the global batch (collective: rank 0 trains ``model``)."""
+    return on_rank_zero(group.comm, lambda: _one_process(model, group.size))
+
+
+def _one_process(model, world: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.0)
+    losses = []
+    for s in range(STEPS):
+        xs, ys = zip(*[_batch(s, r, B) for r in range(world)])
+        loss = torch.nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("wrap", list(WRAP))
+@pytest.mark.parametrize("units_given", [3, 2, 0])
+def test_shard_module_matches_plain_torch(group, wrap, units_given):
+    """Also with the middle unit under activation checkpointing (its forward runs again
+    inside backward) and under ``torch.compile``; with every layer a unit, with the last
+    left to the root (the model itself owns what no unit owns), and with no units (the
+    whole model one root unit)."""
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    import tidearray.torch as tt
+    from tidearray.fsdp import AdamW
+
+    if wrap == "compiled" and not hasattr(torch, "compile"):
+        pytest.skip("this torch has no torch.compile")
+    if wrap == "compiled" and group.size > 2:
+        pytest.skip("CI's time: compiling costs each rank seconds of CPU; 1-2 ranks")
+    model, units = _model(0, wrap)
+    reference = copy.deepcopy(model)
+    sm = tt.shard_module(model, units[:units_given], group=group, optimizer=AdamW(lr=LR))
+    assert len(sm.sharding.units) == max(units_given + (units_given < 3), 1)
+    _train_as_one_process(sm, reference, group)
+
+
+def test_a_unit_of_several_modules_matches_plain_torch(group):
+    """A unit given as a list of modules (the first two layers): each one's forward is a
+    use, and the unit's forward ends with the last one's (the lifecycle's
+    ``forward_done``); an evaluation forward after each step changes nothing."""
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    import tidearray.torch as tt
+    from tidearray.fsdp import AdamW
+
+    model, units = _model(0)
+    reference = copy.deepcopy(model)
+    sm = tt.shard_module(model, [[units[0], units[1]], units[2]], group=group,
+                         optimizer=AdamW(lr=LR))
+    assert [len(u.modules) for u in sm.sharding.units] == [2, 1]
+    _train_as_one_process(sm, reference, group, evaluate=True)
+
+
+def _train_as_one_process(sm, reference, group, evaluate: bool = False) -> None:
+    """``sm`` trains for :data:`STEPS` steps as ``reference`` does in one process on the
+    global batch (with ``evaluate``, a forward without grad after each step)."""
+    losses = []
+    for s in range(STEPS):
+        x, y = _batch(s, group.rank, B)
+        loss = torch.nn.functional.mse_loss(sm(x), y)
+        loss.backward()
+        sm.step()
+        if evaluate:
+            with torch.no_grad():
+                sm(x)
+        losses.append(group.comm.allreduce(float(loss.detach())) / group.size)
+    want = _reference(reference, group)
+    failures = [f"step {i}: {a!r} vs reference {b!r}" for i, (a, b) in enumerate(zip(losses, want))
+                if abs(a - b) > LOSS_RTOL * abs(b)]
+    if not losses[-1] < losses[0]:
+        failures.append(f"loss did not go down: {losses}")
+    agree(group.comm, failures, "shard_module vs torch")
+
+
+def test_a_compiled_forward_and_backward_runs_the_hooks_eagerly(group):
+    """A function compiled whole, forward and backward, runs the hooks while Dynamo
+    evaluates frames around its graph breaks ([Note: hooks and Dynamo] in
+    ``tidearray/torch/_hooks.py``): it trains as one process does, and Dynamo compiles
+    none of the hooks (compiled per hook, they would reach its recompile limit, which
+    warns)."""
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    if not hasattr(torch, "compile"):
+        pytest.skip("this torch has no torch.compile")
+    if group.size > 2:
+        pytest.skip("CI's time: compiling costs each rank seconds of CPU; 1-2 ranks")
+    import logging
+
+    import tidearray.torch as tt
+    from tidearray.fsdp import AdamW
+
+    model, units = _model(4)
+    reference = copy.deepcopy(model)
+    sm = tt.shard_module(model, units, group=group, optimizer=AdamW(lr=LR))
+
+    @torch.compile(backend="aot_eager")
+    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(sm(x), y)
+        loss.backward()
+        return loss.detach()
+
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    dynamo_log = logging.getLogger("torch._dynamo")
+    dynamo_log.addHandler(handler)
+    losses = []
+    try:
+        for s in range(STEPS):
+            x, y = _batch(s, group.rank, B)
+            loss = forward_backward(x, y)
+            sm.step()
+            losses.append(group.comm.allreduce(float(loss)) / group.size)
+    finally:
+        dynamo_log.removeHandler(handler)
+    want = _reference(reference, group)
+    failures = [f"step {i}: {a!r} vs reference {b!r}" for i, (a, b) in enumerate(zip(losses, want))
+                if abs(a - b) > LOSS_RTOL * abs(b)]
+    failures += [f"Dynamo warned: {w[:200]}" for w in warned if "recompile" in w]
+    agree(group.comm, failures, "a compiled forward and backward vs torch")
+
+
+def test_bad_units_are_refused(group):
+    import tidearray
+    import tidearray.torch as tt
+
+    model, units = _model(1)
+    with pytest.raises(tidearray.TideInvalid, match="in units 0 and 1"):
+        tt.shard_module(model, [units[0], units[0]], group=group)
+    with pytest.raises(tidearray.TideInvalid, match="submodule of the model"):
+        tt.shard_module(model, [torch.nn.Linear(2, 2)], group=group)
+    with pytest.raises(tidearray.TideInvalid, match="owns parameters"):
+        tt.shard_module(model, [units[1], units[1][0]], group=group)
+
+
+def test_mixed_dtypes_need_a_param_dtype(group):
+    """Parameters of two dtypes (one bf16 layer in an fp32 model): without ``param_dtype``
+    a TideInvalid on every rank naming both, as FSDP2 refuses; with it, every parameter
+    is gathered in that dtype and the model trains."""
+    import tidearray
+    import tidearray.torch as tt
+
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    model, units = _model(0)
+    units[1].to(torch.bfloat16)
+    with pytest.raises(tidearray.TideInvalid,
+                       match=r"float32 \('0.weight', \.\.\.\), bfloat16 \('1.1.weight'"):
+        tt.shard_module(model, units, group=group)
+    seen = set()
+    units[1].register_forward_pre_hook(lambda m, args: seen.add(m[1].weight.dtype))
+    sm = tt.shard_module(model, units, group=group, param_dtype=torch.float32)
+    x, y = _batch(0, group.rank, B)
+    torch.nn.functional.mse_loss(sm(x), y).backward()
+    sm.step()
+    agree(group.comm, [] if seen == {torch.float32} else [f"gathered as {seen}"],
+          "param_dtype=float32 over fp32 and bf16 parameters")
+
+
+def test_units_out_of_order_are_refused_at_the_first_forward(group):
+    import tidearray
+    import tidearray.torch as tt
+
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    model, units = _model(2)
+    sm = tt.shard_module(model, [units[1], units[0], units[2]], group=group)
+    with pytest.raises(tidearray.TideInvalid, match="order their forwards begin"):
+        sm(_batch(0, group.rank, B)[0])
+
+
+def test_a_captured_torch_step_needs_the_cuda_backend(group):
+    """``model.capture_step`` captures with ``torch.cuda.graph``: on the host
+    backend it refuses, clearly, on every rank, before touching CUDA
+    (tests/torch/gpu/test_torch_graph.py replays it on the cuda backend)."""
+    import tidearray
+    import tidearray.torch as tt
+
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    model, units = _model(3)
+    sm = tt.shard_module(model, units, group=group)
+    with pytest.raises(tidearray.TideInvalid, match="expected a model on the cuda backend"):
+        sm.capture_step(lambda: None)
+    sm.close()
