@@ -1,5 +1,4 @@
 """Host-side tables of the cuda backend (accumulate table, split pushes): CPU only.
-The accumulate variants' constants and walks: ``benchmarks/tests/gpu/test_variants.py``.
 
 Walks the table the way ``kernels/accumulate.cu`` does and checks that every
 element of every piece is covered by exactly one tile, that tiles never cross

@@ -372,7 +372,7 @@ def test_clip_chain_matches_one_process(group, cpu_jax):
     """Ten jitted steps through a chain of an active clip, a clip never active and momentum
     SGD, against one process clipping the whole gradient by torch's rule: losses, and the
     norms each clip saw, the same bits on every rank. (``ShardAdamW``'s own clip is checked
-    in tests/mpi/test_jax_scan.py, with the scanned network.)"""
+    in test_scanned_step_matches_one_process, with the scanned network.)"""
     W, rank, seed = group.size, group.rank, _seed(group.comm)
     widths = [6, 2 * W + 3, 8, 2]
     units, data = _units(seed, widths), _batches(seed, W, widths)
