@@ -252,16 +252,21 @@ def _tiny(cls: type, seed: int) -> Any:
 
 class _Router(torch.nn.Linear):
     """A router whose ``disabled`` experts get -1e9 added to their logits: no token
-    picks them, so they run no forward and get no gradient."""
+    picks them, so they run no forward and get no gradient. A ``favored`` expert gets
+    1e3 added for the first token, which then picks it: it runs whatever the random
+    weights route (top-1 of 8 over a few tokens can leave an enabled expert idle)."""
 
     disabled: frozenset = frozenset()
+    favored: Optional[int] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().forward(x)
-        if not self.disabled:
+        if not self.disabled and self.favored is None:
             return logits
-        mask = torch.zeros(self.out_features, device=logits.device)
-        mask[sorted(self.disabled)] = -1e9
+        mask = torch.zeros_like(logits)
+        mask[..., sorted(self.disabled)] = -1e9
+        if self.favored is not None:
+            mask[0, self.favored] = 1e3
         return logits + mask
 
 
@@ -287,9 +292,10 @@ def _masked_moe(seed: int) -> Any:
     return model
 
 
-def _disable(model: Any, experts: set) -> None:
+def _disable(model: Any, experts: set, favored: Optional[int] = None) -> None:
     for layer in model.model.layers:
         layer.mlp.router.disabled = frozenset(experts)
+        layer.mlp.router.favored = favored
 
 
 def _ran(model: Any) -> list[int]:
@@ -518,10 +524,11 @@ def test_units_in_use_at_once_need_slots_of_their_own(group):
 HALF = MOE_STEPS // 2
 
 
-def _schedule(s: int) -> set:
+def _schedule(s: int) -> tuple[set, int]:
     """Disabled experts at step ``s`` on every rank: 0 always; 1 in the first half (its own
-    step count starts at the second); 2 in the second half (its moments stop)."""
-    return {0, 1} if s < HALF else {0, 2}
+    step count starts at the second); 2 in the second half (its moments stop). With the
+    expert that must run then: 2 in the first half, 1 in the second."""
+    return ({0, 1}, 2) if s < HALF else ({0, 2}, 1)
 
 
 def test_experts_idle_on_every_rank_are_skipped(group):
@@ -539,7 +546,7 @@ def test_experts_idle_on_every_rank_are_skipped(group):
     def setup(m: Any, s: int, r: int) -> None:
         if m is model and s == HALF:
             at_half.append(_ran(m))
-        _disable(m, _schedule(s))
+        _disable(m, *_schedule(s))
 
     sm = _wrap(model, list(model.model.layers), group, optimizer=AdamW(lr=LR, weight_decay=0.1))
     got = _sharded(sm, model, group, seed, steps=MOE_STEPS, setup=setup)
@@ -553,8 +560,9 @@ def test_experts_idle_on_every_rank_are_skipped(group):
     # The case must have happened: idle on every rank where disabled, run where enabled.
     if not (total[0] == 0 and first[1] == 0 and second[2] == 0 and second[1] > 0
             and first[2] > 0):
-        failures.append(f"expected expert 0 idle, 1 idle then run, 2 run then idle (over all "
-                        f"ranks), got forwards {first} in the first half, {second} after")
+        failures.append(f"seed {seed}: expected expert 0 idle, 1 idle then run, 2 run then "
+                        f"idle (over all ranks), got forwards {first} in the first half, "
+                        f"{second} after")
     agree(group.comm, failures, "experts idle on every rank")
 
 
