@@ -157,6 +157,20 @@ def test_a_prefetch_waits_for_a_slot_in_use_and_a_demand_fails_on_every_rank_ali
     assert t.log[-2:] == [("release", 0), ("gather", 2, 0)] and not t.slots.waiting()
 
 
+def test_ending_a_pass_issues_no_deferred_prefetch():
+    """A forward with no backward ends (``Runtime.release``, before an optimizer step)
+    while a prefetch waits for a slot: the table forgets it before the slots are given
+    up, so no gather issued then outlives the step with parameters from before it (giving
+    the slots up first issued it: unit 2 stayed gathered, and the next forward used it)."""
+    t = _Table(busy={0})
+    t.slots.ensure(0)
+    t.slots.prefetch(2)  # unit 0 is running: deferred
+    t.busy.clear()  # the forward is over
+    t.slots.clear()
+    assert t.log == [("gather", 0, 0), ("release", 0)]
+    assert t.slots.units() == [] and t.slots.waiting() == []
+
+
 def test_the_slot_rule_has_one_home():
     """The slot table and the comms' buffers both follow ``slot_of`` ([Note: slots])."""
     assert slot_units(5, 2, False) == [[0, 2, 4], [1, 3]]

@@ -251,8 +251,7 @@ class Runtime:
         Not collective and never needed for correctness (units are gathered again
         where needed), but it frees the slots at once.
         """
-        self.slots.release_all(self.stream, wait=True)  # a later gather waits on this stream
-        self.slots.drop_deferred()
+        self.slots.clear(self.stream, wait=True)  # a later gather waits on this stream
         if not self.life.in_backward:
             self.life.forget_forward()
 
@@ -342,8 +341,7 @@ class Runtime:
         """Count the micro-batch; release what the pass gathered."""
         self.accum.end_pass()
         self.life.end_pass()
-        self.slots.drop_deferred()  # a backward's prefetches end with it
-        self.slots.release_all()
+        self.slots.clear()  # a backward's prefetches end with it
 
     @property
     def in_backward(self) -> bool:

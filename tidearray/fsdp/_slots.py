@@ -147,3 +147,11 @@ class SlotTable:
     def drop_deferred(self) -> None:
         """Forget the prefetches waiting for their slot (the pass they were for ended)."""
         self._deferred.clear()
+
+    def clear(self, stream: Any = None, *, wait: bool = False) -> None:
+        """End what a pass gathered: forget the deferred prefetches, then every unit gives
+        its slot up (``stream`` and ``wait`` as :meth:`release_all`'s). In that order: a
+        prefetch issued by a release here would stay gathered past an optimizer step and
+        serve the next forward parameters from before it."""
+        self.drop_deferred()
+        self.release_all(stream, wait=wait)
