@@ -47,10 +47,11 @@ pytestmark = pytest.mark.mpi
 device, _set_device = test_hf.device, test_hf._set_device
 STEPS, MOE_STEPS = 7, 13  # the last step on step 0's batch (three in turn)
 #: The MoE cases' bound over 13 steps: fp32 gradients summed over ranks in another order
-#: than the reference's batch put the losses up to 1.1e-6 apart (seen once at 3 ranks, in
-#: CI); stepping the experts no rank routed to (the old semantics) put them 2e-6 to 2e-2
-#: apart in these tests.
-LOSS_RTOL, MOE_LOSS_RTOL = 1e-5, 2e-6
+#: than the reference's batch put the losses up to 2.5e-6 apart (seen once at 3 ranks, in
+#: CI; 1.1e-6 once before); stepping the experts no rank routed to (the old semantics) put
+#: them 2e-6 to 2e-2 apart in these tests, and moves expert 0's weights (weight decay),
+#: which the test checks bitwise.
+LOSS_RTOL, MOE_LOSS_RTOL = 1e-5, 5e-6
 HIDDEN = 32
 #: The LoRA adapters after training against the reference's (fp32, 7 steps).
 ADAPTER_RTOL, ADAPTER_ATOL = 1e-5, 1e-6
