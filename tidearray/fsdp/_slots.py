@@ -134,24 +134,15 @@ class SlotTable:
                 self.ensure(j)
                 return
 
-    def release_all(self, stream: Any = None, *, wait: bool = False) -> None:
-        """Every unit holding a slot gives it up, in the order they were gathered (a
-        deferred prefetch whose slot that frees is issued); with ``wait``, each gather is
-        first waited for on ``stream`` (a later gather into the slot is ordered after
-        that stream)."""
+    def clear(self, stream: Any = None, *, wait: bool = False) -> None:
+        """End what a pass gathered: forget the prefetches waiting for their slot, then
+        every unit gives its slot up, in the order they were gathered; with ``wait``, each
+        gather is first waited for on ``stream`` (a later gather into the slot is ordered
+        after that stream). In that order, and with no way to release all without it: a
+        prefetch issued by a release here would stay gathered past an optimizer step and
+        serve the next forward parameters from before it."""
+        self._deferred.clear()
         for i in list(self._work):
             if wait:
                 self._work[i].wait(stream)
             self.release(i)
-
-    def drop_deferred(self) -> None:
-        """Forget the prefetches waiting for their slot (the pass they were for ended)."""
-        self._deferred.clear()
-
-    def clear(self, stream: Any = None, *, wait: bool = False) -> None:
-        """End what a pass gathered: forget the deferred prefetches, then every unit gives
-        its slot up (``stream`` and ``wait`` as :meth:`release_all`'s). In that order: a
-        prefetch issued by a release here would stay gathered past an optimizer step and
-        serve the next forward parameters from before it."""
-        self.drop_deferred()
-        self.release_all(stream, wait=wait)
