@@ -21,6 +21,11 @@
 #                  shard_module eager and captured: per-unit overhead of a host-bound model)
 #       jax        (benchmarks/steps/jax_step.py, one rank: a JAX transformer, 8 layers,
 #                  hidden 2048, 4K tokens, unsharded jit vs tidearray.jax vs per-unit vjp)
+#       jaxcompile (jax_step.py per impl, one process each: where the first compile goes:
+#                  lowering, XLA, XLA again with its caches warm, GEMMs, XLA's timers and
+#                  autotuning log; TIDE_JAX_COMPILE_IMPLS)
+#       jaxscan    (jax_step.py, tidearray-scan and unsharded scanned, at 4, 8, 16 and 32
+#                  layers: compile time against depth; TIDE_JAX_LAYERS)
 #       tests      (the harness's and the baselines' tests, tests/benchmarks,
 #                  at 2 ranks)
 #       ab         (this tree against the one in before/: see below)
@@ -85,6 +90,28 @@ run_jax() {  # a JAX transformer's step at one rank: unsharded jit, tidearray.ja
     step jax_step "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n 1 python3 benchmarks/steps/jax_step.py --out "$OUT/jax" \
         ${TIDE_JAX_ARGS:-}
     kill "$w" 2>/dev/null
+}
+run_jaxcompile() {  # where the JAX step's first compile goes, one process per impl: JAX's
+    # lowering and XLA's compile, again with XLA's in-process caches warm (--recompile), XLA's
+    # phase timers (logging only) and its autotuning log (which instructions it autotuned)
+    local impl d
+    for impl in ${TIDE_JAX_COMPILE_IMPLS:-tidearray tidearray-keep unsharded-remat unsharded}; do
+        d="$OUT/jaxcompile/$impl"; mkdir -p "$d"
+        step "jaxcompile_$impl" env TF_CPP_MIN_LOG_LEVEL=0 \
+            TF_CPP_VMODULE=gpu_compiler=1,gemm_fusion_autotuner=1,autotuner_pass=1 \
+            XLA_FLAGS="--xla_gpu_dump_autotune_logs_to=$d/autotune_logs.txt" \
+            "${MPI[@]}" -x TIDE_JAX_CUDA=1 -x TF_CPP_MIN_LOG_LEVEL -x TF_CPP_VMODULE -x XLA_FLAGS \
+            -n 1 python3 benchmarks/steps/jax_step.py --impls "$impl" --recompile --steps 2 \
+            --warmup 1 --out "$d"
+    done
+}
+run_jaxscan() {  # the scanned step's compile time against depth (TIDE_JAX_LAYERS)
+    local n
+    for n in ${TIDE_JAX_LAYERS:-4 8 16 32}; do
+        step "jaxscan_$n" "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n 1 python3 benchmarks/steps/jax_step.py \
+            --impls tidearray-scan,unsharded --scan --layers "$n" --steps 3 --warmup 2 \
+            --out "$OUT/jaxscan/l$n"
+    done
 }
 run_fsdp2ab() {  # one rank, shard_module only: the step time an A/B compares
     step "ab$AB" env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \

@@ -33,6 +33,9 @@ is that of expected peak memory):
   its command buffers);
 * ``per-unit``: ``benchmarks/baselines/jax_per_unit.py`` (the runtime's plans, one
   ``jax.vjp`` per unit, XLA's stream joined on the host at every unit);
+* ``unsharded-remat``: ``unsharded`` with each unit's function under ``jax.checkpoint``
+  (its forward runs again in backward, as ``tidearray``'s does: the fair baseline for
+  ``tidearray``, where ``unsharded`` is ``tidearray-keep``'s);
 * ``unsharded``: the whole model in one jitted step on one device, the global batch
   (``--world`` devices' samples: the group's size by default), ``ShardAdamW``'s math;
 * ``xla-fsdp`` (not by default; a launch of its own, one process over every local
@@ -41,17 +44,22 @@ is that of expected peak memory):
   not divide, the batch sharded on the same axis, the collectives XLA inserts; it keeps
   what XLA chooses to keep (no re-gather in backward): the ratios include that trade.
 
-Per impl: the compile time of the step, the median step time (wall, the loss made
-concrete), the median host time to issue a step (until the call returns) and host CPU
-time per step (every thread of the process: XLA's callback threads included; the mean
-of the ranks'), JAX's peak device memory (the largest of the ranks'), XLA's own estimate
-of the compiled step's footprint, and on cuda the copy out of the slot into XLA's buffer
-for the largest unit against its gather. ``--out DIR`` writes ``jax_step.json`` (with the
-git commit) and a table; ``--report JSON...`` remakes the table from records. A run or
-a report fails unless every loss fell (the last step re-runs the first step's batch) and
-the impls agree step by step with ``xla-fsdp`` (else ``unsharded``) within
-``LOSS_RTOL``. On GPUs JAX runs at XLA's default flags: never time with
-``--xla_gpu_autotune_level=0`` (it picks slow kernels).
+Per impl: the compile time of the step (JAX's lowering and XLA's compile, each also
+timed again with XLA's in-process caches warm under ``--recompile``: on GPUs the
+difference is mostly GEMM autotuning; the compiled step's GEMMs and distinct GEMMs,
+which XLA autotunes one by one; the optimized HLO as ``IMPL.hlo.txt.gz`` with
+``--out``), the median step time (wall, the loss made concrete), the median host time to
+issue a step (until the call returns) and host CPU time per step (every thread of the
+process: XLA's callback threads included; the mean of the ranks'), JAX's peak device
+memory (the largest of the ranks'), XLA's own estimate of the compiled step's footprint,
+and on cuda the copy out of the slot into XLA's buffer for the largest unit against its
+gather. ``--out DIR`` writes ``jax_step.json`` (with the git commit) and a table;
+``--report JSON...`` remakes the table from records. A run or a report fails unless
+every loss fell (the last step re-runs the first step's batch) and the impls agree step
+by step with ``xla-fsdp`` (else ``unsharded``) within ``LOSS_RTOL``. The table ends with
+the goals (``GOALS``: compile time, step time against ``unsharded`` and
+``unsharded-remat``, host CPU), met or not, for the impls run. On GPUs JAX runs at XLA's default
+flags: never time with ``--xla_gpu_autotune_level=0`` (it picks slow kernels).
 
 [Note: peak memory in one process]
 JAX has no way to reset its peak counter, so the impls run in order of expected
@@ -65,8 +73,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import gzip
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -84,7 +95,7 @@ from tidearray.fsdp import AdamW  # noqa: E402
 ex = example("jax_train")
 
 IMPLS = ("tidearray", "tidearray-scan", "tidearray-keep", "tidearray-cb", "per-unit",
-         "unsharded", "xla-fsdp")
+         "unsharded-remat", "unsharded", "xla-fsdp")
 #: Impls that need a tidearray group (every other runs without one).
 GROUP_IMPLS = IMPLS[:5]
 #: Largest relative loss difference accepted as agreement, by compute dtype.
@@ -107,6 +118,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--world", type=int, default=None,
                    help="unsharded: devices whose batches make the global batch")
     p.add_argument("--scan", action="store_true", help="the blocks under lax.scan")
+    p.add_argument("--recompile", action="store_true",
+                   help="compile each step twice: the second compile finds XLA's in-process "
+                        "caches (GEMM autotuning) warm")
     p.add_argument("--tiny", "--quick", action="store_true", help="a tiny model (CPU check)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -164,11 +178,16 @@ def run_impl(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace
     """Compile, then warm-up and timed steps of one impl: its record."""
     run, devices, world, extra = build(jax, g, dataclasses.replace(
         cfg, scan=cfg.scan or impl == "tidearray-scan"), args, impl, units)
-    t0 = time.perf_counter()
     compiled = run(0, compile_only=True)  # ahead of the steps: the compile alone
-    compile_s = time.perf_counter() - t0
+    compile_s = extra.get("lower_s", 0.0) + extra.get("xla_compile_s", 0.0)
     if compiled is not None:
         extra["xla_bytes"] = _xla_bytes(compiled)
+        hlo = compiled.as_text()
+        extra.update(gemm_counts(hlo))
+        if args.out and (g is None or g.rank == 0):  # XLA's optimized step, to study offline
+            os.makedirs(args.out, exist_ok=True)
+            with gzip.open(os.path.join(args.out, f"{impl}.hlo.txt.gz"), "wt") as f:
+                f.write(hlo)
     issue, cpu, wall, losses = [], [], [], []
     for s in range(cfg.steps):
         if g is not None:
@@ -243,13 +262,15 @@ def build(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace, i
             return loss
         return per_unit_step, [device], g.size, extra
     model, fns, stacked = ex.sharded_model(jax, cfg, units)
+    make_runner = functools.partial(runner, jax, phases=extra, recompile=args.recompile)
     if impl == "xla-fsdp":
-        return (*xla_fsdp(jax, cfg, model, stacked, opt, whole_step(jax, cfg, opt, dtype), coef),
-                extra)
-    if impl == "unsharded":
+        return (*xla_fsdp(jax, cfg, model, stacked, opt, whole_step(jax, cfg, opt, dtype), coef,
+                          make_runner), extra)
+    if impl.startswith("unsharded"):
         device, world = _device(jax, g), args.world or (g.size if g else 1)
         params = jax.device_put(model, device)
-        return (runner(jax.jit(whole_step(jax, cfg, opt, dtype), donate_argnums=(0, 1)),
+        step = whole_step(jax, cfg, opt, dtype, remat=impl == "unsharded-remat")
+        return (make_runner(jax.jit(step, donate_argnums=(0, 1)),
                        params, opt.init(params), coef,
                        lambda s: jax.device_put(global_batch(cfg, s, world), device)),
                 [device], world, extra)
@@ -258,31 +279,45 @@ def build(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace, i
                         command_buffer=impl == "tidearray-cb")
     if impl == "tidearray" and g.backend.name == "cuda":
         extra["slot_copy"] = slot_copy_cost(g, su)
-    return (runner(ex.sharded_step(jax, su, fns, opt), su.shards, opt.init(su.shards), coef,
+    return (make_runner(ex.sharded_step(jax, su, fns, opt), su.shards, opt.init(su.shards), coef,
                    lambda s: [jax.device_put(a, su.device)
                               for a in ex.batch(cfg, data_step(cfg, s), g.rank)]),
             [su.device], g.size, extra)
 
 
-def runner(jitted: Any, params: Any, state: Any, coef: Callable, batch: Callable) -> Callable:
+def runner(jax: Any, jitted: Any, params: Any, state: Any, coef: Callable, batch: Callable,
+           phases: dict, recompile: bool = False) -> Callable:
     """``run(s, compile_only=False)``: a jitted ``step(params, state, coef, tokens, targets)
     -> (params, state, loss)`` on step ``s``'s batch; ``compile_only`` compiles it (the
-    steps run that executable) and returns the compiled step."""
+    steps run that executable), puts the time of JAX's lowering and of XLA's compile in
+    ``phases``, and returns the compiled step. ``recompile``: lower and compile it a
+    second time (``relower_s``, ``rexla_compile_s``): what XLA's in-process caches (GEMM
+    autotuning results among them) save a compile of the same step."""
     box = {"params": params, "state": state}
 
     def run(s: int, compile_only: bool = False) -> Any:
         args = (coef(s), *batch(s))
         if compile_only:
-            box["step"] = jitted.lower(box["params"], box["state"], *args).compile()
+            for key in ("", "re")[:1 + recompile]:
+                jax.clear_caches()  # JAX's traces, lowerings and executables, not XLA's
+                t0 = time.perf_counter()
+                lowered = jitted.lower(box["params"], box["state"], *args)
+                t1 = time.perf_counter()
+                box["step"] = lowered.compile()
+                phases[f"{key}lower_s"] = t1 - t0
+                phases[f"{key}xla_compile_s"] = time.perf_counter() - t1
             return box["step"]
         box["params"], box["state"], loss = box["step"](box["params"], box["state"], *args)
         return loss
     return run
 
 
-def whole_step(jax: Any, cfg: Any, opt: Any, dtype: Any) -> Callable:
-    """The step on the whole model's fp32 parameters cast to ``dtype`` (scanned or not)."""
+def whole_step(jax: Any, cfg: Any, opt: Any, dtype: Any, remat: bool = False) -> Callable:
+    """The step on the whole model's fp32 parameters cast to ``dtype`` (scanned or not);
+    ``remat``: each unit's function under ``jax.checkpoint``."""
     fns = ex.unit_fns(jax, cfg)
+    if remat:
+        fns = [jax.checkpoint(fn) for fn in fns]
 
     def loss_fn(model: list, tokens: Any, targets: Any) -> Any:
         model = jax.tree_util.tree_map(lambda a: a.astype(dtype), model)
@@ -301,7 +336,7 @@ def whole_step(jax: Any, cfg: Any, opt: Any, dtype: Any) -> Callable:
 
 
 def xla_fsdp(jax: Any, cfg: Any, model: list, stacked: list, opt: Any, step: Callable,
-             coef: Callable) -> tuple:
+             coef: Callable, make_runner: Callable) -> tuple:
     """``(run, devices, world)``: one jit over a 1-D mesh ``fsdp`` of every local device."""
     devices = jax.devices()
     mesh, P = jax.sharding.Mesh(np.array(devices), ("fsdp",)), jax.sharding.PartitionSpec
@@ -320,7 +355,7 @@ def xla_fsdp(jax: Any, cfg: Any, model: list, stacked: list, opt: Any, step: Cal
     jitted = jax.jit(step, donate_argnums=(0, 1),
                      out_shardings=(shardings, type(state)(shardings, shardings), replicated))
     batch = named(P("fsdp"))
-    return (runner(jitted, params, state, lambda s: jax.device_put(coef(s), replicated),
+    return (make_runner(jitted, params, state, lambda s: jax.device_put(coef(s), replicated),
                    lambda s: jax.device_put(global_batch(cfg, s, len(devices)), batch)),
             devices, len(devices))
 
@@ -329,6 +364,21 @@ def _device(jax: Any, g: Optional[ta.Group]) -> Any:
     if g is not None and g.backend.name == "cuda":
         return jax.devices("gpu")[g.backend.device]
     return jax.devices()[0]
+
+
+#: A GEMM in XLA's optimized HLO: a cuBLAS call, a Triton GEMM fusion (GPU), a dot (CPU).
+_GEMM = re.compile(r'__cublas\$|__triton_gemm|"kind":"__cudnn\$|\bdot\(')
+#: What makes two GEMMs' lines differ and not their work: names, metadata, ids.
+_NAMES = re.compile(r'%[\w.\-]+|metadata=\{[^}]*\}|"operation_queue_id":"\d+"|, calls=[\w.\-]+')
+
+
+def gemm_counts(hlo: str) -> dict:
+    """``gemms`` (the compiled step's GEMMs) and ``distinct_gemms`` (those that differ in
+    more than their names: XLA autotunes each distinct one on GPUs, and a step whose layers
+    repeat should have few)."""
+    lines = [ln for ln in hlo.splitlines() if _GEMM.search(ln) and "=" in ln]
+    distinct = {_NAMES.sub("", ln.split("=", 1)[1]).strip() for ln in lines}
+    return {"gemms": len(lines), "distinct_gemms": len(distinct)}
 
 
 def _xla_bytes(compiled: Any) -> Optional[int]:
@@ -393,6 +443,7 @@ def table(records: list) -> str:
                      f"{r['median_cpu_s'] * 1e3:.2f} | {_gib(r.get('peak_bytes'))} | {m} | "
                      f"{_gib(r.get('xla_bytes'))} | {r['losses'][0]:.4f} | "
                      f"{r['losses'][-1]:.4f} |")
+    lines += compile_table(records) + targets(by)
     for r in records:
         c = r.get("slot_copy")
         if c:
@@ -401,6 +452,42 @@ def table(records: list) -> str:
                          f"its gather {c['gather_us']:.1f} us; {c['gathers_per_step']} "
                          f"gathers a step")
     return "\n".join(lines)
+
+
+def compile_table(records: list) -> list[str]:
+    """Where each impl's compile goes: JAX's lowering, XLA's compile, the same again with
+    XLA's in-process caches warm (``--recompile``), and the compiled step's GEMMs."""
+    rows = [r for r in records if "xla_compile_s" in r]
+    if not rows:
+        return []
+    cell = lambda r, k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
+    lines = ["", "| impl | lower s | XLA compile s | again: lower s | again: XLA s | GEMMs | "
+             "distinct GEMMs |", "|---" * 7 + "|"]
+    lines += [f"| {r['impl']} | {cell(r, 'lower_s')} | {cell(r, 'xla_compile_s')} | "
+              f"{cell(r, 'relower_s')} | {cell(r, 'rexla_compile_s')} | {r.get('gemms', '-')} | "
+              f"{r.get('distinct_gemms', '-')} |" for r in rows]
+    return lines
+
+
+#: The step's goals: (what, impl, reference, field, ratio or difference, bound).
+GOALS = (("compile time", "tidearray", "unsharded", "compile_s", "ratio", 1.5),
+         ("step time", "tidearray-keep", "unsharded", "median_step_s", "ratio", 1.02),
+         ("step time", "tidearray", "unsharded-remat", "median_step_s", "ratio", 1.05),
+         ("host CPU per step", "tidearray", "unsharded", "median_cpu_s", "ms over", 2.0))
+
+
+def targets(by: dict) -> list[str]:
+    """Each goal this run's impls allow, measured (reported; the checks are training's)."""
+    lines = []
+    for what, impl, ref, key, kind, bound in GOALS:
+        if impl in by and ref in by:
+            a, b = by[impl][key], by[ref][key]
+            value = a / b if kind == "ratio" else (a - b) * 1e3
+            shown = f"{value:.3f}x" if kind == "ratio" else f"{value:+.2f} ms"
+            goal = f"{bound}x" if kind == "ratio" else f"{bound} ms"
+            lines.append(f"- {what}: {impl} against {ref}: {shown} (goal at most {goal}: "
+                         f"{'met' if value <= bound else 'NOT met'})")
+    return ["", *lines] if lines else []
 
 
 def checks(recs: list) -> list[str]:
