@@ -97,10 +97,11 @@ run_jaxcompile() {  # where the JAX step's first compile goes, one process per i
     local impl d
     for impl in ${TIDE_JAX_COMPILE_IMPLS:-tidearray tidearray-keep unsharded-remat unsharded}; do
         d="$OUT/jaxcompile/$impl"; mkdir -p "$d"
-        step "jaxcompile_$impl" env TF_CPP_MIN_LOG_LEVEL=0 \
-            TF_CPP_VMODULE=gpu_compiler=1,gemm_fusion_autotuner=1,autotuner_pass=1 \
+        step "jaxcompile_$impl" env TF_CPP_MIN_LOG_LEVEL=0 JAX_LOG_COMPILES=1 \
+            TF_CPP_VMODULE=gpu_compiler=1,nvptx_compiler=1,hlo_pass_pipeline=1,autotuner_pass=1,gemm_fusion_autotuner=1 \
             XLA_FLAGS="--xla_gpu_dump_autotune_logs_to=$d/autotune_logs.txt" \
             "${MPI[@]}" -x TIDE_JAX_CUDA=1 -x TF_CPP_MIN_LOG_LEVEL -x TF_CPP_VMODULE -x XLA_FLAGS \
+            -x JAX_LOG_COMPILES \
             -n 1 python3 benchmarks/steps/jax_step.py --impls "$impl" --recompile --steps 2 \
             --warmup 1 --out "$d"
     done
