@@ -71,7 +71,7 @@ run_plans() {  # plan tests on cuda at 2 ranks (host time per plan call: benchma
         tests/fsdp/gpu/test_adamw_gpu.py
 }
 run_jax() {  # the JAX example on the cuda backend (one jitted step, collectives on XLA's stream)
-    step jax_np2 "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n 2 python3 examples/jax_train.py
+    step jax_np2 "${MPI[@]}" "${JAX_ENV[@]}" -n 2 python3 examples/jax_train.py
 }
 run_jaxjit() {  # tidearray.jax on cuda: 1-4 ranks sharing the GPU, then the example in bf16.
     # Run it alone: on the H200 its first runs, beside other steps sharing the GPU, sat in
@@ -84,9 +84,12 @@ run_jaxjit() {  # tidearray.jax on cuda: 1-4 ranks sharing the GPU, then the exa
     for n in ${TIDE_JAXJIT_RANKS:-1 2 3 4}; do jaxjit_ranks "$n"; done
     run_jaxjit_bf16
 }
-# Correctness needs no autotuned matmuls: XLA's gemm autotuning (it compiles many candidate
-# kernels per shape) is off unless XLA_FLAGS is set.
-JAX_ENV=(-x XLA_FLAGS="${XLA_FLAGS:---xla_gpu_autotune_level=0}" -x TIDE_JAX_CUDA=1)
+# JAX at XLA's default flags, as users run it (XLA_FLAGS, where set, reaches every rank as
+# it is). JAX's persistent cache on the machine's disk keeps XLA's per-fusion autotuning
+# results, so what one test process autotuned the next finds; the steps' executables are
+# compiled each time (their callbacks are baked into them, so JAX does not reuse them).
+JAX_ENV=(-x JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}"
+         -x TIDE_JAX_CUDA=1)
 jaxjit_ranks() {  # jaxjit_ranks N: tidearray.jax's GPU tests at N ranks
     local n=$1 w=""
     if [ "${TIDE_JAX_STACKS_S:-120}" != 0 ]; then
