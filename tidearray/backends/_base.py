@@ -33,6 +33,20 @@ its own, each general enough for every caller:
 * ``kernel(source, name, like)``: a compiled kernel of ``kernels/`` for an
   array's device (AdamW, the gradient norm); the host backend has none, and its
   callers compute with NumPy.
+* ``asarray(obj)``: ``obj``'s values as an array of this backend, copied only
+  where they live elsewhere (a NumPy or CPU tensor up to the GPU, a CuPy array
+  down to the host): what a state-dict load or an optimizer's ``load`` writes.
+* ``stream(stream)``: any stream the collectives take as this backend's own
+  stream object (a CuPy stream), for a caller to keep as a runtime's stream and
+  make current with ``on_stream``; None where there are no streams.
+* ``completion(stream)``: a :class:`Completion` at the end of the work issued on
+  ``stream`` so far, whose ``wait`` orders another stream after it: how a comm
+  forks a side stream of its own and joins it back ([Note: comm streams] in
+  ``fsdp._comm``); done at once where every write is done when it returns.
+* ``graphs``: whether whole steps can be captured as device graphs (the cuda
+  backend's CUDA graphs); a step capture refuses a backend without, naming it.
+* ``device_kind``: the kind of device the arrays live on, as JAX and torch name
+  device platforms (``"gpu"``, ``"cpu"``), for a front end to pick its own device.
 
 The host backend answers the stream methods as no-ops (program order: every write
 is done when it returns). Only ``on_device()`` without an array and ``wrap`` read
@@ -129,6 +143,16 @@ class Completion(abc.ABC):
     @abc.abstractmethod
     def query(self) -> bool:
         """True once the device work has finished."""
+
+
+class Done(Completion):
+    """Work complete when issued (program order, no device)."""
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 class Graph(abc.ABC):
@@ -310,6 +334,10 @@ class Backend(abc.ABC):
     name: str = "?"
     #: The array module (numpy or cupy).
     xp: Any = None
+    #: Whether whole steps can be captured as device graphs ([Note: backend interface]).
+    graphs: bool = False
+    #: The platform the arrays live on, as JAX names it: ``"gpu"`` or ``"cpu"``.
+    device_kind: str = "cpu"
 
     def __init__(self, group: Group) -> None:
         self.group = group
@@ -417,6 +445,17 @@ class Backend(abc.ABC):
         synchronization: the caller uses it only in the producer's stream order."""
         raise TideBackendError(f"the {self.name} backend wraps no external buffers")
 
+    def stream(self, stream: Any) -> Any:
+        """``stream`` (any kind the collectives take; None: the current one) as this
+        backend's stream object, to keep and pass to :meth:`on_stream`; None without a
+        device."""
+        return None
+
+    def completion(self, stream: Any) -> Completion:
+        """A completion at the end of the work issued on ``stream`` (any kind the
+        collectives take; None: the current one) so far; done without a device."""
+        return Done()
+
     def settle(self) -> None:
         """Wait for the work issued so far on the current stream: the device writes of a
         constructor or a load ([Note: initialized memory] in ``backends.cuda.streams``).
@@ -434,6 +473,11 @@ class Backend(abc.ABC):
         def upload(dst: Any, table: Any) -> None:
             dst.view(np.uint8)[:table.nbytes] = np.ascontiguousarray(table).view(np.uint8).ravel()
         return upload
+
+    def asarray(self, obj: Any) -> Any:
+        """``obj``'s values as an array of this backend on its device (the group's, or the
+        current one without a group): no copy where they already are there."""
+        return self.xp.asarray(obj)
 
     def kernel(self, source: str, name: str, like: Any) -> Any:
         """The compiled kernel ``name`` of ``kernels/<source>`` for ``like``'s device, called

@@ -39,6 +39,7 @@ again ([Note: gradient buffers] in ``_accum``).
 from __future__ import annotations
 
 import abc
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -49,7 +50,7 @@ from .._errors import TideInvalid
 from .._layout import UnitLayout, cached_unit
 from .._plan import Unit, slot_chunk_nbytes
 from .._work import Work
-from ..backends import Completion
+from ..backends import Completion, array_backend
 from ._shards import ShardArena
 from ._slots import slot_units
 
@@ -162,18 +163,11 @@ class UnitComm(abc.ABC):
         after it and returns ``result``: events both ways, nothing blocks the host
         ([Note: comm streams]). As FSDP2 runs its all-gathers and reduce-scatters on
         streams of their own."""
-        import cupy
-
-        from ..backends.cuda.executor import CudaCompletion
-        from ..backends.cuda.streams import stream_ptr
-
-        ready = cupy.cuda.Event(block=False, disable_timing=True)
-        cupy.cuda.runtime.eventRecord(ready.ptr, stream_ptr(stream))
-        side.wait_event(ready)
+        # A static method, called without a group: a CuPy stream is the cuda backend's.
+        backend = array_backend(sys.modules["cupy"])
+        backend.completion(stream).wait(side)
         issue(side)
-        end = cupy.cuda.Event(block=False, disable_timing=True)
-        end.record(side)
-        return Work(CudaCompletion([end]), result)
+        return Work(backend.completion(side), result)
 
     def on_stream(self, stream: Any) -> Any:
         """A context in which the array module issues on ``stream`` (any kind the runtime

@@ -57,7 +57,7 @@ class CapturedStep:
     """
 
     def __init__(self, model: Runtime, step: Callable[[], Any]) -> None:
-        if model.group.backend.name != "cuda":
+        if not model.group.backend.graphs:
             raise TideInvalid(f"{type(self).__name__}: expected a model on the cuda backend "
                               f"(a CUDA graph), got the {model.group.backend.name} backend")
         import cupy

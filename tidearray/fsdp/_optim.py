@@ -337,7 +337,7 @@ class FusedAdamW:
         """Make what a captured step reads, outside the capture: the device table of
         coefficients, the row index (where the arena has more than one piece) and the
         kernel ([Note: captured steps] in ``_graph``)."""
-        if self._xp is np or self.coeff_dev is not None:
+        if not self._backend.graphs or self.coeff_dev is not None:
             return
         with self._backend.on_device(self._master):
             self.coeff_dev = self._xp.zeros(MAX_ROWS * len(Coefficients._fields), np.float32)
@@ -503,10 +503,8 @@ class FusedAdamW:
 
     def _to_module(self, what: str, a: Any) -> Array:
         """``a`` as a float32 array of this module, checked against the master's length."""
-        if self._xp is np and hasattr(a, "get"):
-            a = a.get()  # a cupy array loaded into a NumPy optimizer
         with self._backend.on_device(self._master):
-            a = self._xp.asarray(a)
+            a = self._backend.asarray(a)  # a cupy array comes down to a NumPy optimizer
         if a.ndim != 1 or a.size != self._master.size:
             raise TideInvalid(f"{what}: expected a 1-D array of {self._master.size} elements, "
                               f"got shape {a.shape}")

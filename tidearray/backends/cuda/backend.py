@@ -138,6 +138,8 @@ class CudaBackend(Backend):
     """CuPy arrays on one GPU per rank; see the module docstring."""
 
     name = "cuda"
+    graphs = True
+    device_kind = "gpu"
 
     def __init__(self, group: Group) -> None:
         super().__init__(group)
@@ -419,6 +421,29 @@ class CudaBackend(Backend):
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         mem = cupy.cuda.UnownedMemory(iface["data"][0], nbytes, buffer, self.device)
         return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+    def asarray(self, obj: Any) -> Any:
+        """A device producer's memory through DLPack (a CUDA tensor: no copy), anything
+        else (NumPy, a CPU tensor) copied up by ``cupy.asarray``."""
+        import cupy
+
+        if hasattr(obj, "__dlpack_device__") and not isinstance(obj, cupy.ndarray) \
+                and int(obj.__dlpack_device__()[0]) in (_DL_CUDA, _DL_CUDA_MANAGED):
+            return cupy.from_dlpack(obj)
+        return cupy.asarray(obj if isinstance(obj, cupy.ndarray) else np.asarray(obj))
+
+    def stream(self, stream: Any) -> Any:
+        return streams.cupy_stream(stream)
+
+    def completion(self, stream: Any) -> Any:
+        """An event recorded on ``stream`` now."""
+        import cupy
+
+        from .executor import CudaCompletion
+
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        cupy.cuda.runtime.eventRecord(event.ptr, streams.stream_ptr(stream))
+        return CudaCompletion([event])
 
     def settle(self) -> None:
         streams.settle()
