@@ -113,7 +113,8 @@ class Sharding:
         meta = any(_init.is_meta(p) for ps in params for p in ps)
         self.device = torch.device(device) if device is not None else (
             _default_device(group) if meta else params[0][0].device)
-        values = _init.Values(spec, _init.default_init_fn(module, init_fn), checkpoint)
+        values = _init.Values(spec, _init.default_init_fn(module, init_fn), checkpoint,
+                              group.backend)
         dtype = _checked_dtype(group, spec, values, param_dtype)
         fused, make = split_optimizer(optimizer)
         self.storage = ParamStorage(params, dtype, self.device)
