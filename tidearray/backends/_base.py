@@ -45,6 +45,10 @@ its own, each general enough for every caller:
   ``fsdp._comm``); done at once where every write is done when it returns.
 * ``graphs``: whether whole steps can be captured as device graphs (the cuda
   backend's CUDA graphs); a step capture refuses a backend without, naming it.
+  Where it can, ``step_pool()`` gives the step its own memory (``using()``,
+  ``free_all_blocks()``) and ``capture_stream(stream, step)`` captures ``step()``
+  on a stream of :meth:`stream`'s, returning the graph (``launch(stream)``) and
+  what ``step`` returned ([Note: captured steps] in ``fsdp._graph``).
 * ``device_kind``: the kind of device the arrays live on, as JAX and torch name
   device platforms (``"gpu"``, ``"cpu"``), for a front end to pick its own device.
 
@@ -455,6 +459,25 @@ class Backend(abc.ABC):
         """A completion at the end of the work issued on ``stream`` (any kind the
         collectives take; None: the current one) so far; done without a device."""
         return Done()
+
+    def step_pool(self) -> Any:
+        """A captured step's own memory pool (``using()``, ``free_all_blocks()``).
+
+        Raises:
+            TideBackendError: this backend captures no graphs (:attr:`graphs`).
+        """
+        raise TideBackendError(f"the {self.name} backend captures no graphs (the cuda "
+                               "backend does)")
+
+    def capture_stream(self, stream: Any, step: Callable[[], Any]) -> tuple[Any, Any]:
+        """``step()`` captured on ``stream`` (one of :meth:`stream`'s): the graph, and what
+        ``step`` returned.
+
+        Raises:
+            TideBackendError: this backend captures no graphs (:attr:`graphs`).
+        """
+        raise TideBackendError(f"the {self.name} backend captures no graphs (the cuda "
+                               "backend does)")
 
     def settle(self) -> None:
         """Wait for the work issued so far on the current stream: the device writes of a

@@ -445,6 +445,16 @@ class CudaBackend(Backend):
         cupy.cuda.runtime.eventRecord(event.ptr, streams.stream_ptr(stream))
         return CudaCompletion([event])
 
+    def step_pool(self) -> Any:
+        from .graphs import StepPool
+
+        return StepPool()
+
+    def capture_stream(self, stream: Any, step: Any) -> tuple[Any, Any]:
+        from .graphs import capture_stream
+
+        return capture_stream(stream, step)
+
     def settle(self) -> None:
         streams.settle()
 

@@ -165,3 +165,44 @@ def capture(lanes: Lanes, local_size: int, issue: Callable[[Any], Any], what: st
         _checked(calls.upload(exec_, origin.ptr), "cuGraphUpload")
         origin.synchronize()
     return CudaGraph(lanes, graph.value, exec_.value, tuple(ex.waits), ex.abort, what, keep)
+
+
+class StepPool:
+    """A captured step's own memory ([Note: captured steps] in ``fsdp._graph``), made
+    after the eager steps' cached blocks go back to the device, so that the pool can take
+    that memory instead of holding its own beside them (the captured trainer step peaked
+    at 1.35x the eager one's with both held)."""
+
+    def __init__(self) -> None:
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+        self._pool = cupy.cuda.MemoryPool()
+
+    def using(self) -> Any:
+        """A ``with`` context in which CuPy allocates from this pool."""
+        import cupy
+
+        return cupy.cuda.using_allocator(self._pool.malloc)
+
+    def free_all_blocks(self) -> None:
+        self._pool.free_all_blocks()
+
+
+def capture_stream(stream: Any, step: Callable[[], Any]) -> tuple[Any, Any]:
+    """``step()`` captured (relaxed) on the CuPy ``stream``: the graph, and what step
+    returned; the step's own error, not the ending's, if it raises."""
+    import cupy
+
+    with stream:
+        stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
+        try:
+            result = step()
+        except BaseException:
+            try:  # the step's error broke the capture: raise that one, not the ending's
+                stream.end_capture()
+            except Exception:  # noqa: BLE001, S110 - unjoined lanes, most likely
+                pass
+            raise
+        graph = stream.end_capture()
+    return graph, result
