@@ -43,6 +43,9 @@ its own, each general enough for every caller:
   ``stream`` so far, whose ``wait`` orders another stream after it: how a comm
   forks a side stream of its own and joins it back ([Note: comm streams] in
   ``fsdp._comm``); done at once where every write is done when it returns.
+* ``copy_arrays(dsts, srcs, stream)``: ``dst[...] = src`` for pairs of arrays of
+  equal bytes, asynchronous on ``stream`` (one device-to-device copy each on cuda):
+  what a front end moves between buffers it was handed (XLA's, in a callback).
 * ``graphs``: whether whole steps can be captured as device graphs (the cuda
   backend's CUDA graphs); a step capture refuses a backend without, naming it.
   Where it can, ``step_pool()`` gives the step its own memory (``using()``,
@@ -487,6 +490,13 @@ class Backend(abc.ABC):
     def capturing(self) -> bool:
         """Whether the current stream is being captured into a graph (never without one)."""
         return False
+
+    def copy_arrays(self, dsts: Sequence[Any], srcs: Sequence[Any], stream: Any) -> None:
+        """``dst[...] = src`` for each pair of arrays of equal bytes, on ``stream`` (any
+        kind the collectives take; None: the current one), returning before the copies
+        have run on a device; in program order here."""
+        for d, s in zip(dsts, srcs):
+            np.copyto(d, s)
 
     def uploader(self) -> Callable[[Any, Any], None]:
         """``upload(dst, table)``: a NumPy ``table``'s bytes into the start of ``dst``, on

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 
     from ..._group import Group
 
+_D2D = 3  # cudaMemcpyDeviceToDevice
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types addressable as device memory
 #: What an eager collective's plan depends on, per CuPy array (``array_key``). The
 #: address names the device too: device memory shares one virtual address space (UVA).
@@ -454,6 +455,15 @@ class CudaBackend(Backend):
         from .graphs import capture_stream
 
         return capture_stream(stream, step)
+
+    def copy_arrays(self, dsts: Sequence[Any], srcs: Sequence[Any], stream: Any) -> None:
+        """One ``cudaMemcpyAsync`` (device to device) per non-empty pair."""
+        import cupy
+
+        ptr = streams.stream_ptr(stream)
+        for d, s in zip(dsts, srcs):
+            if d.nbytes:
+                cupy.cuda.runtime.memcpyAsync(d.data.ptr, s.data.ptr, d.nbytes, _D2D, ptr)
 
     def settle(self) -> None:
         streams.settle()
