@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .._errors import TideInvalid, agree
 from ._base import AccumPiece, Backend, Completion, Executor, Resolved, SymmetricBuffer
 
@@ -15,7 +17,7 @@ if TYPE_CHECKING:
     from .._group import Group
 
 __all__ = ["AccumPiece", "Backend", "Completion", "Executor", "Resolved", "SymmetricBuffer",
-           "array_backend", "cuda_usable", "make_backend"]
+           "array_backend", "array_module", "cuda_usable", "make_backend"]
 
 
 def cuda_usable() -> tuple[bool, str]:
@@ -83,6 +85,16 @@ def array_backend(xp: Any) -> Backend:
     else:
         raise TideInvalid(f"xp: expected the numpy or cupy module, got {xp!r}")
     return _ARRAY_BACKENDS.setdefault(name, backend)
+
+
+def array_module(array: Any) -> Any:
+    """The array module of ``array``: cupy for a CuPy array (imported only then), else
+    numpy: for helpers that take arrays of either kind and no group (``layout.shard``)."""
+    if type(array).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
 
 
 def _mpi_min() -> Any:
