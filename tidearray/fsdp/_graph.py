@@ -79,9 +79,8 @@ class CapturedStep:
 
     def _capture(self, step: Callable[[], Any]) -> tuple[Any, Any]:
         """``step()`` captured on the model's stream: the graph, and what step returned."""
-        backend = self.model.group.backend
-        self.stream = backend.stream(self.model.stream)  # None: the current one
-        return backend.capture_stream(self.stream, step)
+        self.stream = self.model.group.backend.stream(self.model.stream)  # None: current
+        return self.pool.capture(self.stream, step)
 
     def _launch(self) -> None:
         self.graph.launch(self.stream)
