@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._errors import TideInvalid, agree
-from ._base import AccumPiece, Backend, Completion, Executor, Resolved, SymmetricBuffer
+from ._base import AccumPiece, Backend, Completion, Done, Executor, Resolved, SymmetricBuffer
 
 if TYPE_CHECKING:
     from .._group import Group
 
-__all__ = ["AccumPiece", "Backend", "Completion", "Executor", "Resolved", "SymmetricBuffer",
+__all__ = ["AccumPiece", "Backend", "Completion", "Done", "Executor", "Resolved", "SymmetricBuffer",
            "array_backend", "array_module", "cuda_usable", "make_backend"]
 
 
@@ -88,8 +88,9 @@ def array_backend(xp: Any) -> Backend:
 
 
 def array_module(array: Any) -> Any:
-    """The array module of ``array``: cupy for a CuPy array (imported only then), else
-    numpy: for helpers that take arrays of either kind and no group (``layout.shard``)."""
+    """The array module ``array`` belongs to: cupy for a CuPy object (an array, or a
+    stream; imported only then), else numpy: for helpers that take arrays of either kind
+    and no group (``layout.shard``), with :func:`array_backend` for their devices."""
     if type(array).__module__.startswith("cupy"):
         import cupy
 

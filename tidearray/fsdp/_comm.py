@@ -39,7 +39,6 @@ again ([Note: gradient buffers] in ``_accum``).
 from __future__ import annotations
 
 import abc
-import sys
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -50,23 +49,12 @@ from .._errors import TideInvalid
 from .._layout import UnitLayout, cached_unit
 from .._plan import Unit, slot_chunk_nbytes
 from .._work import Work
-from ..backends import Completion, array_backend
+from ..backends import Done, array_backend, array_module
 from ._shards import ShardArena
 from ._slots import slot_units
 
 if TYPE_CHECKING:
     from .._group import Group
-
-
-class _Ready(Completion):
-    """Work that is complete when issued (host lanes, or the compute stream itself):
-    :meth:`UnitComm.done`."""
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
 
 
 class UnitComm(abc.ABC):
@@ -153,7 +141,7 @@ class UnitComm(abc.ABC):
     def done(result: Any = None) -> Work:
         """A Work complete when issued, whose ``wait`` returns ``result``: for work that
         ran on the host, or on the compute stream itself ([Note: comm streams])."""
-        return Work(_Ready(), result)
+        return Work(Done(), result)
 
     @staticmethod
     def on_side_stream(side: Any, stream: Any, issue: Callable[[Any], None],
@@ -163,8 +151,7 @@ class UnitComm(abc.ABC):
         after it and returns ``result``: events both ways, nothing blocks the host
         ([Note: comm streams]). As FSDP2 runs its all-gathers and reduce-scatters on
         streams of their own."""
-        # A static method, called without a group: a CuPy stream is the cuda backend's.
-        backend = array_backend(sys.modules["cupy"])
+        backend = array_backend(array_module(side))  # a CuPy stream's: the cuda backend
         backend.completion(stream).wait(side)
         issue(side)
         return Work(backend.completion(side), result)

@@ -179,6 +179,7 @@ class FusedAdamW:
         with self._backend.on_device(master):
             self._exp_avg = xp.zeros(master.size, dtype=np.float32)
             self._exp_avg_sq = xp.zeros(master.size, dtype=np.float32)
+            # the kernels' per-element row index (not routed yet: [Note: backend interface])
             if xp is not np and (self._pieces.group != 0).any():
                 self._write_index(self._pieces.group.astype(np.uint8))  # the group index
             self._backend.settle()  # a first step may come on another stream
@@ -284,7 +285,7 @@ class FusedAdamW:
         mask = self._plan.mask(present)
         rows = self._plan.rows(mask)
         cs = self._coefficients(rows.pairs, lrs, float(grad_scale), self.step_count + 1)
-        if self._xp is not np:
+        if self._xp is not np:  # kernels or NumPy (not routed yet: [Note: backend interface])
             if self._step_cupy(grad, rows, cs, mask, stream):
                 return  # captured: only the replays count ([Note: step counts])
         else:
@@ -480,7 +481,7 @@ class FusedAdamW:
 
     def _check_vector(self, what: str, a: Any, n: int, dtype: Any = np.float32) -> None:
         """``a`` must be a 1-D, C-contiguous array of this module, dtype and length
-        (and, for cupy, on the master's device)."""
+        (and on the master's device)."""
         if not isinstance(a, self._xp.ndarray):
             raise TideInvalid(f"{what}: expected a {self._xp.__name__}.ndarray, "
                               f"got {type(a).__name__}")
@@ -488,9 +489,11 @@ class FusedAdamW:
         if a.ndim != 1 or a.size != n or a.dtype != dtype or not a.flags.c_contiguous:
             raise TideInvalid(f"{what}: expected a contiguous 1-D {np.dtype(dtype)} array of "
                               f"{n} elements, got {got}")
-        if self._xp is not np and hasattr(self, "_master") and a.device != self._master.device:
-            raise TideInvalid(f"{what}: expected an array on device "
-                              f"{self._master.device.id}, got device {a.device.id}")
+        # cupy: a Device; NumPy 2: "cpu" (older NumPy and the master itself: nothing to check)
+        want = getattr(getattr(self, "_master", None), "device", None)
+        if want is not None and a.device != want:
+            raise TideInvalid(f"{what}: expected an array on device {getattr(want, 'id', want)}, "
+                              f"got device {getattr(a.device, 'id', a.device)}")
 
     def _check_send(self, send: Any) -> None:
         if not (_is_array(send) and _dtypes.is_supported(send.dtype)):
