@@ -6,6 +6,7 @@ from typing import Any, Optional, Sequence
 
 from ._group import Group, default_group
 from ._layout import shard_spec
+from .backends import array_module
 
 
 def shard_shape(shape: Sequence[int], world: int) -> tuple[int, ...]:
@@ -27,7 +28,7 @@ def shard(full: Any, rank: Optional[int] = None, world: Optional[int] = None,
         world = group.size if world is None else world
     spec = shard_spec(full.shape, full.dtype.itemsize, world)
     start, stop = spec.rows(rank)
-    xp = _xp(full)
+    xp = array_module(full)
     out = xp.zeros(spec.shard_shape, full.dtype)
     out[: stop - start] = full[start:stop]
     return out
@@ -35,17 +36,7 @@ def shard(full: Any, rank: Optional[int] = None, world: Optional[int] = None,
 
 def full_from_shards(shards: Sequence[Any], shape: Sequence[int]) -> Any:
     """Reassemble a full parameter from all ranks' padded shards (rank order)."""
-    xp = _xp(shards[0])
+    xp = array_module(shards[0])
     spec = shard_spec(shape, shards[0].dtype.itemsize, len(shards))
     parts = [s[: spec.valid_rows(r)] for r, s in enumerate(shards)]
     return xp.concatenate(parts, axis=0).reshape(shape)
-
-
-def _xp(a: Any) -> Any:
-    if type(a).__module__.startswith("cupy"):
-        import cupy
-
-        return cupy
-    import numpy
-
-    return numpy

@@ -29,6 +29,7 @@ import numpy as np
 
 from ._arena import OUTBOX, STAMP, Region
 from ._errors import agree
+from .backends import array_backend
 
 if TYPE_CHECKING:
     from ._group import Group
@@ -93,7 +94,7 @@ class Stamps:
         was not this call's."""
         be = self.group.backend
         be.synchronize()
-        got = np.asarray(be.xp.asnumpy(self._snap) if be.xp is not np else self._snap)
+        got = array_backend(np).asarray(self._snap)  # the host's: a CuPy array comes down
         bad = [f"{where}: rank {writer}'s stamp was {int(v)}, expected {use}"
                for (where, writer, use), v in zip(self._expect, got) if v != use]
         agree(self.group.comm, "; ".join(bad[:4]) or None,

@@ -14,6 +14,11 @@ import shutil
 import subprocess
 from typing import Any, Optional
 
+# A diagnostics tool, not a layer above the backends: it reports what the cuda backend
+# and its libraries (CuPy, the driver, NCCL, nccl4py) see on this machine, so it imports
+# them and reads the cuda package directly ([Note: backend interface] in backends._base
+# binds ``fsdp`` and the front ends, not this report).
+
 
 def _version(module: str) -> Optional[str]:
     try:

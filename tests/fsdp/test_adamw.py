@@ -923,8 +923,8 @@ def test_rows_keep_their_numbers_and_free_ones_are_reused() -> None:
 
 def test_the_host_backend_answers_the_device_methods():
     """What the optimizer and the norm ask the backend ([Note: backend interface] in
-    ``backends/_base``): on the host, no-op streams and settles, a NumPy upload and wrap,
-    and no kernels."""
+    ``backends/_base``): on the host, no-op streams and settles, a NumPy upload, wrap,
+    asarray and copy, completions done at once, and no kernels or graphs."""
     from tidearray.backends import array_backend
 
     be = array_backend(np)
@@ -939,3 +939,11 @@ def test_the_host_backend_answers_the_device_methods():
     assert np.shares_memory(be.wrap(buf), buf)
     with pytest.raises(TideBackendError, match="no kernels"):
         be.kernel("adamw.cu", "adamw_f32", dst)
+    assert be.stream(None) is None and be.completion(None).query()
+    assert type(be.asarray([1.0, 2.0])) is np.ndarray and be.asarray(dst) is dst
+    out = np.zeros(3, np.float32)
+    be.copy_arrays([out], [dst[1:]], None)
+    assert out.tolist() == [1.0, 2.0, 0.0]
+    assert not be.graphs and be.device_kind == "cpu"
+    with pytest.raises(TideBackendError, match="captures no graphs"):
+        be.step_pool()

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .._errors import TideInvalid, agree
-from ._base import AccumPiece, Backend, Completion, Executor, Resolved, SymmetricBuffer
+from ._base import AccumPiece, Backend, Completion, Done, Executor, Resolved, SymmetricBuffer
 
 if TYPE_CHECKING:
     from .._group import Group
 
-__all__ = ["AccumPiece", "Backend", "Completion", "Executor", "Resolved", "SymmetricBuffer",
-           "array_backend", "cuda_usable", "make_backend"]
+__all__ = ["AccumPiece", "Backend", "Completion", "Done", "Executor", "Resolved", "SymmetricBuffer",
+           "array_backend", "array_module", "cuda_usable", "make_backend"]
 
 
 def cuda_usable() -> tuple[bool, str]:
@@ -83,6 +85,17 @@ def array_backend(xp: Any) -> Backend:
     else:
         raise TideInvalid(f"xp: expected the numpy or cupy module, got {xp!r}")
     return _ARRAY_BACKENDS.setdefault(name, backend)
+
+
+def array_module(array: Any) -> Any:
+    """The array module ``array`` belongs to: cupy for a CuPy object (an array, or a
+    stream; imported only then), else numpy: for helpers that take arrays of either kind
+    and no group (``layout.shard``), with :func:`array_backend` for their devices."""
+    if type(array).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
 
 
 def _mpi_min() -> Any:

@@ -33,9 +33,25 @@ its own, each general enough for every caller:
 * ``kernel(source, name, like)``: a compiled kernel of ``kernels/`` for an
   array's device (AdamW, the gradient norm); the host backend has none, and its
   callers compute with NumPy.
+* ``asarray(obj)``: ``obj``'s values as an array of this backend, copied only
+  where they live elsewhere: what a state-dict load or an optimizer's ``load``
+  writes, and, from the host backend, any array brought down to the host.
+* ``stream(stream)``: any stream the collectives take as this backend's stream
+  object, for a caller to keep (a runtime's stream, a graph's launch stream).
+* ``completion(stream)``: the end of the work issued on ``stream`` so far, whose
+  ``wait`` orders another stream after it: how a comm forks a side stream of its
+  own and joins it back ([Note: comm streams] in ``fsdp._comm``).
+* ``copy_arrays(dsts, srcs, stream)``: asynchronous copies between arrays a front
+  end was handed (XLA's, in a callback), on that front end's stream.
+* ``graphs`` and ``step_pool()``: whether whole steps can be captured as device
+  graphs, and a captured step's own memory pool with the stream capture that
+  allocates from it ([Note: captured steps] in ``fsdp._graph``).
+* ``device_kind``: the platform the arrays live on, as JAX and torch name it,
+  for a front end to pick its own device (and XLA's stream, on a GPU).
 
-The host backend answers the stream methods as no-ops (program order: every write
-is done when it returns). Only ``on_device()`` without an array and ``wrap`` read
+Each member's docstring says what it does on the host and on cuda. The host
+backend answers the stream methods as no-ops (program order: every write is done
+when it returns). Only ``on_device()`` without an array and ``wrap`` read
 the group's device, so ``backends.array_backend(xp)`` gives the rest to a caller
 that holds arrays but no group (``FusedAdamW(..., xp)``, ``GlobalNorm``), and
 importing ``fsdp`` loads no cuda module.
@@ -43,7 +59,8 @@ importing ``fsdp`` loads no cuda module.
 Not here yet: the optimizer step and the gradient norm still choose, by their
 array module, between kernels and NumPy, since the two differ in more than the
 launch (a per-element row index and device tables on cuda, runs of rows on the
-host; the norm's fixed kernel grid versus NumPy's float64 chunks).
+host; the norm's fixed kernel grid versus NumPy's float64 chunks); those
+branches say so where they are.
 """
 
 from __future__ import annotations
@@ -129,6 +146,35 @@ class Completion(abc.ABC):
     @abc.abstractmethod
     def query(self) -> bool:
         """True once the device work has finished."""
+
+
+class Done(Completion):
+    """Work complete when issued: the host's, or work on the stream that waits for it."""
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class StepPool(abc.ABC):
+    """A captured step's own device memory, and the stream capture that allocates from
+    it ([Note: captured steps] in ``fsdp._graph``); made by :meth:`Backend.step_pool`."""
+
+    @abc.abstractmethod
+    def using(self) -> ContextManager:
+        """A ``with`` context in which the array module allocates from this pool."""
+
+    @abc.abstractmethod
+    def capture(self, stream: Any, step: Callable[[], Any]) -> tuple[Any, Any]:
+        """``step()`` captured (relaxed) on ``stream``, one of :meth:`Backend.stream`'s:
+        the graph (``launch(stream)``), and what ``step`` returned; if ``step`` raises,
+        its error, not the ending capture's."""
+
+    @abc.abstractmethod
+    def free_all_blocks(self) -> None:
+        """Give the pool's memory back to the device (after the last replay)."""
 
 
 class Graph(abc.ABC):
@@ -310,6 +356,13 @@ class Backend(abc.ABC):
     name: str = "?"
     #: The array module (numpy or cupy).
     xp: Any = None
+    #: Whether whole training steps can be captured as device graphs
+    #: (:meth:`step_pool`): False on the host, where a step capture refuses the
+    #: backend by name; True on cuda (CUDA graphs).
+    graphs: bool = False
+    #: The platform the arrays live on, as JAX and torch name it, for a front end to
+    #: pick its own device: ``"cpu"`` on the host, ``"gpu"`` on cuda (the group's).
+    device_kind: str = "cpu"
 
     def __init__(self, group: Group) -> None:
         self.group = group
@@ -417,6 +470,33 @@ class Backend(abc.ABC):
         synchronization: the caller uses it only in the producer's stream order."""
         raise TideBackendError(f"the {self.name} backend wraps no external buffers")
 
+    def stream(self, stream: Any) -> Any:
+        """``stream`` (any kind the collectives take; None: the current one) as this
+        backend's stream object, to keep and pass to :meth:`on_stream` or a graph's
+        ``launch``. Host: None (no streams). Cuda: a CuPy stream (a CuPy stream
+        itself, CuPy's current one for None, an external stream over any other
+        kind's handle; ``backends.cuda.streams.cupy_stream``)."""
+        return None
+
+    def completion(self, stream: Any) -> Completion:
+        """The end of the work issued on ``stream`` (any kind the collectives take; None:
+        the current one) so far: its ``wait(other)`` orders ``other`` after that work,
+        and nothing blocks the host. Host: done at once. Cuda: an event (non-blocking,
+        no timing) recorded on ``stream`` now; ``wait`` is ``cudaStreamWaitEvent``."""
+        return Done()
+
+    def step_pool(self) -> StepPool:
+        """A captured step's own memory pool, which also captures the step
+        (:class:`StepPool`). Cuda: CuPy's default pool first gives its cached blocks back
+        to the device, then a new ``cupy.cuda.MemoryPool``; the capture is a relaxed
+        CuPy stream capture.
+
+        Raises:
+            TideBackendError: on the host, which captures no graphs (:attr:`graphs`).
+        """
+        raise TideBackendError(f"the {self.name} backend captures no graphs (the cuda "
+                               "backend does)")
+
     def settle(self) -> None:
         """Wait for the work issued so far on the current stream: the device writes of a
         constructor or a load ([Note: initialized memory] in ``backends.cuda.streams``).
@@ -426,6 +506,14 @@ class Backend(abc.ABC):
         """Whether the current stream is being captured into a graph (never without one)."""
         return False
 
+    def copy_arrays(self, dsts: Sequence[Any], srcs: Sequence[Any], stream: Any) -> None:
+        """``dst[...] = src`` for each pair of arrays of equal bytes, on ``stream`` (any
+        kind the collectives take; None: the current one). Host: ``np.copyto``, in
+        program order. Cuda: one ``cudaMemcpyAsync`` (device to device) per non-empty
+        pair, returning before the copies have run."""
+        for d, s in zip(dsts, srcs):
+            np.copyto(d, s)
+
     def uploader(self) -> Callable[[Any, Any], None]:
         """``upload(dst, table)``: a NumPy ``table``'s bytes into the start of ``dst``, on
         the current stream, returning before the copy has run; the host memory it copies
@@ -434,6 +522,14 @@ class Backend(abc.ABC):
         def upload(dst: Any, table: Any) -> None:
             dst.view(np.uint8)[:table.nbytes] = np.ascontiguousarray(table).view(np.uint8).ravel()
         return upload
+
+    def asarray(self, obj: Any) -> Any:
+        """``obj``'s values as an array of this backend, copied only where they live
+        elsewhere. Host: a NumPy array (a CuPy array copied down by ``get``, a torch
+        tensor by ``cpu``). Cuda: a CuPy array on the current device (a CUDA DLPack
+        producer, such as a CUDA tensor, viewed by ``cupy.from_dlpack``; a CuPy array
+        as it is; anything else copied up by ``cupy.asarray``)."""
+        return self.xp.asarray(obj)
 
     def kernel(self, source: str, name: str, like: Any) -> Any:
         """The compiled kernel ``name`` of ``kernels/<source>`` for ``like``'s device, called

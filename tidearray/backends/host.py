@@ -25,7 +25,7 @@ import numpy as np
 from .._copies import Copy, coalesce
 from .._dtypes import float32, normalize
 from .._errors import TideBackendError, TideInvalid
-from ._base import Backend, Completion, Executor, Resolved, SymmetricBuffer, TupleBatch
+from ._base import Backend, Completion, Done, Executor, Resolved, SymmetricBuffer, TupleBatch
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -78,14 +78,6 @@ class HostSymmetricBuffer(SymmetricBuffer):
             self._parts = self._local = None
             self._win.Free()
             self._win = None
-
-
-class _Done(Completion):
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
 
 
 class HostExecutor(Executor):
@@ -190,7 +182,7 @@ class HostExecutor(Executor):
         pass
 
     def finish(self) -> Completion:
-        return _Done()
+        return Done()
 
 
 class HostBackend(Backend):
@@ -268,6 +260,14 @@ class HostBackend(Backend):
 
     def wrap(self, buffer: Any) -> np.ndarray:
         return np.asarray(buffer)
+
+    def asarray(self, obj: Any) -> np.ndarray:
+        if not isinstance(obj, np.ndarray):
+            if hasattr(obj, "get"):
+                obj = obj.get()  # a CuPy array, copied down
+            elif hasattr(obj, "cpu"):
+                obj = obj.cpu()  # a torch tensor, copied down if on a device
+        return np.asarray(obj)
 
     def executor(self, stream: Any = None) -> HostExecutor:
         self.check()  # a timed-out collective broke the group

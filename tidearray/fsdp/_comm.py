@@ -49,23 +49,12 @@ from .._errors import TideInvalid
 from .._layout import UnitLayout, cached_unit
 from .._plan import Unit, slot_chunk_nbytes
 from .._work import Work
-from ..backends import Completion
+from ..backends import Done, array_backend, array_module
 from ._shards import ShardArena
 from ._slots import slot_units
 
 if TYPE_CHECKING:
     from .._group import Group
-
-
-class _Ready(Completion):
-    """Work that is complete when issued (host lanes, or the compute stream itself):
-    :meth:`UnitComm.done`."""
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
 
 
 class UnitComm(abc.ABC):
@@ -152,7 +141,7 @@ class UnitComm(abc.ABC):
     def done(result: Any = None) -> Work:
         """A Work complete when issued, whose ``wait`` returns ``result``: for work that
         ran on the host, or on the compute stream itself ([Note: comm streams])."""
-        return Work(_Ready(), result)
+        return Work(Done(), result)
 
     @staticmethod
     def on_side_stream(side: Any, stream: Any, issue: Callable[[Any], None],
@@ -162,18 +151,10 @@ class UnitComm(abc.ABC):
         after it and returns ``result``: events both ways, nothing blocks the host
         ([Note: comm streams]). As FSDP2 runs its all-gathers and reduce-scatters on
         streams of their own."""
-        import cupy
-
-        from ..backends.cuda.executor import CudaCompletion
-        from ..backends.cuda.streams import stream_ptr
-
-        ready = cupy.cuda.Event(block=False, disable_timing=True)
-        cupy.cuda.runtime.eventRecord(ready.ptr, stream_ptr(stream))
-        side.wait_event(ready)
+        backend = array_backend(array_module(side))  # a CuPy stream's: the cuda backend
+        backend.completion(stream).wait(side)
         issue(side)
-        end = cupy.cuda.Event(block=False, disable_timing=True)
-        end.record(side)
-        return Work(CudaCompletion([end]), result)
+        return Work(backend.completion(side), result)
 
     def on_stream(self, stream: Any) -> Any:
         """A context in which the array module issues on ``stream`` (any kind the runtime

@@ -57,11 +57,9 @@ class CapturedStep:
     """
 
     def __init__(self, model: Runtime, step: Callable[[], Any]) -> None:
-        if model.group.backend.name != "cuda":
+        if not model.group.backend.graphs:
             raise TideInvalid(f"{type(self).__name__}: expected a model on the cuda backend "
                               f"(a CUDA graph), got the {model.group.backend.name} backend")
-        import cupy
-
         opt = model.optimizer
         if opt.step_count == 0:
             raise TideInvalid(f"{type(self).__name__}: expected a model that has stepped "
@@ -74,32 +72,15 @@ class CapturedStep:
         self.model = model
         model.prepare_capture()
         model.synchronize()
-        # The eager steps' cached blocks go back to the device, so that the graph's pool
-        # can take that memory instead of holding its own beside them (the captured
-        # trainer step peaked at 1.35x the eager one's with both held).
-        cupy.get_default_memory_pool().free_all_blocks()
-        self.pool = cupy.cuda.MemoryPool()  # the graph's own memory ([Note: captured steps])
-        with cupy.cuda.using_allocator(self.pool.malloc):  # counts no step: each replay
-            self.graph, self.result = self._capture(step)  # does ([Note: step counts])
+        self.pool = model.group.backend.step_pool()  # the graph's own ([Note: captured steps])
+        with self.pool.using():  # counts no step: each replay does ([Note: step counts])
+            self.graph, self.result = self._capture(step)
         self.grad_scale = model.captured_scale().factor  # what each replay stages
 
     def _capture(self, step: Callable[[], Any]) -> tuple[Any, Any]:
         """``step()`` captured on the model's stream: the graph, and what step returned."""
-        import cupy
-
-        self.stream = self.model.stream or cupy.cuda.get_current_stream()
-        with self.stream:
-            self.stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
-            try:
-                result = step()
-            except BaseException:
-                try:  # the step's error broke the capture: raise that one, not the ending's
-                    self.stream.end_capture()
-                except Exception:  # noqa: BLE001, S110 - unjoined lanes, most likely
-                    pass
-                raise
-            graph = self.stream.end_capture()
-        return graph, result
+        self.stream = self.model.group.backend.stream(self.model.stream)  # None: current
+        return self.pool.capture(self.stream, step)
 
     def _launch(self) -> None:
         self.graph.launch(self.stream)

@@ -133,7 +133,7 @@ class GlobalNorm:
     def __init__(self, group: Optional[Group], world: int, xp: Any) -> None:
         self.world, self.xp = world, xp
         self._backend = array_backend(xp)  # its streams and kernels ([Note: backend interface])
-        self.cuda = xp is not np
+        self.cuda = xp is not np  # kernels or NumPy (not routed yet: [Note: backend interface])
         self.local = xp.zeros(1, np.float64)  # this rank's sum of squares, the last call's
         self.norm = xp.zeros(1, np.float64)  # cuda: the last norm, on the device
         self._gather: Any = None
@@ -183,7 +183,7 @@ class GlobalNorm:
                                       np.int32(rows), np.int32(width), np.int32(field)))
             if table is not None:
                 return self.norm
-            return float(self.norm.get(stream=self.xp.cuda.get_current_stream())[0])
+            return float(self.norm.get(stream=self._backend.stream(None))[0])
 
     def clip(self, grad: Any, average: float, max_norm: float, *, stream: Any = None,
              table: Any = None, table_shape: tuple[int, int, int] = (0, 0, 0)) -> GradScale:

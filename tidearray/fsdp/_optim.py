@@ -179,6 +179,7 @@ class FusedAdamW:
         with self._backend.on_device(master):
             self._exp_avg = xp.zeros(master.size, dtype=np.float32)
             self._exp_avg_sq = xp.zeros(master.size, dtype=np.float32)
+            # the kernels' per-element row index (not routed yet: [Note: backend interface])
             if xp is not np and (self._pieces.group != 0).any():
                 self._write_index(self._pieces.group.astype(np.uint8))  # the group index
             self._backend.settle()  # a first step may come on another stream
@@ -284,7 +285,7 @@ class FusedAdamW:
         mask = self._plan.mask(present)
         rows = self._plan.rows(mask)
         cs = self._coefficients(rows.pairs, lrs, float(grad_scale), self.step_count + 1)
-        if self._xp is not np:
+        if self._xp is not np:  # kernels or NumPy (not routed yet: [Note: backend interface])
             if self._step_cupy(grad, rows, cs, mask, stream):
                 return  # captured: only the replays count ([Note: step counts])
         else:
@@ -337,7 +338,7 @@ class FusedAdamW:
         """Make what a captured step reads, outside the capture: the device table of
         coefficients, the row index (where the arena has more than one piece) and the
         kernel ([Note: captured steps] in ``_graph``)."""
-        if self._xp is np or self.coeff_dev is not None:
+        if not self._backend.graphs or self.coeff_dev is not None:
             return
         with self._backend.on_device(self._master):
             self.coeff_dev = self._xp.zeros(MAX_ROWS * len(Coefficients._fields), np.float32)
@@ -480,7 +481,7 @@ class FusedAdamW:
 
     def _check_vector(self, what: str, a: Any, n: int, dtype: Any = np.float32) -> None:
         """``a`` must be a 1-D, C-contiguous array of this module, dtype and length
-        (and, for cupy, on the master's device)."""
+        (and on the master's device)."""
         if not isinstance(a, self._xp.ndarray):
             raise TideInvalid(f"{what}: expected a {self._xp.__name__}.ndarray, "
                               f"got {type(a).__name__}")
@@ -488,9 +489,11 @@ class FusedAdamW:
         if a.ndim != 1 or a.size != n or a.dtype != dtype or not a.flags.c_contiguous:
             raise TideInvalid(f"{what}: expected a contiguous 1-D {np.dtype(dtype)} array of "
                               f"{n} elements, got {got}")
-        if self._xp is not np and hasattr(self, "_master") and a.device != self._master.device:
-            raise TideInvalid(f"{what}: expected an array on device "
-                              f"{self._master.device.id}, got device {a.device.id}")
+        # cupy: a Device; NumPy 2: "cpu" (older NumPy and the master itself: nothing to check)
+        want = getattr(getattr(self, "_master", None), "device", None)
+        if want is not None and a.device != want:
+            raise TideInvalid(f"{what}: expected an array on device {getattr(want, 'id', want)}, "
+                              f"got device {getattr(a.device, 'id', a.device)}")
 
     def _check_send(self, send: Any) -> None:
         if not (_is_array(send) and _dtypes.is_supported(send.dtype)):
@@ -503,10 +506,8 @@ class FusedAdamW:
 
     def _to_module(self, what: str, a: Any) -> Array:
         """``a`` as a float32 array of this module, checked against the master's length."""
-        if self._xp is np and hasattr(a, "get"):
-            a = a.get()  # a cupy array loaded into a NumPy optimizer
         with self._backend.on_device(self._master):
-            a = self._xp.asarray(a)
+            a = self._backend.asarray(a)  # a cupy array comes down to a NumPy optimizer
         if a.ndim != 1 or a.size != self._master.size:
             raise TideInvalid(f"{what}: expected a 1-D array of {self._master.size} elements, "
                               f"got shape {a.shape}")

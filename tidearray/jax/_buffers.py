@@ -20,11 +20,7 @@ from __future__ import annotations
 
 from typing import Any, ContextManager, Optional, Sequence
 
-import numpy as np
 from jax.experimental.buffer_callback import ExecutionStage
-
-#: ``cudaMemcpyDeviceToDevice``.
-_D2D = 3
 
 
 class XlaBuffers:
@@ -36,7 +32,7 @@ class XlaBuffers:
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
-        self.cuda = backend.name == "cuda"
+        self.cuda = backend.device_kind == "gpu"  # XLA's stream is a cudaStream_t
 
     def arrays(self, buffers: Sequence[Any]) -> list[Any]:
         """Each buffer as an array of the backend over the same memory (no copy)."""
@@ -59,12 +55,4 @@ class XlaBuffers:
     def copy(self, dst: Sequence[Any], src: Sequence[Any], stream: Optional[int]) -> None:
         """``dst[k][...] = src[k]`` for arrays of equal bytes, on ``stream`` (cuda: one
         device-to-device copy each, asynchronous; host: memmove)."""
-        if not self.cuda:
-            for d, s in zip(dst, src):
-                np.copyto(d, s)
-            return
-        import cupy
-
-        for d, s in zip(dst, src):
-            if d.nbytes:
-                cupy.cuda.runtime.memcpyAsync(d.data.ptr, s.data.ptr, d.nbytes, _D2D, stream)
+        self.backend.copy_arrays(dst, src, stream)

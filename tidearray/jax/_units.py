@@ -417,7 +417,7 @@ def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
 def _check_settings(group: Group, compute_dtype: Any, errors: list[str]) -> tuple[Any, str]:
     """JAX's device for the group's backend, and ``compute_dtype``'s name; what does not
     fit goes into ``errors`` (raised on every rank by the caller's agreement)."""
-    if group.backend.name == "cuda" and not group.config.jax_cuda:
+    if group.backend.device_kind == "gpu" and not group.config.jax_cuda:
         errors.append("the cuda backend: expected TIDE_JAX_CUDA=1 (jax_cuda=True) to run "
                       "tidearray.jax on GPUs, got it unset: its first runs stalled in "
                       "XLA's compile of the jitted step (docs/jax.md, Limits)")
@@ -493,7 +493,7 @@ def _device(group: Group, errors: list[str]) -> Any:
     if jax.process_count() > 1:
         errors.append(f"expected one JAX process per rank (no jax.distributed), got "
                       f"{jax.process_count()} JAX processes")
-    kind = "gpu" if group.backend.name == "cuda" else "cpu"
+    kind = group.backend.device_kind
     try:
         devices = jax.devices(kind)
     except RuntimeError:

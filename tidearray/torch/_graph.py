@@ -56,7 +56,7 @@ class TorchCapturedStep(CapturedStep):
     """
 
     def __init__(self, sharding: Sharding, step: Callable[[], Any]) -> None:
-        if sharding.group.backend.name != "cuda":
+        if not sharding.group.backend.graphs:
             raise TideInvalid("capture_step: expected a model on the cuda backend (a CUDA "
                               f"graph), got the {sharding.group.backend.name} backend")
         if sharding.bridge.kind != "fused":

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._errors import TideInvalid
+
+if TYPE_CHECKING:
+    from ..backends import Backend
 
 InitFn = Callable[[Any], None]
 
@@ -38,11 +41,13 @@ class Values:
         init_fn: initialises one materialised module (its own parameters and buffers).
         checkpoint: a ``.safetensors`` file, or a directory of them (with the
             ``model.safetensors.index.json`` Hugging Face writes, or without).
+        backend: the group's backend, which takes a device tensor's values.
     """
 
     def __init__(self, model_units: Any, init_fn: Optional[InitFn],
-                 checkpoint: Optional[str]) -> None:
+                 checkpoint: Optional[str], backend: Backend) -> None:
         self.units = model_units
+        self.backend = backend
         self.init_fn = init_fn
         self.by_name = {n: p for u in model_units.units for n, p in zip(u.names, u.params)}
         self.files = _checkpoint_files(checkpoint) if checkpoint is not None else None
@@ -78,7 +83,7 @@ class Values:
             key = next(a for a in self.units.all_names[id(p)] if a in self.files)
             return self.read(key).to(torch.float32).numpy()
         if not is_meta(p):
-            return _as_array(p.detach())
+            return _as_array(p.detach(), self.backend)
         if id(p) not in self._cache:
             self._materialise(p)
         return self._cache.pop(id(p))
@@ -94,7 +99,7 @@ class Values:
         init_module(module, self.init_fn)
         for attr, old in before.items():
             new = getattr(module, attr)
-            self._cache[id(old)] = _as_array(new.detach().to(torch.float32))
+            self._cache[id(old)] = _as_array(new.detach().to(torch.float32), self.backend)
             setattr(module, attr, old)  # the placeholder comes later, to every alias
 
 
@@ -170,13 +175,12 @@ def _checkpoint_files(path: str) -> dict[str, str]:
     return names
 
 
-def _as_array(t: Any) -> Any:
-    """A tensor's values as an array tidearray can shard (fp32; NumPy on the host)."""
+def _as_array(t: Any, backend: Backend) -> Any:
+    """A tensor's values as an array tidearray can shard (fp32): NumPy for a CPU tensor,
+    else the backend's (a CUDA tensor's memory through DLPack on the cuda backend)."""
     import torch
 
     t = t.to(torch.float32)
     if t.device.type == "cpu":
         return t.numpy()
-    import cupy
-
-    return cupy.from_dlpack(t)
+    return backend.asarray(t)

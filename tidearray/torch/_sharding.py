@@ -113,7 +113,8 @@ class Sharding:
         meta = any(_init.is_meta(p) for ps in params for p in ps)
         self.device = torch.device(device) if device is not None else (
             _default_device(group) if meta else params[0][0].device)
-        values = _init.Values(spec, _init.default_init_fn(module, init_fn), checkpoint)
+        values = _init.Values(spec, _init.default_init_fn(module, init_fn), checkpoint,
+                              group.backend)
         dtype = _checked_dtype(group, spec, values, param_dtype)
         fused, make = split_optimizer(optimizer)
         self.storage = ParamStorage(params, dtype, self.device)
@@ -131,7 +132,7 @@ class Sharding:
             _init.materialise_buffers(module, self.device, values)
         values.close()
         self.storage.take_over(spec.aliases, spec.all_names, meta)
-        self.stream = TorchStream(self.runtime, self.device, group.backend.name == "cuda")
+        self.stream = TorchStream(self.runtime, self.device, group.backend.device_kind == "gpu")
         self.hooks = Hooks(module, self.units, self.runtime, self.storage, self.stream)
         self.guard = StateDictGuard()
         owners = {id(m): m for ps in self.params for p in ps for m, _ in spec.aliases[id(p)]}
@@ -227,6 +228,6 @@ def _numpy_dtype(dtype: Any) -> np.dtype:
 
 
 def _default_device(group: Group) -> torch.device:
-    if group.backend.name == "cuda":
+    if group.backend.device_kind == "gpu":
         return torch.device("cuda", group.backend.device)
     return torch.device("cpu")

@@ -414,12 +414,7 @@ def _write_rows(model: Any, shard: Any, rows: Any) -> None:
     """``rows`` (a tensor or array) into the first rows of padded ``shard``; padding zeroed."""
     n = int(rows.shape[0])
     t = torch.as_tensor(rows).detach().to(torch.float32)
-    if model.xp is np:
-        shard[:n] = t.cpu().numpy()
-    else:
-        import cupy
-
-        shard[:n] = cupy.from_dlpack(t.contiguous()) if t.is_cuda else cupy.asarray(t.numpy())
+    shard[:n] = model.group.backend.asarray(t.contiguous())
     shard[n:] = 0
 
 

@@ -44,20 +44,16 @@ class TorchStream:
         old = self._stream if self._stream is not None else torch.cuda.default_stream(self.device)
         if stream != old and not torch.cuda.is_current_stream_capturing():
             stream.wait_stream(old)
-        from ..backends.cuda.streams import cupy_stream
-
         self._stream = stream
-        self.runtime.stream = cupy_stream(stream)
+        self.runtime.stream = self.runtime.group.backend.stream(stream)
 
     def norm(self, norm: Any) -> Any:
         """A gradient norm as the runtime gave it (None, a float), or, from inside a
         capture (a device array), as a torch tensor on the same memory."""
         if norm is None or isinstance(norm, float):
             return norm
-        from ..backends.cuda.streams import on_stream
-
         # With CuPy's current stream the capturing one, the DLPack exchange orders
         # nothing (the same stream on both sides); from another stream it would make
         # the capture wait on work outside it.
-        with on_stream(self.runtime.stream):
+        with self.runtime.group.backend.on_stream(self.runtime.stream):
             return torch.from_dlpack(norm)

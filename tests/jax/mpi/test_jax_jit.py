@@ -279,9 +279,10 @@ def test_bad_leaves_vmap_and_mesh(group, cpu_jax):
 
 def test_the_cuda_path_is_opt_in(group, cpu_jax, monkeypatch):
     """On the cuda backend ``shard_units`` refuses, on every rank, unless ``jax_cuda`` is
-    set (docs/jax.md, Limits); seen here through the backend's name."""
+    set (docs/jax.md, Limits); seen here through the backend's name and device kind."""
     units = [{"w": np.ones((4, 3), np.float32)}]
     monkeypatch.setattr(group.backend, "name", "cuda")
+    monkeypatch.setattr(group.backend, "device_kind", "gpu")
     monkeypatch.setattr(group.backend, "device", 0, raising=False)
     with pytest.raises(TideInvalid, match="TIDE_JAX_CUDA=1"):
         tj.shard_units(units, group=group)

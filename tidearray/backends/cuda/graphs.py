@@ -38,7 +38,7 @@ import ctypes
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..._errors import TideBackendError
-from .._base import Graph
+from .._base import Graph, StepPool
 from . import driver
 from .executor import CudaCompletion, CudaExecutor, _event
 from .streams import stream_ptr, wait_for_readers
@@ -165,3 +165,38 @@ def capture(lanes: Lanes, local_size: int, issue: Callable[[Any], Any], what: st
         _checked(calls.upload(exec_, origin.ptr), "cuGraphUpload")
         origin.synchronize()
     return CudaGraph(lanes, graph.value, exec_.value, tuple(ex.waits), ex.abort, what, keep)
+
+
+class CudaStepPool(StepPool):
+    """A captured step's own CuPy memory pool ([Note: captured steps] in ``fsdp._graph``),
+    made by ``CudaBackend.step_pool``."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool  # a cupy.cuda.MemoryPool
+
+    def using(self) -> Any:
+        """``cupy.cuda.using_allocator`` of this pool's ``malloc``."""
+        import cupy
+
+        return cupy.cuda.using_allocator(self._pool.malloc)
+
+    def capture(self, stream: Any, step: Callable[[], Any]) -> tuple[Any, Any]:
+        """``step()`` captured (``streamCaptureModeRelaxed``) on the CuPy ``stream``, made
+        current for it: the ``cupy.cuda.Graph``, and what step returned."""
+        import cupy
+
+        with stream:
+            stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
+            try:
+                result = step()
+            except BaseException:
+                try:  # the step's error broke the capture: raise that one, not the ending's
+                    stream.end_capture()
+                except Exception:  # noqa: BLE001, S110 - unjoined lanes, most likely
+                    pass
+                raise
+            graph = stream.end_capture()
+        return graph, result
+
+    def free_all_blocks(self) -> None:
+        self._pool.free_all_blocks()
