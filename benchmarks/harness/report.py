@@ -12,7 +12,6 @@ import os
 from typing import Any, Optional
 
 from . import plots
-from .interference import footprint
 from .records import load
 from .tables import Results, back_to_back, gbs, grid, markdown, mib, num, phase_table, us
 
@@ -191,27 +190,7 @@ def _interference_section(res: Results) -> str:
         out += ["### The collective's own time per call (us): timed alone (one call after a "
                 "barrier) -> in the loop beside the GEMMs (issued back to back)\n",
                 markdown((["impl", "collective + GEMM", "time"], times))]
-    traced = [(impl, m, r["extra"]["cupti"]) for impl in res.impls("interference")
-              for m in metrics if (r := res.get("interference", impl, unit, m))
-              and (r.get("extra") or {}).get("cupti")]
-    if traced:
-        out += ["### The GEMM kernel under CUPTI, by the collective's SM work beside it\n",
-                "Median kernel time in us (count); \"clear\": none of the collective's "
-                "kernels or copies within the GPU ran beside it (copy engines only), "
-                "\"held\": they covered half of it or more.\n",
-                markdown((["impl", "collective + GEMM", "alone", "clear", "partial", "held",
-                           "the collective's kernels"],
-                          [[impl, m, *(_group(t[g]) for g in ("alone", "clear", "partial", "held")),
-                            "; ".join(f"{n[:32]} ({footprint(k)})"
-                                      for n, k in t["kernels"].items()) or "none"]
-                           for impl, m, t in traced]))]
-        gemm = traced[0][2]["gemm"]
-        out.append(f"GEMM kernel: `{gemm['name']}`, {footprint(gemm)}.\n")
     return "\n".join(out)
-
-
-def _group(d: dict) -> str:
-    return "-" if d.get("median_us") is None else f"{d['median_us']:.1f} ({d['n']})"
 
 
 def _memory_section(res: Results) -> str:
