@@ -57,6 +57,9 @@ MOVED = {
                                           "model.",
     "examples/compare_fsdp2.py": "`examples/compare_fsdp2.py` is "
                                  "`benchmarks/steps/compare_fsdp2.py` now.",
+    "--passes 2": "`--passes`, which ran the impls again with every other pass reversed "
+                  "and pooled the medians, has left `compare_fsdp2.py`; commit `4350af1` "
+                  "has it.",
     "--impl all --profile": "The trainer's comparison of comms (`examples/train.py --impl "
                             "all`) is `benchmarks/steps/compare_train.py --impl all` now.",
     "tests/gpu/hw_bounds.py": f"The probe `hw_bounds.py` is retired: {RETIRED}.",
