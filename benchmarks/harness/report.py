@@ -30,9 +30,9 @@ DEFINITIONS = """\
 * **phase**: one piece of a collective, timed alone (copy-in, NCCL call, copy-out,
   pack, TIDE's accumulate; `peer_copy` is a reference, not a piece: one plain
   `cudaMemcpyAsync` of TIDE-AG's bytes to the peer).
-* **SM time**: sum over a collective's pieces of time x CTAs / SMs (CTAs capped at
-  the SM count). Our kernels: their grid. NCCL: one CTA per channel, the channel
-  count read from NCCL's INIT log. Copy engines: zero.
+* **SM time**: per call, measured by CUPTI: each kernel's time x min(1, CTAs / SMs).
+  Copy engines: zero; copies within one GPU, which the driver runs on the SMs, are
+  counted apart.
 * **GEMM slowdown**: median time of the GEMMs that overlapped the looping
   collective (>= 95% of their duration) over the GEMM's median time in its alone loop
   run right before, minus 1; the median of three such alone-then-beside pairs (one pair
@@ -153,9 +153,7 @@ def _detail_section(res: Results) -> str:
         ws = res.workloads(suite, "unit")
         if ws:
             out += [f"### {suite.upper()} phases, each timed alone\n",
-                    markdown(phase_table(res, suite, ws)),
-                    f"### {suite.upper()} SM time, modelled from the phases (us)\n",
-                    markdown(grid(res, suite, "sm_time", ws, us))]
+                    markdown(phase_table(res, suite, ws))]
             if any(res.get(suite, i, w, "sm_time_cupti") for i in res.impls(suite) for w in ws):
                 out += [f"### {suite.upper()} SM time per call, measured by CUPTI (us): "
                         "kernel time x min(1, blocks / SMs)\n",
