@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from . import plots
 from .records import load
-from .tables import Results, back_to_back, gbs, grid, markdown, mib, num, phase_table, us
+from .tables import Results, gbs, grid, markdown, mib, num, phase_table, us
 
 DEFINITIONS = """\
 * **time**: median over the timed iterations of the per-iteration maximum over
@@ -24,8 +24,7 @@ DEFINITIONS = """\
   of times; a baseline's fp32 traffic is part of its cost).
 * **back to back**: the same number of calls issued one after another with no
   barrier (host issue overlapped with device work), an event after each; the
-  median of the per-call times (max over ranks). Records before run 6 give the
-  mean instead.
+  median of the per-call times (max over ranks).
 * **speedup**: `stock` time / implementation time, same run, same unit.
 * **phase**: one piece of a collective, timed alone (copy-in, NCCL call, copy-out,
   pack, TIDE's accumulate; `peer_copy` is a reference, not a piece: one plain
@@ -35,8 +34,7 @@ DEFINITIONS = """\
   counted apart.
 * **GEMM slowdown**: median time of the GEMMs that overlapped the looping
   collective (>= 95% of their duration) over the GEMM's median time in its alone loop
-  run right before, minus 1; the median of three such alone-then-beside pairs (one pair
-  in run 10; before it, against one alone figure from the start of the suite).
+  run right before, minus 1; the median of three such alone-then-beside pairs.
 * **memory**: largest rise of used device memory (`cudaMemGetInfo`) over the
   baseline taken after the inputs were made and pools emptied, with fresh NCCL
   communicators; includes NCCL's buffers, symmetric memory and the CuPy pool.
@@ -144,7 +142,8 @@ def _units_section(res: Results) -> str:
 
 
 def _back_to_back(rec: dict) -> Optional[float]:
-    return back_to_back(rec.get("extra") or {})
+    """A time record's median per call issued back to back."""
+    return (rec.get("extra") or {}).get("back_to_back_median_s")
 
 
 def _detail_section(res: Results) -> str:
