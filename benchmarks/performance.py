@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -38,11 +37,6 @@ GIB = 2 ** 30
 #: The plots the generator writes (paths from the repository root), and the only
 #: images under benchmarks/results/ that a doc may embed.
 PLOTS = ("benchmarks/results/run14/collectives.png", "benchmarks/results/run12-fsdp2/steps.png")
-#: The commit that holds the retired probes and variants (``benchmarks/probes/``,
-#: ``benchmarks/variants/``); the page's hand-written part says what each found.
-RETIRED_AT = "00fc699"
-RETIRED = (f"the code is at commit `{RETIRED_AT}` under `benchmarks/probes/`, its findings under "
-           "\"Retired experiments\" below")
 #: Where the page's hand-written part starts: the generator keeps the page from this line
 #: on as it is.
 HAND = ("<!-- Hand-written from here on: python -m benchmarks.performance keeps this part "
@@ -57,23 +51,27 @@ MOVED = {
                                           "model.",
     "examples/compare_fsdp2.py": "`examples/compare_fsdp2.py` is "
                                  "`benchmarks/steps/compare_fsdp2.py` now.",
+    "--passes 2": "`--passes`, which ran the impls again with every other pass reversed "
+                  "and pooled the medians, has left `compare_fsdp2.py`; commit `4350af1` "
+                  "has it.",
     "--impl all --profile": "The trainer's comparison of comms (`examples/train.py --impl "
                             "all`) is `benchmarks/steps/compare_train.py --impl all` now.",
-    "tests/gpu/hw_bounds.py": f"The probe `hw_bounds.py` is retired: {RETIRED}.",
-    "tests/gpu/footprints.py": f"The probe `footprints.py` is retired: {RETIRED}.",
-    "tests/gpu/narrow_probe.py": "The probes `narrow_probe.py` and `narrow_sharing.py`, the "
-                                 "narrow accumulate and the `narrow` step are retired: "
-                                 f"{RETIRED} (the kernel under `benchmarks/variants/`).",
-    "tests/gpu/hf_models.py": f"`hf_models.py` is retired: {RETIRED} under "
-                              "`benchmarks/steps/`; the `ab` step is `benchmarks/run.sh`'s.",
-    "probes/eager_ab.py": f"The probe `eager_ab.py` is retired: {RETIRED}; "
-                          "`benchmarks/ab/call_profile.py` (`TIDE_AB_STEPS=calls`) times eager "
-                          "calls of two trees now.",
-    "probes/graph_launch.py --out DIR": f"The probe `graph_launch.py` is retired: {RETIRED}.",
-    "probes/graph_replay.py": f"The probe `graph_replay.py` is retired: {RETIRED}.",
-    "--gemm-priority": "`--gemm-priority` and the `priority` step are retired: the code is "
-                       "at commit `37ceaf1`, its findings under \"Retired experiments\" "
-                       "below.",
+}
+#: Runs the page lists without figures, by title: their code has left the tree, or a later
+#: run measured the same again. Each record stays in its folder; the page's hand-written
+#: part gives what each found and the commit that holds its code.
+ARCHIVED = {
+    "run13-bounds": "What the hardware leaves (the probe `hw_bounds.py`)",
+    "run14-sweeps": "Variants launched in turn (the defaults' sweeps and the `ctas` step)",
+    "run15-one-h200": "Kernels beside a GEMM (`footprints.py`, the `priority` step)",
+    "run16-one-h200": "The narrow accumulate (`narrow_probe.py`, `narrow_sharing.py`)",
+    "run17-one-h200": "The torch front end on `transformers` models (`hf_models.py`)",
+    "run18-one-h200": "Host time per eager call, one pipeline against the caches "
+                      "(`eager_ab.py`)",
+    "run19-one-h200": "CUDA graphs: graph plans and the captured step",
+    "run20-one-h200": "What a graph's launch costs the host (`graph_launch.py`)",
+    "run22-one-h200": "CUDA graphs: a replay's host time taken apart (`graph_replay.py`)",
+    "run23-one-h200": "CUDA graphs: host time per graph plan call, back to back",
 }
 MACHINES = {
     "nvidia-h200-x2": "2 NVIDIA H200 joined by NVLink, one process per GPU",
@@ -129,9 +127,6 @@ class Run:
         return {(r["suite"], r["impl"], r["workload"], r["metric"]): r
                 for r in self.rows(name) if r.get("status") == "ok" and r["suite"] != "run"}
 
-    def launches(self, names: list[str]) -> list[dict]:
-        return [self.bench(n) for n in names]
-
 
 def value(recs: dict, suite: str, impl: str, metric: str, w: str = UNIT) -> Optional[float]:
     r = recs.get((suite, impl, w, metric))
@@ -141,11 +136,6 @@ def value(recs: dict, suite: str, impl: str, metric: str, w: str = UNIT) -> Opti
 def extra(recs: dict, suite: str, impl: str, metric: str, w: str = UNIT) -> dict:
     r = recs.get((suite, impl, w, metric))
     return {} if r is None else (r.get("extra") or {})
-
-
-def over(launches: list[dict], suite: str, impl: str, metric: str,
-         w: str = UNIT) -> list[float]:
-    return [v for v in (value(L, suite, impl, metric, w) for L in launches) if v is not None]
 
 
 # ---- formatting ----------------------------------------------------------------------
@@ -169,12 +159,6 @@ def pct(f: float) -> str:
 
 def gib(b: float) -> str:
     return f"{b / GIB:.2f} GiB"
-
-
-def spread(vals: list[float], fmt: Callable[[float], str]) -> str:
-    """Median [min, max] over launches, and how many."""
-    return (f"{fmt(statistics.median(vals))} [{fmt(min(vals))}, {fmt(max(vals))}], "
-            f"{len(vals)} launches")
 
 
 def faster(what: str, goal: float, t: float, base: float, base_name: str) -> Figure:
@@ -270,78 +254,6 @@ def qwen(R: dict) -> list[Figure]:
     ]
 
 
-# ---- 2xH200: variants launched in turn (run14-sweeps) --------------------------------
-
-
-def sweeps(run: Run) -> tuple[Figure, ...]:
-    files = sorted(f for f in run.meta["records"] if f.endswith(".jsonl"))
-
-    def pick(*prefixes: str) -> list[dict]:
-        return run.launches([f for f in files if f.startswith(prefixes)])
-
-    cut = pick("ag-a-new-", "ag-b-new-1", "ag-b-new-2", "ag-b-new-3", "ag-b-new-4", "ag-c-new-1",
-               "ag-c-new-2", "ag-c-new-3")
-    whole, old = pick("ag-b-new-whole", "ag-c-new-whole"), pick("ag-a-old", "ag-b-old")
-    ag_cut, ag_whole = over(cut, "ag", "tide", "time"), over(whole, "ag", "tide", "time")
-    ag_old = over(old, "ag", "tide", "time")
-    at66 = pick("int-new-", "int-ctas66-", "ctas66")
-    gemm_ag = over(at66, "interference", "tide", f"ag:{GEMM}")
-    gemm_rs = over(at66, "interference", "tide", f"rs:{GEMM}")
-    grids = {"16": pick("ctas16"), "33": pick("ctas33"), "66": at66,
-             "132": pick("int-ctas132-")}
-    by_grid = {g: statistics.median(over(L, "interference", "tide", f"rs:{GEMM}"))
-               for g, L in grids.items()}
-    b0 = over(pick("ag-d-batch0-"), "ag", "tide-plan", "time", QWEN)
-    b32 = over(pick("ag-d-batch32-"), "ag", "tide-plan", "time", QWEN)
-    best = min(by_grid, key=by_grid.get)
-    return (
-        Figure("TIDE-AG, Llama-3.1-8B: own copy cut to 8 MiB (`local_copy_max`, the default)",
-               "no slower than the own copy whole", f"{spread(ag_cut, us)}; whole "
-               f"{spread(ag_whole, us)}; run 11's code (`d7d2200`) {spread(ag_old, us)}",
-               statistics.median(ag_cut) <= statistics.median(ag_whole)),
-        Figure("A single-wave GEMM beside TIDE-AG, over launches", "<= +10%",
-               spread(gemm_ag, pct), statistics.median(gemm_ag) <= 0.10),
-        Figure("A single-wave GEMM beside TIDE-RS, over launches", "<= +10%",
-               spread(gemm_rs, pct), statistics.median(gemm_rs) <= 0.10),
-        Figure("The GEMM beside TIDE-RS by the accumulate's grid (`accum_ctas`)",
-               "the default (66 CTAs) slows it least",
-               ", ".join(f"{g} CTAs {pct(v)}" for g, v in by_grid.items()), best == "66"),
-        Figure("Qwen3-30B-A3B gather plan: pushes in driver calls of 32 (`copy_batch_max`, "
-               "the default, at `a5bd203`)", "faster than one call per peer",
-               f"{us(statistics.median(b32))} against {us(statistics.median(b0))} "
-               f"(medians of {len(b32)} and {len(b0)} launches)",
-               statistics.median(b32) < statistics.median(b0)),
-    )
-
-
-# ---- 2xH200: what the hardware leaves (run13-bounds) ---------------------------------
-
-
-def bounds(run: Run) -> tuple[Figure, ...]:
-    d = run.json("hw_bounds-c184aa8.json")
-    # SM time is SM-seconds over the device's SMs: bytes / (rate per CTA) / SMs.
-    need = d["accumulate_bytes"] / (d["stock_sm_time_s"] / 12.5) / d["device"]["sms"]
-    held = d["held_sms"]
-    waited = sorted(k for k, v in held.items() if v["waited"])
-    ran = sorted(k for k, v in held.items() if not v["waited"])
-    own = d["own_copy_beside"]
-    shipped = own["cut to 8 MiB, one batch (shipped)"]["median"]
-    return (
-        Figure("The accumulate's streaming rate per CTA, best grid",
-               f">= {need / 1e9:.1f} GB/s (RS SM time 12.5x below `stock`)",
-               f"{d['best_accumulate_rate'] / 1e9:.1f} GB/s; a plain copy kernel "
-               f"{d['best_probe_rate'] / 1e9:.1f} GB/s; SM-time floor "
-               f"{us(d['sm_time_floor_s'])} against `stock`'s {us(d['stock_sm_time_s'])}",
-               d["best_accumulate_rate"] >= need),
-        Figure("Copies beside a kernel that holds every SM (which copies need the SMs)",
-               "the own copy runs beside it", f"waited: {'; '.join(waited)}. Ran beside: "
-               f"{'; '.join(ran)}", not any("within the device" in k for k in waited)),
-        Figure("A single-wave GEMM beside the own copy alone, cut to 8 MiB in one batch",
-               "<= +10%", f"{pct(shipped)} (one copy whole: "
-               f"{pct(own['one copy']['median'])}; median of 3 pairs)", shipped <= 0.10),
-    )
-
-
 # ---- 2xH200: training steps (run12-fsdp2, run12-fsdp2-compile, run7) -----------------
 
 
@@ -405,102 +317,10 @@ def trainer(run: Run) -> tuple[Figure, ...]:
     return tuple(figs)
 
 
-# ---- one H200 (run15, run16, run17) --------------------------------------------------
+# ---- one H200 (run21, run24, run25, run27) ------------------------------------------
 
 
-def _gemm_rs(run: Run, name: str) -> tuple[float, float]:
-    """(GEMM slowdown beside TIDE-RS, TIDE-RS's own time alone) of a one-rank record."""
-    R = run.bench(name)
-    ex = extra(R, "interference", "tide", f"rs:{GEMM}")
-    return value(R, "interference", "tide", f"rs:{GEMM}"), ex["collective_alone_s"]
-
-
-def one_h200_kernels(run: Run) -> tuple[Figure, ...]:
-    fp = run.json("footprints-a3d4b71.json")
-    g = fp["gemms"][GEMM]
-    regs = g["threads"] * g["registers"]
-    acc = next(f for f in fp["fits"] if f["gemm"] == GEMM and f["kernel"] == "tide_accumulate_bf16")
-    hi, hi_t = _gemm_rs(run, "priority-short/ctas100000-high.jsonl")
-    lo, lo_t = _gemm_rs(run, "priority-short/ctas66-default.jsonl")
-    return (
-        Figure("A CTA of the accumulate fits on an SM beside a GEMM CTA", "fits",
-               f"GEMM CTA {regs:,} of {fp['sm']['registers']:,} registers; the accumulate's "
-               f"needs {acc['needs']['registers']:,} (`{fp['commit']}`)", acc["fits"]),
-        Figure("A GEMM at high stream priority beside short accumulate CTAs (`c95989f`)",
-               "<= +10%", f"{pct(hi)} against {pct(lo)} at the defaults; TIDE-RS alone "
-               f"{us(hi_t)} against {us(lo_t)}", hi <= 0.10),
-    )
-
-
-def one_h200_narrow(run: Run) -> tuple[Figure, ...]:
-    n, n_t = _gemm_rs(run, "interference-narrow-d7d9d83.jsonl")
-    v, v_t = _gemm_rs(run, "interference-vector-d7d9d83.jsonl")
-    probe = run.json("narrow-probe-d7d9d83.json")
-    two = {r["kernel"]: r for r in probe["rows"] if r["sources"] == 2 and "grid" in r}
-    nar, vec = two["narrow (library, as shipped)"], two["vector (library)"]
-    return (
-        Figure("A GEMM beside TIDE-RS with the narrow accumulate (opt-in, `d7d9d83`)",
-               "<= +10%", f"{pct(n)} against the vector kernel's {pct(v)}; TIDE-RS alone "
-               f"{us(n_t)} against {us(v_t)}", n <= 0.10),
-        Figure("The narrow accumulate's rate, 2 sources, per SM (`narrow_probe.py`)",
-               ">= 1.2 elements/ns (the pace between two H200s)",
-               f"{nar['per_sm_elems_per_ns']:.2f} (vector kernel {vec['per_sm_elems_per_ns']:.2f}"
-               f"); the GEMM looped beside it {pct(nar['gemm_slowdown'])}, beside the vector "
-               f"kernel {pct(vec['gemm_slowdown'])}", nar["per_sm_elems_per_ns"] >= 1.2),
-    )
-
-
-def one_h200_torch(run: Run) -> tuple[Figure, ...]:
-    figs = []
-    for name, what in (("hf8b.json", "8B-shaped `transformers` Llama, trained"),
-                       ("meta70b.json", "70B-shaped `transformers` Llama, wrapped from meta")):
-        d = run.json(name)
-        dev = max(r["device_bytes"] for r in d["ranks"])
-        bound = min(r["bound_bytes"] for r in d["ranks"])
-        ok = all(r["device_ok"] and r["rss_ok"] for r in d["ranks"])
-        figs.append(Figure(f"{what}, {d['world']} ranks: device memory per rank",
-                           "<= the bound, host RSS too",
-                           f"{gib(dev)} against {gib(bound)} (`{d['commit']}`)", ok))
-    steps = {k: statistics.median(run.json(f"ab_{k}_{i}.json")["runs"][0]["median_step_s"]
-                                  for i in (0, 1)) for k in ("before", "after")}
-    figs.append(Figure("One-rank `shard_module` step after the change against before",
-                       "<= 1.01x", f"{x(steps['after'] / steps['before'], 3)} "
-                       f"({ms(steps['after'])} against {ms(steps['before'])})",
-                       steps["after"] / steps["before"] <= 1.01))
-    return tuple(figs)
-
-
-def one_h200_eager(run: Run) -> tuple[Figure, ...]:
-    """Host time per eager call after the one-pipeline change against before, per unit
-    and world size: the median over both device calls' rounds, beside the plan calls
-    (the spread between launches)."""
-    times: dict = {}
-    for r in run.rows("eager_ab.jsonl"):
-        times.setdefault((r["world"], r["unit"], r["call"], r["label"]), []).append(r["host_us"])
-    figs = []
-    for world in (1, 2):
-        every = []
-        for unit in (QWEN, UNIT):
-            def ratio(call: str, w: int = world, u: str = unit) -> float:
-                return (statistics.median(times[(w, u, call, "after")])
-                        / statistics.median(times[(w, u, call, "before")]))
-            eager = [ratio(c) for c in ("all_gather slot=", "all_gather", "reduce_scatter out=",
-                                        "reduce_scatter")]
-            every += eager
-            figs.append(Figure(
-                f"{unit}, {world} rank{'s' if world > 1 else ''}: eager call host time after "
-                "against before (AG slot=, AG, RS out=, RS)", "reference (the plan calls, in "
-                "brackets, show the spread between launches)",
-                ", ".join(x(r) for r in eager) + " (plans: "
-                + ", ".join(x(ratio(c)) for c in ("all_gather plan", "reduce_scatter plan"))
-                + ")"))
-        mid = statistics.median(every)
-        figs.append(Figure(f"{world} rank{'s' if world > 1 else ''}: median of the 8 eager "
-                           "calls' after/before", "<= 1.00x", x(mid), mid <= 1.0))
-    return tuple(figs)
-
-
-def _captured_trainer(run: Run) -> tuple[Figure, ...]:
+def captured_trainer(run: Run) -> tuple[Figure, ...]:
     """The captured trainer step against the eager one (``compare_train.py --impl graph``)."""
     rows, goals = _train_log(os.path.join(run.path, "train_graph.log"))
     e, g = rows["tide"], rows["tide-graph"]
@@ -521,52 +341,6 @@ def _captured_trainer(run: Run) -> tuple[Figure, ...]:
 
 
 GRAPH_UNITS = (UNIT, "llama3.1-70b", QWEN, "wan2.2-dit")
-
-
-def one_h200_flag_kernels(run: Run) -> tuple[Figure, ...]:
-    """Flags in graphs as kernels against memory operations (device idle before each call),
-    and the captured trainer step with the default pool's cache given back."""
-    P = run.bench("plans.jsonl")
-    figs = []
-    for w in GRAPH_UNITS:
-        for op in ("ag", "rs"):
-            def us(impl: str, metric: str, w: str = w, op: str = op) -> str:
-                return f"{value(P, 'plans', impl, f'{op}_{metric}', w):,.1f} us"
-            figs.append(Figure(
-                f"{op.upper()} graph plan call, {w}, device idle: flags as kernels (bare "
-                "launch); as memory operations (bare launch)", "reference",
-                f"{us('graph', 'host_us')} ({us('graph', 'launch_us')}); "
-                f"{us('graph-memops', 'host_us')} ({us('graph-memops', 'launch_us')})"))
-    return tuple(figs) + _captured_trainer(run)
-
-
-def one_h200_graph_replay(run: Run) -> tuple[Figure, ...]:
-    """A graph plan's replay taken apart (``graph_replay.py``), at 2 ranks sharing the GPU
-    and at one; what a second process launching beside it costs ``graph_launch.py``."""
-    def mid(rec: dict, part: str) -> float:
-        return statistics.median(r["median_us"] for r in rec[part])
-
-    one = {(r["unit"], r["op"], r["flags"]): r for r in run.rows("graph_replay_np1.jsonl")}
-    figs = []
-    for r in run.rows("graph_replay_np2.jsonl"):
-        k = (r["unit"], r["op"], r["flags"])
-        nodes = ", ".join(f"{n} {kind.lower()}" for kind, n in sorted(r["nodes"].items()))
-        figs.append(Figure(
-            f"{r['op'].upper()} graph plan, {r['unit']}, flags as {r['flags']} ({nodes}): "
-            "bare launch / with its event / graph launch / whole call, 2 ranks; one rank",
-            "reference", " / ".join(f"{mid(r, p):.1f}" for p in ("bare", "event", "launch",
-                                                                  "call"))
-            + " us; " + " / ".join(f"{mid(one[k], p):.1f}" for p in ("bare", "event",
-                                                                      "launch", "call"))
-            + " us"))
-    alone = {r["graph"]: r for r in run.rows("graph_launch_alone.jsonl")}
-    pairs = [{r["graph"]: r for r in run.rows(f"graph_launch_pair{i}.jsonl")} for i in (0, 1)]
-    for g, r in alone.items():
-        beside = statistics.median(p[g]["idle_us"] for p in pairs)
-        figs.append(Figure(f"`cuGraphLaunch`, {g}: one process alone; two processes "
-                           "launching at once (median of the two)", "reference",
-                           f"{r['idle_us']:.2f} us; {beside:.2f} us"))
-    return tuple(figs)
 
 
 def one_h200_graph_plans(run: Run) -> tuple[Figure, ...]:
@@ -674,9 +448,6 @@ def sections(root: str) -> list[Section]:
         S("run14", "Collectives against NCCL and FSDP2's path",
           "One Llama-3.1-8B layer (9 parameters, 436 MB bf16) unless named; medians of 20 "
           "timed calls.", collectives, PLOTS[0]),
-        S("run14-sweeps", "The same code, launched in turn",
-          "Medians over launches, where one launch's draw misleads.", sweeps),
-        S("run13-bounds", "What the hardware leaves", "Probes beside the suite.", bounds),
         S("run12-fsdp2", "`shard_module` against `fully_shard`, eager",
           "One PyTorch Llama-style model (llama3-8b-8l: 8 layers, hidden 4096, 8192 tokens "
           "per GPU).", fsdp2, PLOTS[1]),
@@ -684,21 +455,10 @@ def sections(root: str) -> list[Section]:
           "As above, each block under `torch.compile`.", fsdp2),
         S("run7", "The trainer of examples/train.py, and host time per call",
           "A Llama-3.1-8B-shaped model (8 layers, 8192 tokens per GPU).", trainer),
-        S("run15-one-h200", "Kernels beside a GEMM", "At one rank, no copy engines between "
-          "GPUs.", one_h200_kernels),
-        S("run16-one-h200", "The narrow accumulate", "At one rank.", one_h200_narrow),
-        S("run17-one-h200", "The torch front end on real models", "Memory and correctness; "
-          "the step at one rank.", one_h200_torch),
-        S("run18-one-h200", "Host time per eager call: one pipeline against the caches",
-          "Medians of 30 calls per launch, then over 4 launches per tree.", one_h200_eager),
-        S("run21-one-h200", "CUDA graphs: flags as kernels, and the captured step's memory",
-          "Host time per plan call at 2 ranks sharing the GPU (medians of 20 calls, the "
-          "device idle before each); the trainer at one rank: llama3-8b-8l, 8192 tokens, "
-          "medians after 2 warm-up steps, each run's model in its capturable form.",
-          one_h200_flag_kernels),
-        S("run22-one-h200", "CUDA graphs: a replay's host time taken apart",
-          "Medians of 100 calls, device idle before each; per rank, then the median over "
-          "ranks. At one rank a plan has no peer, so no flags.", one_h200_graph_replay),
+        S("run21-one-h200", "CUDA graphs: the captured trainer step",
+          "The trainer at one rank: llama3-8b-8l, 8192 tokens, medians after 2 warm-up "
+          "steps, each run's model in its capturable form, the default pool's cache given "
+          "back before capturing.", captured_trainer),
         S("run24-one-h200", "CUDA graphs: host time per graph plan call, back to back",
           "2 ranks sharing the GPU, medians of 50 calls, after the replay path kept its "
           "stream handle. Back to back is how a training loop issues them, ahead of the "
@@ -740,6 +500,21 @@ def _section(root: str, s: Section) -> list[str]:
     return out + [""]
 
 
+def _archived(root: str) -> list[str]:
+    """The :data:`ARCHIVED` runs, one entry each: title, record, commit and command."""
+    out = ["## Earlier records", "",
+           "Runs whose code has left the tree, or that a later run measured again. Each "
+           "record stays in its folder; what it found, and the commit that holds its code, "
+           "are under \"Retired experiments\" and \"Superseded sections\" below.", ""]
+    for name, title in ARCHIVED.items():
+        meta = Run(root, name).meta
+        commands = "; ".join(f"`{c}`" for c in meta["command"].split("; "))
+        out.append(f"- **{title}** ({name}, {meta['machine']}): "
+                   f"[record](../{RESULTS}/{name}/) at commit `{meta['commit']}`, "
+                   f"{meta['date']}. Command: {commands}.")
+    return out + [""]
+
+
 def hand_written(root: str = ROOT) -> str:
     """The page's hand-written part (from ``HAND`` on), or "" where it has none."""
     path = os.path.join(root, PAGE)
@@ -765,6 +540,7 @@ def render_page(root: str = ROOT) -> str:
         for s in secs:
             if Run(root, s.run).meta["machine"] == kind:
                 out += _section(root, s)
+    out += _archived(root)
     hand = hand_written(root)
     return "\n".join(out).rstrip("\n") + "\n" + (f"\n{hand}" if hand else "")
 

@@ -3,19 +3,11 @@
 Communicators are bootstrapped over MPI (rank 0 makes the unique id and
 broadcasts it). Collectives are issued through nccl4py's low-level bindings
 with raw pointers, so the baselines pay no per-call Python buffer resolution
-(FSDP2 calls NCCL from C++); :func:`call` falls back to the public API.
-
-NCCL's channel count (each channel is one CTA of a collective kernel) is not
-exposed by nccl4py 0.6.0, so :func:`coll_channels` reads it from NCCL's own
-INIT log, which ``python -m benchmarks`` turns on (``NCCL_DEBUG=INFO``,
-``NCCL_DEBUG_SUBSYS=INIT``, ``NCCL_DEBUG_FILE``) unless the user set NCCL_DEBUG.
+(FSDP2 calls NCCL from C++).
 """
 
 from __future__ import annotations
 
-import glob
-import os
-import re
 from typing import Any, Optional
 
 #: ncclDataType_t / ncclRedOp_t values (nccl.h; stable across NCCL 2.x).
@@ -159,33 +151,3 @@ def register_window(nccl_comm: Any, buf: NcclBuffer) -> Any:
         raise RuntimeError("ncclCommWindowRegister returned a null window: symmetric "
                            "windows are not supported on this platform/NCCL")
     return handle
-
-
-def enable_init_log(directory: str) -> Optional[str]:
-    """Turn on NCCL's INIT log into ``directory`` (before NCCL starts); returns the pattern."""
-    if os.environ.get("NCCL_DEBUG"):
-        return None
-    os.makedirs(directory, exist_ok=True)
-    os.environ["NCCL_DEBUG"] = "INFO"
-    os.environ["NCCL_DEBUG_SUBSYS"] = "INIT"
-    os.environ["NCCL_DEBUG_FILE"] = os.path.join(directory, "nccl.%h.%p.log")
-    return os.path.join(directory, "nccl.*.log")
-
-
-def coll_channels(pattern: Optional[str]) -> tuple[Optional[int], str]:
-    """NCCL's collective channel count (CTAs of a ring kernel at large sizes), and where from.
-
-    Sources, in order: the ``N coll channels`` line of NCCL's INIT log of this
-    process; ``NCCL_MAX_NCHANNELS`` / ``NCCL_MAX_CTAS``; otherwise None.
-    """
-    if pattern:
-        found = []
-        for path in glob.glob(pattern.replace("*", f"*.{os.getpid()}")):
-            with open(path, errors="replace") as f:
-                found += [int(m) for m in re.findall(r"(\d+) coll channels", f.read())]
-        if found:
-            return max(found), "NCCL INIT log ('N coll channels')"
-    for var in ("NCCL_MAX_NCHANNELS", "NCCL_MAX_CTAS"):
-        if os.environ.get(var):
-            return int(os.environ[var]), f"${var}"
-    return None, "unknown: nccl4py does not expose it and NCCL's INIT log was not readable"

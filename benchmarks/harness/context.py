@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
-from typing import Any, Optional
+from typing import Any
 
 from .device import make_device
 from .records import Sink, git_commit
@@ -24,7 +23,6 @@ class Ctx:
         self.comm, self.group, self.dev, self.args, self.sink = comm, group, dev, args, sink
         self.rank, self.size = comm.rank, comm.size
         self.group_note = group_note
-        self.nccl_log: Optional[str] = None
         #: Failures of the run (errors, not skips): any makes the command exit nonzero.
         self.errors: list[str] = []
         self.t0 = time.perf_counter()
@@ -104,15 +102,10 @@ def make_ctx(args: Any) -> Ctx:
 
     import tidearray as ta
 
-    from ..baselines import nccl
-
     comm = MPI.COMM_WORLD.Dup()
     if args.out and comm.rank == 0:
         os.makedirs(args.out, exist_ok=True)
     kind = _pick_device(comm, args.device)
-    nccl_log = None
-    if kind == "cuda":
-        nccl_log = nccl.enable_init_log(os.path.join(tempfile.gettempdir(), "tidearray-nccl"))
     note = ""
     try:
         group = ta.init(backend=kind)
@@ -123,9 +116,7 @@ def make_ctx(args: Any) -> Ctx:
         group = ta.init(backend="host")
     dev = make_device(kind)
     json_path = args.json or (os.path.join(args.out, "bench.jsonl") if args.out else None)
-    ctx = Ctx(comm, group, dev, args, Sink(json_path, comm.rank), note)
-    ctx.nccl_log = nccl_log
-    return ctx
+    return Ctx(comm, group, dev, args, Sink(json_path, comm.rank), note)
 
 
 def environment(ctx: Ctx) -> dict:

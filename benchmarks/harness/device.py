@@ -223,14 +223,10 @@ def _reading(line: str) -> dict:
     return out
 
 
-def clock_readings(run: dict) -> list[dict]:
-    """Every clock reading of a training record's run, over its passes if it has any."""
-    return [k for p in run.get("passes") or [run] for k in p.get("clocks", [])]
-
-
 def clock_median(run: dict, key: str) -> Optional[float]:
-    """The median of ``key`` over :func:`clock_readings`, or None where none has it."""
-    vals = [k[key] for k in clock_readings(run) if key in k]
+    """The median of ``key`` over a training record's clock readings, or None where none
+    has it."""
+    vals = [k[key] for k in run.get("clocks", []) if key in k]
     return float(np.median(vals)) if vals else None
 
 

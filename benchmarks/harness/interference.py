@@ -17,15 +17,6 @@ of the pairs (the same code moved by about ten points between single runs), and 
 record keeps every pair, the start-of-suite figure, and the SM and memory clocks and
 the power read after each loop (``nvidia-smi``, where it answers). GEMMs (M x N x K):
 the single-wave 1024x2048x16384 and 8192^3.
-
-After the pairs, one alone loop and one beside loop run again under CUPTI, and each
-GEMM kernel of the beside loop is put in one of three groups by how much of it the
-collective's SM work covered: its kernels, and its copies within the GPU, which the
-driver runs on the SMs ([Note: same-device copies] in the cuda backend). None of it
-(the GEMM shared the device with copy engines only), some, or at least :data:`HELD` of
-it. The record keeps each group's count and median beside the GEMM alone under the same
-profiler, and every kernel's grid, threads, registers and shared memory per CTA: whether
-a collective's CTA can share an SM with a GEMM's is a matter of those.
 """
 
 from __future__ import annotations
@@ -44,10 +35,6 @@ GEMMS = {"gemm-1024x2048x16384": (1024, 2048, 16384), "gemm-8192^3": (8192, 8192
 OVERLAP = 0.95
 #: Alone-then-beside pairs per (collective, GEMM); the slowdown is their median.
 PAIRS = 3
-#: Rounds of each loop run under CUPTI (after the pairs, untimed by events).
-TRACED_ROUNDS = 6
-#: A GEMM is "held" when the collective's SM work covered at least this share of it.
-HELD = 0.5
 
 
 def run(ctx: Any, unit: Any) -> None:
@@ -113,14 +100,11 @@ def _one(ctx: Any, impl: str, op: str, unit: Any, coll: Any, coll_t: float, gnam
     slows = [p["under_s"] / p["alone_s"] - 1.0 for p in pairs]
     mid = sorted(range(PAIRS), key=lambda k: slows[k])[PAIRS // 2]  # the median pair
     slow, p = slows[mid], pairs[mid]
-    ok, traced = guarded(ctx, "interference", impl, unit.name, f"{op} + {gname} (CUPTI)",
-                         lambda: _traced(ctx, coll, coll_t, gemm, first_alone))
     ctx.sink.add("interference", impl, unit.name, metric, slow, "fraction",
                  alone_s=p["alone_s"], under_s=p["under_s"], alone_at_start_s=first_alone,
                  pairs=pairs, slowdowns=slows, gemms_overlapped=p["gemms_overlapped"],
                  gemms=p["gemms"], collective_alone_s=coll_t,
-                 collective_beside_s=p["collective_beside_s"], clocks=p["clocks"],
-                 cupti=traced if ok else None)
+                 collective_beside_s=p["collective_beside_s"], clocks=p["clocks"])
     sm = [p["clocks"].get(k, {}).get("sm_mhz") for k in ("after_alone", "after_beside")]
     ctx.log(f"  {impl:<12} {op} + {gname}: {p['alone_s'] * 1e6:.1f} -> "
             f"{p['under_s'] * 1e6:.1f} us ({slow * 100:+.1f}%; pairs "
@@ -128,8 +112,6 @@ def _one(ctx: Any, impl: str, op: str, unit: Any, coll: Any, coll_t: float, gnam
             + (f"; SM clock {sm[0]:.0f} -> {sm[1]:.0f} MHz" if None not in sm else "")
             + f"; {op} per call {coll_t * 1e6:.0f} us timed alone, "
               f"{p['collective_beside_s'] * 1e6:.0f} us in the loop beside the GEMMs")
-    if ok and traced:
-        ctx.log(f"  {'':<12} CUPTI: {describe(traced)}")
 
 
 def _pair(ctx: Any, coll: Any, coll_t: float, gemm: Any, first_alone: float) -> Optional[dict]:
@@ -216,95 +198,3 @@ def _union(iv: list) -> list:
 
 def _covered(s: float, e: float, busy: list) -> float:
     return sum(max(0.0, min(e, b) - max(s, a)) for a, b in busy)
-
-
-def _traced(ctx: Any, coll: Any, coll_t: float, gemm: Any, first_alone: float) -> Optional[dict]:
-    """One alone and one beside loop under CUPTI, the GEMMs split by the collective's SM
-    work beside them (:func:`split_gemms`), pooled over ranks; None without CUPTI."""
-    from . import cupti
-    from .timing import agree
-
-    if not agree(ctx.comm, cupti.available()[0]):
-        return None
-    alone = cupti.trace(lambda: gemm_loop(ctx, None, 0.0, gemm, 1.0, rounds=TRACED_ROUNDS))
-    beside = cupti.trace(lambda: gemm_loop(ctx, coll, coll_t, gemm, first_alone,
-                                           rounds=TRACED_ROUNDS))
-    return pool(ctx.comm.allgather(split_gemms(alone or [], beside or [])))
-
-
-def split_gemms(alone: list[dict], beside: list[dict]) -> dict:
-    """The GEMM's main kernel (the one with the most time in ``alone``, whose kernels are
-    all the GEMM's) in ``beside``, grouped by the share of it that the collective's SM
-    work covered: 0 ("clear"), under :data:`HELD` ("partial"), at least that ("held").
-    Durations in microseconds; kernels by name with their footprint per CTA."""
-    from .cupti import same_device_copies
-
-    totals: dict = {}
-    for e in alone:
-        if e["cat"] == "kernel":
-            totals[e["name"]] = totals.get(e["name"], 0.0) + e["dur_us"]
-    if not totals:
-        return {}
-    main = max(totals, key=totals.__getitem__)
-    local = same_device_copies(beside)
-    work = [e for e in beside if e["cat"] == "kernel" and e["name"] not in totals] + local
-    busy = _union([(e["ts_us"], e["ts_us"] + e["dur_us"]) for e in work])
-    groups: dict = {"alone": [e["dur_us"] for e in alone if e["name"] == main],
-                    "clear": [], "partial": [], "held": []}
-    for e in beside:
-        if e["name"] != main or e["cat"] != "kernel" or e["dur_us"] <= 0:
-            continue
-        share = _covered(e["ts_us"], e["ts_us"] + e["dur_us"], busy) / e["dur_us"]
-        group = "clear" if share == 0 else "held" if share >= HELD else "partial"
-        groups[group].append(e["dur_us"])
-    kernels: dict = {}
-    for e in work:
-        if e["cat"] == "kernel":
-            k = kernels.setdefault(e["name"], dict(_per_cta(e), count=0))
-            k["count"] += 1
-    first = next(e for e in alone if e["name"] == main)
-    return dict(groups, gemm=dict(_per_cta(first), name=main), kernels=kernels,
-                same_device_copies=len(local))
-
-
-def _per_cta(e: dict) -> dict:
-    return {k: e.get(k) for k in ("blocks", "threads", "registers", "shared_bytes")}
-
-
-def pool(parts: list[dict]) -> Optional[dict]:
-    """Every rank's :func:`split_gemms`, as one record: each group's count and median
-    over all ranks; the GEMM and the kernels as the first rank with a GEMM saw them."""
-    parts = [p for p in parts if p]
-    if not parts:
-        return None
-    out: dict = {"gemm": parts[0]["gemm"], "kernels": parts[0]["kernels"],
-                 "same_device_copies": sum(p["same_device_copies"] for p in parts)}
-    for group in ("alone", "clear", "partial", "held"):
-        durs = [d for p in parts for d in p[group]]
-        out[group] = {"n": len(durs), "median_us": float(np.median(durs)) if durs else None}
-    return out
-
-
-def describe(traced: dict) -> str:
-    """One line: the GEMM kernel's footprint, and its medians alone and in each group."""
-    g = traced["gemm"]
-
-    def grp(name: str) -> str:
-        d = traced[name]
-        return "-" if d["median_us"] is None else f"{d['median_us']:.1f} us (n={d['n']})"
-
-    kern = "; ".join(f"{n[:40]}: {footprint(k)} x{k['count']}"
-                     for n, k in traced["kernels"].items()) or "none"
-    return (f"GEMM kernel {g['name'][:60]} ({footprint(g)}) alone {grp('alone')}; beside: "
-            f"no collective SM work {grp('clear')}, some {grp('partial')}, "
-            f"half or more {grp('held')}; the collective's kernels: {kern}; its copies "
-            f"within the GPU: {traced['same_device_copies']}")
-
-
-def footprint(k: dict) -> str:
-    """A kernel's grid and its footprint per CTA, e.g. ``66 CTAs x 512 threads, 40 registers,
-    0 KiB shared``."""
-    regs = "?" if k.get("registers") is None else f"{k['registers']:g}"
-    smem = "?" if k.get("shared_bytes") is None else f"{k['shared_bytes'] / 1024:.0f}"
-    return (f"{k.get('blocks')} CTAs x {k.get('threads')} threads, {regs} registers, "
-            f"{smem} KiB shared")

@@ -25,7 +25,8 @@ the same unit's does at one rank (run22-one-h200, docs/performance.md). Per impl
   beside the whole call's.
 
 Every timed call is complete and checked afterwards: the gathered parameters
-against the full ones (bitwise), so calls that skipped their work fail.
+against the full ones (bitwise), so calls that skipped their work fail. Where a call's
+host time goes, function by function: ``benchmarks/ab/call_profile.py``.
 """
 
 from __future__ import annotations
@@ -103,7 +104,6 @@ def _one_unit(ctx: Any, u: Any) -> None:
         plan(stream=stream)
     _check(ctx, gather, full)
     _check(ctx, graph_gather, full)
-    _where_time_goes(ctx, u.name, {k: cases[k] for k in cases if k[1] != "call"})
     plans = [unit.gather_plan(shards, arena[i % 2]) for i in range(MANY)]
     for p in plans:  # each plan's first call plans its copy batches: not the steady state
         p(stream=stream, async_op=True)
@@ -133,31 +133,6 @@ def _host_us(ctx: Any, fn: Any, idle: bool = True) -> float:
     ctx.dev.sync()
     ctx.comm.Barrier()
     return float(np.median(times)) * 1e6
-
-
-def _where_time_goes(ctx: Any, name: str, calls: dict) -> None:
-    """cProfile of ``--iters`` plan calls: the functions that take the host time (rank 0
-    logs the top entries, and records them)."""
-    import cProfile
-    import pstats
-
-    for (op, impl), fn in calls.items():
-        prof = cProfile.Profile()
-        for _ in range(ctx.args.iters):
-            prof.enable()
-            fn()
-            prof.disable()
-            ctx.dev.sync()
-            ctx.comm.Barrier()
-        stats = pstats.Stats(prof)
-        rows = sorted(((v[2] / ctx.args.iters * 1e6, v[1] // ctx.args.iters,
-                        f"{k[0].rsplit('/', 1)[-1]}:{k[1]}({k[2]})")
-                       for k, v in stats.stats.items()), reverse=True)[:12]
-        ctx.sink.add("plans", impl, name, f"{op}_host_profile", None, status="ok",
-                     top=[{"us": us, "calls": n, "where": w} for us, n, w in rows])
-        ctx.log(f"  {name} {op} {impl} call, own host time per call (cProfile):")
-        for us, n, where in rows:
-            ctx.log(f"    {us:7.1f} us  x{n:<3d} {where}")
 
 
 def _check(ctx: Any, plan: Any, full: list) -> None:

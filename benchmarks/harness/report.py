@@ -12,9 +12,8 @@ import os
 from typing import Any, Optional
 
 from . import plots
-from .interference import footprint
 from .records import load
-from .tables import Results, back_to_back, gbs, grid, markdown, mib, num, phase_table, us
+from .tables import Results, gbs, grid, markdown, mib, num, phase_table, us
 
 DEFINITIONS = """\
 * **time**: median over the timed iterations of the per-iteration maximum over
@@ -25,19 +24,17 @@ DEFINITIONS = """\
   of times; a baseline's fp32 traffic is part of its cost).
 * **back to back**: the same number of calls issued one after another with no
   barrier (host issue overlapped with device work), an event after each; the
-  median of the per-call times (max over ranks). Records before run 6 give the
-  mean instead.
+  median of the per-call times (max over ranks).
 * **speedup**: `stock` time / implementation time, same run, same unit.
 * **phase**: one piece of a collective, timed alone (copy-in, NCCL call, copy-out,
   pack, TIDE's accumulate; `peer_copy` is a reference, not a piece: one plain
   `cudaMemcpyAsync` of TIDE-AG's bytes to the peer).
-* **SM time**: sum over a collective's pieces of time x CTAs / SMs (CTAs capped at
-  the SM count). Our kernels: their grid. NCCL: one CTA per channel, the channel
-  count read from NCCL's INIT log. Copy engines: zero.
+* **SM time**: per call, measured by CUPTI: each kernel's time x min(1, CTAs / SMs).
+  Copy engines: zero; copies within one GPU, which the driver runs on the SMs, are
+  counted apart.
 * **GEMM slowdown**: median time of the GEMMs that overlapped the looping
   collective (>= 95% of their duration) over the GEMM's median time in its alone loop
-  run right before, minus 1; the median of three such alone-then-beside pairs (one pair
-  in run 10; before it, against one alone figure from the start of the suite).
+  run right before, minus 1; the median of three such alone-then-beside pairs.
 * **memory**: largest rise of used device memory (`cudaMemGetInfo`) over the
   baseline taken after the inputs were made and pools emptied, with fresh NCCL
   communicators; includes NCCL's buffers, symmetric memory and the CuPy pool.
@@ -145,7 +142,8 @@ def _units_section(res: Results) -> str:
 
 
 def _back_to_back(rec: dict) -> Optional[float]:
-    return back_to_back(rec.get("extra") or {})
+    """A time record's median per call issued back to back."""
+    return (rec.get("extra") or {}).get("back_to_back_median_s")
 
 
 def _detail_section(res: Results) -> str:
@@ -154,9 +152,7 @@ def _detail_section(res: Results) -> str:
         ws = res.workloads(suite, "unit")
         if ws:
             out += [f"### {suite.upper()} phases, each timed alone\n",
-                    markdown(phase_table(res, suite, ws)),
-                    f"### {suite.upper()} SM time, modelled from the phases (us)\n",
-                    markdown(grid(res, suite, "sm_time", ws, us))]
+                    markdown(phase_table(res, suite, ws))]
             if any(res.get(suite, i, w, "sm_time_cupti") for i in res.impls(suite) for w in ws):
                 out += [f"### {suite.upper()} SM time per call, measured by CUPTI (us): "
                         "kernel time x min(1, blocks / SMs)\n",
@@ -191,27 +187,7 @@ def _interference_section(res: Results) -> str:
         out += ["### The collective's own time per call (us): timed alone (one call after a "
                 "barrier) -> in the loop beside the GEMMs (issued back to back)\n",
                 markdown((["impl", "collective + GEMM", "time"], times))]
-    traced = [(impl, m, r["extra"]["cupti"]) for impl in res.impls("interference")
-              for m in metrics if (r := res.get("interference", impl, unit, m))
-              and (r.get("extra") or {}).get("cupti")]
-    if traced:
-        out += ["### The GEMM kernel under CUPTI, by the collective's SM work beside it\n",
-                "Median kernel time in us (count); \"clear\": none of the collective's "
-                "kernels or copies within the GPU ran beside it (copy engines only), "
-                "\"held\": they covered half of it or more.\n",
-                markdown((["impl", "collective + GEMM", "alone", "clear", "partial", "held",
-                           "the collective's kernels"],
-                          [[impl, m, *(_group(t[g]) for g in ("alone", "clear", "partial", "held")),
-                            "; ".join(f"{n[:32]} ({footprint(k)})"
-                                      for n, k in t["kernels"].items()) or "none"]
-                           for impl, m, t in traced]))]
-        gemm = traced[0][2]["gemm"]
-        out.append(f"GEMM kernel: `{gemm['name']}`, {footprint(gemm)}.\n")
     return "\n".join(out)
-
-
-def _group(d: dict) -> str:
-    return "-" if d.get("median_us") is None else f"{d['median_us']:.1f} ({d['n']})"
 
 
 def _memory_section(res: Results) -> str:

@@ -1,11 +1,11 @@
 """The ``ag`` and ``rs`` suites: time, bandwidth, ratio to ``stock``, correctness,
-breakdowns and SM time.
+breakdowns and SM time (measured by CUPTI).
 
 For every workload, the inputs are made once and every implementation is set
 up, timed (median over the iterations; see ``timing``), checked (AG: bitwise
 against the reference parameters; RS: error against an fp64 reference), and
 released. For the model units, each phase of each implementation is also
-timed alone (``phase:<name>``) and turned into SM time.
+timed alone (``phase:<name>``), and CUPTI measures the SM time of a call.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..baselines import nccl
 from .data import UnitData, recv_nbytes
 from .guard import guarded
 from .suite import Suite, prepare, release
@@ -144,7 +143,6 @@ def _poison(xp: Any, outs: Any) -> None:
 
 def _phases(ctx: Any, op: str, impl: Any, data: UnitData, prep: Any) -> None:
     a, unit = ctx.args, data.unit
-    timed = {}
     for name, ph in prep.phases.items():
         if not name.startswith(op + "."):
             continue
@@ -153,14 +151,8 @@ def _phases(ctx: Any, op: str, impl: Any, data: UnitData, prep: Any) -> None:
                                                     back_to_back=False))
         if not ok:
             continue
-        timed[name] = (ph, stats.median)
         ctx.sink.add(op, impl.name, unit.name, "phase:" + name.split(".", 1)[1], stats.median,
                      "s", kind=ph.kind, ctas=ph.ctas, note=ph.note, part=ph.part)
-    has_parts = any(ph.part for ph, _ in timed.values())
-    if getattr(prep, op) is not None and ctx.dev.num_sms and (
-            has_parts or (impl.name == "tide" and op == "ag")):
-        value, extra = sm_time(ctx, impl, op, timed)
-        ctx.sink.add(op, impl.name, unit.name, "sm_time", value, "s", **extra)
 
 
 #: Calls traced by CUPTI per implementation and unit (the SM time is per call).
@@ -202,43 +194,6 @@ def _cupti_sm_time(ctx: Any, op: str, impl: Any, data: UnitData, fn: Any, prep: 
             + (", ".join(k[:40] for k in kernels[:6]) or "none")
             + (f"; same-device copies (on the SMs, grid unknown): {len(local) / CUPTI_CALLS:g} "
                f"per call, {local_us:.1f} us" if local else ""))
-
-
-def sm_time(ctx: Any, impl: Any, op: str, timed: dict) -> tuple[Optional[float], dict]:
-    """SM time = sum over the collective's phases of time x CTAs / SMs (CTAs capped at SMs).
-
-    Kernels: their grid. NCCL: one CTA per collective channel. Copy engines: 0.
-    """
-    sms = ctx.dev.num_sms
-    ch, ch_src = nccl.coll_channels(ctx.nccl_log)
-    total, parts, notes = 0.0, [], []
-    for name, (ph, t) in timed.items():
-        if not ph.part:
-            continue
-        if ph.kind == "kernel":
-            frac = min(ph.ctas, sms) / sms if ph.ctas else 1.0
-            if not ph.ctas:
-                notes.append(f"{name}: grid unknown, all SMs assumed (upper bound)")
-        elif ph.kind == "nccl":
-            if ch is None:
-                return None, {"reason": f"NCCL channel count {ch_src}"}
-            frac = min(ch, sms) / sms
-        elif ph.kind in ("ce", "nccl-ce"):
-            frac = 0.0
-            if ph.kind == "nccl-ce":
-                notes.append(f"{name}: NCCL_CTA_POLICY_ZERO all-gather counted as 0 CTAs "
-                             "(copy engines; see the interference runs)")
-        else:
-            return None, {"reason": f"{name}: no SM model for kind {ph.kind}"}
-        total += t * frac
-        parts.append({"phase": name, "time_s": t, "sm_fraction": frac})
-    if impl.name == "tide" and op == "ag":
-        notes.append("TIDE-AG's own copy runs on the SMs: as same-device copies by the "
-                     "driver, or as one copy kernel for "
-                     f"{ctx.group.config.local_copy_kernel_min} or more arrays "
-                     "(local_copy_kernel_min); not in this model, see CUPTI")
-    return total, {"parts": parts, "sms": sms, "nccl_channels": ch, "channels_from": ch_src,
-                   "notes": notes}
 
 
 def _ratios(ctx: Any, op: str, unit: Any, times: dict) -> None:

@@ -133,9 +133,3 @@ def markdown(table: Table) -> str:
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     body = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     return "\n".join([line, sep] + body) + "\n"
-
-
-def back_to_back(extra: dict) -> Optional[float]:
-    """A time record's median per call issued back to back; records before run 6
-    have only the mean (``pipelined_s``)."""
-    return extra.get("back_to_back_median_s", extra.get("pipelined_s"))

@@ -4,8 +4,7 @@
   every peer's slot (``cudaMemcpyAsync``): the line-rate floor of TIDE-AG.
 * ``rs.accumulate``: TIDE-RS's accumulate launches alone (the plan's pieces, read
   from the staging buffer as it is), through the backend's executor: the only
-  SM work of TIDE-RS. Its grid follows the cuda backend's own rule
-  (:func:`accumulator_ctas`); where that rule is gone, SM time is an upper bound.
+  SM work of TIDE-RS (its grids: CUPTI's, in the ``sm_time_cupti`` records).
 """
 
 from __future__ import annotations
@@ -61,27 +60,4 @@ def accumulate_phase(ctx: Any, data: Any, plan: Any, staging: Any, outs: list) -
             ex.accumulate(ex.COMPUTE, pieces, bfloat16, scale)
         ex.finish().wait(stream)
 
-    ctas = accumulator_ctas(be, per_chunk)
-    note = (f"{len(per_chunk)} launches, mean grid {ctas} CTAs (the backend's accumulator "
-            "grid rule)" if ctas else
-            "grid not known from the cuda backend: SM time assumes every SM (upper bound)")
-    return Phase(run, "kernel", ctas, note)
-
-
-def accumulator_ctas(be: Any, per_chunk: list) -> Optional[int]:
-    """Mean grid of the accumulate launches, by the cuda backend's own rule
-    (``min(tiles of the launch's table, Accumulator.max_grid)``, tiles sized by its
-    ``choose_tile``), or None if that rule is not there."""
-    try:
-        from tidearray.backends.cuda import accumulate as ca
-
-        acc = be.lanes.accumulator
-        grids = []
-        for pieces in per_chunk:
-            if not pieces:
-                continue
-            tile = ca.choose_tile(sum(p.numel for p in pieces), acc.max_grid)
-            grids.append(min(ca.build_table(pieces, tile)[1], acc.max_grid))
-    except Exception:  # noqa: BLE001 - a changed backend: report the grid as unknown
-        return None
-    return int(round(sum(grids) / len(grids))) if grids else None
+    return Phase(run, "kernel", None, f"{len(per_chunk)} launches of the accumulate")

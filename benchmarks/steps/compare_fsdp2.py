@@ -4,9 +4,9 @@
     mpirun -n 2 python benchmarks/steps/compare_fsdp2.py --model small-32l \\
         --impls plain,floor,fsdp2,tide,tide-graph                              # host-bound
     mpirun -n 1 python benchmarks/steps/compare_fsdp2.py --model host-32l --impls \\
-        plain,floor,tide --steps 30 --warmup 5 --passes 3 --host-profile 5     # on a CPU
+        plain,floor,tide --steps 30 --warmup 5 --host-profile 5                # on a CPU
     mpirun -n 2 python benchmarks/steps/compare_fsdp2.py --model llama3-8b-8l --tokens 8192 \\
-        --steps 50 --lr-warmup 10 --profile --passes 2 --out benchmarks/results/RUN
+        --steps 50 --lr-warmup 10 --profile --out benchmarks/results/RUN
 
 (``RUN``: a new run folder with a ``run.json``, like ``benchmarks/results/run12-fsdp2/``.)
 A PyTorch Llama-style decoder (``torch_llama``: RMSNorm, RoPE, grouped-query attention,
@@ -30,9 +30,8 @@ device memory per rank (sampled after every step, above what was in use before t
 model); the loss difference to ``fsdp2``. ``--out DIR`` writes ``compare.json`` (with the
 git commit), ``compare.md`` and a step plot; ``--report JSON`` remakes them.
 ``--host-profile N``: N more steps of each under cProfile; ``--profile``: a CUPTI
-timeline of one step of each; ``--passes N``: the impls N times, every other pass
-reversed, medians pooled; ``--interleave``: step ``s`` of every impl in turn;
-``--compile``: each block's forward under ``torch.compile``. The GPU's clocks are read
+timeline of one step of each; ``--compile``: each block's forward under
+``torch.compile``. The GPU's clocks are read
 during the timed steps. Without a GPU it runs on CPU (gloo, the host backend, fp32, one
 torch thread per rank); ``--model host-32l`` then measures host time per unit.
 
@@ -57,7 +56,7 @@ import numpy as np
 
 import tidearray as ta
 from benchmarks.baselines import LocalComm
-from benchmarks.harness.device import ClockLog, clock_median, clock_readings
+from benchmarks.harness.device import ClockLog, clock_median
 from benchmarks.harness.records import git_commit
 from benchmarks.steps.compare_train import plot_steps, plot_timelines
 from tests.support import example
@@ -113,12 +112,6 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                    help="after the timed steps, STEPS more under cProfile: each impl's host "
                         "functions by own time (printed; {impl}_host_profile.txt with --out)")
-    p.add_argument("--passes", type=int, default=1,
-                   help="run the impls this many times, every other pass in reverse order "
-                        "(so no impl always runs on the warmest GPU); medians pool the passes")
-    p.add_argument("--interleave", action="store_true",
-                   help="build every impl at once and run step s of each in turn (host-time "
-                        "figures on a shared machine); peak memory is then not per impl")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each block's forward, in every impl alike")
     p.add_argument("--out", default=None)
@@ -429,7 +422,7 @@ def device_used(torch: Any, cuda: bool) -> int:
 
 class Run:
     """One impl's run: built, stepped one step at a time (:meth:`step`), then closed into its
-    record (:meth:`finish`). ``--interleave`` steps several runs in turn."""
+    record (:meth:`finish`)."""
 
     def __init__(self, kind: str, torch: Any, g: Any, args: argparse.Namespace,
                  cfg: llama.ModelConfig, B: int, device: Any, log: Any) -> None:
@@ -476,12 +469,12 @@ class Run:
         """Stop the background clock readings (never leave nvidia-smi running)."""
         return self.clock_log.close() if self.clock_log else []
 
-    def finish(self, clocks: list, with_profile: bool) -> dict:
+    def finish(self, clocks: list) -> dict:
         """The profiles asked for, then the impl closed; its record."""
         args, impl, w = self.args, self.impl, self.args.warmup
         prof = (profile(self.kind, self.torch, impl, self.data[-1], self.device, args, self.g,
-                        self.log) if args.profile and with_profile else None)
-        if args.host_profile and with_profile:
+                        self.log) if args.profile else None)
+        if args.host_profile:
             host_profile(self.kind, self.torch, impl, self.data[-1], self.device, args, self.g,
                          self.log)
         impl.close()
@@ -495,38 +488,18 @@ class Run:
 
 
 def run(kinds: list, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.ModelConfig,
-        B: int, device: Any, log: Any, with_profile: bool = True) -> list:
-    """The runs of ``kinds``, one after another, or with ``--interleave`` all built at once
-    and stepped in turn (step ``s`` of each before step ``s + 1`` of any: load that comes
-    and goes on the machine then weighs on every impl alike). Their records, in order."""
-    groups = [kinds] if args.interleave else [[k] for k in kinds]
+        B: int, device: Any, log: Any) -> list:
+    """The runs of ``kinds``, one after another; their records, in order."""
     records = []
-    for group in groups:
-        runs = [Run(k, torch, g, args, cfg, B, device, log) for k in group]
-        clocks: list = []
+    for kind in kinds:
+        r = Run(kind, torch, g, args, cfg, B, device, log)
         try:
             for s in range(args.steps):
-                for r in runs:
-                    r.step(s)
+                r.step(s)
         finally:  # never leave the background nvidia-smi running
-            clocks = [r.stop_clocks() for r in runs]
-        records += [r.finish(c, with_profile) for r, c in zip(runs, clocks)]
+            clocks = r.stop_clocks()
+        records.append(r.finish(clocks))
     return records
-
-
-def pooled(passes: list, warmup: int) -> dict:
-    """One impl's record over its passes: the first pass's losses, steps and profile;
-    the median over every pass's timed steps; the highest peak."""
-    first = dict(passes[0])
-    if len(passes) > 1:
-        first["passes"] = [{"step_s": r["step_s"], "median_step_s": r["median_step_s"],
-                            "peak_bytes": r["peak_bytes"], "clocks": r["clocks"]}
-                           for r in passes]
-        for key in ("step_s", "host_s", "cpu_s"):
-            first[f"median_{key}"] = float(np.median(
-                [t for r in passes for t in (r[key][warmup:] or r[key])]))
-        first["peak_bytes"] = max(r["peak_bytes"] for r in passes)
-    return first
 
 
 def _sync(torch: Any, cuda: bool) -> None:
@@ -717,8 +690,7 @@ def table(rec: dict) -> str:
     c = rec["comparison"]
     lines = [f"# FSDP2 vs tidearray.torch.shard_module: {rec['model']}, {rec['world']} ranks, "
              f"{rec['tokens_per_rank']} tokens per rank"
-             + (", blocks under torch.compile" if rec.get("compiled") else "")
-             + (", impls interleaved step by step" if rec.get("interleaved") else ""), "",
+             + (", blocks under torch.compile" if rec.get("compiled") else ""), "",
              f"Commit `{rec['commit']}`, {rec['time']}, device: {rec['device']}. Command: "
              f"`{' '.join(rec['argv'])}`.", ""]
     plain = "vs_plain" in c  # records before plain lack its columns
@@ -747,21 +719,15 @@ def table(rec: dict) -> str:
             lines += versus_lines(k, c[k])
     if "training" in rec:  # records before the training check lack it
         lines += training_lines(rec["training"])
-    if any(r.get("passes") for r in rec["runs"]):
-        lines += ["", f"Passes ({rec['passes']}, every other one in reverse order; the "
-                  "table's medians pool them): each pass's median step (ms).", ""]
-        for r in rec["runs"]:
-            lines.append(f"- {r['impl']}: " + ", ".join(
-                f"{p['median_step_s'] * 1e3:.2f}" for p in r.get("passes", [])))
-    if any(clock_readings(r) for r in rec["runs"]):
+    if any(r.get("clocks") for r in rec["runs"]):
         lines += ["", "GPU clocks during each impl's timed steps (`nvidia-smi` every 250 ms, "
                   "rank 0's GPU): median SM clock, power and temperature.", ""]
         for r in rec["runs"]:
-            if clock_readings(r):
+            if r.get("clocks"):
                 med = {f: clock_median(r, f) or float("nan")
                        for f in ("sm_mhz", "power_w", "temp_c")}
                 lines.append(f"- {r['impl']}: {med['sm_mhz']:.0f} MHz, {med['power_w']:.0f} W, "
-                             f"{med['temp_c']:.0f} C ({len(clock_readings(r))} samples)")
+                             f"{med['temp_c']:.0f} C ({len(r['clocks'])} samples)")
     return "\n".join(lines) + "\n"
 
 
@@ -858,23 +824,13 @@ def main(argv: Optional[list] = None) -> None:
     log(f"compare: {args.model}, {tokens} tokens/rank, {g.size} ranks, "
         f"{'cuda bf16' if cuda else 'cpu fp32'}, impls {impls}, {args.steps} steps"
         + (", blocks compiled" if args.compile else ""))
-    if args.passes < 1:
-        raise SystemExit(f"--passes: expected >= 1, got {args.passes}")
     if args.steps < 2:  # the last step trains on the first one's batch again
         raise SystemExit(f"--steps: expected >= 2, got {args.steps}")
-    by_impl: dict = {k: [] for k in impls}
-    for n in range(args.passes):
-        order = impls if n % 2 == 0 else impls[::-1]
-        if args.passes > 1:
-            log(f"pass {n + 1} of {args.passes}: {', '.join(order)}")
-        for r in run(order, torch, g, args, cfg, tokens // cfg.seq, device, log,
-                     with_profile=n == 0):
-            by_impl[r["impl"]].append(r)
-    records = [pooled(by_impl[k], args.warmup) for k in impls]
+    records = run(impls, torch, g, args, cfg, tokens // cfg.seq, device, log)
     rec = {"commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "argv": ["python", *sys.argv], "model": args.model, "config": cfg.__dict__,
            "tokens_per_rank": tokens, "world": g.size, "torch": torch.__version__,
-           "compiled": args.compile, "passes": args.passes, "interleaved": args.interleave,
+           "compiled": args.compile,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "runs": records}
     dtype = "bfloat16" if cuda else "float32"
