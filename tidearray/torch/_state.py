@@ -413,9 +413,15 @@ def _rows(sm: Sharding, views: list, u: int, k: int) -> Any:
 def _write_rows(model: Any, shard: Any, rows: Any) -> None:
     """``rows`` (a tensor or array) into the first rows of padded ``shard``; padding zeroed."""
     n = int(rows.shape[0])
-    t = torch.as_tensor(rows).detach().to(torch.float32)
-    shard[:n] = model.group.backend.asarray(t.contiguous())
+    t = torch.as_tensor(rows).detach().to(torch.float32).contiguous()
+    backend = model.group.backend
+    shard[:n] = backend.asarray(t)
     shard[n:] = 0
+    if t.is_cuda:
+        # The copy runs on CuPy's stream, and ``t`` (often a temporary of ``.to``) goes
+        # back to torch's allocator when this returns: torch may hand its memory out
+        # again on its own stream before the copy has read it. A load is rare: wait.
+        backend.settle()
 
 
 def _copy(value: Any, cpu: bool) -> Any:
