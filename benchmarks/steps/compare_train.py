@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 import tidearray as ta
 from benchmarks.baselines import LocalComm, StockComm
+from benchmarks.harness import training
 from benchmarks.harness.records import git_commit
 from tests.support import example
 
@@ -101,18 +102,15 @@ def profile_step(args: argparse.Namespace, g: Any, kind: str, sm: Any, net: Any,
             train.whole_step(sm, net, [(xp.asarray(t), xp.asarray(y)) for t, y in batches])
         train.sync(xp)
 
-    events = cupti.trace(step)
-    if events is None:
-        log(f"profile: skipped ({cupti.available()[1]})")
+    path = os.path.join(args.out, f"{kind}_step_trace.json") if g.rank == 0 else None
+    traced = training.profile_step(step, path, log)
+    if traced is None:
         return None
-    roles = {r: us / 1e3 for r, us in timeline.roles(events).items()}
+    events, roles = traced
     kernels = {k: v for k, v in cupti.by_name(events).items() if not k.startswith("kernel: ")
                or timeline.role({"cat": "kernel", "name": k}) != "compute"}
-    if g.rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        cupti.save(events, os.path.join(args.out, f"{kind}_step_trace.json"))
-        log(f"[{kind}] profiled step: device ms per role {roles}")
-        log(cupti.summary(events, top=15))
+    log(f"[{kind}] profiled step: device ms per role {roles}")
+    log(cupti.summary(events, top=15))
     return {"ms_per_role": roles, "non_compute_events": kernels}
 
 
@@ -145,10 +143,11 @@ def goals(records: list) -> list[dict]:
         return []
     out = []
     a, b = by["tide"]["losses"], by["stock"]["losses"]
-    diff = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+    diff = training.agreement("stock", b, "tide", a, 1e-2)
     out.append({"goal": f"tide and stock losses equal for {len(a)} steps",
-                "measured": "bitwise equal" if a == b else f"max relative difference {diff:.3g}",
-                "met": a == b or diff < 1e-2})
+                "measured": "bitwise equal" if a == b else
+                f"max relative difference {diff['max_rel_diff']:.3g}",
+                "met": a == b or diff["agree"]})
     peak = by["tide"]["peak_bytes"] / max(by["stock"]["peak_bytes"], 1)
     out.append({"goal": "tide peak memory <= stock's", "measured": f"{peak:.3f}x",
                 "met": peak <= 1})
@@ -219,48 +218,8 @@ def report(path: str) -> str:
     table = os.path.join(out, "train.md")
     with open(table, "w") as f:
         f.write("\n".join(lines) + "\n")
-    try:
-        plot_steps(runs, os.path.join(out, "train_steps.png"), rec["model"])
-        plot_timelines(rec, out)
-    except ImportError:
-        pass  # matplotlib is the optional 'bench' extra
+    training.plots(rec, out, "train_steps.png")
     return table
-
-
-def plot_timelines(rec: dict, out: str) -> None:
-    """A timeline PNG per saved CUPTI trace next to the record (``<impl>_step_trace.json``,
-    gzipped or not)."""
-    from benchmarks.harness import timeline
-
-    for r in rec["runs"]:
-        for name in (f"{r['impl']}_step_trace.json", f"{r['impl']}_step_trace.json.gz"):
-            path = os.path.join(out, name)
-            if os.path.exists(path):
-                timeline.plot(timeline.load(path),
-                              os.path.join(out, f"{r['impl']}_step_timeline.png"),
-                              f"{r['impl']}: one training step, rank 0 ({rec['model']}, "
-                              f"{rec['world']} ranks)")
-
-
-def plot_steps(runs: list, path: str, model: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
-    for r in runs:
-        steps = range(1, len(r["step_s"]) + 1)
-        a.plot(steps, [t * 1e3 for t in r["step_s"]], label=r["impl"])
-        b.plot(steps, r["losses"], label=r["impl"])
-    a.set(xlabel="step", ylabel="step time (ms)", title=f"{model}: step time")
-    lo = min(min(r["step_s"][2:] or r["step_s"]) for r in runs) * 1e3
-    a.set_ylim(lo * 0.97, lo * 1.08)
-    b.set(xlabel="step", ylabel="loss (mean over ranks)", title="loss")
-    a.legend(), b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np  # noqa: E402
 
 import tidearray as ta  # noqa: E402
+from benchmarks.harness import training  # noqa: E402
 from benchmarks.harness.records import git_commit  # noqa: E402
 from tests.support import example  # noqa: E402
 from tidearray.fsdp import AdamW  # noqa: E402
@@ -470,32 +471,19 @@ def targets(by: dict) -> list[str]:
 
 
 def checks(recs: list) -> list[str]:
-    """What is wrong with the records, in words (empty: every impl trained, and alike)."""
+    """What is wrong with the records, in words (empty: every impl trained, and alike with
+    the reference: ``xla-fsdp``, else ``unsharded``)."""
     first = recs[0]
     want = {"dtype": first["dtype"], **first["config"]}
     out = [f"{r['argv']} ran with {k} {got[k]!r}, {first['argv']} with {v!r}: not the same run"
            for r in recs[1:] for got in [{**r["config"], **r}]
            for k, v in want.items() if got.get(k) != v]
     by = {r["impl"]: r for rec in recs for r in rec["runs"]}
-    out += [f"{k}'s loss did not fall ({r['losses'][0]:.6f} at the first step, "
-            f"{r['losses'][-1]:.6f} at the last, on the same batch)"
-            for k, r in by.items() if not r["losses"][-1] < r["losses"][0]]
     ref = "xla-fsdp" if "xla-fsdp" in by else "unsharded"
-    rtol = LOSS_RTOL[want["dtype"]]
-    for k, r in by.items():
-        if k == ref or ref not in by:
-            continue
-        a, b = np.array(by[ref]["losses"]), np.array(r["losses"])
-        if a.shape != b.shape:
-            out.append(f"{k}: {b.size} steps, {ref}: {a.size}")
-            continue
-        rel = np.abs(a - b) / np.abs(a)
-        print(f"{k} vs {ref}: largest relative loss difference {rel.max():.2e} (step "
-              f"{int(rel.argmax()) + 1}), tolerance {rtol:g}")
-        if not rel.max() <= rtol:
-            out.append(f"{k} and {ref} losses differ by {rel.max():.2e} at step "
-                       f"{int(rel.argmax()) + 1} (> {rtol:g})")
-    return out
+    group = [ref, *(k for k in by if k != ref)] if ref in by else []
+    t = training.check(by, [group], LOSS_RTOL[want["dtype"]])
+    print("\n".join(training.lines(t)))
+    return out + training.failures(t)
 
 
 def summarize(recs: list) -> int:
