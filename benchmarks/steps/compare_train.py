@@ -115,23 +115,26 @@ def profile_step(args: argparse.Namespace, g: Any, kind: str, sm: Any, net: Any,
 
 
 def summarize(records: list, log: Any) -> dict:
-    """Print the comparison of a ``--impl all`` run; return it for the record."""
-    floor = next((r["median_step_s"] for r in records if r["impl"] == "local"), None)
-    log("\nsummary (medians after warm-up: step time, host time to issue a step; peak "
-        "memory per rank)")
-    log(f"{'impl':10s} {'step ms':>10s} {'host ms':>9s} {'vs local':>9s} {'peak GiB':>9s} "
-        f"{'last loss':>12s}")
-    for r in records:
-        ratio = f"{r['median_step_s'] / floor:.3f}x" if floor else "-"
-        log(f"{r['impl']:10s} {r['median_step_s'] * 1e3:10.2f} {r['median_host_s'] * 1e3:9.3f} "
-            f"{ratio:>9s} {r['peak_bytes'] / 2**30:9.2f} {r['losses'][-1]:12.6f}")
-    for r in records:
-        log(f"{r['impl']}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} over "
-            f"{len(r['losses'])} steps")
+    """Print the runs' table and goals; return the goals for the record."""
     rows = goals(records)
-    for g in rows:
-        log(f"{'met   ' if g['met'] else 'MISSED'} {g['goal']}: {g['measured']}")
+    log("\n" + "\n".join(table(records, rows)))
     return {"goals": rows}
+
+
+def table(runs: list, rows: list) -> list[str]:
+    """The runs (medians after warm-up) and the goals, as markdown."""
+    floor = next((r["median_step_s"] for r in runs if r["impl"] == "local"), None)
+    lines = ["| impl | median step (ms) | host per step (ms) | vs floor | peak memory (GiB) "
+             "| first loss | last loss |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in runs:
+        ratio = f"{r['median_step_s'] / floor:.3f}" if floor else "-"
+        host = f"{r['median_host_s'] * 1e3:.3f}" if "median_host_s" in r else "-"  # run7's
+        lines.append(f"| {r['impl']} | {r['median_step_s'] * 1e3:.2f} | {host} | {ratio} | "
+                     f"{r['peak_bytes'] / 2**30:.2f} | {r['losses'][0]:.4f} | "
+                     f"{r['losses'][-1]:.4f} |")
+    lines += ["", "| goal | measured | |", "| --- | --- | --- |"]
+    return lines + [f"| {g['goal']} | {g['measured']} | {'met' if g['met'] else 'missed'} |"
+                    for g in rows]
 
 
 def goals(records: list) -> list[dict]:
@@ -197,29 +200,16 @@ def report(path: str) -> str:
     with open(path) as f:
         rec = json.load(f)
     out = os.path.dirname(os.path.abspath(path))
-    runs = rec["runs"]
-    floor = next((r["median_step_s"] for r in runs if r["impl"] == "local"), None)
     lines = [f"# Training step: {rec['model']}, {rec['tokens_per_rank']} tokens per rank, "
              f"{rec['world']} ranks ({rec['backend']}, {rec['param_dtype']})", "",
              f"Commit `{rec['commit']}`; command `{' '.join(rec['argv'])}`; "
-             f"{len(runs[0]['losses'])} steps, medians after the warm-up steps.", "",
-             "| impl | median step (ms) | host per step (ms) | vs floor | peak memory (GiB) "
-             "| first loss | last loss |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in runs:
-        ratio = f"{r['median_step_s'] / floor:.3f}" if floor else "-"
-        host = f"{r['median_host_s'] * 1e3:.3f}" if "median_host_s" in r else "-"
-        lines.append(f"| {r['impl']} | {r['median_step_s'] * 1e3:.2f} | {host} | {ratio} | "
-                     f"{r['peak_bytes'] / 2**30:.2f} | {r['losses'][0]:.4f} | "
-                     f"{r['losses'][-1]:.4f} |")
-    lines += ["", "| goal | measured | |", "| --- | --- | --- |"]
-    lines += [f"| {g['goal']} | {g['measured']} | {'met' if g['met'] else 'missed'} |"
-              for g in goals(runs)]
-    table = os.path.join(out, "train.md")
-    with open(table, "w") as f:
+             f"{len(rec['runs'][0]['losses'])} steps, medians after the warm-up steps.", "",
+             *table(rec["runs"], goals(rec["runs"]))]
+    path = os.path.join(out, "train.md")
+    with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     training.plots(rec, out, "train_steps.png")
-    return table
+    return path
 
 
 if __name__ == "__main__":
