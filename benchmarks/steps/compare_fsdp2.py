@@ -600,9 +600,8 @@ def compare(records: list, units: int, rtol: float) -> dict:
             k: (r["median_step_s"] - plain["median_step_s"]) / units for k, r in by.items()}
         out["host_per_unit_over_plain_s"] = {
             k: (r["median_host_s"] - plain["median_host_s"]) / units for k, r in by.items()}
-        if all("median_cpu_s" in r for r in records):  # records before it lack it
-            out["cpu_per_unit_over_plain_s"] = {
-                k: (r["median_cpu_s"] - plain["median_cpu_s"]) / units for k, r in by.items()}
+        out["cpu_per_unit_over_plain_s"] = {
+            k: (r["median_cpu_s"] - plain["median_cpu_s"]) / units for k, r in by.items()}
     for k, f in GRAPH_FLOORS.items():  # a captured step against its own captured floor
         if k in by and f in by:
             out.setdefault("vs_graph_floor", {})[k] = (by[k]["median_step_s"]
