@@ -322,20 +322,22 @@ def trainer(run: Run) -> tuple[Figure, ...]:
 
 def captured_trainer(run: Run) -> tuple[Figure, ...]:
     """The captured trainer step against the eager one (``compare_train.py --impl graph``)."""
-    rows, goals = _train_log(os.path.join(run.path, "train_graph.log"))
-    e, g = rows["tide"], rows["tide-graph"]
-    figs = [Figure(f"Captured trainer step: {goal}", "bitwise equal", measured, met)
-            for goal, measured, met in goals if "losses" in goal]
+    d = run.json("train.json")
+    by = {r["impl"]: r for r in d["runs"]}
+    e, g = by["tide"], by["tide-graph"]
+    figs = [Figure(f"Captured trainer step: {c['goal']}", "bitwise equal", c["measured"],
+                   c["met"]) for c in d["comparison"]["goals"] if "losses" in c["goal"]]
+    host, step = (g[k] / e[k] for k in ("median_host_s", "median_step_s"))
     figs += [
         Figure("Captured trainer step: host time per step against eager", "below eager",
-               f"{x(g['host_ms'] / e['host_ms'], 4)} ({g['host_ms']:.3f} ms against "
-               f"{e['host_ms']:.1f} ms)", g["host_ms"] < e["host_ms"]),
+               f"{x(host, 4)} ({g['median_host_s'] * 1e3:.3f} ms against "
+               f"{ms(e['median_host_s'])})", host < 1),
         Figure("Captured trainer step: step time against eager", "<= 1x",
-               f"{x(g['step_ms'] / e['step_ms'], 3)} ({g['step_ms']:.1f} ms against "
-               f"{e['step_ms']:.1f} ms)", g["step_ms"] <= e["step_ms"]),
+               f"{x(step, 3)} ({ms(g['median_step_s'])} against {ms(e['median_step_s'])})",
+               step <= 1),
         Figure("Captured trainer step: peak memory against eager", "reference",
-               f"{x(g['peak_gib'] / e['peak_gib'], 3)} ({g['peak_gib']:.2f} GiB against "
-               f"{e['peak_gib']:.2f} GiB)"),
+               f"{x(g['peak_bytes'] / e['peak_bytes'], 3)} ({gib(g['peak_bytes'])} against "
+               f"{gib(e['peak_bytes'])})"),
     ]
     return tuple(figs)
 
@@ -418,22 +420,6 @@ def one_h200_stress(run: Run) -> tuple[Figure, ...]:
                        "racecheck hazards", "0", f"{errors} errors, {hazards} hazards",
                        errors == 0 and hazards == 0))
     return tuple(figs)
-
-
-def _train_log(path: str) -> tuple[dict, list]:
-    """The summary rows (impl -> step ms, host ms, peak GiB) and the goal lines
-    (goal, measured, met) that ``compare_train.py`` printed."""
-    rows, goals = {}, []
-    with open(path) as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) == 6 and parts[0] in ("tide", "tide-graph"):
-                rows[parts[0]] = {"step_ms": float(parts[1]), "host_ms": float(parts[2]),
-                                  "peak_gib": float(parts[4])}
-            elif parts[:1] in (["met"], ["MISSED"]):
-                goal, _, measured = " ".join(parts[1:]).partition(": ")
-                goals.append((goal, measured, parts[0] == "met"))
-    return rows, goals
 
 
 # ---- the page --------------------------------------------------------------------------

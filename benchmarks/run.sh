@@ -20,7 +20,7 @@
 #       units      (compare_fsdp2.py on small-32l at one rank: plain torch, the floor, FSDP2,
 #                  shard_module eager and captured: per-unit overhead of a host-bound model)
 #       jax        (benchmarks/steps/jax_step.py, one rank: a JAX transformer, 8 layers,
-#                  hidden 2048, 4K tokens, unsharded jit vs tidearray.jax vs per-unit vjp)
+#                  hidden 2048, 4K tokens, unsharded jit vs tidearray.jax)
 #       jaxcompile (jax_step.py per impl, one process each: where the first compile goes:
 #                  lowering, XLA, XLA again with its caches warm, GEMMs, XLA's timers and
 #                  autotuning log; TIDE_JAX_COMPILE_IMPLS)
@@ -84,7 +84,7 @@ run_units() {  # per-unit overhead on a host-bound model at one rank: plain torc
         --steps "${TIDE_UNITS_STEPS:-30}" --host-profile 5 --out "$OUT/units"
 }
 run_jax() {  # a JAX transformer's step at one rank: unsharded jit, tidearray.jax in one jit
-    # (released/kept parameters, command buffers) and the per-unit path; TIDE_JAX_ARGS adds flags
+    # (released/kept parameters, command buffers); TIDE_JAX_ARGS adds flags
     local w
     stacks_after "${TIDE_JAX_STACKS_S:-240}" jax_step "jax_step.py"; w=$!  # if it stalls
     step jax_step "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n 1 python3 benchmarks/steps/jax_step.py --out "$OUT/jax" \

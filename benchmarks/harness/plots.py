@@ -9,7 +9,7 @@ from .tables import Results
 
 #: One color per implementation, the same in every plot.
 COLORS = {"tide": "tab:blue", "stock": "tab:orange", "symm": "tab:green", "nccl-bf16": "tab:red",
-          "nccl-a2a": "tab:olive", "stock-torch": "tab:brown", "fsdp2": "tab:purple"}
+          "nccl-a2a": "tab:olive", "fsdp2": "tab:purple"}
 
 
 def _color(impl: str) -> Any:

@@ -56,9 +56,9 @@ import numpy as np
 
 import tidearray as ta
 from benchmarks.baselines import LocalComm
+from benchmarks.harness import training
 from benchmarks.harness.device import ClockLog, clock_median
 from benchmarks.harness.records import git_commit
-from benchmarks.steps.compare_train import plot_steps, plot_timelines
 from tests.support import example
 
 llama, train = example("llama"), example("train")
@@ -567,8 +567,6 @@ def per_step(stats: Any, steps: int) -> str:
 def profile(kind: str, torch: Any, impl: Impl, batch: tuple, device: Any,
             args: argparse.Namespace, g: Any, log: Any) -> Optional[dict]:
     """One more step under CUPTI: device time per role, and the trace for the timeline."""
-    from benchmarks.harness import cupti, timeline
-
     tokens, targets = (torch.from_numpy(a.astype(np.int64)).to(device) for a in batch)
 
     def step() -> None:
@@ -579,14 +577,10 @@ def profile(kind: str, torch: Any, impl: Impl, batch: tuple, device: Any,
         impl.train_step(tokens, targets, args.lr)
         _sync(torch, device.type == "cuda")
 
-    events = cupti.trace(step)
-    if events is None:
-        log(f"profile: skipped ({cupti.available()[1]})")
-        return None
-    if g.rank == 0 and args.out:
-        os.makedirs(args.out, exist_ok=True)
-        cupti.save(events, os.path.join(args.out, f"{kind}_step_trace.json"))
-    return {"ms_per_role": {r: us / 1e3 for r, us in timeline.roles(events).items()}}
+    path = os.path.join(args.out, f"{kind}_step_trace.json") if args.out and g.rank == 0 \
+        else None
+    traced = training.profile_step(step, path, log)
+    return None if traced is None else {"ms_per_role": traced[1]}
 
 
 def compare(records: list, units: int, rtol: float) -> dict:
@@ -606,9 +600,8 @@ def compare(records: list, units: int, rtol: float) -> dict:
             k: (r["median_step_s"] - plain["median_step_s"]) / units for k, r in by.items()}
         out["host_per_unit_over_plain_s"] = {
             k: (r["median_host_s"] - plain["median_host_s"]) / units for k, r in by.items()}
-        if all("median_cpu_s" in r for r in records):  # records before it lack it
-            out["cpu_per_unit_over_plain_s"] = {
-                k: (r["median_cpu_s"] - plain["median_cpu_s"]) / units for k, r in by.items()}
+        out["cpu_per_unit_over_plain_s"] = {
+            k: (r["median_cpu_s"] - plain["median_cpu_s"]) / units for k, r in by.items()}
     for k, f in GRAPH_FLOORS.items():  # a captured step against its own captured floor
         if k in by and f in by:
             out.setdefault("vs_graph_floor", {})[k] = (by[k]["median_step_s"]
@@ -626,12 +619,11 @@ def compare(records: list, units: int, rtol: float) -> dict:
 
 def versus(fsdp2: dict, r: dict, rtol: float) -> dict:
     """Step time, peak memory and losses of one ``shard_module`` record against FSDP2's."""
-    a, b = np.array(fsdp2["losses"]), np.array(r["losses"])
-    rel = np.abs(a - b) / np.abs(a)
+    a = training.agreement("fsdp2", fsdp2["losses"], r["impl"], r["losses"], rtol)
     return {"tide_vs_fsdp2_step": r["median_step_s"] / fsdp2["median_step_s"],
             "tide_vs_fsdp2_peak": r["peak_bytes"] / max(fsdp2["peak_bytes"], 1),
-            "loss_max_rel_diff": float(rel.max()), "loss_step_of_max": int(rel.argmax()) + 1,
-            "loss_rtol": rtol, "losses_agree": bool(rel.max() <= rtol)}
+            "loss_max_rel_diff": a["max_rel_diff"], "loss_step_of_max": a["step_of_max"],
+            "loss_rtol": rtol, "losses_agree": a["agree"]}
 
 
 def versus_lines(name: str, c: dict) -> list:
@@ -643,46 +635,11 @@ def versus_lines(name: str, c: dict) -> list:
             + ("agree" if c["losses_agree"] else "**differ**")]
 
 
-def training(records: list, world: int, dtype: str) -> dict:
-    """Whether every impl trained: its loss fell (the last step's, on the first step's batch,
-    below the first step's), and the impls that train alike agree step by step within
-    ``LOSS_RTOL[dtype]`` (relative)."""
-    by = {r["impl"]: r for r in records}
-    fell = {k: {"first": r["losses"][0], "last": r["losses"][-1],
-                "fell": r["losses"][-1] < r["losses"][0]} for k, r in by.items()}
+def training_check(records: list, world: int, dtype: str) -> dict:
+    """Whether every impl trained (:func:`benchmarks.harness.training.check`): its loss fell,
+    and the impls that train alike agree step by step within ``LOSS_RTOL[dtype]``."""
     groups = [GLOBAL_IMPLS + PER_RANK_IMPLS] if world == 1 else [GLOBAL_IMPLS, PER_RANK_IMPLS]
-    rtol = LOSS_RTOL[dtype]
-    pairs = []
-    for group in groups:
-        present = [k for k in group if k in by]
-        for k in present[1:]:
-            a, b = np.array(by[present[0]]["losses"]), np.array(by[k]["losses"])
-            rel = np.abs(a - b) / np.abs(a)
-            pairs.append({"reference": present[0], "impl": k, "max_rel_diff": float(rel.max()),
-                          "step_of_max": int(rel.argmax()) + 1, "rtol": rtol,
-                          "agree": bool(rel.max() <= rtol)})
-    return {"loss_fell": fell, "agreement": pairs}
-
-
-def training_failures(t: dict) -> list:
-    """What :func:`training` found wrong, in words (empty: every impl trained alike)."""
-    out = [f"{k}'s loss did not fall ({v['first']:.4f} at the first step, {v['last']:.4f} "
-           "at the last, on the same batch)" for k, v in t["loss_fell"].items() if not v["fell"]]
-    out += [f"{p['reference']} and {p['impl']} losses differ by {p['max_rel_diff']:.2e} at "
-            f"step {p['step_of_max']} (> {p['rtol']:g})" for p in t["agreement"] if not p["agree"]]
-    return out
-
-
-def training_lines(t: dict) -> list:
-    lines = ["", "Training: each impl's loss at the first step and at the last, on the first "
-             "step's batch again; the largest relative loss difference between impls that "
-             "train alike.", ""]
-    lines += [f"- {k}: {v['first']:.4f} -> {v['last']:.4f}"
-              + ("" if v["fell"] else " (**did not fall**)") for k, v in t["loss_fell"].items()]
-    lines += [f"- {p['impl']} vs {p['reference']}: {p['max_rel_diff']:.2e} (step "
-              f"{p['step_of_max']}), tolerance {p['rtol']:g}: "
-              + ("agree" if p["agree"] else "**differ**") for p in t["agreement"]]
-    return lines
+    return training.check({r["impl"]: r for r in records}, groups, LOSS_RTOL[dtype])
 
 
 def table(rec: dict) -> str:
@@ -718,7 +675,7 @@ def table(rec: dict) -> str:
         if k in c:
             lines += versus_lines(k, c[k])
     if "training" in rec:  # records before the training check lack it
-        lines += training_lines(rec["training"])
+        lines += training.lines(rec["training"])
     if any(r.get("clocks") for r in rec["runs"]):
         lines += ["", "GPU clocks during each impl's timed steps (`nvidia-smi` every 250 ms, "
                   "rank 0's GPU): median SM clock, power and temperature.", ""]
@@ -753,16 +710,8 @@ def report(path: str) -> str:
     text = table(rec)
     with open(os.path.join(out, "compare.md"), "w") as f:
         f.write(text)
-    try:
-        _plots(rec, out)
-    except ImportError:  # matplotlib is optional
-        pass
+    training.plots(rec, out, "compare_steps.png")
     return text
-
-
-def _plots(rec: dict, out: str) -> None:
-    plot_steps(rec["runs"], os.path.join(out, "compare_steps.png"), rec["model"])
-    plot_timelines(rec, out)
 
 
 def init_torch(torch: Any, g: Any, cuda: bool) -> None:
@@ -835,7 +784,7 @@ def main(argv: Optional[list] = None) -> None:
            "runs": records}
     dtype = "bfloat16" if cuda else "float32"
     rec["comparison"] = compare(records, cfg.layers + 2, LOSS_RTOL[dtype])
-    rec["training"] = training(records, g.size, dtype)
+    rec["training"] = training_check(records, g.size, dtype)
     log("\n" + table(rec))
     if args.out and g.rank == 0:
         os.makedirs(args.out, exist_ok=True)
@@ -848,7 +797,7 @@ def main(argv: Optional[list] = None) -> None:
 
     dist.destroy_process_group()
     g.close()
-    failed = training_failures(rec["training"])
+    failed = training.failures(rec["training"])
     if failed:
         raise SystemExit("compare_fsdp2.py: " + "; ".join(failed))
 

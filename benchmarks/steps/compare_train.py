@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 import tidearray as ta
 from benchmarks.baselines import LocalComm, StockComm
+from benchmarks.harness import training
 from benchmarks.harness.records import git_commit
 from tests.support import example
 
@@ -101,39 +102,39 @@ def profile_step(args: argparse.Namespace, g: Any, kind: str, sm: Any, net: Any,
             train.whole_step(sm, net, [(xp.asarray(t), xp.asarray(y)) for t, y in batches])
         train.sync(xp)
 
-    events = cupti.trace(step)
-    if events is None:
-        log(f"profile: skipped ({cupti.available()[1]})")
+    path = os.path.join(args.out, f"{kind}_step_trace.json") if g.rank == 0 else None
+    traced = training.profile_step(step, path, log)
+    if traced is None:
         return None
-    roles = {r: us / 1e3 for r, us in timeline.roles(events).items()}
+    events, roles = traced
     kernels = {k: v for k, v in cupti.by_name(events).items() if not k.startswith("kernel: ")
                or timeline.role({"cat": "kernel", "name": k}) != "compute"}
-    if g.rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        cupti.save(events, os.path.join(args.out, f"{kind}_step_trace.json"))
-        log(f"[{kind}] profiled step: device ms per role {roles}")
-        log(cupti.summary(events, top=15))
+    log(f"[{kind}] profiled step: device ms per role {roles}")
+    log(cupti.summary(events, top=15))
     return {"ms_per_role": roles, "non_compute_events": kernels}
 
 
 def summarize(records: list, log: Any) -> dict:
-    """Print the comparison of a ``--impl all`` run; return it for the record."""
-    floor = next((r["median_step_s"] for r in records if r["impl"] == "local"), None)
-    log("\nsummary (medians after warm-up: step time, host time to issue a step; peak "
-        "memory per rank)")
-    log(f"{'impl':10s} {'step ms':>10s} {'host ms':>9s} {'vs local':>9s} {'peak GiB':>9s} "
-        f"{'last loss':>12s}")
-    for r in records:
-        ratio = f"{r['median_step_s'] / floor:.3f}x" if floor else "-"
-        log(f"{r['impl']:10s} {r['median_step_s'] * 1e3:10.2f} {r['median_host_s'] * 1e3:9.3f} "
-            f"{ratio:>9s} {r['peak_bytes'] / 2**30:9.2f} {r['losses'][-1]:12.6f}")
-    for r in records:
-        log(f"{r['impl']}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} over "
-            f"{len(r['losses'])} steps")
+    """Print the runs' table and goals; return the goals for the record."""
     rows = goals(records)
-    for g in rows:
-        log(f"{'met   ' if g['met'] else 'MISSED'} {g['goal']}: {g['measured']}")
+    log("\n" + "\n".join(table(records, rows)))
     return {"goals": rows}
+
+
+def table(runs: list, rows: list) -> list[str]:
+    """The runs (medians after warm-up) and the goals, as markdown."""
+    floor = next((r["median_step_s"] for r in runs if r["impl"] == "local"), None)
+    lines = ["| impl | median step (ms) | host per step (ms) | vs floor | peak memory (GiB) "
+             "| first loss | last loss |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in runs:
+        ratio = f"{r['median_step_s'] / floor:.3f}" if floor else "-"
+        host = f"{r['median_host_s'] * 1e3:.3f}" if "median_host_s" in r else "-"  # run7's
+        lines.append(f"| {r['impl']} | {r['median_step_s'] * 1e3:.2f} | {host} | {ratio} | "
+                     f"{r['peak_bytes'] / 2**30:.2f} | {r['losses'][0]:.4f} | "
+                     f"{r['losses'][-1]:.4f} |")
+    lines += ["", "| goal | measured | |", "| --- | --- | --- |"]
+    return lines + [f"| {g['goal']} | {g['measured']} | {'met' if g['met'] else 'missed'} |"
+                    for g in rows]
 
 
 def goals(records: list) -> list[dict]:
@@ -145,10 +146,11 @@ def goals(records: list) -> list[dict]:
         return []
     out = []
     a, b = by["tide"]["losses"], by["stock"]["losses"]
-    diff = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+    diff = training.agreement("stock", b, "tide", a, 1e-2)
     out.append({"goal": f"tide and stock losses equal for {len(a)} steps",
-                "measured": "bitwise equal" if a == b else f"max relative difference {diff:.3g}",
-                "met": a == b or diff < 1e-2})
+                "measured": "bitwise equal" if a == b else
+                f"max relative difference {diff['max_rel_diff']:.3g}",
+                "met": a == b or diff["agree"]})
     peak = by["tide"]["peak_bytes"] / max(by["stock"]["peak_bytes"], 1)
     out.append({"goal": "tide peak memory <= stock's", "measured": f"{peak:.3f}x",
                 "met": peak <= 1})
@@ -198,69 +200,16 @@ def report(path: str) -> str:
     with open(path) as f:
         rec = json.load(f)
     out = os.path.dirname(os.path.abspath(path))
-    runs = rec["runs"]
-    floor = next((r["median_step_s"] for r in runs if r["impl"] == "local"), None)
     lines = [f"# Training step: {rec['model']}, {rec['tokens_per_rank']} tokens per rank, "
              f"{rec['world']} ranks ({rec['backend']}, {rec['param_dtype']})", "",
              f"Commit `{rec['commit']}`; command `{' '.join(rec['argv'])}`; "
-             f"{len(runs[0]['losses'])} steps, medians after the warm-up steps.", "",
-             "| impl | median step (ms) | host per step (ms) | vs floor | peak memory (GiB) "
-             "| first loss | last loss |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in runs:
-        ratio = f"{r['median_step_s'] / floor:.3f}" if floor else "-"
-        host = f"{r['median_host_s'] * 1e3:.3f}" if "median_host_s" in r else "-"
-        lines.append(f"| {r['impl']} | {r['median_step_s'] * 1e3:.2f} | {host} | {ratio} | "
-                     f"{r['peak_bytes'] / 2**30:.2f} | {r['losses'][0]:.4f} | "
-                     f"{r['losses'][-1]:.4f} |")
-    lines += ["", "| goal | measured | |", "| --- | --- | --- |"]
-    lines += [f"| {g['goal']} | {g['measured']} | {'met' if g['met'] else 'missed'} |"
-              for g in goals(runs)]
-    table = os.path.join(out, "train.md")
-    with open(table, "w") as f:
+             f"{len(rec['runs'][0]['losses'])} steps, medians after the warm-up steps.", "",
+             *table(rec["runs"], goals(rec["runs"]))]
+    path = os.path.join(out, "train.md")
+    with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
-    try:
-        plot_steps(runs, os.path.join(out, "train_steps.png"), rec["model"])
-        plot_timelines(rec, out)
-    except ImportError:
-        pass  # matplotlib is the optional 'bench' extra
-    return table
-
-
-def plot_timelines(rec: dict, out: str) -> None:
-    """A timeline PNG per saved CUPTI trace next to the record (``<impl>_step_trace.json``,
-    gzipped or not)."""
-    from benchmarks.harness import timeline
-
-    for r in rec["runs"]:
-        for name in (f"{r['impl']}_step_trace.json", f"{r['impl']}_step_trace.json.gz"):
-            path = os.path.join(out, name)
-            if os.path.exists(path):
-                timeline.plot(timeline.load(path),
-                              os.path.join(out, f"{r['impl']}_step_timeline.png"),
-                              f"{r['impl']}: one training step, rank 0 ({rec['model']}, "
-                              f"{rec['world']} ranks)")
-
-
-def plot_steps(runs: list, path: str, model: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
-    for r in runs:
-        steps = range(1, len(r["step_s"]) + 1)
-        a.plot(steps, [t * 1e3 for t in r["step_s"]], label=r["impl"])
-        b.plot(steps, r["losses"], label=r["impl"])
-    a.set(xlabel="step", ylabel="step time (ms)", title=f"{model}: step time")
-    lo = min(min(r["step_s"][2:] or r["step_s"]) for r in runs) * 1e3
-    a.set_ylim(lo * 0.97, lo * 1.08)
-    b.set(xlabel="step", ylabel="loss (mean over ranks)", title="loss")
-    a.legend(), b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    training.plots(rec, out, "train_steps.png")
+    return path
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""A JAX transformer's training step: unsharded, ``tidearray.jax``, the per-unit path and
-JAX's own FSDP over a mesh, from the same weights on the same batches.
+"""A JAX transformer's training step: unsharded, ``tidearray.jax`` and JAX's own FSDP over a
+mesh, from the same weights on the same batches.
 
     mpirun -n 1 python benchmarks/steps/jax_step.py --out OUT/jax        # mid-size, GPU
     mpiexec -n 1 python benchmarks/steps/jax_step.py --tiny             # the CPU check
@@ -31,8 +31,6 @@ is that of expected peak memory):
   unit's parameters live until its backward);
 * ``tidearray-cb``: ``command_buffer=True`` (XLA may record the callbacks' GPU work into
   its command buffers);
-* ``per-unit``: ``benchmarks/baselines/jax_per_unit.py`` (the runtime's plans, one
-  ``jax.vjp`` per unit, XLA's stream joined on the host at every unit);
 * ``unsharded-remat``: ``unsharded`` with each unit's function under ``jax.checkpoint``
   (its forward runs again in backward, as ``tidearray``'s does: the fair baseline for
   ``tidearray``, where ``unsharded`` is ``tidearray-keep``'s);
@@ -66,7 +64,7 @@ JAX has no way to reset its peak counter, so the impls run in order of expected
 footprint and each reports the peak reached by its end; a later impl that needs less
 than an earlier one shows the earlier peak. ``xla_bytes`` (the compiled step's
 arguments, outputs and temporaries, from ``memory_analysis``) does not have that
-limit, for the jitted impls.
+limit.
 """
 
 from __future__ import annotations
@@ -88,16 +86,17 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np  # noqa: E402
 
 import tidearray as ta  # noqa: E402
+from benchmarks.harness import training  # noqa: E402
 from benchmarks.harness.records import git_commit  # noqa: E402
 from tests.support import example  # noqa: E402
 from tidearray.fsdp import AdamW  # noqa: E402
 
 ex = example("jax_train")
 
-IMPLS = ("tidearray", "tidearray-scan", "tidearray-keep", "tidearray-cb", "per-unit",
-         "unsharded-remat", "unsharded", "xla-fsdp")
+IMPLS = ("tidearray", "tidearray-scan", "tidearray-keep", "tidearray-cb", "unsharded-remat",
+         "unsharded", "xla-fsdp")
 #: Impls that need a tidearray group (every other runs without one).
-GROUP_IMPLS = IMPLS[:5]
+GROUP_IMPLS = IMPLS[:4]
 #: Largest relative loss difference accepted as agreement, by compute dtype.
 LOSS_RTOL = {"float32": 1e-4, "bfloat16": 3e-2}
 
@@ -179,15 +178,14 @@ def run_impl(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace
     run, devices, world, extra = build(jax, g, dataclasses.replace(
         cfg, scan=cfg.scan or impl == "tidearray-scan"), args, impl, units)
     compiled = run(0, compile_only=True)  # ahead of the steps: the compile alone
-    compile_s = extra.get("lower_s", 0.0) + extra.get("xla_compile_s", 0.0)
-    if compiled is not None:
-        extra["xla_bytes"] = _xla_bytes(compiled)
-        hlo = compiled.as_text()
-        extra.update(gemm_counts(hlo))
-        if args.out and (g is None or g.rank == 0):  # XLA's optimized step, to study offline
-            os.makedirs(args.out, exist_ok=True)
-            with gzip.open(os.path.join(args.out, f"{impl}.hlo.txt.gz"), "wt") as f:
-                f.write(hlo)
+    compile_s = extra["lower_s"] + extra["xla_compile_s"]
+    extra["xla_bytes"] = _xla_bytes(compiled)
+    hlo = compiled.as_text()
+    extra.update(gemm_counts(hlo))
+    if args.out and (g is None or g.rank == 0):  # XLA's optimized step, to study offline
+        os.makedirs(args.out, exist_ok=True)
+        with gzip.open(os.path.join(args.out, f"{impl}.hlo.txt.gz"), "wt") as f:
+            f.write(hlo)
     issue, cpu, wall, losses = [], [], [], []
     for s in range(cfg.steps):
         if g is not None:
@@ -243,24 +241,6 @@ def build(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace, i
     opt, extra = tj.ShardAdamW(AdamW(lr=args.lr)), {}
     dtype = jax.numpy.dtype(args.dtype)
     coef = lambda s: opt.coefficients(s + 1, learning_rate(args, s))  # noqa: E731
-    if impl == "per-unit":
-        from benchmarks.baselines.jax_per_unit import PerUnitTrainer
-
-        device = _device(jax, g)
-        trainer = PerUnitTrainer(jax, g, units, ex.unit_fns(jax, cfg),
-                                 lambda h, y: ex.cross_entropy(jax, h, y), device,
-                                 ta.bfloat16 if args.dtype == "bfloat16" else ta.float32,
-                                 AdamW(lr=args.lr))
-
-        def per_unit_step(s: int, compile_only: bool = False) -> Any:
-            if compile_only:  # outside jit: nothing to compile ahead
-                return None
-            x, y = (jax.device_put(a, device) for a in ex.batch(cfg, data_step(cfg, s), g.rank))
-            loss = trainer.step(x, y, lr=learning_rate(args, s))
-            # parameters JAX could not take through DLPack (copied: slower than the path)
-            extra["copied_params"] = trainer.bridge.copies
-            return loss
-        return per_unit_step, [device], g.size, extra
     model, fns, stacked = ex.sharded_model(jax, cfg, units)
     make_runner = functools.partial(runner, jax, phases=extra, recompile=args.recompile)
     if impl == "xla-fsdp":
@@ -491,32 +471,19 @@ def targets(by: dict) -> list[str]:
 
 
 def checks(recs: list) -> list[str]:
-    """What is wrong with the records, in words (empty: every impl trained, and alike)."""
+    """What is wrong with the records, in words (empty: every impl trained, and alike with
+    the reference: ``xla-fsdp``, else ``unsharded``)."""
     first = recs[0]
     want = {"dtype": first["dtype"], **first["config"]}
     out = [f"{r['argv']} ran with {k} {got[k]!r}, {first['argv']} with {v!r}: not the same run"
            for r in recs[1:] for got in [{**r["config"], **r}]
            for k, v in want.items() if got.get(k) != v]
     by = {r["impl"]: r for rec in recs for r in rec["runs"]}
-    out += [f"{k}'s loss did not fall ({r['losses'][0]:.6f} at the first step, "
-            f"{r['losses'][-1]:.6f} at the last, on the same batch)"
-            for k, r in by.items() if not r["losses"][-1] < r["losses"][0]]
     ref = "xla-fsdp" if "xla-fsdp" in by else "unsharded"
-    rtol = LOSS_RTOL[want["dtype"]]
-    for k, r in by.items():
-        if k == ref or ref not in by:
-            continue
-        a, b = np.array(by[ref]["losses"]), np.array(r["losses"])
-        if a.shape != b.shape:
-            out.append(f"{k}: {b.size} steps, {ref}: {a.size}")
-            continue
-        rel = np.abs(a - b) / np.abs(a)
-        print(f"{k} vs {ref}: largest relative loss difference {rel.max():.2e} (step "
-              f"{int(rel.argmax()) + 1}), tolerance {rtol:g}")
-        if not rel.max() <= rtol:
-            out.append(f"{k} and {ref} losses differ by {rel.max():.2e} at step "
-                       f"{int(rel.argmax()) + 1} (> {rtol:g})")
-    return out
+    group = [ref, *(k for k in by if k != ref)] if ref in by else []
+    t = training.check(by, [group], LOSS_RTOL[want["dtype"]])
+    print("\n".join(training.lines(t)))
+    return out + training.failures(t)
 
 
 def summarize(recs: list) -> int:
