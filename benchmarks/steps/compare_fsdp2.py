@@ -18,7 +18,7 @@ SwiGLU) trained several ways in turn, each from the same weights on the same bat
 * ``fsdp2``: ``fully_shard`` on every block and the root,
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, fused torch AdamW;
 * ``tide``: ``shard_module`` (units: embedding, each block, head), tidearray's fused
-  AdamW with the same settings; ``tide-kept``: with ``keep_param_shards=True``;
+  AdamW with the same settings;
 * ``floor``: ``tide`` with ``comm=LocalComm`` (nothing communicated, own data);
 * ``tide-graph``, ``floor-graph`` (cuda): the whole step captured by ``capture_step``
   after the first eager step and replayed on each batch (FSDP2 cannot be captured).
@@ -64,15 +64,14 @@ from tests.support import example
 llama, train = example("llama"), example("train")
 learning_rate, run_as_group = train.learning_rate, train.run_as_group
 
-IMPLS = ("plain", "floor", "fsdp2", "tide", "tide-kept", "tide-graph", "floor-graph")
+IMPLS = ("plain", "floor", "fsdp2", "tide", "tide-graph", "floor-graph")
 #: Impls run only when named: ``plain-hooks`` is ``plain`` with no-op hooks of every kind
 #: ``shard_module`` registers (``NoOpHooks``), so torch's own cost of them shows apart from
 #: the runtime's.
 EXTRA_IMPLS = ("plain-hooks",)
-#: ``shard_module`` impls, each compared with ``fsdp2``: ``tide-kept`` keeps bf16 shards
-#: (``keep_param_shards``) instead of casting the fp32 masters at every gather;
-#: ``tide-graph`` replays a captured step.
-TIDE_IMPLS = ("tide", "tide-kept", "tide-graph")
+#: ``shard_module`` impls, each compared with ``fsdp2``: ``tide-graph`` replays a
+#: captured step.
+TIDE_IMPLS = ("tide", "tide-graph")
 #: Impls whose step is captured once and replayed (cuda only), and the floor of each.
 GRAPH_FLOORS = {"tide-graph": "floor-graph"}
 #: Largest relative loss difference between two impls accepted as agreement, by compute
@@ -83,7 +82,7 @@ LOSS_RTOL = {"bfloat16": 1e-2, "float32": 1e-4}
 #: over the ranks), and impls that train a model per rank on its own data. The impls of
 #: a group must agree with its first present; at one rank the groups train alike, so
 #: every impl must agree with the first present of both.
-GLOBAL_IMPLS = ("tide", "tide-kept", "tide-graph", "fsdp2")
+GLOBAL_IMPLS = ("tide", "tide-graph", "fsdp2")
 PER_RANK_IMPLS = ("floor", "floor-graph", "plain", "plain-hooks")
 #: Models of this benchmark beside ``llama.MODELS``. ``host-32l``: small-32l's 34 units
 #: at a width where a step's compute is a few milliseconds on a CPU, so the step time
@@ -242,8 +241,7 @@ class Impl:
         else:
             self.sm = tt.shard_module(model, model.units(), group=g, param_dtype=dtype,
                                       optimizer=AdamW(**hyper),
-                                      comm=LocalComm if kind.startswith("floor") else "tide",
-                                      keep_param_shards=kind == "tide-kept")
+                                      comm=LocalComm if kind.startswith("floor") else "tide")
 
     def train_step(self, tokens: Any, targets: Any, lr: float) -> Any:
         """One whole step; returns its loss (a device tensor). A graph impl steps eagerly

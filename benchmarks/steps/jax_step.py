@@ -49,9 +49,8 @@ which XLA autotunes one by one; the optimized HLO as ``IMPL.hlo.txt.gz`` with
 ``--out``), the median step time (wall, the loss made concrete), the median host time to
 issue a step (until the call returns) and host CPU time per step (every thread of the
 process: XLA's callback threads included; the mean of the ranks'), JAX's peak device
-memory (the largest of the ranks'), XLA's own estimate of the compiled step's footprint,
-and on cuda the copy out of the slot into XLA's buffer for the largest unit against its
-gather. ``--out DIR`` writes ``jax_step.json`` (with the git commit) and a table;
+memory (the largest of the ranks') and XLA's own estimate of the compiled step's
+footprint. ``--out DIR`` writes ``jax_step.json`` (with the git commit) and a table;
 ``--report JSON...`` remakes the table from records. A run or a report fails unless
 every loss fell (the last step re-runs the first step's batch) and the impls agree step
 by step with ``xla-fsdp`` (else ``unsharded``) within ``LOSS_RTOL``. The table ends with
@@ -257,8 +256,6 @@ def build(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace, i
     su = tj.shard_units(model, group=g, compute_dtype=dtype, stacked=stacked,
                         reshard_after_forward=impl != "tidearray-keep",
                         command_buffer=impl == "tidearray-cb")
-    if impl == "tidearray" and g.backend.name == "cuda":
-        extra["slot_copy"] = slot_copy_cost(g, su)
     return (make_runner(ex.sharded_step(jax, su, fns, opt), su.shards, opt.init(su.shards), coef,
                    lambda s: [jax.device_put(a, su.device)
                               for a in ex.batch(cfg, data_step(cfg, s), g.rank)]),
@@ -371,38 +368,6 @@ def _xla_bytes(compiled: Any) -> Optional[int]:
         return None
 
 
-def slot_copy_cost(g: ta.Group, su: Any, reps: int = 20) -> dict:
-    """The copy a gather adds on cuda (slot -> XLA's buffer) for the largest unit, against
-    the gather itself, both timed with CUDA events on one stream."""
-    import cupy
-
-    from tidearray.jax._buffers import XlaBuffers
-
-    unit = max(su._units, key=lambda u: u.unit.nbytes)
-    shards = [cupy.ones(s, unit.unit.dtype) for s in unit.unit.shard_shapes]
-    outs = [cupy.empty(s, unit.unit.dtype) for s in unit.shapes]
-    xb, stream = XlaBuffers(g.backend), cupy.cuda.Stream(non_blocking=True)
-
-    def timed(fn: Callable) -> float:
-        fn()
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        for _ in range(reps):
-            fn()
-        end.record(stream)
-        end.synchronize()
-        return cupy.cuda.get_elapsed_time(start, end) * 1e3 / reps
-
-    def gather() -> Any:
-        return ta.all_gather(shards, unit.shapes, group=g, slot=su.slot, stream=stream.ptr)
-
-    params = gather()
-    copy_us = timed(lambda: xb.copy(outs, params, stream.ptr))
-    gather_us = timed(gather)
-    return {"unit_bytes": unit.unit.nbytes, "copy_us": copy_us, "gather_us": gather_us,
-            "gathers_per_step": 2 * len(su._units)}
-
-
 def _gib(b: Optional[float]) -> str:
     return "-" if b is None else f"{b / 2**30:.2f}"
 
@@ -424,13 +389,6 @@ def table(records: list) -> str:
                      f"{_gib(r.get('xla_bytes'))} | {r['losses'][0]:.4f} | "
                      f"{r['losses'][-1]:.4f} |")
     lines += compile_table(records) + targets(by)
-    for r in records:
-        c = r.get("slot_copy")
-        if c:
-            lines.append(f"\n{r['impl']}: slot -> XLA copy of the largest unit "
-                         f"({c['unit_bytes'] / 2**20:.1f} MiB) {c['copy_us']:.1f} us against "
-                         f"its gather {c['gather_us']:.1f} us; {c['gathers_per_step']} "
-                         f"gathers a step")
     return "\n".join(lines)
 
 

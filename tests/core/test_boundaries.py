@@ -37,8 +37,6 @@ ALLOWED = [
     ("benchmarks.*", "tidearray._reduce_scatter",
      "the harness times TIDE-RS's phases from the library's own chunk plan"),
     ("benchmarks.*", "tidearray._schedule", "the harness sizes staging from the RS schedule"),
-    ("benchmarks.steps.*", "tidearray.jax._buffers",
-     "the JAX step times the slot-to-XLA copy alone"),
     ("tests.*", "tidearray._*",
      "unit and multi-rank tests of the core's internals: layouts, copies, schedules, "
      "topologies, flags, stamps, boards, validation, caches, config parsing, AdamW math"),
