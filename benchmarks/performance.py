@@ -161,51 +161,89 @@ def gib(b: float) -> str:
     return f"{b / GIB:.2f} GiB"
 
 
-def faster(what: str, goal: float, t: float, base: float, base_name: str) -> Figure:
-    r = base / t
-    return Figure(what, f">= {goal:g}x", f"{x(r)} ({us(t)} against {base_name} {us(base)})",
-                  r >= goal)
+def against(what: str, goal: str, a: float, b: float, fmt: Callable[[float], str],
+            met: Optional[Callable[[float], bool]] = None, digits: int = 3) -> Figure:
+    """A figure of ``a / b`` with both shown in ``fmt``; ``met`` judges the ratio (None:
+    a reference figure)."""
+    r = a / b
+    return Figure(what, goal, f"{x(r, digits)} ({fmt(a)} against {fmt(b)})",
+                  None if met is None else met(r))
 
 
 # ---- 2xH200: the collectives (run14) -------------------------------------------------
 
 
+#: A bench record of run14's ``records.jsonl``: (suite, impl, metric, workload).
+Key = tuple[str, str, str, str]
+
+
+def _t(suite: str, impl: str, w: str = UNIT) -> Key:
+    """The median time per call of ``impl`` on unit ``w``."""
+    return (suite, impl, "time", w)
+
+
+PUSH, QWEN_PUSH = ("ag", "tide", "phase:peer_copy", UNIT), ("ag", "tide", "phase:peer_copy", QWEN)
+#: run14's "faster than" figures, in the page's order, each rendered by :func:`faster`:
+#: (what, goal: the least speedup, the call timed, the baseline, the baseline's name).
+#: A goal of "within N%" is a speedup of at least 1 / (1 + N%).
+AG_FASTER = (
+    ("TIDE-AG faster than `stock` (FSDP2's path: copy-in, NCCL all-gather, copy-out)", 1.5,
+     _t("ag", "tide"), _t("ag", "stock"), "stock"),
+    ("TIDE-AG faster than `symm` (NCCL's copy-engine all-gather, with copy-in/out)", 1.2,
+     _t("ag", "tide"), _t("ag", "symm"), "symm"),
+    ("TIDE-AG faster than FSDP2's own unit (`fsdp2`)", 1.0, _t("ag", "tide"),
+     _t("ag", "fsdp2"), "fsdp2"),
+    ("TIDE-AG within 3% of its own push timed alone (the copy-engine bound)",
+     round(1 / 1.03, 3), _t("ag", "tide"), PUSH, "the push"),
+    ("TIDE-AG as a plan (`tide-plan`) within 3% of the push", round(1 / 1.03, 3),
+     _t("ag", "tide-plan"), PUSH, "the push"),
+    ("TIDE-AG faster than NCCL's copy-engine all-gather in place", 1.0, _t("ag", "tide"),
+     ("ag", "symm", "phase:collective", UNIT), "NCCL CE"),
+)
+RS_FASTER = (
+    ("TIDE-RS (bf16 in, fp32 out) faster than `stock` (fp32 pack, NCCL fp32 RS)", 2.0,
+     _t("rs", "tide"), _t("rs", "stock"), "stock"),
+    ("TIDE-RS faster than FSDP2's own unit (`fsdp2`)", 1.0, _t("rs", "tide"),
+     _t("rs", "fsdp2"), "fsdp2"),
+    ("TIDE-RS faster than a Megatron-style bf16 all-to-all + fp32 accumulate", 1.0,
+     _t("rs", "tide"), _t("rs", "nccl-a2a"), "nccl-a2a"),
+)
+QWEN_FASTER = (
+    ("Qwen3-30B-A3B (393 parameters): TIDE-AG faster than `stock`", 1.0,
+     _t("ag", "tide", QWEN), _t("ag", "stock", QWEN), "stock"),
+    ("Qwen3-30B-A3B: TIDE-AG as a plan within 10% of its push", round(1 / 1.1, 3),
+     _t("ag", "tide-plan", QWEN), QWEN_PUSH, "the push"),
+    ("Qwen3-30B-A3B: TIDE-RS faster than `stock`", 2.0, _t("rs", "tide", QWEN),
+     _t("rs", "stock", QWEN), "stock"),
+    ("Qwen3-30B-A3B: TIDE-RS as a plan faster than `stock`", 2.0, _t("rs", "tide-plan", QWEN),
+     _t("rs", "stock", QWEN), "stock"),
+)
+
+
+def faster(R: dict, rows: tuple) -> list[Figure]:
+    """One figure per row of a ``*_FASTER`` table: the baseline's time over the call's,
+    met where it reaches the goal."""
+    out = []
+    for what, goal, timed, base, base_name in rows:
+        t, b = value(R, *timed), value(R, *base)
+        out.append(Figure(what, f">= {goal:g}x",
+                          f"{x(b / t)} ({us(t)} against {base_name} {us(b)})", b / t >= goal))
+    return out
+
+
 def collectives(run: Run) -> tuple[Figure, ...]:
     R = run.bench("records.jsonl")
-
-    def t(suite: str, impl: str, w: str = UNIT) -> float:
-        return value(R, suite, impl, "time", w)
-
-    push, ce = value(R, "ag", "tide", "phase:peer_copy"), value(R, "ag", "symm", "phase:collective")
     sm = extra(R, "ag", "tide", "sm_time_cupti")
     n_sm = sm.get("kernel_launches", 0) + sm.get("same_device_copies", 0)
     bw = value(R, "ag", "tide", "bandwidth")
-    figs = [
-        faster("TIDE-AG faster than `stock` (FSDP2's path: copy-in, NCCL all-gather, copy-out)",
-               1.5, t("ag", "tide"), t("ag", "stock"), "stock"),
-        faster("TIDE-AG faster than `symm` (NCCL's copy-engine all-gather, with copy-in/out)",
-               1.2, t("ag", "tide"), t("ag", "symm"), "symm"),
-        faster("TIDE-AG faster than FSDP2's own unit (`fsdp2`)", 1.0, t("ag", "tide"),
-               t("ag", "fsdp2"), "fsdp2"),
-        faster("TIDE-AG within 3% of its own push timed alone (the copy-engine bound)",
-               round(1 / 1.03, 3), t("ag", "tide"), push, "the push"),
-        faster("TIDE-AG as a plan (`tide-plan`) within 3% of the push", round(1 / 1.03, 3),
-               t("ag", "tide-plan"), push, "the push"),
-        faster("TIDE-AG faster than NCCL's copy-engine all-gather in place", 1.0,
-               t("ag", "tide"), ce, "NCCL CE"),
+    figs = faster(R, AG_FASTER) + [
         Figure("TIDE-AG bandwidth per rank, one call", ">= 350 GB/s",
                f"{bw:.0f} GB/s", bw >= 350),
         Figure("TIDE-AG work on the SMs (CUPTI)", "none",
                f"{sm.get('kernel_launches', 0):g} kernels, {sm.get('same_device_copies', 0):g} "
                f"same-device copies ({sm.get('same_device_copy_us', 0):.0f} us, run by the "
                "driver on the SMs) per call", n_sm == 0),
-        faster("TIDE-RS (bf16 in, fp32 out) faster than `stock` (fp32 pack, NCCL fp32 RS)",
-               2.0, t("rs", "tide"), t("rs", "stock"), "stock"),
-        faster("TIDE-RS faster than FSDP2's own unit (`fsdp2`)", 1.0, t("rs", "tide"),
-               t("rs", "fsdp2"), "fsdp2"),
-        faster("TIDE-RS faster than a Megatron-style bf16 all-to-all + fp32 accumulate",
-               1.0, t("rs", "tide"), t("rs", "nccl-a2a"), "nccl-a2a"),
-    ]
+    ] + faster(R, RS_FASTER)
     sm_t, sm_s = value(R, "rs", "tide", "sm_time_cupti"), value(R, "rs", "stock", "sm_time_cupti")
     err, err_s = value(R, "rs", "tide", "rs_error"), value(R, "rs", "stock", "rs_error")
     figs += [
@@ -214,7 +252,7 @@ def collectives(run: Run) -> tuple[Figure, ...]:
         Figure("TIDE-RS error against fp64 (normwise), as fp32 NCCL's", "<= 1e-05",
                f"{err:.1e} (`stock`: {err_s:.1e})", err <= 1e-5),
     ]
-    return tuple(figs + interference(R) + memory(R) + qwen(R))
+    return tuple(figs + interference(R) + memory(R) + faster(R, QWEN_FASTER))
 
 
 def interference(R: dict) -> list[Figure]:
@@ -237,23 +275,6 @@ def memory(R: dict) -> list[Figure]:
                    max(ratios.values()) <= 1.0)]
 
 
-def qwen(R: dict) -> list[Figure]:
-    def t(suite: str, impl: str) -> float:
-        return value(R, suite, impl, "time", QWEN)
-
-    push = value(R, "ag", "tide", "phase:peer_copy", QWEN)
-    return [
-        faster("Qwen3-30B-A3B (393 parameters): TIDE-AG faster than `stock`", 1.0,
-               t("ag", "tide"), t("ag", "stock"), "stock"),
-        faster("Qwen3-30B-A3B: TIDE-AG as a plan within 10% of its push", round(1 / 1.1, 3),
-               t("ag", "tide-plan"), push, "the push"),
-        faster("Qwen3-30B-A3B: TIDE-RS faster than `stock`", 2.0, t("rs", "tide"),
-               t("rs", "stock"), "stock"),
-        faster("Qwen3-30B-A3B: TIDE-RS as a plan faster than `stock`", 2.0,
-               t("rs", "tide-plan"), t("rs", "stock"), "stock"),
-    ]
-
-
 # ---- 2xH200: training steps (run12-fsdp2, run12-fsdp2-compile, run7) -----------------
 
 
@@ -270,10 +291,8 @@ def fsdp2(run: Run) -> tuple[Figure, ...]:
         Figure("`shard_module` step within 3% of the no-communication floor", "<= 1.03x",
                f"{x(t / floor, 3)} (floor {ms(floor)}; `fully_shard` {x(f / floor, 3)})",
                t / floor <= 1.03),
-        Figure("`shard_module` peak memory no higher than `fully_shard`'s", "<= 1x",
-               f"{x(by['tide']['peak_bytes'] / by['fsdp2']['peak_bytes'], 3)} "
-               f"({gib(by['tide']['peak_bytes'])} against {gib(by['fsdp2']['peak_bytes'])})",
-               by["tide"]["peak_bytes"] <= by["fsdp2"]["peak_bytes"]),
+        against("`shard_module` peak memory no higher than `fully_shard`'s", "<= 1x",
+                by["tide"]["peak_bytes"], by["fsdp2"]["peak_bytes"], gib, lambda r: r <= 1),
         Figure("Losses agree with `fully_shard`'s", f"rel. diff <= {c['loss_rtol']:g}",
                f"{c['loss_max_rel_diff']:.1e} (step {c['loss_step_of_max']})",
                c["losses_agree"]),
@@ -296,12 +315,10 @@ def trainer(run: Run) -> tuple[Figure, ...]:
         Figure("Trainer step on `tide` within 3% of the floor (`local`)", "<= 1.03x",
                f"{x(c['tide_over_floor'], 3)} ({ms(t)}; `stock` {x(c['stock_over_floor'], 3)})",
                c["tide_over_floor"] <= 1.03),
-        Figure("Trainer step on `tide` below `stock` (FSDP2's path over NCCL)", "< 1x",
-               f"{x(t / s, 3)} ({ms(t)} against {ms(s)})", t < s),
-        Figure("Trainer peak memory, `tide` against `stock`", "<= 1x",
-               f"{x(by['tide']['peak_bytes'] / by['stock']['peak_bytes'], 3)} "
-               f"({gib(by['tide']['peak_bytes'])} against {gib(by['stock']['peak_bytes'])})",
-               by["tide"]["peak_bytes"] <= by["stock"]["peak_bytes"]),
+        against("Trainer step on `tide` below `stock` (FSDP2's path over NCCL)", "< 1x", t, s,
+                ms, lambda r: r < 1),
+        against("Trainer peak memory, `tide` against `stock`", "<= 1x",
+                by["tide"]["peak_bytes"], by["stock"]["peak_bytes"], gib, lambda r: r <= 1),
         Figure("Trainer losses, `tide` against `stock`", "bitwise equal",
                "bitwise equal" if c["tide_vs_stock_losses"]["bitwise"] else
                f"max rel. diff {c['tide_vs_stock_losses']['max_rel_diff']:.1e}",
@@ -327,17 +344,15 @@ def captured_trainer(run: Run) -> tuple[Figure, ...]:
     e, g = by["tide"], by["tide-graph"]
     figs = [Figure(f"Captured trainer step: {c['goal']}", "bitwise equal", c["measured"],
                    c["met"]) for c in d["comparison"]["goals"] if "losses" in c["goal"]]
-    host, step = (g[k] / e[k] for k in ("median_host_s", "median_step_s"))
+    host = g["median_host_s"] / e["median_host_s"]
     figs += [
         Figure("Captured trainer step: host time per step against eager", "below eager",
                f"{x(host, 4)} ({g['median_host_s'] * 1e3:.3f} ms against "
                f"{ms(e['median_host_s'])})", host < 1),
-        Figure("Captured trainer step: step time against eager", "<= 1x",
-               f"{x(step, 3)} ({ms(g['median_step_s'])} against {ms(e['median_step_s'])})",
-               step <= 1),
-        Figure("Captured trainer step: peak memory against eager", "reference",
-               f"{x(g['peak_bytes'] / e['peak_bytes'], 3)} ({gib(g['peak_bytes'])} against "
-               f"{gib(e['peak_bytes'])})"),
+        against("Captured trainer step: step time against eager", "<= 1x",
+                g["median_step_s"], e["median_step_s"], ms, lambda r: r <= 1),
+        against("Captured trainer step: peak memory against eager", "reference",
+                g["peak_bytes"], e["peak_bytes"], gib),
     ]
     return tuple(figs)
 
@@ -625,24 +640,19 @@ def _save(fig, path: str) -> None:
 # ---- the command -----------------------------------------------------------------------
 
 
-def rewrite_block(path: str, find: Callable[[str], Optional[str]], new: str,
-                  missing: str) -> None:
-    """Replace the generated block that ``find`` locates in the file at ``path``."""
-    with open(path) as f:
-        text = f.read()
-    old = find(text)
-    if old is None:
-        raise SystemExit(missing)
-    with open(path, "w") as f:
-        f.write(text.replace(old, new))
-
-
 def write(root: str = ROOT) -> None:
+    """Write the page, and the README's block in place of the old one."""
     page = render_page(root)  # before the open below empties the page's hand-written part
     with open(os.path.join(root, PAGE), "w") as f:
         f.write(page)
-    rewrite_block(os.path.join(root, README), readme_block, render_summary(root),
-                  f"{README} has no {BEGIN} ... {END} block to rewrite")
+    path = os.path.join(root, README)
+    with open(path) as f:
+        text = f.read()
+    old = readme_block(text)
+    if old is None:
+        raise SystemExit(f"{README} has no {BEGIN} ... {END} block to rewrite")
+    with open(path, "w") as f:
+        f.write(text.replace(old, render_summary(root)))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
