@@ -8,7 +8,7 @@ Subcommands (registered below, like mpi4py's bench):
 * ``memory``: device memory per path;
 * ``plans``: host time per call of persistent plans vs the convenience calls;
 * ``all``: everything above, then ``report`` into ``<out>/report``;
-* ``report``: markdown tables and PNG plots from JSON records.
+* ``report``: markdown tables from JSON records.
 
 The records kept for the docs are in benchmarks/results; ``python -m
 benchmarks.performance`` writes docs/performance.md and the README's summary from them.
@@ -109,7 +109,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name in list(COMMANDS) + ["report"]:
         helps = {"all": "run every suite, then write the report",
-                 "report": "rebuild tables and plots from JSON records"}
+                 "report": "rebuild the tables from JSON records"}
         s = sub.add_parser(name, help=helps.get(name, f"run the {name} suite"))
         if name == "report":
             s.add_argument("--json", action="append", required=True,

@@ -1,7 +1,7 @@
-"""``report``: markdown tables and PNG plots, rebuilt from JSON records.
+"""``report``: markdown tables, rebuilt from JSON records.
 
 ``python -m benchmarks report --json run.jsonl [--json more.jsonl] --docs DIR``
-writes ``DIR/README.md`` and ``DIR/*.png``. The terminal summary of a run uses
+writes ``DIR/README.md``. The terminal summary of a run uses
 the same tables (:func:`summary`). The goals are judged in one place, from the records
 kept under ``benchmarks/results``: ``python -m benchmarks.performance``.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from . import plots
 from .records import load
 from .tables import Results, gbs, grid, markdown, mib, num, phase_table, us
 
@@ -45,7 +44,7 @@ DEFINITIONS = """\
 
 
 def build(json_paths: list[str], docs: str) -> str:
-    """Write ``docs/README.md`` and plots from the records; returns the README path.
+    """Write ``docs/README.md`` from the records; returns its path.
 
     Args:
         json_paths: JSON Lines record files (later records of a key win).
@@ -53,14 +52,7 @@ def build(json_paths: list[str], docs: str) -> str:
     """
     res = Results(load(json_paths))
     os.makedirs(docs, exist_ok=True)
-    note = ""
-    try:
-        pngs = [p for p in (f(res, docs) for f in plots.ALL) if p]
-    except ImportError as e:  # matplotlib is the optional 'bench' extra
-        pngs = []
-        note = (f"Plots left out: {e.name or e} is not installed "
-                "(pip install 'tidearray[bench]').")
-    text = render(res, pngs, note)
+    text = render(res)
     path = os.path.join(docs, "README.md")
     with open(path, "w") as f:
         f.write(text)
@@ -75,15 +67,13 @@ def _spread(rec: dict) -> str:
     return f"{us(rec.get('value'))} [{us(extra['p10_s'])}, {us(extra['p90_s'])}]"
 
 
-def render(res: Results, pngs: list[str], note: str = "") -> str:
-    out = ["# tidearray benchmarks\n"] + ([note + "\n"] if note else [])
-    out.append(_provenance(res))
+def render(res: Results) -> str:
+    out = ["# tidearray benchmarks\n", _provenance(res)]
     out.append(_units_section(res))
     out.append(_detail_section(res))
     out.append(_interference_section(res))
     out.append(_memory_section(res))
     out.append(_sweep_section(res))
-    out += [f"![{p}]({p})\n" for p in pngs]
     out += ["## Definitions\n", DEFINITIONS, _problems(res)]
     return "\n".join(out)
 

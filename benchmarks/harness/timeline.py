@@ -7,7 +7,6 @@ baselines' layout conversions (``pack.cu``, ``pack_bf16_f32.cu``), copy-engine c
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
 
 #: Kernel-name fragments of each role (first match wins); anything else is compute.
 ROLES = (("accumulate", ("accum",)), ("nccl", ("nccl",)), ("layout", ("pack_",)),
@@ -46,7 +45,7 @@ def roles(events: list[dict]) -> Counter:
     return c
 
 
-def plot(events: list[dict], path: str, title: str = "", window: Optional[tuple] = None) -> None:
+def plot(events: list[dict], path: str, title: str = "") -> None:
     """Write a PNG with one row per stream (busiest first), time in ms from the first event."""
     import matplotlib
 
@@ -84,8 +83,6 @@ def plot(events: list[dict], path: str, title: str = "", window: Optional[tuple]
     ax.set_yticks(range(len(streams)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("ms")
-    if window:
-        ax.set_xlim(*window)
     ax.set_title(title)
     ax.legend(handles=[Patch(color=c, label=r) for r, c in COLORS.items()], ncol=7,
               loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.02 * len(streams)),

@@ -78,5 +78,5 @@ def test_the_report_gives_the_collectives_time_beside_the_gemms():
         if r["suite"] == "interference" and r["impl"] == "tide" and r["metric"].startswith("rs:"):
             r["extra"]["collective_beside_s"] = 900e-6  # alone: 785 us in run 14
     res = Results(recs)
-    text = report.render(res, [])
+    text = report.render(res)
     assert "### The collective's own time per call" in text and "| 785 -> 900" in text
