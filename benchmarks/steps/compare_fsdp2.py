@@ -82,7 +82,7 @@ LOSS_RTOL = {"bfloat16": 1e-2, "float32": 1e-4}
 #: over the ranks), and impls that train a model per rank on its own data. The impls of
 #: a group must agree with its first present; at one rank the groups train alike, so
 #: every impl must agree with the first present of both.
-GLOBAL_IMPLS = ("tide", "tide-graph", "fsdp2")
+GLOBAL_IMPLS = ("fsdp2", "tide", "tide-graph")
 PER_RANK_IMPLS = ("floor", "floor-graph", "plain", "plain-hooks")
 #: Models of this benchmark beside ``llama.MODELS``. ``host-32l``: small-32l's 34 units
 #: at a width where a step's compute is a few milliseconds on a CPU, so the step time
@@ -581,9 +581,16 @@ def profile(kind: str, torch: Any, impl: Impl, batch: tuple, device: Any,
     return None if traced is None else {"ms_per_role": traced[1]}
 
 
-def compare(records: list, units: int, rtol: float) -> dict:
-    """Ratios and agreement with FSDP2 (relative loss difference ``rtol``), from the
-    records and the number of units (``layers + 2``)."""
+#: The per-unit overheads over plain's that :func:`compare` records: (key, record field).
+OVER_PLAIN = (("per_unit_over_plain_s", "median_step_s"),
+              ("host_per_unit_over_plain_s", "median_host_s"),
+              ("cpu_per_unit_over_plain_s", "median_cpu_s"))
+
+
+def compare(records: list, units: int, checked: dict) -> dict:
+    """Ratios from the records and the number of units (``layers + 2``): to the floor, to
+    plain, of a captured step to its captured floor, and of each ``shard_module`` impl to
+    FSDP2, with the agreement of their losses that the training check (``checked``) found."""
     by = {r["impl"]: r for r in records}
     out: dict = {}
     if "floor" in by:
@@ -594,34 +601,31 @@ def compare(records: list, units: int, rtol: float) -> dict:
         out["units"] = units
         out["vs_plain"] = {k: r["median_step_s"] / plain["median_step_s"]
                            for k, r in by.items()}
-        out["per_unit_over_plain_s"] = {
-            k: (r["median_step_s"] - plain["median_step_s"]) / units for k, r in by.items()}
-        out["host_per_unit_over_plain_s"] = {
-            k: (r["median_host_s"] - plain["median_host_s"]) / units for k, r in by.items()}
-        out["cpu_per_unit_over_plain_s"] = {
-            k: (r["median_cpu_s"] - plain["median_cpu_s"]) / units for k, r in by.items()}
+        for key, field in OVER_PLAIN:
+            out[key] = {k: (r[field] - plain[field]) / units for k, r in by.items()}
     for k, f in GRAPH_FLOORS.items():  # a captured step against its own captured floor
         if k in by and f in by:
             out.setdefault("vs_graph_floor", {})[k] = (by[k]["median_step_s"]
                                                        / by[f]["median_step_s"])
-    if "fsdp2" in by:  # tide's figures at the top level, each other variant's under its name
-        for k in TIDE_IMPLS:
-            if k in by:
-                v = versus(by["fsdp2"], by[k], rtol)
-                if k == "tide":
-                    out.update(v)
-                else:
-                    out[k] = v
+    # fsdp2 is the first of GLOBAL_IMPLS: the check compared each tide impl with it.
+    agreed = {p["impl"]: p for p in checked["agreement"] if p["reference"] == "fsdp2"}
+    for k in TIDE_IMPLS:  # tide's figures at the top level, each other's under its name
+        if k in agreed:
+            v = versus(by["fsdp2"], by[k], agreed[k])
+            if k == "tide":
+                out.update(v)
+            else:
+                out[k] = v
     return out
 
 
-def versus(fsdp2: dict, r: dict, rtol: float) -> dict:
-    """Step time, peak memory and losses of one ``shard_module`` record against FSDP2's."""
-    a = training.agreement("fsdp2", fsdp2["losses"], r["impl"], r["losses"], rtol)
+def versus(fsdp2: dict, r: dict, agreed: dict) -> dict:
+    """Step time and peak memory of one ``shard_module`` record against FSDP2's, and the
+    agreement of their losses (:func:`benchmarks.harness.training.agreement`)."""
     return {"tide_vs_fsdp2_step": r["median_step_s"] / fsdp2["median_step_s"],
             "tide_vs_fsdp2_peak": r["peak_bytes"] / max(fsdp2["peak_bytes"], 1),
-            "loss_max_rel_diff": a["max_rel_diff"], "loss_step_of_max": a["step_of_max"],
-            "loss_rtol": rtol, "losses_agree": a["agree"]}
+            "loss_max_rel_diff": agreed["max_rel_diff"], "loss_step_of_max":
+            agreed["step_of_max"], "loss_rtol": agreed["rtol"], "losses_agree": agreed["agree"]}
 
 
 def versus_lines(name: str, c: dict) -> list:
@@ -781,8 +785,8 @@ def main(argv: Optional[list] = None) -> None:
            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "runs": records}
     dtype = "bfloat16" if cuda else "float32"
-    rec["comparison"] = compare(records, cfg.layers + 2, LOSS_RTOL[dtype])
     rec["training"] = training_check(records, g.size, dtype)
+    rec["comparison"] = compare(records, cfg.layers + 2, rec["training"])
     log("\n" + table(rec))
     if args.out and g.rank == 0:
         os.makedirs(args.out, exist_ok=True)
