@@ -32,13 +32,7 @@ class Ctx:
 
     def log(self, msg: str) -> None:
         """A progress line from rank 0, with the elapsed time."""
-        if self.rank != 0:
-            return
-        line = f"[{time.perf_counter() - self.t0:7.1f}s] {msg}"
-        print(line, flush=True)
-        if self._log:
-            self._log.write(line + "\n")
-            self._log.flush()
+        self.out(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}")
 
     def out(self, text: str) -> None:
         """Plain output (tables) from rank 0, also into the log."""
