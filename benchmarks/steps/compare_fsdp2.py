@@ -446,8 +446,7 @@ class Run:
         """Step ``s``, timed: until the calls return (host), until the device is done, and
         the process's CPU time."""
         torch, cuda = self.torch, self.cuda
-        tokens, targets = (torch.from_numpy(a.astype(np.int64)).to(self.device)
-                           for a in self.data[s])
+        tokens, targets = self.batch(s)
         _sync(torch, cuda)
         if cuda and s == self.args.warmup:  # the timed steps' clocks, not compilation's
             self.clock_log = ClockLog(self.device.index)
@@ -463,18 +462,63 @@ class Run:
         self.log(f"[{self.kind}] step {s + 1:4d}  loss {self.losses[-1]:.6f}  "
                  f"{self.times[-1] * 1e3:9.2f} ms  mem {self.peak / 2**30:6.2f} GiB")
 
+    def batch(self, s: int) -> tuple:
+        """Step ``s``'s tokens and targets, on the device."""
+        return tuple(self.torch.from_numpy(a.astype(np.int64)).to(self.device)
+                     for a in self.data[s])
+
     def stop_clocks(self) -> list:
         """Stop the background clock readings (never leave nvidia-smi running)."""
         return self.clock_log.close() if self.clock_log else []
 
+    def profile(self) -> Optional[dict]:
+        """One more step under CUPTI: device time per role, and the trace for the timeline."""
+        tokens, targets = self.batch(-1)
+
+        def step() -> None:
+            # The profiler starts on each rank in its own time: line the ranks up under it,
+            # or a collective's kernels would be timed waiting for the later rank.
+            _sync(self.torch, self.cuda)
+            self.g.comm.Barrier()
+            self.impl.train_step(tokens, targets, self.args.lr)
+            _sync(self.torch, self.cuda)
+
+        out = self.args.out if self.g.rank == 0 else None
+        path = os.path.join(out, f"{self.kind}_step_trace.json") if out else None
+        traced = training.profile_step(step, path, self.log)
+        return None if traced is None else {"ms_per_role": traced[1]}
+
+    def host_profile(self) -> None:
+        """``--host-profile`` more steps under cProfile (rank 0's): where each impl's host
+        time goes, by function, the device synchronized after each step."""
+        import cProfile
+        import io
+        import pstats
+
+        args, steps = self.args, self.args.host_profile
+        tokens, targets = self.batch(-1)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            self.impl.train_step(tokens, targets, args.lr)
+            _sync(self.torch, self.cuda)
+        prof.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        text.write(per_step(stats, steps) + "\n")
+        stats.sort_stats("tottime").print_stats(30)
+        self.log(f"[{self.kind}] host profile, {steps} steps:\n{text.getvalue()}")
+        if args.out and self.g.rank == 0:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"{self.kind}_host_profile.txt"), "w") as f:
+                f.write(text.getvalue())
+
     def finish(self, clocks: list) -> dict:
         """The profiles asked for, then the impl closed; its record."""
         args, impl, w = self.args, self.impl, self.args.warmup
-        prof = (profile(self.kind, self.torch, impl, self.data[-1], self.device, args, self.g,
-                        self.log) if args.profile else None)
+        prof = self.profile() if args.profile else None
         if args.host_profile:
-            host_profile(self.kind, self.torch, impl, self.data[-1], self.device, args, self.g,
-                         self.log)
+            self.host_profile()
         impl.close()
         del self.impl
         return {"impl": self.kind, "losses": self.losses, "step_s": self.times,
@@ -517,32 +561,6 @@ def _release(torch: Any, g: Any, cuda: bool) -> None:
         g.backend.xp.get_default_memory_pool().free_all_blocks()
 
 
-def host_profile(kind: str, torch: Any, impl: Impl, batch: tuple, device: Any,
-                 args: argparse.Namespace, g: Any, log: Any) -> None:
-    """``--host-profile`` more steps under cProfile (rank 0's): where each impl's host
-    time goes, by function, the device synchronized after each step."""
-    import cProfile
-    import io
-    import pstats
-
-    tokens, targets = (torch.from_numpy(a.astype(np.int64)).to(device) for a in batch)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(args.host_profile):
-        impl.train_step(tokens, targets, args.lr)
-        _sync(torch, device.type == "cuda")
-    prof.disable()
-    text = io.StringIO()
-    stats = pstats.Stats(prof, stream=text)
-    text.write(per_step(stats, args.host_profile) + "\n")
-    stats.sort_stats("tottime").print_stats(30)
-    log(f"[{kind}] host profile, {args.host_profile} steps:\n{text.getvalue()}")
-    if args.out and g.rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"{kind}_host_profile.txt"), "w") as f:
-            f.write(text.getvalue())
-
-
 #: Functions listed per step by ``--host-profile``, by own time and by cumulative time.
 TOP_FUNCTIONS = 15
 
@@ -560,25 +578,6 @@ def per_step(stats: Any, steps: int) -> str:
         lines += [f"| `{n}` | {c:.0f} | {t:.2f} | {ct:.2f} |"
                   for n, c, t, ct in sorted(rows, key=lambda r: -r[key])[:TOP_FUNCTIONS]]
     return "\n".join(lines)
-
-
-def profile(kind: str, torch: Any, impl: Impl, batch: tuple, device: Any,
-            args: argparse.Namespace, g: Any, log: Any) -> Optional[dict]:
-    """One more step under CUPTI: device time per role, and the trace for the timeline."""
-    tokens, targets = (torch.from_numpy(a.astype(np.int64)).to(device) for a in batch)
-
-    def step() -> None:
-        # The profiler starts on each rank in its own time: line the ranks up under it,
-        # or a collective's kernels would be timed waiting for the later rank.
-        _sync(torch, device.type == "cuda")
-        g.comm.Barrier()
-        impl.train_step(tokens, targets, args.lr)
-        _sync(torch, device.type == "cuda")
-
-    path = os.path.join(args.out, f"{kind}_step_trace.json") if args.out and g.rank == 0 \
-        else None
-    traced = training.profile_step(step, path, log)
-    return None if traced is None else {"ms_per_role": traced[1]}
 
 
 #: The per-unit overheads over plain's that :func:`compare` records: (key, record field).
