@@ -640,19 +640,25 @@ def _save(fig, path: str) -> None:
 # ---- the command -----------------------------------------------------------------------
 
 
+def rewrite_block(path: str, find: Callable[[str], Optional[str]], new: str,
+                  missing: str) -> None:
+    """Replace the generated block that ``find`` locates in the file at ``path``
+    (``benchmarks/memory.py`` rewrites docs/memory.md's the same way)."""
+    with open(path) as f:
+        text = f.read()
+    old = find(text)
+    if old is None:
+        raise SystemExit(missing)
+    with open(path, "w") as f:
+        f.write(text.replace(old, new))
+
+
 def write(root: str = ROOT) -> None:
-    """Write the page, and the README's block in place of the old one."""
     page = render_page(root)  # before the open below empties the page's hand-written part
     with open(os.path.join(root, PAGE), "w") as f:
         f.write(page)
-    path = os.path.join(root, README)
-    with open(path) as f:
-        text = f.read()
-    old = readme_block(text)
-    if old is None:
-        raise SystemExit(f"{README} has no {BEGIN} ... {END} block to rewrite")
-    with open(path, "w") as f:
-        f.write(text.replace(old, render_summary(root)))
+    rewrite_block(os.path.join(root, README), readme_block, render_summary(root),
+                  f"{README} has no {BEGIN} ... {END} block to rewrite")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
