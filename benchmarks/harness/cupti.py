@@ -23,7 +23,6 @@ import json
 import math
 import os
 import tempfile
-from collections import defaultdict
 from typing import Any, Callable, Optional
 
 #: Chrome-trace categories of device activity, as Kineto writes them.
@@ -100,23 +99,6 @@ def sm_seconds(events: list[dict], num_sms: int) -> float:
 def same_device_copies(events: list[dict]) -> list[dict]:
     """The copies within one device: run on the SMs by the driver, grid unknown."""
     return [e for e in events if e["cat"] == "gpu_memcpy" and "DtoD" in e["name"]]
-
-
-def by_name(events: list[dict]) -> dict[str, dict]:
-    """Count and total microseconds per (category, name)."""
-    agg: dict = defaultdict(lambda: {"count": 0, "us": 0.0})
-    for e in events:
-        key = f"{e['cat']}: {e['name']}"
-        agg[key]["count"] += 1
-        agg[key]["us"] += e["dur_us"]
-    return dict(sorted(agg.items(), key=lambda kv: -kv[1]["us"]))
-
-
-def summary(events: list[dict], top: int = 25) -> str:
-    lines = [f"CUPTI: {len(events)} device events"]
-    for key, v in list(by_name(events).items())[:top]:
-        lines.append(f"  {v['us'] / 1e3:10.3f} ms  x{v['count']:<5d} {key[:110]}")
-    return "\n".join(lines)
 
 
 def save(events: list[dict], path: str) -> None:

@@ -82,10 +82,10 @@ def lines(t: dict) -> list[str]:
 
 
 def profile_step(step: Callable[[], None], trace_path: Optional[str],
-                 log: Callable[[str], None]) -> Optional[tuple[list[dict], dict[str, float]]]:
-    """One step under CUPTI: its device events and device milliseconds per role (compute,
-    accumulate, NCCL, layout conversion, copies), the events saved to ``trace_path`` (None:
-    not saved; for ``plot_timelines``). None, said in the log, where CUPTI is unavailable."""
+                 log: Callable[[str], None]) -> Optional[dict[str, float]]:
+    """One step under CUPTI: its device milliseconds per role (compute, accumulate, NCCL,
+    layout conversion, copies), logged; its events saved to ``trace_path`` (None: not
+    saved; for ``plot_timelines``). None, said in the log, where CUPTI is unavailable."""
     from benchmarks.harness import cupti, timeline
 
     events = cupti.trace(step)
@@ -93,9 +93,10 @@ def profile_step(step: Callable[[], None], trace_path: Optional[str],
         log(f"profile: skipped ({cupti.available()[1]})")
         return None
     if trace_path:
-        os.makedirs(os.path.dirname(trace_path) or ".", exist_ok=True)
         cupti.save(events, trace_path)
-    return events, {r: us / 1e3 for r, us in timeline.roles(events).items()}
+    roles = {r: us / 1e3 for r, us in timeline.roles(events).items()}
+    log(f"profiled step: device ms per role {roles}")
+    return roles
 
 
 def plot_timelines(rec: dict, out: str) -> None:

@@ -485,8 +485,8 @@ class Run:
 
         out = self.args.out if self.g.rank == 0 else None
         path = os.path.join(out, f"{self.kind}_step_trace.json") if out else None
-        traced = training.profile_step(step, path, self.log)
-        return None if traced is None else {"ms_per_role": traced[1]}
+        roles = training.profile_step(step, path, self.log)
+        return None if roles is None else {"ms_per_role": roles}
 
     def host_profile(self) -> None:
         """``--host-profile`` more steps under cProfile (rank 0's): where each impl's host

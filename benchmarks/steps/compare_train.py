@@ -91,10 +91,8 @@ def main(argv: Optional[list] = None) -> None:
 
 def profile_step(args: argparse.Namespace, g: Any, kind: str, sm: Any, net: Any,
                  batches: list, stream: Any, log: Any) -> Optional[dict]:
-    """One more step under CUPTI: its events, a timeline PNG and the device time per
-    role (compute, accumulate, NCCL, layout conversion, copies) go to --out."""
-    from benchmarks.harness import cupti, timeline
-
+    """One more step under CUPTI: its events (for a timeline PNG) go to --out, the device
+    time per role (compute, accumulate, NCCL, layout conversion, copies) to the record."""
     xp = g.backend.xp
 
     def step() -> None:
@@ -103,15 +101,8 @@ def profile_step(args: argparse.Namespace, g: Any, kind: str, sm: Any, net: Any,
         train.sync(xp)
 
     path = os.path.join(args.out, f"{kind}_step_trace.json") if g.rank == 0 else None
-    traced = training.profile_step(step, path, log)
-    if traced is None:
-        return None
-    events, roles = traced
-    kernels = {k: v for k, v in cupti.by_name(events).items() if not k.startswith("kernel: ")
-               or timeline.role({"cat": "kernel", "name": k}) != "compute"}
-    log(f"[{kind}] profiled step: device ms per role {roles}")
-    log(cupti.summary(events, top=15))
-    return {"ms_per_role": roles, "non_compute_events": kernels}
+    roles = training.profile_step(step, path, log)
+    return None if roles is None else {"ms_per_role": roles}
 
 
 def summarize(records: list, log: Any) -> dict:
