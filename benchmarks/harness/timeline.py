@@ -58,28 +58,22 @@ def plot(events: list[dict], path: str, title: str = "") -> None:
     # From the first kernel: a profiled region can open with an upload long before it.
     t0 = min((e["ts_us"] for e in events if e["cat"] == "kernel"),
              default=min(e["ts_us"] for e in events))
-    events = [e for e in events if e["ts_us"] >= t0]
-    busy: Counter = Counter()
+    by_stream: dict[int, list[dict]] = {}
     for e in events:
-        busy[e["stream"]] += e["dur_us"]
-    streams = [s for s, _ in busy.most_common()]
+        if e["ts_us"] >= t0:
+            by_stream.setdefault(e["stream"], []).append(e)
+    # One row per stream, the busiest first, labelled with the role it spends most time in.
+    streams = sorted(by_stream, key=lambda s: -sum(e["dur_us"] for e in by_stream[s]))
     fig, ax = plt.subplots(figsize=(14, 0.5 * len(streams) + 1.5))
+    labels = []
     for row, s in enumerate(streams):
         spans: dict = {}
-        for e in events:
-            if e["stream"] == s:
-                spans.setdefault(role(e), []).append(((e["ts_us"] - t0) / 1e3,
-                                                      max(e["dur_us"], 1.0) / 1e3))
+        for e in by_stream[s]:
+            spans.setdefault(role(e), []).append(((e["ts_us"] - t0) / 1e3,
+                                                  max(e["dur_us"], 1.0) / 1e3))
         for r, bars in spans.items():
             ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=COLORS[r])
-    labels = []
-    for s in streams:
-        by_time: Counter = Counter()
-        for e in events:
-            if e["stream"] == s:
-                by_time[role(e)] += e["dur_us"]
-        top = by_time.most_common(1)[0][0]
-        labels.append(f"stream {s} ({top})")
+        labels.append(f"stream {s} ({roles(by_stream[s]).most_common(1)[0][0]})")
     ax.set_yticks(range(len(streams)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("ms")
