@@ -169,22 +169,18 @@ def _fill(text: str, indent: str = "") -> str:
                          break_on_hyphens=False)
 
 
-def page_section(text: str) -> Optional[str]:
-    """The page's current section (markers included), or None where it has none."""
-    i, j = text.find(BEGIN), text.find(END)
-    return None if i < 0 or j < i else text[i:j + len(END)]
-
-
 def stale(root: str = ROOT) -> bool:
+    """Whether the page's generated section differs from :func:`section`."""
+    from .performance import generated_block
+
     with open(os.path.join(root, PAGE)) as f:
-        return page_section(f.read()) != section()
+        return generated_block(f.read(), BEGIN, END) != section()
 
 
 def write(root: str = ROOT) -> None:
     from .performance import rewrite_block
 
-    rewrite_block(os.path.join(root, PAGE), page_section, section(),
-                  f"{PAGE} has no {BEGIN} ... {END} section to rewrite")
+    rewrite_block(os.path.join(root, PAGE), section(), BEGIN, END)
 
 
 def _ints(text: str) -> tuple[int, ...]:

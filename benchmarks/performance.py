@@ -574,10 +574,11 @@ def render_summary(root: str = ROOT) -> str:
     return "\n".join(lines)
 
 
-def readme_block(text: str) -> Optional[str]:
-    """The README's current block (markers included), or None where it has none."""
-    i, j = text.find(BEGIN), text.find(END)
-    return None if i < 0 or j < i else text[i:j + len(END)]
+def generated_block(text: str, begin: str = BEGIN, end: str = END) -> Optional[str]:
+    """The generated block of ``text`` from ``begin`` to ``end`` (markers included; by
+    default the README's), or None where it has none."""
+    i, j = text.find(begin), text.find(end)
+    return None if i < 0 or j < i else text[i:j + len(end)]
 
 
 def stale(root: str = ROOT) -> list[str]:
@@ -587,7 +588,7 @@ def stale(root: str = ROOT) -> list[str]:
     if not os.path.exists(page) or open(page).read() != render_page(root):
         out.append(PAGE)
     with open(os.path.join(root, README)) as f:
-        if readme_block(f.read()) != render_summary(root):
+        if generated_block(f.read()) != render_summary(root):
             out.append(README)
     return out
 
@@ -640,15 +641,14 @@ def _save(fig, path: str) -> None:
 # ---- the command -----------------------------------------------------------------------
 
 
-def rewrite_block(path: str, find: Callable[[str], Optional[str]], new: str,
-                  missing: str) -> None:
-    """Replace the generated block that ``find`` locates in the file at ``path``
-    (``benchmarks/memory.py`` rewrites docs/memory.md's the same way)."""
+def rewrite_block(path: str, new: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the generated block from ``begin`` to ``end`` of the file at ``path`` with
+    ``new`` (``benchmarks/memory.py`` rewrites docs/memory.md's section the same way)."""
     with open(path) as f:
         text = f.read()
-    old = find(text)
+    old = generated_block(text, begin, end)
     if old is None:
-        raise SystemExit(missing)
+        raise SystemExit(f"{path} has no {begin} ... {end} block to rewrite")
     with open(path, "w") as f:
         f.write(text.replace(old, new))
 
@@ -657,8 +657,7 @@ def write(root: str = ROOT) -> None:
     page = render_page(root)  # before the open below empties the page's hand-written part
     with open(os.path.join(root, PAGE), "w") as f:
         f.write(page)
-    rewrite_block(os.path.join(root, README), readme_block, render_summary(root),
-                  f"{README} has no {BEGIN} ... {END} block to rewrite")
+    rewrite_block(os.path.join(root, README), render_summary(root))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

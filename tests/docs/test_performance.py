@@ -35,7 +35,7 @@ def test_the_page_is_generated_from_the_records():
 
 
 def test_the_readme_summary_is_generated_from_the_records():
-    block = performance.readme_block((ROOT / "README.md").read_text())
+    block = performance.generated_block((ROOT / "README.md").read_text())
     assert block is not None, f"README.md has no {performance.BEGIN} block: add the markers"
     assert block == performance.render_summary(str(ROOT)), f"README.md's summary is stale: {FIX}"
 
@@ -77,7 +77,7 @@ def test_a_number_edited_in_the_page_is_caught(tree: Path, monkeypatch):
 def test_a_number_edited_in_the_readme_is_caught(tree: Path):
     readme = tree / "README.md"
     text = readme.read_text()
-    block = performance.readme_block(text)
+    block = performance.generated_block(text)
     readme.write_text(text.replace(block, _bump(block, r"\*\*(\d+)\.\d+x\*\*")))
     assert performance.stale(str(tree)) == ["README.md"]
     performance.main(["--no-plots", "--root", str(tree)])  # regenerating mends it
