@@ -72,7 +72,7 @@ class Impl:
     rs_tolerance = 1e-5
     backends: tuple[str, ...] = ("host", "cuda")
     description = ""
-    #: Collectives it times as a whole (phase-only cross-checks have none).
+    #: Collectives it times (``Prepared.ag`` / ``rs`` are set for these).
     ops: tuple[str, ...] = ("ag", "rs")
 
     def __init__(self, ctx: Any) -> None:

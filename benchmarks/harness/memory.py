@@ -28,8 +28,7 @@ def run(ctx: Any, workloads: list) -> None:
             data = UnitData(unit, ctx.dev.xp, ctx.rank, ctx.size)
             ctx.log(f"memory {unit.label}: inputs {data.input_nbytes / 2**20:.1f} MiB per rank")
             for impl in suite.impls:
-                if impl.ops:  # phase-only cross-checks run no collective
-                    _measure(ctx, impl, data)
+                _measure(ctx, impl, data)
             del data
             ctx.dev.release_pools()
         for impl in suite.impls:

@@ -44,23 +44,21 @@ def run(ctx: Any, op: str, workloads: list) -> None:
 
 
 def _run_one(ctx: Any, op: str, impl: Any, data: UnitData, detail: bool) -> Optional[float]:
-    if op not in impl.ops and not (detail and impl.ops == ()):
+    if op not in impl.ops:
         return None  # by design (e.g. nccl-bf16 has no all-gather): nothing to record
     prep = prepare(ctx, op, impl, data)
     if prep is None:
         return None
     try:
         fn = getattr(prep, op)
-        if fn is not None:
-            t = _time(ctx, op, impl, data, fn, prep)
-            if t is None:
-                return None
-            _check(ctx, op, impl, data, prep)
+        t = _time(ctx, op, impl, data, fn, prep)
+        if t is None:
+            return None
+        _check(ctx, op, impl, data, prep)
         if detail:
             _phases(ctx, op, impl, data, prep)
-            if fn is not None:
-                _cupti_sm_time(ctx, op, impl, data, fn, prep)
-        return None if fn is None else t
+            _cupti_sm_time(ctx, op, impl, data, fn, prep)
+        return t
     finally:
         release(ctx, op, impl, data, prep)
 
