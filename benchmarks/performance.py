@@ -297,9 +297,9 @@ def fsdp2(run: Run) -> tuple[Figure, ...]:
                f"{c['loss_max_rel_diff']:.1e} (step {c['loss_step_of_max']})",
                c["losses_agree"]),
     ]
-    if kept:
-        figs.append(Figure("`keep_param_shards=True` (`tide-kept`): step and memory against "
-                           "the casting gathers", "(a user choice: reference)",
+    if kept:  # compare_fsdp2.py's tide-kept, since retired ("Retired experiments")
+        figs.append(Figure("`keep_param_shards=True` (`tide-kept`, since retired): step and "
+                           "memory against the casting gathers", "(a user choice: reference)",
                            f"step {x(kept['median_step_s'] / t, 3)}, peak "
                            f"{x(kept['peak_bytes'] / by['tide']['peak_bytes'], 3)}"))
     return tuple(figs)
