@@ -81,7 +81,8 @@ LOSS_RTOL = {"bfloat16": 1e-2, "float32": 1e-4}
 #: Impls that train one model on the global batch (every rank's data, gradients averaged
 #: over the ranks), and impls that train a model per rank on its own data. The impls of
 #: a group must agree with its first present; at one rank the groups train alike, so
-#: every impl must agree with the first present of both.
+#: every impl must agree with the first present of both. ``fsdp2`` comes first: the
+#: ``shard_module`` impls' agreement with it is what :func:`compare` records.
 GLOBAL_IMPLS = ("fsdp2", "tide", "tide-graph")
 PER_RANK_IMPLS = ("floor", "floor-graph", "plain", "plain-hooks")
 #: Models of this benchmark beside ``llama.MODELS``. ``host-32l``: small-32l's 34 units
