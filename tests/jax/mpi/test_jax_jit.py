@@ -43,6 +43,7 @@ from tidearray.fsdp import AdamW
 
 from ..._util import agree, on_rank_zero
 from ...core.mpi._cases import poison
+from .._helpers import fresh_seed, full_leaves
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -50,19 +51,6 @@ tj = pytest.importorskip("tidearray.jax")
 
 pytestmark = pytest.mark.mpi
 EPS32 = float(np.finfo(np.float32).eps)
-
-
-@pytest.fixture(scope="module")
-def cpu_jax(group):
-    if group.backend.name != "host":
-        pytest.skip("CPU JAX: the host backend (cuda: tests/jax/gpu/test_jax_jit_gpu.py)")
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_default_matmul_precision", "highest")
-    return jax
-
-
-def _seed(comm) -> int:
-    return comm.bcast(int(np.random.default_rng().integers(2**31)) if comm.rank == 0 else None)
 
 
 def _dense(p: dict, x: Any) -> Any:
@@ -140,7 +128,7 @@ def test_jitted_step_matches_one_process(group, cpu_jax, dtype, command_buffer):
     The bf16 and staged runs take 1-2 ranks in CI (two cores); fp32 in place any number."""
     if (dtype, command_buffer) != RUNS[0] and group.size > 2:
         pytest.skip("CI's time: the bf16 and staged runs at 1-2 ranks (the same collectives)")
-    W, rank, seed = group.size, group.rank, _seed(group.comm)
+    W, rank, seed = group.size, group.rank, fresh_seed(group.comm)
     widths = [6, 2 * W + 3, 8, 2]
     units, data = _units(seed, widths), _batches(seed, W, widths)
     opt = tj.ShardAdamW(AdamW(lr=1e-2))
@@ -168,7 +156,7 @@ def test_jitted_step_matches_one_process(group, cpu_jax, dtype, command_buffer):
 @pytest.mark.parametrize("dtype,command_buffer", [("float32", False), ("bfloat16", False),
                                                   ("bfloat16", True)])
 def test_gather_bitwise(group, cpu_jax, dtype, command_buffer):
-    W, seed = group.size, _seed(group.comm)
+    W, seed = group.size, fresh_seed(group.comm)
     rng = np.random.default_rng(seed)
     shapes = [(0, 3), (1, 2), (max(W - 1, 1), 5), (3 * W + 1,), (W, 2, 3)]
     full = [rng.standard_normal(s).astype(np.float32) for s in shapes]
@@ -205,7 +193,7 @@ def _reference_grads(units: list, x: np.ndarray, c: np.ndarray) -> list[dict]:
 
 
 def test_shard_grads_against_float64(group, cpu_jax):
-    W, rank, seed = group.size, group.rank, _seed(group.comm)
+    W, rank, seed = group.size, group.rank, fresh_seed(group.comm)
     widths = [5, 2 * W + 1, 3]
     units = _units(seed, widths)
     su = tj.shard_units(units, group=group)
@@ -238,7 +226,7 @@ def test_collective_order(group, cpu_jax, monkeypatch):
     """Forward gathers in unit order, then per unit in reverse its re-gather and its
     reduce-scatter, whatever XLA's scheduling; the same on every rank."""
     widths = [3, 4, 5, 6, 7]
-    su = tj.shard_units(_units(_seed(group.comm), widths), group=group)
+    su = tj.shard_units(_units(fresh_seed(group.comm), widths), group=group)
     order = _Order(monkeypatch, su)
 
     # sum(h): the last unit's output cotangent is a constant ([Note: collective order in
@@ -374,7 +362,7 @@ def test_clip_chain_matches_one_process(group, cpu_jax):
     SGD, against one process clipping the whole gradient by torch's rule: losses, and the
     norms each clip saw, the same bits on every rank. (``ShardAdamW``'s own clip is checked
     in test_scanned_step_matches_one_process, with the scanned network.)"""
-    W, rank, seed = group.size, group.rank, _seed(group.comm)
+    W, rank, seed = group.size, group.rank, fresh_seed(group.comm)
     widths = [6, 2 * W + 3, 8, 2]
     units, data = _units(seed, widths), _batches(seed, W, widths)
     opt = _Chain(tj.clip_by_global_norm(ACTIVE, group=group),
@@ -518,18 +506,6 @@ def _expected_order(reshard: bool) -> list[str]:
     return order + [*(["ag0"] if reshard else []), "rs0"]
 
 
-def _full(group: Any, shards: Any, like: Any, stacked: bool) -> Any:
-    """Full parameters from every rank's padded shards (dim 0, or dim 1 under a layer axis)."""
-    every = group.comm.allgather(jax.tree_util.tree_map(np.asarray, shards))
-    axis = 1 if stacked else 0
-
-    def one(k: int, want: np.ndarray) -> np.ndarray:
-        parts = [jax.tree_util.tree_leaves(s)[k] for s in every]
-        return np.concatenate(parts, axis=axis)[(slice(None),) * axis + (slice(want.shape[axis]),)]
-
-    return [one(k, w) for k, w in enumerate(jax.tree_util.tree_leaves(like))]
-
-
 def _reference(units: list, hp: AdamW, data: list) -> tuple[list, list, list]:
     """``(losses, clip norms, final parameters)`` of one process training the unrolled
     network on every rank's samples, clipping the whole gradient by torch's rule."""
@@ -558,7 +534,7 @@ class _Case(NamedTuple):
 @pytest.fixture(scope="module")
 def case(group, cpu_jax) -> _Case:
     """One case per run for every scan variant: they share the reference's compile."""
-    W, seed = group.size, _seed(group.comm)
+    W, seed = group.size, fresh_seed(group.comm)
     units = _model(seed, d=2 * W + 1)  # ragged rows; at 4 ranks the last rank's are empty
     data = []
     for k in range(STEPS):
@@ -597,7 +573,7 @@ def test_scanned_step_matches_one_process(group, case, monkeypatch, how, reshard
         shards, state, loss = step(shards, state, opt.coefficients(k + 1), xs[rank], ys[rank])
         losses.append(group.comm.allreduce(float(loss)) / W)
         order.on = False
-    got = [p for i, u in enumerate(units) for p in _full(group, shards[i], u, i == 1)]
+    got = [p for i, u in enumerate(units) for p in full_leaves(group, shards[i], u, i == 1)]
 
     failures = [f"step {k}: loss {a!r} vs reference {b!r}"
                 for k, (a, b) in enumerate(zip(losses, want)) if abs(a - b) > 1e-5 * abs(b)]
