@@ -81,7 +81,7 @@ HANG_BASE_S = 20 * 60
 WAIT_BASE_S = 60.0
 SKEW_BASE_S = 120.0
 #: Frameworks the ``test`` extra installs; the suite and the examples need every one.
-FRAMEWORKS = ("torch", "transformers", "safetensors", "peft", "jax")
+FRAMEWORKS = ("torch", "transformers", "safetensors", "peft", "jax", "flax", "optax")
 
 
 @dataclass(frozen=True)
