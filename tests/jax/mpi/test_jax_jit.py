@@ -12,9 +12,9 @@
 * the order the collectives run in: the forward gathers in unit order, then per unit
   in reverse its re-gather and its reduce-scatter, the same on every rank;
 * errors: units that differ between ranks, bad leaves, ``jax.vmap``, a mesh context;
-* clipping by the global norm: a chain (optax's protocol, written here: optax is not a
-  dependency) of ``clip_by_global_norm`` active, then never active, then momentum SGD,
-  against one process clipping the whole gradient by torch's rule: losses within 1e-5
+* clipping by the global norm: a chain (optax's protocol, written here so the chain's
+  parts can be checked one by one; test_flax.py runs optax's own) of
+  ``clip_by_global_norm`` active, then never active, then momentum SGD, against one process clipping the whole gradient by torch's rule: losses within 1e-5
   relative over 10 steps, the norms the same bits on every rank; bad or differing
   ``max_norm`` raise on every rank;
 * a stacked unit under ``jax.lax.scan`` (``ShardedUnits.scan``, and a hand-written
@@ -305,8 +305,8 @@ def _momentum(lr: float, beta: float = 0.9) -> Any:
 
 
 class _Chain:
-    """``optax.chain`` of ``transforms`` (what it does, written here: optax is not a
-    dependency), then ``optax.apply_updates``, with ``ShardAdamW``'s ``update`` signature."""
+    """``optax.chain`` of ``transforms`` (what it does, written out: the test needs no
+    optax), then ``optax.apply_updates``, with ``ShardAdamW``'s ``update`` signature."""
 
     def __init__(self, *transforms: Any) -> None:
         self.inits, self.updates = zip(*transforms)  # optax.chain unpacks them the same way
