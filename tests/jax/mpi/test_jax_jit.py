@@ -14,8 +14,9 @@
 * errors: units that differ between ranks, bad leaves, ``jax.vmap``, a mesh context;
 * clipping by the global norm: a chain (optax's protocol, written here so the chain's
   parts can be checked one by one; test_flax.py runs optax's own) of
-  ``clip_by_global_norm`` active, then never active, then momentum SGD, against one process clipping the whole gradient by torch's rule: losses within 1e-5
-  relative over 10 steps, the norms the same bits on every rank; bad or differing
+  ``clip_by_global_norm`` active, then never active, then momentum SGD, against one
+  process clipping the whole gradient by torch's rule: losses within 1e-5 relative over
+  10 steps, the norms the same bits on every rank; bad or differing
   ``max_norm`` raise on every rank;
 * a stacked unit under ``jax.lax.scan`` (``ShardedUnits.scan``, and a hand-written
   ``lax.scan`` over ``jax.checkpoint`` of ``apply`` without resharding, through the
