@@ -37,3 +37,25 @@ def test_forward_only_passes_between_steps_change_nothing(group, factory, monkey
     """The losses of the run without them: bit for bit on the host."""
     tt.same_losses_with_step(group, factory, monkeypatch, tt.step_after_forward_only_passes,
                              "forward-only")
+
+
+def test_floor_casts_a_unit_in_one_copy_as_it_would_per_parameter(group, monkeypatch):
+    """The floor's one copy per unit (where the layouts agree) gives the losses of a copy
+    per parameter, bit for bit; the tiny model's units take the one copy."""
+    taken: list[bool] = []
+    flat_pair = LocalComm._flat_pair
+
+    def counted(self, unit, k, out):
+        pair = flat_pair(self, unit, k, out)
+        taken.append(pair is not None)
+        return pair
+
+    monkeypatch.setattr(LocalComm, "_flat_pair", counted)
+    one_copy = tt._train(group, "--steps", "4", comm=LocalComm)
+    monkeypatch.setattr(LocalComm, "_flat_pair", lambda self, unit, k, out: None)
+    per_param = tt._train(group, "--steps", "4", comm=LocalComm)
+    problems = [] if one_copy == per_param else [f"one copy {one_copy} != per parameter "
+                                                 f"{per_param}"]
+    if not any(taken):
+        problems.append("no unit took the one copy: the test compares nothing")
+    agree(group.comm, problems, "floor copies")
