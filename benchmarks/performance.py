@@ -54,6 +54,8 @@ MOVED = {
     "--passes 2": "`--passes`, which ran the impls again with every other pass reversed "
                   "and pooled the medians, has left `compare_fsdp2.py`; commit `4350af1` "
                   "has it.",
+    "--compile": "`--compile`, which put each block's forward under `torch.compile`, has "
+                 "left `compare_fsdp2.py`; commit `70c2ef4` has it.",
     "--impl all --profile": "The trainer's comparison of comms (`examples/train.py --impl "
                             "all`) is `benchmarks/steps/compare_train.py --impl all` now.",
 }

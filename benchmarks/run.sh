@@ -11,8 +11,8 @@
 #       plans      (python -m benchmarks plans: host time per plan call)
 #       graphs     (plans, then the trainer at one rank, eager and with its whole step
 #                  captured: llama3-8b-8l, host time, step time and peak memory)
-#       calls      (benchmarks/ab/call_profile.py: host time per eager all_gather /
-#                  reduce_scatter call and per plan call, and their cProfiles)
+#       calls      (the plans suite on one unit, TIDE_PROFILE_UNIT (qwen3-30b-a3b): host
+#                  time per eager all_gather / reduce_scatter call and per plan call)
 #       train      (the trainer, small model: tide vs stock vs the floor)
 #       train8b    (the same at the Llama-8B shape, profiled: the step-time comparison)
 #       fsdp2      (benchmarks/steps/compare_fsdp2.py, Llama-8B shape: FSDP2 vs
@@ -58,10 +58,10 @@ run_graphs() {  # CUDA graphs: host time per graph plan call, and the captured t
     step train_graph "${MPI[@]}" -n 1 python3 benchmarks/steps/compare_train.py --impl graph \
         --model llama3-8b-8l --tokens 8192 --steps 20 --out "$OUT/train_graph"
 }
-run_calls() {  # host time of repeated eager calls and of plan calls, and their cProfiles; a
-               # script, so the tidearray first on PYTHONPATH is the one measured (ab)
-    step "call_profile$AB" "${MPI[@]}" -n 2 python3 benchmarks/ab/call_profile.py \
-        "${TIDE_PROFILE_UNIT:-qwen3-30b-a3b}"
+run_calls() {  # host time of eager calls and of plan calls on one unit; python3 -P puts
+    # no working directory ahead of PYTHONPATH, so the tidearray first there is measured (ab)
+    step "calls$AB" "${MPI[@]}" -n 2 python3 -P -m benchmarks plans --workloads units \
+        --units "${TIDE_PROFILE_UNIT:-qwen3-30b-a3b}" --out "$OUT/calls$AB"
 }
 run_train() {  # the trainer on cuda: small model, tide vs stock vs the floor (correctness)
     step train_small "${MPI[@]}" -n 2 python3 benchmarks/steps/compare_train.py --model small \

@@ -25,8 +25,8 @@ the same unit's does at one rank (run22-one-h200, docs/performance.md). Per impl
   beside the whole call's.
 
 Every timed call is complete and checked afterwards: the gathered parameters
-against the full ones (bitwise), so calls that skipped their work fail. Where a call's
-host time goes, function by function: ``benchmarks/ab/call_profile.py``.
+against the full ones (bitwise), so calls that skipped their work fail. ``benchmarks/run.sh``
+runs it on one unit as its ``calls`` step, also against another tree (``ab``).
 """
 
 from __future__ import annotations

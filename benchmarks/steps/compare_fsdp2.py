@@ -30,10 +30,9 @@ device memory per rank (sampled after every step, above what was in use before t
 model); the loss difference to ``fsdp2``. ``--out DIR`` writes ``compare.json`` (with the
 git commit), ``compare.md`` and a step plot; ``--report JSON`` remakes them.
 ``--host-profile N``: N more steps of each under cProfile; ``--profile``: a CUPTI
-timeline of one step of each; ``--compile``: each block's forward under
-``torch.compile``. The GPU's clocks are read
-during the timed steps. Without a GPU it runs on CPU (gloo, the host backend, fp32, one
-torch thread per rank); ``--model host-32l`` then measures host time per unit.
+timeline of one step of each. The GPU's clocks are read during the timed steps. Without
+a GPU it runs on CPU (gloo, the host backend, fp32, one torch thread per rank); ``--model
+host-32l`` then measures host time per unit.
 
 Every run checks that each impl's loss falls (the last step re-runs the first batch) and
 that impls training alike agree step by step within ``LOSS_RTOL`` (``GLOBAL_IMPLS``,
@@ -112,8 +111,6 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                    help="after the timed steps, STEPS more under cProfile: each impl's host "
                         "functions by own time (printed; {impl}_host_profile.txt with --out)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile each block's forward, in every impl alike")
     p.add_argument("--out", default=None)
     p.add_argument("--report", default=None, metavar="COMPARE_JSON")
     return p.parse_args(argv)
@@ -224,8 +221,6 @@ class Impl:
         self.inputs: Optional[tuple] = None  # what a captured step reads, refilled per step
         self.lr0 = args.lr
         self.plain: Optional[Plain] = None
-        if args.compile:
-            compile_blocks(torch, model)
         hyper = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
         self.sm = None
         if kind.startswith("plain"):
@@ -395,18 +390,6 @@ def _identity_function(torch: Any) -> Any:
             return grad
 
     return Identity
-
-
-def compile_blocks(torch: Any, model: Any) -> None:
-    """``torch.compile`` each block's forward, as torchtitan does: the module's hooks
-    (FSDP2's or ``shard_module``'s) run in ``Module.__call__``, outside the graph; the
-    compiled forward and backward read the parameters those hooks put in place."""
-    # One graph serves every block (parameters are graph inputs); the limit only
-    # guards against a recompile per block should a guard tell them apart.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
-                                                4 * len(model.blocks))
-    for b in model.blocks:
-        b.forward = torch.compile(b.forward)
 
 
 def device_used(torch: Any, cuda: bool) -> int:
@@ -648,6 +631,7 @@ def table(rec: dict) -> str:
     c = rec["comparison"]
     lines = [f"# FSDP2 vs tidearray.torch.shard_module: {rec['model']}, {rec['world']} ranks, "
              f"{rec['tokens_per_rank']} tokens per rank"
+             # kept records of the retired --compile (run12-fsdp2-compile) say so
              + (", blocks under torch.compile" if rec.get("compiled") else ""), "",
              f"Commit `{rec['commit']}`, {rec['time']}, device: {rec['device']}. Command: "
              f"`{' '.join(rec['argv'])}`.", ""]
@@ -773,15 +757,13 @@ def main(argv: Optional[list] = None) -> None:
         log("compare: the -graph impls capture a CUDA graph: skipped on the CPU")
         impls = [k for k in impls if not k.endswith("-graph")]
     log(f"compare: {args.model}, {tokens} tokens/rank, {g.size} ranks, "
-        f"{'cuda bf16' if cuda else 'cpu fp32'}, impls {impls}, {args.steps} steps"
-        + (", blocks compiled" if args.compile else ""))
+        f"{'cuda bf16' if cuda else 'cpu fp32'}, impls {impls}, {args.steps} steps")
     if args.steps < 2:  # the last step trains on the first one's batch again
         raise SystemExit(f"--steps: expected >= 2, got {args.steps}")
     records = run(impls, torch, g, args, cfg, tokens // cfg.seq, device, log)
     rec = {"commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "argv": ["python", *sys.argv], "model": args.model, "config": cfg.__dict__,
            "tokens_per_rank": tokens, "world": g.size, "torch": torch.__version__,
-           "compiled": args.compile,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "runs": records}
     dtype = "bfloat16" if cuda else "float32"
