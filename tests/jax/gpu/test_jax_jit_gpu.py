@@ -1,10 +1,12 @@
 """``tidearray.jax`` on the cuda backend: the collectives on XLA's stream inside one jit.
 
 * ``examples/jax_train.py``'s transformer, ten jitted steps against one JAX process
-  on the global batch: 1e-4 relative loss in fp32 (matmuls at full precision), 3e-2
-  with bf16 parameters and fp32 reduction;
-* no host synchronization inside a step: every CuPy and tidearray synchronize entry
-  point is counted while a (warmed-up) step runs, and must stay at zero;
+  on the global batch, the gradient clipped by its global norm: 1e-4 relative loss in
+  fp32 (matmuls at full precision), the blocks under ``lax.scan`` and unrolled; 3e-2
+  with bf16 parameters and fp32 reduction, scanned;
+* no host synchronization inside a step (scanned blocks, the clip's norm gathered over
+  the ranks): every CuPy and tidearray synchronize entry point is counted while a
+  (warmed-up) step runs, and must stay at zero;
 * ``command_buffer=True`` (staged plans; XLA may record the collectives into its command
   buffers and replay them): the same losses as without, to 1e-6 (the same collectives,
   summed in the same order: equal bits are expected); how often the callbacks' Python
@@ -58,10 +60,13 @@ def gpu_jax(cuda_group):
     return _example().setup_jax(cuda_group)
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
-def test_jitted_step_matches_one_process(cuda_group, gpu_jax, dtype, tol):
+@pytest.mark.parametrize("dtype,tol,scan", [("float32", 1e-4, True), ("float32", 1e-4, False),
+                                            ("bfloat16", 3e-2, True)],
+                         ids=["float32-scan", "float32-unrolled", "bfloat16-scan"])
+def test_jitted_step_matches_one_process(cuda_group, gpu_jax, dtype, tol, scan):
     ex = _example()
-    cfg = ex.Config(layers=2, width=64, heads=4, seq=32, batch=4)
+    cfg = ex.Config(layers=2, width=64, heads=4, seq=32, batch=4, scan=scan)
+    assert cfg.max_grad_norm is not None  # the example clips: the norm's gather runs too
     losses, su = ex.train_sharded(jax, cuda_group, cfg, dtype)
     with jax.default_device(su.device):
         want = ex.train_reference(jax, cfg, cuda_group.size)
@@ -106,10 +111,12 @@ def test_no_host_synchronize_inside_a_step(cuda_group, gpu_jax, monkeypatch, com
     from tidearray.fsdp import AdamW
 
     ex = _example()
-    cfg = ex.Config()
-    su = tj.shard_units(ex.init_units(cfg), group=cuda_group, command_buffer=command_buffer)
-    opt = tj.ShardAdamW(AdamW(lr=cfg.lr))
-    step = ex.sharded_step(jax, su, ex.unit_fns(jax, cfg), opt)
+    cfg = ex.Config()  # the blocks under lax.scan, the gradient clipped
+    units, fns, stacked = ex.sharded_model(jax, cfg)
+    su = tj.shard_units(units, group=cuda_group, stacked=stacked,
+                        command_buffer=command_buffer)
+    opt = tj.ShardAdamW(AdamW(lr=cfg.lr, max_grad_norm=cfg.max_grad_norm), group=cuda_group)
+    step = ex.sharded_step(jax, su, fns, opt)
     shards, state = su.shards, opt.init(su.shards)
     tokens, targets = (jax.device_put(a, su.device) for a in ex.batch(cfg, 0, cuda_group.rank))
     shards, state, _ = jax.block_until_ready(step(shards, state, opt.coefficients(1), tokens,
