@@ -107,6 +107,13 @@ class _UnitCollectives:
         self.shapes = [tuple(s) for s in unit.shapes]
         self.full_types = [jax.ShapeDtypeStruct(s, owner.compute_dtype) for s in self.shapes]
         self.shard_types = [jax.ShapeDtypeStruct(s, jnp.float32) for s in unit.shard_shapes]
+        # Whether XLA may record the callbacks into its command buffers: not a stacked
+        # unit's, run inside lax.scan's loop, whose recorded graph XLA then failed to
+        # update on one H200 at 3 and 4 ranks (CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE, "Failed
+        # to set CUDA graph child node params"); a stacked unit's callbacks run as plain
+        # callbacks between XLA's command buffers instead ([Note: stacked units under
+        # lax.scan]).
+        self.recorded = owner.command_buffer and layers is None
 
     def gather(self, shards: Sequence[Any], after: Sequence[Any]) -> Any:
         """The unit's full parameters (a pytree), in the compute dtype; the callback runs
@@ -114,7 +121,7 @@ class _UnitCollectives:
         owner, n = self.owner, len(self.shapes)
         sends = [s.astype(owner.compute_dtype) for s in shards]
         call = buffer_callback(self._gather_cb, self.full_types,
-                               command_buffer_compatible=owner.command_buffer)
+                               command_buffer_compatible=self.recorded)
         params = _bind(call, (*sends, *after))
         return jax.tree_util.tree_unflatten(self.treedef, params[:n])
 
@@ -128,7 +135,7 @@ class _UnitCollectives:
         types = [*self.shard_types, *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in passed)]
         aliases = {n + k: n + k for k in range(len(passed))}
         call = buffer_callback(self._reduce_cb, types, input_output_aliases=aliases,
-                               command_buffer_compatible=owner.command_buffer)
+                               command_buffer_compatible=self.recorded)
         out = _bind(call, (*leaves, *passed, *after))
         return list(out[:n]), list(out[n:])
 
@@ -379,7 +386,9 @@ def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
             then runs when XLA records, not on every step. The collectives then run
             through plans built here over buffers of tidearray's, with XLA's buffers
             copied in and out ([Note: in place or staged] in ``tidearray.jax._runners``):
-            one unit's gradients more of memory, and copies of them.
+            one unit's gradients more of memory, and copies of them. A stacked unit's
+            callbacks are never recorded (XLA failed to update the recorded scan loop on
+            an H200 at 3-4 ranks); they run as plain callbacks.
         stacked: the indices of the units whose leaves stack per-layer parameters on a
             leading layer axis, ``(layers, d0, *rest)`` (MaxText's ``scan_layers``,
             Flax's ``nn.scan``): each layer's ``(d0, *rest)`` is sharded on its dim 0,
