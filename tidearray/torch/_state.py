@@ -307,10 +307,12 @@ def _apply(sm: Sharding, taken: dict, buffers: dict, own: dict, sharded: bool) -
     model = sm.runtime
     model.synchronize()
     model.release()  # gathered units would hold the old values
+    sources: list = []
     for (u, k), (_, value) in taken.items():
         start, stop = _spec(sm, u, k).rows(model.rank)
         rows = value if sharded else value[start:stop]
-        _write_rows(model, model.params(u)[k], rows)
+        _write_rows(model, model.params(u)[k], rows, sources)
+    _settle_sources(model, sources)
     with torch.no_grad():
         for key, value in buffers.items():
             if torch.is_tensor(own[key]):
@@ -325,9 +327,12 @@ def _load_optim(sm: Sharding, saved: Mapping) -> None:
         sm.optimizer.load_state_dict(_copy(saved["state"], cpu=False))  # its own tensors
         return
     opt, model = sm.runtime.optimizer, sm.runtime
+    sources: list = []
     for what, flat in (("exp_avg", opt.exp_avg), ("exp_avg_sq", opt.exp_avg_sq)):
         for u, k in _every_param(sm):
-            _write_rows(model, model.arena.views(flat, u)[k], saved[what][sm.names[u][k]])
+            _write_rows(model, model.arena.views(flat, u)[k], saved[what][sm.names[u][k]],
+                        sources)
+    _settle_sources(model, sources)
     step, own = int(saved["step"]), saved.get("param_steps")  # older states: every count step
     steps = None if not isinstance(own, Mapping) else [
         int(own.get(sm.names[u][k], step)) for u, k in _every_param(sm)]
@@ -410,18 +415,28 @@ def _rows(sm: Sharding, views: list, u: int, k: int) -> Any:
     return views[k][:_spec(sm, u, k).valid_rows(sm.runtime.rank)]
 
 
-def _write_rows(model: Any, shard: Any, rows: Any) -> None:
-    """``rows`` (a tensor or array) into the first rows of padded ``shard``; padding zeroed."""
+def _write_rows(model: Any, shard: Any, rows: Any, sources: list) -> None:
+    """``rows`` (a tensor or array) into the first rows of padded ``shard``; padding zeroed.
+    A CUDA source tensor is appended to ``sources``: the caller keeps it until the copies
+    have run (``_settle_sources``)."""
     n = int(rows.shape[0])
     t = torch.as_tensor(rows).detach().to(torch.float32).contiguous()
-    backend = model.group.backend
-    shard[:n] = backend.asarray(t)
+    shard[:n] = model.group.backend.asarray(t)
     shard[n:] = 0
     if t.is_cuda:
-        # The copy runs on CuPy's stream, and ``t`` (often a temporary of ``.to``) goes
-        # back to torch's allocator when this returns: torch may hand its memory out
-        # again on its own stream before the copy has read it. A load is rare: wait.
-        backend.settle()
+        sources.append(t)
+
+
+def _settle_sources(model: Any, sources: list) -> None:
+    """Wait for the copies out of ``sources`` (CUDA tensors), then let them go.
+
+    The copies run on CuPy's stream, and a source (often a temporary of ``.to``) goes back
+    to torch's allocator once dropped: torch may hand its memory out again on its own
+    stream before the copy has read it. So every source is kept until one wait after the
+    last copy of a load (a load is rare; one wait, not one per parameter)."""
+    if sources:
+        model.group.backend.settle()
+        sources.clear()
 
 
 def _copy(value: Any, cpu: bool) -> Any:
