@@ -106,9 +106,3 @@ def allreduce_max(comm: Any, values: Sequence[float]) -> np.ndarray:
     comm.Allreduce(buf, out, op=MPI.MAX)
     return out
 
-
-def agree(comm: Any, ok: bool) -> bool:
-    """True on every rank only if ``ok`` on every rank (so no rank enters a collective alone)."""
-    from mpi4py import MPI
-
-    return bool(comm.allreduce(int(bool(ok)), op=MPI.MIN))
