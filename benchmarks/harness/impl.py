@@ -23,7 +23,7 @@ from .data import UnitData
 PLUGINS = (".impls", "..baselines.impls_nccl", "..baselines.impls_torch")
 
 #: Names in report order.
-ORDER = ("tide", "tide-plan", "stock", "symm", "nccl-bf16", "nccl-a2a", "fsdp2")
+ORDER = ("tide", "tide-plan", "stock", "symm", "nccl-a2a", "fsdp2")
 _REGISTRY: dict[str, list[type]] = {}
 
 
