@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 from tests import support as W
 
+from .harness import interference, memory, plans, speed
+from .harness.report import build, summary
 from .harness.timing import MIN_ITERS
 
 COMMANDS: dict[str, Callable[[Any], None]] = {}
@@ -63,37 +65,27 @@ def _units(args: Any) -> list:
 
 @command("ag")
 def cmd_ag(ctx: Any) -> None:
-    from .harness import speed
-
     speed.run(ctx, "ag", select_workloads(ctx.args))
 
 
 @command("rs")
 def cmd_rs(ctx: Any) -> None:
-    from .harness import speed
-
     speed.run(ctx, "rs", select_workloads(ctx.args))
 
 
 @command("interference")
 def cmd_interference(ctx: Any) -> None:
-    from .harness import interference
-
     unit = next(u for u in W.units(16 if ctx.args.quick else 1) if u.name == INTERFERENCE_UNIT)
     interference.run(ctx, unit)
 
 
 @command("memory")
 def cmd_memory(ctx: Any) -> None:
-    from .harness import memory
-
     memory.run(ctx, _units(ctx.args))
 
 
 @command("plans")
 def cmd_plans(ctx: Any) -> None:
-    from .harness import plans
-
     plans.run(ctx, _units(ctx.args))
 
 
@@ -137,8 +129,6 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Any = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "report":
-        from .harness.report import build
-
         print(build(args.json, args.docs))
         return 0
     if args.iters < MIN_ITERS:
@@ -152,10 +142,8 @@ def main(argv: Any = None) -> int:
         ctx.log(f"benchmarks {args.command}: {ctx.size} ranks, device {ctx.dev.name}, "
                 f"group {ctx.group!r}" + (f" [{ctx.group_note}]" if ctx.group_note else ""))
         COMMANDS[args.command](ctx)
-        ctx.out("\n" + _summary(ctx))
+        ctx.out("\n" + summary(ctx))
         if args.command == "all" and ctx.rank == 0 and ctx.sink.path:
-            from .harness.report import build
-
             docs = args.docs or os.path.join(args.out, "report")
             ctx.log(f"report: {build([ctx.sink.path], docs)}")
         if ctx.rank == 0 and ctx.sink.path:
@@ -166,12 +154,6 @@ def main(argv: Any = None) -> int:
         ctx.close()
         ctx.group.close()
     return 1 if ctx.errors else 0
-
-
-def _summary(ctx: Any) -> str:
-    from .harness.report import summary
-
-    return summary(ctx)
 
 
 if __name__ == "__main__":
