@@ -46,7 +46,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import sys
 import time
 from typing import Any, Optional
@@ -55,6 +54,7 @@ import numpy as np
 
 import tidearray as ta
 from benchmarks.baselines import LocalComm
+from benchmarks.baselines.impls_torch import init_process_group
 from benchmarks.harness import training
 from benchmarks.harness.device import ClockLog, clock_median
 from benchmarks.harness.records import git_commit
@@ -633,22 +633,14 @@ def report(path: str) -> str:
 
 
 def init_torch(torch: Any, g: Any, cuda: bool) -> None:
-    """torch.distributed over the MPI ranks (one node: a TCP store on this host)."""
+    """torch.distributed over the MPI ranks, its communicator started before any memory
+    baseline (so counted for no impl)."""
     import torch.distributed as dist
 
-    port = None
-    if g.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = g.comm.bcast(port)
     if cuda:
         torch.cuda.set_device(g.backend.device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=g.rank, world_size=g.size)
-    # Communicator start-up before any memory baseline: counted for no impl.
-    t = torch.ones(1, device="cuda" if cuda else "cpu")
-    dist.all_reduce(t)
+    init_process_group(g.comm, "nccl" if cuda else "gloo")
+    dist.all_reduce(torch.ones(1, device="cuda" if cuda else "cpu"))
 
 
 def main(argv: Optional[list] = None) -> None:
