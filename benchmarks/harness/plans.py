@@ -17,9 +17,7 @@ the same unit's does at one rank (run22-one-h200, docs/performance.md). Per impl
   group's ``chunk_nbytes``);
 * ``graph``: the same plans made with ``graph=True``, each call one replay of
   a captured CUDA graph (on the host backend, of the recorded primitives); on
-  cuda its flags are one-thread kernels (``Config.graph_flag_kernels``, the default);
-* ``plan-400``: the gather plans of 400 units of the same shapes, called in
-  turn, so each call's plan differs from the last (no cliff at many units).
+  cuda its flags are one-thread kernels (``Config.graph_flag_kernels``, the default).
 
 Every timed call is complete and checked afterwards: the gathered parameters
 against the full ones (bitwise), so calls that skipped their work fail. ``benchmarks/run.sh``
@@ -35,9 +33,6 @@ import numpy as np
 
 from tests import support as W
 from tidearray import bfloat16
-
-#: Units of the ``plan-400`` case (the plans share two slots).
-MANY = 400
 
 
 def run(ctx: Any, units: list) -> None:
@@ -90,14 +85,6 @@ def _one_unit(ctx: Any, u: Any) -> None:
                 f"{queued:8.1f} us back to back")
     _check(ctx, gather, full)
     _check(ctx, graph_gather, full)
-    plans = [unit.gather_plan(shards, arena[i % 2]) for i in range(MANY)]
-    for p in plans:  # each plan's first call plans its copy batches: not the steady state
-        p(stream=stream, async_op=True)
-    turn = iter(range(10**9))
-    us = _host_us(ctx, lambda: plans[next(turn) % MANY](stream=stream, async_op=True))
-    ctx.sink.add("plans", "plan-400", u.name, "ag_host_us", us, "us")
-    ctx.log(f"  {u.name:16s} ag plan-400: {us:8.1f} us host per call")
-    _check(ctx, plans[-1], full)
 
 
 def _host_us(ctx: Any, fn: Any, idle: bool = True) -> float:
