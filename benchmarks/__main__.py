@@ -99,20 +99,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    for name in list(COMMANDS) + ["report"]:
-        helps = {"all": "run every suite, then write the report",
-                 "report": "rebuild the tables from JSON records"}
-        s = sub.add_parser(name, help=helps.get(name, f"run the {name} suite"))
-        if name == "report":
-            s.add_argument("--json", action="append", required=True,
-                           help="JSON Lines record file (repeatable)")
-            s.add_argument("--docs", default=os.path.join(os.environ.get("OUT", "bench-out"),
-                                                          "report"),
-                           help="output directory (default $OUT/report, else bench-out/report)")
-            continue
+    for name in COMMANDS:
+        s = sub.add_parser(name, help="run every suite, then write the report" if name == "all"
+                           else f"run the {name} suite")
         s.add_argument("--out", default="bench-out",
                        help="directory for bench.jsonl, bench.log and (all) report/")
-        s.add_argument("--json", default=None, help="record file (default <out>/bench.jsonl)")
         s.add_argument("--docs", default=None, help="report directory (all; default <out>/report)")
         s.add_argument("--quick", action="store_true", help="small sizes (CPU smoke runs)")
         s.add_argument("--iters", type=int, default=MIN_ITERS, help="timed iterations (>= 20)")
@@ -123,6 +114,11 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--units", default="", help="comma list of unit names (default: all four)")
         s.add_argument("--device", default="auto", choices=("auto", "cuda", "host"))
         s.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures")
+    s = sub.add_parser("report", help="rebuild the tables from JSON records")
+    s.add_argument("--json", action="append", required=True,
+                   help="JSON Lines record file (repeatable)")
+    s.add_argument("--docs", default=os.path.join(os.environ.get("OUT", "bench-out"), "report"),
+                   help="output directory (default $OUT/report, else bench-out/report)")
     return p
 
 

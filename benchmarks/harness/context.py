@@ -109,7 +109,7 @@ def make_ctx(args: Any) -> Ctx:
         note = f"tidearray's cuda backend did not start ({e.__class__.__name__}: {e})"
         group = ta.init(backend="host")
     dev = make_device(kind)
-    json_path = args.json or (os.path.join(args.out, "bench.jsonl") if args.out else None)
+    json_path = os.path.join(args.out, "bench.jsonl") if args.out else None
     return Ctx(comm, group, dev, args, Sink(json_path, comm.rank), note)
 
 
