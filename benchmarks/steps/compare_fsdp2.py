@@ -401,8 +401,7 @@ class Run:
 
         out = self.args.out if self.g.rank == 0 else None
         path = os.path.join(out, f"{self.kind}_step_trace.json") if out else None
-        roles = training.profile_step(step, path, self.log)
-        return None if roles is None else {"ms_per_role": roles}
+        return training.profile_step(step, path, self.log)
 
     def host_profile(self) -> None:
         """``--host-profile`` more steps under cProfile (rank 0's): where each impl's host
@@ -437,12 +436,11 @@ class Run:
             self.host_profile()
         impl.close()
         del self.impl
+        timed = {"step": self.times, "host": self.host, "cpu": self.cpu}
         return {"impl": self.kind, "losses": self.losses, "step_s": self.times,
                 "host_s": self.host, "cpu_s": self.cpu, "peak_bytes": self.peak,
-                "clocks": clocks,
-                "median_step_s": float(np.median(self.times[w:] or self.times)),
-                "median_host_s": float(np.median(self.host[w:] or self.host)),
-                "median_cpu_s": float(np.median(self.cpu[w:] or self.cpu)), "profile": prof}
+                "clocks": clocks, "profile": prof,
+                **{f"median_{k}_s": float(np.median(v[w:] or v)) for k, v in timed.items()}}
 
 
 def run(kinds: list, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.ModelConfig,
