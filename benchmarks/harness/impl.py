@@ -3,7 +3,7 @@
 Every implementation answers ``setup(data) -> Prepared``: buffers and tables are
 made once per unit (outside timing), and the returned closures each issue one
 collective on the timing stream. ``phases`` are the pieces of a collective, run
-alone for breakdowns and SM time.
+alone for breakdowns.
 
 Implementations live in the plug-in modules named in :data:`PLUGINS` and register
 themselves with :func:`register` when imported. This module imports none of them
