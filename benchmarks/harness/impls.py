@@ -85,12 +85,12 @@ class Tide(Impl):
 
             g, stream = self.ctx.group, self.ctx.dev.stream
             nbytes = sum(s.byte_range(g.rank)[1] for s in data.specs)
-            peers = [(g.local_rank + k) % g.local_size for k in range(1, g.local_size)]
+            src = slot.ptr(g.local_rank)
+            dsts = [slot.ptr((g.local_rank + k) % g.local_size) for k in range(1, g.local_size)]
 
             def run() -> None:  # W = 2: exactly TIDE-AG's traffic; W > 2: serial (a bound)
-                for p in peers:
-                    cupy.cuda.runtime.memcpyAsync(slot.ptr(p), slot.ptr(g.local_rank), nbytes,
-                                                  4, stream.ptr)
+                for dst in dsts:
+                    cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, 4, stream.ptr)
             return {"ag.peer_copy": Phase(run, "ce", 0, f"one cudaMemcpyAsync of {nbytes} B "
                                           "to each peer's slot", part=False)}
 
