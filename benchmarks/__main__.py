@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 from tests import support as W
 
+from .harness import interference, memory, plans, speed
+from .harness.report import build, summary
 from .harness.timing import MIN_ITERS
 
 COMMANDS: dict[str, Callable[[Any], None]] = {}
@@ -63,37 +65,27 @@ def _units(args: Any) -> list:
 
 @command("ag")
 def cmd_ag(ctx: Any) -> None:
-    from .harness import speed
-
     speed.run(ctx, "ag", select_workloads(ctx.args))
 
 
 @command("rs")
 def cmd_rs(ctx: Any) -> None:
-    from .harness import speed
-
     speed.run(ctx, "rs", select_workloads(ctx.args))
 
 
 @command("interference")
 def cmd_interference(ctx: Any) -> None:
-    from .harness import interference
-
     unit = next(u for u in W.units(16 if ctx.args.quick else 1) if u.name == INTERFERENCE_UNIT)
     interference.run(ctx, unit)
 
 
 @command("memory")
 def cmd_memory(ctx: Any) -> None:
-    from .harness import memory
-
     memory.run(ctx, _units(ctx.args))
 
 
 @command("plans")
 def cmd_plans(ctx: Any) -> None:
-    from .harness import plans
-
     plans.run(ctx, _units(ctx.args))
 
 
@@ -107,20 +99,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    for name in list(COMMANDS) + ["report"]:
-        helps = {"all": "run every suite, then write the report",
-                 "report": "rebuild the tables from JSON records"}
-        s = sub.add_parser(name, help=helps.get(name, f"run the {name} suite"))
-        if name == "report":
-            s.add_argument("--json", action="append", required=True,
-                           help="JSON Lines record file (repeatable)")
-            s.add_argument("--docs", default=os.path.join(os.environ.get("OUT", "bench-out"),
-                                                          "report"),
-                           help="output directory (default $OUT/report, else bench-out/report)")
-            continue
+    for name in COMMANDS:
+        s = sub.add_parser(name, help="run every suite, then write the report" if name == "all"
+                           else f"run the {name} suite")
         s.add_argument("--out", default="bench-out",
                        help="directory for bench.jsonl, bench.log and (all) report/")
-        s.add_argument("--json", default=None, help="record file (default <out>/bench.jsonl)")
         s.add_argument("--docs", default=None, help="report directory (all; default <out>/report)")
         s.add_argument("--quick", action="store_true", help="small sizes (CPU smoke runs)")
         s.add_argument("--iters", type=int, default=MIN_ITERS, help="timed iterations (>= 20)")
@@ -131,14 +114,17 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--units", default="", help="comma list of unit names (default: all four)")
         s.add_argument("--device", default="auto", choices=("auto", "cuda", "host"))
         s.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures")
+    s = sub.add_parser("report", help="rebuild the tables from JSON records")
+    s.add_argument("--json", action="append", required=True,
+                   help="JSON Lines record file (repeatable)")
+    s.add_argument("--docs", default=os.path.join(os.environ.get("OUT", "bench-out"), "report"),
+                   help="output directory (default $OUT/report, else bench-out/report)")
     return p
 
 
 def main(argv: Any = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "report":
-        from .harness.report import build
-
         print(build(args.json, args.docs))
         return 0
     if args.iters < MIN_ITERS:
@@ -152,10 +138,8 @@ def main(argv: Any = None) -> int:
         ctx.log(f"benchmarks {args.command}: {ctx.size} ranks, device {ctx.dev.name}, "
                 f"group {ctx.group!r}" + (f" [{ctx.group_note}]" if ctx.group_note else ""))
         COMMANDS[args.command](ctx)
-        ctx.out("\n" + _summary(ctx))
+        ctx.out("\n" + summary(ctx))
         if args.command == "all" and ctx.rank == 0 and ctx.sink.path:
-            from .harness.report import build
-
             docs = args.docs or os.path.join(args.out, "report")
             ctx.log(f"report: {build([ctx.sink.path], docs)}")
         if ctx.rank == 0 and ctx.sink.path:
@@ -166,12 +150,6 @@ def main(argv: Any = None) -> int:
         ctx.close()
         ctx.group.close()
     return 1 if ctx.errors else 0
-
-
-def _summary(ctx: Any) -> str:
-    from .harness.report import summary
-
-    return summary(ctx)
 
 
 if __name__ == "__main__":

@@ -54,8 +54,6 @@ MOVED = {
     "--passes 2": "`--passes`, which ran the impls again with every other pass reversed "
                   "and pooled the medians, has left `compare_fsdp2.py`; commit `4350af1` "
                   "has it.",
-    "--compile": "`--compile`, which put each block's forward under `torch.compile`, has "
-                 "left `compare_fsdp2.py`; commit `70c2ef4` has it.",
     "--impl all --profile": "The trainer's comparison of comms (`examples/train.py --impl "
                             "all`) is `benchmarks/steps/compare_train.py --impl all` now.",
 }
@@ -63,6 +61,8 @@ MOVED = {
 #: run measured the same again. Each record stays in its folder; the page's hand-written
 #: part gives what each found and the commit that holds its code.
 ARCHIVED = {
+    "run12-fsdp2-compile": "`shard_module` against `fully_shard`, each block compiled "
+                           "(`compare_fsdp2.py --compile`)",
     "run13-bounds": "What the hardware leaves (the probe `hw_bounds.py`)",
     "run14-sweeps": "Variants launched in turn (the defaults' sweeps and the `ctas` step)",
     "run15-one-h200": "Kernels beside a GEMM (`footprints.py`, the `priority` step)",
@@ -277,16 +277,15 @@ def memory(R: dict) -> list[Figure]:
                    max(ratios.values()) <= 1.0)]
 
 
-# ---- 2xH200: training steps (run12-fsdp2, run12-fsdp2-compile, run7) -----------------
+# ---- 2xH200: training steps (run12-fsdp2, run7) --------------------------------------
 
 
 def fsdp2(run: Run) -> tuple[Figure, ...]:
     d = run.json("compare.json")
     by = {r["impl"]: r for r in d["runs"]}
     t, f, floor = (by[k]["median_step_s"] for k in ("tide", "fsdp2", "floor"))
-    kept = by.get("tide-kept")
     c = d["comparison"]
-    figs = [
+    return (
         Figure("`shard_module` step 10% below `fully_shard`'s", "<= 0.90x",
                f"{x(t / f, 3)} ({ms(t)} against {ms(f)}; medians, {d['passes']} passes)",
                t / f <= 0.90),
@@ -298,13 +297,7 @@ def fsdp2(run: Run) -> tuple[Figure, ...]:
         Figure("Losses agree with `fully_shard`'s", f"rel. diff <= {c['loss_rtol']:g}",
                f"{c['loss_max_rel_diff']:.1e} (step {c['loss_step_of_max']})",
                c["losses_agree"]),
-    ]
-    if kept:  # compare_fsdp2.py's tide-kept, since retired ("Retired experiments")
-        figs.append(Figure("`keep_param_shards=True` (`tide-kept`, since retired): step and "
-                           "memory against the casting gathers", "(a user choice: reference)",
-                           f"step {x(kept['median_step_s'] / t, 3)}, peak "
-                           f"{x(kept['peak_bytes'] / by['tide']['peak_bytes'], 3)}"))
-    return tuple(figs)
+    )
 
 
 def trainer(run: Run) -> tuple[Figure, ...]:
@@ -454,8 +447,6 @@ def sections(root: str) -> list[Section]:
         S("run12-fsdp2", "`shard_module` against `fully_shard`, eager",
           "One PyTorch Llama-style model (llama3-8b-8l: 8 layers, hidden 4096, 8192 tokens "
           "per GPU).", fsdp2, PLOTS[1]),
-        S("run12-fsdp2-compile", "`shard_module` against `fully_shard`, each block compiled",
-          "As above, each block under `torch.compile`.", fsdp2),
         S("run7", "The trainer of examples/train.py, and host time per call",
           "A Llama-3.1-8B-shaped model (8 layers, 8192 tokens per GPU).", trainer),
         S("run21-one-h200", "CUDA graphs: the captured trainer step",

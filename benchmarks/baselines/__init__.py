@@ -9,7 +9,7 @@
 * ``nccl``: NCCL collectives through nccl4py's thin bindings, with the
   library's version and the kernels it may launch;
 * ``impls_nccl`` / ``impls_torch``: the collective suites' baselines (``stock``,
-  ``symm``, ``nccl-bf16``, ``nccl-a2a``; ``fsdp2``), registered
+  ``symm``, ``nccl-a2a``; ``fsdp2``), registered
   with the harness when it loads them.
 """
 

@@ -1,4 +1,4 @@
-"""The NCCL baselines on the cuda backend: ``stock``, ``symm`` and ``nccl-bf16``.
+"""The NCCL baselines on the cuda backend: ``stock``, ``symm`` and ``nccl-a2a``.
 
 All three keep FSDP2's flat rank-major buffers and do the layout conversion
 with one fused kernel per conversion per unit (``pack``: ``kernels/pack.cu`` and
@@ -11,8 +11,6 @@ with one fused kernel per conversion per unit (``pack``: ``kernels/pack.cu`` and
   symmetric windows; the all-gather communicator uses ``NCCL_CTA_POLICY_ZERO``
   (NCCL's copy-engine all-gather), the reduce-scatter one NCCL's defaults, with
   ``ncclSum`` (the symmetric kernels take no ``ncclAvg``) and the 1/W scale after.
-* ``nccl-bf16``: RS only: chunk-cat bf16 (no upcast), NCCL bf16 reduce-scatter,
-  upcast of the shard to fp32. The shortcut that loses precision.
 * ``nccl-a2a``: RS only, Megatron-style: chunk-cat bf16, NCCL bf16 all-to-all (each
   rank receives every rank's bf16 block of its shard), then a local fp32 accumulate of
   the blocks in rank order with the 1/W scale fused, by TIDE-RS's own accumulate kernel.
@@ -212,77 +210,30 @@ class _Windowed:
 
 
 @register
-class NcclBf16(Stock):
-    """bf16 chunk-cat, NCCL bf16 reduce-scatter, fp32 upcast of the shard."""
+class NcclA2a(Stock):
+    """bf16 chunk-cat, NCCL bf16 all-to-all, fp32 accumulate of the W blocks (Megatron)."""
 
-    name = "nccl-bf16"
-    rs_tolerance = 1e-2  # sums in bf16: about 2**-8 relative per term
-    description = "fused bf16 chunk-cat + NCCL bf16 reduce-scatter + upcast (loses precision)"
+    name = "nccl-a2a"
+    description = "fused bf16 chunk-cat + NCCL bf16 all-to-all (grouped send/recv) + fp32 " \
+                  "accumulate of the W blocks in rank order, 1/W fused (TIDE-RS's kernel)"
     do_ag = False
     ops = ("rs",)
 
-    #: Whether the collective receives every rank's block (all-to-all) or only ours.
-    recv_all = False
-
     def _setup_rs(self, data: UnitData, lay: pack.FlatLayout, bufs: _Buffers,
                   prep: Prepared) -> None:
-        """bf16 chunk-cat into the flat buffer, the collective, then the fp32 finish."""
-        dev, xp = self.ctx.dev, self.ctx.dev.xp
+        """bf16 chunk-cat into the flat buffer, NCCL's bf16 all-to-all (every rank's block
+        of our shard), then the fp32 sum of the W blocks in rank order, scale fused."""
+        dev, xp, W, comm = self.ctx.dev, self.ctx.dev.xp, data.world, self.rs_comm
         _, rs_in = bufs.get(lay.total_numel * 2, "rs_in")
-        recv_numel = lay.total_numel if self.recv_all else lay.block_numel
-        recv_arr, recv = bufs.get(recv_numel * 2, "rs_out")
+        _, recv = bufs.get(lay.total_numel * 2, "rs_out")
         out32 = xp.empty(lay.block_numel, float32)
         bufs.nbytes += out32.nbytes
         chunk_cat = pack.make_copy(dev, pack.to_bytes(pack.chunk_cat_segs(
             lay, [g.data.ptr for g in data.grads], rs_in, 2, 2), 2), "bytes")
-        s = dev.stream
-        collective, finish, finish_phase = self._finish(data, lay, rs_in, recv_arr, recv,
-                                                        out32, s)
-
-        def rs() -> None:
-            chunk_cat(s)
-            collective()
-            finish()
-
-        outs = as_f32_shards(xp, out32, lay.offsets, data.specs)
-        prep.rs, prep.rs_out = rs, lambda: outs
-        prep.phases.update({
-            "rs.pack": Phase(lambda: chunk_cat(s), "kernel", chunk_cat.ctas),
-            "rs.collective": Phase(collective, "nccl"), **finish_phase})
-
-    def _finish(self, data: UnitData, lay: pack.FlatLayout, rs_in: int, recv_arr: Any,
-                recv: int, out32: Any, s: Any) -> tuple:
-        """NCCL's bf16 reduce-scatter (avg), then a cast of the shard to fp32."""
-        xp, comm, out16 = self.ctx.dev.xp, self.rs_comm, recv_arr.view(bfloat16)
-
-        def reduce() -> None:
-            nccl.reduce_scatter_avg(comm, rs_in, recv, lay.block_numel, "bfloat16", s.ptr)
-
-        def upcast() -> None:
-            with s:
-                xp.copyto(out32, out16, casting="unsafe")
-
-        return reduce, upcast, {"rs.upcast": Phase(upcast, "kernel", None,
-                                                   "CuPy elementwise cast")}
-
-
-@register
-class NcclA2a(NcclBf16):
-    """bf16 chunk-cat, NCCL bf16 all-to-all, fp32 accumulate of the W blocks (Megatron)."""
-
-    name = "nccl-a2a"
-    rs_tolerance = 1e-5  # fp32 sums of the bf16 terms, as TIDE-RS
-    recv_all = True
-    description = "fused bf16 chunk-cat + NCCL bf16 all-to-all (grouped send/recv) + fp32 " \
-                  "accumulate of the W blocks in rank order, 1/W fused (TIDE-RS's kernel)"
-
-    def _finish(self, data: UnitData, lay: pack.FlatLayout, rs_in: int, recv_arr: Any,
-                recv: int, out32: Any, s: Any) -> tuple:
-        """NCCL's bf16 all-to-all, then the fp32 sum of the W blocks, scale fused."""
-        W, comm = data.world, self.rs_comm
         accumulator = self.ctx.group.backend.lanes.accumulator
         pieces = (AccumPiece(int(out32.data.ptr), tuple(
             recv + r * lay.block_numel * 2 for r in range(W)), lay.block_numel),)
+        s = dev.stream
 
         def exchange() -> None:
             nccl.all_to_all(comm, rs_in, recv, lay.block_numel, "bfloat16", W, s.ptr)
@@ -290,5 +241,15 @@ class NcclA2a(NcclBf16):
         def accumulate() -> None:
             accumulator.launch(s, pieces, bfloat16, 1.0 / W)
 
-        return exchange, accumulate, {"rs.accumulate": Phase(
-            accumulate, "kernel", accumulator.max_grid, "TIDE-RS accumulate kernel")}
+        def rs() -> None:
+            chunk_cat(s)
+            exchange()
+            accumulate()
+
+        outs = as_f32_shards(xp, out32, lay.offsets, data.specs)
+        prep.rs, prep.rs_out = rs, lambda: outs
+        prep.phases.update({
+            "rs.pack": Phase(lambda: chunk_cat(s), "kernel", chunk_cat.ctas),
+            "rs.collective": Phase(exchange, "nccl"),
+            "rs.accumulate": Phase(accumulate, "kernel", accumulator.max_grid,
+                                   "TIDE-RS accumulate kernel")})

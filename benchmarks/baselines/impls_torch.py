@@ -17,6 +17,26 @@ from ..harness.data import UnitData
 from ..harness.impl import Impl, Prepared, register
 
 
+def init_process_group(comm: Any, backend: str, device: Any = None) -> None:
+    """torch.distributed over the MPI communicator ``comm`` (collective): rank 0 takes a free
+    port on its host and broadcasts the address of the TCP store to the others.
+
+    Args:
+        comm: mpi4py communicator; its ranks and size become the process group's.
+        backend: ``"nccl"`` or ``"gloo"``.
+        device: the CUDA device (``torch.device``) to bind NCCL's communicator to, or None.
+    """
+    import torch.distributed as dist
+
+    addr = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            addr = f"tcp://{socket.gethostbyname(socket.gethostname())}:{s.getsockname()[1]}"
+    dist.init_process_group(backend, init_method=comm.bcast(addr, root=0), rank=comm.rank,
+                            world_size=comm.size, device_id=device)
+
+
 def _torch_missing() -> Optional[str]:
     """Why torch with CUDA cannot run here, or None where it can."""
     try:
@@ -58,18 +78,8 @@ class Fsdp2(Impl):
         import torch
         import torch.distributed as dist
 
-        comm = self.ctx.comm
         if not dist.is_initialized():
-            addr = None
-            if comm.rank == 0:
-                with socket.socket() as s:
-                    s.bind(("", 0))
-                    addr = f"tcp://{socket.gethostbyname(socket.gethostname())}:" \
-                           f"{s.getsockname()[1]}"
-            addr = comm.bcast(addr, root=0)
-            dist.init_process_group("nccl", init_method=addr, rank=comm.rank,
-                                    world_size=comm.size,
-                                    device_id=torch.device("cuda", self.ctx.dev.dev.id))
+            init_process_group(self.ctx.comm, "nccl", torch.device("cuda", self.ctx.dev.dev.id))
             self._owns_pg = True
 
     def close(self) -> None:

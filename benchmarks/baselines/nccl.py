@@ -35,10 +35,8 @@ def version() -> tuple[int, int, int]:
     """
     from nccl.bindings import nccl as nb
 
-    code = int(nb.get_version())  # X*10000 + Y*100 + Z (legacy: X*1000 + Y*100 + Z)
-    if code >= 10000:
-        return code // 10000, code % 10000 // 100, code % 100
-    return code // 1000, code % 1000 // 100, code % 100
+    code = int(nb.get_version())  # X*10000 + Y*100 + Z since NCCL 2.9 (nccl4py needs newer)
+    return code // 10000, code % 10000 // 100, code % 100
 
 
 def library_path() -> str:

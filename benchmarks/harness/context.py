@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from .device import make_device
+from .device import CudaDevice, HostDevice
 from .records import Sink, git_commit
 
 
@@ -108,8 +108,8 @@ def make_ctx(args: Any) -> Ctx:
             raise
         note = f"tidearray's cuda backend did not start ({e.__class__.__name__}: {e})"
         group = ta.init(backend="host")
-    dev = make_device(kind)
-    json_path = args.json or (os.path.join(args.out, "bench.jsonl") if args.out else None)
+    dev = CudaDevice() if kind == "cuda" else HostDevice()
+    json_path = os.path.join(args.out, "bench.jsonl") if args.out else None
     return Ctx(comm, group, dev, args, Sink(json_path, comm.rank), note)
 
 

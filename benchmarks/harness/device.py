@@ -285,8 +285,3 @@ class ClockLog:
             except ValueError:  # a cut-off last line
                 pass
         return readings
-
-
-def make_device(backend_name: str) -> Any:
-    """The bench's device for the backend ``backend_name``."""
-    return CudaDevice() if backend_name == "cuda" else HostDevice()

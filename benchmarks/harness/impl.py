@@ -3,7 +3,7 @@
 Every implementation answers ``setup(data) -> Prepared``: buffers and tables are
 made once per unit (outside timing), and the returned closures each issue one
 collective on the timing stream. ``phases`` are the pieces of a collective, run
-alone for breakdowns and SM time.
+alone for breakdowns.
 
 Implementations live in the plug-in modules named in :data:`PLUGINS` and register
 themselves with :func:`register` when imported. This module imports none of them
@@ -23,7 +23,7 @@ from .data import UnitData
 PLUGINS = (".impls", "..baselines.impls_nccl", "..baselines.impls_torch")
 
 #: Names in report order.
-ORDER = ("tide", "tide-plan", "stock", "symm", "nccl-bf16", "nccl-a2a", "fsdp2")
+ORDER = ("tide", "tide-plan", "stock", "symm", "nccl-a2a", "fsdp2")
 _REGISTRY: dict[str, list[type]] = {}
 
 

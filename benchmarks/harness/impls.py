@@ -28,6 +28,19 @@ def _release(last: dict, *regions: Any) -> Callable[[], None]:
     return release
 
 
+def _tide_buffers(ctx: Any, data: UnitData) -> tuple:
+    """The unit's ``Unit`` (the group's chunk size and depth), a slot and a staging region
+    of the sizes it needs, and fp32 outputs of this rank's shards."""
+    import tidearray as ta
+    from tidearray._arena import Region
+
+    g = ctx.group
+    unit = ta.Unit(data.unit.shapes, bfloat16, group=g)
+    slot, staging = Region(g, unit.nbytes), Region(g, unit.staging_nbytes)
+    outs = [ctx.dev.xp.empty(s.shard_shape, float32) for s in data.specs]
+    return unit, slot, staging, outs, slot.nbytes + staging.nbytes + sum(o.nbytes for o in outs)
+
+
 @register
 class Tide(Impl):
     """tidearray.all_gather / reduce_scatter into a pre-created slot and staging region."""
@@ -43,48 +56,43 @@ class Tide(Impl):
 
     def setup(self, data: UnitData) -> Prepared:
         import tidearray as ta
-        from tidearray._arena import Region
-        from tidearray._schedule import plan_reduce_scatter
-        from tidearray.layout import plan_unit, unit_nbytes
 
-        ctx, g = self.ctx, self.ctx.group
-        shapes, xp, stream = data.unit.shapes, ctx.dev.xp, ctx.dev.stream
-        cfg = g.config
-        rs_plan = plan_reduce_scatter(plan_unit(shapes, 2, g.size), g.topology,
-                                      cfg.chunk_nbytes, cfg.depth)
-        slot = Region(g, unit_nbytes(shapes, bfloat16, group=g))
-        staging = Region(g, rs_plan.staging_nbytes)  # the default staging size
-        outs = [xp.empty(s.shard_shape, float32) for s in data.specs]
+        g, stream = self.ctx.group, self.ctx.dev.stream
+        _, slot, staging, outs, nbytes = _tide_buffers(self.ctx, data)
         last: dict[str, Any] = {}
 
         def ag() -> None:
-            last["ag"] = ta.all_gather(data.shards, shapes, group=g, slot=slot, stream=stream)
+            last["ag"] = ta.all_gather(data.shards, data.unit.shapes, group=g, slot=slot,
+                                       stream=stream)
 
         def rs() -> None:
             ta.reduce_scatter(data.grads, op="avg", out=outs, group=g, staging=staging,
                               stream=stream)
 
-        phases = self._phases(data, rs_plan, slot, staging, outs)
-        release = _release(last, slot, staging)
-        return Prepared(ag, rs, lambda: last["ag"], lambda: outs, phases,
-                        slot.nbytes + staging.nbytes + sum(o.nbytes for o in outs), release)
+        return Prepared(ag, rs, lambda: last["ag"], lambda: outs, self._phases(data, slot),
+                        nbytes, _release(last, slot, staging))
 
-
-    def _phases(self, data: UnitData, rs_plan: Any, slot: Any, staging: Any,
-                outs: list) -> dict:
-        """The GPU breakdown pieces. If any rank cannot make them, every rank leaves
-        them out (TIDE's own timing still runs) and the run is marked failed: a
-        breakdown that silently disappears hides a broken path."""
+    def _phases(self, data: UnitData, slot: Any) -> dict:
+        """``ag.peer_copy`` on the GPU: one plain ``cudaMemcpyAsync`` of this rank's share
+        into each peer's slot, the copy-engine floor of TIDE-AG (a reference, not a piece
+        of it). If any rank cannot make it, every rank leaves it out and the run is marked
+        failed: a breakdown that silently disappears hides a broken path."""
         if self.ctx.dev.name != "cuda":
             return {}
-        from .tide_phases import accumulate_phase, peer_copy_phase
 
         def make() -> dict:
-            phases = {"ag.peer_copy": peer_copy_phase(self.ctx, data, slot)}
-            acc = accumulate_phase(self.ctx, data, rs_plan, staging, outs)
-            if acc is not None:
-                phases["rs.accumulate"] = acc
-            return phases
+            import cupy
+
+            g, stream = self.ctx.group, self.ctx.dev.stream
+            nbytes = sum(s.byte_range(g.rank)[1] for s in data.specs)
+            src = slot.ptr(g.local_rank)
+            dsts = [slot.ptr((g.local_rank + k) % g.local_size) for k in range(1, g.local_size)]
+
+            def run() -> None:  # W = 2: exactly TIDE-AG's traffic; W > 2: serial (a bound)
+                for dst in dsts:
+                    cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, 4, stream.ptr)
+            return {"ag.peer_copy": Phase(run, "ce", 0, f"one cudaMemcpyAsync of {nbytes} B "
+                                          "to each peer's slot", part=False)}
 
         ok, phases = guarded(self.ctx, "breakdown", self.name, data.unit.name, "phases", make)
         return phases if ok else {}
@@ -99,13 +107,8 @@ class TidePlan(Tide):
                    "validated once), as the FSDP runtime calls them")
 
     def setup(self, data: UnitData) -> Prepared:
-        import tidearray as ta
-        from tidearray._arena import Region
-
-        g, stream = self.ctx.group, self.ctx.dev.stream
-        unit = ta.Unit(data.unit.shapes, bfloat16, group=g)
-        slot, staging = Region(g, unit.nbytes), Region(g, unit.staging_nbytes)
-        outs = [self.ctx.dev.xp.empty(s.shard_shape, float32) for s in data.specs]
+        stream = self.ctx.dev.stream
+        unit, slot, staging, outs, nbytes = _tide_buffers(self.ctx, data)
         gather = unit.gather_plan(data.shards, slot)
         reduce = unit.reduce_plan(data.grads, outs, op="avg", staging=staging)
         last: dict[str, Any] = {}
@@ -114,8 +117,7 @@ class TidePlan(Tide):
             last["ag"] = gather(stream=stream)
 
         return Prepared(ag, lambda: reduce(stream=stream), lambda: last["ag"], lambda: outs,
-                        {}, slot.nbytes + staging.nbytes + sum(o.nbytes for o in outs),
-                        _release(last, slot, staging))
+                        {}, nbytes, _release(last, slot, staging))
 
 
 @register

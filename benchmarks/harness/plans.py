@@ -17,12 +17,7 @@ the same unit's does at one rank (run22-one-h200, docs/performance.md). Per impl
   group's ``chunk_nbytes``);
 * ``graph``: the same plans made with ``graph=True``, each call one replay of
   a captured CUDA graph (on the host backend, of the recorded primitives); on
-  cuda its flags are one-thread kernels (``Config.graph_flag_kernels``, the default);
-* ``plan-400``: the gather plans of 400 units of the same shapes, called in
-  turn, so each call's plan differs from the last (no cliff at many units);
-* ``{op}_launch_us`` of the graph impls (cuda): the graph's bare launch, no
-  event and no watchdog, so the driver's share of a replay's host time is seen
-  beside the whole call's.
+  cuda its flags are one-thread kernels (``Config.graph_flag_kernels``, the default).
 
 Every timed call is complete and checked afterwards: the gathered parameters
 against the full ones (bitwise), so calls that skipped their work fail. ``benchmarks/run.sh``
@@ -38,9 +33,6 @@ import numpy as np
 
 from tests import support as W
 from tidearray import bfloat16
-
-#: Units of the ``plan-400`` case (the plans share two slots).
-MANY = 400
 
 
 def run(ctx: Any, units: list) -> None:
@@ -91,27 +83,8 @@ def _one_unit(ctx: Any, u: Any) -> None:
         ctx.sink.add("plans", impl, u.name, f"{op}_queued_host_us", queued, "us")
         ctx.log(f"  {u.name:16s} {op} {impl:12s}: {us:8.1f} us host per call, "
                 f"{queued:8.1f} us back to back")
-    graphs = {("ag", "graph"): graph_gather, ("rs", "graph"): graph_reduce}
-    for (op, impl), plan in graphs.items():
-        launch = getattr(plan.graph, "_launch_on", None)
-        if launch is None or stream is None:  # the host backend: no driver launch to isolate
-            continue
-        us = _host_us(ctx, lambda launch=launch, ptr=stream.ptr: launch(ptr))
-        ctx.sink.add("plans", impl, u.name, f"{op}_launch_us", us, "us")
-        ctx.log(f"  {u.name:16s} {op} {impl:8s}: {us:8.1f} us bare launch")
-    # Bare launches registered nothing: one whole call leaves each region's order right.
-    for plan in graphs.values():
-        plan(stream=stream)
     _check(ctx, gather, full)
     _check(ctx, graph_gather, full)
-    plans = [unit.gather_plan(shards, arena[i % 2]) for i in range(MANY)]
-    for p in plans:  # each plan's first call plans its copy batches: not the steady state
-        p(stream=stream, async_op=True)
-    turn = iter(range(10**9))
-    us = _host_us(ctx, lambda: plans[next(turn) % MANY](stream=stream, async_op=True))
-    ctx.sink.add("plans", "plan-400", u.name, "ag_host_us", us, "us")
-    ctx.log(f"  {u.name:16s} ag plan-400: {us:8.1f} us host per call")
-    _check(ctx, plans[-1], full)
 
 
 def _host_us(ctx: Any, fn: Any, idle: bool = True) -> float:

@@ -225,14 +225,11 @@ def summary(ctx: Any) -> str:
             out += [f"{suite.upper()} median time (us)", markdown(grid(res, suite, "time", ws, us)),
                     f"{suite.upper()} speedup vs stock",
                     markdown(grid(res, suite, "speedup_vs_stock", ws, lambda v: num(v) + "x"))]
-    if any(k[0] == "interference" for k in res.by_key):
-        out.append(_interference_section(res))
-    if res.workloads("memory"):
-        out.append(_memory_section(res))
+    out += [_interference_section(res), _memory_section(res)]  # "" where it has no records
     probs = res.problems()
     if probs:
         out.append(f"{len(probs)} skipped/failed entries (see the JSON records)")
-    return "\n".join(out)
+    return "\n".join(o for o in out if o)
 
 
 __all__ = ["build", "render", "summary"]

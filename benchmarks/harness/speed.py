@@ -45,7 +45,7 @@ def run(ctx: Any, op: str, workloads: list) -> None:
 
 def _run_one(ctx: Any, op: str, impl: Any, data: UnitData, detail: bool) -> Optional[float]:
     if op not in impl.ops:
-        return None  # by design (e.g. nccl-bf16 has no all-gather): nothing to record
+        return None  # by design (e.g. nccl-a2a has no all-gather): nothing to record
     prep = prepare(ctx, op, impl, data)
     if prep is None:
         return None

@@ -22,7 +22,8 @@ class Suite:
     def __init__(self, ctx: Any, name: str) -> None:
         self.ctx, self.name = ctx, name
         self.impls: list = []
-        for n in selected_names(ctx):
+        names = [n.strip() for n in ctx.args.impls.split(",") if n.strip()]
+        for n in names or registry.names():
             impl, why = registry.make(ctx, n)
             if impl is None:
                 ctx.sink.add(name, n, "*", "status", None, status="skipped", reason=why)
@@ -42,14 +43,6 @@ class Suite:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def selected_names(ctx: Any) -> list[str]:
-    want = ctx.args.impls
-    known = registry.names()
-    if not want:
-        return known
-    return [n.strip() for n in want.split(",") if n.strip()]
 
 
 def prepare(ctx: Any, suite: str, impl: Any, data: Any) -> Optional[Any]:

@@ -23,10 +23,6 @@ class Results:
     def get(self, suite: str, impl: str, workload: str, metric: str) -> Optional[dict]:
         return self.by_key.get((suite, impl, workload, metric))
 
-    def value(self, suite: str, impl: str, workload: str, metric: str) -> Optional[float]:
-        r = self.get(suite, impl, workload, metric)
-        return None if r is None else r.get("value")
-
     def impls(self, suite: str) -> list[str]:
         seen = {k[1] for k in self.by_key if k[0] == suite and k[1] not in ("*", "none", "gemm")}
         return [n for n in ORDER if n in seen] + sorted(seen - set(ORDER))

@@ -37,16 +37,9 @@ class Stats:
     def median(self) -> float:
         return float(np.median(self.samples))
 
-    @property
-    def p10(self) -> float:
-        return float(np.percentile(self.samples, 10))
-
-    @property
-    def p90(self) -> float:
-        return float(np.percentile(self.samples, 90))
-
     def summary(self) -> dict:
-        out = {"median_s": self.median, "p10_s": self.p10, "p90_s": self.p90,
+        p10, p90 = np.percentile(self.samples, [10, 90])
+        out = {"median_s": self.median, "p10_s": float(p10), "p90_s": float(p90),
                "min_s": min(self.samples), "iters": len(self.samples)}
         if self.host:
             out["host_median_s"] = float(np.median(self.host))
@@ -106,9 +99,3 @@ def allreduce_max(comm: Any, values: Sequence[float]) -> np.ndarray:
     comm.Allreduce(buf, out, op=MPI.MAX)
     return out
 
-
-def agree(comm: Any, ok: bool) -> bool:
-    """True on every rank only if ``ok`` on every rank (so no rank enters a collective alone)."""
-    from mpi4py import MPI
-
-    return bool(comm.allreduce(int(bool(ok)), op=MPI.MIN))

@@ -82,10 +82,11 @@ def lines(t: dict) -> list[str]:
 
 
 def profile_step(step: Callable[[], None], trace_path: Optional[str],
-                 log: Callable[[str], None]) -> Optional[dict[str, float]]:
+                 log: Callable[[str], None]) -> Optional[dict]:
     """One step under CUPTI: its device milliseconds per role (compute, accumulate, NCCL,
-    layout conversion, copies), logged; its events saved to ``trace_path`` (None: not
-    saved; for ``plot_timelines``). None, said in the log, where CUPTI is unavailable."""
+    layout conversion, copies), logged and returned as the record's ``{"ms_per_role":
+    ...}``; its events saved to ``trace_path`` (None: not saved; for ``plot_timelines``).
+    None, said in the log, where CUPTI is unavailable."""
     from benchmarks.harness import cupti, timeline
 
     events = cupti.trace(step)
@@ -96,7 +97,7 @@ def profile_step(step: Callable[[], None], trace_path: Optional[str],
         cupti.save(events, trace_path)
     roles = {r: us / 1e3 for r, us in timeline.roles(events).items()}
     log(f"profiled step: device ms per role {roles}")
-    return roles
+    return {"ms_per_role": roles}
 
 
 def plot_timelines(rec: dict, out: str) -> None:

@@ -46,7 +46,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import sys
 import time
 from typing import Any, Optional
@@ -55,6 +54,7 @@ import numpy as np
 
 import tidearray as ta
 from benchmarks.baselines import LocalComm
+from benchmarks.baselines.impls_torch import init_process_group
 from benchmarks.harness import training
 from benchmarks.harness.device import ClockLog, clock_median
 from benchmarks.harness.records import git_commit
@@ -64,10 +64,6 @@ llama, train = example("llama"), example("train")
 learning_rate, run_as_group = train.learning_rate, train.run_as_group
 
 IMPLS = ("plain", "floor", "fsdp2", "tide", "tide-graph", "floor-graph")
-#: Impls run only when named: ``plain-hooks`` is ``plain`` with no-op hooks of every kind
-#: ``shard_module`` registers (``NoOpHooks``), so torch's own cost of them shows apart from
-#: the runtime's.
-EXTRA_IMPLS = ("plain-hooks",)
 #: ``shard_module`` impls, each compared with ``fsdp2``: ``tide-graph`` replays a
 #: captured step.
 TIDE_IMPLS = ("tide", "tide-graph")
@@ -83,7 +79,7 @@ LOSS_RTOL = {"bfloat16": 1e-2, "float32": 1e-4}
 #: every impl must agree with the first present of both. ``fsdp2`` comes first: the
 #: ``shard_module`` impls' agreement with it is what :func:`compare` records.
 GLOBAL_IMPLS = ("fsdp2", "tide", "tide-graph")
-PER_RANK_IMPLS = ("floor", "floor-graph", "plain", "plain-hooks")
+PER_RANK_IMPLS = ("floor", "floor-graph", "plain")
 #: Models of this benchmark beside ``llama.MODELS``. ``host-32l``: small-32l's 34 units
 #: at a width where a step's compute is a few milliseconds on a CPU, so the step time
 #: over plain's is the wrapper's host time per unit (its Python, its hooks); a vocabulary
@@ -223,11 +219,9 @@ class Impl:
         self.plain: Optional[Plain] = None
         hyper = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
         self.sm = None
-        if kind.startswith("plain"):
+        if kind == "plain":
             self.plain = Plain(torch, model, dtype)
             self.opt = torch.optim.AdamW(self.plain.masters, fused=True, **hyper)
-            if kind == "plain-hooks":
-                NoOpHooks(torch, model)
         elif kind == "fsdp2":
             mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
             for b in model.blocks:
@@ -330,68 +324,6 @@ class Plain:
             p.grad = None
 
 
-class NoOpHooks:
-    """``plain-hooks``: the hooks ``shard_module`` registers on a unit, doing nothing but
-    what makes torch run them as it runs ``shard_module``'s: per unit module a forward
-    pre-hook that passes the inputs needing a gradient through an identity autograd
-    function, and a forward hook that puts a pre-hook on the node that made the output;
-    that pre-hook zeroes the unit's flat gradient buffer and makes its views the
-    parameters' ``.grad`` (autograd accumulates in place); a post-accumulate-grad hook
-    per parameter; a callback at the end of the backward. So ``floor`` minus
-    ``plain-hooks`` is the runtime's and the front end's own host time."""
-
-    def __init__(self, torch: Any, model: Any) -> None:
-        self.torch = torch
-        self.identity = _identity_function(torch)
-        self.params = [list(m.parameters()) for m in model.units()]
-        flat = [torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype,
-                            device=ps[0].device) for ps in self.params]
-        self.grads = [(f, [v.view_as(p) for v, p in zip(f.split([p.numel() for p in ps]), ps)])
-                      for f, ps in zip(flat, self.params)]
-        self.opened = [False] * len(self.params)
-        for u, m in enumerate(model.units()):
-            m.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
-            m.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
-        for ps in self.params:
-            for p in ps:
-                p.register_post_accumulate_grad_hook(lambda p: None)
-
-    def _pre_forward(self, module: Any, args: tuple, kwargs: dict) -> Any:
-        if not (self.torch.is_grad_enabled() and args[0].requires_grad):
-            return None
-        return (self.identity.apply(args[0]), *args[1:]), kwargs
-
-    def _post_forward(self, u: int, out: Any) -> None:
-        if out.requires_grad:
-            out.grad_fn.register_prehook(lambda grads: self._open(u))
-
-    def _open(self, u: int) -> None:
-        if not any(self.opened):
-            self.torch.autograd.Variable._execution_engine.queue_callback(self._end)
-        if not self.opened[u]:
-            self.opened[u] = True
-            flat, views = self.grads[u]
-            flat.zero_()
-            for p, g in zip(self.params[u], views):
-                p.grad = g
-
-    def _end(self) -> None:
-        self.opened = [False] * len(self.opened)
-
-
-def _identity_function(torch: Any) -> Any:
-    class Identity(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: Any) -> Any:
-            return x
-
-        @staticmethod
-        def backward(ctx: Any, grad: Any) -> Any:
-            return grad
-
-    return Identity
-
-
 def device_used(torch: Any, cuda: bool) -> int:
     if not cuda:
         import resource
@@ -469,8 +401,7 @@ class Run:
 
         out = self.args.out if self.g.rank == 0 else None
         path = os.path.join(out, f"{self.kind}_step_trace.json") if out else None
-        roles = training.profile_step(step, path, self.log)
-        return None if roles is None else {"ms_per_role": roles}
+        return training.profile_step(step, path, self.log)
 
     def host_profile(self) -> None:
         """``--host-profile`` more steps under cProfile (rank 0's): where each impl's host
@@ -505,12 +436,11 @@ class Run:
             self.host_profile()
         impl.close()
         del self.impl
+        timed = {"step": self.times, "host": self.host, "cpu": self.cpu}
         return {"impl": self.kind, "losses": self.losses, "step_s": self.times,
                 "host_s": self.host, "cpu_s": self.cpu, "peak_bytes": self.peak,
-                "clocks": clocks,
-                "median_step_s": float(np.median(self.times[w:] or self.times)),
-                "median_host_s": float(np.median(self.host[w:] or self.host)),
-                "median_cpu_s": float(np.median(self.cpu[w:] or self.cpu)), "profile": prof}
+                "clocks": clocks, "profile": prof,
+                **{f"median_{k}_s": float(np.median(v[w:] or v)) for k, v in timed.items()}}
 
 
 def run(kinds: list, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.ModelConfig,
@@ -701,22 +631,14 @@ def report(path: str) -> str:
 
 
 def init_torch(torch: Any, g: Any, cuda: bool) -> None:
-    """torch.distributed over the MPI ranks (one node: a TCP store on this host)."""
+    """torch.distributed over the MPI ranks, its communicator started before any memory
+    baseline (so counted for no impl)."""
     import torch.distributed as dist
 
-    port = None
-    if g.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = g.comm.bcast(port)
     if cuda:
         torch.cuda.set_device(g.backend.device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=g.rank, world_size=g.size)
-    # Communicator start-up before any memory baseline: counted for no impl.
-    t = torch.ones(1, device="cuda" if cuda else "cpu")
-    dist.all_reduce(t)
+    init_process_group(g.comm, "nccl" if cuda else "gloo")
+    dist.all_reduce(torch.ones(1, device="cuda" if cuda else "cpu"))
 
 
 def main(argv: Optional[list] = None) -> None:
@@ -751,7 +673,7 @@ def main(argv: Optional[list] = None) -> None:
     if args.lr_warmup is None:
         args.lr_warmup = args.warmup
     impls = [k for k in args.impls.split(",") if k]
-    if set(impls) - set(IMPLS + EXTRA_IMPLS):
+    if set(impls) - set(IMPLS):
         raise SystemExit(f"--impls: expected some of {IMPLS}, got {impls}")
     if not cuda and any(k.endswith("-graph") for k in impls):
         log("compare: the -graph impls capture a CUDA graph: skipped on the CPU")

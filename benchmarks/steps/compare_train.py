@@ -75,13 +75,14 @@ def main(argv: Optional[list] = None) -> None:
                                          "capturable_model": args.impl == "graph"})
         records.append(train.run(run_args, g, COMMS[kind.removesuffix("-graph")], cfg, B, log,
                                  inspect=inspect))
-    comparison = summarize(records, log)
+    rows = goals(records)
+    log("\n" + "\n".join(table(records, rows)))
     if args.out and g.rank == 0:
         os.makedirs(args.out, exist_ok=True)
         record = {"commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                   "argv": sys.argv, "model": args.model, "config": cfg.__dict__,
                   "tokens_per_rank": tokens, "world": g.size, "backend": g.backend.name,
-                  "param_dtype": args.param_dtype, "runs": records, "comparison": comparison}
+                  "param_dtype": args.param_dtype, "runs": records, "comparison": {"goals": rows}}
         path = os.path.join(args.out, "train.json")
         with open(path, "w") as f:
             json.dump(record, f, indent=1)
@@ -101,15 +102,7 @@ def profile_step(args: argparse.Namespace, g: Any, kind: str, sm: Any, net: Any,
         train.sync(xp)
 
     path = os.path.join(args.out, f"{kind}_step_trace.json") if g.rank == 0 else None
-    roles = training.profile_step(step, path, log)
-    return None if roles is None else {"ms_per_role": roles}
-
-
-def summarize(records: list, log: Any) -> dict:
-    """Print the runs' table and goals; return the goals for the record."""
-    rows = goals(records)
-    log("\n" + "\n".join(table(records, rows)))
-    return {"goals": rows}
+    return training.profile_step(step, path, log)
 
 
 def table(runs: list, rows: list) -> list[str]:
