@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -21,6 +23,29 @@ FP16 = np.dtype(np.float16)
 FP32 = np.dtype(np.float32)
 DTYPES = (BF16, FP16, FP32)
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: The variables by which MPI launchers tell a process which job and rank it is: Open MPI
+#: and PMIx (``OMPI_``, ``PMIX_``), MPICH's Hydra (``PMI_``, ``HYDRA_``, ``MPI_LOCAL``).
+LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment without its MPI launcher's variables, for a child process
+    a test starts.
+
+    A child that inherits them takes itself for this rank: under Open MPI its ``MPI_Init``
+    joins the running job as a second copy of the rank, which can reset the rank's
+    shared-memory segments under the live ranks (on an H200, a later large message between
+    two ranks then crashed both). Without them the child is an MPI singleton of its own."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+
+
+def run_python(code: str, timeout: float = 120, **kw: Any) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter started in the checkout (its own ``sys.modules``,
+    warning filters and MPI: ``child_env``), text output captured."""
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=timeout, **kw)
 
 
 def bits(a: np.ndarray) -> np.ndarray:

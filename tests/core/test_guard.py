@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from .._guard import PAGE, guarded
-
-ROOT = Path(__file__).resolve().parents[2]
+from .._util import run_python
 
 
 def _read_in_child(expr: str) -> int:
     code = ("import ctypes, numpy as np; from tests._guard import guarded; "
             f"a = guarded((10,), np.float32, readable=24); a[:6] = 1; {expr}")
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True).returncode
+    return run_python(code).returncode
 
 
 def test_readable_bytes_are_usable():

@@ -6,8 +6,6 @@ from __future__ import annotations
 import ast
 import json
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,13 +13,15 @@ import pytest
 
 import tidearray
 
+from .._util import run_python
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_import_pulls_in_no_gpu_or_framework_module():
     code = ("import sys, tidearray; "
             "print([m for m in ('cupy', 'torch', 'jax', 'nccl', 'cuda') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    out = run_python(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
@@ -29,7 +29,7 @@ def test_import_pulls_in_no_gpu_or_framework_module():
 def test_import_works_when_gpu_modules_are_unavailable():
     blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in ("cupy", "torch", "jax"))
     code = f"import sys; {blocked}; import tidearray; print(tidearray.__version__)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    out = run_python(code)
     assert out.returncode == 0, out.stderr
 
 
@@ -37,7 +37,7 @@ def test_the_jax_front_end_loads_no_runtime():
     """``tidearray.jax`` takes AdamW's hyper-parameters and coefficients from the neutral
     ``tidearray._adamw``: importing it loads no module of ``tidearray.fsdp``."""
     pytest.importorskip("jax")
-    out = _run("import sys, tidearray.jax; "
+    out = run_python("import sys, tidearray.jax; "
                "print(sorted(m for m in sys.modules if m.startswith('tidearray.fsdp')))")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -47,7 +47,7 @@ def test_the_runtime_loads_no_cuda_module():
     """``tidearray.fsdp`` reaches the device through the backend interface ([Note: backend
     interface] in ``backends/_base``): importing it on a CPU machine loads no module of the
     cuda backend."""
-    out = _run("import sys, tidearray.fsdp; "
+    out = run_python("import sys, tidearray.fsdp; "
                "print(sorted(m for m in sys.modules if m.startswith('tidearray.backends.cuda')))")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -61,7 +61,7 @@ def test_the_checkout_shadows_no_installed_package():
     code = ("import importlib.util as u, json; "
             "print(json.dumps({n: (u.find_spec(n) or u).__dict__.get('origin') "
             "for n in ('kernels', 'examples', 'docs')}))")
-    out = _run(code)
+    out = run_python(code)
     assert out.returncode == 0, out.stderr
     for name, origin in json.loads(out.stdout).items():
         assert not (origin and Path(origin).is_relative_to(ROOT / name)), (
@@ -92,17 +92,11 @@ def test_errors_pickle_and_keep_their_type():
     assert issubclass(tidearray.TideInvalid, tidearray.TideError)
 
 
-def _run(code: str) -> subprocess.CompletedProcess:
-    """``code`` in a fresh interpreter (its own sys.modules, warning filters and MPI)."""
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-
-
 def test_import_leaves_the_runtime_backends_and_frameworks_unimported():
     code = ("import sys, tidearray; "
             "print([m for m in sys.modules if m in ('tidearray.fsdp', 'tidearray.torch', "
             "'tidearray.backends.cuda') or m.split('.')[0] in ('cupy', 'torch', 'jax')])")
-    out = _run(code)
+    out = run_python(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"import tidearray imported {out.stdout.strip()}"
 
@@ -126,7 +120,7 @@ def test_fsdp_is_imported_on_first_use():
             "assert cls is tidearray.fsdp.Runtime and 'tidearray.fsdp' in sys.modules; "
             "assert 'fsdp' in dir(tidearray); "
             "print(cls.__name__)")
-    out = _run(code)
+    out = run_python(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "Runtime"
     try:
@@ -169,7 +163,7 @@ assert g.closed
 raises("after close")
 print("ok")
 """
-    out = _run(code)
+    out = run_python(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
@@ -211,7 +205,7 @@ assert warnings.filters == before, ("wrap", [f for f in warnings.filters if f no
 g.close()
 print("ok")
 """
-    out = _run(code)
+    out = run_python(code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from ..._util import agree
+from ..._util import agree, child_env
 
 pytestmark = pytest.mark.mpi
 
@@ -115,7 +115,7 @@ def test_exchange_fds_refuses_a_process_that_is_not_a_peer(group, monkeypatch):
         def run_intruder(name: str) -> None:  # never raises: rank 0 is waiting for us
             try:
                 done = subprocess.run([sys.executable, "-c", _INTRUDER,
-                                       name.replace("\0", "@")],
+                                       name.replace("\0", "@")], env=child_env(),
                                       capture_output=True, text=True, timeout=30)
                 if done.returncode:
                     intruder.append(f"the intruder failed: {done.stderr[-300:]}")
