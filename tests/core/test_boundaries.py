@@ -34,9 +34,6 @@ ALLOWED = [
     ("tidearray.torch._hooks", "torch.utils._pytree",
      "torch has no public pytree module (torch.utils.pytree) in the versions supported"),
     ("benchmarks.*", "tidearray._arena", "the harness times collectives into raw regions"),
-    ("benchmarks.*", "tidearray._reduce_scatter",
-     "the harness times TIDE-RS's phases from the library's own chunk plan"),
-    ("benchmarks.*", "tidearray._schedule", "the harness sizes staging from the RS schedule"),
     ("tests.*", "tidearray._*",
      "unit and multi-rank tests of the core's internals: layouts, copies, schedules, "
      "topologies, flags, stamps, boards, validation, caches, config parsing, AdamW math"),
