@@ -28,6 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The variables by which MPI launchers tell a process which job and rank it is: Open MPI
 #: and PMIx (``OMPI_``, ``PMIX_``), MPICH's Hydra (``PMI_``, ``HYDRA_``, ``MPI_LOCAL``).
 LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
+#: A user's settings among them, kept: without these Open MPI refuses to start a singleton
+#: as root (containers, the GPU machine).
+USER_SETTINGS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 
 
 def child_env() -> dict[str, str]:
@@ -38,7 +41,16 @@ def child_env() -> dict[str, str]:
     joins the running job as a second copy of the rank, which can reset the rank's
     shared-memory segments under the live ranks (on an H200, a later large message between
     two ranks then crashed both). Without them the child is an MPI singleton of its own."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+    return {k: v for k, v in os.environ.items()
+            if k in USER_SETTINGS or not k.startswith(LAUNCHER_PREFIXES)}
+
+
+def skip_inside_mpi_job(what: str) -> None:
+    """Skip the calling test when this process is a rank of an MPI job; ``what`` says what
+    the test starts that needs a process of its own (an ``mpiexec``, a child's ``MPI_Init``:
+    a singleton started from inside a job depends on the MPI and the machine)."""
+    if any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
+        pytest.skip(f"{what}: run it outside an MPI job")
 
 
 def run_python(code: str, timeout: float = 120, **kw: Any) -> subprocess.CompletedProcess:

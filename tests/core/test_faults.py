@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from .._util import skip_inside_mpi_job
 from ..run import mpiexec_flags
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,8 +44,7 @@ def _backends() -> list:
 
 @pytest.fixture(params=_backends(), autouse=True)
 def backend(request):
-    if any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
-        pytest.skip("starts its own mpiexec: run it outside an MPI job")
+    skip_inside_mpi_job("starts its own mpiexec")
     return request.param
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import tidearray
 
-from .._util import run_python
+from .._util import run_python, skip_inside_mpi_job
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,6 +134,7 @@ def test_fsdp_is_imported_on_first_use():
 def test_default_group_raises_when_no_group_is_open():
     """Never a hidden collective: before ``init`` and after ``close`` there is no group,
     and sizes given ``world=`` need none."""
+    skip_inside_mpi_job("its child process starts MPI")
     code = """
 import tidearray
 from tidearray._group import default_group
@@ -189,6 +190,7 @@ def test_layout_names_work_without_a_group():
 def test_torch_front_end_changes_no_warning_filter():
     """Neither ``import tidearray.torch`` nor wrapping and running a model touches the
     process's warning filters (measured after torch itself is imported)."""
+    skip_inside_mpi_job("its child process starts MPI")
     pytest.importorskip("torch")
     code = """
 import warnings

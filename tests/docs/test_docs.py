@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from .._util import skip_inside_mpi_job
 from ..run import find_mpiexec, mpiexec_flags
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,8 +189,7 @@ def run_block(block: Block, ranks: int = RANKS) -> subprocess.CompletedProcess:
 def test_python_block_runs(block: Block):
     if block.skip:
         pytest.skip(f"{block.id} not run: {block.skip}")
-    if any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
-        pytest.skip("starts its own mpiexec: run it outside an MPI job")
+    skip_inside_mpi_job("starts its own mpiexec")
     done = run_block(block)
     if done.returncode != 0:
         tail = "\n".join(done.stdout.splitlines()[-60:])
