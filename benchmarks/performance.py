@@ -432,6 +432,22 @@ def one_h200_stress(run: Run) -> tuple[Figure, ...]:
     return tuple(figs)
 
 
+def one_h200_np2(run: Run) -> tuple[Figure, ...]:
+    """A test's child process that inherited its rank's launcher variables, and the ranks
+    after it."""
+    with open(os.path.join(run.path, "probe_old.txt")) as f:
+        probe = f.read()
+    with open(os.path.join(run.path, "old_np2.log")) as f:
+        died = "exited on signal 11" in f.read()
+    joined = sorted(re.findall(r"child says (\d+ \d+)", probe))
+    return (Figure("A child of each of 2 ranks, started with the rank's environment: the "
+                   "MPI size and rank it reports", "reference", ", ".join(joined)),
+            Figure("The 2 ranks after their children joined: their next collective",
+                   "reference", "signal 11" if "signal 11" in probe else "ran"),
+            Figure("The tests' children as they were, then `test_norm.py`, 2 ranks",
+                   "reference", "both ranks died of signal 11" if died else "ran"))
+
+
 # ---- the page --------------------------------------------------------------------------
 
 
@@ -472,6 +488,11 @@ def sections(root: str) -> list[Section]:
           "tests in loops while other jobs share the GPU: a 3-rank reduce-scatter loop, a "
           "2-rank graph-test loop, fp16 matrix products) and `sanitize` "
           "(docs/reliability.md, \"Under load\").", one_h200_stress),
+        S("run28-one-h200-np2", "The 2-rank GPU run's crash: a test's child joined the job",
+          "Correctness, not timing: a child process that a test started inherited Open "
+          "MPI's launcher variables and joined its parent's job; the job's ranks then died "
+          "in their next collective. Tests now start children without those variables "
+          "(tests/README.md).", one_h200_np2),
     ]
 
 
