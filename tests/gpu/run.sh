@@ -25,6 +25,8 @@
 #   TIDE_GPU_TIMEOUT=120 bash tests/gpu/run.sh # seconds per multi-rank command (300)
 #   TIDE_MPI_ARGS="--bind-to none" bash tests/gpu/run.sh  # extra mpirun options
 #   TIDE_GPU_TAR=run bash tests/gpu/run.sh     # $OUT bundled into $OUT/run.tgz at the end
+#   TIDE_JAX_CACHE_SAVE=1 bash tests/gpu/run.sh  # JAX's compile cache into $OUT/jaxcache.tgz;
+#                                              # a .jaxcache.tgz in the root seeds the next run
 #
 # Installs the carried wheels (.whl/: nccl4py, pytest-mpi) into /tmp/site, then
 # runs the generic suite (tests/, but for the harness's tests: benchmarks/run.sh's tests
@@ -88,8 +90,21 @@ run_jaxjit() {  # tidearray.jax on cuda: 1-4 ranks sharing the GPU, then the exa
 # it is). JAX's persistent cache on the machine's disk keeps XLA's per-fusion autotuning
 # results, so what one test process autotuned the next finds; the steps' executables are
 # compiled each time (their callbacks are baked into them, so JAX does not reuse them).
-JAX_ENV=(-x JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}"
-         -x TIDE_JAX_CUDA=1)
+# The cache can travel between machines (each new one starts cold, and the first compiles
+# of the JAX tests are minutes of autotuning): with TIDE_JAX_CACHE_SAVE=1 the run leaves
+# it in $OUT/jaxcache.tgz; a .jaxcache.tgz in the repo root (carried) is unpacked into an
+# empty cache first.
+JAX_CACHE=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
+if [ -f .jaxcache.tgz ] && [ -z "$(ls -A "$JAX_CACHE" 2>/dev/null)" ]; then
+    mkdir -p "$JAX_CACHE" && tar xzf .jaxcache.tgz -C "$JAX_CACHE" &&
+        echo "== JAX cache: $(find "$JAX_CACHE" -type f | wc -l) files from .jaxcache.tgz"
+fi
+save_jax_cache() {
+    [ "${TIDE_JAX_CACHE_SAVE:-0}" = 1 ] && [ -d "$JAX_CACHE" ] || return 0
+    tar czf "$OUT/jaxcache.tgz" -C "$JAX_CACHE" . &&
+        echo "== JAX cache: $(du -h "$OUT/jaxcache.tgz" | cut -f1) in $OUT/jaxcache.tgz"
+}
+JAX_ENV=(-x JAX_COMPILATION_CACHE_DIR="$JAX_CACHE" -x TIDE_JAX_CUDA=1)
 jaxjit_ranks() {  # jaxjit_ranks N: tidearray.jax's GPU tests at N ranks
     local n=$1 w=""
     if [ "${TIDE_JAX_STACKS_S:-120}" != 0 ]; then
@@ -240,7 +255,7 @@ run_pipelines() {  # TIDE_GPU_PIPELINES="np2 jax|np3 faults|...": side by side (
     IFS='|' read -ra pipes <<< "$TIDE_GPU_PIPELINES"
     : > "$LOGS/pipelines.txt"
     for p in "${pipes[@]}"; do
-        (TIDE_GPU_TAR="" TIDE_GPU_PIPELINES="" TIDE_GPU_STEPS="$p" bash "$0" > "$LOGS/pipeline_${p// /_}.txt" 2>&1
+        (TIDE_GPU_TAR="" TIDE_GPU_PIPELINES="" TIDE_GPU_NESTED=1 TIDE_GPU_STEPS="$p" bash "$0" > "$LOGS/pipeline_${p// /_}.txt" 2>&1
          echo "pipeline '$p': exit $?" >> "$LOGS/pipelines.txt") &
     done
     wait
@@ -253,10 +268,12 @@ if [ -n "${TIDE_GPU_PIPELINES:-}" ]; then
     run_pipelines
     rc=$?
     bundle
+    save_jax_cache
     exit $rc
 fi
 for s in ${TIDE_GPU_STEPS:-info np2 np1 nodes}; do
     if declare -F "run_$s" > /dev/null; then "run_$s"; else echo "== $s: no such step"; status=1; fi
 done
 bundle
+[ -n "${TIDE_GPU_NESTED:-}" ] || save_jax_cache
 exit $status
