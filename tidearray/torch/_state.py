@@ -332,7 +332,7 @@ def _load_optim(sm: Sharding, saved: Mapping) -> None:
         for u, k in _every_param(sm):
             _write_rows(model, model.arena.views(flat, u)[k], saved[what][sm.names[u][k]],
                         sources)
-    _settle_sources(model, sources)
+        _settle_sources(model, sources)  # per moment: one moment's sources held at most
     step, own = int(saved["step"]), saved.get("param_steps")  # older states: every count step
     steps = None if not isinstance(own, Mapping) else [
         int(own.get(sm.names[u][k], step)) for u, k in _every_param(sm)]
@@ -433,7 +433,8 @@ def _settle_sources(model: Any, sources: list) -> None:
     The copies run on CuPy's stream, and a source (often a temporary of ``.to``) goes back
     to torch's allocator once dropped: torch may hand its memory out again on its own
     stream before the copy has read it. So every source is kept until one wait after the
-    last copy of a load (a load is rare; one wait, not one per parameter)."""
+    last copy of a batch (a load is rare; one wait per batch, not one per parameter). A
+    batch holds at most one fp32 copy of this rank's rows (the masters' or a moment's)."""
     if sources:
         model.group.backend.settle()
         sources.clear()
