@@ -137,10 +137,17 @@ def _net(width: int, scanned: bool) -> Net:
 
 def _batches(seed: int, world: int) -> list[tuple[list, list]]:
     """Per step, ``(tokens, targets)``: one array per rank each, a learnable sequence
-    (steps of 3 through the vocabulary) from random starts."""
+    (steps of 3 through the vocabulary) from random starts. The last step re-runs the
+    first step's batch, so "the loss fell" compares one batch before and after training:
+    two sequences a rank make each batch's loss noisy, and over 25 seeds at 1 rank one
+    run's fresh last batch scored above its first (2.66 to 3.31) although the model
+    learned (its loss over all the batches fell by 15% or more in 192 runs: 1-4 ranks,
+    16 seeds, every case). On the first batch, the last step's loss is at most 0.87 of
+    the first step's over those 192 runs."""
     data = []
     for k in range(STEPS):
-        starts = [np.random.default_rng([seed, k, r]).integers(0, VOCAB, (BATCH, 1))
+        batch = k % (STEPS - 1)
+        starts = [np.random.default_rng([seed, batch, r]).integers(0, VOCAB, (BATCH, 1))
                   for r in range(world)]
         seqs = [((s + 3 * np.arange(SEQ + 1)) % VOCAB).astype(np.int32) for s in starts]
         data.append(([s[:, :-1] for s in seqs], [s[:, 1:] for s in seqs]))
