@@ -106,7 +106,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="CUPTI timeline of one step each")
     p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                    help="after the timed steps, STEPS more under cProfile: each impl's host "
-                        "functions by own time (printed; {impl}_host_profile.txt with --out)")
+                        "functions by own time (printed; {impl}_host_profile.txt and .pstats "
+                        "with --out)")
     p.add_argument("--out", default=None)
     p.add_argument("--report", default=None, metavar="COMPARE_JSON")
     return p.parse_args(argv)
@@ -427,6 +428,7 @@ class Run:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, f"{self.kind}_host_profile.txt"), "w") as f:
                 f.write(text.getvalue())
+            stats.dump_stats(os.path.join(args.out, f"{self.kind}_host_profile.pstats"))
 
     def finish(self, clocks: list) -> dict:
         """The profiles asked for, then the impl closed; its record."""
