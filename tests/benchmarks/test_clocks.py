@@ -3,6 +3,9 @@ out, and a cut-off line is refused rather than read with fields in the wrong pla
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from benchmarks.harness.device import CLOCK_FIELDS, _reading
@@ -25,9 +28,17 @@ def test_a_cut_off_line_is_refused():
         _reading("1980, 26")
 
 
+def _wait_for_output(log, nbytes: int, limit_s: float = 120.0) -> None:
+    """Until the stand-in has written ``nbytes`` (polled: how long its start takes depends
+    on the machine's load; the limit is for a stand-in that never writes)."""
+    deadline = time.monotonic() + limit_s
+    while os.fstat(log._file.fileno()).st_size < nbytes:
+        assert time.monotonic() < deadline, f"the stand-in wrote under {nbytes} bytes"
+        time.sleep(0.05)
+
+
 def test_a_clock_log_reads_lines_until_closed_and_stops_its_process(monkeypatch):
     import sys
-    import time
 
     from benchmarks.harness import device
 
@@ -38,7 +49,7 @@ def test_a_clock_log_reads_lines_until_closed_and_stops_its_process(monkeypatch)
     monkeypatch.setattr(device, "_smi_args", lambda dev: [sys.executable, "-c", stand_in])
     log = device.ClockLog(0, period_ms=20)
     proc = log._proc
-    time.sleep(0.5)
+    _wait_for_output(log, 3 * 30)  # three lines
     readings = log.close()
     assert readings and all(r["sm_mhz"] == 1980.0 for r in readings)
     assert proc.poll() is not None  # the process is gone
@@ -48,7 +59,6 @@ def test_a_clock_log_reads_lines_until_closed_and_stops_its_process(monkeypatch)
 def test_a_clock_log_keeps_every_reading_of_a_long_run(monkeypatch):
     """More output than a pipe buffer holds (64 KiB) must neither stall nor be lost."""
     import sys
-    import time
 
     from benchmarks.harness import device
 
@@ -59,5 +69,5 @@ def test_a_clock_log_keeps_every_reading_of_a_long_run(monkeypatch):
                 "time.sleep(60)\n")
     monkeypatch.setattr(device, "_smi_args", lambda dev: [sys.executable, "-c", stand_in])
     log = device.ClockLog(0)
-    time.sleep(1.0)
+    _wait_for_output(log, lines * 30)
     assert len(log.close()) == lines

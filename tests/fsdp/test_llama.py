@@ -20,11 +20,14 @@ from ..support import example
 llama = example("llama")
 
 TINY = llama.MODELS["tiny"]
-#: Finite differences: the 4-point central stencil (error O(step**4)) in float64.
-FD_STEP = 1e-3
+#: Finite differences: the 4-point central stencil (error O(step**4)) in float64. At 1e-3
+#: its truncation reached 8.7e-7 of FD_RTOL's 1e-6 (seed 5215, worst of 400); at 2.5e-4
+#: round-off grew to 1.3e-7 (40 seeds); 5e-4 balances them: worst 5.4e-8 over 40 seeds.
+FD_STEP = 5e-4
 #: Largest accepted |analytic - numeric| / max(|numeric|, floor), where floor is 1e-3 x the
 #: largest analytic gradient entry of that array (entries far below the array's scale are
-#: judged at that scale, not against their own rounding noise). Observed: ~1e-8.
+#: judged at that scale, not against their own rounding noise). Observed: ~1e-8 (median),
+#: 5.4e-8 (worst of 40 seeds).
 FD_RTOL = 1e-6
 FD_ENTRIES = 4
 
@@ -220,7 +223,11 @@ def test_batch_follows_the_successor_rule(seed: int) -> None:
     tokens, targets = llama.batch(cfg, step=3, batch_size=16, first_sample=5, seed=seed)
     perm = np.random.default_rng(seed).permutation(cfg.vocab)
     hit = float((perm[tokens] == targets).mean())
-    assert abs(hit - llama.FOLLOW) < 0.03, f"seed {seed}: follow rate {hit}"
+    # ``hit`` is a mean of 1024 draws that follow with probability FOLLOW (0.9): its
+    # standard deviation is 0.0094, so 0.05 is 5.3 of them (0.03, 3.2 of them, fails about
+    # 1 run in 700);
+    # a broken rule follows at about 1 / vocab.
+    assert abs(hit - llama.FOLLOW) < 0.05, f"seed {seed}: follow rate {hit}"
 
 
 def test_bfloat16_close_to_float32(seed: int) -> None:

@@ -1,5 +1,6 @@
-"""Helpers shared by the JAX tests: a fresh seed every rank agrees on, and full parameters
-put back together from every rank's shards (for comparing with one unsharded process)."""
+"""Helpers shared by the JAX tests: a fresh seed every rank agrees on (``tests._util``'s),
+and full parameters put back together from every rank's shards (for comparing with one
+unsharded process)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from .._util import fresh_seed
 
-def fresh_seed(comm: Any) -> int:
-    """A new seed every run, drawn on rank 0 and broadcast (collective): print it in the
-    failure message to reproduce the run."""
-    return comm.bcast(int(np.random.default_rng().integers(2**31)) if comm.rank == 0 else None)
+__all__ = ["fresh_seed", "full_leaves"]
 
 
 def full_leaves(group: Any, shards: Any, like: Any, stacked: bool) -> list[np.ndarray]:

@@ -84,11 +84,12 @@ def main() -> int:
               f"{e}", flush=True)
         # A peer may never reach MPI_Finalize: abort the job, as ``python -m mpi4py`` does
         # for an unhandled exception, instead of waiting for it at exit.
-        # The pause lets the other survivors, which time out at about the same moment,
-        # report too before the abort ends the job.
+        # The pause lets the other survivors report too before the abort ends the job: each
+        # times out a timeout after its own wait began, which under load can be seconds
+        # after this one's (a pause of 2 s was once too short).
         from mpi4py import MPI
 
-        time.sleep(2.0)
+        time.sleep(max(2.0, float(os.environ.get("TIDE_TIMEOUT", "5"))))
         MPI.COMM_WORLD.Abort(2)
     print(f"rank {g.rank}: done", flush=True)
     g.close()

@@ -162,6 +162,9 @@ def test_a_replay_after_a_fault_raises(group, xp):
     arena = ta.SlotArena(unit.nbytes, num_slots=1, group=g)
     shards = [xp.zeros(s, FP32) for s in unit.shard_shapes]
     plan = unit.gather_plan(shards, arena[0], graph=True)
+    # The ranks leave the plan's making at different times (seconds apart on a busy
+    # machine): under the 1 s timeout, the replay that must complete starts together.
+    g.comm.Barrier()
     plan()
     failures = []
     if g.rank != 0:

@@ -149,7 +149,9 @@ def test_jitted_step_matches_one_process(group, cpu_jax, dtype, command_buffer):
     tol = 1e-5 if dtype == "float32" else 3e-2
     failures = [f"step {i}: {a!r} vs reference {b!r}" for i, (a, b) in enumerate(zip(losses, want))
                 if abs(a - b) > tol * abs(b)]
-    if not losses[-2] < losses[0]:  # the same samples
+    # Both batches (two in turn), first and last: one batch's loss alone fell by 0.91 at
+    # worst over 150 seeds, too near 1 for a check run 8 times a CI run.
+    if not losses[-2] + losses[-1] < losses[0] + losses[1]:
         failures.append(f"losses {losses} do not go down")
     agree(group.comm, failures, f"{dtype} jitted sharded step vs one JAX process (seed {seed})")
 
@@ -582,7 +584,9 @@ def test_scanned_step_matches_one_process(group, case, monkeypatch, how, reshard
         err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
         if a.shape != b.shape or not err <= 1e-5:
             failures.append(f"parameter {k} {b.shape}: got {a.shape}, relative error {err:.2e}")
-    if not losses[-1] < losses[0] or not min(norms) > ACTIVE:
+    # A full cycle of the three batches, first and last: an easy batch's loss alone rose
+    # while a hard one's fell (1 of 100 seeds at 1 rank: 0.2024 to 0.2045).
+    if not sum(losses[-3:]) < sum(losses[:3]) or not min(norms) > ACTIVE:
         failures.append(f"expected falling losses and an active clip, got losses {losses}, "
                         f"norms {norms} (limit {ACTIVE})")
     if order.log != _expected_order(reshard):

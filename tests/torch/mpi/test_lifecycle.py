@@ -53,8 +53,15 @@ STEPS, MOE_STEPS = 7, 13  # the last step on step 0's batch (three in turn)
 #: which the test checks bitwise.
 LOSS_RTOL, MOE_LOSS_RTOL = 1e-5, 5e-6
 HIDDEN = 32
-#: The LoRA adapters after training against the reference's (fp32, 7 steps).
-ADAPTER_RTOL, ADAPTER_ATOL = 1e-5, 1e-6
+#: The LoRA adapters after training against the reference's (fp32, 7 steps), and the
+#: merged model's logits: bounded by the steps' size, not by fp32's resolution. The ranks'
+#: gradients summed, then scaled by 1/W, round otherwise than the reference's one batch;
+#: AdamW (eps 1e-6) turns those roundings, on elements whose gradient nearly cancels, into
+#: steps of about 1e-3 x lr: up to 8.9e-6 apart (3 of 140 seeds at 3 ranks beyond the
+#: former atol 1e-6; none at 2 or 4). A gradient lost or scaled wrongly moves an adapter
+#: by about lr (3e-3) a step.
+ADAPTER_RTOL, ADAPTER_ATOL = 1e-5, 1e-2 * LR
+LOGIT_RTOL, LOGIT_ATOL = 1e-4, 1e-5
 
 MakeOpt = Callable[[list], Any]
 #: ``setup(model, step, rank)``: runs before ``rank``'s forward of ``step``.
@@ -354,10 +361,10 @@ def test_lora_through_peft(group):
         merged, ids = plain.merge_and_unload(), _batch(seed, 99, 0).to(test_hf.DEVICE[0])
         with torch.no_grad():
             a, b = (m(input_ids=ids).logits.cpu() for m in (merged, reference))
-        if not torch.allclose(a, b, rtol=ADAPTER_RTOL, atol=ADAPTER_ATOL):
+        if not torch.allclose(a, b, rtol=LOGIT_RTOL, atol=LOGIT_ATOL):
             failures.append(f"merged plain model: expected the reference's logits, got max "
                             f"|diff| {float((a - b).abs().max()):.2e}")
-    agree(group.comm, failures, "LoRA vs one process")
+    agree(group.comm, failures, f"LoRA vs one process (seed {seed})")
 
 
 #: Which of a Llama's parameters are frozen (by name), and its number of layers.
@@ -580,8 +587,8 @@ def test_expert_idle_on_some_ranks(group):
     model = _masked_moe(seed)
     reference = copy.deepcopy(model)
 
-    def setup(m: Any, s: int, r: int) -> None:
-        _disable(m, {3} if r == 0 else set())
+    def setup(m: Any, s: int, r: int) -> None:  # the other ranks' first token picks it
+        _disable(m, {3} if r == 0 else set(), favored=None if r == 0 else 3)
 
     sm = _wrap(model, list(model.model.layers), group, optimizer=AdamW(lr=LR, weight_decay=0.1))
     got = _sharded(sm, model, group, seed, steps=MOE_STEPS, setup=setup)
