@@ -47,8 +47,8 @@ factor as the run starts, so a lost signal fails a test instead of hanging it, w
 busy machine does not.
 
 Every run gets the same Hypothesis seed, which also seeds the tests' fresh data (printed;
-pass ``--seed`` to reproduce), so all ranks of a run draw the same examples. Prints a summary table; the exit status
-is nonzero if any run failed or hung.
+pass ``--seed`` to reproduce), so all ranks of a run draw the same examples. Prints a
+summary table; the exit status is nonzero if any run failed or hung.
 
 Usage: ``python tests/run.py [--seed S] [--only WORD] [--ranks 1,2] [-- PYTEST ARGS]``
 """
