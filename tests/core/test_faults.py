@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from .._util import skip_inside_mpi_job
-from ..run import mpiexec_flags
+from ..run import contention, mpiexec_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 5.0
@@ -29,10 +29,10 @@ RANKS = 3
 
 
 def _slack() -> float:
-    """The machine's contention as a job starts (the 1-minute load over the cores, at least
-    1): the allowances for a job's start-up and for a survivor's report scale by it, as
+    """The contention a job starts under (``run.py``'s measure, its ranks counted): the
+    allowances for a job's start-up and for a survivor's report scale by it, as
     ``run.py``'s limits do; the library's timeout itself does not."""
-    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    return contention(RANKS, os.cpu_count() or 1).factor
 
 
 def _backends() -> list:
