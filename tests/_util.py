@@ -30,13 +30,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
 
 
-def fresh_seed(comm: Any, bits: int = 31) -> int:
-    """A new seed every run, drawn on rank 0 and broadcast (collective), or
-    ``TIDE_TEST_SEED``'s. Printed: pytest shows a failed test's output, so the failure
-    names the seed that reproduces it (``TIDE_TEST_SEED=N``)."""
+def fresh_seed(comm: Any = None, bits: int = 31) -> int:
+    """A new seed every run, or ``TIDE_TEST_SEED``'s: every test that draws fresh data
+    draws its seed here. Under MPI (``comm``) rank 0 draws it and broadcasts it
+    (collective), so the ranks draw alike. Printed: pytest shows a failed test's output,
+    so the failure names the seed that reproduces it (``TIDE_TEST_SEED=N``)."""
     pinned = os.environ.get("TIDE_TEST_SEED")
-    seed = int(pinned) % (1 << bits) if pinned else comm.bcast(
-        int(np.random.default_rng().integers(1 << bits)) if comm.rank == 0 else None)
+    if pinned:
+        seed = int(pinned) % (1 << bits)
+    else:
+        mine = int(np.random.default_rng().integers(1 << bits))
+        seed = mine if comm is None else comm.bcast(mine if comm.rank == 0 else None)
     print(f"seed {seed} (reproduce: TIDE_TEST_SEED={seed})")
     return seed
 

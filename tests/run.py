@@ -47,9 +47,9 @@ factor as the run starts, so a lost signal fails a test instead of hanging it, w
 busy machine does not.
 
 Every run gets the same Hypothesis seed (printed; pass ``--seed`` to reproduce), so all
-ranks of a run draw the same examples; it also seeds the fresh data of the tests that draw
-it through ``_util.fresh_seed`` (the Hugging Face, peft, Flax and JAX-jit tests under
-MPI). Prints a summary table; the exit status is nonzero if any run failed or hung.
+ranks of a run draw the same examples; it also seeds every test's fresh data (each draws
+its seed through ``_util.fresh_seed``, and prints it). Prints a summary table; the exit
+status is nonzero if any run failed or hung.
 
 Usage: ``python tests/run.py [--seed S] [--only WORD] [--ranks 1,2] [-- PYTEST ARGS]``
 """
@@ -352,8 +352,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     seed = args.seed if args.seed is not None else int(
         os.environ.get("TIDE_TEST_SEED") or random.getrandbits(32))
-    # The seed of the tests' fresh data too, where a test draws it through
-    # ``_util.fresh_seed``: one seed then reproduces those tests' data as well.
+    # The seed of the tests' fresh data too (``_util.fresh_seed``): one seed then
+    # reproduces their data as well as Hypothesis's examples.
     os.environ["TIDE_TEST_SEED"] = str(seed)
     # ``python tests/run.py`` puts tests/ first on sys.path, where the front ends' tests
     # (tests/torch, tests/jax) would pass for the frameworks themselves.

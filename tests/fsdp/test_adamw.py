@@ -54,7 +54,7 @@ from tidearray.fsdp._norm import GlobalNorm, clip_scale, host_sum_squares
 from tidearray.fsdp._optim import FusedAdamW
 from tidearray.fsdp._rows import MAX_ROWS, group_runs
 
-from .._util import BF16, DTYPES, FP32, bits
+from .._util import BF16, DTYPES, FP32, bits, fresh_seed
 
 STEPS = 10
 RTOL_MASTER = 3 * STEPS * 2**-24
@@ -64,7 +64,7 @@ RTOL = 1e-6
 
 @pytest.fixture
 def rng() -> tuple[np.random.Generator, int]:
-    seed = int(np.random.SeedSequence().entropy) % (1 << 63)
+    seed = fresh_seed(bits=63)
     return np.random.default_rng(seed), seed
 
 

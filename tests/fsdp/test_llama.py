@@ -1,20 +1,20 @@
 """The Llama example (``examples/llama.py``): gradients, learnability, data, dtypes.
 
 Single-process, NumPy only. Random choices (finite-difference entries, data seeds)
-come from a fresh seed per run, printed in every failure message; set
-``TIDE_LLAMA_SEED`` to replay one.
+come from a fresh seed per run (``_util.fresh_seed``), printed in every failure message; set
+``TIDE_TEST_SEED`` to replay one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from .._util import fresh_seed
 from ..support import example
 
 llama = example("llama")
@@ -34,9 +34,8 @@ FD_ENTRIES = 4
 
 @pytest.fixture
 def seed() -> int:
-    """A fresh seed per test run (or ``TIDE_LLAMA_SEED``); quote it in failure messages."""
-    env = os.environ.get("TIDE_LLAMA_SEED")
-    return int(env) if env else int(np.random.SeedSequence().entropy % 2**31)
+    """A fresh seed per test run (or ``TIDE_TEST_SEED``); quote it in failure messages."""
+    return fresh_seed()
 
 
 def forward_all(model: llama.Llama, params: list, tokens, targets, *, start: int = 0,

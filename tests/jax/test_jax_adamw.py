@@ -14,6 +14,8 @@ tj = pytest.importorskip("tidearray.jax")
 from tidearray import TideInvalid  # noqa: E402
 from tidearray.fsdp import AdamW, FusedAdamW  # noqa: E402
 
+from .._util import fresh_seed  # noqa: E402
+
 STEPS = 10
 
 
@@ -23,7 +25,7 @@ def test_shard_adamw_matches_fused_adamw():
 
 
 def _compare() -> None:
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(fresh_seed())
     hp = AdamW(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     master = rng.standard_normal(257).astype(np.float32)
     grads = [rng.standard_normal(257).astype(np.float32) for _ in range(STEPS)]

@@ -17,7 +17,7 @@ import tidearray
 from tidearray.backends._base import AccumPiece
 from tidearray.layout import shard_shape
 
-from ..._util import stall
+from ..._util import fresh_seed, stall
 from ._units import UNITS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
@@ -152,7 +152,7 @@ def test_copier_local_copies_cut_and_exact(cuda_group, cp, batched):
     on, why = c.probe(be.streams[0].ptr)
     if batched and not on:
         pytest.skip(f"batched copies unavailable: {why}")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(fresh_seed(cuda_group.comm))
     src = cp.asarray(rng.integers(0, 256, 4 << 20, dtype=np.uint8))
     dst = cp.full_like(src, 0xA5)
     sizes = [int(n) for n in rng.integers(1, 5 * cap, 12)] + [3 * cap + 17]
@@ -189,7 +189,7 @@ def test_copier_many_local_copies_go_as_one_kernel(cuda_group, cp):
     be = cuda_group.backend.lanes
     c = Copier(None, local_max=64 << 10, kernel_min=8, device=be.device, ctas=3)
     c.probe(be.streams[0].ptr)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(fresh_seed(cuda_group.comm))
     src = cp.zeros(8 << 20, cp.uint8)
     dst = cp.zeros_like(src)
     copies, at = [], 0
@@ -311,7 +311,7 @@ def test_repeated_all_gather_follows_its_arrays(cuda_group, cp):
     again, then with one entry replaced in place, then new arrays after the old
     ones died (ids and addresses may be reused), each bitwise against NumPy."""
     g = cuda_group
-    rng = np.random.default_rng(g.comm.bcast(int(np.random.default_rng().integers(1 << 30))))
+    rng = np.random.default_rng(fresh_seed(g.comm, bits=30))
     shapes = [(4 * g.size + 1, 8), (3 * g.size, 16), (5,)]
 
     def make() -> tuple[list, list]:

@@ -17,7 +17,16 @@ from mpi4py import MPI
 
 import tidearray as ta
 
-from ..._util import BF16, FP32, agree, compare_bits, padded_shard, skip_in_debug, to_numpy
+from ..._util import (
+    BF16,
+    FP32,
+    agree,
+    compare_bits,
+    fresh_seed,
+    padded_shard,
+    skip_in_debug,
+    to_numpy,
+)
 from ..mpi._cases import full_params, poison, rank_grads
 from ..mpi.test_graphs import nonzero_flags
 
@@ -51,7 +60,7 @@ def test_collectives_replay_from_a_users_capture(cuda_group):
         params, eager, outs = step()
     finally:
         graph = stream.end_capture()
-    seed = int(g.comm.bcast(np.random.SeedSequence().entropy % 2**32, root=0))
+    seed = fresh_seed(g.comm, bits=32)
     failures = []
     for call in range(5):
         full = full_params(SHAPES, BF16, seed + call)

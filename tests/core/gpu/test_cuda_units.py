@@ -14,7 +14,6 @@ rank rebuilds every rank's inputs from that seed on its GPU.
 
 from __future__ import annotations
 
-import random
 import time
 import traceback
 
@@ -24,13 +23,14 @@ import pytest
 import tidearray
 from tidearray.layout import shard_shape, unit_nbytes
 
+from ..._util import fresh_seed
 from ._units import BF16, UNITS, bf16_normal, bf16_to_f64, padded_shard, shard_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
 
 def _seed(group) -> int:
-    return group.comm.bcast(random.getrandbits(31), root=0)
+    return fresh_seed(group.comm)
 
 
 def _sync(cp, seconds: float = 30.0) -> None:

@@ -24,6 +24,7 @@ from ..._util import (
     agree,
     compare_bits,
     dtypes,
+    fresh_seed,
     padded_shard,
     seeds,
     shapes,
@@ -202,7 +203,7 @@ def test_only_own_copies_are_marked_local(arena, monkeypatch):
 
     monkeypatch.setattr(HostBackend, "compile_copies", spy)
     unit = [(2 * WORLD + 1, 3), (WORLD,), (0, 4)]
-    rng = np.random.default_rng(g.comm.bcast(int(np.random.SeedSequence().entropy) % 2**63))
+    rng = np.random.default_rng(fresh_seed(g.comm, bits=63))
     fulls = [rng.standard_normal(s).astype(np.float32) for s in unit]
     shards = [tidearray.shard(f, rank=g.rank, world=g.size) for f in fulls]
     slot = arena[0]

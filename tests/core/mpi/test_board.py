@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from ..._util import agree
+from ..._util import agree, fresh_seed
 
 pytestmark = pytest.mark.mpi
 
@@ -28,7 +28,7 @@ def test_board_max_matches_allreduce(group, comm):
         failures.append(f"expected a board exactly on one node of several ranks, got "
                         f"{group.board} for {group}")
     board = _board(group, 30.0)
-    rng = np.random.default_rng()  # fresh data on every run
+    rng = np.random.default_rng(fresh_seed(group.comm))  # fresh data on every run
     node = group.node_comm
     try:
         for k in range(200):

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 import tidearray as ta
 
-from ..._util import BF16, FP32, agree, bits, padded_shard, to_numpy, to_xp
+from ..._util import BF16, FP32, agree, bits, fresh_seed, padded_shard, to_numpy, to_xp
 from ._cases import documented_sum
 
 WORLD = MPI.COMM_WORLD.Get_size()
@@ -40,7 +40,7 @@ def transport_group(request, group):
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
 def test_bits_equal_the_documented_fold_everywhere(transport_group, xp, dtype):
     g = transport_group
-    rng = np.random.default_rng(g.comm.bcast(int(np.random.default_rng().integers(1 << 30))))
+    rng = np.random.default_rng(fresh_seed(g.comm, bits=30))
     every = [[(rng.standard_normal(s) * np.exp2(rng.integers(-10, 15, s))).astype(dtype)
               for s in SHAPES] for _ in range(WORLD)]
     want = [padded_shard(documented_sum([e[j] for e in every], g.topology, 1.0 / WORLD),

@@ -17,7 +17,7 @@ from mpi4py import MPI
 import tidearray as ta
 from tidearray._group import EAGER_PLANS
 
-from ..._util import BF16, FP32, agree, compare_bits, padded_shard, to_numpy, to_xp
+from ..._util import BF16, FP32, agree, compare_bits, fresh_seed, padded_shard, to_numpy, to_xp
 from ._cases import full_params, poison, rank_grads
 
 WORLD = MPI.COMM_WORLD.Get_size()
@@ -37,7 +37,7 @@ def eager(group):
 
 
 def _seed(group) -> int:
-    return group.comm.bcast(int(np.random.SeedSequence().entropy % (1 << 31)))
+    return fresh_seed(group.comm)
 
 
 def _gather(group, xp, shards, full, slot, label) -> list[str]:

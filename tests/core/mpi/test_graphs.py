@@ -18,7 +18,7 @@ import tidearray as ta
 import tidearray._stamps as _stamps
 from tidearray._arena import ARRIVED, FREE, NUM_CHANNELS, NUM_KINDS, STAMP
 
-from ..._util import BF16, FP32, agree, compare_bits, padded_shard, to_numpy, to_xp
+from ..._util import BF16, FP32, agree, compare_bits, fresh_seed, padded_shard, to_numpy, to_xp
 from ._cases import full_params, poison, rank_grads
 
 WORLD = MPI.COMM_WORLD.Get_size()
@@ -46,7 +46,7 @@ def tgroup(request, group):
 
 
 def _seed(comm) -> int:
-    return int(comm.bcast(np.random.SeedSequence().entropy % 2**32, root=0))
+    return fresh_seed(comm, bits=32)
 
 
 def nonzero_flags(group, regions) -> list[str]:

@@ -20,6 +20,7 @@ from ..._util import (
     FP32,
     agree,
     compare_bits,
+    fresh_seed,
     padded_shard,
     seeds,
     shapes,
@@ -126,7 +127,7 @@ def test_reduce_plan_repeats_with_new_data(group, xp, shapes, dtype, op, seed):
 def test_many_plans_interleaved(group, xp):
     """400 plans (one per unit), called in a shuffled order the ranks share: no plan's
     addresses or flag counts leak into another's."""
-    rng = np.random.default_rng(group.comm.bcast(np.random.SeedSequence().entropy, root=0))
+    rng = np.random.default_rng(fresh_seed(group.comm, bits=63))
     n = 400
     dtype = np.dtype(np.float32)
     unit_shapes = [[(int(rng.integers(1, 3 * WORLD + 2)), 3)] for _ in range(n)]
@@ -204,7 +205,8 @@ def test_plans_on_some_ranks_leave_other_groups_in_step(comm):
     g = ta.init(comm, backend="host", debug=True)
     try:
         unit = ta.Unit([(2 * g.size, 2)], FP32, group=g)
-        full = np.random.default_rng().standard_normal((2 * g.size, 2)).astype(FP32)
+        full = np.random.default_rng(fresh_seed(g.comm)).standard_normal((2 * g.size, 2))
+        full = full.astype(FP32)
         full = g.comm.bcast(full)
         slot = ta.SlotArena(unit.nbytes, num_slots=1, group=g)[0]
         poison(slot)

@@ -19,7 +19,19 @@ from tidearray._layout import plan_unit
 from tidearray._schedule import plan_reduce_scatter
 from tidearray.layout import shard_shape
 
-from ..._util import BF16, FP16, FP32, agree, bits, dtypes, seeds, shapes, to_numpy, to_xp
+from ..._util import (
+    BF16,
+    FP16,
+    FP32,
+    agree,
+    bits,
+    dtypes,
+    fresh_seed,
+    seeds,
+    shapes,
+    to_numpy,
+    to_xp,
+)
 from ._cases import (
     compare_rs,
     rank_grads,
@@ -136,7 +148,7 @@ def test_a_repeat_reads_new_values_without_resolving_again(group, monkeypatch):
     the repeats find their validated call without resolving those arrays again."""
     xp, W, r = group.backend.xp, group.size, group.rank
     unit = small_unit(W)
-    seed = group.comm.bcast(int(np.random.default_rng().integers(1 << 30)))
+    seed = fresh_seed(group.comm, bits=30)
     grads = [xp.zeros(s, BF16) for s in unit]
     outs = [xp.zeros(shard_shape(s, W), np.float32) for s in unit]
     mine = {id(a) for a in grads + outs}

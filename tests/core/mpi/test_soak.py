@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 import tidearray as ta
 
-from ..._util import FP32, agree, compare_bits, padded_shard, to_numpy, to_xp
+from ..._util import FP32, agree, compare_bits, fresh_seed, padded_shard, to_numpy, to_xp
 from ._cases import rank_grads
 
 WORLD = MPI.COMM_WORLD.Get_size()
@@ -53,7 +53,7 @@ def test_soak(group, xp):
     shapes = [[(4 * WORLD + 1, 33), (7,)], [(2 * WORLD, 64)]]
     units = [ta.Unit(s, FP32, group=group) for s in shapes]
     arena = ta.SlotArena(max(max(u.nbytes, u.staging_nbytes) for u in units), 3, group=group)
-    rng = np.random.default_rng(group.comm.bcast(int(np.random.default_rng().integers(1 << 30))))
+    rng = np.random.default_rng(fresh_seed(group.comm, bits=30))
     fulls = [[rng.standard_normal(s).astype(np.float32) for s in u.shapes] for u in units]
     shards = [[to_xp(xp, padded_shard(f, WORLD, group.rank)) for f in full] for full in fulls]
     grads = [[to_xp(xp, g) for g in rank_grads(u.shapes, FP32, 11, group.rank)] for u in units]

@@ -16,7 +16,7 @@ from mpi4py import MPI
 import tidearray as ta
 from tidearray import _stamps
 
-from ..._util import FP32, agree, compare_bits, padded_shard, to_numpy, to_xp
+from ..._util import FP32, agree, compare_bits, fresh_seed, padded_shard, to_numpy, to_xp
 from ._cases import rank_grads
 
 WORLD = MPI.COMM_WORLD.Get_size()
@@ -43,7 +43,7 @@ def test_good_calls_pass_the_stamp_check(debug_group, xp):
     """Gathers and reductions (calls and plans, several chunks) return correct data and
     raise nothing in debug mode, call after call."""
     g = debug_group
-    seed = g.comm.bcast(int(np.random.default_rng().integers(1 << 30)))
+    seed = fresh_seed(g.comm, bits=30)
     fulls, shards = _data(g, xp, seed)
     unit = ta.Unit(SHAPES, FP32, group=g, chunk_nbytes=4096)
     arena = ta.SlotArena(max(unit.nbytes, unit.staging_nbytes), 2, group=g)

@@ -21,7 +21,7 @@ from mpi4py import MPI
 import tidearray
 from tidearray.layout import shard_shape
 
-from ..._util import BF16, FP16, FP32, agree, compare_bits, to_numpy, to_xp
+from ..._util import BF16, FP16, FP32, agree, compare_bits, fresh_seed, to_numpy, to_xp
 from ._cases import (
     POISON_BYTE,
     check_usable,
@@ -334,7 +334,7 @@ def test_a_repeated_call_rejected_by_one_rank(group, slots):
     of the rejected call may let a peer write a slot its owner is still writing)."""
     if WORLD == 1:
         pytest.skip("a disagreement between ranks needs 2+ ranks")
-    seed = group.comm.bcast(int(np.random.default_rng().integers(1 << 30)))
+    seed = fresh_seed(group.comm, bits=30)
     shapes = unit()
     fulls = full_params(shapes, BF16, seed)
     xp = group.backend.xp
@@ -361,7 +361,7 @@ def test_a_repeated_reduce_scatter_sees_a_gradient_reshaped_in_place(group):
     the same call reduces right again."""
     xp = group.backend.xp
     shapes = unit()
-    seed = group.comm.bcast(int(np.random.default_rng().integers(1 << 30)))
+    seed = fresh_seed(group.comm, bits=30)
     grads = [to_xp(xp, g) for g in rank_grads(shapes, BF16, seed, group.rank)]
     outs = [xp.full(shard_shape(s, WORLD), np.nan, np.float32) for s in shapes]
     for _ in range(2):  # validated, then found again as a repeat

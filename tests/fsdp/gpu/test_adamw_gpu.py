@@ -33,7 +33,7 @@ from tidearray._adamw import MAX_GROUPS, AdamW, ParamGroup
 from tidearray.fsdp._norm import GlobalNorm, clip_scale
 from tidearray.fsdp._optim import BLOCK, FusedAdamW
 
-from ..._util import BF16, DTYPES, bits, stall
+from ..._util import BF16, DTYPES, bits, fresh_seed, stall
 
 pytestmark = pytest.mark.gpu
 
@@ -58,7 +58,7 @@ def cp() -> Any:
 
 @pytest.fixture
 def rng() -> tuple[np.random.Generator, int]:
-    seed = int(np.random.SeedSequence().entropy) % (1 << 63)
+    seed = fresh_seed(bits=63)
     return np.random.default_rng(seed), seed
 
 

@@ -19,7 +19,7 @@ import pytest
 from tidearray.fsdp import clip_scale
 from tidearray.fsdp._norm import GlobalNorm
 
-from ..._util import agree, to_numpy, to_xp
+from ..._util import agree, fresh_seed, to_numpy, to_xp
 
 pytestmark = pytest.mark.mpi
 REL = 1e-12
@@ -28,7 +28,7 @@ REL = 1e-12
 def _grads(group, draws: int) -> list[np.ndarray]:
     """``draws`` float32 gradients of this rank: lengths differ by rank, values span
     decades so that the float64 sums round."""
-    seed = group.comm.bcast(int(np.random.default_rng().integers(1 << 30)), root=0)
+    seed = fresh_seed(group.comm, bits=30)
     rng = np.random.default_rng([seed, group.rank])
     out = []
     for _ in range(draws):

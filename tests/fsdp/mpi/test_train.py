@@ -21,7 +21,7 @@ import tidearray
 from tidearray._adamw import adamw_numpy, coefficients
 from tidearray.fsdp import AdamW, clip_scale
 
-from ..._util import agree
+from ..._util import agree, fresh_seed
 from ...support import example
 
 llama, train = example("llama"), example("train")
@@ -217,7 +217,7 @@ def test_micro_batches_combine_as_asked(group, accumulate):
         Runtime([[("w", np.zeros((2, 3), np.float32))]], group=group, param_dtype="float32",
                 accumulate="avg")
     shape = (5, 3)
-    seed = group.comm.bcast(int(np.random.SeedSequence().entropy % 2**32))
+    seed = fresh_seed(group.comm, bits=32)
     grads = np.random.default_rng(seed).standard_normal((2, group.size, *shape))
     grads = grads.astype(np.float32)  # [pass, rank]: what each pass writes on each rank
     rt = Runtime([[("w", np.zeros(shape, np.float32))]], group=group, param_dtype="float32",
@@ -255,7 +255,7 @@ def test_zero_grad_drops_a_clip_of_the_dropped_gradients(group):
     that saw only that backward (fresh random gradients and weights)."""
     from tidearray.fsdp import Runtime
 
-    seed = group.comm.bcast(int(np.random.SeedSequence().entropy % 2**32))
+    seed = fresh_seed(group.comm, bits=32)
     rng = np.random.default_rng(seed)
     weights, dropped, kept = (rng.standard_normal((3, 7, 3)) * [[[1]], [[100]], [[1]]]
                               ).astype(np.float32)

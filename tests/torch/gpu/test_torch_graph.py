@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-import numpy as np
 import pytest
 
-from ..._util import agree, skip_in_debug
+from ..._util import agree, fresh_seed, skip_in_debug
 
 torch = pytest.importorskip("torch")
 
@@ -85,7 +84,7 @@ def device(cuda_group):
 
 
 def _seed(group) -> int:
-    return group.comm.bcast(int(np.random.default_rng().integers(1 << 30)), root=0)
+    return fresh_seed(group.comm, bits=30)
 
 
 def _sharded(group, kind: str, seed: int, device: Any, **kw) -> tuple[Any, Callable]:

@@ -11,8 +11,8 @@ unit and the rest the root, on the host backend (CPU tensors):
 * bad loads, on one rank only, raise the same ``TideInvalid`` on every rank and change
   nothing; the module's own ``state_dict()`` is refused.
 
-Data are fresh each run: drawn from the run's Hypothesis seed (one on every rank, printed
-by ``tests/run.py``), mixed with the test's name.
+Data are fresh each run: drawn from the run's seed (``_util.fresh_seed``: one on every rank,
+printed; ``TIDE_TEST_SEED`` pins it), mixed with the test's name.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ..._util import agree, compare_bits
+from ..._util import agree, compare_bits, fresh_seed
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -37,11 +37,8 @@ LOSS_RTOL = 1e-6
 
 @pytest.fixture
 def seed(comm, request) -> int:
-    """The run's seed (rank 0's, else a fresh one) mixed with the test's name."""
-    base = request.config.getoption("hypothesis_seed", None)
-    if base is None:
-        base = int(np.random.default_rng().integers(2**32))
-    return comm.bcast((int(base) ^ zlib.crc32(request.node.name.encode())) & 0xFFFFFFFF, root=0)
+    """The run's fresh seed (``_util.fresh_seed``) mixed with the test's name."""
+    return (fresh_seed(comm, bits=32) ^ zlib.crc32(request.node.name.encode())) & 0xFFFFFFFF
 
 
 @pytest.fixture(autouse=True)
