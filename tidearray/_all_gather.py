@@ -64,7 +64,7 @@ class Gather:
 
 def validate(group: Group, shards: Any, shapes: Any, slot: Optional[Region],
              out_dtype: Any = None, expect_dtype: Any = None, what: str = "all_gather",
-             errors: Sequence[str] = ()) -> Gather:
+             errors: Sequence[str] = (), tag: tuple = ()) -> Gather:
     """Resolve and check a gather of ``shards`` into ``slot`` (the group's own slots if
     None), in one agreement: any rank's bad input raises on every rank.
 
@@ -72,6 +72,8 @@ def validate(group: Group, shards: Any, shapes: Any, slot: Optional[Region],
         out_dtype: the slot's dtype when the shards are cast into it (a cast plan).
         expect_dtype: the dtype the shards must have (a plan's unit's), if any.
         errors: the caller's own findings, raised with these.
+        tag: ``(name, value)`` pairs the ranks must agree on too (which unit a front
+            end's call is for: units of one shape are otherwise alike).
     """
     resolved, more = _validate.resolve_all(group.backend, shards, "shard")
     shapes, bad_shapes = parse_shapes(shapes)
@@ -94,7 +96,7 @@ def validate(group: Group, shards: Any, shapes: Any, slot: Optional[Region],
             errors.append(str(e))
     if layout is not None and not errors:
         errors += _check_shards(group, layout, resolved, dtype, slot)
-    signature = (("shapes", shapes), ("dtype", str(dtype)),
+    signature = (("call", what), *tag, ("shapes", shapes), ("dtype", str(dtype)),
                  ("slot", None if slot is None else slot.id), ("out", str(out)))
     digest = _validate.digest(signature)
     _validate.check(group, what, signature, errors, known_digest=digest)

@@ -301,7 +301,8 @@ def _region_check(value: Any, name: str, optional: bool) -> list[str]:
 
 class GatherPlan(_Plan):
     """TIDE-AG of one unit's shards into one slot, resolved once. Made by
-    :meth:`Unit.gather_plan`; call it to gather.
+    :meth:`Unit.gather_plan`; call it to gather. ``tag``: more ``(name, value)`` pairs the
+    ranks agree on (a front end's eager plans: which unit each call is for).
 
     Attributes:
         params: the full parameters, views into the slot (valid after a call).
@@ -311,11 +312,12 @@ class GatherPlan(_Plan):
 
     def __init__(self, group: Group, shards: Sequence[Any], shapes: Any,
                  slot: Optional[Region], *, cast_to: Any = None, expect_dtype: Any = None,
-                 eager: bool = False, graph: bool = False) -> None:
+                 eager: bool = False, graph: bool = False, tag: tuple = ()) -> None:
         if eager:
             self.what = "all_gather"
         errors = _region_check(slot, "slot", optional=eager)
-        g = ag.validate(group, shards, shapes, slot, cast_to, expect_dtype, self.what, errors)
+        g = ag.validate(group, shards, shapes, slot, cast_to, expect_dtype, self.what, errors,
+                        tag)
         super().__init__(group, g.signature, g.digest, eager)
         self.layout, self.dtype, self.slot = g.layout, g.out_dtype, slot
         self._cast_to, self._shard_ptrs = cast_to, g.shard_ptrs
@@ -380,13 +382,13 @@ class ReducePlan(_Plan):
     def __init__(self, group: Group, grads: Sequence[Any], out: Optional[Sequence[Any]],
                  op: str, staging: Optional[Region], *, chunk_nbytes: Optional[int] = None,
                  expect: Optional[tuple] = None, eager: bool = False,
-                 graph: bool = False) -> None:
+                 graph: bool = False, tag: tuple = ()) -> None:
         if eager:
             self.what = "reduce_scatter"
         be = group.backend
         errors = _region_check(staging, "staging", optional=True)
         red = rs.validate(group, grads, out, op, staging, chunk_nbytes, expect, self.what,
-                          errors)
+                          errors, tag)
         super().__init__(group, red.signature, red.digest, eager)
         self._red, self.staging = red, staging
         self.scale = 1.0 / group.size if op == "avg" else 1.0

@@ -87,7 +87,8 @@ class Reduce:
 
 def validate(group: Group, grads: Any, out: Any, op: str, staging: Optional[Region],
              chunk_nbytes: Optional[int] = None, expect: Optional[tuple] = None,
-             what: str = "reduce_scatter", errors: Sequence[str] = ()) -> Reduce:
+             what: str = "reduce_scatter", errors: Sequence[str] = (),
+             tag: tuple = ()) -> Reduce:
     """Resolve and check a reduction of ``grads`` (into ``out`` if given) in one
     agreement: any rank's bad input raises on every rank.
 
@@ -95,6 +96,7 @@ def validate(group: Group, grads: Any, out: Any, op: str, staging: Optional[Regi
         chunk_nbytes: the chunk (the group's if None).
         expect: ``(layout, dtype)`` the gradients must have (a plan's unit's), if any.
         errors: the caller's own findings, raised with these.
+        tag: ``(name, value)`` pairs the ranks must agree on too (``_all_gather.validate``).
     """
     be = group.backend
     grads_r, more = _validate.resolve_all(be, grads, "gradient")
@@ -129,7 +131,7 @@ def validate(group: Group, grads: Any, out: Any, op: str, staging: Optional[Regi
             errors += [f"parameter {i}: expected a gradient outside the staging region, got "
                        "one that aliases it" for i, g in enumerate(grads_r)
                        if staging.contains(g.ptr, g.nbytes)]
-    signature = (("shapes", shapes), ("dtype", str(dtype)), ("op", op),
+    signature = (("call", what), *tag, ("shapes", shapes), ("dtype", str(dtype)), ("op", op),
                  ("out", outs is not None), ("staging", None if staging is None else staging.id))
     digest = _validate.digest(signature)
     _validate.check(group, what, signature, errors, known_digest=digest)

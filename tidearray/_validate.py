@@ -106,7 +106,8 @@ def check_arrays(arrays: Sequence[Any], what: str) -> tuple[Any, list[str]]:
 _SHOW = {"slot": lambda v: "the group's default slots" if v is None else f"region #{v}",
          "staging": lambda v: "the group's own staging" if v is None else f"region #{v}",
          "out": lambda v: "out= given" if v else "no out=",
-         "plan": lambda v: f"plan #{v}"}
+         "plan": lambda v: f"plan #{v}",
+         "unit": lambda v: f"unit {v}"}
 
 
 def _mismatch(sigs: list[tuple]) -> str:

@@ -55,3 +55,17 @@ def test_shard_adamw_without_clipping_needs_no_group():
     assert np.all(np.asarray(new["w"]) < 1)
     with pytest.raises(TideInvalid, match="max_grad_norm"):  # AdamW's own check
         tj.ShardAdamW(AdamW(max_grad_norm=0.0))
+
+
+@pytest.mark.parametrize("step, lr, match", [
+    (0, None, "step: expected an integer >= 1"), (1.5, None, "step: expected an integer >= 1"),
+    (True, None, "step: expected an integer >= 1"), (-3, None, "step: expected an integer"),
+    (1, float("nan"), "lr: expected a finite real >= 0"), (1, -1e-3, "lr: expected"),
+    (1, "1e-3", "lr: expected")])
+def test_coefficients_refuse_a_bad_step_or_lr(step, lr, match):
+    """Steps count from 1, as torch.optim.AdamW's do: step 0 would divide by zero in the
+    bias correction, and a fractional step would bias-correct by a step that never ran."""
+    opt = tj.ShardAdamW(AdamW(lr=1e-2))
+    with pytest.raises(TideInvalid, match=match):
+        opt.coefficients(step, lr)
+    assert np.all(np.isfinite(np.asarray(opt.coefficients(np.int64(3), 0.0))))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._adamw import AdamW, Coefficients, coefficients
+from .._adamw import AdamW, Coefficients, check_real, coefficients, is_int, is_real
 from .._group import Group
 from ._clip import GlobalNorm, checked_clip, clip_factor
 
@@ -65,8 +65,17 @@ class ShardAdamW:
 
     def coefficients(self, step: int, lr: Optional[float] = None) -> jax.Array:
         """The float32 scalars of step ``step`` (1-based), on the host: pass them to the
-        jitted step, then to :meth:`update`."""
-        c = coefficients(self.hp, step, self.hp.lr if lr is None else lr, 1.0)
+        jitted step, then to :meth:`update`.
+
+        Raises:
+            TideInvalid: ``step`` is not an integer >= 1 (the first step is 1, as in
+                ``torch.optim.AdamW``), or ``lr`` is not a finite real >= 0.
+        """
+        check_real("ShardAdamW.coefficients: step", step,
+                   "an integer >= 1 (the first step is 1)", is_int(step) and step >= 1)
+        lr = self.hp.lr if lr is None else lr
+        check_real("ShardAdamW.coefficients: lr", lr, "a finite real >= 0", is_real(lr) and lr >= 0)
+        c = coefficients(self.hp, int(step), float(lr), 1.0)
         return jnp.asarray(np.array(c, np.float32))
 
     def update(self, shards: Any, grads: Any, state: AdamWState,

@@ -49,6 +49,10 @@ class InPlace:
     ``lax.scan`` unrolled ``k`` times has ``k`` copies of its body, each at addresses
     of its own, forward and backward.
 
+    Each call's agreement names its unit (``tag``): every block of a transformer has the
+    same shapes, so ranks applying units in different orders would otherwise agree, and
+    mix one unit's parameters with another's.
+
     Args:
         layers: per unit, its layers if stacked, else None.
     """
@@ -63,7 +67,8 @@ class InPlace:
                stream: Optional[int]) -> None:
         g, slot = self.group, self.slot
         plan = eager_plan(g, g.backend.array_key(sends),
-                          lambda: GatherPlan(g, sends, shapes, slot, eager=True),
+                          lambda: GatherPlan(g, sends, shapes, slot, eager=True,
+                                             tag=(("unit", index),)),
                           self._cache("gather", index))
         params = plan(stream=stream)
         self.buffers.copy(outs, params, stream)  # [Note: the slot] in _units
@@ -73,7 +78,8 @@ class InPlace:
         grad_key, out_key = be.array_key(grads), be.array_key(outs)
         key = None if grad_key is None or out_key is None else (grad_key, out_key)
         plan = eager_plan(g, key,
-                          lambda: ReducePlan(g, grads, outs, "avg", self.slot, eager=True),
+                          lambda: ReducePlan(g, grads, outs, "avg", self.slot, eager=True,
+                                             tag=(("unit", index),)),
                           self._cache("reduce", index))
         plan(stream=stream)
 

@@ -407,6 +407,7 @@ def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
     """
     group = group or default_group()
     errors: list[str] = []
+    units = _unit_list(units, errors)
     device, dtype_name = _check_settings(group, compute_dtype, errors)
     stacked_set = _stacked_indices(stacked, len(units), errors)
     signature = [("compute_dtype", dtype_name), ("units", len(units)),
@@ -436,6 +437,16 @@ def _check_settings(group: Group, compute_dtype: Any, errors: list[str]) -> tupl
         errors.append(f"compute_dtype: expected one of {sorted(_COMPUTE_DTYPES)}, "
                       f"got {dtype_name}")
     return device, dtype_name
+
+
+def _unit_list(units: Any, errors: list[str]) -> list:
+    """``units`` as a list (none, appending to ``errors``, if not a list or a tuple: a
+    model's whole parameter dict, say)."""
+    if isinstance(units, (list, tuple)):
+        return list(units)
+    errors.append(f"units: expected a list of units (one pytree of parameters each), got "
+                  f"{type(units).__name__}")
+    return []
 
 
 def _stacked_indices(stacked: Any, n: int, errors: list[str]) -> set[int]:
@@ -480,13 +491,15 @@ class _Described(NamedTuple):
 def _describe(i: int, unit: Any, is_stacked: bool, errors: list[str]) -> _Described:
     """Unit ``i``'s structure, layers and signature (appends to ``errors`` its bad leaves)."""
     leaves, treedef = jax.tree_util.tree_flatten(unit)
-    signature = (f"unit {i}", (str(treedef), tuple((tuple(a.shape), str(a.dtype))
-                                                   for a in leaves)))
+    signature = (f"unit {i}", (str(treedef), tuple(_leaf_kind(a) for a in leaves)))
     least = 2 if is_stacked else 1
+    bad = [(k, a) for k, a in enumerate(leaves) if not _is_array(a) or a.ndim < least
+           or not jnp.issubdtype(a.dtype, jnp.floating)]
     errors += [f"unit {i} leaf {k}: expected a floating array of at least {least} dim"
                f"{'s (a leading layer axis: the unit is stacked)' if is_stacked else ''}, got "
-               f"{a.dtype}{tuple(a.shape)}" for k, a in enumerate(leaves)
-               if a.ndim < least or not jnp.issubdtype(a.dtype, jnp.floating)]
+               f"{''.join(map(str, _leaf_kind(a)))}" for k, a in bad]
+    if bad:  # the leaves cannot be sharded: the caller raises
+        return _Described(treedef, [], None, signature)
     if not is_stacked:
         return _Described(treedef, leaves, None, signature)
     counts = sorted({a.shape[0] for a in leaves if a.ndim})
@@ -495,6 +508,18 @@ def _describe(i: int, unit: Any, is_stacked: bool, errors: list[str]) -> _Descri
                       f">= 1 on its leading axis, got {counts}")
         return _Described(treedef, [], 1, signature)
     return _Described(treedef, leaves, counts[0], signature)
+
+
+def _is_array(a: Any) -> bool:
+    return all(hasattr(a, name) for name in ("shape", "dtype", "ndim"))
+
+
+def _leaf_kind(a: Any) -> tuple:
+    """What the ranks must agree on of a leaf: its dtype and shape, or, not an array, its
+    type (a Python float, a string: refused, on every rank alike)."""
+    if _is_array(a):
+        return (str(a.dtype), tuple(a.shape))
+    return (f"a {type(a).__name__} (not an array)",)
 
 
 def _device(group: Group, errors: list[str]) -> Any:

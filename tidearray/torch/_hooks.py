@@ -84,6 +84,10 @@ class Hooks:
         self._use_done_eager = _outside_compile(runtime.use_done)
         self._output_hooks = [_outside_compile(functools.partial(self._output_grad, u))
                               for u in range(len(units))]
+        # The parameters frozen when the model was sharded: they have no gradient buffer,
+        # so one unfrozen later would have its gradient dropped (checked each backward).
+        self._frozen = [(u, k, p) for u, ps in enumerate(storage.params)
+                        for k, p in enumerate(ps) if not p.requires_grad]
 
     def register(self) -> list:
         """Register the hooks; returns their handles."""
@@ -197,6 +201,15 @@ class Hooks:
         """Autograd's engine runs this when a backward pass is done."""
         self.runtime.finish_backward()
         self.storage.set_sentinels()
+        thawed = [self.runtime.names[u][k] for u, k, p in self._frozen if p.requires_grad]
+        if thawed:  # after the backward's end, so the model stays usable once refrozen
+            raise TideInvalid(
+                f"expected the parameters frozen when the model was sharded to stay frozen, "
+                f"got {len(thawed)} with requires_grad=True ({', '.join(thawed[:4])}"
+                f"{', ...' if len(thawed) > 4 else ''}): their gradients have nowhere to go. "
+                "Freezing during training is supported, unfreezing is not: set "
+                "requires_grad=True before shard_module (and False for the steps it "
+                "waits), or shard the model again")
 
 
 class _GradInputs:

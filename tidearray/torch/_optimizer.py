@@ -49,9 +49,15 @@ _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay"}
 
 
 def runtime_groups(groups: Sequence[dict], fused: Optional[AdamW], all_names: dict,
-                   names: list) -> list:
+                   names: list, *, torch_optimizer: bool = False) -> list:
     """Torch-style groups as the runtime's ``(AdamW, names)`` pairs (``all_names``:
-    ``id(param)`` -> its names; ``names``: per unit, its parameters' names)."""
+    ``id(param)`` -> its names; ``names``: per unit, its parameters' names). They configure
+    the fused AdamW: with a torch optimizer (``torch_optimizer``) they would be ignored."""
+    if torch_optimizer and groups:
+        raise TideInvalid(f"param_groups: expected none with a torch optimizer (optimizer= a "
+                          f"function), got {len(groups)} group(s): they configure the fused "
+                          "AdamW; make the torch optimizer's groups in the function, from the "
+                          "tensors it is given")
     base = fused or AdamW()
     known = {n for ns in names for n in ns}
     out = []

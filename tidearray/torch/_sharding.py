@@ -127,7 +127,8 @@ class Sharding:
             trainable=[[bool(p.requires_grad) for p in ps] for ps in params],
             front_end=FrontEnd(report_grads=True, on_release=self.storage.use_placeholders,
                                accumulate="sum"),  # as torch's .grad
-            param_groups=runtime_groups(param_groups, fused, spec.all_names, names))
+            param_groups=runtime_groups(param_groups, fused, spec.all_names, names,
+                                        torch_optimizer=make is not None))
         if meta or checkpoint is not None:
             _init.materialise_buffers(module, self.device, values)
         values.close()

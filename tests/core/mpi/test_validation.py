@@ -410,3 +410,33 @@ def test_an_odd_first_dtype_is_reported_once(group, slots):
     msg = str(err.value)
     agree(group.comm, [] if "parameter 0" in msg and "parameter 1" not in msg
           and "parameter 2" not in msg else [f"message: {msg}"])
+
+
+def test_ranks_calling_different_collectives_are_told_so(group, slots):
+    """The last rank reduce-scatters while the others all-gather the same unit: every rank
+    raises TideInvalid naming both calls (not a field that merely differs between them), no
+    slot or output is written, and the group stays usable."""
+    if WORLD == 1:
+        pytest.skip("a disagreement between ranks needs 2+ ranks")
+    c = Ctx(group, group.backend.xp, slots, group.rank == BAD)
+    shapes = unit()
+    for s in slots:
+        poison(s)
+    outs = c.outs(shapes)
+    try:
+        if c.bad:
+            tidearray.reduce_scatter(c.grads(shapes), group=group, out=outs)
+        else:
+            tidearray.all_gather(c.shards(shapes), shapes, group=group, slot=slots[0])
+        err: Any = None
+    except Exception as e:  # noqa: BLE001 - anything but TideInvalid is a failure to report
+        err = e
+    failures = _message_failures(err, Case(lambda c: {}, (
+        "expected the same call on every rank", "all_gather on rank 0",
+        f"reduce_scatter on rank {BAD}")))
+    failures += [f"slot {i} was written before the error" for i, s in enumerate(slots)
+                 if (to_numpy(slot_bytes(s)) != POISON_BYTE).any()]
+    failures += ["an output was written before the error" for o in outs
+                 if o.size and not np.isnan(to_numpy(o)).all()]
+    agree(group.comm, failures)
+    agree(group.comm, check_usable(group), "the group after the error")

@@ -244,21 +244,49 @@ def test_collective_order(group, cpu_jax, monkeypatch):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("differ", ["shape", "dtype", "structure"])
+@pytest.mark.parametrize("differ", ["shape", "dtype", "structure", "not an array"])
 def test_units_differing_between_ranks(group, cpu_jax, differ):
     units = [{"w": np.zeros((4, 3), np.float32)}]
     if group.rank == 1:
         units = {"shape": [{"w": np.zeros((4, 2), np.float32)}],
                  "dtype": [{"w": np.zeros((4, 3), np.float16)}],
-                 "structure": [{"v": np.zeros((4, 3), np.float32)}]}[differ]
+                 "structure": [{"v": np.zeros((4, 3), np.float32)}],
+                 "not an array": [{"w": 1.0}]}[differ]
     with pytest.raises(TideInvalid, match="shard_units"):
         tj.shard_units(units, group=group)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_units_applied_in_different_orders(group, cpu_jax):
+    """Two units of one shape (as every block of a transformer), applied 0 then 1 on rank 0
+    and 1 then 0 on the others: every rank raises, naming the units. Shapes alone agree,
+    so a call that did not name its unit would run and mix the units' parameters."""
+    units = [{"w": np.full((3, 3), k + 1.0, np.float32), "b": np.zeros(3, np.float32)}
+             for k in range(2)]
+    su = tj.shard_units(units, group=group)
+    order = (0, 1) if group.rank == 0 else (1, 0)
+
+    def forward(shards: Any, x: Any) -> Any:
+        for i in order:
+            x = su.apply(i, _dense, shards[i], x)
+        return x
+
+    try:
+        jax.block_until_ready(jax.jit(forward)(su.shards, jnp.ones((2, 3))))
+        failures = ["expected an error, got none: the ranks ran different units"]
+    except Exception as e:  # noqa: BLE001 - JAX wraps a callback's TideInvalid in its own
+        want = "expected the same unit on every rank, got unit 0 on rank 0 and unit 1 on rank 1"
+        failures = [] if want in str(e) else [f"expected {want!r} in the error, got {e}"]
+    agree(group.comm, failures, "units applied in different orders")
+
+
 def test_bad_leaves_vmap_and_mesh(group, cpu_jax):
-    for bad in ([{"w": np.zeros((), np.float32)}], [{"w": np.zeros(3, np.int32)}]):
+    for bad in ([{"w": np.zeros((), np.float32)}], [{"w": np.zeros(3, np.int32)}],
+                [{"w": np.ones((2, 3), np.float32), "scale": 1.0}]):
         with pytest.raises(TideInvalid, match="expected a floating array"):
             tj.shard_units(bad, group=group)
+    with pytest.raises(TideInvalid, match="expected a list of units"):  # a whole params dict
+        tj.shard_units({"Dense_0": {"kernel": np.ones((2, 3), np.float32)}}, group=group)
     su = tj.shard_units([{"w": np.ones((2, 3), np.float32), "b": np.zeros(2, np.float32)}],
                         group=group)
     with pytest.raises(TideInvalid, match="vmap"):

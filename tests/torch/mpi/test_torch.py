@@ -257,3 +257,50 @@ def test_a_captured_torch_step_needs_the_cuda_backend(group):
     with pytest.raises(tidearray.TideInvalid, match="expected a model on the cuda backend"):
         sm.capture_step(lambda: None)
     sm.close()
+
+
+def test_unfreezing_after_sharding_is_refused(group):
+    """A parameter frozen when the model was sharded has no gradient buffer: unfrozen
+    later, its gradient would be dropped and it would never train. The backward then
+    raises on every rank, naming it, once the backward is over (the model usable again
+    when it is frozen back); freezing during training stays allowed."""
+    import tidearray
+    import tidearray.torch as tt
+    from tidearray.fsdp import AdamW
+
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    model, units = _model(4)
+    units[2][1].weight.requires_grad_(False)
+    sm = tt.shard_module(model, units, group=group, optimizer=AdamW(lr=LR))
+    x, y = _batch(0, group.rank, B)
+    failures = []
+    units[0].weight.requires_grad_(False)  # frozen during training: fine
+    torch.nn.functional.mse_loss(sm(x), y).backward()
+    sm.step()
+    units[2][1].weight.requires_grad_(True)
+    try:
+        torch.nn.functional.mse_loss(sm(x), y).backward()
+        failures.append("expected TideInvalid from the backward, got none")
+    except tidearray.TideInvalid as e:
+        if "2.1.weight" not in str(e) or "unfreezing is not" not in str(e):
+            failures.append(f"expected the parameter and the rule named, got {e}")
+    units[2][1].weight.requires_grad_(False)
+    sm.zero_grad()
+    torch.nn.functional.mse_loss(sm(x), y).backward()
+    sm.step()
+    agree(group.comm, failures, "a parameter unfrozen after shard_module")
+    sm.close()
+
+
+def test_param_groups_need_the_fused_adamw(group):
+    """``param_groups`` configure the fused AdamW: given with a torch optimizer they would
+    be ignored (a no-decay group decayed anyway), so they are refused."""
+    import tidearray
+    import tidearray.torch as tt
+
+    model, units = _model(5)
+    with pytest.raises(tidearray.TideInvalid, match="param_groups: expected none with a torch"):
+        tt.shard_module(model, units, group=group,
+                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                        param_groups=[{"params": ["0.bias"], "weight_decay": 0.0}])
