@@ -87,11 +87,14 @@ def clip_scale(total_norm: float, max_norm: Optional[float]) -> float:
     return coef if (coef < 1.0 or math.isnan(coef)) else 1.0
 
 
-def check_max_norm(max_norm: Any, what: str = "max_norm") -> None:
-    """Raise ``TideInvalid`` unless ``max_norm`` is a finite real > 0 (a clip limit)."""
+def check_max_norm(max_norm: Any, what: str = "max_norm", inf: bool = False) -> None:
+    """Raise ``TideInvalid`` unless ``max_norm`` is a finite real > 0 (a clip limit), or,
+    with ``inf``, +inf too: ``clip_grad_norm_(inf)``, torch's way to take the norm without
+    clipping (its factor is 1)."""
     if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
-            and math.isfinite(max_norm) and max_norm > 0):
-        raise TideInvalid(f"{what}: expected a finite real > 0, got {max_norm!r}")
+            and (math.isfinite(max_norm) or (inf and max_norm == math.inf)) and max_norm > 0):
+        raise TideInvalid(f"{what}: expected a {'' if inf else 'finite '}real > 0, got "
+                          f"{max_norm!r}")
 
 
 def clip_limit(max_grad_norm: Optional[float], optimizer_limit: Optional[float]) -> Optional[float]:

@@ -393,11 +393,12 @@ class Runtime:
             fused AdamW's step only).
 
         Raises:
-            TideInvalid: no backward since the last step; ``max_norm`` not a finite
-                real > 0; inside a capture, a clip before :meth:`prepare_capture`.
+            TideInvalid: no backward since the last step; ``max_norm`` not a real > 0
+                (inf: the norm, no clip); inside a capture, a clip before
+                :meth:`prepare_capture`.
         """
         if max_norm is not None:
-            check_max_norm(max_norm)
+            check_max_norm(max_norm, inf=True)
         self.finish_backward()
         self.accum.retire_all(self.stream)
         self.release()  # parameters gathered now would be stale after the step
@@ -453,8 +454,8 @@ class Runtime:
             inside a capture, a 0-d float64 device array that each replay overwrites.
 
         Raises:
-            TideInvalid: ``max_norm`` is not a finite real > 0; inside a capture, before
-                :meth:`prepare_capture`.
+            TideInvalid: ``max_norm`` is not a real > 0 (``inf``, as in torch: the norm,
+                unclipped); inside a capture, before :meth:`prepare_capture`.
         """
         scale = self.finalize_grads(max_norm)
         self.accum.hold(scale)

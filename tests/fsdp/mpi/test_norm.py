@@ -194,3 +194,29 @@ def test_a_backward_between_clip_grad_norm_and_step_is_refused(group, xp):
         _model(group, xp, optimizer=AdamW(max_grad_norm=1.0), max_grad_norm=2.0)
     with pytest.raises(TideInvalid, match="max_grad_norm: expected a finite real > 0"):
         _model(group, xp, max_grad_norm=0.0)
+
+
+def test_clip_grad_norm_of_inf_takes_the_norm_without_clipping(group, xp):
+    """``clip_grad_norm_(inf)``, torch's way to log the norm: the same norm, bit for bit, as
+    a clip far above it, and the masters of a run that never clips (a factor of exactly 1);
+    0, a negative or NaN limit are still refused."""
+    from tidearray import TideInvalid
+
+    plain, huge, inf = (_model(group, xp) for _ in range(3))
+    failures = []
+    for step in range(2):
+        for sm in (plain, huge, inf):
+            _backward(sm, step)
+        want, got = huge.clip_grad_norm_(1e30), inf.clip_grad_norm_(float("inf"))
+        if not (isinstance(got, float) and got == want and got > 0):
+            failures.append(f"step {step}: norm {got!r}, expected {want!r}")
+        for sm in (plain, huge, inf):
+            sm.step()
+    if _masters(inf) != _masters(plain):
+        failures.append("clip_grad_norm_(inf) changed the step")
+    _backward(inf, 5)
+    for bad in (0.0, -1.0, float("nan"), float("-inf")):
+        with pytest.raises(TideInvalid, match="max_norm: expected a real > 0"):
+            inf.clip_grad_norm_(bad)
+    inf.step()
+    agree(group.comm, failures, "clip_grad_norm_(inf)")
