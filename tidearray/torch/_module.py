@@ -98,10 +98,12 @@ def shard_module(module: torch.nn.Module, units: Optional[Sequence[Any]] = None,
 
 
 #: peft's calls that write the adapters into the base weights or hand out the base model
-#: (a ``PeftModel`` forwards them to its tuner). On a sharded model the weights are empty
-#: placeholders outside a unit's forward, so each would merge into nothing and return a
-#: model without weights: the sharded class refuses those the model has.
-_WEIGHT_EDITS = ("merge_and_unload", "merge_adapter", "unmerge_adapter", "unload")
+#: (a ``PeftModel`` forwards them to its tuner), and Hugging Face's, which reallocate a
+#: weight. On a sharded model the weights are empty placeholders outside a unit's forward,
+#: so each would merge into nothing, return a model without weights or give a weight that
+#: no unit holds: the sharded class refuses those the model has.
+_WEIGHT_EDITS = ("merge_and_unload", "merge_adapter", "unmerge_adapter", "unload",
+                 "resize_token_embeddings")
 
 
 def _refused(module: Any) -> tuple[str, ...]:
@@ -115,7 +117,7 @@ def _refusal(name: str) -> Callable[..., Any]:
             f"{name}(): expected a plain model, got a sharded {type(self).__name__} (its "
             "weights are shards in the runtime, empty placeholders outside forward): take "
             "model.state_dict() on every rank, load it into a plain model of the same "
-            f"make and call {name}() there")
+            f"make and call {name}() there (or call it before shard_module)")
 
     refuse.__name__ = refuse.__qualname__ = name
     return refuse
@@ -133,6 +135,13 @@ def _sharded_class(cls: type, refused: tuple[str, ...] = ()) -> type:
 class ShardedModule:
     """Mixed into a module's own class by :func:`shard_module` ([Note: the sharded class]):
     the sharded model's step, clip, state dicts and captured step, on the one handle."""
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise TideInvalid(
+            f"copy.deepcopy: expected a plain model, got a sharded {type(self).__name__}: its "
+            "weights are shards in the runtime and its group's communicators cannot be "
+            "copied. Copy the model before shard_module (an EMA or reference model), or "
+            "load model.state_dict(), taken on every rank, into a plain model of the same make")
 
     @property
     def sharding(self) -> Sharding:

@@ -491,6 +491,10 @@ def test_torch_tools_do_not_silently_see_nothing(group):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     with pytest.raises(tidearray.TideInvalid, match="sharded model's own state_dict"):
         model.model.layers[0].state_dict()
+    with pytest.raises(tidearray.TideInvalid, match="copy.deepcopy: expected a plain model"):
+        copy.deepcopy(sm)  # an EMA copy: made before shard_module
+    with pytest.raises(tidearray.TideInvalid, match="resize_token_embeddings"):
+        sm.resize_token_embeddings(96)
     assert sm.clip_grad_norm_(1.0) > 0
     sm.step()
     _loss(sm, _batch(seed, 1, group.rank)).backward()  # the sentinels are gone again
