@@ -75,9 +75,9 @@ def validate(group: Group, shards: Any, shapes: Any, slot: Optional[Region],
         tag: ``(name, value)`` pairs the ranks must agree on too (which unit a front
             end's call is for: units of one shape are otherwise alike).
     """
-    resolved, more = _validate.resolve_all(group.backend, shards, "shard")
+    resolved, unresolved = _validate.resolve_all(group.backend, shards, "shard")
     shapes, bad_shapes = parse_shapes(shapes)
-    errors = [*errors, *bad_shapes, *more]
+    errors = [*errors, *bad_shapes, *unresolved]
     dtype, more = _validate.check_arrays(resolved, "shard")
     errors += more
     if expect_dtype is not None and dtype != expect_dtype and not more:
@@ -87,7 +87,7 @@ def validate(group: Group, shards: Any, shapes: Any, slot: Optional[Region],
     out = dtype if out_dtype is None else _dtypes.normalize(out_dtype)
     layout = None
     if shapes is not None:
-        if len(resolved) != len(shapes) and not bad_shapes:
+        if len(resolved) != len(shapes) and not bad_shapes and not unresolved:
             errors.insert(0, f"expected one shard per shape ({len(shapes)}), got "
                              f"{len(resolved)}")
         try:
@@ -97,7 +97,7 @@ def validate(group: Group, shards: Any, shapes: Any, slot: Optional[Region],
     if layout is not None and not errors:
         errors += _check_shards(group, layout, resolved, dtype, slot)
     signature = (("call", what), *tag, ("shapes", shapes), ("dtype", str(dtype)),
-                 ("slot", None if slot is None else slot.id), ("out", str(out)))
+                 ("slot", _validate.region_key(slot)), ("out", str(out)))
     digest = _validate.digest(signature)
     _validate.check(group, what, signature, errors, known_digest=digest)
     return Gather(layout, dtype, out, tuple(s.ptr for s in resolved),

@@ -36,9 +36,10 @@ same lane as the data they follow: zero SMs on the cuda backend.
 
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING, Any, Optional
 
-from ._errors import TideInvalid
+from . import _validate
 from ._layout import align_up
 
 if TYPE_CHECKING:
@@ -140,12 +141,19 @@ class SlotArena:
         from ._group import default_group
 
         group = group or default_group()
-        if num_slots < 1 or slot_nbytes < 0:
-            raise TideInvalid(f"expected num_slots >= 1 and slot_nbytes >= 0, got "
-                              f"{num_slots} and {slot_nbytes}")
-        self.group = group
+        _validate.check_open(group, "SlotArena")
         if multicast is None:
             multicast = group.config.multicast
+        # Collective: every rank's slots must be alike, as peers find each other's flag
+        # words by their own slot's size; any rank's bad or differing arguments raise
+        # the same TideInvalid on every rank, before any memory is mapped.
+        ok = _count(num_slots) and num_slots >= 1 and _count(slot_nbytes) and slot_nbytes >= 0
+        errors = [] if ok else [f"expected num_slots an integer >= 1 and slot_nbytes an "
+                                f"integer >= 0, got {num_slots!r} and {slot_nbytes!r}"]
+        _validate.check(group, "SlotArena", (("slot_nbytes", repr(slot_nbytes)),
+                                             ("num_slots", repr(num_slots)),
+                                             ("multicast", bool(multicast))), errors)
+        self.group = group
         self.slots = [Region(group, slot_nbytes, bool(multicast)) for _ in range(num_slots)]
         for s in self.slots:
             group.keep(("slot", s.id), s)
@@ -155,6 +163,10 @@ class SlotArena:
 
     def __len__(self) -> int:
         return len(self.slots)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def default_region(group: Group, kind: str, nbytes: int, ring: int = 1) -> Region:

@@ -101,11 +101,9 @@ class Unit:
         group = group or default_group()
         parsed, errors = parse_shapes(shapes)
         self.shapes = () if parsed is None else parsed
-        try:
-            self.dtype = _dtypes.normalize(dtype)
-        except TideInvalid as e:
-            self.dtype = None
-            errors.append(str(e))
+        self.dtype = _dtypes.normalize(dtype) if _dtypes.is_supported(dtype) else None
+        if self.dtype is None:
+            errors.append(f"dtype: expected one of {sorted(_dtypes.SUPPORTED)}, got {dtype!r}")
         layout = None
         if not errors:
             try:
@@ -293,10 +291,18 @@ def _order_after(region: Region, stream: Any, graph: Any = None) -> None:
         last[1].wait(stream)
 
 
-def _region_check(value: Any, name: str, optional: bool) -> list[str]:
-    if isinstance(value, Region) or (optional and value is None):
+def _region_check(group: Group, value: Any, name: str, optional: bool) -> list[str]:
+    """Errors of a slot or staging region: a Region of ``group`` (None where optional).
+    Another group's region has its own numbering, so the ranks' agreement on its number
+    would not tell one group's slot from another's."""
+    if optional and value is None:
         return []
-    return [f"{name}: expected a Region (a SlotArena entry), got {type(value).__name__}"]
+    if not isinstance(value, Region):
+        return [f"{name}: expected a Region (a SlotArena entry), got {type(value).__name__}"]
+    if value.group is not group:
+        return [f"{name}: expected a region of this group's (a SlotArena made on it), got "
+                f"one of another group"]
+    return []
 
 
 class GatherPlan(_Plan):
@@ -315,7 +321,8 @@ class GatherPlan(_Plan):
                  eager: bool = False, graph: bool = False, tag: tuple = ()) -> None:
         if eager:
             self.what = "all_gather"
-        errors = _region_check(slot, "slot", optional=eager)
+        _validate.check_open(group, self.what)
+        errors = _region_check(group, slot, "slot", optional=eager)
         g = ag.validate(group, shards, shapes, slot, cast_to, expect_dtype, self.what, errors,
                         tag)
         super().__init__(group, g.signature, g.digest, eager)
@@ -386,7 +393,8 @@ class ReducePlan(_Plan):
         if eager:
             self.what = "reduce_scatter"
         be = group.backend
-        errors = _region_check(staging, "staging", optional=True)
+        _validate.check_open(group, self.what)
+        errors = _region_check(group, staging, "staging", optional=True)
         red = rs.validate(group, grads, out, op, staging, chunk_nbytes, expect, self.what,
                           errors, tag)
         super().__init__(group, red.signature, red.digest, eager)

@@ -119,11 +119,13 @@ def validate(group: Group, grads: Any, out: Any, op: str, staging: Optional[Regi
     if expect is not None and (unit != expect[0] or dtype != expect[1]):
         errors.append(f"expected gradients of the unit's shapes and dtype {expect[1]}, got "
                       f"{list(shapes)} {dtype}")
+    if not (isinstance(staging, Region) and staging.group is group):
+        staging = None  # none given, or refused by the caller (``_plan._region_check``)
     if unit is not None:
         cfg = group.config
         plan = _plan(unit, group.topology, chunk_nbytes or cfg.chunk_nbytes, cfg.depth)
         if outs is not None:
-            errors += _check_outs(unit, grads_r, outs)
+            errors += _check_outs(unit, grads_r, outs, out, staging)
         if staging is not None:
             if staging.nbytes < plan.staging_nbytes:
                 errors.append(f"expected a staging region of at least {plan.staging_nbytes} "
@@ -132,7 +134,7 @@ def validate(group: Group, grads: Any, out: Any, op: str, staging: Optional[Regi
                        "one that aliases it" for i, g in enumerate(grads_r)
                        if staging.contains(g.ptr, g.nbytes)]
     signature = (("call", what), *tag, ("shapes", shapes), ("dtype", str(dtype)), ("op", op),
-                 ("out", outs is not None), ("staging", None if staging is None else staging.id))
+                 ("out", outs is not None), ("staging", _validate.region_key(staging)))
     digest = _validate.digest(signature)
     _validate.check(group, what, signature, errors, known_digest=digest)
     return Reduce(unit, plan, dtype, tuple(g.ptr for g in grads_r), [g.array for g in grads_r],
@@ -140,7 +142,11 @@ def validate(group: Group, grads: Any, out: Any, op: str, staging: Optional[Regi
                   None if outs is None else [o.array for o in outs], signature, digest)
 
 
-def _check_outs(unit: UnitLayout, grads: list, outs: list) -> list[str]:
+def _check_outs(unit: UnitLayout, grads: list, outs: list, given: Sequence[Any],
+                staging: Optional[Region]) -> list[str]:
+    """Errors of the outputs ``outs`` (resolved from ``given``): shapes, dtype, whether
+    they can be written, and every overlap (with a gradient, with each other, with the
+    staging region): a reduction writes its outputs while it still reads the others."""
     if len(outs) != len(grads):
         return [f"expected one output per gradient ({len(grads)}), got {len(outs)}"]
     errors = []
@@ -149,10 +155,19 @@ def _check_outs(unit: UnitLayout, grads: list, outs: list) -> list[str]:
             errors.append(f"parameter {i}: expected a contiguous float32 output of shape "
                           f"{spec.shard_shape}, got {o.dtype} {o.shape}"
                           + ("" if o.contiguous else " (non-contiguous)"))
-    hits = overlaps([(o.ptr, o.nbytes, i) for i, o in enumerate(outs)],
-                    [(g.ptr, g.nbytes, j) for j, g in enumerate(grads)])
+    errors += [f"parameter {i}: expected a writable output, got a read-only "
+               f"{type(g).__name__} (JAX arrays are immutable: pass an array of the backend)"
+               for i, (o, g) in enumerate(zip(outs, given))
+               if not o.writable or type(g).__module__.split(".")[0] in ("jax", "jaxlib")]
+    ranges = [(o.ptr, o.nbytes, i) for i, o in enumerate(outs)]
+    hits = overlaps(ranges, [(g.ptr, g.nbytes, j) for j, g in enumerate(grads)])
     errors += [f"parameter {i}: expected an output that does not alias an input, got one "
                f"overlapping gradient {j}" for i, j in sorted(hits)]
+    errors += [f"parameter {i}: expected outputs that do not overlap, got one overlapping "
+               f"output {j}" for i, j in sorted(set(overlaps(ranges, ranges))) if i < j]
+    if staging is not None:
+        errors += [f"parameter {i}: expected an output outside the staging region, got one "
+                   "inside it" for i, o in enumerate(outs) if staging.contains(o.ptr, o.nbytes)]
     return errors
 
 

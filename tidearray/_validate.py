@@ -18,6 +18,23 @@ if TYPE_CHECKING:
     from ._group import Group
 
 
+def check_open(group: Group, what: str) -> None:
+    """Raise ``TideInvalid`` if ``group`` was closed (its communicators are gone: no
+    agreement can run, so every rank that uses it raises here, alike)."""
+    if group.closed:
+        raise TideInvalid(f"{what}: expected an open group, got one that was closed "
+                          "(group.close())")
+
+
+def region_key(region: Any) -> Any:
+    """A slot or staging region as the ranks compare it: its number in its group, None
+    (the group's own), or, for anything else (refused by the caller), its type."""
+    if region is None:
+        return None
+    return getattr(region, "id", None) if hasattr(region, "contains") else \
+        f"not a region ({type(region).__name__})"
+
+
 def digest(signature: tuple) -> int:
     """56-bit digest, equal on every rank for equal signatures.
 

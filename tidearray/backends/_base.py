@@ -344,6 +344,9 @@ class Resolved(NamedTuple):
     shape: tuple[int, ...]
     dtype: Any
     contiguous: bool
+    #: False for an array the backend knows is read-only (a NumPy view of an immutable
+    #: array): never an output.
+    writable: bool = True
 
 
 class Backend(abc.ABC):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 
 from .._copies import Copy, coalesce
-from .._dtypes import float32, normalize
+from .._dtypes import bfloat16, float32, normalize
 from .._errors import TideBackendError, TideInvalid
 from ._base import Backend, Completion, Done, Executor, Resolved, SymmetricBuffer, TupleBatch
 
@@ -222,8 +222,14 @@ class HostBackend(Backend):
     def resolve(self, obj: Any) -> Resolved:
         if isinstance(obj, np.ndarray):
             arr = obj
+        elif type(obj).__module__ == "torch" and hasattr(obj, "detach"):
+            arr = _torch_view(obj)
         elif hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
-            arr = np.asarray(obj)
+            try:
+                arr = np.asarray(obj)
+            except Exception as e:  # noqa: BLE001 - whatever the producer raises
+                raise TideInvalid(f"expected an array NumPy can view, got "
+                                  f"{type(obj).__name__} ({e})") from None
         elif hasattr(obj, "__dlpack__"):
             try:
                 arr = np.from_dlpack(obj)
@@ -233,7 +239,7 @@ class HostBackend(Backend):
         else:
             raise TideInvalid(f"expected an array, got {type(obj).__name__}")
         return Resolved(arr, arr.ctypes.data, arr.nbytes, tuple(arr.shape), arr.dtype,
-                        bool(arr.flags.c_contiguous))
+                        bool(arr.flags.c_contiguous), bool(arr.flags.writeable))
 
     def array_key(self, objs: Any) -> Optional[tuple]:
         if type(objs) not in (list, tuple) or set(map(type, objs)) != {np.ndarray}:
@@ -272,3 +278,21 @@ class HostBackend(Backend):
     def executor(self, stream: Any = None) -> HostExecutor:
         self.check()  # a timed-out collective broke the group
         return HostExecutor(self)
+
+
+def _torch_view(tensor: Any) -> np.ndarray:
+    """A CPU tensor's memory as a NumPy array, zero-copy: detached (a parameter's or a
+    gradient's requires_grad says nothing of its memory), bfloat16 through its bits, which
+    NumPy's DLPack cannot import."""
+    if tensor.device.type != "cpu":
+        raise TideInvalid(f"expected a CPU tensor on the host backend, got one on "
+                          f"{tensor.device}")
+    t = tensor.detach()
+    try:
+        if str(t.dtype) == "torch.bfloat16":
+            import torch
+
+            return t.view(torch.int16).numpy().view(bfloat16)
+        return t.numpy()
+    except (TypeError, RuntimeError) as e:
+        raise TideInvalid(f"expected a tensor NumPy can view, got {t.dtype} ({e})") from None

@@ -140,6 +140,10 @@ AG_CASES = {
         ("rank {bad}", "shape")),
     "slot too small everywhere": Case(lambda c: _ag(c, _swap(unit(), 0, (4096 * WORLD, 64))),
                                       ("slot", "rank 0")),
+    "a slot that is not a region": Case(lambda c: _ag(c, slot="x" if c.bad else c.slots[0]),
+                                        ("slot", "rank {bad}", "expected a Region")),
+    "a shard that is not an array": Case(_ag_bad_shard(lambda c: "x"),
+                                         ("shard 1", "rank {bad}", "expected an array")),
 }
 
 
@@ -162,6 +166,22 @@ def _aliasing(c: Ctx) -> dict:
     if c.bad:  # output 1 is the first bytes of gradient 1
         outs[1] = grads[1].reshape(-1)[: outs[1].size].reshape(outs[1].shape)
     return _rs(c, grads, outs)
+
+
+def _overlapping_outs(c: Ctx) -> dict:
+    outs = c.outs(unit())
+    if c.bad:  # output 1 is the first bytes of output 0
+        outs[1] = outs[0].reshape(-1)[: outs[1].size].reshape(outs[1].shape)
+    return _rs(c, out=outs)
+
+
+def _read_only_out(c: Ctx) -> dict:
+    if c.xp is not np:
+        pytest.skip("a read-only array: NumPy's flag (the host backend)")
+    outs = c.outs(unit())
+    if c.bad:
+        outs[1].flags.writeable = False
+    return _rs(c, out=outs)
 
 
 def _small_staging(c: Ctx) -> dict:
@@ -204,6 +224,15 @@ RS_CASES = {
     "fewer outputs than gradients": Case(
         lambda c: _rs(c, out=c.outs(unit())[:2] if c.bad else None), ("rank {bad}", "output")),
     "output aliases a gradient": Case(_aliasing, ("parameter 1", "rank {bad}", "alias")),
+    "output inside the staging slot": Case(
+        lambda c: dict(_rs_bad_out(lambda c: c.slots[0].view(
+            0, shard_shape(unit()[1], WORLD), np.float32))(c), staging=c.slots[0]),
+        ("parameter 1", "rank {bad}", "staging")),
+    "outputs that overlap": Case(_overlapping_outs, ("parameter 0", "rank {bad}", "overlap")),
+    "a read-only output": Case(_read_only_out, ("parameter 1", "rank {bad}", "writable")),
+    "a staging that is not a region": Case(
+        lambda c: _rs(c, staging="x" if c.bad else c.slots[0]),
+        ("staging", "rank {bad}", "expected a Region")),
     "gradient inside the staging slot": Case(
         lambda c: dict(_rs_bad_grad(lambda c: c.slots[0].view(0, unit()[1], BF16))(c),
                        staging=c.slots[0]),
@@ -440,3 +469,71 @@ def test_ranks_calling_different_collectives_are_told_so(group, slots):
                  if o.size and not np.isnan(to_numpy(o)).all()]
     agree(group.comm, failures)
     agree(group.comm, check_usable(group), "the group after the error")
+
+
+
+def test_another_groups_slot_is_refused(group, slots):
+    """Region numbers are per group, so a slot of another group (on one rank, or on all)
+    would pass the ranks' agreement on the number: refused as another group's."""
+    other = tidearray.init(group.comm, backend=group.backend.name)
+    try:
+        foreign = tidearray.SlotArena(64 << 10, num_slots=1, group=other)[0]
+        for bad_rank in {BAD, None}:  # the last rank only, then every rank
+            case = Case(lambda c, b=bad_rank: _ag(
+                c, slot=foreign if b is None or c.group.rank == b else c.slots[0]),
+                ("slot", f"rank {BAD if bad_rank is not None else 0}", "another group"))
+            _run_ag_case(group, slots, case)
+    finally:
+        other.close()
+
+
+def test_a_closed_group_is_refused(group):
+    xp = group.backend.xp
+    other = tidearray.init(group.comm, backend=group.backend.name)
+    other.close()
+    shapes = unit()
+    shards = [xp.zeros(shard_shape(s, WORLD), BF16) for s in shapes]
+    for call in (lambda: tidearray.all_gather(shards, shapes, group=other),
+                 lambda: tidearray.reduce_scatter([xp.zeros(s, BF16) for s in shapes],
+                                                  group=other),
+                 lambda: tidearray.SlotArena(4096, group=other)):
+        with pytest.raises(tidearray.TideInvalid, match="expected an open group"):
+            call()
+
+
+@pytest.mark.parametrize("differ", ["slot_nbytes", "num_slots", "a float size"])
+def test_slot_arenas_must_agree(group, differ):
+    """Peers find each other's flag words by their own slot's size, so an arena that
+    differs on one rank would signal at the wrong offsets: every rank raises, before any
+    memory is mapped, and the group stays usable."""
+    kw = {"slot_nbytes": 8192, "num_slots": 2}
+    if group.rank == BAD:
+        kw.update({"slot_nbytes": {"slot_nbytes": 4096, "a float size": 1024.5}.get(
+            differ, kw["slot_nbytes"]), "num_slots": 3 if differ == "num_slots" else 2})
+    if WORLD == 1 and differ != "a float size":
+        pytest.skip("a disagreement between ranks needs 2+ ranks")
+    try:
+        tidearray.SlotArena(group=group, **kw)
+        err: Any = None
+    except Exception as e:  # noqa: BLE001 - anything but TideInvalid is a failure to report
+        err = e
+    failures = [] if isinstance(err, tidearray.TideInvalid) and names_rank(str(err), BAD) \
+        else [f"expected TideInvalid naming rank {BAD}, got {err!r}"]
+    agree(group.comm, failures)
+    agree(group.comm, check_usable(group), "the group after the error")
+
+
+def test_torch_tensors_as_arrays(group):
+    """CPU tensors on the host backend, as the docs promise any DLPack producer: bfloat16
+    (which NumPy's DLPack cannot import) and tensors that require grad gather bitwise."""
+    torch = pytest.importorskip("torch")
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    shapes = unit()
+    fulls = full_params(shapes, BF16, fresh_seed(group.comm, bits=30))
+    shards = [torch.from_numpy(np.array(tidearray.shard(f.view(np.int16), rank=group.rank,
+                                                        world=WORLD)))
+              .view(torch.bfloat16).requires_grad_(k == 0) for k, f in enumerate(fulls)]
+    outs = tidearray.all_gather(shards, shapes, group=group)
+    agree(group.comm, [x for i, (o, f) in enumerate(zip(outs, fulls))
+                       for x in compare_bits(o, f, f"parameter {i}")])
