@@ -94,7 +94,12 @@ class Unit:
         staging_nbytes: staging bytes a reduce-scatter of this unit needs, with
             the group's ``chunk_nbytes`` and ``depth`` (size Slot-Reuse slots by
             ``max(nbytes, staging_nbytes)``).
+        tag: ``(name, value)`` pairs its plans' agreement across the ranks includes
+            (empty; a runtime sets ``(("unit", index),)``: units of one shape are
+            otherwise alike, and a rank that built another unit's plan would pass).
     """
+
+    tag: tuple = ()
 
     def __init__(self, shapes: Sequence[Sequence[int]], dtype: Any,
                  group: Optional[Group] = None, chunk_nbytes: Optional[int] = None) -> None:
@@ -155,7 +160,8 @@ class Unit:
         """
         return GatherPlan(self.group, shards, self.shapes, slot,
                           cast_to=self.dtype if cast else None,
-                          expect_dtype=_dtypes.float32 if cast else self.dtype, graph=graph)
+                          expect_dtype=_dtypes.float32 if cast else self.dtype, graph=graph,
+                          tag=self.tag)
 
     def reduce_plan(self, grads: Sequence[Any], out: Optional[Sequence[Any]] = None, *,
                     op: str = "avg", staging: Optional[Region] = None,
@@ -174,7 +180,7 @@ class Unit:
                 runs the reduction once ([Note: graph plans]).
         """
         return ReducePlan(self.group, grads, out, op, staging, chunk_nbytes=self.chunk_nbytes,
-                          expect=(self.layout, self.dtype), graph=graph)
+                          expect=(self.layout, self.dtype), graph=graph, tag=self.tag)
 
     def __repr__(self) -> str:
         return f"Unit({len(self.shapes)} parameters, {self.dtype}, nbytes={self.nbytes})"

@@ -204,6 +204,7 @@ class TideComm(UnitComm):
             chunk = slot_chunk_nbytes(self.slot_max(k, lambda u: self.layouts[u].nbytes), group)
             for u in self.slot_units[k]:
                 self.units[u] = Unit(self.shapes[u], self.dtype, group, chunk_nbytes=chunk)
+                self.units[u].tag = (("unit", u),)  # a rank out of step is named at once
 
         def need(u: int) -> int:
             return max(self.units[u].nbytes, self.units[u].staging_nbytes)

@@ -304,3 +304,38 @@ def test_param_groups_need_the_fused_adamw(group):
         tt.shard_module(model, units, group=group,
                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
                         param_groups=[{"params": ["0.bias"], "weight_decay": 0.0}])
+
+
+class _Skipping(torch.nn.Module):
+    """Two units of one shape; ``skip`` leaves out the last (a data-dependent depth)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.units = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+        for u in self.units[:1] if skip else self.units:
+            x = torch.tanh(u(x))
+        return x
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_unit_skipped_on_one_rank_is_named(group):
+    """Every rank must run every unit: the last rank skipping one at the first step, the
+    ranks build the reduce plans of different units of one shape, and every rank raises,
+    naming them, before anything is transferred (their agreement names the unit: by
+    shapes alone it would pass)."""
+    import tidearray
+    import tidearray.torch as tt
+
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    torch.manual_seed(6)
+    model = _Skipping()
+    sm = tt.shard_module(model, list(model.units), group=group)
+    try:
+        sm(torch.randn(4, 8), skip=group.rank == group.size - 1).square().mean().backward()
+        failures = ["expected TideInvalid, got none"]
+    except tidearray.TideInvalid as e:
+        failures = [] if "expected the same unit on every rank" in str(e) else [str(e)]
+    agree(group.comm, failures, "a unit skipped on one rank")
