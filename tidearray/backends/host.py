@@ -222,7 +222,7 @@ class HostBackend(Backend):
     def resolve(self, obj: Any) -> Resolved:
         if isinstance(obj, np.ndarray):
             arr = obj
-        elif type(obj).__module__ == "torch" and hasattr(obj, "detach"):
+        elif type(obj).__module__.split(".")[0] == "torch" and hasattr(obj, "detach"):
             arr = _torch_view(obj)
         elif hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
             try:

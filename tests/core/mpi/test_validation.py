@@ -525,15 +525,18 @@ def test_slot_arenas_must_agree(group, differ):
 
 def test_torch_tensors_as_arrays(group):
     """CPU tensors on the host backend, as the docs promise any DLPack producer: bfloat16
-    (which NumPy's DLPack cannot import) and tensors that require grad gather bitwise."""
+    (which NumPy's DLPack cannot import), parameters and tensors that require grad gather
+    bitwise."""
     torch = pytest.importorskip("torch")
     if group.backend.name != "host":
         pytest.skip("CPU tensors: the host backend")
     shapes = unit()
     fulls = full_params(shapes, BF16, fresh_seed(group.comm, bits=30))
     shards = [torch.from_numpy(np.array(tidearray.shard(f.view(np.int16), rank=group.rank,
-                                                        world=WORLD)))
-              .view(torch.bfloat16).requires_grad_(k == 0) for k, f in enumerate(fulls)]
+                                                        world=WORLD))).view(torch.bfloat16)
+              for f in fulls]
+    shards[0] = torch.nn.Parameter(shards[0])  # requires grad; its class is torch.nn's
+    shards[1].requires_grad_(True)
     outs = tidearray.all_gather(shards, shapes, group=group)
     agree(group.comm, [x for i, (o, f) in enumerate(zip(outs, fulls))
                        for x in compare_bits(o, f, f"parameter {i}")])
