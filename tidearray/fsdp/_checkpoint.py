@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from typing import Any, Optional
 
 import numpy as np
@@ -76,7 +77,8 @@ def load(model: Any, path: str) -> None:
         TideInvalid: on every rank, if any rank's files are missing or do not match.
     """
     comm = model.group.comm
-    errors, data = [], None
+    errors: list[str] = []
+    data: Optional[dict] = None
     try:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
@@ -86,18 +88,19 @@ def load(model: Any, path: str) -> None:
                 errors.append(f"checkpoint {path!r}: expected {key} {want[key]!r}, got "
                               f"{meta.get(key)!r}")
         if not errors:
-            data = np.load(_rank_file(path, comm.rank))
-            if data["master"].shape != model.arena.master.shape:
-                errors.append(f"checkpoint {path!r}: expected a master of "
-                              f"{model.arena.master.shape[0]} elements, got "
-                              f"{data['master'].shape[0]}")
+            data = _read_rank(_rank_file(path, comm.rank), model.arena.master.shape,
+                              meta.get("step"), errors)
     except (OSError, ValueError, KeyError) as e:
         errors.append(f"cannot read checkpoint {path!r}: {e}")
-    _validate.check(model.group, "load", (), errors)
+    # The ranks' files must be of one save: the same step, and the same step per parameter.
+    steps = None if data is None else data.get("param_steps")
+    _validate.check(model.group, "load", (
+        ("step", None if data is None else int(data["step"])),
+        ("param_steps", None if steps is None else zlib.crc32(steps.tobytes()))), errors)
+    assert data is not None  # else the check raised
     xp = model.xp
     model.synchronize()
     model.arena.master[...] = xp.asarray(data["master"])
-    steps = data["param_steps"] if "param_steps" in data.files else None  # older files: none
     model.optimizer.load_state_dict({"step": int(data["step"]),
                                      "exp_avg": xp.asarray(data["exp_avg"]),
                                      "exp_avg_sq": xp.asarray(data["exp_avg_sq"]),
@@ -105,6 +108,30 @@ def load(model: Any, path: str) -> None:
                                         and steps.size else {})})
     model.arena.refresh_send()
     model.group.synchronize()  # [Note: initialized memory] in backends.cuda.streams
+
+
+def _read_rank(file: str, shape: tuple, step: Any, errors: list[str]) -> Optional[dict]:
+    """This rank's arrays, every one read now (a damaged file fails here, on its rank,
+    before the ranks' agreement), or None after appending to ``errors``."""
+    try:
+        with np.load(file) as npz:
+            data = {key: npz[key] for key in npz.files}
+    except Exception as e:  # noqa: BLE001 - a damaged file raises what zipfile or NumPy raise
+        errors.append(f"cannot read checkpoint file {file!r}: {type(e).__name__}: {e}")
+        return None
+    missing = sorted({"master", "exp_avg", "exp_avg_sq", "step"} - set(data))
+    if missing:
+        errors.append(f"checkpoint file {file!r}: expected arrays {missing}, got none")
+        return None
+    bad = [f"{key} of shape {data[key].shape}" for key in ("master", "exp_avg", "exp_avg_sq")
+           if data[key].shape != shape]
+    if bad:
+        errors.append(f"checkpoint file {file!r}: expected arrays of shape {shape}, got "
+                      f"{', '.join(bad)}")
+    if int(data["step"]) != step:
+        errors.append(f"checkpoint file {file!r}: expected step {step} (meta.json's), got "
+                      f"{int(data['step'])}: a file of another save")
+    return None if bad or int(data["step"]) != step else data
 
 
 def export(model: Any, path: str) -> None:

@@ -4,9 +4,13 @@ front end sets, and the slots the prefetch depth needs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .. import _validate
 from .._errors import TideInvalid
+
+if TYPE_CHECKING:
+    from .._group import Group
 
 
 @dataclass(frozen=True)
@@ -70,3 +74,13 @@ def slot_count(prefetch: int, num_slots: Optional[int]) -> int:
         raise TideInvalid(f"num_slots: expected >= prefetch + 1 = {prefetch + 1}, got "
                           f"{num_slots}")
     return num_slots
+
+
+def agree_settings(group: Group, settings: dict[str, Any]) -> None:
+    """Raise ``TideInvalid`` on every rank unless every rank made its runtime with the same
+    ``settings`` (the optimizer's, its parameter groups, the clip limit, the frozen
+    parameters, the prefetch and slots, ...): each rank steps and gathers only its own rows,
+    so a setting that differs by rank trains one model with another's rules, silently.
+    Compared by ``repr`` (``AdamW`` is a frozen dataclass), before any memory is made."""
+    _validate.check(group, "Runtime", tuple((name, repr(value))
+                                            for name, value in settings.items()), ())

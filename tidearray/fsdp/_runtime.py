@@ -95,7 +95,7 @@ from ._accum import GradAccumulator
 from ._comm import UnitComm, comm_factory
 from ._lifecycle import State, UnitLifecycle, UseToken
 from ._norm import GlobalNorm, GradScale, check_max_norm, clip_limit
-from ._options import FrontEnd, slot_count
+from ._options import FrontEnd, agree_settings, slot_count
 from ._shards import Init, ShardArena, arena_adamw, arena_layout, describe_units, trainable_flags
 from ._slots import SlotTable
 
@@ -147,8 +147,10 @@ class Runtime:
             ``pre_forward`` to its ``post_backward``; see [Note: passes]).
         trainable: per unit, per parameter, whether it is trained (all True if
             None). A unit with none is never reduced; the others reduce every
-            parameter (a frozen one's gradient must be written as zeros) and
-            the optimizer leaves frozen parameters bitwise unchanged.
+            parameter (a frozen one's gradient as zeros: the unit's buffer is
+            zeroed when its backward opens, so a frozen gradient left unwritten
+            counts nothing in the norm) and the optimizer leaves frozen
+            parameters bitwise unchanged.
         param_groups: ``(hyper-parameters, parameter names)`` pairs: those
             parameters step with those AdamW settings (say, no weight decay on
             norms and biases); the others with ``optimizer``. Frozen parameters
@@ -184,6 +186,11 @@ class Runtime:
         self.root = bool(root)
         self.trainable = trainable_flags(trainable, self.shapes)
         self.param_dtype = _dtypes.normalize(param_dtype)
+        agree_settings(group, dict(
+            units=self.names, trainable=self.trainable, param_dtype=self.param_dtype.name,
+            optimizer=optimizer, max_grad_norm=max_grad_norm, param_groups=param_groups,
+            prefetch=prefetch, num_slots=self.num_slots, comm=factory.name, root=self.root,
+            keep_param_shards=keep_param_shards, accumulate=self.front_end.accumulate))
         self.xp = group.backend.xp
         self.world = factory.sharded_over(group)
         self.rank = group.rank if self.world > 1 else 0
@@ -202,6 +209,10 @@ class Runtime:
         self.accum = GradAccumulator(group, self.world, self.arena, self.comm,
                                      mean=self.front_end.accumulate == "mean")
         self._to_reduce = {i for i, t in enumerate(self.trainable) if any(t)}
+        #: Units whose buffer is zeroed when their backward opens: what is left unwritten
+        #: (a reporting front end's, or a frozen parameter's) reduces as zeros.
+        self._zero_on_open = {i for i, t in enumerate(self.trainable)
+                              if self.report_grads or (any(t) and not all(t))}
         # The arena's zeros and masters went on the current stream, which the model's
         # stream need not wait for ([Note: initialized memory] in backends.cuda.streams).
         group.synchronize()
@@ -269,7 +280,7 @@ class Runtime:
             for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
                 self.slots.prefetch(j)
             self.accum.retire(k, self.stream)  # [Note: gradient buffers]
-            if self.report_grads:  # what the backward does not write reduces as zeros
+            if i in self._zero_on_open:  # what the backward does not write reduces as zeros
                 self.comm.zero_grads(i, k, self.stream)
         return UnitArrays(self.slots.params(i, self.stream), self.comm.grads(i, k))
 

@@ -220,3 +220,60 @@ def test_clip_grad_norm_of_inf_takes_the_norm_without_clipping(group, xp):
             inf.clip_grad_norm_(bad)
     inf.step()
     agree(group.comm, failures, "clip_grad_norm_(inf)")
+
+
+def test_a_frozen_gradient_left_unwritten_counts_nothing(group, xp):
+    """A frozen parameter of a partly trained unit whose gradient the backward leaves
+    unwritten: its bytes in the shared gradient buffer last held another unit's (huge)
+    gradients, and must count nothing in the clip norm. The norms and masters equal,
+    bit for bit, a run that writes that gradient as zeros."""
+    trainable = [[True, False], [True], [True, True]]  # unit 0 and unit 2 share a slot
+    runs = {how: _model(group, xp, trainable=trainable, max_grad_norm=1.0)
+            for how in ("unwritten", "zeros")}
+    failures, norms = [], {}
+    for how, sm in runs.items():
+        norms[how] = []
+        for step in range(3):
+            rng = np.random.default_rng([step, sm.group.rank])
+            for i in range(sm.num_units):
+                sm.pre_forward(i)
+                sm.post_forward(i)
+            for i in reversed(range(sm.num_units)):
+                _, grads = sm.pre_backward(i)
+                for k, g in enumerate(grads):
+                    if trainable[i][k]:
+                        scale = 1e6 if i == 2 else 1.0  # what unit 0 finds in the buffer
+                        g[...] = sm.xp.asarray(rng.standard_normal(g.shape).astype(np.float32)
+                                               * scale)
+                    elif how == "zeros":
+                        g[...] = 0
+                sm.post_backward(i)
+            norms[how].append(sm.step())
+    if norms["unwritten"] != norms["zeros"]:
+        failures.append(f"norms {norms['unwritten']} with the gradient unwritten, "
+                        f"{norms['zeros']} with it written as zeros")
+    if _masters(runs["unwritten"]) != _masters(runs["zeros"]):
+        failures.append("the masters differ")
+    agree(group.comm, failures, "an unwritten frozen gradient")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("differ", ["param_groups", "max_grad_norm", "prefetch", "trainable"])
+def test_runtime_settings_must_agree(group, xp, differ):
+    """Each rank steps and gathers its own rows: a setting that differs on one rank (a
+    parameter group of another lr, a clip limit, the prefetch depth, a frozen parameter)
+    would train one model by two rules. Every rank raises, naming the setting."""
+    from tidearray import TideInvalid
+    from tidearray.fsdp import AdamW
+
+    last = group.rank == group.size - 1
+    kw = {"param_groups": [(AdamW(lr=0.1), ["0.0"])] if last else [],
+          "max_grad_norm": 2.0 if last else 1.0,
+          "prefetch": 2 if last else 1,
+          "trainable": [[True, not last], [True], [True, True]]}
+    try:
+        _model(group, xp, **{differ: kw[differ]})
+        failures = ["expected TideInvalid, got none"]
+    except TideInvalid as e:
+        failures = [] if f"expected the same {differ} on every rank" in str(e) else [str(e)]
+    agree(group.comm, failures, f"{differ} differing on one rank")

@@ -21,7 +21,7 @@ import tidearray
 from tidearray._adamw import adamw_numpy, coefficients
 from tidearray.fsdp import AdamW, clip_scale
 
-from ..._util import agree, fresh_seed
+from ..._util import agree, fresh_seed, to_numpy
 from ...support import example
 
 llama, train = example("llama"), example("train")
@@ -310,3 +310,51 @@ def test_checkpoint_resume_reproduces_the_next_losses(group):
         failures += [f"export: {n}: shape {full[n].shape}" for n, s in zip(names, shapes)
                      if n in full.files and full[n].shape != s]
     agree(group.comm, failures, "checkpoint")
+
+
+@pytest.mark.parametrize("damage", ["stale", "truncated", "short moments"])
+def test_a_damaged_or_stale_rank_file_is_refused_on_every_rank(group, xp, damage):
+    """A checkpoint whose last rank's file is of another save (one step later), cut short,
+    or holds moments of the wrong length: every rank raises TideInvalid naming that file,
+    before any state changes (a mixed model used to load without a word, and a damaged
+    file raised on its rank alone while the others waited)."""
+    import shutil
+
+    from .test_norm import _backward, _model
+
+    if damage == "stale" and group.size == 1:
+        pytest.skip("a file of another save beside rank 0's needs 2+ ranks")
+    root = group.comm.bcast(tempfile.mkdtemp(prefix="tide-ckpt-") if group.rank == 0 else None)
+    first, later, mixed = (os.path.join(root, d) for d in ("first", "later", "mixed"))
+    sm = _model(group, xp)
+    for step, path in ((0, first), (1, later)):
+        _backward(sm, step)
+        sm.step()
+        sm.save(path)
+    mine = f"rank{group.rank:05d}.npz"
+    if group.rank == 0:
+        shutil.copytree(first, mixed)
+    group.comm.Barrier()
+    if group.rank == group.size - 1:
+        target = os.path.join(mixed, mine)
+        if damage == "stale":
+            shutil.copy(os.path.join(later, mine), target)
+        elif damage == "truncated":
+            with open(target, "r+b") as f:
+                f.truncate(100)
+        else:
+            with np.load(target) as npz:
+                arrays = {k: npz[k] for k in npz.files}
+            np.savez(target, **{**arrays, "exp_avg": arrays["exp_avg"][:-1]})
+    group.comm.Barrier()
+    fresh = _model(group, xp)
+    before = fresh.arena.master.copy()
+    try:
+        fresh.load(mixed)
+        failures = ["expected TideInvalid, got none"]
+    except tidearray.TideInvalid as e:
+        bad_file = f"rank{group.size - 1:05d}.npz"
+        failures = [] if bad_file in str(e) else [f"expected {bad_file} named, got {e}"]
+    if to_numpy(fresh.arena.master).tobytes() != to_numpy(before).tobytes():
+        failures.append("the masters changed")
+    agree(group.comm, failures, f"a {damage} rank file")
