@@ -36,10 +36,10 @@ same lane as the data they follow: zero SMs on the cuda backend.
 
 from __future__ import annotations
 
-import numbers
 from typing import TYPE_CHECKING, Any, Optional
 
 from . import _validate
+from ._adamw import is_int
 from ._layout import align_up
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class SlotArena:
         # Collective: every rank's slots must be alike, as peers find each other's flag
         # words by their own slot's size; any rank's bad or differing arguments raise
         # the same TideInvalid on every rank, before any memory is mapped.
-        ok = _count(num_slots) and num_slots >= 1 and _count(slot_nbytes) and slot_nbytes >= 0
+        ok = is_int(num_slots) and num_slots >= 1 and is_int(slot_nbytes) and slot_nbytes >= 0
         errors = [] if ok else [f"expected num_slots an integer >= 1 and slot_nbytes an "
                                 f"integer >= 0, got {num_slots!r} and {slot_nbytes!r}"]
         _validate.check(group, "SlotArena", (("slot_nbytes", repr(slot_nbytes)),
@@ -163,10 +163,6 @@ class SlotArena:
 
     def __len__(self) -> int:
         return len(self.slots)
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def default_region(group: Group, kind: str, nbytes: int, ring: int = 1) -> Region:
