@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from ._config import Config
-from ._errors import TideInvalid
+from ._errors import TideBackendError, TideInvalid
 from ._topology import Topology
+from ._wait import poll_until
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -94,7 +95,7 @@ class Group:
         node's shared-memory board where there is one, else ``Allreduce``."""
         if self.board is not None:
             return self.board.max(values)
-        return allreduce_max(self.comm, values)
+        return allreduce_max(self.comm, values, self.config.timeout).tolist()
 
     def check(self) -> None:
         """Raise :class:`TideBackendError` if a collective of this group timed out on the
@@ -215,10 +216,22 @@ def default_group() -> Group:
     return _default
 
 
-def allreduce_max(comm: MPI.Comm, values: list[int]) -> list[int]:
+def allreduce_max(comm: MPI.Comm, values: Any, timeout: float) -> np.ndarray:
+    """Elementwise max of ``values`` (int64) over ``comm`` (collective).
+
+    Raises:
+        TideBackendError: not every rank reached it within ``timeout`` seconds (one that
+            raised, exited or called collectives in another order): polled, so the ranks
+            that came end in an error instead of a hang. ``comm`` is then unusable.
+    """
     from mpi4py import MPI
 
-    buf = np.asarray(values, dtype=np.int64)
+    buf = np.ascontiguousarray(values, dtype=np.int64)
     out = np.empty_like(buf)
-    comm.Allreduce(buf, out, op=MPI.MAX)
-    return out.tolist()
+    req = comm.Iallreduce(buf, out, op=MPI.MAX)
+    # Test is what moves MPI's messages along: spin first, as a blocking call would.
+    if not poll_until(req.Test, timeout, spin=0.05):
+        raise TideBackendError(f"rank {comm.rank}: timed out after {timeout:g} s in a host "
+                               "all-reduce; did every rank call the same collectives in the "
+                               "same order? (this group can no longer be used)")
+    return out

@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "tidearray"
 #: (``tidearray``) sits with its consumers: it re-exports the core and the runtime.
 LAYERS = [
     ("base", ("_errors", "_dtypes", "_cache", "_layout", "_topology", "_copies", "_schedule",
-              "_memory", "_config", "_adamw")),
+              "_memory", "_config", "_adamw", "_wait")),
     ("backends", ("backends",)),
     ("core", ("_group", "_board", "_arena", "_stamps", "_plan", "_work", "_validate",
               "_all_gather", "_reduce_scatter", "_shard", "layout")),

@@ -16,8 +16,6 @@ Lanes execute in program order, so every primitive is complete when it returns.
 from __future__ import annotations
 
 import ctypes
-import os
-import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
@@ -25,6 +23,7 @@ import numpy as np
 from .._copies import Copy, coalesce
 from .._dtypes import bfloat16, float32, normalize
 from .._errors import TideBackendError, TideInvalid
+from .._wait import poll_until
 from ._base import Backend, Completion, Done, Executor, Resolved, SymmetricBuffer, TupleBatch
 
 if TYPE_CHECKING:
@@ -114,23 +113,13 @@ class HostExecutor(Executor):
         ``spin`` seconds ``done`` is called back to back, yielding the CPU in between (it
         may be what makes progress), then with pauses that double up to 1 ms."""
         timeout = self.backend.group.config.timeout
-        now = time.monotonic()
-        deadline, spin_until, pause = now + timeout, now + spin, 0.0
-        while not done():
-            now = time.monotonic()
-            if now > deadline:
-                msg = (f"rank {self.backend.group.rank}: timed out after {timeout:g} s "
-                       f"{waiting()}; did every rank call the same collectives in the same "
-                       "order?")
-                # Its flags are left mid-protocol: no later call may trust them.
-                self.backend.broken = (f"an earlier collective failed ({msg}); this group "
-                                       "can no longer be used")
-                raise TideBackendError(msg)
-            if now < spin_until:
-                os.sched_yield()  # peers on the same cores may be what we wait for
-                continue
-            time.sleep(pause)
-            pause = min(pause * 2 or 1e-6, 1e-3)
+        if not poll_until(done, timeout, spin):
+            msg = (f"rank {self.backend.group.rank}: timed out after {timeout:g} s "
+                   f"{waiting()}; did every rank call the same collectives in the same order?")
+            # Its flags are left mid-protocol: no later call may trust them.
+            self.backend.broken = (f"an earlier collective failed ({msg}); this group "
+                                   "can no longer be used")
+            raise TideBackendError(msg)
 
     def _accumulate(self, lane: int, pieces: list, src_dtype: Any, scale: float,
                     out_dtype: Any) -> None:

@@ -3,11 +3,15 @@ front end sets, and the slots the prefetch depth needs."""
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import numpy as np
+
 from .. import _validate
 from .._errors import TideInvalid
+from .._group import allreduce_max
 
 if TYPE_CHECKING:
     from .._group import Group
@@ -84,3 +88,30 @@ def agree_settings(group: Group, settings: dict[str, Any]) -> None:
     Compared by ``repr`` (``AdamW`` is a frozen dataclass), before any memory is made."""
     _validate.check(group, "Runtime", tuple((name, repr(value))
                                             for name, value in settings.items()), ())
+
+
+def agree_step(group: Group, lr: Any, present: np.ndarray) -> np.ndarray:
+    """Per parameter, whether some rank gave it a gradient in this step (``present``, this
+    rank's, OR-ed over the ranks) as bools; and ``lr`` checked to be the same on every
+    rank, as the settings are (a scheduler that runs differently on one rank would step
+    its rows by another lr, silently). Collective: one host all-reduce of a word per
+    parameter, polled against ``Config.timeout`` (a rank that raised before the step
+    leaves the others an error, not a hang). Every rank then skips the same parameters
+    ([Note: unit lifecycle]).
+
+    Raises:
+        TideInvalid: ``lr`` differs between ranks (on every rank).
+    """
+    if group.size == 1:
+        return present.astype(bool)
+    try:  # by value: 0.1 and np.float64(0.1) step alike
+        data = np.asarray(lr, dtype=np.float64).tobytes() if lr is not None else b"None"
+    except (TypeError, ValueError):
+        data = repr(lr).encode()
+    key = zlib.crc32(data)
+    every = allreduce_max(group.comm, np.concatenate([[key, -key], present]),
+                          group.config.timeout)
+    if every[0] != -every[1]:
+        raise TideInvalid(f"step: expected the same lr on every rank, got {lr!r} on rank "
+                          f"{group.rank} and another on some other rank")
+    return every[2:].astype(bool)

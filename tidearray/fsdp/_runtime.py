@@ -95,7 +95,7 @@ from ._accum import GradAccumulator
 from ._comm import UnitComm, comm_factory
 from ._lifecycle import State, UnitLifecycle, UseToken
 from ._norm import GlobalNorm, GradScale, check_max_norm, clip_limit
-from ._options import FrontEnd, agree_settings, slot_count
+from ._options import FrontEnd, agree_settings, agree_step, slot_count
 from ._shards import Init, ShardArena, arena_adamw, arena_layout, describe_units, trainable_flags
 from ._slots import SlotTable
 
@@ -382,13 +382,15 @@ class Runtime:
 
         Raises:
             TideInvalid: no backward since the last step, or one after
-                :meth:`clip_grad_norm_`.
+                :meth:`clip_grad_norm_`; ``lr`` not the same on every rank.
         """
         scale = self._step_scale()
+        present = agree_step(self.group, lr, self.life.had_grad)
         if self._capturing():
             self.accum.captured(scale)  # what each replay stages (captured_scale)
         self.optimizer.step(self.arena.grad, grad_scale=scale.factor, lr=lr,
-                            stream=self.stream, present=self._present())
+                            stream=self.stream, present=present)
+        self.life.end_step()  # after the step: a refused one keeps what it would have read
         self.accum.end_step()
         return scale.norm
 
@@ -430,7 +432,8 @@ class Runtime:
                               "(step()) only, got another optimizer's step")
         with self._on_stream():
             self.arena.grad *= np.float32(scale.factor)
-        step(self._present())
+        step(agree_step(self.group, None, self.life.had_grad))
+        self.life.end_step()
         with self._on_stream():  # before the next gather, which reads them
             self.arena.refresh_send()
         self.accum.end_step()
@@ -481,19 +484,6 @@ class Runtime:
             return self.finalize_grads(self.max_grad_norm)
         self.release()  # parameters gathered now would be stale after the step
         return scale
-
-    def _present(self) -> np.ndarray:
-        """Per parameter (units in order, flattened): whether some rank gave it a gradient
-        in this step, as bools. Collective (one host all-reduce of a byte per parameter):
-        every rank skips the same parameters ([Note: unit lifecycle])."""
-        mine = self.life.end_step()
-        if self.world == 1:
-            return mine.astype(bool)
-        from mpi4py import MPI
-
-        every = np.empty_like(mine)
-        self.group.comm.Allreduce(mine, every, op=MPI.BOR)
-        return every.astype(bool)
 
     def global_norm(self) -> GlobalNorm:
         """What computes the gradient's global norm, made at its first use (collective:

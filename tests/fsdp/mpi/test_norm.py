@@ -277,3 +277,33 @@ def test_runtime_settings_must_agree(group, xp, differ):
     except TideInvalid as e:
         failures = [] if f"expected the same {differ} on every rank" in str(e) else [str(e)]
     agree(group.comm, failures, f"{differ} differing on one rank")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("lr", ["one rank's", "a list on one rank"])
+def test_a_step_lr_must_agree(group, xp, lr):
+    """A scheduler that runs differently on one rank passes another lr to its ``step``: its
+    rows would be stepped by it, silently (or, a list the optimizer refuses, it alone would
+    raise and not step). Every rank raises, nothing steps, and the next step with the same
+    lr everywhere goes on."""
+    from tidearray import TideInvalid
+
+    last = group.rank == group.size - 1
+    sm = _model(group, xp)
+    before = _masters(sm)
+    _backward(sm, 0)
+    mine = 1e-3 if not last else (2e-3 if lr == "one rank's" else [1e-3, 1e-3])
+    failures = []
+    try:
+        sm.step(mine)
+        failures.append("expected TideInvalid, got none")
+    except TideInvalid as e:
+        if "expected the same lr on every rank" not in str(e):
+            failures.append(str(e))
+    if _masters(sm) != before:
+        failures.append("a refused step changed the masters")
+    _backward(sm, 1)
+    sm.step(np.float64(1e-3) if last else 1e-3)  # the same value, another type: agreed
+    if _masters(sm) == before:
+        failures.append("the step after did not step")
+    agree(group.comm, failures, f"lr differing on one rank ({lr})")
