@@ -61,9 +61,12 @@ in ``_lifecycle``); the runtime acts on its transitions:
   unit with trainable parameters not reduced yet: forwarded units whose
   backward never began (gathered, then reduced), and units not forwarded at
   all (no collective: a sum of zeros is zero on every rank);
-* units are reduced in descending order on every rank, whatever order each
-  rank's gradients arrive in, so every rank issues the same collectives in the
-  same order (a unit's missing gradients are zeros).
+* a unit is reduced at its ``post_backward``, so in the order the hooks run,
+  which every rank must share (the same model and loop; a rank that runs another
+  unit at a step's first collective is named on every rank by the unit in its
+  agreement, later ones under ``TIDE_DEBUG``); the units ``finish_backward`` still
+  finds unreduced are reduced in descending order, so every rank issues the same
+  collectives in the same order (a unit's missing gradients are zeros).
 
 With ``root=True`` unit 0 is the root, as FSDP2's: the parameters used around
 the other units (embedding, final norm, head, a weight tied between them). It
@@ -442,13 +445,18 @@ class Runtime:
         """Drop the gradients accumulated since the last step, as torch's ``zero_grad()``
         drops them: the next backward starts the step afresh (its first micro-batch
         reduces straight into the gradient shards; no parameter counts as having had a
-        gradient). Waits for the reductions in flight; no collective of its own.
+        gradient). A backward whose last ``post_backward`` ran is finished first, as
+        :meth:`step` finishes it (collective then: every rank calls it at the same
+        point); then it waits for the reductions in flight.
 
         Raises:
-            TideInvalid: inside a backward pass.
+            TideInvalid: inside a backward pass (a unit's ``post_backward`` still due).
         """
-        if self.life.in_backward:
-            raise TideInvalid("zero_grad: expected no backward in progress, got one")
+        opened = self.life.units_in(State.BACKWARD)
+        if opened:
+            raise TideInvalid(f"zero_grad: expected no backward in progress, got units "
+                              f"{opened} between pre_backward and post_backward")
+        self.finish_backward()
         self.accum.retire_all(self.stream)
         self.accum.end_step()  # a clip_grad_norm_ since the last step was of what is dropped
         self.life.end_step()

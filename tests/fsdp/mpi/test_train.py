@@ -249,10 +249,12 @@ def _one_pass(rt, grad: np.ndarray) -> None:
     rt.post_backward(0)
 
 
-def test_zero_grad_drops_a_clip_of_the_dropped_gradients(group):
-    """``clip_grad_norm_`` of a backward that ``zero_grad()`` then drops does not clip the
-    next step: after it and one more backward, the masters are bitwise those of a runtime
-    that saw only that backward (fresh random gradients and weights)."""
+@pytest.mark.parametrize("after", ["clip_grad_norm_", "post_backward"])
+def test_zero_grad_drops_a_clip_of_the_dropped_gradients(group, after):
+    """``zero_grad()`` drops a backward: right after its last ``post_backward`` (it finishes
+    the backward first, as ``step`` does), or after a ``clip_grad_norm_`` of it, which
+    then does not clip the next step. After one more backward, the masters are bitwise
+    those of a runtime that saw only that backward (fresh random gradients and weights)."""
     from tidearray.fsdp import Runtime
 
     seed = fresh_seed(group.comm, bits=32)
@@ -265,7 +267,8 @@ def test_zero_grad_drops_a_clip_of_the_dropped_gradients(group):
                      optimizer=AdamW(lr=LR))
         if drop_one:
             _one_pass(rt, dropped)
-            rt.clip_grad_norm_(1e-3)  # far below the dropped gradient's norm
+            if after == "clip_grad_norm_":
+                rt.clip_grad_norm_(1e-3)  # far below the dropped gradient's norm
             rt.zero_grad()
         _one_pass(rt, kept)
         rt.step()
@@ -275,7 +278,7 @@ def test_zero_grad_drops_a_clip_of_the_dropped_gradients(group):
         rt.close()
     same = masters[0].tobytes() == masters[1].tobytes()
     agree(group.comm, [] if same else ["the dropped backward's clip reached the step"],
-          "zero_grad after clip_grad_norm_")
+          f"zero_grad after {after}")
 
 
 def test_gradient_clipping_matches_the_reference(group):
