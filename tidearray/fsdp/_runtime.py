@@ -423,19 +423,26 @@ class Runtime:
                                    max_norm is not None and self._capturing(),
                                    opt.coeff_dev, opt.table_layout)
 
-    def apply_step(self, step: Callable[[np.ndarray], None]) -> None:
+    def apply_step(self, step: Callable[[np.ndarray], None], lr: Any = None) -> None:
         """Step with another optimizer: the gradient shards finalized (:meth:`finalize_grads`,
         clipped as :meth:`step` clips) and scaled to the averaged gradient in place, then
         ``step(present)``, which updates :meth:`params` (the fp32 masters) from
         :meth:`grads`, skipping the parameters whose ``present`` is False (no rank gave
-        them a gradient, or frozen; units in order, flattened); then the send shards."""
+        them a gradient, or frozen; units in order, flattened); then the send shards.
+        ``lr`` (the optimizer's learning rates, or anything every rank must share) is
+        agreed across the ranks first, as :meth:`step`'s.
+
+        Raises:
+            TideInvalid: as :meth:`step`; inside a capture, a clip.
+        """
         scale = self._step_scale()
         if scale.on_device:
             raise TideInvalid("a clip inside a stream capture reaches the fused AdamW "
                               "(step()) only, got another optimizer's step")
+        present = agree_step(self.group, lr, self.life.had_grad)
         with self._on_stream():
             self.arena.grad *= np.float32(scale.factor)
-        step(agree_step(self.group, None, self.life.had_grad))
+        step(present)
         self.life.end_step()
         with self._on_stream():  # before the next gather, which reads them
             self.arena.refresh_send()

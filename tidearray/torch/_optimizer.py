@@ -123,7 +123,8 @@ class OptimizerBridge:
         if lr is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-        self.runtime.apply_step(self._torch_step)
+        self.runtime.apply_step(self._torch_step,  # each group's lr, agreed across ranks
+                                lr=[g["lr"] for g in self.optimizer.param_groups])
         return None
 
     def _torch_step(self, present: Any) -> None:

@@ -306,6 +306,38 @@ def test_param_groups_need_the_fused_adamw(group):
                         param_groups=[{"params": ["0.bias"], "weight_decay": 0.0}])
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("opt", ["fused", "torch"])
+def test_a_learning_rate_that_differs_by_rank_is_refused(group, opt):
+    """A scheduler that ran differently on one rank: its rows would be stepped by another
+    lr, silently (each rank steps only its own). Every rank raises, and no parameter
+    changes; the fused AdamW's ``step(lr=)`` and a torch optimizer's group lr alike."""
+    import tidearray
+    import tidearray.torch as tt
+
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    last = group.rank == group.size - 1
+    model, units = _model(5)
+    make = None if opt == "fused" else (lambda ps: torch.optim.SGD(ps, lr=0.2 if last else 0.1))
+    sm = tt.shard_module(model, units, group=group, optimizer=make)
+    masters = sm.sharding.runtime.arena.master
+    before = np.array(masters).tobytes()
+    x, y = _batch(0, group.rank, 4)
+    torch.nn.functional.mse_loss(sm(x), y).backward()
+    failures = []
+    try:
+        sm.step(lr=(2e-3 if last else 1e-3) if opt == "fused" else None)
+        failures.append("expected TideInvalid, got none")
+    except tidearray.TideInvalid as e:
+        if "expected the same lr on every rank" not in str(e):
+            failures.append(str(e))
+    if np.array(masters).tobytes() != before:
+        failures.append("a refused step changed the masters")
+    agree(group.comm, failures, f"an lr differing by rank ({opt})")
+    sm.close()
+
+
 class _Skipping(torch.nn.Module):
     """Two units of one shape; ``skip`` leaves out the last (a data-dependent depth)."""
 
