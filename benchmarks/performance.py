@@ -448,6 +448,34 @@ def one_h200_np2(run: Run) -> tuple[Figure, ...]:
                    "reference", "both ranks died of signal 11" if died else "ran"))
 
 
+def one_h200_stress_summary(run: Run) -> tuple[Figure, ...]:
+    """A stress step's summary (``== stress JOB: N loops, M failed``) and the 2-rank run
+    beside it, cut short."""
+    with open(os.path.join(run.path, "stress_summary.txt")) as f:
+        counts: dict[str, tuple[int, int]] = {}
+        for job, n, bad in re.findall(r"== stress (\w+?)\d*: (\d+) loops, (\d+) failed",
+                                      f.read()):
+            loops, failed = counts.get(job, (0, 0))
+            counts[job] = (loops + int(n), failed + int(bad))
+    with open(os.path.join(run.path, "np2_partial.log")) as f:
+        rows = [ln for ln in f if re.match(r"^[.sFE]+( \[ *\d+%\])?$", ln.strip())]
+    dots = "".join(r.split(" [")[0].strip() for r in rows)
+    reached = max((int(m) for m in re.findall(r"\[ *(\d+)%\]", "".join(rows))), default=0)
+    figs = []
+    for job, what, goal in (("adamw", "the captured fused-AdamW tests, 1 rank, 4 processes "
+                                      "at once", 30),
+                            ("rs", "beside it: pipeline and reduce-scatter tests, 3 ranks", 1),
+                            ("graphs", "beside it: graph tests, 2 ranks", 1)):
+        loops, failed = counts.get(job, (0, 0))
+        figs.append(Figure(f"Stress: loops that failed, {what}",
+                           "0 of >= 30" if goal > 1 else "0", f"{failed} of {loops}",
+                           failed == 0 and loops >= goal))
+    figs.append(Figure("Beside it: all of `tests/` at 2 ranks, cut by the run's timeout",
+                       "reference", f"{reached}% reached, {dots.count('F')} failed "
+                       f"(not named before the cut)"))
+    return tuple(figs)
+
+
 # ---- the page --------------------------------------------------------------------------
 
 
@@ -493,6 +521,13 @@ def sections(root: str) -> list[Section]:
           "MPI's launcher variables and joined its parent's job; the job's ranks then died "
           "in their next collective. Tests now start children without those variables "
           "(tests/README.md).", one_h200_np2),
+        S("run29-one-h200-stress", "Under load again: the stress step at 41b43ff",
+          "Correctness, not timing: `tests/gpu/run.sh` step `stress` at the library of "
+          "41b43ff (four processes running the captured fused-AdamW tests in loops while "
+          "a 3-rank reduce-scatter loop, a 2-rank graph-test loop and fp16 matrix products "
+          "share the GPU), with the `info` step and a 2-rank run of `tests/` beside it. "
+          "The run's time ended before the 2-rank run's summary, which names its failures.",
+          one_h200_stress_summary),
     ]
 
 
