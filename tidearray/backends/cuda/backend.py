@@ -349,8 +349,10 @@ class CudaBackend(Backend):
                                       f"got {where} ({e})") from None
         if hasattr(obj, "__cuda_array_interface__"):
             return cupy.asarray(obj)
-        raise TideInvalid(f"expected a CuPy array or a device array with __dlpack__ or "
-                          f"__cuda_array_interface__ on cuda:{self.device}, got {where}")
+        # The backends word this alike ("expected an array"), so a rank's error reads
+        # the same whichever backend raised it.
+        raise TideInvalid(f"expected an array (CuPy, or one with __dlpack__ or "
+                          f"__cuda_array_interface__) on cuda:{self.device}, got {where}")
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
         import cupy
