@@ -127,7 +127,7 @@ class _Table:
 
     def __init__(self, busy: set) -> None:
         self.busy, self.log = busy, []
-        self.slots = SlotTable(4, 2, False, self.gather, lambda u: u not in self.busy,
+        self.slots = SlotTable(4, 2, False, self.gather, lambda u, i: u not in self.busy,
                                lambda u: self.log.append(("release", u)),
                                lambda u: f"unit {u} (layer{u}.w, ...)")
 

@@ -9,9 +9,12 @@ buffer ``k`` is handed to another backward, the compute stream waits for that
 reduction (:meth:`GradAccumulator.retire`). So at most ``num_slots`` units'
 gradients exist at once and nothing blocks the host.
 
-The first micro-batch of a step reduces straight into the gradient shards
-(``arena.grad``); later ones reduce into a scratch arena like it, which is
-added into the shards when the reduction is retired. A pass counts as a
+A unit's first reduction in a step writes straight into its gradient shard
+(``arena.grad``); later ones (later micro-batches, or a unit paused and
+resumed in one pass: [Note: unit lifecycle]) reduce into a scratch arena
+like it, which is added into the shard when the reduction is retired; a
+unit not forwarded in the step's first pass has its shard zeroed, and so
+counts as written. A pass counts as a
 micro-batch when it ends (:meth:`GradAccumulator.end_pass`), and the count
 goes back to 0 in one place, :meth:`GradAccumulator.end_step`, which the
 runtime calls when a step has used the gradients or ``zero_grad`` dropped
@@ -74,6 +77,7 @@ class GradAccumulator:
         self._in_flight: dict[int, Reduction] = {}  # gradient buffer -> its reduction
         self._scratch: Any = None  # later micro-batches' reductions, made at the first
         self._micro = 0
+        self._written: set[int] = set()  # units whose gradient shard this step wrote
         self._held: Optional[HeldClip] = None
         self._captured: Optional[GradScale] = None
         self._norm: Optional[GlobalNorm] = None
@@ -86,9 +90,10 @@ class GradAccumulator:
     # -- the reductions -------------------------------------------------------------
 
     def reduce(self, unit: int, k: int, stream: Any) -> None:
-        """Start reducing gradient buffer ``k``, ``unit``'s, into the shards (the first
-        micro-batch) or the scratch arena (a later one, added at :meth:`retire`)."""
-        into_scratch = self._micro > 0
+        """Start reducing gradient buffer ``k``, ``unit``'s, into the shards (the unit's first
+        reduction in the step) or the scratch arena (a later one, added at :meth:`retire`)."""
+        into_scratch = unit in self._written
+        self._written.add(unit)
         out = self._scratch_arena() if into_scratch else self._arena.grad
         self._in_flight[k] = Reduction(self._comm.reduce(unit, k, out, stream), unit,
                                        into_scratch)
@@ -112,10 +117,11 @@ class GradAccumulator:
             self.retire(k, stream)
 
     def no_backward(self, unit: int, stream: Any) -> None:
-        """``unit`` (with trainable parameters) was not forwarded in a pass: in the step's
-        first micro-batch its gradient shard is zeroed, on ``stream`` (no collective: a
-        sum of zeros is zero on every rank); a later one adds nothing to it."""
-        if self._micro == 0:
+        """``unit`` (with trainable parameters) was not forwarded in a pass: where the step
+        wrote its gradient shard yet, it is zeroed, on ``stream`` (no collective: a sum of
+        zeros is zero on every rank); else nothing is added to it."""
+        if unit not in self._written:
+            self._written.add(unit)
             with self._group.backend.on_stream(stream):
                 self._arena.block(self._arena.grad, unit).fill(0)
 
@@ -127,6 +133,7 @@ class GradAccumulator:
         """The gradients were stepped or dropped: the next backward starts a step afresh
         (the one place the micro-batch count goes back to 0), and a held clip is gone."""
         self._micro = 0
+        self._written.clear()
         self._held = None
 
     # -- the step's scale -------------------------------------------------------------

@@ -277,7 +277,9 @@ class Runtime:
             raise TideInvalid(f"unit {i}: expected one backward per unit per pass, got a "
                               "second one after its gradients were reduced")
         k = self.slots.slot(i)
-        if state is not State.BACKWARD:
+        if state is State.BACKWARD and self.slots.holds(i):
+            self.life.resume(i)  # (a paused unit resumes where it was)
+        else:  # (also a paused unit that lost its slot: gathered again, its buffer zeroed)
             self.life.open(i)
             self.slots.ensure(i)
             for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
@@ -300,11 +302,8 @@ class Runtime:
             self._close_through(i)
 
     def post_backward(self, i: int) -> None:
-        """Unit ``i``'s gradients are written (issued): reduce them into the fp32 shards.
-
-        The first micro-batch of a step reduces straight into the gradient shards;
-        later ones reduce into a scratch arena that is added on retire.
-        """
+        """Unit ``i``'s gradients are written (issued): reduce them into the fp32 shards
+        (the step's first reduction of the unit writes them, later ones add: ``_accum``)."""
         if self.life.state[i] is not State.BACKWARD:
             raise TideInvalid(f"unit {i}: expected post_backward after its pre_backward, once "
                               f"per pass, got it in state {self.life.state[i].value}")
@@ -315,9 +314,10 @@ class Runtime:
         opened) and release it; ``written``: the parameters that got a gradient (None:
         all)."""
         self.life.close(i, written)
-        if i in self._to_reduce:
-            self.accum.reduce(i, self.slots.slot(i), self.stream)
-        self.slots.release(i)
+        if self.slots.holds(i):  # (else paused, its slot lost: reduced then, not written since)
+            if i in self._to_reduce:
+                self.accum.reduce(i, self.slots.slot(i), self.stream)
+            self.slots.release(i)
 
     def _close_through(self, i: int) -> None:
         """Close the open units above ``i`` that wait for no use (descending), then ``i``."""
@@ -541,6 +541,10 @@ class Runtime:
         return self.comm.gather(i, k, self.stream)
 
     def _released(self, u: int) -> None:
+        if self.life.state[u] is State.BACKWARD:  # open: its gradients go with the slot
+            self.life.suspend(u, self.life.written[u] if self.report_grads else None)
+            if u in self._to_reduce:
+                self.accum.reduce(u, self.slots.slot(u), self.stream)
         if self.front_end.on_release is not None:
             self.front_end.on_release(u)
 

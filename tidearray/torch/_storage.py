@@ -93,8 +93,11 @@ class ParamStorage:
         again only when the runtime hands out other arrays."""
         hit = self._views.get((what, u))
         if hit is None or hit[0] is not arrays:
-            hit = self._views[(what, u)] = (arrays, [as_tensor(a, s) for a, s in
-                                                     zip(arrays, self.shapes[u])])
+            # Never inference tensors (made under torch.inference_mode): the views are
+            # kept, and a training forward could not save them for its backward.
+            with torch.inference_mode(False):
+                hit = self._views[(what, u)] = (arrays, [as_tensor(a, s) for a, s in
+                                                         zip(arrays, self.shapes[u])])
         return hit[1]
 
     def use_gathered(self, u: int, arrays: list) -> None:

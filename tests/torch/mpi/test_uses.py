@@ -1,0 +1,154 @@
+"""How a training loop uses the model within a step, with a unit per block (two slots for
+three blocks, so a unit that waits for a later backward holds a slot another needs):
+
+* **the model called twice before one backward** (two views of a batch through one
+  encoder, a pair of sequences scored by one model), and a siamese encoder whose blocks
+  are units: the backward of the second call comes first, then the first's, whose
+  units must be gathered again;
+* **a forward whose output is kept but never backpropagated** (a metric computed with
+  grad enabled and held until the next step);
+* **two backwards of one forward** (``retain_graph=True``, then a second loss): the
+  gradients add up, as torch's ``.grad`` does;
+* **an evaluation under** ``torch.inference_mode()`` between training steps.
+
+Each case trains for test_lifecycle's steps with ``shard_module`` on every rank's batch and,
+in one process, with torch's AdamW on the global batch; the losses agree within
+test_lifecycle's bound (1e-5 relative, fp32) and go down. Fresh data every run.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+
+from ..._util import agree, on_rank_zero
+from . import test_hf
+from .test_hf import _batch, _loss, _seed
+from .test_lifecycle import STEPS, Block, Siamese, TinyLM, _adamw, _loss_failures, _tiny, _wrap
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.mpi
+device, _set_device = test_hf.device, test_hf._set_device
+
+#: ``step(model, seed, s, ranks)``: the forward and backward of step ``s`` on the batches
+#: of ``ranks`` (their mean loss), returning the loss to compare and what must stay alive
+#: until the optimizer's step.
+Step = Callable[[Any, int, int, list], tuple[torch.Tensor, Any]]
+
+
+class Stack(TinyLM):
+    """Three blocks, each a unit; its result a Hugging Face ``CausalLMOutput`` (a pytree
+    container, whose loss the root's hooks see: a second backward of a retained graph
+    gathers the root again by them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+
+    def body(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        from transformers.modeling_outputs import CausalLMOutput
+
+        return CausalLMOutput(loss=super().forward(input_ids, labels).loss)
+
+
+class DeepSiamese(Siamese):
+    """test_lifecycle's siamese model with three blocks in its encoder, each a unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Sequential(Block(), Block(), Block())
+
+
+def _mean(model: Any, seed: int, s: int, ranks: list, other: bool = False) -> torch.Tensor:
+    """The mean over ``ranks`` of each one's loss on its batch of step ``s`` (``other``: on
+    its next step's batch)."""
+    return torch.stack([_loss(model, _batch(seed, s + other, r)) for r in ranks]).mean()
+
+
+def _called_twice(model: Any, seed: int, s: int, ranks: list) -> tuple[torch.Tensor, Any]:
+    loss = _mean(model, seed, s, ranks) + 0.5 * _mean(model, seed, s, ranks, other=True)
+    loss.backward()
+    return loss, None
+
+
+def _output_kept(model: Any, seed: int, s: int, ranks: list) -> tuple[torch.Tensor, Any]:
+    kept = _mean(model, seed, s, ranks, other=True)  # grad enabled, never backpropagated
+    loss = _mean(model, seed, s, ranks)
+    loss.backward()
+    return loss, kept
+
+
+def _two_backwards(model: Any, seed: int, s: int, ranks: list) -> tuple[torch.Tensor, Any]:
+    loss = _mean(model, seed, s, ranks)
+    loss.backward(retain_graph=True)
+    (0.5 * loss).backward()
+    return loss, None
+
+
+def _inference_first(model: Any, seed: int, s: int, ranks: list) -> tuple[torch.Tensor, Any]:
+    with torch.inference_mode():
+        evaluated = _mean(model, seed, s, ranks, other=True)
+    loss = _mean(model, seed, s, ranks)
+    loss.backward()
+    return loss, evaluated
+
+
+CASES = {"called twice": _called_twice, "an output kept": _output_kept,
+         "two backwards": _two_backwards, "inference_mode": _inference_first}
+
+
+def _one_process(model: Any, seed: int, world: int, step: Step) -> list[float]:
+    opt = _adamw()(list(model.parameters()))
+    losses = []
+    for s in range(STEPS):
+        opt.zero_grad()
+        loss, kept = step(model, seed, s, list(range(world)))
+        opt.step()
+        losses.append(float(loss.detach()))
+        del kept
+    return losses
+
+
+def _train(model: Any, units: list, group, seed: int, step: Step) -> list[str]:
+    """Failures: ``model`` trained by ``step`` on ``seed``'s batches with ``units``, against
+    one process."""
+    reference = copy.deepcopy(model)
+    sm = _wrap(model, units, group)
+    got = []
+    for s in range(STEPS):
+        loss, kept = step(sm, seed, s, [group.rank])
+        sm.step()
+        got.append(group.comm.allreduce(float(loss.detach())) / group.size)
+        del kept
+    want = on_rank_zero(group.comm, lambda: _one_process(reference, seed, group.size, step))
+    return _loss_failures(got, want)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_step_that_uses_the_model_so_trains_as_one_process(group, case):
+    seed = _seed(group)
+    model = _tiny(Stack, seed)
+    agree(group.comm, _train(model, list(model.blocks), group, seed, CASES[case]),
+          f"{case} vs one process")
+
+
+def test_siamese_encoder_of_unit_blocks(group):
+    """The encoder runs on two inputs, both in one loss; its blocks are units."""
+    seed = _seed(group)
+    model = _tiny(DeepSiamese, seed)
+
+    def step(m: Any, seed: int, s: int, ranks: list) -> tuple[torch.Tensor, Any]:
+        loss = _mean(m, seed, s, ranks)
+        loss.backward()
+        return loss, None
+
+    agree(group.comm, _train(model, list(model.encoder), group, seed, step),
+          "siamese of unit blocks vs one process")
