@@ -48,6 +48,43 @@ def test_a_unit_closes_when_no_use_token_is_pending():
     assert life.may_close(0)
 
 
+def test_a_unit_waiting_for_an_earlier_uses_backward_pauses_and_may_give_its_slot_up():
+    """The backward of the second use comes first: then the unit is paused (in no use's
+    backward), so it may lose its slot, and its gradients so far are recorded; the next
+    backward resumes it. A unit in the middle of a use's backward may not lose it."""
+    life = UnitLifecycle([[True, True], [True, True]])
+    first, second = UseToken(), UseToken()
+    life.use(1, first)
+    life.use(1, second)
+    life.forward_issued(1)
+    life.open(1)
+    assert not life.may_give_up(1, 0)  # in the second use's backward
+    life.write(1, 0)
+    life.use_done(1, second)
+    assert 1 in life.paused and life.may_give_up(1, 0) and not life.may_close(1)
+    life.suspend(1, life.written[1])  # its slot taken: what it wrote is recorded
+    assert life.written[1] == [False, False] and list(life.had_grad) == [0, 0, 1, 0]
+    life.open(1)  # the first use's backward gathers it again
+    assert 1 not in life.paused and not life.may_give_up(1, 0)
+    life.write(1, 1)
+    life.use_done(1, first)
+    assert life.may_close(1)
+    life.close(1, life.written[1])
+    assert list(life.had_grad) == [0, 0, 1, 1]
+
+
+def test_a_blind_unit_gives_its_slot_up_only_to_a_lower_unit():
+    """Autograd runs later nodes first: once unit 1 opens, unit 2's uses made after unit
+    1's are done; a unit below may still be in its backward (unit 1 nested in unit 0)."""
+    life = UnitLifecycle([[True], [True], [True]])
+    for i in range(3):
+        life.use(i, BLIND)
+        life.forward_issued(i)
+    life.open(2)
+    life.open(0)
+    assert life.may_give_up(2, 1) and not life.may_give_up(0, 1)
+
+
 def test_a_discarded_forward_is_not_waited_for():
     """Tokens are held weakly: a forward whose graph is gone leaves nothing pending."""
     life = UnitLifecycle([[True]])
@@ -212,6 +249,36 @@ class _Host:
 
     def wait(self, stream) -> None:
         pass
+
+
+def test_a_units_first_reduction_in_a_step_writes_its_shard_and_later_ones_add():
+    """A unit reduced twice in one pass (paused, then resumed) adds its second reduction,
+    as a later micro-batch does; a unit not forwarded is zeroed only where nothing wrote
+    its shard yet."""
+    arena = ShardArena(arena_layout([[(4,)], [(4,)]], 1), np, np.float32, send=False)
+    arena.grad[...] = 7  # the last step's
+
+    class Writer(_Host):  # a reduction writes ones into the unit's block of ``out``
+        def reduce(self, unit: int, k: int, out, stream):
+            arena.block(out, unit)[...] = 1
+            return self
+
+    host = Writer()
+    acc = GradAccumulator(host, 1, arena, host, mean=False)
+    acc.reduce(0, 0, None)
+    acc.retire(0, None)
+    acc.reduce(0, 1, None)
+    acc.retire(1, None)
+    acc.no_backward(1, None)
+    acc.end_pass()
+    acc.no_backward(0, None)  # a later pass that did not forward it adds nothing
+    acc.no_backward(1, None)
+    g0, g1 = (arena.block(arena.grad, u) for u in (0, 1))
+    assert (g0 == 2).all() and (g1 == 0).all()
+    acc.end_step()
+    acc.reduce(0, 0, None)  # the next step writes again
+    acc.retire(0, None)
+    assert (arena.block(arena.grad, 0) == 1).all()
 
 
 def test_the_accumulator_alone_counts_micro_batches_and_holds_the_clip():
