@@ -48,41 +48,31 @@ def test_a_unit_closes_when_no_use_token_is_pending():
     assert life.may_close(0)
 
 
-def test_a_unit_waiting_for_an_earlier_uses_backward_pauses_and_may_give_its_slot_up():
-    """The backward of the second use comes first: then the unit is paused (in no use's
-    backward), so it may lose its slot, and its gradients so far are recorded; the next
-    backward resumes it. A unit in the middle of a use's backward may not lose it."""
+def test_an_open_unit_gives_its_slot_up_to_an_opening_unit_not_to_a_prefetch():
+    """A model called twice: the second call's backward comes first, and when another
+    unit's backward opens, the first call's is still to come. The open unit is suspended
+    (what it wrote recorded) and opens afresh; a running unit never gives its slot up."""
     life = UnitLifecycle([[True, True], [True, True]])
     first, second = UseToken(), UseToken()
     life.use(1, first)
+    assert not life.may_give_up(1, 0)  # running
+    life.forward_issued(1)
     life.use(1, second)
     life.forward_issued(1)
     life.open(1)
-    assert not life.may_give_up(1, 0)  # in the second use's backward
     life.write(1, 0)
     life.use_done(1, second)
-    assert 1 in life.paused and life.may_give_up(1, 0) and not life.may_close(1)
+    assert life.may_give_up(1, 0) and not life.may_give_up(1, None) and not life.may_close(1)
     life.suspend(1, life.written[1])  # its slot taken: what it wrote is recorded
-    assert life.written[1] == [False, False] and list(life.had_grad) == [0, 0, 1, 0]
-    life.open(1)  # the first use's backward gathers it again
-    assert 1 not in life.paused and not life.may_give_up(1, 0)
+    assert 1 in life.suspended and life.written[1] == [False, False]
+    assert list(life.had_grad) == [0, 0, 1, 0]
+    life.open(1)  # the first call's backward gathers it again
+    assert 1 not in life.suspended
     life.write(1, 1)
     life.use_done(1, first)
     assert life.may_close(1)
     life.close(1, life.written[1])
     assert list(life.had_grad) == [0, 0, 1, 1]
-
-
-def test_a_blind_unit_gives_its_slot_up_only_to_a_lower_unit():
-    """Autograd runs later nodes first: once unit 1 opens, unit 2's uses made after unit
-    1's are done; a unit below may still be in its backward (unit 1 nested in unit 0)."""
-    life = UnitLifecycle([[True], [True], [True]])
-    for i in range(3):
-        life.use(i, BLIND)
-        life.forward_issued(i)
-    life.open(2)
-    life.open(0)
-    assert life.may_give_up(2, 1) and not life.may_give_up(0, 1)
 
 
 def test_a_discarded_forward_is_not_waited_for():

@@ -10,8 +10,8 @@ reduction (:meth:`GradAccumulator.retire`). So at most ``num_slots`` units'
 gradients exist at once and nothing blocks the host.
 
 A unit's first reduction in a step writes straight into its gradient shard
-(``arena.grad``); later ones (later micro-batches, or a unit paused and
-resumed in one pass: [Note: unit lifecycle]) reduce into a scratch arena
+(``arena.grad``); later ones (later micro-batches, or a unit suspended and
+opened again in one pass: [Note: unit lifecycle]) reduce into a scratch arena
 like it, which is added into the shard when the reduction is retired; a
 unit not forwarded in the step's first pass has its shard zeroed, and so
 counts as written. A pass counts as a

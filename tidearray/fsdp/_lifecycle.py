@@ -31,20 +31,21 @@ copy. The states are FSDP2's ``TrainingState`` for a parameter group:
   (grad enabled, no input needs a gradient) makes the unit *blind*: it closes
   when a lower unit closes or at the end of the backward, as does a unit whose
   backward a recompute opened (reentrant checkpointing).
-* **Slots: paused units.** An open unit's backward is *paused* when the
-  backward of one of its uses is done and another use's is still to come (a
-  model called twice before one backward, a forward whose output is kept but
-  never backpropagated), and for a blind unit, once a lower unit opens.
-  Autograd runs the nodes made later first, so when unit ``j`` opens, every
-  use of a unit above ``j`` made after ``j``'s use is done: what is left of
-  such a unit is a use made earlier, whose backward comes later. A paused
-  unit gives its slot up to a unit that needs it, as an idle one does; its
-  gradients so far are reduced first (their buffer goes with the slot), and
-  its next backward gathers it again (resumes it). So a unit may reduce
-  more than once in a pass, each time into the step's gradient shard (the
-  first reduction of a step writes it, later ones add: ``GradAccumulator``).
-  Every rank runs the same hooks in the same order, so every rank pauses
-  and reduces the same units at the same points.
+* **Slots: suspended units.** An open unit gives its slot up to a unit
+  whose backward opens and needs it (never to a prefetch): autograd runs the
+  nodes made later first, so when unit ``j``'s backward opens, every use
+  made after ``j``'s is done, and a use made before it has not begun unless
+  ``j`` ran inside it (nested units, which a slot cannot hold together:
+  their forward already raised). What is left of the open unit is the
+  backward of an earlier use (a model called twice before one backward, a
+  forward whose output is kept but never backpropagated, a blind unit once
+  its use is done). It is *suspended*: its gradients so far are reduced
+  (their buffer goes with the slot), and its next backward gathers it
+  again, zeroes its buffer and reduces once more when it closes: each time
+  into the step's gradient shard (the step's first reduction of a unit
+  writes it, later ones add: ``GradAccumulator``). Every rank runs the same
+  hooks in the same order, so every rank suspends and reduces the same
+  units at the same points.
 * **Order.** Closing unit ``i`` first closes every open unit above it that
   waits for no token, in descending order, and ``finish_backward`` closes what
   is left in descending order: every rank issues the same reductions in the
@@ -127,10 +128,10 @@ class UnitLifecycle:
         self._members_done: dict[int, int] = {}  # unit -> its modules that ran this forward
         self._pending: list[weakref.WeakSet] = [weakref.WeakSet() for _ in range(n)]
         self._blind = [False] * n
-        #: Open units whose backward is paused ([Note: unit lifecycle], slots): the
-        #: backward of a use is done and another use's is still to come, or the unit
-        #: lost its slot to a lower unit. Any backward of theirs resumes them.
-        self.paused: set[int] = set()
+        #: Open units that lost their slot since they opened ([Note: unit lifecycle],
+        #: slots): their gradients so far are reduced, their buffer another's; their
+        #: next backward opens them afresh (even where a prefetch gathered them again).
+        self.suspended: set[int] = set()
         self.written: list[list[bool]] = [[False] * len(t) for t in self.trainable]
         starts = np.cumsum([0] + [len(t) for t in self.trainable])
         self._first = [int(s) for s in starts[:-1]]
@@ -150,15 +151,14 @@ class UnitLifecycle:
         """Whether open unit ``i`` is done by what the tokens say: none pending, not blind."""
         return self.state[i] is State.BACKWARD and not self._blind[i] and not self.waits(i)
 
-    def may_give_up(self, i: int, wanted: int) -> bool:
-        """Whether gathered unit ``i`` may lose its slot to unit ``wanted``: neither running
-        nor open for its backward (its next use, or its backward, gathers it again), or
-        open but paused, or blind and above ``wanted`` (whose backward autograd began, so
-        every use of ``i`` made after it is done: [Note: unit lifecycle], slots)."""
+    def may_give_up(self, i: int, wanted: Optional[int]) -> bool:
+        """Whether gathered unit ``i`` may lose its slot to unit ``wanted`` (None: to a
+        prefetch): neither running nor open for its backward (its next use, or its
+        backward, gathers it again), or open and ``wanted`` a unit that needs it now
+        ([Note: unit lifecycle], slots: ``i`` is then suspended)."""
         if i in self.running:
             return False
-        return (self.state[i] is not State.BACKWARD or i in self.paused
-                or (self._blind[i] and i > wanted))
+        return self.state[i] is not State.BACKWARD or wanted is not None
 
     def closable_above(self, i: int) -> list[int]:
         """The open units above ``i`` that wait for no tracked use, in descending order:
@@ -184,10 +184,7 @@ class UnitLifecycle:
         self.running.discard(i)
 
     def use_done(self, i: int, token: Any) -> None:
-        pending = self._pending[i]
-        pending.discard(token)
-        if pending:  # another use's backward is still to come
-            self.paused.add(i)
+        self._pending[i].discard(token)
 
     def forward_done(self, i: int, members: int) -> bool:
         """One of the ``members`` modules of unit ``i`` ended its forward (a unit of
@@ -204,15 +201,11 @@ class UnitLifecycle:
         """IDLE or FORWARD to BACKWARD; a recompute's open makes the unit blind."""
         if self.state[i] is State.IDLE:
             self._blind[i] = True  # no forward of it in this pass: nothing reports its end
-        self.paused.discard(i)
+        self.suspended.discard(i)
         self.state[i] = State.BACKWARD
         self._open.add(i)
         self.in_pass = self.in_backward = True
         self.written[i] = [False] * len(self.written[i])
-
-    def resume(self, i: int) -> None:
-        """Open unit ``i``'s backward goes on (it kept its slot, if it was paused)."""
-        self.paused.discard(i)
 
     def write(self, i: int, k: int) -> bool:
         """Parameter ``k`` of open unit ``i`` got a gradient; whether it is the first."""
@@ -225,16 +218,16 @@ class UnitLifecycle:
         all of them) recorded in :attr:`had_grad`."""
         self.state[i] = State.DONE
         self._open.discard(i)
-        self.paused.discard(i)
+        self.suspended.discard(i)
         self._record(i, written)
 
     def suspend(self, i: int, written: Optional[Sequence[bool]]) -> None:
         """Open unit ``i`` loses its slot, its gradients so far reduced: recorded as
-        :meth:`close` records them; it stays open, paused, until its backward resumes
+        :meth:`close` records them; it stays open until its next backward opens it again
         (gathered again, its buffer zeroed) or the pass ends."""
         self._record(i, written)
         self.written[i] = [False] * len(self.written[i])
-        self.paused.add(i)
+        self.suspended.add(i)
 
     def _record(self, i: int, written: Optional[Sequence[bool]]) -> None:
         for k, t in enumerate(self.trainable[i]):
@@ -256,7 +249,7 @@ class UnitLifecycle:
         self.running.clear()
         self.last_used = -1
         self._open.clear()
-        self.paused.clear()
+        self.suspended.clear()
         self.in_pass = self.in_backward = False
         if self._members_done:
             self._members_done.clear()

@@ -277,9 +277,7 @@ class Runtime:
             raise TideInvalid(f"unit {i}: expected one backward per unit per pass, got a "
                               "second one after its gradients were reduced")
         k = self.slots.slot(i)
-        if state is State.BACKWARD and self.slots.holds(i):
-            self.life.resume(i)  # (a paused unit resumes where it was)
-        else:  # (also a paused unit that lost its slot: gathered again, its buffer zeroed)
+        if state is not State.BACKWARD or i in self.life.suspended:  # (suspended: afresh)
             self.life.open(i)
             self.slots.ensure(i)
             for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
@@ -314,7 +312,7 @@ class Runtime:
         opened) and release it; ``written``: the parameters that got a gradient (None:
         all)."""
         self.life.close(i, written)
-        if self.slots.holds(i):  # (else paused, its slot lost: reduced then, not written since)
+        if self.slots.holds(i):  # (else suspended: reduced then, not written since)
             if i in self._to_reduce:
                 self.accum.reduce(i, self.slots.slot(i), self.stream)
             self.slots.release(i)

@@ -17,14 +17,13 @@ A unit that is neither running (between its ``pre_forward`` and
 ``post_forward``) nor open for its backward gives its slot up to a gather
 that needs it (its next use gathers it again, into the same slot): a unit
 kept gathered for a backward that does not come next (a reused unit, a
-forward with no backward) never blocks another. So does an open unit whose
-backward is paused (the backward of one use done, another use's still to
-come: a model called twice before one backward); it loses its gradient
-buffer with the slot, so its gradients so far are reduced first, and the
-backward of its next use gathers it again and reduces once more (FSDP2
-reduces per use the same way). A gather whose slot a running unit, or one
-in the middle of its backward, holds raises ``TideInvalid`` (units in use at
-once need ``num_slots`` of their own).
+forward with no backward) never blocks another. An open unit gives it up
+to a unit whose backward opens (not to a prefetch): it is in no use's
+backward then ([Note: unit lifecycle], slots), and loses its gradient
+buffer with the slot, so its gradients so far are reduced first; its next
+backward gathers it again and reduces once more (FSDP2 reduces per use the
+same way). A gather whose slot a running unit holds raises ``TideInvalid``
+(units in use at once, nested units, need ``num_slots`` of their own).
 
 A prefetch whose slot still holds a unit that does not give it up (autograd may start unit
 ``i-1``'s backward before unit ``i``'s gradients are all in, and unit ``i-2``
@@ -59,7 +58,7 @@ class SlotTable:
     """The runtime's slots: ``num_slots`` shared ones and, with ``root``, the root's own
     (the last). ``gather(i, k)`` starts gathering unit ``i`` into slot ``k`` and returns
     its work; ``may_give_up(u, i)`` says whether gathered unit ``u`` may lose its slot to
-    unit ``i``;
+    unit ``i`` (None: to a prefetch);
     ``released(u)`` is told whenever unit ``u`` loses it; ``describe(u)`` names unit ``u``
     in errors."""
 
@@ -103,8 +102,8 @@ class SlotTable:
             if not self._may_give_up(holder, i):
                 raise TideInvalid(
                     f"{self._describe(i)}: expected its slot {k} to be free, got it holding "
-                    f"{self._describe(holder)}, which is in use (running, or in its "
-                    "backward): units used at once (nested units, units out of order) need "
+                    f"{self._describe(holder)}, which is running: units used at once "
+                    "(nested units, units out of order) need "
                     f"slots of their own: pass num_slots={self.num_units} (one per unit)")
             self.release(holder, issue_deferred=False)
         if i in self._deferred:  # only now: a refused gather changes nothing
@@ -118,7 +117,7 @@ class SlotTable:
         if i in self._work or i in self._deferred:
             return
         holder = self._holder.get(self.slot(i))
-        if holder is None or self._may_give_up(holder, i):
+        if holder is None or self._may_give_up(holder, None):
             self.ensure(i)
         else:
             self._deferred.append(i)

@@ -1,10 +1,11 @@
 """How a training loop uses the model within a step, with a unit per block (two slots for
-three blocks, so a unit that waits for a later backward holds a slot another needs):
+four blocks, so a unit that waits for a later backward holds a slot another needs):
 
 * **the model called twice before one backward** (two views of a batch through one
-  encoder, a pair of sequences scored by one model), and a siamese encoder whose blocks
-  are units: the backward of the second call comes first, then the first's, whose
-  units must be gathered again;
+  encoder, a chosen and a rejected sequence scored by one model), also with the
+  embedding frozen (the first block's input needs no gradient: the end of its backward
+  is not seen), and a siamese encoder whose blocks are units: the backward of the second
+  call comes first, then the first's, whose units must be gathered again;
 * **a forward whose output is kept but never backpropagated** (a metric computed with
   grad enabled and held until the next step);
 * **two backwards of one forward** (``retain_graph=True``, then a second loss): the
@@ -40,13 +41,13 @@ Step = Callable[[Any, int, int, list], tuple[torch.Tensor, Any]]
 
 
 class Stack(TinyLM):
-    """Three blocks, each a unit; its result a Hugging Face ``CausalLMOutput`` (a pytree
+    """Four blocks, each a unit; its result a Hugging Face ``CausalLMOutput`` (a pytree
     container, whose loss the root's hooks see: a second backward of a retained graph
     gathers the root again by them)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
 
     def body(self, h: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -101,12 +102,13 @@ def _inference_first(model: Any, seed: int, s: int, ranks: list) -> tuple[torch.
     return loss, evaluated
 
 
-CASES = {"called twice": _called_twice, "an output kept": _output_kept,
-         "two backwards": _two_backwards, "inference_mode": _inference_first}
+CASES = {"called twice": _called_twice, "called twice, embedding frozen": _called_twice,
+         "an output kept": _output_kept, "two backwards": _two_backwards,
+         "inference_mode": _inference_first}
 
 
 def _one_process(model: Any, seed: int, world: int, step: Step) -> list[float]:
-    opt = _adamw()(list(model.parameters()))
+    opt = _adamw()([p for p in model.parameters() if p.requires_grad])
     losses = []
     for s in range(STEPS):
         opt.zero_grad()
@@ -136,6 +138,8 @@ def _train(model: Any, units: list, group, seed: int, step: Step) -> list[str]:
 def test_a_step_that_uses_the_model_so_trains_as_one_process(group, case):
     seed = _seed(group)
     model = _tiny(Stack, seed)
+    if "frozen" in case:
+        model.embed.requires_grad_(False)
     agree(group.comm, _train(model, list(model.blocks), group, seed, CASES[case]),
           f"{case} vs one process")
 
