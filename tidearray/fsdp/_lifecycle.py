@@ -201,7 +201,8 @@ class UnitLifecycle:
         """IDLE or FORWARD to BACKWARD; a recompute's open makes the unit blind."""
         if self.state[i] is State.IDLE:
             self._blind[i] = True  # no forward of it in this pass: nothing reports its end
-        self.suspended.discard(i)
+        if self.suspended:  # (rarely any: no call on the common path)
+            self.suspended.discard(i)
         self.state[i] = State.BACKWARD
         self._open.add(i)
         self.in_pass = self.in_backward = True
@@ -218,7 +219,8 @@ class UnitLifecycle:
         all of them) recorded in :attr:`had_grad`."""
         self.state[i] = State.DONE
         self._open.discard(i)
-        self.suspended.discard(i)
+        if self.suspended:
+            self.suspended.discard(i)
         self._record(i, written)
 
     def suspend(self, i: int, written: Optional[Sequence[bool]]) -> None:
