@@ -1,0 +1,127 @@
+"""A Flax NNX model over ``tidearray.jax``, on CPU JAX: the user's ``nnx.Module`` classes
+unchanged, each unit a submodule (the embedding, each block, the head).
+
+Each unit's parameters are ``nnx.to_pure_dict(nnx.split(module)[1])``, a dict of arrays,
+and it runs as ``su.apply(i, lambda p, x: nnx.merge(graphdef, p)(x), shards[i], h)``
+(docs/jax.md, "With Flax NNX"). Ten jitted steps, optax on the shards with
+``tj.clip_by_global_norm``, against one process training the same model through NNX's
+functional API (``nnx.split`` of the whole model, ``nnx.merge`` in the loss) with plain
+optax and ``optax.clip_by_global_norm`` on every rank's samples: per step the loss, and at
+the end each unit's full parameters, within test_flax's bound (1e-5 relative, fp32), the
+loss falling and the clip active. Ragged shards at 2-4 ranks (the vocabulary's, and the
+width's at 3 and 4). Skipped without Flax or optax.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ..._util import agree, on_rank_zero
+from .._helpers import fresh_seed, full_leaves
+from .test_flax import (
+    MAX_NORM,
+    RTOL,
+    VOCAB,
+    _batches,
+    _cross_entropy,
+    _norm,
+    _optimizer,
+    _step,
+    _train,
+)
+
+jax = pytest.importorskip("jax")
+nnx = pytest.importorskip("flax.nnx")
+optax = pytest.importorskip("optax")
+tj = pytest.importorskip("tidearray.jax")
+
+pytestmark = pytest.mark.mpi
+
+
+class Block(nnx.Module):
+    """A pre-norm residual MLP."""
+
+    def __init__(self, width: int, rngs: Any) -> None:
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.up = nnx.Linear(width, 2 * width, rngs=rngs)
+        self.down = nnx.Linear(2 * width, width, rngs=rngs)
+
+    def __call__(self, x: Any) -> Any:
+        return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+
+class Head(nnx.Module):
+    def __init__(self, width: int, rngs: Any) -> None:
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.out = nnx.Linear(width, VOCAB, rngs=rngs)
+
+    def __call__(self, x: Any) -> Any:
+        return self.out(self.norm(x))
+
+
+class Model(nnx.Module):
+    def __init__(self, width: int, rngs: Any) -> None:
+        self.embed = nnx.Embed(VOCAB, width, rngs=rngs)
+        self.blocks = nnx.List([Block(width, rngs) for _ in range(2)])
+        self.head = Head(width, rngs)
+
+    def __call__(self, tokens: Any) -> Any:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+    def units(self) -> list:
+        return [self.embed, *self.blocks, self.head]
+
+
+def _reference(model: Model, data: list) -> tuple[list, list]:
+    """One process: NNX's functional API and plain optax on every rank's samples."""
+    graphdef, state = nnx.split(model)
+    tx = _optimizer(optax.clip_by_global_norm(MAX_NORM), None)
+
+    def loss(state, tokens, targets):
+        return _cross_entropy(nnx.merge(graphdef, state)(tokens), targets)
+
+    losses, state, _ = _train(_step(loss, tx), state, tx,
+                              [(np.concatenate(t), np.concatenate(y)) for t, y in data])
+    trained = nnx.merge(graphdef, state)
+    return losses, [jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(nnx.state(m)))
+                    for m in trained.units()]
+
+
+def test_nnx_model_matches_one_process(group, cpu_jax):
+    W, seed = group.size, fresh_seed(group.comm)
+    data = _batches(seed, W)
+    model = Model(2 * W + 2, nnx.Rngs(seed % 2**31))
+    splits = [nnx.split(m) for m in model.units()]
+    params = [nnx.to_pure_dict(state) for _, state in splits]
+    want, want_params = on_rank_zero(group.comm, lambda: _reference(model, data))
+
+    su = tj.shard_units(params, group=group)
+    tx = _optimizer(tj.clip_by_global_norm(MAX_NORM, group=group), None)
+
+    def loss(shards, tokens, targets):
+        h = tokens
+        for i, (graphdef, _) in enumerate(splits):
+            h = su.apply(i, lambda p, x, g=graphdef: nnx.merge(g, p)(x), shards[i], h)
+        return _cross_entropy(h, targets)
+
+    got, shards, norms = _train(_step(loss, tx), su.shards, tx,
+                                [(t[group.rank], y[group.rank]) for t, y in data])
+    losses = [group.comm.allreduce(v) / W for v in got]
+    failures = [f"step {k}: loss {a!r} vs reference {b!r}"
+                for k, (a, b) in enumerate(zip(losses, want)) if not abs(a - b) <= RTOL * abs(b)]
+    for i, ref in enumerate(want_params):
+        full = full_leaves(group, shards[i], params[i], stacked=False)
+        ref_leaves = jax.tree_util.tree_leaves(ref)
+        err = _norm([a - b for a, b in zip(full, ref_leaves)]) / _norm(ref_leaves)
+        if not err <= RTOL:
+            failures.append(f"unit {i}: parameters' relative error {err:.2e}")
+    if not losses[-1] < losses[0] or not all(n and min(n) > MAX_NORM for n in norms):
+        failures.append(f"expected falling losses and the clip active at every step, got "
+                        f"losses {losses}, norms {norms} (limit {MAX_NORM})")
+    agree(group.comm, failures, f"Flax NNX + optax vs one process (seed {seed})")
