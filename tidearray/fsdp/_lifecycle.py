@@ -28,9 +28,9 @@ copy. The states are FSDP2's ``TrainingState`` for a parameter group:
   are not waited for. So a partially frozen unit (a LoRA base) closes only
   after its frozen weights carried the gradient on to its input, never when
   its trainable gradients alone have arrived. A use whose end cannot be seen
-  (grad enabled, no input needs a gradient) makes the unit *blind*: it closes
-  when a lower unit closes or at the end of the backward, as does a unit whose
-  backward a recompute opened (reentrant checkpointing).
+  (grad enabled, no input needs a gradient) makes the unit *blind*, as does a
+  recompute's open (reentrant checkpointing): it is suspended (below) when a
+  lower unit closes, and closes at the end of the backward.
 * **Slots: suspended units.** An open unit gives its slot up to a unit
   whose backward opens and needs it (never to a prefetch): autograd runs the
   nodes made later first, so when unit ``j``'s backward opens, every use
@@ -46,10 +46,11 @@ copy. The states are FSDP2's ``TrainingState`` for a parameter group:
   writes it, later ones add: ``GradAccumulator``). Every rank runs the same
   hooks in the same order, so every rank suspends and reduces the same
   units at the same points.
-* **Order.** Closing unit ``i`` first closes every open unit above it that
-  waits for no token, in descending order, and ``finish_backward`` closes what
-  is left in descending order: every rank issues the same reductions in the
-  same order, whatever gradients its data gave it.
+* **Order.** Closing unit ``i`` first closes (a blind one: suspends) every
+  open unit above it that waits for no token, in descending order, and
+  ``finish_backward`` closes what is left in descending order: every rank
+  issues the same reductions in the same order, whatever gradients its data
+  gave it.
 * **A pass** is the forward phase (uses) and then the backward phase (from the
   first ``pre_backward``). A ``pre_forward`` in the backward phase ends the pass
   (a new micro-batch); ``finish_backward`` ends it too, reducing zeros for
@@ -146,6 +147,10 @@ class UnitLifecycle:
     def waits(self, i: int) -> bool:
         """Whether unit ``i`` waits for a tracked use's backward."""
         return len(self._pending[i]) > 0
+
+    def blind(self, i: int) -> bool:
+        """Whether a use of unit ``i`` in this pass has a backward whose end is not seen."""
+        return self._blind[i]
 
     def may_close(self, i: int) -> bool:
         """Whether open unit ``i`` is done by what the tokens say: none pending, not blind."""

@@ -61,17 +61,14 @@ in ``_lifecycle``); the runtime acts on its transitions:
   unit with trainable parameters not reduced yet: forwarded units whose
   backward never began (gathered, then reduced), and units not forwarded at
   all (no collective: a sum of zeros is zero on every rank);
-* a unit is reduced at its ``post_backward``, so in the order the hooks run,
-  which every rank must share (the same model and loop; a rank that runs another
-  unit at a step's first collective is named on every rank by the unit in its
-  agreement, later ones under ``TIDE_DEBUG``); the units ``finish_backward`` still
-  finds unreduced are reduced in descending order, so every rank issues the same
-  collectives in the same order (a unit's missing gradients are zeros).
+* a unit is reduced at its ``post_backward`` (and where it is suspended), in the
+  order the hooks run, which every rank must share (a rank that runs another unit
+  at a step's first collective is named on every rank by its agreement, later ones
+  under ``TIDE_DEBUG``); ``finish_backward`` reduces the rest in descending order.
 
-With ``root=True`` unit 0 is the root, as FSDP2's: the parameters used around
-the other units (embedding, final norm, head, a weight tied between them). It
-has a slot of its own, is gathered at its ``pre_forward`` and stays gathered
-until its ``post_backward``, which comes last.
+With ``root=True`` unit 0 is the root, as FSDP2's (embedding, final norm, head,
+a weight tied between them): a slot of its own, gathered from its
+``pre_forward`` until its ``post_backward``, which comes last.
 
 [Note: gradient buffers] is in ``_accum``: which buffer a unit's backward writes, and
 when the compute stream waits for its reduction.
@@ -311,16 +308,22 @@ class Runtime:
         """Reduce open unit ``i`` (with ``report_grads`` its buffer was zeroed when it
         opened) and release it; ``written``: the parameters that got a gradient (None:
         all)."""
+        fresh = i not in self.life.suspended  # (else reduced when it lost its slot; its
+        # buffer, even where a prefetch gathered it again, is another's)
         self.life.close(i, written)
-        if self.slots.holds(i):  # (else suspended: reduced then, not written since)
-            if i in self._to_reduce:
+        if self.slots.holds(i):
+            if fresh and i in self._to_reduce:
                 self.accum.reduce(i, self.slots.slot(i), self.stream)
             self.slots.release(i)
 
     def _close_through(self, i: int) -> None:
-        """Close the open units above ``i`` that wait for no use (descending), then ``i``."""
+        """Close the open units above ``i`` that wait for no use (descending; a blind one is
+        suspended: another call's backward of it may come), then ``i``."""
         for j in self.life.closable_above(i):
-            self.post_backward(j)
+            if not self.life.blind(j):
+                self.post_backward(j)
+            elif self.slots.holds(j) and j not in self.life.suspended:
+                self.slots.release(j)
         self.post_backward(i)
 
     def finish_backward(self) -> None:
@@ -539,7 +542,7 @@ class Runtime:
         return self.comm.gather(i, k, self.stream)
 
     def _released(self, u: int) -> None:
-        if self.life.state[u] is State.BACKWARD:  # open: its gradients go with the slot
+        if self.life.state[u] is State.BACKWARD and u not in self.life.suspended:  # (open)
             self.life.suspend(u, self.life.written[u] if self.report_grads else None)
             if u in self._to_reduce:
                 self.accum.reduce(u, self.slots.slot(u), self.stream)

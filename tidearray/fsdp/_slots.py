@@ -35,7 +35,7 @@ same order.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .._errors import TideInvalid
 
@@ -63,7 +63,8 @@ class SlotTable:
     in errors."""
 
     def __init__(self, num_units: int, num_slots: int, root: bool,
-                 gather: Callable[[int, int], Any], may_give_up: Callable[[int, int], bool],
+                 gather: Callable[[int, int], Any],
+                 may_give_up: Callable[[int, Optional[int]], bool],
                  released: Callable[[int], None], describe: Callable[[int], str]) -> None:
         self.num_units, self.num_slots, self.root = num_units, num_slots, root
         self._gather, self._may_give_up, self._released = gather, may_give_up, released

@@ -4,8 +4,10 @@ four blocks, so a unit that waits for a later backward holds a slot another need
 * **the model called twice before one backward** (two views of a batch through one
   encoder, a chosen and a rejected sequence scored by one model), also with the
   embedding frozen (the first block's input needs no gradient: the end of its backward
-  is not seen), and a siamese encoder whose blocks are units: the backward of the second
-  call comes first, then the first's, whose units must be gathered again;
+  is not seen), or the first call cut after two blocks (its third block's backward
+  unseen, its first two with none), and a siamese encoder whose blocks are units: the
+  backward of the second call comes first, then the first's, whose units must be
+  gathered again;
 * **a forward whose output is kept but never backpropagated** (a metric computed with
   grad enabled and held until the next step);
 * **two backwards of one forward** (``retain_graph=True``, then a second loss): the
@@ -45,13 +47,19 @@ class Stack(TinyLM):
     container, whose loss the root's hooks see: a second backward of a retained graph
     gathers the root again by them)."""
 
+    #: Detach the hidden states after the second block (this call's first two blocks then
+    #: get no backward, and the third's input needs no gradient: a blind use).
+    cut = False
+
     def __init__(self) -> None:
         super().__init__()
         self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
 
     def body(self, h: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
+        for k, block in enumerate(self.blocks):
             h = block(h)
+            if self.cut and k == 1:
+                h = h.detach()
         return h
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
@@ -80,6 +88,15 @@ def _called_twice(model: Any, seed: int, s: int, ranks: list) -> tuple[torch.Ten
     return loss, None
 
 
+def _first_call_cut(model: Any, seed: int, s: int, ranks: list) -> tuple[torch.Tensor, Any]:
+    model.cut = True
+    first = _mean(model, seed, s, ranks)
+    model.cut = False
+    loss = first + 0.5 * _mean(model, seed, s, ranks, other=True)
+    loss.backward()
+    return loss, None
+
+
 def _output_kept(model: Any, seed: int, s: int, ranks: list) -> tuple[torch.Tensor, Any]:
     kept = _mean(model, seed, s, ranks, other=True)  # grad enabled, never backpropagated
     loss = _mean(model, seed, s, ranks)
@@ -103,6 +120,7 @@ def _inference_first(model: Any, seed: int, s: int, ranks: list) -> tuple[torch.
 
 
 CASES = {"called twice": _called_twice, "called twice, embedding frozen": _called_twice,
+         "called twice, the first cut after two blocks": _first_call_cut,
          "an output kept": _output_kept, "two backwards": _two_backwards,
          "inference_mode": _inference_first}
 
