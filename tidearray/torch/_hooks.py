@@ -24,7 +24,9 @@ own:
   opens the unit's backward (regathered into the same slot, so the tensors
   autograd saved see the same memory with the same values); opening zeroes the
   unit's gradient buffer and makes it each trained parameter's ``.grad``, which
-  autograd then accumulates into in place;
+  autograd then accumulates into in place. A unit the runtime suspended (its
+  slot given to another unit's backward: the lifecycle's ``suspended``) is
+  opened again the same way by its next output gradient or parameter gradient;
 * each trained parameter's post-accumulate-grad hook reports that it got a
   gradient (the optimizer skips a parameter no rank gave one);
 * the model's forward hook, with grad disabled (evaluation, generation),
