@@ -55,14 +55,15 @@ def test_an_open_unit_gives_its_slot_up_to_an_opening_unit_not_to_a_prefetch():
     life = UnitLifecycle([[True, True], [True, True]])
     first, second = UseToken(), UseToken()
     life.use(1, first)
-    assert not life.may_give_up(1, 0)  # running
+    assert not life.may_give_up(1, prefetch=False)  # running
     life.forward_issued(1)
     life.use(1, second)
     life.forward_issued(1)
     life.open(1)
     life.write(1, 0)
     life.use_done(1, second)
-    assert life.may_give_up(1, 0) and not life.may_give_up(1, None) and not life.may_close(1)
+    assert life.may_give_up(1, prefetch=False) and not life.may_give_up(1, prefetch=True)
+    assert not life.may_close(1)
     life.suspend(1, life.written[1])  # its slot taken: what it wrote is recorded
     assert 1 in life.suspended and life.written[1] == [False, False]
     assert list(life.had_grad) == [0, 0, 1, 0]
@@ -154,7 +155,7 @@ class _Table:
 
     def __init__(self, busy: set) -> None:
         self.busy, self.log = busy, []
-        self.slots = SlotTable(4, 2, False, self.gather, lambda u, i: u not in self.busy,
+        self.slots = SlotTable(4, 2, False, self.gather, lambda u, prefetch: u not in self.busy,
                                lambda u: self.log.append(("release", u)),
                                lambda u: f"unit {u} (layer{u}.w, ...)")
 

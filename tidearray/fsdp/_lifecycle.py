@@ -156,14 +156,14 @@ class UnitLifecycle:
         """Whether open unit ``i`` is done by what the tokens say: none pending, not blind."""
         return self.state[i] is State.BACKWARD and not self._blind[i] and not self.waits(i)
 
-    def may_give_up(self, i: int, wanted: Optional[int]) -> bool:
-        """Whether gathered unit ``i`` may lose its slot to unit ``wanted`` (None: to a
-        prefetch): neither running nor open for its backward (its next use, or its
-        backward, gathers it again), or open and ``wanted`` a unit that needs it now
-        ([Note: unit lifecycle], slots: ``i`` is then suspended)."""
+    def may_give_up(self, i: int, prefetch: bool) -> bool:
+        """Whether gathered unit ``i`` may lose its slot: neither running nor open for its
+        backward (its next use, or its backward, gathers it again), or open and the slot
+        wanted now, not by a ``prefetch`` ([Note: unit lifecycle], slots: ``i`` is then
+        suspended)."""
         if i in self.running:
             return False
-        return self.state[i] is not State.BACKWARD or wanted is not None
+        return self.state[i] is not State.BACKWARD or not prefetch
 
     def closable_above(self, i: int) -> list[int]:
         """The open units above ``i`` that wait for no tracked use, in descending order:

@@ -308,8 +308,8 @@ class Runtime:
         """Reduce open unit ``i`` (with ``report_grads`` its buffer was zeroed when it
         opened) and release it; ``written``: the parameters that got a gradient (None:
         all)."""
-        fresh = i not in self.life.suspended  # (else reduced when it lost its slot; its
-        # buffer, even where a prefetch gathered it again, is another's)
+        # (suspended: reduced when it lost its slot; its buffer another's, even if regathered)
+        fresh = i not in self.life.suspended
         self.life.close(i, written)
         if self.slots.holds(i):
             if fresh and i in self._to_reduce:
@@ -323,7 +323,7 @@ class Runtime:
             if not self.life.blind(j):
                 self.post_backward(j)
             elif self.slots.holds(j) and j not in self.life.suspended:
-                self.slots.release(j)
+                self.slots.release(j)  # (which suspends it: _released)
         self.post_backward(i)
 
     def finish_backward(self) -> None:

@@ -35,7 +35,7 @@ same order.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from .._errors import TideInvalid
 
@@ -57,14 +57,14 @@ def slot_units(num_units: int, num_slots: int, root: bool) -> list[list[int]]:
 class SlotTable:
     """The runtime's slots: ``num_slots`` shared ones and, with ``root``, the root's own
     (the last). ``gather(i, k)`` starts gathering unit ``i`` into slot ``k`` and returns
-    its work; ``may_give_up(u, i)`` says whether gathered unit ``u`` may lose its slot to
-    unit ``i`` (None: to a prefetch);
+    its work; ``may_give_up(u, prefetch)`` says whether gathered unit ``u`` may lose its
+    slot (to a gather needed now, or to a ``prefetch``);
     ``released(u)`` is told whenever unit ``u`` loses it; ``describe(u)`` names unit ``u``
     in errors."""
 
     def __init__(self, num_units: int, num_slots: int, root: bool,
                  gather: Callable[[int, int], Any],
-                 may_give_up: Callable[[int, Optional[int]], bool],
+                 may_give_up: Callable[[int, bool], bool],
                  released: Callable[[int], None], describe: Callable[[int], str]) -> None:
         self.num_units, self.num_slots, self.root = num_units, num_slots, root
         self._gather, self._may_give_up, self._released = gather, may_give_up, released
@@ -100,7 +100,7 @@ class SlotTable:
         k = self.slot(i)
         holder = self._holder.get(k)
         if holder is not None:
-            if not self._may_give_up(holder, i):
+            if not self._may_give_up(holder, False):
                 raise TideInvalid(
                     f"{self._describe(i)}: expected its slot {k} to be free, got it holding "
                     f"{self._describe(holder)}, which is running: units used at once "
@@ -118,7 +118,7 @@ class SlotTable:
         if i in self._work or i in self._deferred:
             return
         holder = self._holder.get(self.slot(i))
-        if holder is None or self._may_give_up(holder, None):
+        if holder is None or self._may_give_up(holder, True):
             self.ensure(i)
         else:
             self._deferred.append(i)
