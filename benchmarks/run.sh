@@ -87,7 +87,7 @@ run_jax() {  # a JAX transformer's step at one rank: unsharded jit, tidearray.ja
     # (released/kept parameters, command buffers); TIDE_JAX_ARGS adds flags
     local w
     stacks_after "${TIDE_JAX_STACKS_S:-240}" jax_step "jax_step.py"; w=$!  # if it stalls
-    step jax_step "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n 1 python3 benchmarks/steps/jax_step.py --out "$OUT/jax" \
+    step jax_step "${MPI[@]}" -n 1 python3 benchmarks/steps/jax_step.py --out "$OUT/jax" \
         ${TIDE_JAX_ARGS:-}
     kill "$w" 2>/dev/null
 }
@@ -100,7 +100,7 @@ run_jaxcompile() {  # where the JAX step's first compile goes, one process per i
         step "jaxcompile_$impl" env TF_CPP_MIN_LOG_LEVEL=0 JAX_LOG_COMPILES=1 \
             TF_CPP_VMODULE=gpu_compiler=1,nvptx_compiler=1,hlo_pass_pipeline=1,autotuner_pass=1,gemm_fusion_autotuner=1 \
             XLA_FLAGS="--xla_gpu_dump_autotune_logs_to=$d/autotune_logs.txt" \
-            "${MPI[@]}" -x TIDE_JAX_CUDA=1 -x TF_CPP_MIN_LOG_LEVEL -x TF_CPP_VMODULE -x XLA_FLAGS \
+            "${MPI[@]}" -x TF_CPP_MIN_LOG_LEVEL -x TF_CPP_VMODULE -x XLA_FLAGS \
             -x JAX_LOG_COMPILES \
             -n 1 python3 benchmarks/steps/jax_step.py --impls "$impl" --recompile --steps 2 \
             --warmup 1 --out "$d"
@@ -109,7 +109,7 @@ run_jaxcompile() {  # where the JAX step's first compile goes, one process per i
 run_jaxscan() {  # the scanned step's compile time against depth (TIDE_JAX_LAYERS)
     local n
     for n in ${TIDE_JAX_LAYERS:-4 8 16 32}; do
-        step "jaxscan_$n" "${MPI[@]}" -x TIDE_JAX_CUDA=1 -n 1 python3 benchmarks/steps/jax_step.py \
+        step "jaxscan_$n" "${MPI[@]}" -n 1 python3 benchmarks/steps/jax_step.py \
             --impls tidearray-scan,unsharded --scan --layers "$n" --steps 3 --warmup 2 \
             --out "$OUT/jaxscan/l$n"
     done

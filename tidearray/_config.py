@@ -118,13 +118,6 @@ class Config:
     backend's ``flags``). False keeps memory operations in graphs too (no resident
     CTA while a wait spins). Env: ``TIDE_GRAPH_FLAG_KERNELS``."""
 
-    jax_cuda: bool = False
-    """Let ``tidearray.jax`` run on the cuda backend (False: ``shard_units`` raises
-    ``TideInvalid`` there). Its first runs on an H200 (jax 0.11.2) stalled inside
-    XLA's compile of the jitted step (over 60 s for a two-layer model, without end);
-    until that is understood the cuda path is opt-in. The host backend needs no
-    setting. Env: ``TIDE_JAX_CUDA``."""
-
     debug: bool = False
     """Debug mode (False): re-check every plan call across ranks (one small
     agreement per call), so ranks that call plans in different orders raise;
@@ -141,6 +134,9 @@ class Config:
         """Defaults, then ``TIDE_*`` from ``env`` (os.environ), then ``kwargs``."""
         env = os.environ if env is None else env
         names = {f.name for f in dataclasses.fields(cls)}
+        if "jax_cuda" in kwargs:
+            raise TideInvalid("jax_cuda: expected no such setting, got one: tidearray.jax "
+                              "runs on the cuda backend without it (docs/api.md)")
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TideInvalid(f"expected settings among {sorted(names)}, got {unknown}")

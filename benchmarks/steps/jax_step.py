@@ -6,7 +6,7 @@ mesh, from the same weights on the same batches.
 
     # tidearray.jax against JAX's FSDP (docs/jax.md): one launch each, then one report
     python benchmarks/steps/jax_step.py --impls xla-fsdp --scan --out D/xla
-    mpirun -n 2 -x TIDE_JAX_CUDA=1 python benchmarks/steps/jax_step.py --impls tidearray \\
+    mpirun -n 2 python benchmarks/steps/jax_step.py --impls tidearray \\
         --scan --out D/tide
     CUDA_VISIBLE_DEVICES=0 python benchmarks/steps/jax_step.py --impls unsharded --world 2 \\
         --scan --out D/one

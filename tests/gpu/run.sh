@@ -104,7 +104,7 @@ save_jax_cache() {
     tar czf "$OUT/jaxcache.tgz" -C "$JAX_CACHE" . &&
         echo "== JAX cache: $(du -h "$OUT/jaxcache.tgz" | cut -f1) in $OUT/jaxcache.tgz"
 }
-JAX_ENV=(-x JAX_COMPILATION_CACHE_DIR="$JAX_CACHE" -x TIDE_JAX_CUDA=1)
+JAX_ENV=(-x JAX_COMPILATION_CACHE_DIR="$JAX_CACHE")
 jaxjit_ranks() {  # jaxjit_ranks N: tidearray.jax's GPU tests at N ranks
     local n=$1 w=""
     if [ "${TIDE_JAX_STACKS_S:-120}" != 0 ]; then

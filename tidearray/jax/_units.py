@@ -427,10 +427,6 @@ def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
 def _check_settings(group: Group, compute_dtype: Any, errors: list[str]) -> tuple[Any, str]:
     """JAX's device for the group's backend, and ``compute_dtype``'s name; what does not
     fit goes into ``errors`` (raised on every rank by the caller's agreement)."""
-    if group.backend.device_kind == "gpu" and not group.config.jax_cuda:
-        errors.append("the cuda backend: expected TIDE_JAX_CUDA=1 (jax_cuda=True) to run "
-                      "tidearray.jax on GPUs, got it unset: its first runs stalled in "
-                      "XLA's compile of the jitted step (docs/jax.md, Limits)")
     device = _device(group, errors)
     dtype_name = np.dtype(compute_dtype).name
     if dtype_name not in _COMPUTE_DTYPES:

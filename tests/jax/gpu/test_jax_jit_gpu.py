@@ -46,11 +46,6 @@ def _example() -> Any:
 
 @pytest.fixture(scope="module")
 def gpu_jax(cuda_group):
-    # The cuda path is opt-in (Config.jax_cuda): without it shard_units refuses, which
-    # tests/jax/mpi/test_jax_jit.py checks; here that is a skip with its reason, not a failure.
-    if not all(cuda_group.comm.allgather(bool(cuda_group.config.jax_cuda))):
-        pytest.skip("tidearray.jax on cuda is opt-in: set TIDE_JAX_CUDA=1 on every rank "
-                    "(bash tests/gpu/run.sh runs these in its jaxjit step)")
     try:
         has_gpu = bool(jax.devices("gpu"))
     except RuntimeError:

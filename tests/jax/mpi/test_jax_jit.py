@@ -39,7 +39,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import pytest
 
-from tidearray import TideInvalid
+from tidearray import Config, TideInvalid
 from tidearray.fsdp import AdamW
 
 from ..._util import agree, on_rank_zero
@@ -336,19 +336,18 @@ def test_bad_leaves_vmap_and_mesh(group, cpu_jax):
             jax.jit(lambda s, x: su.apply(0, _dense, s, x))(su.shards[0], jnp.ones((4, 3)))
 
 
-def test_the_cuda_path_is_opt_in(group, cpu_jax, monkeypatch):
-    """On the cuda backend ``shard_units`` refuses, on every rank, unless ``jax_cuda`` is
-    set (docs/jax.md, Limits); seen here through the backend's name and device kind."""
+def test_the_cuda_path_needs_a_jax_gpu(group, cpu_jax, monkeypatch):
+    """On the cuda backend ``shard_units`` needs nothing set, only a JAX GPU device: without
+    one it raises on every rank, saying so; seen here through the backend's name and
+    device kind. The retired ``jax_cuda`` setting is refused, naming its page."""
     units = [{"w": np.ones((4, 3), np.float32)}]
     monkeypatch.setattr(group.backend, "name", "cuda")
     monkeypatch.setattr(group.backend, "device_kind", "gpu")
     monkeypatch.setattr(group.backend, "device", 0, raising=False)
-    with pytest.raises(TideInvalid, match="TIDE_JAX_CUDA=1"):
+    with pytest.raises(TideInvalid, match="JAX gpu device"):
         tj.shard_units(units, group=group)
-    monkeypatch.setattr(group, "config", dataclasses.replace(group.config, jax_cuda=True))
-    with pytest.raises(TideInvalid) as e:  # still no JAX GPU here: only that is said
-        tj.shard_units(units, group=group)
-    assert "TIDE_JAX_CUDA" not in str(e.value) and "JAX gpu device" in str(e.value)
+    with pytest.raises(TideInvalid, match="jax_cuda.*docs/api.md"):
+        Config.make({}, jax_cuda=True)
 
 
 #: Below the tanh chain's gradient norms (about 0.1 to 1) at every step: the clip is active.
