@@ -24,8 +24,8 @@ AdamW, and prints the largest loss difference; the run fails if it is above 1e-5
 relative on CPU or 1e-4 on GPUs (fp32 throughout, matmuls at full precision).
 ``--dtype bfloat16`` gathers bf16 parameters and reduces bf16 gradients into the fp32
 shards (tolerance 3e-2). It runs on the default backend (cuda where a GPU and a CUDA
-JAX exist; ``TIDE_BACKEND=host`` forces the CPU). Needs JAX (``pip install 'tidearray[jax]'``); without it, it fails, naming the
-extra.
+JAX exist; ``TIDE_BACKEND=host`` forces the CPU). Needs JAX (``pip install
+'tidearray[jax]'``); without it, it fails, naming the extra.
 """
 
 from __future__ import annotations
