@@ -40,24 +40,36 @@ source "$(dirname "$0")/_env.sh"
 # The tiers of the library's areas (tests/README.md): the multi-rank and the GPU tests.
 MPI_TESTS=(tests/core/mpi tests/fsdp/mpi tests/torch/mpi tests/jax/mpi)
 GPU_TESTS=(tests/core/gpu tests/fsdp/gpu tests/torch/gpu tests/jax/gpu)
+# tidearray.jax's jitted GPU tests compile for minutes at XLA's default flags (autotuning):
+# they run in the jaxjit step alone, at 1-4 ranks, not again inside every other step.
+JAXJIT_TESTS=tests/jax/gpu/test_jax_jit_gpu.py
+NOT_JAXJIT=(--ignore="$JAXJIT_TESTS")
 run_info() { step info "${MPI[@]}" -n 2 python3 -m tidearray.info; }
 run_np2() {
-    step np2 "${MPI[@]}" -n "${TIDE_GPU_RANKS:-2}" "${PYTEST[@]}" tests --ignore=tests/benchmarks
+    step np2 "${MPI[@]}" -n "${TIDE_GPU_RANKS:-2}" "${PYTEST[@]}" tests --ignore=tests/benchmarks \
+        "${NOT_JAXJIT[@]}"
 }
-run_np1() { step np1 "${MPI[@]}" -n 1 "${PYTEST[@]}" tests --ignore=tests/benchmarks; }
+run_np1() {
+    step np1 "${MPI[@]}" -n 1 "${PYTEST[@]}" tests --ignore=tests/benchmarks "${NOT_JAXJIT[@]}"
+}
 # Ranks sharing GPUs (rank -> device is local rank % count): correctness runs, not timings.
-run_np3() { step np3 "${MPI[@]}" -n 3 "${PYTEST[@]}" "${MPI_TESTS[@]}" "${GPU_TESTS[@]}"; }
-run_np4() { step np4 "${MPI[@]}" -n 4 "${PYTEST[@]}" "${MPI_TESTS[@]}" "${GPU_TESTS[@]}"; }
+run_np3() {
+    step np3 "${MPI[@]}" -n 3 "${PYTEST[@]}" "${MPI_TESTS[@]}" "${GPU_TESTS[@]}" "${NOT_JAXJIT[@]}"
+}
+run_np4() {
+    step np4 "${MPI[@]}" -n 4 "${PYTEST[@]}" "${MPI_TESTS[@]}" "${GPU_TESTS[@]}" "${NOT_JAXJIT[@]}"
+}
 run_nodes() {  # two emulated nodes: NCCL takes no two ranks of one communicator on one GPU
     local gpus; gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
     if [ "${gpus:-0}" -lt 2 ]; then
         echo "== np2_nodes: skipped ($gpus GPU(s): the inter-node NCCL path needs two)"; return 0
     fi
-    step np2_nodes "${MPI[@]}" -x TIDE_LOCAL_SIZE=1 -n 2 "${PYTEST[@]}" "${GPU_TESTS[@]}"
+    step np2_nodes "${MPI[@]}" -x TIDE_LOCAL_SIZE=1 -n 2 "${PYTEST[@]}" "${GPU_TESTS[@]}" \
+        "${NOT_JAXJIT[@]}"
 }
 run_debug() {
     step np2_debug "${MPI[@]}" -x TIDE_DEBUG=1 -n 2 "${PYTEST[@]}" "${MPI_TESTS[@]}" \
-        "${GPU_TESTS[@]}"
+        "${GPU_TESTS[@]}" "${NOT_JAXJIT[@]}"
 }
 run_faults() {  # starts its own mpiexec per case: not under mpirun
     step faults timeout "$T" python3 -m pytest -q -p no:cacheprovider -rf \
@@ -110,8 +122,7 @@ jaxjit_ranks() {  # jaxjit_ranks N: tidearray.jax's GPU tests at N ranks
     if [ "${TIDE_JAX_STACKS_S:-120}" != 0 ]; then
         stacks_after "${TIDE_JAX_STACKS_S:-120}" "jaxjit_np$n" "test_jax_jit_gpu"; w=$!
     fi
-    step "jaxjit_np$n" "${MPI[@]}" "${JAX_ENV[@]}" -n "$n" "${PYTEST[@]}" \
-        tests/jax/gpu/test_jax_jit_gpu.py
+    step "jaxjit_np$n" "${MPI[@]}" "${JAX_ENV[@]}" -n "$n" "${PYTEST[@]}" "$JAXJIT_TESTS"
     [ -z "$w" ] || kill "$w" 2>/dev/null
     no_signal "jaxjit_np$n"
 }
@@ -196,7 +207,7 @@ run_stress() {
     [[ $jobs != *" rs "* ]] || { stress_loop rs 3 0 "${STRESS_RS[@]}" & pids+=($!); }
     [[ $jobs != *" graphs "* ]] || { stress_loop graphs 2 0 "${GRAPH_TESTS[@]}" & pids+=($!); }
     [[ $jobs != *" jax "* ]] || {
-        stress_loop jax 2 0 "${JAX_ENV[@]}" -- tests/jax/gpu/test_jax_jit_gpu.py & pids+=($!); }
+        stress_loop jax 2 0 "${JAX_ENV[@]}" -- "$JAXJIT_TESTS" & pids+=($!); }
     sleep 5  # the loads start first
     local w workers=${TIDE_STRESS_WORKERS:-4} loops=${TIDE_STRESS_LOOPS:-30} fg=()
     for ((w = 0; w < workers; w++)); do  # the loops shared out, the first workers one more
