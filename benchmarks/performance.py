@@ -74,6 +74,8 @@ ARCHIVED = {
     "run20-one-h200": "What a graph's launch costs the host (`graph_launch.py`)",
     "run22-one-h200": "CUDA graphs: a replay's host time taken apart (`graph_replay.py`)",
     "run23-one-h200": "CUDA graphs: host time per graph plan call, back to back",
+    "run28-one-h200-np2": "The 2-rank GPU run's crash: a test's child joined the job",
+    "run29-one-h200-stress": "Under load again: the stress step at 41b43ff",
 }
 MACHINES = {
     "nvidia-h200-x2": "2 NVIDIA H200 joined by NVLink, one process per GPU",
@@ -422,57 +424,83 @@ def one_h200_stress(run: Run) -> tuple[Figure, ...]:
             "0", failed == 0)
         figs.append(Figure(f"Stress after the fix: loops that failed, {what}", goal,
                            f"{failed} of {loops}", ok))
+    figs.append(_sanitized(run))
+    return tuple(figs)
+
+
+def _sanitized(run: Run) -> Figure:
+    """compute-sanitizer's summary lines (``sanitize_summary.txt``): errors and hazards."""
     with open(os.path.join(run.path, "sanitize_summary.txt")) as f:
         text = f.read()
     errors = sum(int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text))
     hazards = sum(int(n) for n in re.findall(r"\((\d+) errors, \d+ warnings\)", text))
-    figs.append(Figure("compute-sanitizer: memcheck and synccheck errors (1 and 2 ranks), "
-                       "racecheck hazards", "0", f"{errors} errors, {hazards} hazards",
-                       errors == 0 and hazards == 0))
-    return tuple(figs)
+    return Figure("compute-sanitizer: memcheck and synccheck errors (1 and 2 ranks), "
+                  "racecheck hazards", "0", f"{errors} errors, {hazards} hazards",
+                  errors == 0 and hazards == 0)
 
 
-def one_h200_np2(run: Run) -> tuple[Figure, ...]:
-    """A test's child process that inherited its rank's launcher variables, and the ranks
-    after it."""
-    with open(os.path.join(run.path, "probe_old.txt")) as f:
-        probe = f.read()
-    with open(os.path.join(run.path, "old_np2.log")) as f:
-        died = "exited on signal 11" in f.read()
-    joined = sorted(re.findall(r"child says (\d+ \d+)", probe))
-    return (Figure("A child of each of 2 ranks, started with the rank's environment: the "
-                   "MPI size and rank it reports", "reference", ", ".join(joined)),
-            Figure("The 2 ranks after their children joined: their next collective",
-                   "reference", "signal 11" if "signal 11" in probe else "ran"),
-            Figure("The tests' children as they were, then `test_norm.py`, 2 ranks",
-                   "reference", "both ranks died of signal 11" if died else "ran"))
+def _pytest(run: Run, log: str) -> tuple[int, int, int]:
+    """A pytest log's first summary line: (passed, skipped, failed or errors)."""
+    with open(os.path.join(run.path, log), errors="replace") as f:
+        line = next(ln for ln in f if re.search(r"\d+ passed.* in \d", ln))
+    n = {k: int(v) for v, k in re.findall(r"(\d+) (passed|skipped|failed|error)", line)}
+    return n.get("passed", 0), n.get("skipped", 0), n.get("failed", 0) + n.get("error", 0)
 
 
-def one_h200_stress_summary(run: Run) -> tuple[Figure, ...]:
-    """A stress step's summary (``== stress JOB: N loops, M failed``) and the 2-rank run
-    beside it, cut short."""
-    with open(os.path.join(run.path, "stress_summary.txt")) as f:
-        counts: dict[str, tuple[int, int]] = {}
-        for job, n, bad in re.findall(r"== stress (\w+?)\d*: (\d+) loops, (\d+) failed",
-                                      f.read()):
-            loops, failed = counts.get(job, (0, 0))
-            counts[job] = (loops + int(n), failed + int(bad))
-    with open(os.path.join(run.path, "np2_partial.log")) as f:
-        rows = [ln for ln in f if re.match(r"^[.sFE]+( \[ *\d+%\])?$", ln.strip())]
-    dots = "".join(r.split(" [")[0].strip() for r in rows)
-    reached = max((int(m) for m in re.findall(r"\[ *(\d+)%\]", "".join(rows))), default=0)
+def one_h200_suite(run: Run) -> tuple[Figure, ...]:
+    """The GPU suite at one commit: the default steps and 3-4 ranks, the stress step, the
+    sanitizer, and tidearray.jax's GPU tests at 1-4 ranks."""
     figs = []
-    for job, what, goal in (("adamw", "the captured fused-AdamW tests, 1 rank, 4 processes "
-                                      "at once", 30),
-                            ("rs", "beside it: pipeline and reduce-scatter tests, 3 ranks", 1),
-                            ("graphs", "beside it: graph tests, 2 ranks", 1)):
-        loops, failed = counts.get(job, (0, 0))
-        figs.append(Figure(f"Stress: loops that failed, {what}",
-                           "0 of >= 30" if goal > 1 else "0", f"{failed} of {loops}",
-                           failed == 0 and loops >= goal))
-    figs.append(Figure("Beside it: all of `tests/` at 2 ranks, cut by the run's timeout",
-                       "reference", f"{reached}% reached, {dots.count('F')} failed "
-                       f"(not named before the cut)"))
+    for log, what in (("np2", "all of `tests/`, 2 ranks"), ("np1", "all of `tests/`, 1 rank"),
+                      ("np3", "the multi-rank and GPU tests, 3 ranks"),
+                      ("np4", "the multi-rank and GPU tests, 4 ranks"),
+                      ("jaxjit_np1_alone", "`tidearray.jax` on cuda, 1 rank"),
+                      ("jaxjit_np2_alone", "`tidearray.jax` on cuda, 2 ranks"),
+                      ("jaxjit_np3", "`tidearray.jax` on cuda, 3 ranks"),
+                      ("jaxjit_np4", "`tidearray.jax` on cuda, 4 ranks")):
+        passed, skipped, failed = _pytest(run, f"{log}.log")
+        figs.append(Figure(f"`{log}`: {what}, tests that failed", "0",
+                           f"{failed} ({passed} passed, {skipped} skipped)", failed == 0))
+    loops = _stress_loops(run, "stress_loops.txt")
+    for job, what, least in (("adamw", "the fused-AdamW and graph tests, 1 rank, 4 processes "
+                                       "at once", 30),
+                             ("rs", "beside it: pipeline and reduce-scatter tests, 3 ranks", 1),
+                             ("graphs", "beside it: graph tests, 2 ranks", 1)):
+        n, failed = loops.get(job, (0, 0))
+        figs.append(Figure(f"Stress: loops that failed, {what}", f"0 of >= {least}",
+                           f"{failed} of {n}", failed == 0 and n >= least))
+    return (*figs, _sanitized(run))
+
+
+def one_h200_jaxscan(run: Run) -> tuple[Figure, ...]:
+    """The scanned JAX step at two depths against the unsharded step, scanned too."""
+    recs = {d: {r["impl"]: r for r in run.json(f"{d}/jax_step.json")["runs"]}
+            for d in ("l4", "l32")}
+    tide = {d: recs[d]["tidearray-scan"] for d in recs}
+    flat = tide["l32"]["compile_s"] / tide["l4"]["compile_s"]
+    figs = [Figure("`tidearray-scan` compile time, 32 layers over 4", "<= 1.2x",
+                   f"{x(flat)} ({tide['l4']['compile_s']:.1f} s, "
+                   f"{tide['l32']['compile_s']:.1f} s)", flat <= 1.2)]
+    for d, layers in (("l4", 4), ("l32", 32)):
+        t, u = tide[d], recs[d]["unsharded"]
+        c, cpu = t["compile_s"] / u["compile_s"], (t["median_cpu_s"] - u["median_cpu_s"])
+        diff = abs(t["losses"][-1] - u["losses"][-1]) / abs(u["losses"][-1])
+        figs += [Figure(f"{layers} layers: compile time against `unsharded`'s", "<= 1.5x",
+                        f"{x(c)} ({t['compile_s']:.1f} s against {u['compile_s']:.1f} s)",
+                        c <= 1.5),
+                 Figure(f"{layers} layers: step time against `unsharded`'s", "reference",
+                        f"{x(t['median_step_s'] / u['median_step_s'])} "
+                        f"({ms(t['median_step_s'])} against {ms(u['median_step_s'])})"),
+                 Figure(f"{layers} layers: host CPU per step over `unsharded`'s", "<= 2 ms",
+                        f"{cpu * 1e3:+.1f} ms ({ms(t['median_cpu_s'])} against "
+                        f"{ms(u['median_cpu_s'])})", cpu <= 2e-3),
+                 Figure(f"{layers} layers: peak memory against `unsharded`'s", "reference",
+                        f"{x(t['peak_bytes'] / u['peak_bytes'])} ({gib(t['peak_bytes'])} "
+                        f"against {gib(u['peak_bytes'])})"),
+                 Figure(f"{layers} layers: loss, first to last, and the impls' last losses "
+                        "apart", "down; <= 3e-2",
+                        f"{t['losses'][0]:.4f} -> {t['losses'][-1]:.4f}; {diff:.1e}",
+                        t["losses"][-1] < t["losses"][0] and diff <= 3e-2)]
     return tuple(figs)
 
 
@@ -516,18 +544,20 @@ def sections(root: str) -> list[Section]:
           "tests in loops while other jobs share the GPU: a 3-rank reduce-scatter loop, a "
           "2-rank graph-test loop, fp16 matrix products) and `sanitize` "
           "(docs/reliability.md, \"Under load\").", one_h200_stress),
-        S("run28-one-h200-np2", "The 2-rank GPU run's crash: a test's child joined the job",
-          "Correctness, not timing: a child process that a test started inherited Open "
-          "MPI's launcher variables and joined its parent's job; the job's ranks then died "
-          "in their next collective. Tests now start children without those variables "
-          "(tests/README.md).", one_h200_np2),
-        S("run29-one-h200-stress", "Under load again: the stress step at 41b43ff",
-          "Correctness, not timing: `tests/gpu/run.sh` step `stress` at the library of "
-          "41b43ff (four processes running the captured fused-AdamW tests in loops while "
-          "a 3-rank reduce-scatter loop, a 2-rank graph-test loop and fp16 matrix products "
-          "share the GPU), with the `info` step and a 2-rank run of `tests/` beside it. "
-          "The run's time ended before the 2-rank run's summary, which names its failures.",
-          one_h200_stress_summary),
+        S("run30-one-h200-suite", "The GPU suite under load at cae2384",
+          "Correctness, not timing: `tests/gpu/run.sh` at one commit, in three calls on one "
+          "machine. The default steps (`info np2 np1`) beside `np3` and `np4`; then the "
+          "stress step (the fused-AdamW and graph tests in 4 processes looping beside a "
+          "3-rank reduce-scatter loop, a 2-rank graph-test loop and fp16 matrix products), "
+          "with the sanitizer and `jaxjit` at 1-4 ranks beside it. Under that load the 1- "
+          "and 2-rank `jaxjit` runs sat in XLA's autotuning (native stacks) until their "
+          "timeout after 2 tests each, so they ran again alone (`*_alone.log`).",
+          one_h200_suite),
+        S("run31-one-h200-jaxscan", "`tidearray.jax` scanned: compile time against depth",
+          "One rank, XLA's default flags: `jax_step.py --scan` (width 2048, 4096 tokens, "
+          "bf16) at 4 and 32 layers, `tidearray-scan` against `unsharded` (scanned too), "
+          "3 timed steps after 2. The 8-layer step with every impl was cut by the run's "
+          "time.", one_h200_jaxscan),
     ]
 
 
