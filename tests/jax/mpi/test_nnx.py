@@ -8,8 +8,11 @@ and it runs as ``su.apply(i, lambda p, x: nnx.merge(graphdef, p)(x), shards[i], 
 functional API (``nnx.split`` of the whole model, ``nnx.merge`` in the loss) with plain
 optax and ``optax.clip_by_global_norm`` on every rank's samples: per step the loss, and at
 the end each unit's full parameters, within test_flax's bound (1e-5 relative, fp32), the
-loss falling and the clip active. Ragged shards at 2-4 ranks (the vocabulary's, and the
-width's at 3 and 4). Skipped without Flax or optax.
+loss falling and the clip active. Two cases: the blocks as units of their own, and the
+blocks made stacked by ``nnx.vmap`` (NNX's scan-over-layers pattern), which the reference
+runs under ``nnx.scan`` and the sharded step as one stacked unit under ``su.scan``
+(``nnx.merge`` of the graph with one layer's slice). Ragged shards at 2-4 ranks (the
+vocabulary's, and the width's at 3 and 4). Skipped without Flax or optax.
 """
 
 from __future__ import annotations
@@ -62,20 +65,40 @@ class Head(nnx.Module):
         return self.out(self.norm(x))
 
 
+LAYERS = 3
+
+
 class Model(nnx.Module):
-    def __init__(self, width: int, rngs: Any) -> None:
+    """Embedding, blocks, head; ``scanned``: the blocks one module, its parameters
+    stacked on a leading layer axis by ``nnx.vmap``, run under ``nnx.scan``."""
+
+    def __init__(self, width: int, rngs: Any, scanned: bool) -> None:
         self.embed = nnx.Embed(VOCAB, width, rngs=rngs)
-        self.blocks = nnx.List([Block(width, rngs) for _ in range(2)])
+        self.scanned = scanned
+        if scanned:
+            @nnx.split_rngs(splits=LAYERS)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stacked(rngs: Any) -> Block:
+                return Block(width, rngs)
+
+            self.blocks = stacked(rngs)
+        else:
+            self.blocks = nnx.List([Block(width, rngs) for _ in range(LAYERS)])
         self.head = Head(width, rngs)
 
     def __call__(self, tokens: Any) -> Any:
         h = self.embed(tokens)
-        for block in self.blocks:
-            h = block(h)
+        if self.scanned:
+            h = nnx.scan(lambda x, block: block(x), in_axes=(nnx.Carry, 0),
+                         out_axes=nnx.Carry)(h, self.blocks)
+        else:
+            for block in self.blocks:
+                h = block(h)
         return self.head(h)
 
     def units(self) -> list:
-        return [self.embed, *self.blocks, self.head]
+        return [self.embed, self.blocks, self.head] if self.scanned else [
+            self.embed, *self.blocks, self.head]
 
 
 def _reference(model: Model, data: list) -> tuple[list, list]:
@@ -93,21 +116,24 @@ def _reference(model: Model, data: list) -> tuple[list, list]:
                     for m in trained.units()]
 
 
-def test_nnx_model_matches_one_process(group, cpu_jax):
+@pytest.mark.parametrize("scanned", [False, True], ids=["blocks", "nnx.vmap + scan"])
+def test_nnx_model_matches_one_process(group, cpu_jax, scanned):
     W, seed = group.size, fresh_seed(group.comm)
     data = _batches(seed, W)
-    model = Model(2 * W + 2, nnx.Rngs(seed % 2**31))
+    model = Model(2 * W + 2, nnx.Rngs(seed % 2**31), scanned)
     splits = [nnx.split(m) for m in model.units()]
     params = [nnx.to_pure_dict(state) for _, state in splits]
     want, want_params = on_rank_zero(group.comm, lambda: _reference(model, data))
 
-    su = tj.shard_units(params, group=group)
+    stacked = [1] if scanned else []
+    su = tj.shard_units(params, group=group, stacked=stacked)
     tx = _optimizer(tj.clip_by_global_norm(MAX_NORM, group=group), None)
 
     def loss(shards, tokens, targets):
         h = tokens
         for i, (graphdef, _) in enumerate(splits):
-            h = su.apply(i, lambda p, x, g=graphdef: nnx.merge(g, p)(x), shards[i], h)
+            run = su.scan if i in stacked else su.apply  # su.scan: one layer's slice as p
+            h = run(i, lambda p, x, g=graphdef: nnx.merge(g, p)(x), shards[i], h)
         return _cross_entropy(h, targets)
 
     got, shards, norms = _train(_step(loss, tx), su.shards, tx,
@@ -116,7 +142,7 @@ def test_nnx_model_matches_one_process(group, cpu_jax):
     failures = [f"step {k}: loss {a!r} vs reference {b!r}"
                 for k, (a, b) in enumerate(zip(losses, want)) if not abs(a - b) <= RTOL * abs(b)]
     for i, ref in enumerate(want_params):
-        full = full_leaves(group, shards[i], params[i], stacked=False)
+        full = full_leaves(group, shards[i], params[i], stacked=i in stacked)
         ref_leaves = jax.tree_util.tree_leaves(ref)
         err = _norm([a - b for a, b in zip(full, ref_leaves)]) / _norm(ref_leaves)
         if not err <= RTOL:
