@@ -16,7 +16,10 @@ parameters and every rank's samples:
   unit, ``shard_units(..., stacked=[1])``, run by ``su.scan``;
 * the embedding frozen by ``optax.multi_transform`` (``optax.set_to_zero``): its shards
   the same bits after ten steps, the rest trained (the clip's norm over the trained
-  leaves alone, as optax's is in the reference).
+  leaves alone, as optax's is in the reference);
+* gradient accumulation by ``optax.MultiSteps`` (every 2 steps), the whole chain inside
+  it: the clip's global norm taken, collectively, only on the steps that update, inside
+  the ``lax.cond`` that MultiSteps steps by.
 
 Per step the loss, and at the end each unit's full parameters, within :data:`RTOL`; the clip is
 active at every step (a rank clipping by its own part of the norm fails the check from 2
@@ -158,17 +161,18 @@ def _cross_entropy(logits: Any, targets: Any) -> Any:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def _optimizer(clip: Any, frozen: Callable[[Any], Any] | None) -> Any:
+def _optimizer(clip: Any, frozen: Callable[[Any], Any] | None, every_k: int = 1) -> Any:
     """What the user writes: a clip, then AdamW on a warmup-cosine schedule; with
-    ``frozen`` (params -> labels), the leaves labelled ``frozen`` set to zero updates."""
+    ``frozen`` (params -> labels), the leaves labelled ``frozen`` set to zero updates;
+    with ``every_k`` > 1, all of it in ``optax.MultiSteps`` (gradient accumulation)."""
     # A peak of 1e-2 keeps training smooth; at 2e-2 a seed's gradient norm spiked at step 8
     # (4.7), where a sharp loss put the two runs' losses 3e-6 apart.
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=5e-4, peak_value=1e-2, warmup_steps=3, decay_steps=STEPS, end_value=1e-3)
     tx = optax.chain(clip, optax.adamw(schedule, eps=EPS, weight_decay=1e-2))
-    if frozen is None:
-        return tx
-    return optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, frozen)
+    if frozen is not None:
+        tx = optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, frozen)
+    return tx if every_k == 1 else optax.MultiSteps(tx, every_k_schedule=every_k)
 
 
 def _step(loss: Callable, tx: Any) -> Callable:
@@ -210,9 +214,11 @@ def _labels(frozen: bool, key: Callable[[Any], bool]) -> Callable[[Any], Any] | 
     return labels
 
 
-def _reference(net: Net, params: Any, frozen: bool, data: list) -> tuple[list, Any]:
+def _reference(net: Net, params: Any, frozen: bool, every_k: int,
+               data: list) -> tuple[list, Any]:
     """One process, no tidearray: ``model.apply`` and plain optax on every rank's samples."""
-    tx = _optimizer(optax.clip_by_global_norm(MAX_NORM), _labels(frozen, lambda k: k == "embed"))
+    tx = _optimizer(optax.clip_by_global_norm(MAX_NORM), _labels(frozen, lambda k: k == "embed"),
+                    every_k)
 
     def loss(params, tokens, targets):
         return _cross_entropy(net.model.apply({"params": params}, tokens), targets)
@@ -222,12 +228,13 @@ def _reference(net: Net, params: Any, frozen: bool, data: list) -> tuple[list, A
     return losses, jax.tree_util.tree_map(np.asarray, params)
 
 
-def _sharded(group: Any, net: Net, params: Any, frozen: bool, data: list) -> tuple:
+def _sharded(group: Any, net: Net, params: Any, frozen: bool, every_k: int,
+             data: list) -> tuple:
     """``(shard_units, losses averaged over the ranks, final shards, clip norms)``."""
     stacked = [1] if net.names[1] == "blocks" else []
     su = tj.shard_units([params[n] for n in net.names], group=group, stacked=stacked)
     clip = tj.clip_by_global_norm(MAX_NORM, group=group)
-    tx = _optimizer(clip, _labels(frozen, lambda i: i == 0))
+    tx = _optimizer(clip, _labels(frozen, lambda i: i == 0), every_k)
 
     def loss(shards, tokens, targets):
         h = tokens
@@ -246,7 +253,9 @@ def _norm(leaves: list) -> float:
     return float(np.sqrt(sum(np.sum(np.square(a, dtype=np.float64)) for a in leaves)))
 
 
-CASES = {"blocks": (False, False), "nn.scan": (True, False), "frozen embedding": (False, True)}
+#: case: (blocks under nn.scan, embedding frozen, steps accumulated per update)
+CASES = {"blocks": (False, False, 1), "nn.scan": (True, False, 1),
+         "frozen embedding": (False, True, 1), "optax.MultiSteps": (False, False, 2)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -254,14 +263,15 @@ def test_flax_optax_matches_one_process(group, cpu_jax, case):
     """Ten steps of the Flax model, its units sharded, optax on the shards, against one
     process with plain optax on the full parameters: losses and final parameters within
     RTOL, the clip active, frozen shards the same bits."""
-    scanned, frozen = CASES[case]
+    scanned, frozen, every_k = CASES[case]
     W, seed = group.size, fresh_seed(group.comm)
     # Ragged rows (the vocabulary's at every W > 1, the width's at 3 and 4) and empty shards
     # (the attention's output kernel, HEADS rows, at 3 and 4).
     net, data = _net(HEADS * (2 * W + 1), scanned), _batches(seed, W)
     params = net.model.init(jax.random.key(seed), data[0][0][0])["params"]
-    want, want_params = on_rank_zero(group.comm, lambda: _reference(net, params, frozen, data))
-    su, losses, shards, norms = _sharded(group, net, params, frozen, data)
+    want, want_params = on_rank_zero(
+        group.comm, lambda: _reference(net, params, frozen, every_k, data))
+    su, losses, shards, norms = _sharded(group, net, params, frozen, every_k, data)
 
     failures = [f"step {k}: loss {a!r} vs reference {b!r}"
                 for k, (a, b) in enumerate(zip(losses, want)) if not abs(a - b) <= RTOL * abs(b)]
@@ -281,6 +291,7 @@ def test_flax_optax_matches_one_process(group, cpu_jax, case):
         failures += [f"frozen embedding leaf {k}: its shard changed" for k, (a, b)
                      in enumerate(zip(before, after)) if np.asarray(a).tobytes()
                      != np.asarray(b).tobytes()]
+    norms = norms[every_k - 1::every_k]  # the steps that update (and clip)
     if not losses[-1] < losses[0] or not all(n and min(n) > MAX_NORM for n in norms):
         failures.append(f"expected falling losses and the clip active at every step, got "
                         f"losses {losses}, norms {norms} (limit {MAX_NORM})")
