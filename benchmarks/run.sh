@@ -36,6 +36,7 @@
 # kernels/, untracked; reversed order on odd passes), with that tree first on
 # PYTHONPATH; step logs and outputs get the suffix _<before|after>_<pass>. A/B steps:
 #       fsdp2ab    (one rank: compare_fsdp2.py --impls tide, TIDE_AB_ITERS steps (25))
+#       unitsab    (one rank: compare_fsdp2.py on small-32l, plain and tide)
 #       calls      (host time per eager call, as above: TIDE_AB_STEPS=calls)
 source "$(dirname "$0")/../tests/gpu/_env.sh"
 AB=""  # the A/B suffix of step names and outputs (empty outside ab)
@@ -118,6 +119,11 @@ run_fsdp2ab() {  # one rank, shard_module only: the step time an A/B compares
     step "ab$AB" env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \
         --model llama3-8b-8l --tokens 8192 --impls tide --steps "${TIDE_AB_ITERS:-25}" \
         --warmup 5 --out "$OUT/ab$AB"
+}
+run_unitsab() {  # one rank, the host-bound small-32l: plain (the pass's noise) and tide
+    step "unitsab$AB" env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \
+        --model small-32l --impls plain,tide --steps "${TIDE_AB_ITERS:-25}" --warmup 5 \
+        --out "$OUT/unitsab$AB"
 }
 run_tests() { step bench_tests "${MPI[@]}" -n 2 "${PYTEST[@]}" tests/benchmarks; }
 run_ab() {  # TIDE_AB_PASSES (2) of: this tree, then before/ (reversed on odd passes)
