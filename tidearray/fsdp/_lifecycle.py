@@ -70,9 +70,10 @@ copy. The states are FSDP2's ``TrainingState`` for a parameter group:
   backward phase has begun: the torch hooks queue autograd's end-of-backward
   callback at the open that finds it False), and ``forward_done`` (a unit of
   several modules, torch's list unit, ends its forward when the last of them
-  does). Each ends with the pass. A front end reads them and changes them only
-  through the runtime, but for ``forward_done``, which the runtime does not
-  read.
+  does). Each ends with the pass. One question is a call, ``is_open`` (a unit
+  open on its own buffer: BACKWARD and not suspended), so the rule is written
+  once. A front end reads them and changes them only through the runtime, but
+  for ``forward_done``, which the runtime does not read.
 """
 
 from __future__ import annotations
@@ -151,6 +152,11 @@ class UnitLifecycle:
     def blind(self, i: int) -> bool:
         """Whether a use of unit ``i`` in this pass has a backward whose end is not seen."""
         return self._blind[i]
+
+    def is_open(self, i: int) -> bool:
+        """Whether unit ``i``'s backward is open on its own buffer: BACKWARD and not
+        suspended (a suspended unit lost its slot; its next backward opens it afresh)."""
+        return self.state[i] is State.BACKWARD and i not in self.suspended
 
     def may_close(self, i: int) -> bool:
         """Whether open unit ``i`` is done by what the tokens say: none pending, not blind."""

@@ -274,7 +274,7 @@ class Runtime:
             raise TideInvalid(f"unit {i}: expected one backward per unit per pass, got a "
                               "second one after its gradients were reduced")
         k = self.slots.slot(i)
-        if state is not State.BACKWARD or i in self.life.suspended:  # (suspended: afresh)
+        if not self.life.is_open(i):  # (a suspended one opens afresh)
             self.life.open(i)
             self.slots.ensure(i)
             for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
@@ -542,7 +542,7 @@ class Runtime:
         return self.comm.gather(i, k, self.stream)
 
     def _released(self, u: int) -> None:
-        if self.life.state[u] is State.BACKWARD and u not in self.life.suspended:  # (open)
+        if self.life.is_open(u):
             self.life.suspend(u, self.life.written[u] if self.report_grads else None)
             if u in self._to_reduce:
                 self.accum.reduce(u, self.slots.slot(u), self.stream)

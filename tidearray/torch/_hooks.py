@@ -112,7 +112,7 @@ class Hooks:
     def _pre_forward(self, u: int, module: Any, args: Any, kwargs: Any) -> Any:
         runtime, life = self.runtime, self.life
         if _in_backward():  # activation checkpointing recomputes the forward in backward:
-            if life.state[u] in (State.IDLE, State.FORWARD) or u in life.suspended:
+            if life.state[u] is not State.DONE and not life.is_open(u):
                 # Reentrant checkpointing ran the first forward without grad (the unit was
                 # released and hooked no outputs): the recompute opens its backward.
                 self._open(u)
@@ -174,7 +174,7 @@ class Hooks:
         """Open unit ``u``'s backward: regathered, and each trained parameter's ``.grad``
         its (zeroed) gradient buffer, which autograd then accumulates into in place."""
         life = self.life
-        if life.state[u] is State.BACKWARD and u not in life.suspended:
+        if life.is_open(u):
             return  # (a suspended unit lost its slot: opened again, regathered)
         if not life.in_backward:  # the backward phase begins: autograd says when it ends
             torch.autograd.Variable._execution_engine.queue_callback(
@@ -184,9 +184,8 @@ class Hooks:
 
     def _grad_ready(self, u: int, k: int, param: Any) -> None:
         grad = param.grad  # autograd's own where the unit was not open yet: moved over
-        state = self.life.state[u]
-        if state is not State.BACKWARD or u in self.life.suspended:  # (the open unit first)
-            if state is State.DONE:
+        if not self.life.is_open(u):  # (the open unit first)
+            if self.life.state[u] is State.DONE:
                 raise TideInvalid(f"parameter {self.runtime.names[u][k]!r} (unit {u}): "
                                   "expected its gradient before its unit's backward was done, "
                                   "got it after its reduction began: is it used outside its "
