@@ -13,7 +13,9 @@ The backend's ``wrap`` makes a CuPy array straight over the buffer's pointer
 interface names one, and a DLPack export may do the same. Inside a callback the
 buffer is XLA's and in order on XLA's stream already, so no synchronization is
 needed, and none is done: the arrays are used only by work issued on
-``ctx.stream`` during the callback.
+``ctx.stream`` during the callback. The backend keeps each array by its address,
+shape and dtype and hands it out again at the next callback that meets them (XLA's
+buffer assignment repeats), so a step's callbacks make no CuPy arrays after the first.
 """
 
 from __future__ import annotations

@@ -165,3 +165,32 @@ def test_host_and_foreign_device_inputs_rejected(cuda_group, cp):
     want = f"expected an array on cuda:{g.backend.device}"
     with pytest.raises(tidearray.TideInvalid, match=want):
         tidearray.all_gather(other, SHAPES, group=g)
+
+
+class _XlaLikeBuffer:
+    """What ``wrap`` reads of XLA's buffer in a callback: ``__cuda_array_interface__`` and
+    ``dtype``, and nothing that keeps the memory alive."""
+
+    def __init__(self, a) -> None:
+        self.__cuda_array_interface__ = a.__cuda_array_interface__
+        self.dtype = a.dtype
+
+
+def test_wrap_keeps_its_arrays_by_address_shape_and_dtype(cuda_group, cp):
+    """The arrays over XLA's buffers are made once per address, shape and dtype (a jitted
+    step meets the same ones every step) and never alias a buffer of another shape or
+    dtype at the same address."""
+    be = cuda_group.backend
+    rng = np.random.default_rng()
+    base = cp.asarray(rng.standard_normal(96).astype(np.float32))
+    first = be.wrap(_XlaLikeBuffer(base))
+    assert first.data.ptr == base.data.ptr and first.shape == (96,)
+    assert be.wrap(_XlaLikeBuffer(base)) is first
+    first[:] = 7.0  # writes reach the buffer: no copy
+    assert bool((base == 7.0).all())
+    reshaped = be.wrap(_XlaLikeBuffer(base.reshape(8, 12)))
+    assert reshaped is not first and reshaped.shape == (8, 12)
+    as_int = be.wrap(_XlaLikeBuffer(base.view(cp.int32)))
+    assert as_int is not first and as_int.dtype == np.int32
+    other = cp.zeros(96, cp.float32)
+    assert be.wrap(_XlaLikeBuffer(other)).data.ptr == other.data.ptr

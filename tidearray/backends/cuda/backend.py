@@ -26,6 +26,7 @@ refuses them while ``NCCL_NVLS_ENABLE=0`` or without device support.
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import socket
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
+from ..._cache import BoundedCache
 from ..._copies import Copy
 from ..._dtypes import float32, normalize
 from ..._errors import TideBackendError, TideInvalid, fail_together
@@ -66,6 +68,9 @@ _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types addressable as device 
 #: What an eager collective's plan depends on, per CuPy array (``array_key``). The
 #: address names the device too: device memory shares one virtual address space (UVA).
 _ARRAY_KEY = operator.attrgetter("data.ptr", "shape", "dtype", "_c_contiguous")
+#: Arrays ``wrap`` keeps: a jitted step's callbacks meet a few per unit leaf, per address
+#: set of XLA's (a scan unrolled ``k`` times has ``k``).
+WRAPPED = 4096
 _DL_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 13: "cuda_managed", 10: "rocm"}
 
 
@@ -151,6 +156,7 @@ class CudaBackend(Backend):
         self.capabilities: dict[str, tuple[bool, str]] = {}
         self._allocs: list = []
         self._inflight: list = []
+        self._wrapped = BoundedCache(WRAPPED)  # wrap's arrays, by address, shape and dtype
 
     # -- start-up -------------------------------------------------------------
 
@@ -415,16 +421,28 @@ class CudaBackend(Backend):
         return cupy.cuda.Device(self.device if array is None else array.device.id)
 
     def wrap(self, buffer: Any) -> Any:
-        """A CuPy array straight over the pointer (``UnownedMemory``, kept alive by
-        ``buffer``): ``cupy.asarray`` and DLPack may synchronize on the producer's stream
-        ([Note: XLA's buffers on cuda] in ``tidearray.jax._buffers``)."""
-        import cupy
+        """A CuPy array straight over the pointer (``UnownedMemory``): ``cupy.asarray`` and
+        DLPack may synchronize on the producer's stream ([Note: XLA's buffers on cuda] in
+        ``tidearray.jax._buffers``).
 
+        The array is kept by its address, shape and dtype and handed out again: XLA's
+        buffer assignment repeats from step to step (and a scanned body's from iteration
+        to iteration), and making a CuPy array costs microseconds of Python, for each of
+        a unit's leaves, in each of its callbacks. So the array does not keep ``buffer``
+        alive (XLA's buffer objects are valid for their callback only): like every array
+        ``wrap`` returns, it is used only during a callback on a buffer at its address."""
         iface = buffer.__cuda_array_interface__
-        shape, dtype = tuple(iface["shape"]), np.dtype(buffer.dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        mem = cupy.cuda.UnownedMemory(iface["data"][0], nbytes, buffer, self.device)
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+        dtype = np.dtype(buffer.dtype)
+        key = (iface["data"][0], tuple(iface["shape"]), dtype)
+        array = self._wrapped.get(key)
+        if array is None:
+            import cupy
+
+            nbytes = math.prod(key[1]) * dtype.itemsize
+            mem = cupy.cuda.UnownedMemory(key[0], nbytes, None, self.device)
+            array = self._wrapped.put(key, cupy.ndarray(key[1], dtype,
+                                                        cupy.cuda.MemoryPointer(mem, 0)))
+        return array
 
     def asarray(self, obj: Any) -> Any:
         """A CUDA DLPack producer's memory through ``cupy.from_dlpack`` (a CUDA tensor:
