@@ -12,6 +12,9 @@ What a real job does, end to end:
   through each forward and backward, as FSDP2 keeps its root;
 * parameter groups: no weight decay on 1-D parameters (norms);
 * gradient clipping by the global norm (``model.clip_grad_norm_``);
+* a learning-rate schedule by ``transformers``' own ``get_cosine_schedule_with_warmup`` on
+  ``model.sharding.optimizer`` (the fused AdamW as a torch optimizer), stepped in torch's
+  loop: ``opt.step()``, ``schedule.step()``, ``opt.zero_grad()``;
 * an evaluation forward under ``torch.no_grad()`` every few steps;
 * at the end a full state dict (the model's own names) is gathered to rank 0 and loaded
   into a plain ``LlamaForCausalLM`` with ``strict=True``, which must give the sharded
@@ -107,6 +110,9 @@ def main() -> None:
         with torch.no_grad():
             return float(model(input_ids=held_out, labels=held_out).loss)
 
+    opt = model.sharding.optimizer
+    schedule = transformers.get_cosine_schedule_with_warmup(
+        opt, num_warmup_steps=max(1, args.steps // 6), num_training_steps=args.steps)
     losses = []
     for step in range(args.steps):
         t = time.perf_counter()
@@ -114,7 +120,9 @@ def main() -> None:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         norm = model.clip_grad_norm_(1.0)
-        model.step()
+        opt.step()
+        schedule.step()
+        opt.zero_grad()
         losses.append(g.comm.allreduce(float(loss.detach())) / g.size)
         line = (f"step {step:3d}  loss {losses[-1]:.4f}  grad norm {norm:.3f}  "
                 f"{1e3 * (time.perf_counter() - t):.0f} ms")

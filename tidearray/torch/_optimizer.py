@@ -13,6 +13,17 @@ process) and every other trained shard's ``.grad`` set back to the gradient
 shard if anything replaced it. The torch optimizer's ``zero_grad()`` is routed
 to the model's, which drops the accumulated gradients as torch does, instead of
 setting the shards' ``.grad`` to None.
+
+With the fused AdamW, ``model.sharding.optimizer`` is :class:`FusedAsTorch`, a
+``torch.optim.Optimizer`` whose ``param_groups`` are the fused AdamW's groups (the
+default first, then ``param_groups=``'s, each with the model's parameters), so
+that torch's learning-rate schedulers, which edit ``group["lr"]``, drive it: a step
+with no ``lr=`` takes each group's lr from there (the sequence form of
+``FusedAdamW.step``'s ``lr``). Its betas, eps and weight decay are fixed when the
+model is sharded: a change to them (``OneCycleLR`` cycles the betas by default)
+raises instead of being ignored. Its own state is the model's
+(``model.state_dict(full=False)`` holds the moments), so its ``state_dict()``
+raises rather than save nothing.
 """
 
 from __future__ import annotations
@@ -106,20 +117,27 @@ class OptimizerBridge:
     """
 
     def __init__(self, runtime: Runtime, make: Optional[Callable[[list], Any]],
-                 zero_grad: Callable[[], None]) -> None:
+                 zero_grad: Callable[[], None], step: Callable[[Optional[float]], Any],
+                 groups: Sequence[list]) -> None:
         self.runtime = runtime
         self.kind = "fused" if make is None else "torch"
         self._shards = shard_tensors(runtime) if make is not None else []
         self._shard_grads = [t.grad for t in self._shards]  # the runtime's, set back each step
-        self.optimizer = make(self._shards) if make is not None else runtime.optimizer
-        if make is not None:
+        if make is None:
+            fused = runtime.optimizer
+            hps = [fused.hp, *(g.hp for g in fused.groups)]
+            self.optimizer: Any = FusedAsTorch(list(zip(hps, groups)), fused, step, zero_grad)
+        else:
+            self.optimizer = make(self._shards)
             _route_zero_grad(self.optimizer, zero_grad)
 
     def step(self, lr: Optional[float]) -> Any:
-        """One step: the fused AdamW's (its norm when it clips, else None), or the torch
-        optimizer's over the averaged gradients (None)."""
+        """One step: the fused AdamW's (its norm when it clips, else None), at ``lr`` or
+        else at its groups' lrs as a scheduler left them, or the torch optimizer's over
+        the averaged gradients (None)."""
         if self.kind == "fused":
-            return self.runtime.step(lr)
+            group_lrs = self.optimizer.scheduled_lrs()
+            return self.runtime.step(group_lrs if lr is None else lr)
         if lr is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
@@ -144,6 +162,82 @@ class OptimizerBridge:
             for t, g in zip(self._shards, self._shard_grads):
                 if t.grad is not g:
                     t.grad = g
+
+
+class FusedAsTorch(torch.optim.Optimizer):
+    """The fused AdamW as a ``torch.optim.Optimizer``, for torch's learning-rate schedulers
+    ([Note: the optimizer bridge]): ``step()`` and ``zero_grad()`` are the model's.
+
+    Args:
+        groups: per group of the fused AdamW (the default first), its hyper-parameters
+            and the model's parameters in it.
+        fused: the runtime's ``FusedAdamW``.
+        step: the model's step (``lr=None``: the groups' lrs, :meth:`scheduled_lrs`).
+        zero_grad: the model's ``zero_grad``.
+    """
+
+    #: The group keys only the model's sharding sets (a change is refused).
+    FIXED = ("betas", "eps", "weight_decay")
+
+    def __init__(self, groups: Sequence[tuple[AdamW, list]], fused: Any,
+                 step: Callable[[Optional[float]], Any], zero_grad: Callable[[], None]) -> None:
+        super().__init__([{"params": params, **_torch_hp(hp)} for hp, params in groups],
+                         _torch_hp(groups[0][0]))
+        self._hps = [hp for hp, _ in groups]
+        #: The runtime's ``FusedAdamW`` (its moments, step counts, groups).
+        self.fused = fused
+        self._model_step, self._model_zero_grad = step, zero_grad
+
+    def scheduled_lrs(self) -> Optional[list[float]]:
+        """Each group's lr, the default group's first, where one differs from the lr the
+        model was sharded with (a scheduler's); else None (each group's own).
+
+        Raises:
+            TideInvalid: a group's betas, eps or weight decay changed.
+        """
+        changed = False
+        for j, (group, hp) in enumerate(zip(self.param_groups, self._hps)):
+            for key in self.FIXED:
+                want, got = getattr(hp, key), group[key]
+                if (tuple(got) if key == "betas" else got) != want:
+                    raise TideInvalid(
+                        f"optimizer.param_groups[{j}][{key!r}]: expected {want!r} (the fused "
+                        f"AdamW takes a new lr each step, its {key} is fixed when the model "
+                        f"is sharded), got {got!r}; a scheduler that cycles momentum "
+                        "(OneCycleLR, CyclicLR) needs cycle_momentum=False")
+            changed = changed or group["lr"] != hp.lr
+        return [group["lr"] for group in self.param_groups] if changed else None
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """The model's step at the groups' lrs; returns ``closure()``'s loss, as torch's."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._model_step(None)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._model_zero_grad()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "_hps"):  # after the constructor's own calls
+            raise TideInvalid("optimizer.add_param_group: the fused AdamW's groups are fixed "
+                              "when the model is sharded (shard_module's param_groups=)")
+        super().add_param_group(param_group)
+
+    def state_dict(self) -> dict:
+        raise TideInvalid("optimizer.state_dict(): the fused AdamW's state (its moments and "
+                          "step counts) is in the model's sharded state dict: "
+                          "model.state_dict(full=False)")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        raise TideInvalid("optimizer.load_state_dict(): the fused AdamW's state loads with "
+                          "the model's sharded state dict: model.load_state_dict(state)")
+
+
+def _torch_hp(hp: AdamW) -> dict:
+    return {"lr": hp.lr, "betas": hp.betas, "eps": hp.eps, "weight_decay": hp.weight_decay}
 
 
 def _route_zero_grad(optimizer: Any, zero_grad: Callable[[], None]) -> None:

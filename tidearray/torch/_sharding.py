@@ -120,6 +120,8 @@ class Sharding:
         self.storage = ParamStorage(params, dtype, self.device)
         self.params = self.storage.params
         names = [list(u.names) for u in self.units]  # the runtime keeps them
+        groups = runtime_groups(param_groups, fused, spec.all_names, names,
+                                torch_optimizer=make is not None)
         self.runtime = Runtime(
             [list(zip(ns, ss)) for ns, ss in zip(names, self.storage.shapes)], init=values,
             group=group, param_dtype=dtype, optimizer=fused, prefetch=prefetch, comm=comm,
@@ -127,8 +129,7 @@ class Sharding:
             trainable=[[bool(p.requires_grad) for p in ps] for ps in params],
             front_end=FrontEnd(report_grads=True, on_release=self.storage.use_placeholders,
                                accumulate="sum"),  # as torch's .grad
-            param_groups=runtime_groups(param_groups, fused, spec.all_names, names,
-                                        torch_optimizer=make is not None))
+            param_groups=groups)
         if meta or checkpoint is not None:
             _init.materialise_buffers(module, self.device, values)
         values.close()
@@ -138,7 +139,8 @@ class Sharding:
         self.guard = StateDictGuard()
         owners = {id(m): m for ps in self.params for p in ps for m, _ in spec.aliases[id(p)]}
         self._handles = self.hooks.register() + self.guard.register(owners.values())
-        self.bridge = OptimizerBridge(self.runtime, make, self.zero_grad)
+        self.bridge = OptimizerBridge(self.runtime, make, self.zero_grad, self.step,
+                                      self._group_params([ns for _, ns in groups]))
 
     @property
     def names(self) -> list[list[str]]:
@@ -147,8 +149,17 @@ class Sharding:
 
     @property
     def optimizer(self) -> Any:
-        """The fused AdamW, or the torch optimizer ``optimizer=`` made."""
+        """The fused AdamW as a torch optimizer (its groups, for torch's schedulers), or the
+        torch optimizer ``optimizer=`` made ([Note: the optimizer bridge])."""
         return self.bridge.optimizer
+
+    def _group_params(self, group_names: list[list[str]]) -> list[list]:
+        """The parameters of each fused AdamW group, the default one (every parameter in
+        no named group) first, then those named in ``group_names``."""
+        by_name = {n: p for ns, ps in zip(self.names, self.params) for n, p in zip(ns, ps)}
+        named = {n for ns in group_names for n in ns}
+        default = list({id(p): p for n, p in by_name.items() if n not in named}.values())
+        return [default, *([by_name[n] for n in ns] for ns in group_names)]
 
     # -- the step -------------------------------------------------------------------------
 

@@ -480,6 +480,81 @@ def test_learning_rate_schedule(group, optimizer):
     _compare(group, got, want, f"lr schedule ({optimizer})")
 
 
+def test_a_torch_scheduler_drives_the_fused_adamw(group):
+    """The usual torch loop on ``model.sharding.optimizer`` with the fused AdamW:
+    ``opt.step(); schedule.step(); opt.zero_grad()``, a ``LambdaLR`` with a lambda per
+    group over two groups (norms without weight decay, at twice the lr), against one
+    process with torch's AdamW over the same groups and the same scheduler (1e-5
+    relative, fp32). Fails when the step ignores the scheduler's lrs (the first
+    steps' warm-up) or one group's."""
+    from tidearray.fsdp import AdamW
+
+    seed = _seed(group)
+    model = _llama(seed, tied=True)
+    reference = copy.deepcopy(model)
+    norms = [n for n, _ in reference.named_parameters() if "norm" in n]
+    lambdas = [lambda s: (s + 1) / STEPS, lambda s: 1.0 / (s + 1)]
+
+    def groups(named: list) -> list[dict]:
+        return [{"params": [p for n, p in named if n not in norms]},
+                {"params": [p for n, p in named if n in norms], "lr": 2 * LR,
+                 "weight_decay": 0.0}]
+
+    opt = torch.optim.AdamW(groups(list(reference.named_parameters())), lr=LR,
+                            betas=(0.9, 0.95), eps=1e-6, weight_decay=0.01)
+    want = []
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
+    for s in range(STEPS):
+        loss = torch.stack([_loss(reference, _batch(seed, s, r))
+                            for r in range(group.size)]).mean()
+        loss.backward()
+        opt.step()
+        schedule.step()
+        opt.zero_grad()
+        want.append(float(loss.detach()))
+    sm = _wrap(model, group, optimizer=AdamW(lr=LR, eps=1e-6, weight_decay=0.01),
+               param_groups=[{"params": norms, "lr": 2 * LR, "weight_decay": 0.0}])
+    opt = sm.sharding.optimizer
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert [len(g["params"]) for g in opt.param_groups] == [
+        len(g["params"]) for g in groups(list(reference.named_parameters()))]
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
+    got = []
+    for s in range(STEPS):
+        loss = _loss(sm, _batch(seed, s, group.rank))
+        loss.backward()
+        opt.step()
+        schedule.step()
+        opt.zero_grad()
+        got.append(group.comm.allreduce(float(loss.detach())) / group.size)
+    _compare(group, got, want, "a torch scheduler on the fused AdamW")
+
+
+def test_the_fused_adamws_fixed_settings_are_refused_as_torch_settings(group):
+    """What the fused AdamW cannot take as a torch optimizer raises ``TideInvalid`` (on
+    every rank: each rank's scheduler does the same) and steps nothing: betas cycled by
+    ``OneCycleLR``'s default, a new group, its own state dict (the model's holds it)."""
+    import tidearray
+
+    seed = _seed(group)
+    sm = _wrap(_llama(seed, tied=True), group)
+    opt = sm.sharding.optimizer
+    before = [t.detach().clone() for t in sm.shard_parameters()]
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=STEPS)
+    _loss(sm, _batch(seed, 0, group.rank)).backward()
+    with pytest.raises(tidearray.TideInvalid, match=r"param_groups\[0\]\['betas'\].*"
+                                                    "cycle_momentum=False"):
+        opt.step()
+    for t, b in zip(sm.shard_parameters(), before):
+        assert torch.equal(t.detach(), b)
+    del schedule
+    with pytest.raises(tidearray.TideInvalid, match="model.state_dict\\(full=False\\)"):
+        opt.state_dict()
+    with pytest.raises(tidearray.TideInvalid, match="param_groups="):
+        opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+    sm.zero_grad()
+
+
 def test_torch_tools_do_not_silently_see_nothing(group):
     import tidearray
 
