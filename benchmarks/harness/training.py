@@ -1,5 +1,5 @@
 """What the training-step comparisons share (``benchmarks/steps/``): the loss checks, one
-step under CUPTI, and the plots of a run's steps.
+step under CUPTI, steps under cProfile, and the plots of a run's steps.
 
 Every comparison trains each impl from the same weights on the same batches, its last step
 on the first step's batch again, so a record is judged the same way everywhere: each
@@ -10,7 +10,10 @@ what is wrong in words and :func:`lines` writes the check as markdown.
 
 from __future__ import annotations
 
+import cProfile
+import io
 import os
+import pstats
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -98,6 +101,39 @@ def profile_step(step: Callable[[], None], trace_path: Optional[str],
     roles = {r: us / 1e3 for r, us in timeline.roles(events).items()}
     log(f"profiled step: device ms per role {roles}")
     return {"ms_per_role": roles}
+
+
+#: Functions in each of :func:`host_profile`'s two tables.
+TOP_FUNCTIONS = 15
+
+
+def host_profile(step: Callable[[], None], steps: int, out: Optional[str], name: str,
+                 log: Callable[..., None]) -> None:
+    """``steps`` calls of ``step`` (each synchronized by it) under cProfile: where the host
+    time goes, by function, per step: printed, and with ``out`` written as
+    ``{name}_host_profile.txt`` and ``.pstats``. Python that C++ calls on this thread
+    (autograd's hooks, XLA's callbacks) is counted in its own frames."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    rows = [(f"{os.path.basename(f)}:{line}({fn})", nc / steps, tt / steps * 1e3,
+             ct / steps * 1e3) for (f, line, fn), (_, nc, tt, ct, _) in stats.stats.items()]
+    for title, key in (("own time", 2), ("cumulative time", 3)):
+        text.write(f"\nTop {TOP_FUNCTIONS} by {title}, per step:\n\n| function | calls | own "
+                   "(ms) | cumulative (ms) |\n| --- | ---: | ---: | ---: |\n" + "".join(
+                       f"| `{n}` | {c:.0f} | {t:.2f} | {ct:.2f} |\n" for n, c, t, ct in
+                       sorted(rows, key=lambda r: -r[key])[:TOP_FUNCTIONS]))
+    stats.sort_stats("tottime").print_stats(30)
+    log(f"[{name}] host profile, {steps} steps:\n{text.getvalue()}")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{name}_host_profile.txt"), "w") as f:
+            f.write(text.getvalue())
+        stats.dump_stats(os.path.join(out, f"{name}_host_profile.pstats"))
 
 
 def plot_timelines(rec: dict, out: str) -> None:

@@ -404,38 +404,15 @@ class Run:
         path = os.path.join(out, f"{self.kind}_step_trace.json") if out else None
         return training.profile_step(step, path, self.log)
 
-    def host_profile(self) -> None:
-        """``--host-profile`` more steps under cProfile (rank 0's): where each impl's host
-        time goes, by function, the device synchronized after each step."""
-        import cProfile
-        import io
-        import pstats
-
-        args, steps = self.args, self.args.host_profile
-        tokens, targets = self.batch(-1)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(steps):
-            self.impl.train_step(tokens, targets, args.lr)
-            _sync(self.torch, self.cuda)
-        prof.disable()
-        text = io.StringIO()
-        stats = pstats.Stats(prof, stream=text)
-        text.write(per_step(stats, steps) + "\n")
-        stats.sort_stats("tottime").print_stats(30)
-        self.log(f"[{self.kind}] host profile, {steps} steps:\n{text.getvalue()}")
-        if args.out and self.g.rank == 0:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"{self.kind}_host_profile.txt"), "w") as f:
-                f.write(text.getvalue())
-            stats.dump_stats(os.path.join(args.out, f"{self.kind}_host_profile.pstats"))
-
     def finish(self, clocks: list) -> dict:
         """The profiles asked for, then the impl closed; its record."""
         args, impl, w = self.args, self.impl, self.args.warmup
         prof = self.profile() if args.profile else None
-        if args.host_profile:
-            self.host_profile()
+        if args.host_profile:  # where each impl's host time goes (rank 0's file)
+            tokens, targets = self.batch(-1)
+            training.host_profile(lambda: (impl.train_step(tokens, targets, args.lr),
+                                           _sync(self.torch, self.cuda)), args.host_profile,
+                                  args.out if self.g.rank == 0 else None, self.kind, self.log)
         impl.close()
         del self.impl
         timed = {"step": self.times, "host": self.host, "cpu": self.cpu}
@@ -475,25 +452,6 @@ def _release(torch: Any, g: Any, cuda: bool) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         g.backend.xp.get_default_memory_pool().free_all_blocks()
-
-
-#: Functions listed per step by ``--host-profile``, by own time and by cumulative time.
-TOP_FUNCTIONS = 15
-
-
-def per_step(stats: Any, steps: int) -> str:
-    """A cProfile's top functions per step: by own time, then by cumulative time (calls,
-    own and cumulative milliseconds per step), as markdown."""
-    rows = [(f"{os.path.basename(f)}:{line}({fn})", nc / steps, tt / steps * 1e3,
-             ct / steps * 1e3) for (f, line, fn), (_, nc, tt, ct, _) in stats.stats.items()]
-    lines = []
-    for title, key in (("own time", 2), ("cumulative time", 3)):
-        lines += ["", f"Top {TOP_FUNCTIONS} by {title}, per step:", "",
-                  "| function | calls | own (ms) | cumulative (ms) |",
-                  "| --- | ---: | ---: | ---: |"]
-        lines += [f"| `{n}` | {c:.0f} | {t:.2f} | {ct:.2f} |"
-                  for n, c, t, ct in sorted(rows, key=lambda r: -r[key])[:TOP_FUNCTIONS]]
-    return "\n".join(lines)
 
 
 #: The per-unit overheads over plain's that :func:`compare` records: (key, record field).

@@ -119,6 +119,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--recompile", action="store_true",
                    help="compile each step twice: the second compile finds XLA's in-process "
                         "caches (GEMM autotuning) warm")
+    p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                   help="STEPS more under cProfile: where the host time goes (the callbacks "
+                        "included; {impl}_host_profile.txt and .pstats with --out)")
     p.add_argument("--tiny", "--quick", action="store_true", help="a tiny model (CPU check)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -201,6 +204,9 @@ def run_impl(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace
             issue.append(t1 - t0)
             wall.append(t2 - t0)
             cpu.append(c1 - c0)
+    if args.host_profile:  # the last (timed) step's batch again: no new compile
+        training.host_profile(lambda: float(np.asarray(run(cfg.steps - 1))), args.host_profile,
+                              args.out if g is None or g.rank == 0 else None, impl, log)
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
     peak, cpu_s = max((p for p in peaks if p is not None), default=None), statistics.median(cpu)
     if g is not None:  # the largest of the ranks' peaks, the mean of their CPU times
