@@ -176,6 +176,12 @@ class _ShardedGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
+        if name.startswith("_amp_"):  # torch.amp.GradScaler's unscale and inf check
+            raise TideInvalid("a gradient of a module sharded by tidearray: torch.amp.GradScaler "
+                              "unscales each parameter's .grad, and a sharded model's are in "
+                              "its shards: loss scaling is not supported; train in bfloat16 "
+                              "(param_dtype=torch.bfloat16, or torch.autocast's bfloat16), "
+                              "which needs none")
         if name not in cls.ALLOWED:
             raise TideInvalid("a gradient of a module sharded by tidearray: expected "
                               "the sharded model's clip_grad_norm_() or its shards "

@@ -146,6 +146,57 @@ def _train_as_one_process(sm, reference, group, evaluate: bool = False) -> None:
     agree(group.comm, failures, "shard_module vs torch")
 
 
+def test_autocast_trains_as_one_process_and_loss_scaling_is_refused(group):
+    """fp32 parameters under ``torch.autocast``'s bfloat16 (the hooks gather fp32, autocast
+    casts per op): the losses of one process under the same autocast, within 1e-2 (bf16
+    products, summed in another order). ``torch.amp.GradScaler``, which unscales each
+    parameter's ``.grad``, raises a ``TideInvalid`` that says to train in bf16 instead."""
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    import tidearray
+    import tidearray.torch as tt
+    from tidearray.fsdp import AdamW
+
+    model, units = _model(0)
+    reference = copy.deepcopy(model)
+    sm = tt.shard_module(model, units, group=group, optimizer=AdamW(lr=LR))
+
+    def loss_of(m, x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.nn.functional.mse_loss(m(x).float(), y)
+
+    def one_process():
+        opt = torch.optim.AdamW(reference.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8,
+                                weight_decay=0.0)
+        out = []
+        for s in range(STEPS):
+            xs, ys = zip(*[_batch(s, r, B) for r in range(group.size)])
+            loss = loss_of(reference, torch.cat(xs), torch.cat(ys))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(float(loss.detach()))
+        return out
+
+    got = []
+    for s in range(STEPS):
+        loss = loss_of(sm, *_batch(s, group.rank, B))
+        loss.backward()
+        sm.step()
+        got.append(group.comm.allreduce(float(loss.detach())) / group.size)
+    want = on_rank_zero(group.comm, one_process)
+    failures = [f"step {i}: {a!r} vs reference {b!r}" for i, (a, b) in enumerate(zip(got, want))
+                if abs(a - b) > 1e-2 * abs(b)]
+    if not got[-1] < got[0]:
+        failures.append(f"loss did not go down: {got}")
+    agree(group.comm, failures, "shard_module under autocast vs torch")
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss_of(sm, *_batch(0, group.rank, B))).backward()
+    with pytest.raises(tidearray.TideInvalid, match="GradScaler.*bfloat16"):
+        scaler.step(sm.sharding.optimizer)
+    sm.zero_grad()
+
+
 def test_a_compiled_forward_and_backward_runs_the_hooks_eagerly(group):
     """A function compiled whole, forward and backward, runs the hooks while Dynamo
     evaluates frames around its graph breaks ([Note: hooks and Dynamo] in
