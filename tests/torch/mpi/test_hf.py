@@ -122,6 +122,24 @@ class PerExpertMoE(torch.nn.Module):
         return out.reshape(x.shape)
 
 
+def _t5(seed: int) -> Any:
+    """An encoder-decoder: the embedding shared by both stacks (the root), each decoder
+    block reading the encoder's output (cross-attention), so one forward tensor feeds
+    every decoder unit and its gradient sums their backwards."""
+    torch.manual_seed(seed)
+    cfg = transformers.T5Config(d_model=32, d_ff=48, num_layers=2, num_decoder_layers=2,
+                                num_heads=4, d_kv=8, vocab_size=VOCAB, dropout_rate=0.0,
+                                decoder_start_token_id=0)
+    return _on_device(transformers.T5ForConditionalGeneration(cfg))
+
+
+def _blocks(model: Any) -> list:
+    """The units: the decoder layers, or the blocks of both stacks of an encoder-decoder."""
+    if hasattr(model, "encoder"):
+        return [*model.encoder.block, *model.decoder.block]
+    return list(model.model.layers)
+
+
 def _per_expert(seed: int) -> Any:
     model = _llama(seed, tied=False)
     torch.manual_seed(seed + 1)
@@ -210,11 +228,12 @@ def _wrap(model: Any, group, **kw: Any) -> Any:
     from tidearray.fsdp import AdamW
 
     kw.setdefault("optimizer", AdamW(lr=LR))
-    return tt.shard_module(model, list(model.model.layers), group=group, **kw)
+    return tt.shard_module(model, _blocks(model), group=group, **kw)
 
 
 MODELS = {"llama-tied": lambda s: _llama(s, True), "llama-untied": lambda s: _llama(s, False),
-          "qwen3-moe": _qwen3_moe, "per-expert-moe": _per_expert, "unused-param": _unused}
+          "qwen3-moe": _qwen3_moe, "per-expert-moe": _per_expert, "unused-param": _unused,
+          "t5-encoder-decoder": _t5}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
