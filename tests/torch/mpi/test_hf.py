@@ -196,9 +196,9 @@ def _one_process(model: Any, seed: int, world: int, groups: Any = None,
 
 
 def _sharded(sm: Any, group, seed: int, between: Callable = None, clip: float = None,
-             micro: int = 1, steps: int = STEPS) -> list[float]:
+             micro: int = 1, steps: int = STEPS, step: Callable = None) -> list[float]:
     """This rank's ``micro`` batches per step, each loss divided by ``micro`` as a torch
-    loop does (the backwards add up)."""
+    loop does (the backwards add up); ``step()`` (default ``sm.step``) ends each step."""
     losses = []
     for s in range(steps):
         if between is not None:
@@ -210,7 +210,7 @@ def _sharded(sm: Any, group, seed: int, between: Callable = None, clip: float = 
             total += float(loss.detach())
         if clip is not None:
             sm.clip_grad_norm_(clip)
-        sm.step()
+        (step or sm.step)()
         losses.append(group.comm.allreduce(total) / group.size)
     return losses
 
@@ -454,6 +454,20 @@ def test_gradient_accumulation_sums_the_micro_batches(group):
         _compare(group, got, want, f"gradient accumulation, {name}")
 
 
+def _scheduled_one_process(model: Any, opt: Any, schedule: Any, seed: int,
+                           world: int) -> list[float]:
+    """One process on the global batch, ``schedule`` stepped after each ``opt.step()``."""
+    losses = []
+    for s in range(STEPS):
+        loss = torch.stack([_loss(model, _batch(seed, s, r)) for r in range(world)]).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        schedule.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 @pytest.mark.parametrize("optimizer", ["fused", "torch"])
 def test_learning_rate_schedule(group, optimizer):
     """A warm-up over the steps: torch's ``LambdaLR`` on ``model.sharding.optimizer`` (a
@@ -473,16 +487,8 @@ def test_learning_rate_schedule(group, optimizer):
         return torch.optim.AdamW(ps, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
     opt = adamw(list(reference.parameters()))
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warm_up)
-    want = []
-    for s in range(STEPS):
-        loss = torch.stack([_loss(reference, _batch(seed, s, r))
-                            for r in range(group.size)]).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        schedule.step()
-        want.append(float(loss.detach()))
+    want = _scheduled_one_process(reference, opt, torch.optim.lr_scheduler.LambdaLR(
+        opt, warm_up), seed, group.size)
     sm = _wrap(model, group, optimizer=AdamW(lr=LR) if optimizer == "fused" else adamw)
     if optimizer == "torch":
         schedule = torch.optim.lr_scheduler.LambdaLR(sm.sharding.optimizer, warm_up)
@@ -521,16 +527,8 @@ def test_a_torch_scheduler_drives_the_fused_adamw(group):
 
     opt = torch.optim.AdamW(groups(list(reference.named_parameters())), lr=LR,
                             betas=(0.9, 0.95), eps=1e-6, weight_decay=0.01)
-    want = []
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
-    for s in range(STEPS):
-        loss = torch.stack([_loss(reference, _batch(seed, s, r))
-                            for r in range(group.size)]).mean()
-        loss.backward()
-        opt.step()
-        schedule.step()
-        opt.zero_grad()
-        want.append(float(loss.detach()))
+    want = _scheduled_one_process(reference, opt, torch.optim.lr_scheduler.LambdaLR(
+        opt, lambdas), seed, group.size)
     sm = _wrap(model, group, optimizer=AdamW(lr=LR, eps=1e-6, weight_decay=0.01),
                param_groups=[{"params": norms, "lr": 2 * LR, "weight_decay": 0.0}])
     opt = sm.sharding.optimizer
@@ -538,14 +536,7 @@ def test_a_torch_scheduler_drives_the_fused_adamw(group):
     assert [len(g["params"]) for g in opt.param_groups] == [
         len(g["params"]) for g in groups(list(reference.named_parameters()))]
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
-    got = []
-    for s in range(STEPS):
-        loss = _loss(sm, _batch(seed, s, group.rank))
-        loss.backward()
-        opt.step()
-        schedule.step()
-        opt.zero_grad()
-        got.append(group.comm.allreduce(float(loss.detach())) / group.size)
+    got = _sharded(sm, group, seed, step=lambda: (opt.step(), schedule.step(), opt.zero_grad()))
     _compare(group, got, want, "a torch scheduler on the fused AdamW")
 
 
