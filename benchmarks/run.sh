@@ -25,8 +25,8 @@
 #                  lowering, XLA, XLA again with its caches warm, GEMMs, XLA's timers and
 #                  autotuning log; TIDE_JAX_COMPILE_IMPLS)
 #       jaxscan    (jax_step.py, tidearray-scan and unsharded scanned, at 4, 8, 16 and 32
-#                  layers: compile time against depth, and where the host time of 2 more
-#                  steps goes (cProfile: the callbacks' Python against XLA's); TIDE_JAX_LAYERS)
+#                  layers: compile time against depth, and the host time per step in
+#                  tidearray's callbacks against the rest; TIDE_JAX_LAYERS)
 #       tests      (the harness's and the baselines' tests, tests/benchmarks,
 #                  at 2 ranks)
 #       ab         (this tree against the one in before/: see below)
@@ -113,7 +113,7 @@ run_jaxscan() {  # the scanned step's compile time against depth (TIDE_JAX_LAYER
     for n in ${TIDE_JAX_LAYERS:-4 8 16 32}; do
         step "jaxscan_$n" "${MPI[@]}" -n 1 python3 benchmarks/steps/jax_step.py \
             --impls tidearray-scan,unsharded --scan --layers "$n" --steps 3 --warmup 2 \
-            --host-profile 2 --out "$OUT/jaxscan/l$n"
+            --out "$OUT/jaxscan/l$n"
     done
 }
 run_fsdp2ab() {  # one rank, shard_module only: the step time an A/B compares

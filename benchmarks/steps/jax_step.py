@@ -119,9 +119,6 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--recompile", action="store_true",
                    help="compile each step twice: the second compile finds XLA's in-process "
                         "caches (GEMM autotuning) warm")
-    p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
-                   help="STEPS more under cProfile: where the host time goes (the callbacks "
-                        "included; {impl}_host_profile.txt and .pstats with --out)")
     p.add_argument("--tiny", "--quick", action="store_true", help="a tiny model (CPU check)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -188,11 +185,12 @@ def run_impl(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace
         os.makedirs(args.out, exist_ok=True)
         with gzip.open(os.path.join(args.out, f"{impl}.hlo.txt.gz"), "wt") as f:
             f.write(hlo)
-    issue, cpu, wall, losses = [], [], [], []
+    callbacks = extra.pop("callback_seconds", lambda: 0.0)  # tidearray's host time in them
+    issue, cpu, wall, losses, in_callbacks = [], [], [], [], []
     for s in range(cfg.steps):
         if g is not None:
             g.comm.Barrier()
-        c0, t0 = time.process_time(), time.perf_counter()
+        b0, c0, t0 = callbacks(), time.process_time(), time.perf_counter()
         loss = run(s)
         t1 = time.perf_counter()
         loss = float(np.asarray(loss))  # waits for the step
@@ -204,9 +202,7 @@ def run_impl(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace
             issue.append(t1 - t0)
             wall.append(t2 - t0)
             cpu.append(c1 - c0)
-    if args.host_profile:  # the last (timed) step's batch again: no new compile
-        training.host_profile(lambda: float(np.asarray(run(cfg.steps - 1))), args.host_profile,
-                              args.out if g is None or g.rank == 0 else None, impl, log)
+            in_callbacks.append(callbacks() - b0)
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
     peak, cpu_s = max((p for p in peaks if p is not None), default=None), statistics.median(cpu)
     if g is not None:  # the largest of the ranks' peaks, the mean of their CPU times
@@ -214,10 +210,12 @@ def run_impl(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace
         cpu_s = g.comm.allreduce(cpu_s) / g.size
     r = {"impl": impl, "world": world, "compile_s": compile_s, "step_s": wall,
          "median_step_s": statistics.median(wall), "median_issue_s": statistics.median(issue),
-         "median_cpu_s": cpu_s, "peak_bytes": peak, "losses": losses,
+         "median_cpu_s": cpu_s, "median_callback_s": statistics.median(in_callbacks),
+         "peak_bytes": peak, "losses": losses,
          "platform": devices[0].platform, **extra}
     log(f"[{impl}] step {r['median_step_s'] * 1e3:.2f} ms, compile {compile_s:.2f} s, host "
-        f"issue {r['median_issue_s'] * 1e3:.3f} ms, host CPU {cpu_s * 1e3:.2f} ms, peak "
+        f"issue {r['median_issue_s'] * 1e3:.3f} ms, host CPU {cpu_s * 1e3:.2f} ms (in "
+        f"tidearray's callbacks {r['median_callback_s'] * 1e3:.2f} ms), peak "
         f"{_gib(peak)} GiB, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     return r
 
@@ -262,6 +260,7 @@ def build(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace, i
     su = tj.shard_units(model, group=g, compute_dtype=dtype, stacked=stacked,
                         reshard_after_forward=impl != "tidearray-keep",
                         command_buffer=impl == "tidearray-cb")
+    extra["callback_seconds"] = lambda: su.callback_seconds
     return (make_runner(ex.sharded_step(jax, su, fns, opt), su.shards, opt.init(su.shards), coef,
                    lambda s: [jax.device_put(a, su.device)
                               for a in ex.batch(cfg, data_step(cfg, s), g.rank)]),

@@ -20,6 +20,8 @@ buffer assignment repeats), so a step's callbacks make no CuPy arrays after the 
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any, ContextManager, Optional, Sequence
 
 from jax.experimental.buffer_callback import ExecutionStage
@@ -58,3 +60,21 @@ class XlaBuffers:
         """``dst[k][...] = src[k]`` for arrays of equal bytes, on ``stream`` (cuda: one
         device-to-device copy each, asynchronous; host: memmove)."""
         self.backend.copy_arrays(dst, src, stream)
+
+
+class HostClock:
+    """Host seconds spent inside ``with clock:`` blocks, summed over the threads XLA calls
+    back on (on the CPU a scanned body's callbacks run on XLA's worker threads)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+        self._start = threading.local()
+
+    def __enter__(self) -> None:
+        self._start.t = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        spent = time.perf_counter() - self._start.t
+        with self._lock:
+            self.seconds += spent

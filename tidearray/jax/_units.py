@@ -91,7 +91,7 @@ from .._errors import TideInvalid
 from .._group import Group, default_group
 from .._plan import Unit
 from .._shard import shard
-from ._buffers import XlaBuffers
+from ._buffers import HostClock, XlaBuffers
 from ._runners import InPlace, Staged
 
 _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -142,14 +142,14 @@ class _UnitCollectives:
     def _gather_cb(self, ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
         xb, n = self.owner.buffers, len(self.shapes)
         if xb.runs(ctx):
-            with xb.on_device():
+            with self.owner.clock, xb.on_device():
                 self.owner.runner.gather(self.index, self.shapes, xb.arrays(ins[:n]),
                                          xb.arrays(outs), xb.stream(ctx))
 
     def _reduce_cb(self, ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
         xb, n = self.owner.buffers, len(self.shapes)
         if xb.runs(ctx):
-            with xb.on_device():
+            with self.owner.clock, xb.on_device():
                 self.owner.runner.reduce(self.index, xb.arrays(ins[:n]), xb.arrays(outs[:n]),
                                          xb.stream(ctx))
 
@@ -265,6 +265,7 @@ class ShardedUnits:
         self.reshard_after_forward = reshard_after_forward
         self.command_buffer = command_buffer
         self.buffers = XlaBuffers(group.backend)
+        self.clock = HostClock()  # the callbacks' host time (callback_seconds)
         size = max([max(u.nbytes, u.staging_nbytes) for u in units] + [4096])
         self.arena = SlotArena(size, num_slots=1, group=group)
         self.slot = self.arena[0]
@@ -278,6 +279,14 @@ class ShardedUnits:
 
     def __len__(self) -> int:
         return len(self._units)
+
+    @property
+    def callback_seconds(self) -> float:
+        """Host seconds this rank spent in the units' callbacks since :func:`shard_units`:
+        the collectives' Python, agreement and launches (on the host backend their copies
+        and sums too), summed over the threads XLA calls back on. Its growth over a step,
+        against the step's host time, is what tidearray adds to the host's work."""
+        return self.clock.seconds
 
     def layers(self, index: int) -> Optional[int]:
         """The number of layers of unit ``index`` if it is stacked (``shard_units``'

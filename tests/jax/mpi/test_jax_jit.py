@@ -28,7 +28,8 @@
   shard's contents); bad stacked units and misuse of ``scan``/``apply`` raise;
 * an encoder-decoder whose carry holds an int mask, a PRNG key (dropout) and an
   auxiliary loss, the decoder units reading the encoder's output, the shards donated:
-  against one process within 1e-5 over 6 steps.
+  against one process within 1e-5 over 6 steps; ``callback_seconds`` grows with each
+  step, by less than the step took.
 
 Fresh seeds every run (drawn on rank 0). Runs on the host backend at any world size;
 the cuda path is ``tests/jax/gpu/test_jax_jit_gpu.py``. Skipped without JAX.
@@ -37,6 +38,7 @@ the cuda path is ``tests/jax/gpu/test_jax_jit_gpu.py``. Skipped without JAX.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -778,13 +780,16 @@ def test_an_encoder_decoder_with_dropout_and_aux_outputs(group, cpu_jax):
         return optax.apply_updates(shards, updates), state, value, aux
 
     step = jax.jit(step, donate_argnums=(0, 1))
-    shards, got = su.shards, []
+    shards, got, clock = su.shards, [], [su.callback_seconds]
     state = tx.init(shards)
     for s in range(steps):
         h, m = batch(s)
+        t0 = time.perf_counter()
         shards, state, value, _ = step(shards, state, h[group.rank], m[group.rank],
                                        key(s, group.rank))
         got.append(group.comm.allreduce(float(value)) / world)
+        clock.append(su.callback_seconds)  # grew by the step's callbacks, within its time
+        assert 0 < clock[-1] - clock[-2] < time.perf_counter() - t0
     want = on_rank_zero(group.comm, one_process)
     bad = [f"step {s}: {a!r} vs one process {b!r}" for s, (a, b) in enumerate(zip(got, want))
            if not abs(a - b) <= 1e-5 * abs(b)]
