@@ -131,13 +131,12 @@ class OptimizerBridge:
             self.optimizer = make(self._shards)
             _route_zero_grad(self.optimizer, zero_grad)
 
-    def step(self, lr: Optional[float]) -> Any:
-        """One step: the fused AdamW's (its norm when it clips, else None), at ``lr`` or
-        else at its groups' lrs as a scheduler left them, or the torch optimizer's over
-        the averaged gradients (None)."""
+    def step(self, lr: Any) -> Any:
+        """One step: the fused AdamW's at ``lr`` (its norm when it clips, else None;
+        :class:`FusedAsTorch` resolves the lr), or the torch optimizer's over the averaged
+        gradients (None)."""
         if self.kind == "fused":
-            group_lrs = self.optimizer.scheduled_lrs()
-            return self.runtime.step(group_lrs if lr is None else lr)
+            return self.runtime.step(lr)
         if lr is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
@@ -168,12 +167,20 @@ class FusedAsTorch(torch.optim.Optimizer):
     """The fused AdamW as a ``torch.optim.Optimizer``, for torch's learning-rate schedulers
     ([Note: the optimizer bridge]): ``step()`` and ``zero_grad()`` are the model's.
 
+    The model's ``step(lr)`` comes through here too (:meth:`step_at`), so that what torch
+    hangs on an optimizer's ``step`` (a scheduler's check that the optimizer stepped,
+    ``register_step_post_hook``) sees every step, whichever of the two the loop calls.
+
     Args:
         groups: per group of the fused AdamW (the default first), its hyper-parameters
             and the model's parameters in it.
         fused: the runtime's ``FusedAdamW``.
-        step: the model's step (``lr=None``: the groups' lrs, :meth:`scheduled_lrs`).
+        step: one step of the model at an lr (None, a real, or one per group); returns
+            the clip's norm or None.
         zero_grad: the model's ``zero_grad``.
+
+    Attributes:
+        norm: what the last step returned (the global gradient norm when it clipped).
     """
 
     #: The group keys only the model's sharding sets (a change is refused).
@@ -186,6 +193,8 @@ class FusedAsTorch(torch.optim.Optimizer):
         self._hps = [hp for hp, _ in groups]
         #: The runtime's ``FusedAdamW`` (its moments, step counts, groups).
         self.fused = fused
+        self.norm: Any = None
+        self._lr: Any = None  # step_at's lr, for the step it calls
         self._model_step, self._model_zero_grad = step, zero_grad
 
     def scheduled_lrs(self) -> Optional[list[float]]:
@@ -209,13 +218,23 @@ class FusedAsTorch(torch.optim.Optimizer):
         return [group["lr"] for group in self.param_groups] if changed else None
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """The model's step at the groups' lrs; returns ``closure()``'s loss, as torch's."""
+        """The model's step at the groups' lrs (or :meth:`step_at`'s); returns
+        ``closure()``'s loss, as torch's."""
+        lr, self._lr = self._lr, None
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._model_step(None)
+        group_lrs = self.scheduled_lrs()  # (also checks what may not change)
+        self.norm = self._model_step(group_lrs if lr is None else lr)
         return loss
+
+    def step_at(self, lr: Optional[float]) -> Any:
+        """The model's ``step(lr)``: :meth:`step` as torch calls it (its wrappers and
+        hooks around it), at ``lr`` if given; returns the clip's norm or None."""
+        self._lr = lr
+        self.step()
+        return self.norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._model_zero_grad()

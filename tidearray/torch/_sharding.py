@@ -139,7 +139,7 @@ class Sharding:
         self.guard = StateDictGuard()
         owners = {id(m): m for ps in self.params for p in ps for m, _ in spec.aliases[id(p)]}
         self._handles = self.hooks.register() + self.guard.register(owners.values())
-        self.bridge = OptimizerBridge(self.runtime, make, self.zero_grad, self.step,
+        self.bridge = OptimizerBridge(self.runtime, make, self.zero_grad, self._step,
                                       self._group_params([ns for _, ns in groups]))
 
     @property
@@ -165,8 +165,15 @@ class Sharding:
 
     def step(self, lr: Optional[float] = None) -> Any:
         """The model's ``step`` (:meth:`ShardedModule.step`): the fused AdamW (see
-        :meth:`Runtime.step`) or the torch optimizer ``optimizer=`` made, on the stream
-        torch issues on now."""
+        :meth:`Runtime.step`), through its torch face's ``step()`` so that what torch
+        hangs on an optimizer's step (a scheduler's bookkeeping, step hooks) sees it, or
+        the torch optimizer ``optimizer=`` made, on the stream torch issues on now."""
+        if self.bridge.kind == "fused":
+            return self.bridge.optimizer.step_at(lr)
+        return self._step(lr)
+
+    def _step(self, lr: Any) -> Any:
+        """One step of the bridge at ``lr`` (None, a real, or one per fused group)."""
         self.storage.clear_sentinels()
         self.stream.follow()
         return self.stream.norm(self.bridge.step(lr))

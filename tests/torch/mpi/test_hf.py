@@ -505,13 +505,18 @@ def test_learning_rate_schedule(group, optimizer):
     _compare(group, got, want, f"lr schedule ({optimizer})")
 
 
-def test_a_torch_scheduler_drives_the_fused_adamw(group):
+@pytest.mark.parametrize("loop", ["opt.step()", "model.step()"])
+def test_a_torch_scheduler_drives_the_fused_adamw(group, loop):
     """The usual torch loop on ``model.sharding.optimizer`` with the fused AdamW:
-    ``opt.step(); schedule.step(); opt.zero_grad()``, a ``LambdaLR`` with a lambda per
-    group over two groups (norms without weight decay, at twice the lr), against one
-    process with torch's AdamW over the same groups and the same scheduler (1e-5
-    relative, fp32). Fails when the step ignores the scheduler's lrs (the first
-    steps' warm-up) or one group's."""
+    ``opt.step(); schedule.step(); opt.zero_grad()`` (or the model's ``step()`` and
+    ``zero_grad()``), a ``LambdaLR`` with a lambda per group over two groups (norms
+    without weight decay, at twice the lr), against one process with torch's AdamW over
+    the same groups and the same scheduler (1e-5 relative, fp32). Fails when the step
+    ignores the scheduler's lrs (the first steps' warm-up) or one group's. Either way
+    the optimizer's step hooks run at each step and the scheduler does not warn that
+    it stepped before the optimizer."""
+    import warnings
+
     from tidearray.fsdp import AdamW
 
     seed = _seed(group)
@@ -536,8 +541,14 @@ def test_a_torch_scheduler_drives_the_fused_adamw(group):
     assert [len(g["params"]) for g in opt.param_groups] == [
         len(g["params"]) for g in groups(list(reference.named_parameters()))]
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
-    got = _sharded(sm, group, seed, step=lambda: (opt.step(), schedule.step(), opt.zero_grad()))
-    _compare(group, got, want, "a torch scheduler on the fused AdamW")
+    stepped = []
+    opt.register_step_post_hook(lambda *_: stepped.append(1))
+    step = opt.step if loop == "opt.step()" else sm.step
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*lr_scheduler.step.*before.*optimizer")
+        got = _sharded(sm, group, seed, step=lambda: (step(), schedule.step(), sm.zero_grad()))
+    assert len(stepped) == STEPS
+    _compare(group, got, want, f"a torch scheduler on the fused AdamW ({loop})")
 
 
 def test_the_fused_adamws_fixed_settings_are_refused_as_torch_settings(group):
