@@ -177,10 +177,12 @@ def _torch_adamw(eps: float = 1e-8) -> Callable:
 
 def _one_process(model: Any, seed: int, world: int, groups: Any = None,
                  make_opt: Callable = None, clip: float = None, micro: int = 1,
-                 steps: int = STEPS) -> list[float]:
-    """One process on every rank's ``micro`` batches per step (the global batch)."""
+                 steps: int = STEPS, schedule: Callable = None) -> list[float]:
+    """One process on every rank's ``micro`` batches per step (the global batch);
+    ``schedule(opt)``: a scheduler stepped after each ``opt.step()``."""
     params = groups(model) if groups else [p for p in model.parameters() if p.requires_grad]
     opt = (make_opt or _torch_adamw())(params)
+    scheduler = schedule(opt) if schedule else None
     losses = []
     for s in range(steps):
         # The mean over ranks and micro-batches of each one's mean loss (the same tokens each).
@@ -191,6 +193,8 @@ def _one_process(model: Any, seed: int, world: int, groups: Any = None,
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(float(loss.detach()))
     return losses
 
@@ -454,20 +458,6 @@ def test_gradient_accumulation_sums_the_micro_batches(group):
         _compare(group, got, want, f"gradient accumulation, {name}")
 
 
-def _scheduled_one_process(model: Any, opt: Any, schedule: Any, seed: int,
-                           world: int) -> list[float]:
-    """One process on the global batch, ``schedule`` stepped after each ``opt.step()``."""
-    losses = []
-    for s in range(STEPS):
-        loss = torch.stack([_loss(model, _batch(seed, s, r)) for r in range(world)]).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        schedule.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 @pytest.mark.parametrize("optimizer", ["fused", "torch"])
 def test_learning_rate_schedule(group, optimizer):
     """A warm-up over the steps: torch's ``LambdaLR`` on ``model.sharding.optimizer`` (a
@@ -486,9 +476,8 @@ def test_learning_rate_schedule(group, optimizer):
     def adamw(ps: list) -> Any:
         return torch.optim.AdamW(ps, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
-    opt = adamw(list(reference.parameters()))
-    want = _scheduled_one_process(reference, opt, torch.optim.lr_scheduler.LambdaLR(
-        opt, warm_up), seed, group.size)
+    want = _reference(reference, seed, group, make_opt=adamw,
+                      schedule=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warm_up))
     sm = _wrap(model, group, optimizer=AdamW(lr=LR) if optimizer == "fused" else adamw)
     if optimizer == "torch":
         schedule = torch.optim.lr_scheduler.LambdaLR(sm.sharding.optimizer, warm_up)
@@ -530,10 +519,11 @@ def test_a_torch_scheduler_drives_the_fused_adamw(group, loop):
                 {"params": [p for n, p in named if n in norms], "lr": 2 * LR,
                  "weight_decay": 0.0}]
 
-    opt = torch.optim.AdamW(groups(list(reference.named_parameters())), lr=LR,
-                            betas=(0.9, 0.95), eps=1e-6, weight_decay=0.01)
-    want = _scheduled_one_process(reference, opt, torch.optim.lr_scheduler.LambdaLR(
-        opt, lambdas), seed, group.size)
+    want = _reference(reference, seed, group,
+                      groups=lambda m: groups(list(m.named_parameters())),
+                      make_opt=lambda ps: torch.optim.AdamW(ps, lr=LR, betas=(0.9, 0.95),
+                                                            eps=1e-6, weight_decay=0.01),
+                      schedule=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambdas))
     sm = _wrap(model, group, optimizer=AdamW(lr=LR, eps=1e-6, weight_decay=0.01),
                param_groups=[{"params": norms, "lr": 2 * LR, "weight_decay": 0.0}])
     opt = sm.sharding.optimizer
