@@ -112,7 +112,8 @@ def host_profile(step: Callable[[], None], steps: int, out: Optional[str], name:
     """``steps`` calls of ``step`` (each synchronized by it) under cProfile: where the host
     time goes, by function, per step: printed, and with ``out`` written as
     ``{name}_host_profile.txt`` and ``.pstats``. Python that C++ calls on this thread
-    (autograd's hooks, XLA's callbacks) is counted in its own frames."""
+    (autograd's hooks) is counted in its own frames; Python on other threads is not (XLA
+    runs a scanned body's callbacks on its workers: ``ShardedUnits.callback_seconds``)."""
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
