@@ -99,9 +99,10 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank per step")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    p.add_argument("--lr", type=float, default=None, help="peak rate (see --lr-warmup)")
     p.add_argument("--lr-warmup", type=int, default=None,
                    help="steps of linear warm-up to the peak rate (3e-4 from hidden 1024, "
-                        "else 1e-3; default: --warmup, the untimed steps)")
+                        "1e-4 from 256, else 1e-3; default: --warmup, the untimed steps)")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--profile", action="store_true", help="CUPTI timeline of one step each")
     p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
@@ -627,9 +628,10 @@ def main(argv: Optional[list] = None) -> None:
     tokens = args.tokens or 4 * cfg.seq
     if tokens % cfg.seq:
         raise SystemExit(f"--tokens: expected a multiple of {cfg.seq}, got {tokens}")
-    # At 3e-3 (this script's rate until then) small-32l's loss rose in every impl on the
-    # H200; the warm-up spans the untimed steps.
-    args.lr = 3e-4 if cfg.hidden >= 1024 else 1e-3
+    # At 3e-3, and at 1e-3 over 3 warm-up steps, small-32l's loss rose in every impl (H200,
+    # H100); on one H100 at 20 steps plain fell 9.51 -> 8.36 at 1e-4, 8.83 at 3e-4. The CPU
+    # models (hidden 64) learn at 1e-3. The warm-up spans the untimed steps.
+    args.lr = args.lr or (3e-4 if cfg.hidden >= 1024 else 1e-4 if cfg.hidden >= 256 else 1e-3)
     if args.lr_warmup is None:
         args.lr_warmup = args.warmup
     impls = [k for k in args.impls.split(",") if k]
