@@ -76,11 +76,13 @@ ARCHIVED = {
     "run23-one-h200": "CUDA graphs: host time per graph plan call, back to back",
     "run28-one-h200-np2": "The 2-rank GPU run's crash: a test's child joined the job",
     "run29-one-h200-stress": "Under load again: the stress step at 41b43ff",
+    "run27-one-h200-stress": "Under load: the stress step and compute-sanitizer",
 }
 MACHINES = {
     "nvidia-h200-x2": "2 NVIDIA H200 joined by NVLink, one process per GPU",
     "nvidia-h200": "one NVIDIA H200; ranks share it where there are several, so no timing "
                    "between ranks comes from it",
+    "nvidia-h100-x1": "one NVIDIA H100, as the H200 above (no timing between ranks)",
 }
 
 
@@ -331,7 +333,7 @@ def trainer(run: Run) -> tuple[Figure, ...]:
     return tuple(figs)
 
 
-# ---- one H200 (run21, run24, run25, run27) ------------------------------------------
+# ---- one H200 (run21, run24, run25), one H100 -------------------------------------
 
 
 def captured_trainer(run: Run) -> tuple[Figure, ...]:
@@ -406,26 +408,6 @@ def _stress_loops(run: Run, name: str) -> dict[str, tuple[int, int]]:
             loops, failed = out.get(job, (0, 0))
             out[job] = (loops + 1, failed + (": exit 0:" not in rest))
     return out
-
-
-def one_h200_stress(run: Run) -> tuple[Figure, ...]:
-    """The timing-sensitive tests in loops under load, before and after the fix; the
-    sanitizer's error counts."""
-    before, after = (_stress_loops(run, f"{k}_fix_loops.txt") for k in ("before", "after"))
-    figs = [Figure("Stress: captured fused-AdamW loops that failed, on the code before the "
-                   "fix (6c6dced)", "reference",
-                   f"{before['adamw'][1]} of {before['adamw'][0]}")]
-    for job, what in (("adamw", "the captured fused-AdamW tests ([plain], [groups], "
-                               "[absent]), 1 rank, two processes at once"),
-                      ("rs", "beside it: pipeline and reduce-scatter tests, 3 ranks"),
-                      ("graphs", "beside it: graph tests, 2 ranks")):
-        loops, failed = after.get(job, (0, 0))
-        goal, ok = ("0 of >= 30", failed == 0 and loops >= 30) if job == "adamw" else (
-            "0", failed == 0)
-        figs.append(Figure(f"Stress after the fix: loops that failed, {what}", goal,
-                           f"{failed} of {loops}", ok))
-    figs.append(_sanitized(run))
-    return tuple(figs)
 
 
 def _sanitized(run: Run) -> Figure:
@@ -539,11 +521,6 @@ def sections(root: str) -> list[Section]:
           "learning rate, and the fused AdamW's and torch's part by 2.8e-2 by step 17 "
           "(bf16 rounding grows; `floor` and `tide` agree exactly, `plain` and `fsdp2` "
           "too).", one_h200_units),
-        S("run27-one-h200-stress", "Under load: the stress step and compute-sanitizer",
-          "Correctness, not timing: `tests/gpu/run.sh` steps `stress` (the timing-sensitive "
-          "tests in loops while other jobs share the GPU: a 3-rank reduce-scatter loop, a "
-          "2-rank graph-test loop, fp16 matrix products) and `sanitize` "
-          "(docs/reliability.md, \"Under load\").", one_h200_stress),
         S("run30-one-h200-suite", "The GPU suite under load at cae2384",
           "Correctness, not timing: `tests/gpu/run.sh` at one commit, in three calls on one "
           "machine. The default steps (`info np2 np1`) beside `np3` and `np4`; then the "
@@ -558,6 +535,14 @@ def sections(root: str) -> list[Section]:
           "bf16) at 4 and 32 layers, `tidearray-scan` against `unsharded` (scanned too), "
           "3 timed steps after 2. The 8-layer step with every impl was cut by the run's "
           "time.", one_h200_jaxscan),
+        S("run32-one-h100-suite", "The GPU suite under load at 643dfcb",
+          "As run30, on an H100: the default steps beside `np3` and `np4`; the stress step "
+          "with the sanitizer and `jaxjit` at 3-4 ranks beside it; `jaxjit` at 1-2 ranks "
+          "after.", one_h200_suite),
+        S("run33-one-h100-steps", "Per-unit overhead of the eager step, host-bound, again",
+          "As run25, on an H100, at the rate of 1e-4 (at 1e-3 every loss rose): 20 steps, "
+          "medians after 3. Its README adds the scanned JAX step's host time in "
+          "tidearray's callbacks.", one_h200_units),
     ]
 
 
