@@ -243,9 +243,9 @@ class _Plan:
         """
         if self.group.config.debug:
             self.agree()
-        if self.graph is not None:
+        if self.graph is not None and not self.group.backend.capturing(stream):
             return self._replay(stream, async_op)
-        return self._run(stream, async_op)
+        return self._run(stream, async_op)  # inside a capture: its primitives, captured
 
     def _run(self, stream: Any, async_op: bool) -> Any:
         raise NotImplementedError
@@ -276,24 +276,28 @@ class _Plan:
         self._graph_region, self._graph_result = region, result
 
     def _replay(self, stream: Any, async_op: bool) -> Any:
+        """One launch of the graph: on ``stream`` itself, or beside it for ``async_op`` (as
+        an eager call runs on its lanes: ``Work.wait`` orders a stream after it)."""
         region, graph, stamps = self._graph_region, self.graph, self._graph_stamps
-        _order_after(region, stream, graph)
+        last = region.last  # [Note: graph order]
+        after = None if last is None or last[0] is graph else last[1]
         if stamps is not None:
             stamps.poison()
-        completion = graph.launch(stream)
+        completion = graph.launch(stream, after=after, beside=async_op)
         region.last = (graph, completion)
         if stamps is not None:
             stamps.check()
-        # Launched on the stream itself: it is ordered after the replay already.
+        # Launched on the stream itself unless async: then ordered after the replay already.
         return Work(completion, self._graph_result) if async_op else self._graph_result
 
 
-def _order_after(region: Region, stream: Any, graph: Any = None) -> None:
-    """Order ``stream`` after the last collective on ``region`` unless that one runs in
-    this call's order already: for a replay of ``graph``, a launch of the same graph; for
-    an eager call (``graph`` None), another eager call ([Note: graph order])."""
+def _order_after(region: Region, stream: Any) -> None:
+    """Order ``stream`` (an eager call's) after the last collective on ``region`` unless
+    that one runs in this call's order already: another eager call ([Note: graph
+    order]). Not inside a capture, which cannot wait on a replay's event: a capture
+    follows a synchronization ([Note: captured steps] in ``fsdp._graph``)."""
     last = region.last
-    if last is not None and last[0] is not graph:
+    if last is not None and last[0] is not None and not region.group.backend.capturing(stream):
         last[1].wait(stream)
 
 

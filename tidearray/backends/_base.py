@@ -181,8 +181,12 @@ class Graph(abc.ABC):
     """One collective captured once (:meth:`Backend.capture`), replayed per call."""
 
     @abc.abstractmethod
-    def launch(self, stream: Any = None) -> Completion:
-        """Replay it after ``stream``'s earlier work (cuda: current stream if None)."""
+    def launch(self, stream: Any = None, after: Optional[Completion] = None,
+               beside: bool = False) -> Completion:
+        """Replay it after ``stream``'s earlier work (cuda: current stream if None) and
+        after ``after``. ``beside``: run it beside ``stream``, as an eager collective runs
+        on its lanes, so that ``stream``'s later work need not wait for it (the returned
+        completion orders it); else on ``stream`` itself."""
 
 
 class Executor(abc.ABC):
@@ -505,8 +509,9 @@ class Backend(abc.ABC):
         constructor or a load ([Note: initialized memory] in ``backends.cuda.streams``).
         Nothing where every write is done when it returns."""
 
-    def capturing(self) -> bool:
-        """Whether the current stream is being captured into a graph (never without one)."""
+    def capturing(self, stream: Any = None) -> bool:
+        """Whether ``stream`` (any kind the collectives take; None: the current one) is
+        being captured into a graph now (never without graphs)."""
         return False
 
     def copy_arrays(self, dsts: Sequence[Any], srcs: Sequence[Any], stream: Any) -> None:
@@ -587,8 +592,11 @@ class RecordedGraph(Graph):
         self._keep = issue(rec)
         self.ops = tuple(rec.ops)
 
-    def launch(self, stream: Any = None) -> Completion:
-        ex = self._backend.executor(stream)
+    def launch(self, stream: Any = None, after: Optional[Completion] = None,
+               beside: bool = False) -> Completion:
+        if after is not None:
+            after.wait(stream)
+        ex = self._backend.executor(stream)  # its lanes run beside the stream either way
         marks: dict[int, Any] = {}
         for k, (name, args) in enumerate(self.ops, 1):
             if name == "_after":

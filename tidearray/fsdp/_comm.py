@@ -22,13 +22,27 @@ and be joined back before the runtime reads its result or reuses the buffer:
 event and returns a Work whose ``wait`` makes a stream wait for another, so no call
 blocks the host.
 
-``tide`` uses persistent TIDE plans (``Unit.gather_plan`` / ``reduce_plan``).
+``tide`` uses persistent TIDE plans (``Unit.gather_plan`` / ``reduce_plan``), as graph
+plans unless ``Config.unit_graphs`` is off ([Note: unit graphs]).
 Each gather casts this rank's fp32 masters into its rows of the slot (one
 kernel) and sends them from there, so no param-dtype send shards are kept
 (FSDP2 casts in its copy-in the same way); or, where the arena keeps send
 shards (``keep_param_shards``), gathers those with no cast. The gathered parameters are views
 into symmetric slots; a unit's gradients are reduced with their staging in
 the slot the unit just vacated (Slot-Reuse).
+
+[Note: unit graphs]
+On cuda an eager plan call costs 150-250 us of host time (an executor, its events,
+each copy and kernel issued from Python), a graph plan's launch about 5 us: on a
+host-bound model of many small units that difference is most of the front end's
+cost per unit. So ``tide`` builds each unit's plans as graph plans (each launch
+runs beside the compute stream, on the ``COMPUTE`` lane, as an eager call's lanes
+do). The host backend's graph plans replay a recording of the call's primitives:
+the same protocol, so CPU runs test what cuda runs. Building one runs its collective once outside any stream order, so the build
+first waits for the device (once per unit and slot, in the first step: every rank
+builds them in the same order, as it calls them). Inside a capture (a captured
+step) no plan is built as a graph, and a graph plan issues its primitives into the
+capture instead of launching.
 
 Every implementation keeps ``num_slots`` gradient buffers in the param dtype:
 unit ``i`` in slot ``k`` writes its gradients into buffer ``k``, and the
@@ -218,27 +232,36 @@ class TideComm(UnitComm):
             self.slots += SlotArena(self.slot_max(num_slots, need), 1, group=group).slots
         self._gather_plans: dict = {}
         self._reduce_plans: dict = {}
+        self._graphs = group.config.unit_graphs
+
+    def _plan(self, plans: dict, key: tuple, stream: Any, build: Callable[[bool], Any]) -> Any:
+        """``plans[key]``, built now if missing: a graph plan where it can be ([Note: unit
+        graphs]), ``build(graph)`` making it."""
+        plan = plans.get(key)
+        if plan is None:
+            backend = self.group.backend
+            graph = self._graphs and not backend.capturing(stream)
+            if graph:
+                backend.synchronize()  # the build's run reads what the stream wrote
+            plan = plans[key] = build(graph)
+        return plan
 
     @property
     def nbytes(self) -> int:
         return super().nbytes + sum(s.nbytes for s in self.slots)
 
     def gather(self, unit: int, k: int, stream: Any) -> Work:
-        plan = self._gather_plans.get((unit, k))
-        if plan is None:
-            cast = self.arena.send is None  # else the optimizer keeps param-dtype shards
-            shards = self.arena.views(self.arena.master if cast else self.arena.send, unit)
-            plan = self._gather_plans[(unit, k)] = self.units[unit].gather_plan(
-                shards, self.slots[k], cast=cast)
+        cast = self.arena.send is None  # else the optimizer keeps param-dtype shards
+        plan = self._plan(self._gather_plans, (unit, k), stream, lambda graph: (
+            self.units[unit].gather_plan(
+                self.arena.views(self.arena.master if cast else self.arena.send, unit),
+                self.slots[k], cast=cast, graph=graph)))
         return plan(stream=stream, async_op=True)
 
     def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
-        key = (unit, k, id(out))
-        plan = self._reduce_plans.get(key)
-        if plan is None:
-            plan = self._reduce_plans[key] = self.units[unit].reduce_plan(
-                self.grads(unit, k), self.arena.views(out, unit), op="sum",
-                staging=self.slots[k])
+        plan = self._plan(self._reduce_plans, (unit, k, id(out)), stream, lambda graph: (
+            self.units[unit].reduce_plan(self.grads(unit, k), self.arena.views(out, unit),
+                                         op="sum", staging=self.slots[k], graph=graph)))
         return plan(stream=stream, async_op=True)
 
 

@@ -491,10 +491,8 @@ class CudaBackend(Backend):
     def settle(self) -> None:
         streams.settle()
 
-    def capturing(self) -> bool:
-        import cupy
-
-        return bool(cupy.cuda.get_current_stream().is_capturing())
+    def capturing(self, stream: Any = None) -> bool:
+        return self.lanes.capturing(streams.stream_ptr(stream))
 
     def uploader(self) -> streams.HostUpload:
         return streams.HostUpload()

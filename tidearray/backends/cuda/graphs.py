@@ -19,7 +19,10 @@ A launch is ``cuGraphLaunch`` on the caller's stream (after its earlier work,
 before its later work), an event after it, and the watchdog's registration of
 that event with the waits the capture recorded ([Note: watchdog]): a replay
 that does not complete within ``Config.timeout`` releases its waits and
-breaks the group, as an eager call's would.
+breaks the group, as an eager call's would. A launch ``beside`` the caller's
+stream (an asynchronous call, as an eager one runs beside it on the lanes) goes
+on the ``COMPUTE`` lane instead, forked from the caller's stream by an event:
+it runs concurrently with the caller's later work until a ``Work.wait``.
 
 [Note: graph launch cost]
 A replay's host time is the driver's launch plus the Python around it, and
@@ -70,10 +73,11 @@ class CudaGraph(Graph):
     """One collective as an instantiated CUDA graph, and what a launch registers."""
 
     def __init__(self, lanes: Lanes, graph: int, exec_: int, waits: tuple,
-                 abort: Any, what: str, keep: Any) -> None:
+                 abort: Any, what: str, keep: Any, side: Any) -> None:
         import cupy
 
         self._lanes, self._graph, self._exec = lanes, graph, exec_
+        self._side, self._side_ptr = side, side.ptr  # the lane a launch beside goes on
         self._waits, self._abort, self._what = waits, abort, what
         self._keep = keep  # what the graph's nodes read (tables): alive while it lives
         self._last: Any = None
@@ -84,6 +88,7 @@ class CudaGraph(Graph):
         self._driver_launch = _graph_calls().launch
         self._current_stream = cupy.cuda.get_current_stream
         self._record = cupy.cuda.runtime.eventRecord
+        self._wait_event = cupy.cuda.runtime.streamWaitEvent
         # Completion events, reused in turn (creating one per launch cost microseconds).
         # Launches of one graph run in order, so an event re-recorded by a later launch
         # only ever fires later: a stale Work waits a little longer, never less.
@@ -95,7 +100,8 @@ class CudaGraph(Graph):
         self._stream: Any = None  # the last launch's stream object, and its handle
         self._stream_ptr = 0
 
-    def launch(self, stream: Any = None) -> CudaCompletion:
+    def launch(self, stream: Any = None, after: Any = None,
+               beside: bool = False) -> CudaCompletion:
         watchdog = self._watchdog
         if watchdog.broken is not None:
             watchdog.check()
@@ -106,6 +112,13 @@ class CudaGraph(Graph):
         else:
             ptr = stream_ptr(stream)
             self._stream, self._stream_ptr = stream, ptr  # kept alive: its handle stays
+        if beside:  # forked from the caller's stream: a wait takes the event's state now
+            fork = self._lanes.events.take()
+            self._record(fork.ptr, ptr)
+            ptr = self._side_ptr
+            self._wait_event(ptr, fork.ptr, 0)
+        if after is not None:
+            after.wait(ptr)
         self._launch_on(ptr)
         self._turn = turn = (self._turn + 1) % EVENTS
         self._last = self._events[turn]
@@ -164,7 +177,8 @@ def capture(lanes: Lanes, local_size: int, issue: Callable[[Any], Any], what: st
         _checked(calls.instantiate(ctypes.byref(exec_), graph, 0), "cuGraphInstantiate")
         _checked(calls.upload(exec_, origin.ptr), "cuGraphUpload")
         origin.synchronize()
-    return CudaGraph(lanes, graph.value, exec_.value, tuple(ex.waits), ex.abort, what, keep)
+    return CudaGraph(lanes, graph.value, exec_.value, tuple(ex.waits), ex.abort, what, keep,
+                     side=lanes.streams[ex.COMPUTE])
 
 
 class CudaStepPool(StepPool):
