@@ -11,6 +11,7 @@ run these checks too: ``tests/benchmarks/mpi/test_comms.py``.)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 
@@ -126,6 +127,36 @@ def test_kept_param_shards_give_the_casting_gathers_losses_bitwise(group):
     if not kept[-1] < kept[0]:
         failures.append(f"loss did not go down: {kept[0]:.4f} -> {kept[-1]:.4f}")
     agree(group.comm, failures, "kept param shards")
+
+
+def test_unit_graphs_and_eager_plans_give_the_same_losses_bitwise(group, monkeypatch):
+    """``Config.unit_graphs``: the units' graph plans (replayed recordings on the host,
+    CUDA graphs on cuda) and the same plans issued eagerly at every call are the same
+    collectives, so the same losses, bit for bit; and the default does replay."""
+    from tidearray._plan import _Plan
+
+    replays = []
+    replay = _Plan._replay
+
+    def counted(self, stream, async_op):
+        replays.append(async_op)
+        return replay(self, stream, async_op)
+
+    monkeypatch.setattr(_Plan, "_replay", counted)
+    args = ("--param-dtype", "bfloat16", "--steps", "6")
+    graphs = _train(group, *args)
+    replayed = len(replays)
+    monkeypatch.setattr(group, "config", dataclasses.replace(group.config, unit_graphs=False))
+    eager = _train(group, *args)
+    failures = [] if graphs == eager else [f"unit graphs {graphs} != eager plans {eager}"]
+    if not replayed or not all(replays):
+        failures.append(f"expected the units' plans replayed beside the stream, got "
+                        f"{replayed} replays ({sum(replays)} beside)")
+    if len(replays) != replayed:
+        failures.append(f"unit_graphs=False replayed {len(replays) - replayed} graphs")
+    if not graphs[-1] < graphs[0]:
+        failures.append(f"loss did not go down: {graphs[0]:.4f} -> {graphs[-1]:.4f}")
+    agree(group.comm, failures, "unit graphs")
 
 
 def autograd_order_step(sm, net, tokens, targets):
