@@ -26,8 +26,8 @@ its own, each general enough for every caller:
   stream, which a first use on another stream need not wait for ([Note:
   initialized memory] in ``backends.cuda.streams``); the settles stay exactly
   where that note puts them.
-* ``capturing()``: whether the current stream is in a graph capture, where
-  nothing may be read back or allocated.
+* ``capturing(stream)``: whether a stream is in a graph capture, where nothing
+  may be read back or allocated (and a graph plan issues instead of launching).
 * ``uploader()``: asynchronous copies of small host tables to the device, from
   host memory that outlives each copy (the optimizer's coefficient rows).
 * ``kernel(source, name, like)``: a compiled kernel of ``kernels/`` for an
@@ -56,11 +56,9 @@ the group's device, so ``backends.array_backend(xp)`` gives the rest to a caller
 that holds arrays but no group (``FusedAdamW(..., xp)``, ``GlobalNorm``), and
 importing ``fsdp`` loads no cuda module.
 
-Not here yet: the optimizer step and the gradient norm still choose, by their
-array module, between kernels and NumPy, since the two differ in more than the
-launch (a per-element row index and device tables on cuda, runs of rows on the
-host; the norm's fixed kernel grid versus NumPy's float64 chunks); those
-branches say so where they are.
+Not here yet: the optimizer step and the gradient norm choose, by array module,
+between kernels and NumPy, which differ in more than the launch (device tables and
+a fixed kernel grid on cuda, runs of rows and float64 chunks on the host).
 """
 
 from __future__ import annotations
@@ -184,9 +182,7 @@ class Graph(abc.ABC):
     def launch(self, stream: Any = None, after: Optional[Completion] = None,
                beside: bool = False) -> Completion:
         """Replay it after ``stream``'s earlier work (cuda: current stream if None) and
-        after ``after``. ``beside``: run it beside ``stream``, as an eager collective runs
-        on its lanes, so that ``stream``'s later work need not wait for it (the returned
-        completion orders it); else on ``stream`` itself."""
+        ``after``; on ``stream`` itself, or ``beside`` it as an eager call's lanes run."""
 
 
 class Executor(abc.ABC):
@@ -457,9 +453,6 @@ class Backend(abc.ABC):
         """Wait for all device work of this process."""
 
     # -- device work of the layers above ([Note: backend interface]) ---------------------
-    # None needs setup, and only on_device() and wrap read the group's device:
-    # ``backends.array_backend(xp)`` answers the rest without a group (a standalone
-    # FusedAdamW).
 
     def on_stream(self, stream: Any) -> ContextManager:
         """A ``with`` context in which the array module issues on ``stream`` (any kind the
@@ -510,8 +503,7 @@ class Backend(abc.ABC):
         Nothing where every write is done when it returns."""
 
     def capturing(self, stream: Any = None) -> bool:
-        """Whether ``stream`` (any kind the collectives take; None: the current one) is
-        being captured into a graph now (never without graphs)."""
+        """Whether ``stream`` (None: the current one) is being captured into a graph."""
         return False
 
     def copy_arrays(self, dsts: Sequence[Any], srcs: Sequence[Any], stream: Any) -> None:
@@ -596,7 +588,7 @@ class RecordedGraph(Graph):
                beside: bool = False) -> Completion:
         if after is not None:
             after.wait(stream)
-        ex = self._backend.executor(stream)  # its lanes run beside the stream either way
+        ex = self._backend.executor(stream)  # lanes beside the stream: ``beside`` either way
         marks: dict[int, Any] = {}
         for k, (name, args) in enumerate(self.ops, 1):
             if name == "_after":

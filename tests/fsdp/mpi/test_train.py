@@ -132,28 +132,28 @@ def test_kept_param_shards_give_the_casting_gathers_losses_bitwise(group):
 def test_unit_graphs_and_eager_plans_give_the_same_losses_bitwise(group, monkeypatch):
     """``Config.unit_graphs``: the units' graph plans (replayed recordings on the host,
     CUDA graphs on cuda) and the same plans issued eagerly at every call are the same
-    collectives, so the same losses, bit for bit; and the default does replay."""
-    from tidearray._plan import _Plan
+    collectives, so the same losses, bit for bit; and the default builds graph plans."""
+    built = []  # per plan the runtime built: whether it is a graph plan
+    for name in ("gather_plan", "reduce_plan"):
+        make = getattr(tidearray.Unit, name)
 
-    replays = []
-    replay = _Plan._replay
+        def spy(self, *args, _make=make, **kwargs):
+            plan = _make(self, *args, **kwargs)
+            built.append(plan.graph is not None)
+            return plan
 
-    def counted(self, stream, async_op):
-        replays.append(async_op)
-        return replay(self, stream, async_op)
-
-    monkeypatch.setattr(_Plan, "_replay", counted)
+        monkeypatch.setattr(tidearray.Unit, name, spy)
     args = ("--param-dtype", "bfloat16", "--steps", "6")
     graphs = _train(group, *args)
-    replayed = len(replays)
+    with_graphs = list(built)
     monkeypatch.setattr(group, "config", dataclasses.replace(group.config, unit_graphs=False))
     eager = _train(group, *args)
     failures = [] if graphs == eager else [f"unit graphs {graphs} != eager plans {eager}"]
-    if not replayed or not all(replays):
-        failures.append(f"expected the units' plans replayed beside the stream, got "
-                        f"{replayed} replays ({sum(replays)} beside)")
-    if len(replays) != replayed:
-        failures.append(f"unit_graphs=False replayed {len(replays) - replayed} graphs")
+    if not with_graphs or not all(with_graphs):
+        failures.append(f"expected graph plans by default, got {sum(with_graphs)} of "
+                        f"{len(with_graphs)}")
+    if any(built[len(with_graphs):]):
+        failures.append("unit_graphs=False built graph plans")
     if not graphs[-1] < graphs[0]:
         failures.append(f"loss did not go down: {graphs[0]:.4f} -> {graphs[-1]:.4f}")
     agree(group.comm, failures, "unit graphs")
