@@ -73,7 +73,8 @@ def test_graph_plans_replay_as_eager_calls(tgroup, xp, dtype):
     graph plan, called six times with new data: the graph gathers give the full
     parameters bitwise, the graph reduction the eager one's bits (and the fp64 sum
     within tolerance). Eager calls into the graph's own slot come between replays, and
-    every flag is 0 after each round."""
+    every flag is 0 after each round. Every other replay is asynchronous: launched beside
+    the stream, whose later reads wait for it through ``Work.wait``."""
     g = tgroup
     unit = ta.Unit(SHAPES, dtype, group=g)
     assert g.size == 1 or len(unit.rs_plan.chunks) > g.config.depth, "test bug: want pipelining"
@@ -106,11 +107,13 @@ def test_graph_plans_replay_as_eager_calls(tgroup, xp, dtype):
             poison(slot)
         for o in graph_reduce.out:
             o.fill(np.nan)
+        # Odd calls launch beside the current stream (async_op) and join it by Work.wait.
+        replay = (lambda plan: plan(async_op=True).wait()) if call % 2 else (lambda plan: plan())
         want = [to_numpy(p).copy() for p in eager_gather()]
-        got = graph_gather()
-        cast = graph_cast()
+        got = replay(graph_gather)
+        cast = replay(graph_cast)
         reduced = [to_numpy(o).copy() for o in eager_reduce()]
-        replayed = graph_reduce()
+        replayed = replay(graph_reduce)
         for i, f in enumerate(full):
             failures += compare_bits(want[i], f, f"call {call}: eager gather {i}")
             failures += compare_bits(got[i], f, f"call {call}: graph gather {i}")
