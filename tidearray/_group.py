@@ -28,7 +28,7 @@ _default: Optional[Group] = None
 #: Eager plans a group keeps (``Group.eager_plans``).
 EAGER_PLANS = 64
 #: Integers every collective's validation agrees on (``_validate.check``).
-VALIDATION_WIDTH = 3
+VALIDATION_WIDTH = 4
 
 
 class Group:

@@ -227,11 +227,13 @@ class _Plan:
             signature = (("plan", self.number), *signature)
             digest = _validate.digest(signature)
         self._signature, self._digest = signature, digest
+        self.found = 0  # an eager plan: the calls that found it in its cache so far
 
-    def agree(self) -> None:
+    def agree(self, count: int = 0) -> int:
         """One agreement across ranks on this plan's signature (raises on every rank if
-        a rank called something else)."""
-        _validate.check(self.group, self.what, self._signature, (), known_digest=self._digest)
+        a rank called something else); returns the least ``count`` over the ranks."""
+        return _validate.check(self.group, self.what, self._signature, (),
+                               known_digest=self._digest, count=count)
 
     def __call__(self, *, stream: Any = None, async_op: bool = False) -> Any:
         """Run the collective. Returns its result (or a :class:`Work` of it if ``async_op``).
@@ -276,8 +278,7 @@ class _Plan:
         self._graph_region, self._graph_result = region, result
 
     def _replay(self, stream: Any, async_op: bool) -> Any:
-        """One launch of the graph: on ``stream`` itself, or beside it for ``async_op`` (as
-        an eager call runs on its lanes: ``Work.wait`` orders a stream after it)."""
+        """One launch: on ``stream``, or beside it for ``async_op`` (as eager lanes run)."""
         region, graph, stamps = self._graph_region, self.graph, self._graph_stamps
         last = region.last  # [Note: graph order]
         after = None if last is None or last[0] is graph else last[1]
@@ -287,15 +288,13 @@ class _Plan:
         region.last = (graph, completion)
         if stamps is not None:
             stamps.check()
-        # Launched on the stream itself unless async: then ordered after the replay already.
         return Work(completion, self._graph_result) if async_op else self._graph_result
 
 
 def _order_after(region: Region, stream: Any) -> None:
-    """Order ``stream`` (an eager call's) after the last collective on ``region`` unless
-    that one runs in this call's order already: another eager call ([Note: graph
-    order]). Not inside a capture, which cannot wait on a replay's event: a capture
-    follows a synchronization ([Note: captured steps] in ``fsdp._graph``)."""
+    """Order ``stream`` (an eager call's) after ``region``'s last collective if a graph's
+    ([Note: graph order]); not inside a capture, which cannot wait on a replay's event
+    and follows a synchronization ([Note: captured steps] in ``fsdp._graph``)."""
     last = region.last
     if last is not None and last[0] is not None and not region.group.backend.capturing(stream):
         last[1].wait(stream)
@@ -347,7 +346,11 @@ class GatherPlan(_Plan):
             self._program(slot)
             self.params = slot.views(self.layout, self.dtype)
         if graph:
-            self._capture(slot, self.params)
+            self.to_graph()
+
+    def to_graph(self) -> None:
+        """Run once, then capture one call ([Note: graph plans])."""
+        self._capture(self.slot, self.params)
 
     def _program(self, slot: Region) -> ag.Program:
         program = self._programs.get(slot.id)
@@ -428,7 +431,11 @@ class ReducePlan(_Plan):
                 self.staging = default_region(group, "staging", red.plan.staging_nbytes)
             self._program(self.staging, None)
         if graph:
-            self._capture(self.staging, self.out)
+            self.to_graph()
+
+    def to_graph(self) -> None:
+        """Run once, then capture one call ([Note: graph plans])."""
+        self._capture(self.staging, self.out)
 
     def _program(self, staging: Region, final_ptr: Optional[int]) -> rs.Program:
         key = (staging.id, final_ptr)
@@ -493,18 +500,25 @@ def _arrays_key(group: Group, arrays: Any, what: str) -> Optional[tuple]:
 
 
 def eager_plan(group: Group, key: Optional[tuple], build: Any,
-               cache: Optional[BoundedCache] = None) -> Any:
+               cache: Optional[BoundedCache] = None, graph_after: Optional[int] = None) -> Any:
     """The eager plan for ``key`` in ``cache`` (the group's by default), or one built now
-    ([Note: one pipeline]). A caller that repeats more calls than the group keeps (a
-    framework front end's per-unit calls) keeps a cache of its own."""
+    ([Note: one pipeline]); a front end's per-unit calls keep a cache of their own.
+    ``graph_after``: the plan (its slot and outputs given) becomes a graph plan once every
+    rank has found it that many times, all at one call: each call's agreement carries the
+    count (-1 for a graph already: a rank that rebuilt never captures alone), since a
+    capture runs the collective once more, after a device synchronization."""
     cache = group.eager_plans if cache is None else cache
     plan = None if key is None else cache.get(key)
     if plan is None:
         plan = build()
         if key is not None:
             cache.put(key, plan)
-    else:
-        plan.agree()
+        return plan
+    plan.found += 1
+    fewest = plan.agree(plan.found if plan.graph is None else -1)
+    if graph_after is not None and fewest >= graph_after:
+        group.backend.synchronize()
+        plan.to_graph()
     return plan
 
 

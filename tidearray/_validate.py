@@ -52,8 +52,9 @@ def _plain(value: Any) -> Any:
 
 
 def check(group: Group, what: str, signature: tuple, errors: Sequence[str],
-          known_digest: Optional[int] = None) -> None:
-    """Raise :class:`TideInvalid` on every rank if any rank's input is bad.
+          known_digest: Optional[int] = None, count: int = 0) -> int:
+    """Raise :class:`TideInvalid` on every rank if any rank's input is bad; else return
+    the least ``count`` over the ranks (a caller's count rides on the same agreement).
 
     Args:
         group: the group the collective runs on.
@@ -63,12 +64,12 @@ def check(group: Group, what: str, signature: tuple, errors: Sequence[str],
         errors: this rank's own findings, each "parameter i: expected X, got Y".
     """
     h = digest(signature) if known_digest is None else known_digest
-    hmax, negmin, nerr = group.agree_max([h, -h, len(errors)])
+    hmax, negmin, nerr, negcount = group.agree_max([h, -h, len(errors), -count])
     if hmax == -negmin and nerr == 0:
-        return
+        return -negcount
     everything = group.comm.allgather((signature, list(errors)))
     if all(sig == everything[0][0] and not errs for sig, errs in everything):
-        return  # digests can differ only if interpreters hash differently
+        return -negcount  # digests can differ only if interpreters hash differently
     ranks_of: dict[str, list[int]] = {}
     for r, (_, errs) in enumerate(everything):
         for e in errs:

@@ -10,6 +10,12 @@ a unit's collective meets a set of addresses, and found again by them, with one
 agreement across the ranks per call; XLA reuses its buffer assignment from step to
 step, so after the first steps every call finds its plan.
 
+With ``Config.unit_graphs`` an in-place plan becomes a graph plan once every rank has
+found it again ([Note: unit graphs] in ``fsdp._comm``; ``eager_plan``'s
+``graph_after``): one graph launch on XLA's stream per call after that, instead of an
+eager call's 150-250 us of host time. The decision rides on each call's agreement, so
+every rank captures at the same call, also where one rank's address sets differ.
+
 Staged (``command_buffer=True``): XLA records a command-buffer-compatible callback by
 stream capture, at addresses it picks, and a capture cannot upload a new plan's
 tables. So each unit's gather and reduce plans are built once, at
@@ -37,6 +43,9 @@ from ._buffers import XlaBuffers
 #: Address sets an in-place unit keeps a plan for, per collective: XLA's buffer
 #: assignment repeats from step to step, so one or two are in use.
 ADDRESS_SETS = 4
+#: With ``unit_graphs``: the finds of a plan on every rank before it is captured (at
+#: its second call: the addresses repeated once, as XLA's buffer assignment does).
+GRAPH_AFTER = 1
 
 
 class InPlace:
@@ -62,6 +71,7 @@ class InPlace:
         self.group, self.slot, self.buffers = group, slot, buffers
         self._sets = [ADDRESS_SETS + 2 * (n or 0) for n in layers]
         self._plans: dict[tuple[str, int], BoundedCache] = {}
+        self._graph_after = GRAPH_AFTER if group.config.unit_graphs else None
 
     def gather(self, index: int, shapes: Sequence[tuple], sends: list, outs: list,
                stream: Optional[int]) -> None:
@@ -69,7 +79,7 @@ class InPlace:
         plan = eager_plan(g, g.backend.array_key(sends),
                           lambda: GatherPlan(g, sends, shapes, slot, eager=True,
                                              tag=(("unit", index),)),
-                          self._cache("gather", index))
+                          self._cache("gather", index), self._graph_after)
         params = plan(stream=stream)
         self.buffers.copy(outs, params, stream)  # [Note: the slot] in _units
 
@@ -80,7 +90,7 @@ class InPlace:
         plan = eager_plan(g, key,
                           lambda: ReducePlan(g, grads, outs, "avg", self.slot, eager=True,
                                              tag=(("unit", index),)),
-                          self._cache("reduce", index))
+                          self._cache("reduce", index), self._graph_after)
         plan(stream=stream)
 
     def _cache(self, kind: str, index: int) -> BoundedCache:

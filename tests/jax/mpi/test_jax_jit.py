@@ -161,6 +161,49 @@ def test_jitted_step_matches_one_process(group, cpu_jax, dtype, command_buffer):
     agree(group.comm, failures, f"{dtype} jitted sharded step vs one JAX process (seed {seed})")
 
 
+def test_unit_graphs_give_the_eager_steps_bits(group, cpu_jax, monkeypatch):
+    """``Config.unit_graphs``: the in-place callbacks' plans become graph plans at their
+    second call at the same addresses, every rank at the same call (each call's
+    agreement carries the count); ten jitted steps then give the eager plans' losses and
+    shards bit for bit."""
+    W, rank, seed = group.size, group.rank, fresh_seed(group.comm)
+    widths = [6, 2 * W + 3, 8, 2]
+    units, data = _units(seed, widths), _batches(seed, W, widths)
+    opt = tj.ShardAdamW(AdamW(lr=1e-2))
+    captures = []
+    capture = group.backend.capture
+
+    def counted(issue, what):
+        captures.append(what)
+        return capture(issue, what)
+
+    monkeypatch.setattr(group.backend, "capture", counted)
+    config, runs = group.config, {}
+    for graphs in (False, True):
+        monkeypatch.setattr(group, "config", dataclasses.replace(config, unit_graphs=graphs))
+        su = tj.shard_units(units, group=group)
+        step = _step(_chain_loss(len(units), lambda i, p, h, su=su: su.apply(i, _dense, p, h)),
+                     opt)
+        state, params, losses = opt.init(su.shards), su.shards, []
+        for k, (xs, ys) in enumerate(data):
+            params, state, loss = step(params, state, opt.coefficients(k + 1), xs[rank],
+                                       ys[rank])
+            losses.append(float(loss))
+        runs[graphs] = (losses, [np.asarray(a) for a in jax.tree_util.tree_leaves(params)])
+        if not graphs:
+            eager_captures = len(captures)
+    failures = [] if runs[True][0] == runs[False][0] else [
+        f"losses with unit graphs {runs[True][0]} != eager {runs[False][0]}"]
+    failures += [f"shard {i} differs" for i, (a, b) in enumerate(zip(runs[True][1],
+                                                                     runs[False][1]))
+                 if a.tobytes() != b.tobytes()]
+    if eager_captures:
+        failures.append(f"eager plans captured {eager_captures} graphs")
+    if len(captures) < 2 * len(units):  # a gather and a reduction per unit at least
+        failures.append(f"expected every unit's plans captured, got {captures}")
+    agree(group.comm, failures, f"unit graphs in jitted steps (seed {seed})")
+
+
 @pytest.mark.parametrize("dtype,command_buffer", [("float32", False), ("bfloat16", False),
                                                   ("bfloat16", True)])
 def test_gather_bitwise(group, cpu_jax, dtype, command_buffer):
