@@ -26,6 +26,7 @@ refuses them while ``NCCL_NVLS_ENABLE=0`` or without device support.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import os
@@ -139,6 +140,12 @@ def physical_local_rank(comm: MPI.Comm) -> int:
 
 #: numpy dtypes of the arrays seen, normalized.
 _DTYPES: dict = {}
+
+
+@functools.cache
+def _is_capturing() -> Any:
+    """``stream -> bool`` (``cuStreamIsCapturing``), for backends without lanes."""
+    return driver.stream_is_capturing()
 
 
 class CudaBackend(Backend):
@@ -492,7 +499,10 @@ class CudaBackend(Backend):
         streams.settle()
 
     def capturing(self, stream: Any = None) -> bool:
-        return self.lanes.capturing(streams.stream_ptr(stream))
+        # A backend bound to no group (``array_backend``: the optimizer's, the norm's) has
+        # no lanes: it asks the driver through a query of its own, made once.
+        query = self.lanes.capturing if self.lanes is not None else _is_capturing()
+        return query(streams.stream_ptr(stream))
 
     def uploader(self) -> streams.HostUpload:
         return streams.HostUpload()
