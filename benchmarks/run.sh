@@ -19,6 +19,7 @@
 #                  shard_module vs the floor)
 #       units      (compare_fsdp2.py on small-32l at one rank: plain torch, the floor, FSDP2,
 #                  shard_module eager and captured: per-unit overhead of a host-bound model)
+#       units8b    (the same impls at the Llama-8B shape, 8 layers, 8K tokens, one rank)
 #       jax        (benchmarks/steps/jax_step.py, one rank: a JAX transformer, 8 layers,
 #                  hidden 2048, 4K tokens, unsharded jit vs tidearray.jax)
 #       jaxcompile (jax_step.py per impl, one process each: where the first compile goes:
@@ -84,6 +85,12 @@ run_units() {  # per-unit overhead on a host-bound model at one rank: plain torc
     step units env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \
         --model small-32l --impls plain,floor,fsdp2,tide,tide-graph \
         --steps "${TIDE_UNITS_STEPS:-30}" --host-profile 5 --out "$OUT/units"
+}
+run_units8b() {  # the same per-unit comparison at the Llama-8B shape (8 layers, 8K tokens),
+    # one rank: host time matters less there, and tide stays within 1% of plain
+    step units8b env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \
+        --model llama3-8b-8l --tokens 8192 --impls plain,floor,fsdp2,tide,tide-graph \
+        --steps "${TIDE_UNITS_STEPS:-30}" --out "$OUT/units8b"
 }
 run_jax() {  # a JAX transformer's step at one rank: unsharded jit, tidearray.jax in one jit
     # (released/kept parameters, command buffers); TIDE_JAX_ARGS adds flags
