@@ -543,6 +543,11 @@ def sections(root: str) -> list[Section]:
           "As run25, on an H100, at the rate of 1e-4 (at 1e-3 every loss rose): 20 steps, "
           "medians after 3. Its README adds the scanned JAX step's host time in "
           "tidearray's callbacks.", one_h200_units),
+        S("run34-one-h100-unit-graphs", "Per-unit overhead with unit graphs",
+          "As run33, with the units' collectives as graph plans (`Config.unit_graphs`, on "
+          "by default at that commit). In the same call the GPU suite's 2-rank step died "
+          "in a graph plan's finalizer (README.md), so the option is opt-in again.",
+          one_h200_units),
     ]
 
 
