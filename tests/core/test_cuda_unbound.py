@@ -1,10 +1,15 @@
-"""The cuda backend bound to no group (``backends.array_backend(cupy)``: the optimizer's and
-the gradient norm's), without a GPU: what it answers must not need the lanes a group's
-setup makes."""
+"""The cuda backend's host-side logic without a GPU: a backend bound to no group
+(``backends.array_backend(cupy)``: the optimizer's and the gradient norm's) must not need
+the lanes a group's setup makes; device memory that a collected owner leaves must stay
+until its readers are done."""
 
 from __future__ import annotations
 
+import gc
+import random
+
 from tidearray.backends.cuda import backend as cuda_backend
+from tidearray.backends.cuda.streams import keep_until_read
 
 
 def test_capturing_without_lanes_asks_the_driver(monkeypatch):
@@ -19,3 +24,53 @@ def test_capturing_without_lanes_asks_the_driver(monkeypatch):
     assert unbound.capturing() is False
     assert unbound.capturing(1) is True
     assert asked == [4096, 4097]
+
+
+class _Event:
+    """CuPy's ``Event`` as the collector sees it: its ``__del__`` destroys the handle."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self.alive, self.fired = log, True, False
+
+    @property
+    def done(self) -> bool:
+        self.log.append(("query", self.alive))  # a destroyed handle: the driver dies
+        return self.fired
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.alive))
+        self.fired = True
+
+    def __del__(self) -> None:
+        self.alive = False
+
+
+def test_an_owner_collected_in_a_cycle_waits_on_live_events_then_releases():
+    """``keep_until_read`` ([Note: finalizers in cycles]): an owner collected with a
+    reference cycle (as a graph plan held by a runtime) waits on its events while they
+    are alive, whatever order the collector finalizes the cycle in, then releases, then
+    lets the memory go; never before the owner goes."""
+    log: list = []
+    owners, events, keeps = [], [], []
+    m = random.randint(2, 5)
+    for _ in range(m):
+        # Events made first: the collector would finalize them before the owner (a
+        # ``__del__`` of the owner then saw every one destroyed, on CPython 3.11/3.12).
+        evs = [_Event(log) for _ in range(random.randint(1, 3))]
+        owner = type("Owner", (), {})()
+        owner.cycle, owner.events, owner.keep = owner, evs, bytearray(8)  # as the graph's
+        keep_until_read(owner, evs, owner.keep, lambda: log.append(("release", None)))
+        owners.append(owner)
+        events += evs
+        keeps.append(owner.keep)
+    del owner, evs
+    gc.collect()
+    assert log == [], "released while the owner lives"
+    n = len(events)
+    del owners, events, keeps
+    gc.collect()
+    assert [kind for kind, _ in log].count("release") == m
+    queried = [alive for kind, alive in log if kind in ("query", "wait")]
+    assert len(queried) == 2 * n, log  # each event queried, then waited on (it had not fired)
+    assert all(queried), f"an event was used after its handle was destroyed: {log}"
+    assert log[-1] == ("release", None)

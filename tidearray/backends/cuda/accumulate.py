@@ -25,7 +25,7 @@ import numpy as np
 
 from ..._dtypes import normalize
 from .._base import AccumPiece, Batch
-from .streams import check_uploaded, wait_for_readers
+from .streams import check_uploaded, keep_until_read
 
 #: Smallest tile, in elements: one block's unit of work (a multiple of every vector width).
 TILE = 8192
@@ -131,9 +131,6 @@ class AccumTable(Batch):
     def __len__(self) -> int:
         return self.n_pieces
 
-    def __del__(self) -> None:
-        wait_for_readers(self.event)  # its last launch may still read the table
-
 
 class Accumulator:
     """Launches the accumulate kernel; owns the ring of table slots.
@@ -184,6 +181,7 @@ class Accumulator:
                 with stream:
                     t.dev = cupy.asarray(t.table)
                 t.event = cupy.cuda.Event(block=False, disable_timing=True)
+                keep_until_read(t, (t.event,), t.dev)  # its last kernel may read it
             dev, event = t.dev, t.event
         else:
             check_uploaded(capture, "an accumulate of raw pieces")

@@ -74,7 +74,7 @@ from ..._copies import Strided, cut_copies, split_copies, strided_runs
 from ..._errors import TideBackendError
 from .._base import Batch
 from . import driver
-from .streams import check_uploaded, cupy_stream, wait_for_readers
+from .streams import check_uploaded, cupy_stream, keep_until_read
 
 #: Runs of at least this many equal, evenly spaced copies become one 2D copy:
 #: a pair is cheaper as two batch entries.
@@ -387,10 +387,8 @@ class KernelCopy:
                 check_uploaded(capture)
                 self.dev = cupy.asarray(self.table)
                 self.event = cupy.cuda.Event(block=False, disable_timing=True)
+                keep_until_read(self, (self.event,), self.dev)  # its last launch may read it
             self.fn((self.grid,), (KERNEL_THREADS,),
                     (self.dev, np.int32(len(self.table)), np.int64(self.ntiles)))
         if not capture:  # a graph keeps its own tables alive ([Note: graph plans])
             self.event.record(stream)
-
-    def __del__(self) -> None:
-        wait_for_readers(self.event)  # its last launch may still read the table

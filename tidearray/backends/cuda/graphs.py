@@ -38,13 +38,14 @@ are made once per graph) and calls CuPy's compiled
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..._errors import TideBackendError
 from .._base import Graph, StepPool
 from . import driver
 from .executor import CudaCompletion, CudaExecutor, _event
-from .streams import stream_ptr, wait_for_readers
+from .streams import keep_until_read, stream_ptr
 
 if TYPE_CHECKING:
     from .executor import Lanes
@@ -80,7 +81,6 @@ class CudaGraph(Graph):
         self._side, self._side_ptr = side, side.ptr  # the lane a launch beside goes on
         self._waits, self._abort, self._what = waits, abort, what
         self._keep = keep  # what the graph's nodes read (tables): alive while it lives
-        self._last: Any = None
         self._watchdog = lanes.watchdog
         # A launch is host time taken from the thread that launches the model's kernels
         # ([Note: graph launch cost]): CuPy's compiled runtime call where it has one.
@@ -99,6 +99,8 @@ class CudaGraph(Graph):
         self._turn = 0
         self._stream: Any = None  # the last launch's stream object, and its handle
         self._stream_ptr = 0
+        # An exec may go while in flight, its tables not ([Note: finalizers in cycles]).
+        keep_until_read(self, self._events, keep, functools.partial(_destroy, exec_, graph))
 
     def launch(self, stream: Any = None, after: Any = None,
                beside: bool = False) -> CudaCompletion:
@@ -121,7 +123,6 @@ class CudaGraph(Graph):
             after.wait(ptr)
         self._launch_on(ptr)
         self._turn = turn = (self._turn + 1) % EVENTS
-        self._last = self._events[turn]
         self._record(self._event_ptrs[turn], ptr)  # outside any capture: the watchdog
         watchdog.watch(self._what, self._watched[turn], self._waits, self._abort)  # queries it
         return self._completions[turn]
@@ -138,15 +139,13 @@ class CudaGraph(Graph):
         if err:
             _checked(err, "cuGraphLaunch")
 
-    def __del__(self) -> None:
-        wait_for_readers(self._last)  # an exec may go while in flight; its tables not
-        calls = _calls
-        if calls is not None:
-            try:
-                calls.destroy_exec(self._exec)
-                calls.destroy(self._graph)
-            except Exception:  # noqa: BLE001, S110 - interpreter shutdown
-                pass
+
+def _destroy(exec_: int, graph: int) -> None:
+    """Destroy a graph and its exec (a graph plan's, once its launches are done)."""
+    calls = _calls
+    if calls is not None:
+        calls.destroy_exec(exec_)
+        calls.destroy(graph)
 
 
 def capture(lanes: Lanes, local_size: int, issue: Callable[[Any], Any], what: str) -> CudaGraph:

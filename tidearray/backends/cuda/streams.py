@@ -25,7 +25,8 @@ outlives the copy (:class:`HostUpload`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import weakref
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -124,17 +125,36 @@ class HostUpload:
         self._event.record(stream)
 
 
-def wait_for_readers(event: Any) -> None:
-    """Block until ``event``, recorded after a device table's last reader, has fired.
+def keep_until_read(owner: Any, events: Sequence[Any], keep: Any,
+                    release: Optional[Callable[[], None]] = None) -> None:
+    """When ``owner`` is collected, block until each of ``events`` (each recorded after
+    a reader of the device memory in ``keep``) has fired, then ``release()``, then let
+    ``keep`` go: the pool must not hand that memory to another allocation while a
+    kernel, copy or graph may still read it.
 
-    For the ``__del__`` of tables in CuPy memory: the pool must not hand their memory
-    to another allocation while a kernel or copy may still read it. At interpreter
-    shutdown the context may be gone; then there is nothing left to wait for.
+    [Note: finalizers in cycles]
+    Not a ``__del__``: an owner in a reference cycle (a plan's table, a graph plan held
+    by a runtime that refers to itself) is collected together with everything only it
+    refers to, and the collector runs their finalizers in any order. CuPy's
+    ``Event.__del__`` destroys the event's handle, so an owner's ``__del__`` could
+    query an event already destroyed, which dies in the driver: signal 11 in a graph
+    plan's ``__del__`` under ``gc.collect()``, at 2 ranks on an H100. A
+    ``weakref.finalize`` holds its arguments from a registry of its own, so they are
+    never part of the collected cycle, and the collector calls it before the cycle's
+    finalizers. Not at interpreter exit (``atexit`` off): the context may be gone.
     """
+    weakref.finalize(owner, _wait_then_release, events, keep, release).atexit = False
+
+
+def _wait_then_release(events: Sequence[Any], keep: Any,
+                       release: Optional[Callable[[], None]]) -> None:
     try:
-        if event is not None and not event.done:
-            event.synchronize()
-    except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the context is gone
+        for event in events:
+            if not event.done:
+                event.synchronize()
+        if release is not None:
+            release()
+    except Exception:  # noqa: BLE001, S110 - a finalizer raises nowhere useful
         pass
 
 
