@@ -66,9 +66,10 @@ def test_mismatch_names_the_parameter_and_rank():
 
 
 def test_a_device_table_waits_for_its_readers_before_it_is_freed():
-    """``__del__`` of the cuda tables: a pending event is waited on, a fired one is not,
-    and an event whose context is gone (interpreter shutdown) raises nothing."""
-    from tidearray.backends.cuda.streams import wait_for_readers
+    """``keep_until_read``, as the cuda tables and graph plans use it: when the owner
+    goes, a pending event is waited on and a fired one is not, then the release runs;
+    an event whose context is gone (interpreter shutdown) raises nothing."""
+    from tidearray.backends.cuda.streams import keep_until_read
 
     class Event:
         def __init__(self, done: bool, fail: bool = False) -> None:
@@ -79,7 +80,17 @@ def test_a_device_table_waits_for_its_readers_before_it_is_freed():
                 raise RuntimeError("context destroyed")
             self.waited += 1
 
+    class Owner:
+        pass
+
+    released: list = []
     pending, fired, gone = Event(False), Event(True), Event(False, fail=True)
-    for ev in (pending, fired, gone, None):
-        wait_for_readers(ev)
-    assert (pending.waited, fired.waited, gone.waited) == (1, 0, 0)
+    owner = Owner()
+    keep_until_read(owner, [pending, fired], None, lambda: released.append("table"))
+    assert (pending.waited, released) == (0, []), "waited while the owner lives"
+    del owner
+    assert (pending.waited, fired.waited, released) == (1, 0, ["table"])
+    owner = Owner()
+    keep_until_read(owner, [gone], None, lambda: released.append("gone"))
+    del owner  # raises nothing, and releases nothing through a dead context
+    assert (gone.waited, released) == (0, ["table"])
