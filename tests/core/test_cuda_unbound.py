@@ -55,7 +55,7 @@ def test_an_owner_collected_in_a_cycle_waits_on_live_events_then_releases():
     m = random.randint(2, 5)
     for _ in range(m):
         # Events made first: the collector would finalize them before the owner (a
-        # ``__del__`` of the owner then saw every one destroyed, on CPython 3.11/3.12).
+        # ``__del__`` of the owner then saw every one destroyed, on CPython 3.11).
         evs = [_Event(log) for _ in range(random.randint(1, 3))]
         owner = type("Owner", (), {})()
         owner.cycle, owner.events, owner.keep = owner, evs, bytearray(8)  # as the graph's
