@@ -35,8 +35,8 @@ the slot the unit just vacated (Slot-Reuse).
 On cuda an eager plan call costs 150-250 us of host time (an executor, its events,
 each copy and kernel issued from Python), a graph plan's launch about 5 us: on a
 host-bound model of many small units that difference is most of the front end's
-cost per unit. So with ``unit_graphs`` (opt-in until its cuda run: docs/config.md)
-``tide`` builds each unit's plans as graph plans, each launch beside the compute
+cost per unit. So with ``unit_graphs`` (opt-in until the GPU suite passes with it:
+docs/config.md) ``tide`` builds each unit's plans as graph plans, each launch beside the compute
 stream (on the ``COMPUTE`` lane, as an eager call's lanes run). The host backend's
 graph plans replay a recording of the call's primitives: the same protocol, so CPU
 runs test what cuda runs. Building one runs its collective once outside any stream
