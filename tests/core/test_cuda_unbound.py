@@ -74,3 +74,32 @@ def test_an_owner_collected_in_a_cycle_waits_on_live_events_then_releases():
     assert len(queried) == 2 * n, log  # each event queried, then waited on (it had not fired)
     assert all(queried), f"an event was used after its handle was destroyed: {log}"
     assert log[-1] == ("release", None)
+
+
+def test_a_device_table_waits_for_its_readers_before_it_is_freed():
+    """``keep_until_read``, as the cuda tables and graph plans use it: when the owner
+    goes, a pending event is waited on and a fired one is not, then the release runs;
+    an event whose context is gone (interpreter shutdown) raises nothing."""
+    class Event:
+        def __init__(self, done: bool, fail: bool = False) -> None:
+            self.done, self.fail, self.waited = done, fail, 0
+
+        def synchronize(self) -> None:
+            if self.fail:
+                raise RuntimeError("context destroyed")
+            self.waited += 1
+
+    class Owner:
+        pass
+
+    released: list = []
+    pending, fired, gone = Event(False), Event(True), Event(False, fail=True)
+    owner = Owner()
+    keep_until_read(owner, [pending, fired], None, lambda: released.append("table"))
+    assert (pending.waited, released) == (0, []), "waited while the owner lives"
+    del owner
+    assert (pending.waited, fired.waited, released) == (1, 0, ["table"])
+    owner = Owner()
+    keep_until_read(owner, [gone], None, lambda: released.append("gone"))
+    del owner  # raises nothing, and releases nothing through a dead context
+    assert (gone.waited, released) == (0, ["table"])

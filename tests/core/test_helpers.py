@@ -63,34 +63,3 @@ def test_mismatch_names_the_parameter_and_rank():
     assert "number of shapes" in msg and "rank 1" in msg
     fp16 = (("shapes", ((4, 3), (2,))), ("dtype", "float16"))
     assert "float16" in _validate._mismatch([base, fp16])
-
-
-def test_a_device_table_waits_for_its_readers_before_it_is_freed():
-    """``keep_until_read``, as the cuda tables and graph plans use it: when the owner
-    goes, a pending event is waited on and a fired one is not, then the release runs;
-    an event whose context is gone (interpreter shutdown) raises nothing."""
-    from tidearray.backends.cuda.streams import keep_until_read
-
-    class Event:
-        def __init__(self, done: bool, fail: bool = False) -> None:
-            self.done, self.fail, self.waited = done, fail, 0
-
-        def synchronize(self) -> None:
-            if self.fail:
-                raise RuntimeError("context destroyed")
-            self.waited += 1
-
-    class Owner:
-        pass
-
-    released: list = []
-    pending, fired, gone = Event(False), Event(True), Event(False, fail=True)
-    owner = Owner()
-    keep_until_read(owner, [pending, fired], None, lambda: released.append("table"))
-    assert (pending.waited, released) == (0, []), "waited while the owner lives"
-    del owner
-    assert (pending.waited, fired.waited, released) == (1, 0, ["table"])
-    owner = Owner()
-    keep_until_read(owner, [gone], None, lambda: released.append("gone"))
-    del owner  # raises nothing, and releases nothing through a dead context
-    assert (gone.waited, released) == (0, ["table"])

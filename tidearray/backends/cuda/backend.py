@@ -144,7 +144,8 @@ _DTYPES: dict = {}
 
 @functools.cache
 def _is_capturing() -> Any:
-    """``stream -> bool`` (``cuStreamIsCapturing``), for backends without lanes."""
+    """``stream -> bool`` (``cuStreamIsCapturing``), made once per process: the lanes'
+    and a backend's without lanes (``array_backend``: the optimizer's, the norm's)."""
     return driver.stream_is_capturing()
 
 
@@ -236,7 +237,7 @@ class CudaBackend(Backend):
             flags=FlagOps(self.device, config.graph_flag_kernels),
             accumulator=Accumulator(self.device, sms, config.accum_ctas),
             watchdog=Watchdog(self.device, config.timeout), retire=self.retire,
-            capturing=driver.stream_is_capturing())
+            capturing=_is_capturing())
         probe_stream = lanes.streams[-1]
         self.capabilities = {
             "batched copies": lanes.copier.probe(probe_stream.ptr),
@@ -499,10 +500,7 @@ class CudaBackend(Backend):
         streams.settle()
 
     def capturing(self, stream: Any = None) -> bool:
-        # A backend bound to no group (``array_backend``: the optimizer's, the norm's) has
-        # no lanes: it asks the driver through a query of its own, made once.
-        query = self.lanes.capturing if self.lanes is not None else _is_capturing()
-        return query(streams.stream_ptr(stream))
+        return _is_capturing()(streams.stream_ptr(stream))  # also without lanes
 
     def uploader(self) -> streams.HostUpload:
         return streams.HostUpload()

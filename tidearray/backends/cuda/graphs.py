@@ -80,7 +80,6 @@ class CudaGraph(Graph):
         self._lanes, self._graph, self._exec = lanes, graph, exec_
         self._side, self._side_ptr = side, side.ptr  # the lane a launch beside goes on
         self._waits, self._abort, self._what = waits, abort, what
-        self._keep = keep  # what the graph's nodes read (tables): alive while it lives
         self._watchdog = lanes.watchdog
         # A launch is host time taken from the thread that launches the model's kernels
         # ([Note: graph launch cost]): CuPy's compiled runtime call where it has one.
@@ -99,7 +98,9 @@ class CudaGraph(Graph):
         self._turn = 0
         self._stream: Any = None  # the last launch's stream object, and its handle
         self._stream_ptr = 0
-        # An exec may go while in flight, its tables not ([Note: finalizers in cycles]).
+        # ``keep``, what the graph's nodes read (tables), lives while the graph does and
+        # until its launches are done; the exec may go while in flight, not so its tables
+        # ([Note: finalizers in cycles]).
         keep_until_read(self, self._events, keep, functools.partial(_destroy, exec_, graph))
 
     def launch(self, stream: Any = None, after: Any = None,
