@@ -118,13 +118,12 @@ class Config:
     backend's ``flags``). False keeps memory operations in graphs too (no resident
     CTA while a wait spins). Env: ``TIDE_GRAPH_FLAG_KERNELS``."""
 
-    unit_graphs: bool = False
+    unit_graphs: bool = True
     """The FSDP runtime's units (``tidearray.fsdp``, ``tidearray.torch``) and
     ``tidearray.jax``'s in-place callbacks gather and reduce by graph plans: on cuda
     one graph launch of host time per collective instead of an eager call's 150-250
     us; on the host a recording of the call, replayed ([Note: unit graphs] in
-    ``fsdp._comm``). Off by default until the GPU suite passes with it at 2 ranks
-    (docs/config.md). Env: ``TIDE_UNIT_GRAPHS``."""
+    ``fsdp._comm``). False issues eager plan calls. Env: ``TIDE_UNIT_GRAPHS``."""
 
     debug: bool = False
     """Debug mode (False): re-check every plan call across ranks (one small
