@@ -41,6 +41,14 @@ class FrontEnd:
     #: loss by their count; the torch front end). Either way the gradient is averaged
     #: over the ranks.
     accumulate: str = "mean"
+    #: Called with an open unit's index and its gradient arrays just before the runtime
+    #: reduces them (when the unit closes, or loses its slot while open): the front end
+    #: writes the gradients it holds into them, zeros where it holds none, and returns
+    #: which parameters it wrote. With it, ``report_grads`` holds without
+    #: :meth:`Runtime.grad_written`, and no buffer is zeroed when a backward opens (the
+    #: torch front end: autograd's own ``.grad``s, copied once per unit). None (default):
+    #: the gradients are written into the buffer directly.
+    fill_grads: Optional[Callable[[int, list], list[bool]]] = None
 
     def __post_init__(self) -> None:
         if self.accumulate not in ("mean", "sum"):
@@ -62,6 +70,9 @@ class FrontEnd:
                               "got both")
         if not isinstance(front_end, cls):
             raise TideInvalid(f"front_end: expected a FrontEnd, got {type(front_end).__name__}")
+        if front_end.fill_grads is not None and not front_end.report_grads:
+            raise TideInvalid("front_end: expected report_grads=True with fill_grads (the "
+                              "front end says which gradients it wrote), got False")
         return front_end
 
 

@@ -41,9 +41,6 @@ changed only through its own methods:
 * ``comm`` (a ``UnitComm``) and ``arena`` (a ``ShardArena``): the buffers and
   what moves them; the runtime and its parts call them.
 
-[Note: slots] is in ``_slots``: which unit holds which slot, and when a slot
-changes hands.
-
 [Note: passes]
 Real training loops do not always pair a forward with a backward, run each
 unit once, nor give every parameter a gradient. Where each unit is in the
@@ -91,6 +88,7 @@ from .. import _dtypes
 from .._adamw import AdamW
 from .._errors import TideInvalid
 from .._group import Group, default_group
+from . import _checkpoint
 from ._accum import GradAccumulator
 from ._comm import UnitComm, comm_factory
 from ._lifecycle import State, UnitLifecycle, UseToken
@@ -212,7 +210,8 @@ class Runtime:
         #: Units whose buffer is zeroed when their backward opens: what is left unwritten
         #: (a reporting front end's, or a frozen parameter's) reduces as zeros.
         self._zero_on_open = {i for i, t in enumerate(self.trainable)
-                              if self.report_grads or (any(t) and not all(t))}
+                              if self.front_end.fill_grads is None
+                              and (self.report_grads or (any(t) and not all(t)))}
         # The arena's zeros and masters went on the current stream, which the model's
         # stream need not wait for ([Note: initialized memory] in backends.cuda.streams).
         group.synchronize()
@@ -302,12 +301,20 @@ class Runtime:
         if self.life.state[i] is not State.BACKWARD:
             raise TideInvalid(f"unit {i}: expected post_backward after its pre_backward, once "
                               f"per pass, got it in state {self.life.state[i].value}")
-        self._close(i, self.life.written[i] if self.report_grads else None)
+        self._close(i, self._written(i, self.slots.slot(i)))
+
+    def _written(self, i: int, k: int) -> Optional[list[bool]]:
+        """Which gradients open unit ``i``'s buffer (slot ``k``) holds before it is reduced
+        (None: all); a ``fill_grads`` front end writes them now (a suspended unit: none)."""
+        fill = self.front_end.fill_grads
+        if fill is None:
+            return self.life.written[i] if self.report_grads else None
+        if not self.life.is_open(i) or i not in self._to_reduce:
+            return [False] * len(self.names[i])
+        return fill(i, self.comm.grads(i, k))
 
     def _close(self, i: int, written: Optional[list[bool]]) -> None:
-        """Reduce open unit ``i`` (with ``report_grads`` its buffer was zeroed when it
-        opened) and release it; ``written``: the parameters that got a gradient (None:
-        all)."""
+        """Reduce open unit ``i``, its buffer ``written`` (None: all; zeros elsewhere)."""
         # (suspended: reduced when it lost its slot; its buffer another's, even if regathered)
         fresh = i not in self.life.suspended
         self.life.close(i, written)
@@ -345,9 +352,10 @@ class Runtime:
         for i in sorted(self._to_reduce, reverse=True):
             if life.state[i] is State.FORWARD:  # its backward never began: reduce zeros
                 self.pre_backward(i)
-                if not self.report_grads:
-                    self.comm.zero_grads(i, self.slots.slot(i), self.stream)
-                self._close(i, [False] * len(self.names[i]))
+                k, fill = self.slots.slot(i), self.front_end.fill_grads is not None
+                if not fill and i not in self._zero_on_open:
+                    self.comm.zero_grads(i, k, self.stream)
+                self._close(i, self._written(i, k) if fill else [False] * len(self.names[i]))
             elif life.state[i] is State.IDLE:
                 self.accum.no_backward(i, self.stream)  # not forwarded: no collective
         self._end_pass()
@@ -543,7 +551,7 @@ class Runtime:
 
     def _released(self, u: int) -> None:
         if self.life.is_open(u):
-            self.life.suspend(u, self.life.written[u] if self.report_grads else None)
+            self.life.suspend(u, self._written(u, self.slots.slot(u)))
             if u in self._to_reduce:
                 self.accum.reduce(u, self.slots.slot(u), self.stream)
         if self.front_end.on_release is not None:
@@ -574,27 +582,19 @@ class Runtime:
 
     def save(self, path: str) -> None:
         """Save the sharded state; see :func:`tidearray.fsdp.save`."""
-        from ._checkpoint import save
-
-        save(self, path)
+        _checkpoint.save(self, path)
 
     def load(self, path: str) -> None:
         """Load a sharded state saved at the same world size; see :func:`tidearray.fsdp.load`."""
-        from ._checkpoint import load
-
-        load(self, path)
+        _checkpoint.load(self, path)
 
     def export(self, path: str) -> None:
         """Write the gathered fp32 model to one ``.npz`` (rank 0 writes; collective)."""
-        from ._checkpoint import export
-
-        export(self, path)
+        _checkpoint.export(self, path)
 
     def full_param(self, unit: int, k: int, root: Optional[int] = None) -> Optional[np.ndarray]:
         """Parameter ``k`` of ``unit`` gathered in full from the fp32 masters, as a NumPy
         array: on every rank, or with ``root`` on that rank only (None elsewhere).
         Collective; waits for the optimizer first. See ``_checkpoint.full_param``."""
-        from ._checkpoint import full_param
-
         self.synchronize()
-        return full_param(self, unit, k, root)
+        return _checkpoint.full_param(self, unit, k, root)

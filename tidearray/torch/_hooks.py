@@ -22,19 +22,20 @@ own:
   lifecycle's ``forward_done``) and hooks each output tensor (a pre-hook of
   the node that made it, ``_on_first_grad``): the first to get its gradient
   opens the unit's backward (regathered into the same slot, so the tensors
-  autograd saved see the same memory with the same values); opening zeroes the
-  unit's gradient buffer and makes it each trained parameter's ``.grad``, which
-  autograd then accumulates into in place. A unit the runtime suspended (its
-  slot given to another unit's backward: the lifecycle's ``suspended``) is
-  opened again the same way by its next output gradient or parameter gradient;
-* each trained parameter's post-accumulate-grad hook reports that it got a
-  gradient (the optimizer skips a parameter no rank gave one);
+  autograd saved see the same memory with the same values); autograd then sets
+  the ``.grad`` of each parameter it reaches, which the runtime's reduction of
+  the unit copies into its buffer ([Note: parameter storage]: no hook per
+  parameter; the optimizer skips a parameter no rank gave one). A unit the
+  runtime suspended (its slot given to another unit's backward: the
+  lifecycle's ``suspended``) is opened again the same way by its next output
+  gradient;
 * the model's forward hook, with grad disabled (evaluation, generation),
   releases every unit;
 * autograd's end-of-backward callback, queued by the open that begins the
   backward phase (the lifecycle's ``in_backward`` False), lets the runtime
-  close what is open and reduce zeros for units never reached; then each
-  trained placeholder's ``.grad`` is a sentinel.
+  close what is open and reduce zeros for units never reached; a ``.grad``
+  left set then came after its unit was reduced (a parameter used outside its
+  unit) and raises; then each trained placeholder's ``.grad`` is a sentinel.
 
 Activation checkpointing works: a forward recomputed during backward finds its
 unit gathered already, and the hooks leave the runtime alone then; under
@@ -100,10 +101,6 @@ class Hooks:
                     _outside_compile(functools.partial(self._pre_forward, u)), with_kwargs=True))
                 handles.append(m.register_forward_hook(
                     _outside_compile(functools.partial(self._post_forward, u))))
-            for k, p in enumerate(self.storage.params[u]):
-                if p.requires_grad:
-                    handles.append(p.register_post_accumulate_grad_hook(
-                        _outside_compile(functools.partial(self._grad_ready, u, k))))
         handles.append(self.module.register_forward_hook(_outside_compile(self._model_done)))
         return handles
 
@@ -171,37 +168,23 @@ class Hooks:
             self._open(u)
 
     def _open(self, u: int) -> None:
-        """Open unit ``u``'s backward: regathered, and each trained parameter's ``.grad``
-        its (zeroed) gradient buffer, which autograd then accumulates into in place."""
+        """Open unit ``u``'s backward: regathered; autograd then sets its parameters'
+        ``.grad``s, which its reduction takes ([Note: parameter storage])."""
         life = self.life
         if life.is_open(u):
             return  # (a suspended unit lost its slot: opened again, regathered)
         if not life.in_backward:  # the backward phase begins: autograd says when it ends
             torch.autograd.Variable._execution_engine.queue_callback(
                 self._end_backward_eager)
-        params, grads = self.runtime.pre_backward(u)
-        self.storage.open_backward(u, params, grads, self.runtime.trainable[u])
-
-    def _grad_ready(self, u: int, k: int, param: Any) -> None:
-        grad = param.grad  # autograd's own where the unit was not open yet: moved over
-        if not self.life.is_open(u):  # (the open unit first)
-            if self.life.state[u] is State.DONE:
-                raise TideInvalid(f"parameter {self.runtime.names[u][k]!r} (unit {u}): "
-                                  "expected its gradient before its unit's backward was done, "
-                                  "got it after its reduction began: is it used outside its "
-                                  "unit? Put it in a unit that holds every module using it (or "
-                                  "in the root)")
-            self._open(u)
-        buf = self.storage.grad_views[u][k]
-        if grad is not buf:
-            param.grad = buf
-            buf.add_(grad)
-        self.runtime.grad_written(u, k)
+            self.storage.clear_sentinels()  # (a second backward of a retained graph)
+        self.storage.use_gathered(u, self.runtime.pre_backward(u).params)
 
     def _end_backward(self) -> None:
         """Autograd's engine runs this when a backward pass is done."""
         self.runtime.finish_backward()
+        stray = self.storage.stray_grads()  # every unit is reduced now
         self.storage.set_sentinels()
+        self.check_grads_taken(stray)  # after the backward's end, as below
         thawed = [self.runtime.names[u][k] for u, k, p in self._frozen if p.requires_grad]
         if thawed:  # after the backward's end, so the model stays usable once refrozen
             raise TideInvalid(
@@ -211,6 +194,22 @@ class Hooks:
                 "Freezing during training is supported, unfreezing is not: set "
                 "requires_grad=True before shard_module (and False for the steps it "
                 "waits), or shard the model again")
+
+
+    def check_grads_taken(self, stray: Optional[list] = None) -> None:
+        """Raise if a parameter's ``.grad`` was set while its unit's backward was not open
+        and no reduction took it (``stray``, else :meth:`ParamStorage.stray_grads`): at the
+        end of a backward and before a step it would be lost. (Before that, an open of its
+        unit in the same pass takes it, as torch adds a ``.grad`` to the next.)"""
+        stray = self.storage.stray_grads() if stray is None else stray
+        if stray:
+            u, k = stray[0]
+            raise TideInvalid(
+                f"parameter {self.runtime.names[u][k]!r} (unit {u}): expected its gradient "
+                "while its unit's backward was open, got it outside (after the unit was "
+                "reduced, or from a backward that reached none of the unit's outputs): is it "
+                "used outside its unit? Put it in a unit that holds every module using it "
+                "(or in the root); zero_grad() drops it")
 
 
 class _GradInputs:

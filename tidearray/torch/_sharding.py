@@ -128,7 +128,8 @@ class Sharding:
             keep_param_shards=keep_param_shards, root=spec.root, num_slots=num_slots,
             trainable=[[bool(p.requires_grad) for p in ps] for ps in params],
             front_end=FrontEnd(report_grads=True, on_release=self.storage.use_placeholders,
-                               accumulate="sum"),  # as torch's .grad
+                               accumulate="sum",  # as torch's .grad
+                               fill_grads=self.storage.fill_grads),
             param_groups=groups)
         if meta or checkpoint is not None:
             _init.materialise_buffers(module, self.device, values)
@@ -175,6 +176,7 @@ class Sharding:
     def _step(self, lr: Any) -> Any:
         """One step of the bridge at ``lr`` (None, a real, or one per fused group)."""
         self.storage.clear_sentinels()
+        self.hooks.check_grads_taken()
         self.stream.follow()
         return self.stream.norm(self.bridge.step(lr))
 
@@ -183,6 +185,7 @@ class Sharding:
         accumulated since the last step are dropped, as torch drops them
         (:meth:`Runtime.zero_grad`); no sentinel ``.grad`` is left."""
         self.storage.clear_sentinels()
+        self.storage.stray_grads(drop=True)
         self.runtime.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float) -> Union[float, torch.Tensor]:

@@ -11,10 +11,15 @@ name it has), and only its storage changes:
 * while its unit is used, ``.data`` is a torch view (DLPack, zero-copy) of the
   parameter in the unit's slot, made again only when the runtime hands out
   other arrays (a unit takes the same slot step after step);
-* while its unit's backward is open, a trained parameter's ``.grad`` is a view
-  of the unit's gradient buffer, which autograd accumulates into in place; the
-  runtime releasing the slot (``on_release``) puts the placeholder back and
-  drops the ``.grad``;
+* while its unit's backward is open, a trained parameter's ``.grad`` is
+  autograd's own tensor (autograd takes the first gradient as it comes, and
+  adds a use's later ones to it); just before the runtime reduces the unit
+  (``fill_grads``: it closes, or loses its slot while open) they are copied into
+  its gradient buffer in one batched copy, zeros where a parameter got none,
+  and each ``.grad`` is dropped. (Pointing ``.grad`` at the buffer instead
+  costs a kernel per parameter on cuda, autograd's in-place add, and a Python
+  hook per parameter to learn which got one.) The runtime releasing the slot
+  (``on_release``) puts the placeholder back;
 * after a backward, each trained placeholder's ``.grad`` is a sentinel
   (:class:`_ShardedGrad`, made once) that raises when used, so that torch's
   own tools cannot silently see nothing
@@ -51,8 +56,6 @@ class ParamStorage:
     Attributes:
         params: per unit, the parameters (after :meth:`take_over`, the real ones).
         shapes: per unit, each parameter's full shape.
-        grad_views: per unit, the torch views of its gradient buffer, set when its
-            backward opens (:meth:`open_backward`).
     """
 
     def __init__(self, params: list[list[Any]], dtype: np.dtype, device: Any) -> None:
@@ -63,8 +66,8 @@ class ParamStorage:
                        for ps in params]
         self._views: dict[tuple[str, int], tuple[list, list]] = {}
         self._live = [False] * len(params)  # parameters pointed at the unit's slot
-        self.grad_views: list[list] = [[] for _ in params]
         self._sentinel_grads: list[tuple[Any, Any]] = []
+        self._trained: list[tuple[int, int, Any]] = []  # (unit, index, parameter)
         self._sentinels = False
 
     def take_over(self, aliases: dict, all_names: dict, meta: bool) -> None:
@@ -81,6 +84,8 @@ class ParamStorage:
         self._sentinel_grads = [(p, _ShardedGrad.make(e)) for ps, es in
                                 zip(self.params, self._empty) for p, e in zip(ps, es)
                                 if p.requires_grad]
+        self._trained = [(u, k, p) for u, ps in enumerate(self.params)
+                         for k, p in enumerate(ps) if p.requires_grad]
 
     def sample(self) -> Optional[Any]:
         """One placeholder (every one has the model's device and the param dtype)."""
@@ -113,23 +118,39 @@ class ParamStorage:
         runtime released the unit's slot: its ``on_release``)."""
         if self._live[u]:
             for p, e in zip(self.params[u], self._empty[u]):
-                p.grad = None  # the gradient buffer goes with the slot
                 p.data = e
             self._live[u] = False
 
-    def open_backward(self, u: int, params: list, grads: list, trainable: list[bool]) -> None:
-        """Unit ``u``'s backward opened: its parameters' ``.data`` are views of its slot
-        ``params`` (as :meth:`use_gathered` makes them), and each trained one's ``.grad``
-        its view of the (zeroed) gradient buffer ``grads``, which autograd accumulates
-        into in place."""
-        if not self._live[u]:  # (inline: one call per opened unit)
-            for p, t in zip(self.params[u], self.views("params", u, params)):
-                p.data = t
-            self._live[u] = True
-        views = self.grad_views[u] = self.views("grads", u, grads)
-        for p, g, t in zip(self.params[u], views, trainable):
-            if t:
-                p.grad = g
+    def fill_grads(self, u: int, grads: list) -> list[bool]:
+        """The runtime is about to reduce open unit ``u``'s gradient buffer ``grads``: the
+        ``.grad``s autograd gave its parameters are copied into it (one batched copy on
+        torch's current stream, which the reduction follows), zeros where a parameter has
+        none, and dropped; returns which parameters had one."""
+        written, dst, src, unset = [], [], [], []
+        for p, v in zip(self.params[u], self.views("grads", u, grads)):
+            g = p.grad
+            if g is None:
+                unset.append(v)
+            else:
+                dst.append(v)
+                src.append(g)
+                p.grad = None
+            written.append(g is not None)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        if unset:
+            torch._foreach_zero_(unset)
+        return written
+
+    def stray_grads(self, drop: bool = False) -> list[tuple[int, int]]:
+        """The ``(unit, index)`` of each trained parameter whose ``.grad`` (no sentinel) no
+        reduction took: autograd set it while its unit's backward was not open; with
+        ``drop``, dropped (as torch's ``zero_grad`` drops a ``.grad``)."""
+        stray = [(u, k, p) for u, k, p in self._trained if p.grad is not None]
+        if drop:
+            for _, _, p in stray:
+                p.grad = None
+        return [(u, k) for u, k, _ in stray]
 
     # -- sentinels ----------------------------------------------------------------------
 

@@ -344,6 +344,45 @@ def test_unfreezing_after_sharding_is_refused(group):
     sm.close()
 
 
+def test_a_gradient_outside_its_units_backward_is_refused(group):
+    """A sharded parameter used outside its unit's backward (here a tensor made from the
+    last unit's weight after the forward, backpropagated alone) gets a ``.grad`` that no
+    reduction takes: the step raises on every rank, naming it (a backward of the pass
+    that opens the unit would take it: torch adds the two); ``zero_grad()`` drops it, as
+    torch's does, and training goes on."""
+    import tidearray
+    import tidearray.torch as tt
+    from tidearray.fsdp import AdamW
+
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+    model, units = _model(5)
+    sm = tt.shard_module(model, units, group=group, optimizer=AdamW(lr=LR))
+    x, y = _batch(0, group.rank, B)
+    failures = []
+    sm(x)
+    kept = units[2][1].weight * 1.0  # the last unit stays gathered after its forward
+    kept.sum().backward()  # reaches no unit's output: its unit never opens
+    try:
+        sm.step()
+        failures.append("expected TideInvalid from the step, got none")
+    except tidearray.TideInvalid as e:
+        if "2.1.weight" not in str(e) or "outside its unit" not in str(e):
+            failures.append(f"expected the parameter and the rule named, got {e}")
+    sm.zero_grad()
+    losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(sm(x), y)
+        loss.backward()
+        sm.step()
+        sm.zero_grad()
+        losses.append(loss.item())
+    if not losses[-1] < losses[0]:
+        failures.append(f"expected the loss to go down after, got {losses}")
+    agree(group.comm, failures, "a parameter's gradient outside its unit's backward")
+    sm.close()
+
+
 def test_param_groups_need_the_fused_adamw(group):
     """``param_groups`` configure the fused AdamW: given with a torch optimizer they would
     be ignored (a no-decay group decayed anyway), so they are refused."""
