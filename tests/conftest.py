@@ -97,12 +97,13 @@ _REPORTS = pytest.StashKey[dict]()
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Keep each phase's report on the item, for the barrier after the test; print a GPU
-    test's failure at once (``_print_gpu_failure``)."""
+    test's failure, and any failure on the cuda backend, at once (``_print_failure``)."""
     outcome = yield
     report = outcome.get_result()
     item.stash.setdefault(_REPORTS, {})[report.when] = report
-    if report.failed and item.get_closest_marker("gpu"):
-        _print_gpu_failure(item, report)
+    if report.failed and (item.get_closest_marker("gpu")
+                          or os.environ.get("TIDE_BACKEND") == "cuda"):
+        _print_failure(item, report)
 
 
 def _timed_barrier(comm, item: pytest.Item) -> None:
@@ -145,9 +146,10 @@ def mpi_barrier(request: pytest.FixtureRequest):
 # a rank that skips would leave the others waiting in ``init``.
 
 
-def _print_gpu_failure(item: pytest.Item, rep: pytest.TestReport) -> None:
-    """Print a GPU test's failure at once, with the rank: under MPI a failed rank
-    can leave its peers waiting, and the end-of-session report never comes."""
+def _print_failure(item: pytest.Item, rep: pytest.TestReport) -> None:
+    """Print a failure at once, with the rank: under MPI a failed rank can leave its
+    peers waiting, and on the GPU machine a step's timeout can come before the
+    end-of-session report."""
     try:
         from mpi4py import MPI
 

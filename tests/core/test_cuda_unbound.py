@@ -103,3 +103,32 @@ def test_a_device_table_waits_for_its_readers_before_it_is_freed():
     keep_until_read(owner, [gone], None, lambda: released.append("gone"))
     del owner  # raises nothing, and releases nothing through a dead context
     assert (gone.waited, released) == (0, ["table"])
+
+
+def test_no_finalizer_touches_the_device_inside_a_capture():
+    """``no_release_in_capture`` (around tidearray's own thread-local captures): an owner
+    that goes inside it, by its last reference or in a cycle, neither queries, waits nor
+    releases until the capture ends (a query inside one invalidates it); the collector is
+    off inside and back on after; nested captures release at the outer one's end."""
+    from tidearray.backends.cuda.streams import no_release_in_capture
+
+    log: list = []
+    owners = []
+    for k in range(random.randint(2, 4)):
+        owner = type("Owner", (), {})()
+        if k % 2:
+            owner.cycle = owner
+        keep_until_read(owner, [_Event(log)], None, lambda k=k: log.append(("release", k)))
+        owners.append(owner)
+    n = len(owners)
+    assert gc.isenabled()
+    with no_release_in_capture():
+        assert not gc.isenabled(), "the collector may run a finalizer inside the capture"
+        with no_release_in_capture():
+            del owner
+            owners.clear()
+            gc.collect()  # (an explicit collection still runs: the finalizers must wait)
+        assert log == [], f"touched the device inside the capture: {log}"
+    assert gc.isenabled()
+    assert [kind for kind, _ in log].count("release") == n, log
+    assert [kind for kind, _ in log].count("query") == n, log

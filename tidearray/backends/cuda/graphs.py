@@ -45,7 +45,7 @@ from ..._errors import TideBackendError
 from .._base import Graph, StepPool
 from . import driver
 from .executor import CudaCompletion, CudaExecutor, _event
-from .streams import keep_until_read, stream_ptr
+from .streams import keep_until_read, no_release_in_capture, stream_ptr
 
 if TYPE_CHECKING:
     from .executor import Lanes
@@ -154,7 +154,7 @@ def capture(lanes: Lanes, local_size: int, issue: Callable[[Any], Any], what: st
     import cupy
 
     calls = _graph_calls()
-    with cupy.cuda.Device(lanes.device):
+    with cupy.cuda.Device(lanes.device), no_release_in_capture():
         origin = cupy.cuda.Stream(non_blocking=True)
         cupy.cuda.runtime.deviceSynchronize()  # nothing in flight joins the capture
         _checked(calls.begin(origin.ptr, THREAD_LOCAL), "cuStreamBeginCapture")

@@ -25,8 +25,9 @@ outlives the copy (:class:`HostUpload`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -146,8 +147,37 @@ def keep_until_read(owner: Any, events: Sequence[Any], keep: Any,
     weakref.finalize(owner, _wait_then_release, events, keep, release).atexit = False
 
 
+#: Releases that came while a capture was open (:func:`no_release_in_capture`).
+_deferred: list[tuple[Sequence[Any], Any, Optional[Callable[[], None]]]] = []
+_captures_open = 0
+
+
+@contextlib.contextmanager
+def no_release_in_capture() -> Iterator[None]:
+    """A stream capture of tidearray's own (``cudaStreamCaptureModeThreadLocal``) inside:
+    no finalizer of :func:`keep_until_read` queries, waits or destroys anything until it
+    ends (those calls are not allowed during a capture and would invalidate it: the
+    collector may run one at any allocation), and no collection starts. Deferred
+    releases run when the last open capture ends."""
+    global _captures_open
+    collecting = gc.isenabled()
+    gc.disable()
+    _captures_open += 1
+    try:
+        yield
+    finally:
+        _captures_open -= 1
+        if collecting:
+            gc.enable()
+        while not _captures_open and _deferred:
+            _wait_then_release(*_deferred.pop())
+
+
 def _wait_then_release(events: Sequence[Any], keep: Any,
                        release: Optional[Callable[[], None]]) -> None:
+    if _captures_open:
+        _deferred.append((events, keep, release))
+        return
     try:
         for event in events:
             if not event.done:
