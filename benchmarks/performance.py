@@ -546,8 +546,14 @@ def sections(root: str) -> list[Section]:
         S("run34-one-h100-unit-graphs", "Per-unit overhead with unit graphs",
           "As run33, with the units' collectives as graph plans (`Config.unit_graphs`, on "
           "by default at that commit). In the same call the GPU suite's 2-rank step died "
-          "in a graph plan's finalizer (README.md), so the option is opt-in again.",
-          one_h200_units),
+          "in a graph plan's finalizer (README.md), so the option was opt-in again "
+          "until run35.", one_h200_units),
+        S("run35-one-h100-fill-grads", "Per-unit overhead, autograd's own gradients",
+          "Unit graphs on by default; the torch front end takes autograd's own `.grad`s, "
+          "copied once per unit. The GPU suite's 1- and 2-rank steps and the stress step "
+          "passed in the same session (README.md). The host was busy during this "
+          "benchmark (plain's steps 75-128 ms): its per-unit figures are not comparable "
+          "with other runs'.", one_h200_units),
     ]
 
 

@@ -16,8 +16,8 @@
 #                                              # hf (the Hugging Face, lifecycle and torch
 #                                              # tests, 1-4 ranks)
 #                                              # graphs (the CUDA graph tests, 1-4 ranks)
-#                                              # unitgraphs (fsdp and torch multi-rank
-#                                              # tests with TIDE_UNIT_GRAPHS=1, 2 and 4 ranks)
+#                                              # eagerplans (fsdp and torch multi-rank
+#                                              # tests with TIDE_UNIT_GRAPHS=0, 2 and 4 ranks)
 #                                              # hfpar (hf's tests, 1-4 ranks at once)
 #                                              # stress (timing-sensitive tests in loops
 #                                              # beside other GPU jobs), sanitize
@@ -162,15 +162,15 @@ run_graphs() {
         step "graphs_np$n" "${MPI[@]}" -n "$n" "${PYTEST[@]}" "${GRAPH_TESTS[@]}"
     done
 }
-# Config.unit_graphs (TIDE_UNIT_GRAPHS, opt-in): the runtime's and the torch front end's
-# multi-rank tests with every unit's collectives as graph plans, at 2 and 4 ranks (the
-# graph plans' finalizers under the collector: [Note: finalizers in cycles])
-run_unitgraphs() {
+# Config.unit_graphs off (TIDE_UNIT_GRAPHS=0; on by default): the runtime's and the torch
+# front end's multi-rank tests and the graph tests with every unit's collectives as eager
+# plan calls, at 2 and 4 ranks, a rank's signal failing the step
+run_eagerplans() {
     local n
-    for n in ${TIDE_UNIT_GRAPH_RANKS:-2 4}; do
-        step "unitgraphs_np$n" "${MPI[@]}" -x TIDE_UNIT_GRAPHS=1 -n "$n" "${PYTEST[@]}" \
+    for n in ${TIDE_EAGER_PLAN_RANKS:-2 4}; do
+        step "eagerplans_np$n" "${MPI[@]}" -x TIDE_UNIT_GRAPHS=0 -n "$n" "${PYTEST[@]}" \
             tests/fsdp/mpi tests/torch/mpi "${GRAPH_TESTS[@]}"
-        no_signal "unitgraphs_np$n"
+        no_signal "eagerplans_np$n"
     done
 }
 

@@ -34,16 +34,16 @@ the slot the unit just vacated (Slot-Reuse).
 [Note: unit graphs]
 On cuda an eager plan call costs 150-250 us of host time (an executor, its events,
 each copy and kernel issued from Python), a graph plan's launch about 5 us: on a
-host-bound model of many small units that difference is most of the front end's
-cost per unit. So with ``unit_graphs`` (opt-in until the GPU suite passes with it:
-docs/config.md) ``tide`` builds each unit's plans as graph plans, each launch beside the compute
-stream (on the ``COMPUTE`` lane, as an eager call's lanes run). The host backend's
-graph plans replay a recording of the call's primitives: the same protocol, so CPU
-runs test what cuda runs. Building one runs its collective once outside any stream
-order, so the build first waits for the device (once per unit and slot, in the
-first step; every rank builds them in the same order, as it calls them). Inside a
-capture (a captured step) no plan is built as a graph, and a graph plan issues its
-primitives into the capture instead of launching.
+host-bound model of many small units that difference is most of the front end's cost
+per unit. So with ``unit_graphs`` (the default: docs/config.md) ``tide`` builds each
+unit's plans as graph plans, each launch beside the compute stream (on the
+``COMPUTE`` lane, as an eager call's lanes run). The host backend's graph plans
+replay a recording of the call's primitives: the same protocol, so CPU runs test
+what cuda runs. Building one runs its collective once outside any stream order, so
+the build first waits for the device (once per unit and slot, in the first step;
+every rank builds them in the same order, as it calls them). Inside a capture (a
+captured step) no plan is built as a graph, and a graph plan issues its primitives
+into the capture instead of launching.
 
 Every implementation keeps ``num_slots`` gradient buffers in the param dtype:
 unit ``i`` in slot ``k`` writes its gradients into buffer ``k``, and the
