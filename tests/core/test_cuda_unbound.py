@@ -132,3 +132,11 @@ def test_no_finalizer_touches_the_device_inside_a_capture():
     assert gc.isenabled()
     assert [kind for kind, _ in log].count("release") == n, log
     assert [kind for kind, _ in log].count("query") == n, log
+    # Overlapping captures (two threads): the collector stays off until the last one ends.
+    first, second = no_release_in_capture(), no_release_in_capture()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not gc.isenabled(), "a capture still open, the collector back on"
+    second.__exit__(None, None, None)
+    assert gc.isenabled()

@@ -150,6 +150,7 @@ def keep_until_read(owner: Any, events: Sequence[Any], keep: Any,
 #: Releases that came while a capture was open (:func:`no_release_in_capture`).
 _deferred: list[tuple[Sequence[Any], Any, Optional[Callable[[], None]]]] = []
 _captures_open = 0
+_collecting = False  # whether the collector was on when the first open capture began
 
 
 @contextlib.contextmanager
@@ -159,18 +160,20 @@ def no_release_in_capture() -> Iterator[None]:
     ends (those calls are not allowed during a capture and would invalidate it: the
     collector may run one at any allocation), and no collection starts. Deferred
     releases run when the last open capture ends."""
-    global _captures_open
-    collecting = gc.isenabled()
-    gc.disable()
+    global _captures_open, _collecting
+    if not _captures_open:  # (captures on other threads may overlap: the first one decides)
+        _collecting = gc.isenabled()
+        gc.disable()
     _captures_open += 1
     try:
         yield
     finally:
         _captures_open -= 1
-        if collecting:
-            gc.enable()
-        while not _captures_open and _deferred:
-            _wait_then_release(*_deferred.pop())
+        if not _captures_open:
+            if _collecting:
+                gc.enable()
+            while _deferred and not _captures_open:
+                _wait_then_release(*_deferred.pop())
 
 
 def _wait_then_release(events: Sequence[Any], keep: Any,
