@@ -133,7 +133,7 @@ class ParamStorage:
                 unset.append(v)
             else:
                 dst.append(v)
-                src.append(g)
+                src.append(g if g.layout is torch.strided else g.to_dense())  # (a sparse one)
                 p.grad = None
             written.append(g is not None)
         if dst:
