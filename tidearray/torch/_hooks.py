@@ -182,9 +182,8 @@ class Hooks:
     def _end_backward(self) -> None:
         """Autograd's engine runs this when a backward pass is done."""
         self.runtime.finish_backward()
-        stray = self.storage.stray_grads()  # every unit is reduced now
-        self.storage.set_sentinels()
-        self.check_grads_taken(stray)  # after the backward's end, as below
+        stray = self.storage.set_sentinels()  # every unit is reduced now: a .grad left is
+        self.check_grads_taken(stray)  # stray (raised after the backward's end, as below)
         thawed = [self.runtime.names[u][k] for u, k, p in self._frozen if p.requires_grad]
         if thawed:  # after the backward's end, so the model stays usable once refrozen
             raise TideInvalid(

@@ -175,8 +175,8 @@ class Sharding:
 
     def _step(self, lr: Any) -> Any:
         """One step of the bridge at ``lr`` (None, a real, or one per fused group)."""
-        self.storage.clear_sentinels()
-        self.hooks.check_grads_taken()
+        if not self.storage.clear_sentinels():  # (set: a backward's end checked them)
+            self.hooks.check_grads_taken()
         self.stream.follow()
         return self.stream.norm(self.bridge.step(lr))
 
@@ -184,8 +184,8 @@ class Sharding:
         """The model's (and a torch ``optimizer=``'s) ``zero_grad()``: the gradients
         accumulated since the last step are dropped, as torch drops them
         (:meth:`Runtime.zero_grad`); no sentinel ``.grad`` is left."""
-        self.storage.clear_sentinels()
-        self.storage.stray_grads(drop=True)
+        if not self.storage.clear_sentinels():
+            self.storage.stray_grads(drop=True)
         self.runtime.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float) -> Union[float, torch.Tensor]:

@@ -66,8 +66,7 @@ class ParamStorage:
                        for ps in params]
         self._views: dict[tuple[str, int], tuple[list, list]] = {}
         self._live = [False] * len(params)  # parameters pointed at the unit's slot
-        self._sentinel_grads: list[tuple[Any, Any]] = []
-        self._trained: list[tuple[int, int, Any]] = []  # (unit, index, parameter)
+        self._sentinel_grads: list[tuple[int, int, Any, Any]] = []  # (unit, index, p, s)
         self._sentinels = False
 
     def take_over(self, aliases: dict, all_names: dict, meta: bool) -> None:
@@ -81,11 +80,9 @@ class ParamStorage:
             for p, e in zip(ps, es):
                 p.data = e
         # Made once: each backward only assigns them (a parameter's, one placeholder's size).
-        self._sentinel_grads = [(p, _ShardedGrad.make(e)) for ps, es in
-                                zip(self.params, self._empty) for p, e in zip(ps, es)
-                                if p.requires_grad]
-        self._trained = [(u, k, p) for u, ps in enumerate(self.params)
-                         for k, p in enumerate(ps) if p.requires_grad]
+        self._sentinel_grads = [(u, k, p, _ShardedGrad.make(e))
+                                for u, (ps, es) in enumerate(zip(self.params, self._empty))
+                                for k, (p, e) in enumerate(zip(ps, es)) if p.requires_grad]
 
     def sample(self) -> Optional[Any]:
         """One placeholder (every one has the model's device and the param dtype)."""
@@ -145,8 +142,9 @@ class ParamStorage:
     def stray_grads(self, drop: bool = False) -> list[tuple[int, int]]:
         """The ``(unit, index)`` of each trained parameter whose ``.grad`` (no sentinel) no
         reduction took: autograd set it while its unit's backward was not open; with
-        ``drop``, dropped (as torch's ``zero_grad`` drops a ``.grad``)."""
-        stray = [(u, k, p) for u, k, p in self._trained if p.grad is not None]
+        ``drop``, dropped (as torch's ``zero_grad`` drops a ``.grad``). None can form while
+        the sentinels are set: autograd cannot add a gradient to one."""
+        stray = [(u, k, p) for u, k, p, _ in self._sentinel_grads if p.grad is not None]
         if drop:
             for _, _, p in stray:
                 p.grad = None
@@ -154,19 +152,27 @@ class ParamStorage:
 
     # -- sentinels ----------------------------------------------------------------------
 
-    def set_sentinels(self) -> None:
-        """Each trained parameter's ``.grad`` is its sentinel (a backward ended)."""
-        for p, s in self._sentinel_grads:
+    def set_sentinels(self) -> list[tuple[int, int]]:
+        """Each trained parameter's ``.grad`` is its sentinel (a backward ended); returns
+        :meth:`stray_grads` as they were (one pass over the parameters)."""
+        stray = []
+        for u, k, p, s in self._sentinel_grads:
+            if p.grad is not None:
+                stray.append((u, k))
             p.grad = s
         self._sentinels = True
+        return stray
 
-    def clear_sentinels(self) -> None:
-        """No sentinel ``.grad`` is left (a pass, a step or a ``zero_grad`` begins)."""
-        if self._sentinels:
-            for p, s in self._sentinel_grads:
-                if p.grad is s:
-                    p.grad = None
-            self._sentinels = False
+    def clear_sentinels(self) -> bool:
+        """No sentinel ``.grad`` is left (a pass, a step or a ``zero_grad`` begins); whether
+        they were set (then no stray gradient formed since: :meth:`stray_grads`)."""
+        if not self._sentinels:
+            return False
+        for _, _, p, s in self._sentinel_grads:
+            if p.grad is s:
+                p.grad = None
+        self._sentinels = False
+        return True
 
     @contextlib.contextmanager
     def sentinels_cleared(self) -> Iterator[None]:
