@@ -145,9 +145,9 @@ class Runtime:
             ``pre_forward`` to its ``post_backward``; see [Note: passes]).
         trainable: per unit, per parameter, whether it is trained (all True if
             None). A unit with none is never reduced; the others reduce every
-            parameter (a frozen one's gradient as zeros: the unit's buffer is
-            zeroed when its backward opens, so a frozen gradient left unwritten
-            counts nothing in the norm) and the optimizer leaves frozen
+            parameter (a frozen one's gradient as zeros: zeroed when its backward
+            opens, or by a ``fill_grads`` front end, so a frozen gradient left
+            unwritten counts nothing in the norm) and the optimizer leaves frozen
             parameters bitwise unchanged.
         param_groups: ``(hyper-parameters, parameter names)`` pairs: those
             parameters step with those AdamW settings (say, no weight decay on
