@@ -194,7 +194,6 @@ class Hooks:
                 "requires_grad=True before shard_module (and False for the steps it "
                 "waits), or shard the model again")
 
-
     def check_grads_taken(self, stray: Optional[list] = None) -> None:
         """Raise if a parameter's ``.grad`` was set while its unit's backward was not open
         and no reduction took it (``stray``, else :meth:`ParamStorage.stray_grads`): at the
