@@ -298,8 +298,7 @@ class Plain:
     """
 
     def __init__(self, torch: Any, model: Any, dtype: Any) -> None:
-        self.torch = torch
-        self.params = list(model.parameters())
+        self.torch, self.params = torch, list(model.parameters())
         self.cast = dtype != torch.float32
         if not self.cast:
             self.masters = self.params
@@ -337,8 +336,7 @@ def device_used(torch: Any, cuda: bool) -> int:
 
 
 class Run:
-    """One impl's run: built, stepped one step at a time (:meth:`step`), then closed into its
-    record (:meth:`finish`)."""
+    """One impl's run: built, stepped (:meth:`step`), then closed into its record."""
 
     def __init__(self, kind: str, torch: Any, g: Any, args: argparse.Namespace,
                  cfg: llama.ModelConfig, B: int, device: Any, log: Any) -> None:
@@ -417,7 +415,9 @@ class Run:
         impl.close()
         del self.impl
         timed = {"step": self.times, "host": self.host, "cpu": self.cpu}
+        p10, p50, p90 = np.percentile(self.times[w:] or self.times, [10, 50, 90])
         return {"impl": self.kind, "losses": self.losses, "step_s": self.times,
+                "step_spread": float((p90 - p10) / p50),
                 "host_s": self.host, "cpu_s": self.cpu, "peak_bytes": self.peak,
                 "clocks": clocks, "profile": prof,
                 **{f"median_{k}_s": float(np.median(v[w:] or v)) for k, v in timed.items()}}
@@ -553,6 +553,11 @@ def table(rec: dict) -> str:
     # Records before the training check lack it: checked here, from their losses.
     lines += training.lines(rec.get("training") or training_check(
         rec["runs"], rec["world"], "float32" if rec["device"] == "cpu" else "bfloat16"))
+    busy = [f"{r['impl']} {r['step_spread']:.0%}" for r in rec["runs"]
+            if r.get("step_spread", 0.0) > 0.1]
+    if busy:  # (one model's steps on a quiet machine are a few % apart: run34's, 1%)
+        lines += [f"- **busy host**: timed steps spread (p90 - p10 over the median) "
+                  f"{', '.join(busy)}: the figures per unit measure the load as well"]
     if any(r.get("clocks") for r in rec["runs"]):
         lines += ["", "GPU clocks during each impl's timed steps (`nvidia-smi` every 250 ms, "
                   "rank 0's GPU): median SM clock, power and temperature.", ""]
