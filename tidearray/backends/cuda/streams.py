@@ -172,7 +172,7 @@ def no_release_in_capture() -> Iterator[None]:
         if not _captures_open:
             if _collecting:
                 gc.enable()
-            while _deferred and not _captures_open:
+            while _deferred:
                 _wait_then_release(*_deferred.pop())
 
 
