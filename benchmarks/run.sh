@@ -24,7 +24,7 @@
 #                  hidden 2048, 4K tokens, unsharded jit vs tidearray.jax)
 #       jaxcompile (jax_step.py per impl, one process each: where the first compile goes:
 #                  lowering, XLA, XLA again with its caches warm, GEMMs, XLA's timers and
-#                  autotuning log; TIDE_JAX_COMPILE_IMPLS)
+#                  autotuning log; TIDE_JAX_COMPILE_IMPLS; then the goals over them)
 #       jaxscan    (jax_step.py, tidearray-scan and unsharded scanned, at 4, 8, 16 and 32
 #                  layers: compile time against depth, and the host time per step in
 #                  tidearray's callbacks against the rest; TIDE_JAX_LAYERS)
@@ -113,7 +113,9 @@ run_jaxcompile() {  # where the JAX step's first compile goes, one process per i
             -x JAX_LOG_COMPILES \
             -n 1 python3 benchmarks/steps/jax_step.py --impls "$impl" --recompile --steps 2 \
             --warmup 1 --out "$d"
-    done
+    done  # the goals over those processes: each impl's compile paid its own autotuning
+    step jaxcompile_report python3 benchmarks/steps/jax_step.py \
+        --report "$OUT"/jaxcompile/*/jax_step.json
 }
 run_jaxscan() {  # the scanned step's compile time against depth (TIDE_JAX_LAYERS)
     local n
