@@ -45,10 +45,6 @@ HAND = ("<!-- Hand-written from here on: python -m benchmarks.performance keeps 
 MOVED = {
     "tidearray.bench": "The harness was `python -m tidearray.bench` then; the same command "
                        "is `python -m benchmarks` now.",
-    "benchmarks/probes/hook_overhead.py": "The probe `hook_overhead.py` (its own smaller "
-                                          "model) is gone; `compare_fsdp2.py --host-profile "
-                                          "N` gives the same cProfile on the benchmark's "
-                                          "model.",
     "examples/compare_fsdp2.py": "`examples/compare_fsdp2.py` is "
                                  "`benchmarks/steps/compare_fsdp2.py` now.",
     "--passes 2": "`--passes`, which ran the impls again with every other pass reversed "
@@ -56,31 +52,6 @@ MOVED = {
                   "has it.",
     "--impl all --profile": "The trainer's comparison of comms (`examples/train.py --impl "
                             "all`) is `benchmarks/steps/compare_train.py --impl all` now.",
-}
-#: Runs the page lists without figures, by title: their code has left the tree, or a later
-#: run measured the same again. Each record stays in its folder; the page's hand-written
-#: part gives what each found and the commit that holds its code.
-ARCHIVED = {
-    "run12-fsdp2-compile": "`shard_module` against `fully_shard`, each block compiled "
-                           "(`compare_fsdp2.py --compile`)",
-    "run13-bounds": "What the hardware leaves (the probe `hw_bounds.py`)",
-    "run14-sweeps": "Variants launched in turn (the defaults' sweeps and the `ctas` step)",
-    "run15-one-h200": "Kernels beside a GEMM (`footprints.py`, the `priority` step)",
-    "run16-one-h200": "The narrow accumulate (`narrow_probe.py`, `narrow_sharing.py`)",
-    "run17-one-h200": "The torch front end on `transformers` models (`hf_models.py`)",
-    "run18-one-h200": "Host time per eager call, one pipeline against the caches "
-                      "(`eager_ab.py`)",
-    "run19-one-h200": "CUDA graphs: graph plans and the captured step",
-    "run20-one-h200": "What a graph's launch costs the host (`graph_launch.py`)",
-    "run22-one-h200": "CUDA graphs: a replay's host time taken apart (`graph_replay.py`)",
-    "run23-one-h200": "CUDA graphs: host time per graph plan call, back to back",
-    "run28-one-h200-np2": "The 2-rank GPU run's crash: a test's child joined the job",
-    "run29-one-h200-stress": "Under load again: the stress step at 41b43ff",
-    "run27-one-h200-stress": "Under load: the stress step and compute-sanitizer",
-    "run25-one-h200": "Per-unit overhead of the eager step, host-bound",
-    "run33-one-h100-steps": "Per-unit overhead of the eager step, host-bound, again",
-    "run34-one-h100-unit-graphs": "Per-unit overhead with unit graphs",
-    "run35-one-h100-fill-grads": "Per-unit overhead, autograd's own gradients",
 }
 MACHINES = {
     "nvidia-h200-x2": "2 NVIDIA H200 joined by NVLink, one process per GPU",
@@ -385,7 +356,7 @@ def one_h200_graph_plans(run: Run) -> tuple[Figure, ...]:
 
 def one_h200_units(run: Run, record: str = "compare.json") -> tuple[Figure, ...]:
     """Per-unit overhead over the same model with no wrapper, eager, at one rank (the
-    0.3 ms goal is small-32l's, a host-bound model's; another model's is a reference)."""
+    0.3 ms goal is small-32l's, a host-bound model's, judged on a quiet host only)."""
     d = run.json(record)
     c, model = d["comparison"], d["model"]
     units, per = c["units"], c["per_unit_over_plain_s"]
@@ -393,7 +364,6 @@ def one_h200_units(run: Run, record: str = "compare.json") -> tuple[Figure, ...]
     figs = [Figure(f"{model}: step time, {k}", "reference",
                    f"{ms(by[k])} ({x(by[k] / by['plain'])} plain's, "
                    f"{x(by[k] / by['fsdp2'])} FSDP2's)") for k in by]
-    # judged on small-32l alone, and only on a quiet host (compare_fsdp2.py's busy-host flag)
     busy = max(r.get("step_spread", 0.0) for r in d["runs"]) > 0.10
     judged, note = model == "small-32l" and not busy, "; a busy host: not judged" * busy
     figs += [Figure(f"`shard_module` eager: step over plain per unit ({units} units)",
@@ -402,9 +372,7 @@ def one_h200_units(run: Run, record: str = "compare.json") -> tuple[Figure, ...]
                     f"{per['floor'] * 1e3:.2f} ms{note})",
                     per["tide"] <= 0.3e-3 if judged else None),
              Figure("`fully_shard` eager: step over plain per unit", "reference",
-                    f"{per['fsdp2'] * 1e3:.2f} ms"),
-             Figure("`shard_module` captured (`tide-graph`): step against plain's",
-                    "reference", f"{x(by['tide-graph'] / by['plain'])}")]
+                    f"{per['fsdp2'] * 1e3:.2f} ms")]
     return tuple(figs)
 
 
@@ -601,16 +569,19 @@ def _section(root: str, s: Section) -> list[str]:
 
 
 def _archived(root: str) -> list[str]:
-    """The :data:`ARCHIVED` runs, one entry each: title, record, commit and command."""
+    """The runs whose ``run.json`` has an ``archived`` title (their code has left the tree,
+    or a later run measured the same again), one entry each: title, record, commit and
+    command. The page's hand-written part gives what each found."""
     out = ["## Earlier records", "",
            "Runs whose code has left the tree, or that a later run measured again. Each "
            "record stays in its folder; what it found, and the commit that holds its code, "
            "are under \"Retired experiments\" and \"Superseded sections\" below.", ""]
-    for name, title in ARCHIVED.items():
-        meta = Run(root, name).meta
+    runs = (Run(root, n) for n in sorted(os.listdir(os.path.join(root, RESULTS))))
+    for run in (r for r in runs if "archived" in r.meta):
+        meta = run.meta
         commands = "; ".join(f"`{c}`" for c in meta["command"].split("; "))
-        out.append(f"- **{title}** ({name}, {meta['machine']}): "
-                   f"[record](../{RESULTS}/{name}/) at commit `{meta['commit']}`, "
+        out.append(f"- **{meta['archived']}** ({run.name}, {meta['machine']}): "
+                   f"[record](../{RESULTS}/{run.name}/) at commit `{meta['commit']}`, "
                    f"{meta['date']}. Command: {commands}.")
     return out + [""]
 

@@ -96,7 +96,7 @@ run_jax() {  # a JAX transformer's step at one rank: unsharded jit, tidearray.ja
     # (released/kept parameters, command buffers); TIDE_JAX_ARGS adds flags
     local w
     stacks_after "${TIDE_JAX_STACKS_S:-240}" jax_step "jax_step.py"; w=$!  # if it stalls
-    step jax_step "${MPI[@]}" -n 1 python3 benchmarks/steps/jax_step.py --out "$OUT/jax" \
+    step jax_step "${MPI[@]}" -n 1 python3 benchmarks/steps/jax_step.py --profile --out "$OUT/jax" \
         ${TIDE_JAX_ARGS:-}
     kill "$w" 2>/dev/null
 }

@@ -26,7 +26,8 @@ before it took: there is no total time limit):
    and interop examples too);
 5. the benchmarks under ``mpiexec -n 2``: the step comparisons
    (``benchmarks/steps/``: the trainer under each comm, FSDP2 against
-   ``shard_module``) on a tiny model, and the harness on small sizes
+   ``shard_module``, ``tidearray.jax`` against unsharded JAX in float32) on a tiny
+   model, and the harness on small sizes
    (``python -m benchmarks all --quick``), which exits nonzero if any step fails or
    any output is wrong.
 
@@ -209,6 +210,7 @@ EXAMPLES = (("examples/train.py", "--steps", "5"), ("examples/quickstart.py",),
 #: The benchmarks, on small settings: the step comparisons, then the harness.
 BENCHMARKS = (("-m", "benchmarks.steps.compare_train", "--steps", "4"),
               ("-m", "benchmarks.steps.compare_fsdp2", "--steps", "4"),
+              ("-m", "benchmarks.steps.jax_step", "--tiny", "--dtype", "float32", "--profile"),
               ("-m", "benchmarks", "all", "--quick", "--iters", "20", "--out",
                str(Path(tempfile.gettempdir()) / "tidearray-ci-bench")))
 

@@ -45,6 +45,17 @@ def roles(events: list[dict]) -> Counter:
     return c
 
 
+def busy(events: list[dict]) -> tuple[float, float]:
+    """The microseconds in which the device ran any of ``events``, and their span, from
+    the first start to the last end (the rest of the span it waited, for the host mostly)."""
+    spans = sorted((e["ts_us"], e["ts_us"] + e["dur_us"]) for e in events)
+    total, end = 0.0, spans[0][0]
+    for start, stop in spans:
+        total += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return total, end - spans[0][0]
+
+
 def plot(events: list[dict], path: str, title: str = "") -> None:
     """Write a PNG with one row per stream (busiest first), time in ms from the first event."""
     import matplotlib

@@ -87,9 +87,10 @@ def lines(t: dict) -> list[str]:
 def profile_step(step: Callable[[], None], trace_path: Optional[str],
                  log: Callable[[str], None]) -> Optional[dict]:
     """One step under CUPTI: its device milliseconds per role (compute, accumulate, NCCL,
-    layout conversion, copies), logged and returned as the record's ``{"ms_per_role":
-    ...}``; its events saved to ``trace_path`` (None: not saved; for ``plot_timelines``).
-    None, said in the log, where CUPTI is unavailable."""
+    layout conversion, copies) and busy and idle (waiting, from its first event to its
+    last), logged and returned as the record's ``{"ms_per_role": ..., "busy_ms": ...}``;
+    its events saved to ``trace_path`` (None: not saved; for ``plot_timelines``). None,
+    said in the log, where CUPTI is unavailable."""
     from benchmarks.harness import cupti, timeline
 
     events = cupti.trace(step)
@@ -99,8 +100,9 @@ def profile_step(step: Callable[[], None], trace_path: Optional[str],
     if trace_path:
         cupti.save(events, trace_path)
     roles = {r: us / 1e3 for r, us in timeline.roles(events).items()}
-    log(f"profiled step: device ms per role {roles}")
-    return {"ms_per_role": roles}
+    busy, span = timeline.busy(events)
+    log(f"profiled step: device ms per role {roles}; busy {busy / 1e3:.2f} of {span / 1e3:.2f}")
+    return {"ms_per_role": roles, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3}
 
 
 #: Functions in each of :func:`host_profile`'s two tables.

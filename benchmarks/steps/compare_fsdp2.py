@@ -11,28 +11,24 @@
 (``RUN``: a new run folder with a ``run.json``, like ``benchmarks/results/run12-fsdp2/``.)
 A PyTorch Llama-style decoder (``torch_llama``: RMSNorm, RoPE, grouped-query attention,
 SwiGLU) trained several ways in turn, each from the same weights on the same batches:
+``plain`` (no wrapper, nothing communicated; on cuda bf16 parameters and fp32 masters
+stepped by ``torch.optim.AdamW(fused=True)``: :class:`Plain`); ``fsdp2`` (``fully_shard``
+on every block and the root, ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``, fused torch AdamW); ``tide`` (``shard_module``: units embedding,
+each block, head; tidearray's fused AdamW with the same settings); ``floor`` (``tide``
+with ``comm=LocalComm``: nothing communicated, own data); ``tide-graph`` and
+``floor-graph`` (cuda: the whole step captured by ``capture_step`` after the first eager
+step, replayed on each batch; FSDP2 cannot be captured).
 
-* ``plain``: no wrapper, nothing communicated (each rank its own data); on cuda bf16
-  parameters and fp32 masters stepped by ``torch.optim.AdamW(fused=True)``, cast by one
-  ``torch._foreach_copy_`` each way (:class:`Plain`);
-* ``fsdp2``: ``fully_shard`` on every block and the root,
-  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, fused torch AdamW;
-* ``tide``: ``shard_module`` (units: embedding, each block, head), tidearray's fused
-  AdamW with the same settings;
-* ``floor``: ``tide`` with ``comm=LocalComm`` (nothing communicated, own data);
-* ``tide-graph``, ``floor-graph`` (cuda): the whole step captured by ``capture_step``
-  after the first eager step and replayed on each batch (FSDP2 cannot be captured).
-
-The table: median step time after ``--warmup`` steps and its ratio to the floor, the
-median host time per step (until the calls return) and CPU time; where ``plain`` ran,
-each impl's overhead per unit over plain's, ``(median - plain's) / (layers + 2)``; peak
-device memory per rank (sampled after every step, above what was in use before the
-model); the loss difference to ``fsdp2``. ``--out DIR`` writes ``compare.json`` (with the
-git commit), ``compare.md`` and a step plot; ``--report JSON`` remakes them.
-``--host-profile N``: N more steps of each under cProfile; ``--profile``: a CUPTI
-timeline of one step of each. The GPU's clocks are read during the timed steps. Without
-a GPU it runs on CPU (gloo, the host backend, fp32, one torch thread per rank); ``--model
-host-32l`` then measures host time per unit.
+The table (docs/torch.md says more): median step time after ``--warmup`` steps and its
+ratio to the floor, host time and CPU time per step, each impl's overhead per unit over
+plain's, ``(median - plain's) / (layers + 2)``, peak device memory per rank, the losses;
+a busy host is flagged (any impl's timed steps over 10% apart). ``--out DIR`` writes
+``compare.json`` (with the git commit), ``compare.md`` and a step plot; ``--report JSON``
+remakes them. ``--host-profile N``: N more steps of each under cProfile; ``--profile``: a
+CUPTI timeline of one step of each; the GPU's clocks are read during the timed steps.
+Without a GPU it runs on CPU (gloo, the host backend, fp32, one torch thread per rank);
+``--model host-32l`` then measures host time per unit.
 
 Every run checks that each impl's loss falls (the last step re-runs the first batch) and
 that impls training alike agree step by step within ``LOSS_RTOL`` (``GLOBAL_IMPLS``,
@@ -352,10 +348,7 @@ class Run:
         self.data = [llama.batch(cfg, step=s if s < args.steps - 1 else 0, batch_size=B,
                                  seed=SEED, first_sample=g.rank * B)
                      for s in range(args.steps)]
-        self.losses: list = []
-        self.times: list = []
-        self.host: list = []
-        self.cpu: list = []
+        self.losses, self.times, self.host, self.cpu = [], [], [], []  # per step
         self.peak, self.clock_log = 0, None
 
     def step(self, s: int) -> None:

@@ -14,49 +14,34 @@ mesh, from the same weights on the same batches.
     # on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2 for xla-fsdp, --tiny and
     # --dtype float32 in each launch
 
-``examples/jax_train.py``'s model, data and loss at ``--layers``, ``--width`` and
-``--seq`` (one sequence of ``--seq`` tokens per rank or device per step; ``--tiny``, alias
-``--quick``: 2 layers, width 64, 32 tokens), bf16 compute over fp32 masters by default,
-AdamW with no clipping, the learning rate warmed up linearly over the untimed
-``--warmup`` steps. The blocks run in a Python loop, or stacked under ``lax.scan``
-(``--scan``; always in ``tidearray-scan``). Impls (``--impls``, run in this order, which
-is that of expected peak memory):
+``examples/jax_train.py``'s model, data and loss (``--layers``, ``--width``, ``--seq``
+tokens per rank or device per step; ``--tiny``: 2 layers, width 64, 32 tokens), bf16
+compute over fp32 masters, AdamW without clipping, the learning rate warmed up over the
+untimed ``--warmup`` steps; the blocks in a Python loop, or under ``lax.scan``
+(``--scan``; always in ``tidearray-scan``). Impls (``--impls``, run in this order, that
+of expected peak memory): ``tidearray`` (``ShardedUnits.apply`` per unit, parameters
+released after each forward and gathered again for backward), ``tidearray-scan`` (the
+blocks as one stacked unit under ``lax.scan``), ``tidearray-keep``
+(``reshard_after_forward=False``), ``tidearray-cb`` (``command_buffer=True``),
+``unsharded-remat`` (``unsharded`` with each unit under ``jax.checkpoint``: the forward
+runs again, as in ``tidearray``), ``unsharded`` (one device, the global batch) and, not
+by default and in a launch of its own, ``xla-fsdp`` (a 1-D mesh ``fsdp`` over every
+local device, parameters and moments sharded on dim 0, the collectives XLA inserts).
+docs/jax.md says more of each.
 
-* ``tidearray``: ``ShardedUnits.apply`` per unit in the jitted step, parameters
-  released after each unit's forward and gathered again for its backward (the unit's
-  forward runs again: one more forward of compute);
-* ``tidearray-scan``: the blocks as one stacked unit, run by ``ShardedUnits.scan`` inside
-  ``jax.lax.scan`` (one compiled block; the same collectives, per layer in the loop);
-* ``tidearray-keep``: ``reshard_after_forward=False`` (no second gather or forward; every
-  unit's parameters live until its backward);
-* ``tidearray-cb``: ``command_buffer=True`` (XLA may record the callbacks' GPU work into
-  its command buffers);
-* ``unsharded-remat``: ``unsharded`` with each unit's function under ``jax.checkpoint``
-  (its forward runs again in backward, as ``tidearray``'s does: the fair baseline for
-  ``tidearray``, where ``unsharded`` is ``tidearray-keep``'s);
-* ``unsharded``: the whole model in one jitted step on one device, the global batch
-  (``--world`` devices' samples: the group's size by default), ``ShardAdamW``'s math;
-* ``xla-fsdp`` (not by default; a launch of its own, one process over every local
-  device): a 1-D mesh axis ``fsdp``, the fp32 parameters and AdamW's moments sharded on
-  (each layer's) dim 0 with ``NamedSharding(mesh, P('fsdp'))``, replicated where it does
-  not divide, the batch sharded on the same axis, the collectives XLA inserts; it keeps
-  what XLA chooses to keep (no re-gather in backward): the ratios include that trade.
-
-Per impl: the compile time of the step (JAX's lowering and XLA's compile, each also
-timed again with XLA's in-process caches warm under ``--recompile``: on GPUs the
-difference is mostly GEMM autotuning; the compiled step's GEMMs and distinct GEMMs,
-which XLA autotunes one by one; the optimized HLO as ``IMPL.hlo.txt.gz`` with
-``--out``), the median step time (wall, the loss made concrete), the median host time to
-issue a step (until the call returns) and host CPU time per step (every thread of the
-process: XLA's callback threads included; the mean of the ranks'), JAX's peak device
-memory (the largest of the ranks') and XLA's own estimate of the compiled step's
-footprint. ``--out DIR`` writes ``jax_step.json`` (with the git commit) and a table;
-``--report JSON...`` remakes the table from records. A run or a report fails unless
-every loss fell (the last step re-runs the first step's batch) and the impls agree step
-by step with ``xla-fsdp`` (else ``unsharded``) within ``LOSS_RTOL``. The table ends with
-the goals (``GOALS``: compile time, step time against ``unsharded`` and
-``unsharded-remat``, host CPU), met or not, for the impls run. On GPUs JAX runs at XLA's default
-flags: never time with ``--xla_gpu_autotune_level=0`` (it picks slow kernels).
+Per impl: the compile time (JAX's lowering and XLA's compile; with ``--recompile`` each
+again with XLA's in-process caches warm; ``xla_cache``: ``cold`` for a process's first
+compile, which alone pays XLA's GEMM autotuning), the compiled step's GEMMs and distinct
+GEMMs, its optimized HLO (``IMPL.hlo.txt.gz`` under ``--out``), with ``--profile`` one
+more step under CUPTI (its device time, busy and idle: ``profile``), the median step time,
+host time to issue a step and host CPU per step (every thread: XLA's callback threads
+too), JAX's peak device memory and XLA's own footprint estimate. ``--out DIR`` writes
+``jax_step.json`` (with the git commit) and a table; ``--report JSON...`` remakes the
+table from records. A run or a report fails unless every loss fell (the last step
+re-runs the first step's batch) and the impls agree step by step with ``xla-fsdp``
+(else ``unsharded``) within ``LOSS_RTOL``. The table ends with the goals (``GOALS``),
+met or not. On GPUs JAX runs at XLA's default flags: never time with
+``--xla_gpu_autotune_level=0`` (it picks slow kernels).
 
 [Note: peak memory in one process]
 JAX has no way to reset its peak counter, so the impls run in order of expected
@@ -119,6 +104,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--recompile", action="store_true",
                    help="compile each step twice: the second compile finds XLA's in-process "
                         "caches (GEMM autotuning) warm")
+    p.add_argument("--profile", action="store_true",
+                   help="CUPTI: one more step's device time per role, busy and idle")
     p.add_argument("--tiny", "--quick", action="store_true", help="a tiny model (CPU check)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -205,6 +192,10 @@ def run_impl(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace
             wall.append(t2 - t0)
             cpu.append(c1 - c0)
             in_callbacks.append(callbacks() - b0)
+    if args.profile:  # the step's edges, where the device waits for the host, included
+        trace = (os.path.join(args.out, f"{impl}_step_trace.json")
+                 if args.out and (g is None or g.rank == 0) else None)
+        extra["profile"] = training.profile_step(lambda: float(np.asarray(run(0))), trace, log)
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
     peak, cpu_s = max((p for p in peaks if p is not None), default=None), statistics.median(cpu)
     if g is not None:  # the largest of the ranks' peaks, the mean of their CPU times
@@ -396,7 +387,9 @@ def table(records: list) -> str:
                      f"{_gib(r.get('xla_bytes'))} | {r['losses'][0]:.4f} | "
                      f"{r['losses'][-1]:.4f} |")
     lines += compile_table(records) + targets(by)
-    return "\n".join(lines)
+    profiled = [f"- {r['impl']}: one step under CUPTI: the device busy {p['busy_ms']:.2f} ms, "
+                f"idle {p['idle_ms']:.2f} ms" for r in records if (p := r.get("profile"))]
+    return "\n".join(lines + [""] * bool(profiled) + profiled)
 
 
 def compile_table(records: list) -> list[str]:
@@ -427,8 +420,7 @@ def targets(by: dict) -> list[str]:
     for what, impl, ref, key, kind, bound in GOALS:
         if impl in by and ref in by:
             a, b = by[impl][key], by[ref][key]
-            caches = {by[k].get("xla_cache", "cold") for k in (impl, ref)}
-            if key == "compile_s" and len(caches) > 1:
+            if key == "compile_s" and len({by[k].get("xla_cache") for k in (impl, ref)}) > 1:
                 lines.append(f"- {what}: {impl} against {ref}: not compared, one found XLA's "
                              "autotuning warm (a process per impl: run.sh's jaxcompile)")
                 continue

@@ -80,3 +80,12 @@ def test_the_report_gives_the_collectives_time_beside_the_gemms():
     res = Results(recs)
     text = report.render(res)
     assert "### The collective's own time per call" in text and "| 785 -> 900" in text
+
+
+def test_busy_counts_overlapping_work_once_and_the_gaps_as_waiting():
+    events = [{"ts_us": 0.0, "dur_us": 10.0}, {"ts_us": 5.0, "dur_us": 10.0},  # 0-15
+              {"ts_us": 40.0, "dur_us": 5.0},  # a gap of 25 before it
+              {"ts_us": 41.0, "dur_us": 2.0},  # inside the one before
+              {"ts_us": 60.0, "dur_us": 40.0}]  # 60-100
+    busy, span = timeline.busy(list(reversed(events)))  # any order
+    assert busy == 15.0 + 5.0 + 40.0 and span == 100.0

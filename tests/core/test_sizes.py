@@ -1,4 +1,5 @@
-"""Sizes: no module of ``tidearray`` over 600 lines, no function over 60.
+"""Sizes: no module of ``tidearray`` over 600 lines, no function over 60, and the
+benchmarks (``benchmarks/``, what a user or a release runs) at most 6,000 lines of Python.
 
 A module counts every line of its file. A function (or method) counts from its
 ``def`` line to its last line, docstring and nested functions included (decorators
@@ -13,6 +14,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "tidearray"
 MODULE_MAX = 600
 FUNCTION_MAX = 60
+BENCHMARKS_MAX = 6000
 
 #: Files over a limit for now, by path under ``tidearray/``, with the reason.
 ALLOWED: dict[str, str] = {}
@@ -58,3 +60,11 @@ def test_the_measure_counts_from_def_to_the_last_line():
                      "    return g\n")
     f = tree.body[0]
     assert f.end_lineno - f.lineno + 1 == 6
+
+
+def test_the_benchmarks_stay_within_their_size():
+    """Retired probes leave the tree (their findings stay in docs/performance.md)."""
+    files = sorted((ROOT.parent / "benchmarks").rglob("*.py"))
+    n = sum(len(f.read_text().splitlines()) for f in files)
+    assert files and n <= BENCHMARKS_MAX, f"benchmarks/: {n} lines of Python (at most " \
+        f"{BENCHMARKS_MAX})"
