@@ -263,11 +263,12 @@ def build(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace, i
 def runner(jax: Any, jitted: Any, params: Any, state: Any, coef: Callable, batch: Callable,
            phases: dict, recompile: bool = False) -> Callable:
     """``run(s, compile_only=False)``: a jitted ``step(params, state, coef, tokens, targets)
-    -> (params, state, loss)`` on step ``s``'s batch; ``compile_only`` compiles it (the
-    steps run that executable), puts the time of JAX's lowering and of XLA's compile in
-    ``phases``, and returns the compiled step. ``recompile``: lower and compile it a
-    second time (``relower_s``, ``rexla_compile_s``): what XLA's in-process caches (GEMM
-    autotuning results among them) save a compile of the same step."""
+    -> (params, state, loss)`` on step ``s``'s batch; ``compile_only`` compiles it (JAX's
+    lowering and XLA's compile timed in ``phases``) and returns the compiled step;
+    ``recompile``: a second time (``relower_s``, ``rexla_compile_s``), XLA's in-process
+    caches (GEMM autotuning) warm. The steps call ``jitted``, which finds the executable
+    in JAX's caches: a compiled object with host callbacks (tidearray's) has no C++
+    dispatch, and its Python one cost a 16-layer tiny tidearray-keep 2x the host time."""
     box = {"params": params, "state": state}
 
     def run(s: int, compile_only: bool = False) -> Any:
@@ -278,11 +279,10 @@ def runner(jax: Any, jitted: Any, params: Any, state: Any, coef: Callable, batch
                 t0 = time.perf_counter()
                 lowered = jitted.lower(box["params"], box["state"], *args)
                 t1 = time.perf_counter()
-                box["step"] = lowered.compile()
-                phases[f"{key}lower_s"] = t1 - t0
-                phases[f"{key}xla_compile_s"] = time.perf_counter() - t1
+                box["step"], t2 = lowered.compile(), time.perf_counter()
+                phases[f"{key}lower_s"], phases[f"{key}xla_compile_s"] = t1 - t0, t2 - t1
             return box["step"]
-        box["params"], box["state"], loss = box["step"](box["params"], box["state"], *args)
+        box["params"], box["state"], loss = jitted(box["params"], box["state"], *args)
         return loss
     return run
 
