@@ -170,9 +170,11 @@ def train_sharded(jax: Any, g: ta.Group, cfg: Config, dtype: str = "float32") ->
     shards, state, losses = su.shards, opt.init(su.shards), []
     for s in range(cfg.steps):
         tokens, targets = (jax.device_put(a, su.device) for a in batch(cfg, s, g.rank))
-        if s == 0:  # compiled ahead, so a slow compile shows as such (it can take a while)
+        if s == 0:  # compiled ahead, so a slow compile shows as such (it can take a while);
+            # the loop calls the jitted function, which finds it: JAX's compiled object of a
+            # step with host callbacks has no C++ dispatch, the jitted function has
             started = time.perf_counter()
-            step = step.lower(shards, state, opt.coefficients(1), tokens, targets).compile()
+            step.lower(shards, state, opt.coefficients(1), tokens, targets).compile()
             if g.rank == 0:
                 print(f"compiled the step in {time.perf_counter() - started:.1f} s", flush=True)
         shards, state, loss = step(shards, state, opt.coefficients(s + 1), tokens, targets)
