@@ -93,6 +93,8 @@ class Group:
     def agree_max(self, values: list[int]) -> list[int]:
         """Elementwise max of ``values`` over the group (collective): over the
         node's shared-memory board where there is one, else ``Allreduce``."""
+        if self.size == 1:  # the max over one rank: no round trip through MPI
+            return [int(v) for v in values]
         if self.board is not None:
             return self.board.max(values)
         return allreduce_max(self.comm, values, self.config.timeout).tolist()
