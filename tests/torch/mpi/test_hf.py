@@ -641,22 +641,24 @@ def test_meta_device_init_by_init_fn(group):
 
 @pytest.fixture
 def gloo(group):
-    """torch.distributed over gloo on the MPI ranks (for FSDP2 on the CPU)."""
-    import socket
+    """torch.distributed over gloo on the MPI ranks (for FSDP2 on the CPU), met through a
+    file in a fresh directory: a free port looked up first could be taken by another run
+    on the machine before gloo binds it; a new file cannot."""
+    import shutil
+    import tempfile
 
     import torch.distributed as dist
 
     _host_only(group)
 
-    if group.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = group.comm.bcast(port if group.rank == 0 else None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=group.rank,
+    where = group.comm.bcast(tempfile.mkdtemp(prefix="tide-gloo-") if group.rank == 0 else None)
+    dist.init_process_group("gloo", init_method=f"file://{where}/store", rank=group.rank,
                             world_size=group.size)
     yield dist
     dist.destroy_process_group()
+    group.comm.Barrier()  # every rank is done with the file
+    if group.rank == 0:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.mark.parametrize("name", ["llama-tied", "llama-untied", "qwen3-moe"])
