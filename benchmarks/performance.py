@@ -441,7 +441,7 @@ def _jax_pair(what: str, t: dict, u: dict) -> list[Figure]:
     both trainings (every loss down, the last ones within the bf16 bound)."""
     cpu = t["median_cpu_s"] - u["median_cpu_s"]
     diff = abs(t["losses"][-1] - u["losses"][-1]) / abs(u["losses"][-1])
-    alike = t.get("xla_cache", 1) == u.get("xla_cache", 2)  # unrecorded: not alike
+    alike = "xla_cache" in t and t["xla_cache"] == u.get("xla_cache")  # unrecorded: not
     vs = f"`{t['impl']}` against `{u['impl']}`"
     return [against(f"{what}compile time, {vs}", "<= 1.5x", t["compile_s"], u["compile_s"],
                     lambda v: f"{v:.1f} s", (lambda r: r <= 1.5) if alike else None, 2),

@@ -29,6 +29,7 @@ import numpy as np
 from .data import UnitData
 from .guard import guarded
 from .suite import Suite, prepare, release
+from .timeline import union
 from .timing import measure
 
 GEMMS = {"gemm-1024x2048x16384": (1024, 2048, 16384), "gemm-8192^3": (8192, 8192, 8192)}
@@ -171,7 +172,7 @@ def gemm_loop(ctx: Any, coll: Any, coll_t: float, gemm: Any, gemm_t: float,
     def t(e: Any) -> float:
         return cupy.cuda.get_elapsed_time(origin, e) * 1e-3
 
-    busy = _union([(t(a), t(b)) for a, b in marks_c])
+    busy = union([(t(a), t(b)) for a, b in marks_c])
     durations = []
     for k, (c, d) in enumerate(marks_g):
         s, e = t(c), t(d)
@@ -184,16 +185,6 @@ def gemm_loop(ctx: Any, coll: Any, coll_t: float, gemm: Any, gemm_t: float,
     per_call = (float(np.median([(t(b) - t(a)) / n_coll for a, b in marks_c]))
                 if coll else None)
     return med, len(durations), len(marks_g), per_call
-
-
-def _union(iv: list) -> list:
-    out: list = []
-    for s, e in sorted(iv):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
 
 
 def _covered(s: float, e: float, busy: list) -> float:

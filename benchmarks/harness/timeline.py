@@ -45,15 +45,22 @@ def roles(events: list[dict]) -> Counter:
     return c
 
 
+def union(intervals: list) -> list:
+    """``(start, end)`` intervals merged where they overlap or touch, in order."""
+    out: list = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
 def busy(events: list[dict]) -> tuple[float, float]:
     """The microseconds in which the device ran any of ``events``, and their span, from
     the first start to the last end (the rest of the span it waited, for the host mostly)."""
-    spans = sorted((e["ts_us"], e["ts_us"] + e["dur_us"]) for e in events)
-    total, end = 0.0, spans[0][0]
-    for start, stop in spans:
-        total += max(0.0, stop - max(start, end))
-        end = max(end, stop)
-    return total, end - spans[0][0]
+    spans = union([(e["ts_us"], e["ts_us"] + e["dur_us"]) for e in events])
+    return sum(e - s for s, e in spans), spans[-1][1] - spans[0][0]
 
 
 def plot(events: list[dict], path: str, title: str = "") -> None:
