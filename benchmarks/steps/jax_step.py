@@ -268,7 +268,7 @@ def runner(jax: Any, jitted: Any, params: Any, state: Any, coef: Callable, batch
     ``recompile``: a second time (``relower_s``, ``rexla_compile_s``), XLA's in-process
     caches (GEMM autotuning) warm. The steps call ``jitted``, which finds the executable
     in JAX's caches: a compiled object with host callbacks (tidearray's) has no C++
-    dispatch: its Python one cost a 16-layer tiny tidearray-keep 6 ms a call on the CPU."""
+    dispatch: its Python one cost a 16-layer tiny tidearray-keep 7-8 ms a call (CPU)."""
     box = {"params": params, "state": state}
 
     def run(s: int, compile_only: bool = False) -> Any:
