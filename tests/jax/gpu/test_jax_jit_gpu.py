@@ -100,6 +100,11 @@ class _Syncs:
         return counted
 
 
+#: Steps before a step may be free of host synchronizations: compiled and plans built,
+#: then (unit graphs) plans captured.
+WARMUP_STEPS = 2
+
+
 @pytest.mark.parametrize("command_buffer", [False, True])
 def test_no_host_synchronize_inside_a_step(cuda_group, gpu_jax, monkeypatch, command_buffer):
     import tidearray.jax as tj
@@ -114,12 +119,18 @@ def test_no_host_synchronize_inside_a_step(cuda_group, gpu_jax, monkeypatch, com
     step = ex.sharded_step(jax, su, fns, opt)
     shards, state = su.shards, opt.init(su.shards)
     tokens, targets = (jax.device_put(a, su.device) for a in ex.batch(cfg, 0, cuda_group.rank))
-    shards, state, _ = jax.block_until_ready(step(shards, state, opt.coefficients(1), tokens,
-                                                  targets))  # compiled, plans built
+    # The first step compiles and builds the plans; with unit graphs (the default) the
+    # second captures each in-place plan, at its second call: a capture waits for the
+    # device once per plan ([Note: graph plans on cuda] in backends/cuda/graphs.py). From
+    # the third step on, every call finds its plan or graph: nothing may wait.
+    for k in range(WARMUP_STEPS):
+        shards, state, _ = jax.block_until_ready(step(shards, state, opt.coefficients(k + 1),
+                                                      tokens, targets))
     syncs = _Syncs(monkeypatch, cuda_group)
     syncs.counting = True
     for k in range(3):
-        shards, state, loss = step(shards, state, opt.coefficients(k + 2), tokens, targets)
+        shards, state, loss = step(shards, state, opt.coefficients(WARMUP_STEPS + k + 1),
+                                   tokens, targets)
     jax.block_until_ready(loss)  # JAX's own wait: not patched
     syncs.counting = False
     failures = [f"{len(syncs.calls)} host synchronizations in 3 steps: {syncs.calls[:8]}"
