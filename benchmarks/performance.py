@@ -400,12 +400,17 @@ def _sanitized(run: Run) -> Figure:
                   errors == 0 and hazards == 0)
 
 
-def _pytest(run: Run, log: str) -> tuple[int, int, int]:
-    """A pytest log's first summary line: (passed, skipped, failed or errors)."""
+def _pytest(run: Run, log: str) -> tuple[int, int, int, Optional[str]]:
+    """A pytest log's summary: (passed, skipped, failed or errors, None); a log cut before
+    it (its time ran out): (0, 0, the F and E of pytest -q's progress, how far it got)."""
     with open(os.path.join(run.path, log), errors="replace") as f:
-        line = next(ln for ln in f if re.search(r"\d+ passed.* in \d", ln))
-    n = {k: int(v) for v, k in re.findall(r"(\d+) (passed|skipped|failed|error)", line)}
-    return n.get("passed", 0), n.get("skipped", 0), n.get("failed", 0) + n.get("error", 0)
+        text = f.read()
+    line = re.search(r".*\d+ passed.* in \d.*", text)
+    if line is None:
+        reached = re.findall(r"\[ *(\d+)%\]", text)
+        return 0, 0, len(re.findall(r"\x1b\[31m[FE]", text)), f"{(reached or ['0'])[-1]}%"
+    n = {k: int(v) for v, k in re.findall(r"(\d+) (passed|skipped|failed|error)", line[0])}
+    return n.get("passed", 0), n.get("skipped", 0), n.get("failed", 0) + n.get("error", 0), None
 
 
 def one_h200_suite(run: Run) -> tuple[Figure, ...]:
@@ -416,14 +421,17 @@ def one_h200_suite(run: Run) -> tuple[Figure, ...]:
                       ("np3", "the multi-rank and GPU tests, 3 ranks"),
                       ("np4", "the multi-rank and GPU tests, 4 ranks"),
                       ("jaxjit_np1_alone", "`tidearray.jax` on cuda, 1 rank"),
+                      ("jaxjit_np1", "`tidearray.jax` on cuda, 1 rank"),
                       ("jaxjit_np2_alone", "`tidearray.jax` on cuda, 2 ranks"),
                       ("jaxjit_np3", "`tidearray.jax` on cuda, 3 ranks"),
                       ("jaxjit_np4", "`tidearray.jax` on cuda, 4 ranks")):
         if not os.path.exists(os.path.join(run.path, f"{log}.log")):
             continue  # a run of some steps only
-        passed, skipped, failed = _pytest(run, f"{log}.log")
+        passed, skipped, failed, cut = _pytest(run, f"{log}.log")
         figs.append(Figure(f"`{log}`: {what}, tests that failed", "0",
-                           f"{failed} ({passed} passed, {skipped} skipped)", failed == 0))
+                           f"{failed} ({passed} passed, {skipped} skipped)" if cut is None else
+                           f"{failed} in what ran; its time ran out at {cut}",
+                           failed == 0 and cut is None))
     loops = _stress_loops(run, "stress_loops.txt")
     for job, what in (("adamw", "the fused-AdamW and graph tests, 1 rank, 4 processes at once"),
                       ("rs", "beside it: pipeline and reduce-scatter tests, 3 ranks"),
@@ -476,13 +484,14 @@ def one_jax_step(run: Run) -> tuple[Figure, ...]:
     `tidearray` and `unsharded` in a process each (jaxcompile/)."""
     by = {r["impl"]: r for r in run.json("jax/jax_step.json")["runs"]}
     cold = [dict(run.json(f"jaxcompile/{i}/jax_step.json")["runs"][0], xla_cache="cold")
-            for i in ("tidearray", "unsharded")]  # each alone in its process
+            for i in ("tidearray", "unsharded")  # each alone in its process
+            if os.path.exists(os.path.join(run.path, "jaxcompile"))]
     step = [against(f"Step time, `{a}` against `{b}`", f"<= {bound}x", by[a]["median_step_s"],
                     by[b]["median_step_s"], ms, lambda r, bound=bound: r <= bound)
             for a, b, bound in (("tidearray-keep", "unsharded", 1.02),
                                 ("tidearray", "unsharded-remat", 1.05))]
-    return (_jax_pair("A process per impl: ", *cold)[0], *step,
-            *_jax_pair("One process: ", by["tidearray"], by["unsharded"])[1:])
+    first = _jax_pair("A process per impl: ", *cold)[:1] if cold else []
+    return (*first, *step, *_jax_pair("One process: ", by["tidearray"], by["unsharded"])[1:])
 
 
 # ---- the page --------------------------------------------------------------------------
@@ -507,37 +516,21 @@ def sections(root: str) -> list[Section]:
           "steps, each run's model in its capturable form, the default pool's cache given "
           "back before capturing.", captured_trainer),
         S("run24-one-h200", "CUDA graphs: host time per graph plan call, back to back",
-          "2 ranks sharing the GPU, medians of 50 calls, after the replay path kept its "
-          "stream handle. Back to back is how a training loop issues them, ahead of the "
-          "device. With the device idle and the ranks synchronized before each call, the "
-          "driver's launch alone costs about 4x (1.4-13x) what the same unit's launch costs "
-          "at one rank, where a plan has no flags (run22); why is not known: two processes "
-          "launching at once account for 1-2 us of it.", one_h200_graph_plans),
-        S("run30-one-h200-suite", "The GPU suite under load at cae2384",
-          "Correctness, not timing: `tests/gpu/run.sh` at one commit, in three calls on one "
-          "machine. The default steps (`info np2 np1`) beside `np3` and `np4`; then the "
-          "stress step (the fused-AdamW and graph tests in 4 processes looping beside a "
-          "3-rank reduce-scatter loop, a 2-rank graph-test loop and fp16 matrix products), "
-          "with the sanitizer and `jaxjit` at 1-4 ranks beside it. Under that load the 1- "
-          "and 2-rank `jaxjit` runs sat in XLA's autotuning (native stacks) until their "
-          "timeout after 2 tests each, so they ran again alone (`*_alone.log`).",
-          one_h200_suite),
+          "2 ranks sharing the GPU, medians of 50 calls, as a training loop issues them; "
+          "with the device idle and the ranks synchronized before each call the launch "
+          "costs about 4x (1.4-13x) a one-rank launch (run22; why is not known).",
+          one_h200_graph_plans),
         S("run31-one-h200-jaxscan", "`tidearray.jax` scanned: compile time against depth",
-          "One rank, XLA's default flags: `jax_step.py --scan` (width 2048, 4096 tokens, "
-          "bf16) at 4 and 32 layers, `tidearray-scan` against `unsharded` (scanned too), "
-          "3 timed steps after 2. The 8-layer step with every impl was cut by the run's "
-          "time. `unsharded` compiled second in the process, with XLA's autotuning "
-          "results warm, so the compile ratios are not judged (run37 compiles each impl "
-          "in a process of its own).", one_h200_jaxscan),
+          "One rank, default flags: `jax_step.py --scan` at 4 and 32 layers. `unsharded` "
+          "compiled second in the process, its autotuning warm: the compile ratios are not "
+          "judged (run37 compiles each impl in a process of its own).", one_h200_jaxscan),
         S("run32-one-h100-suite", "The GPU suite under load at 643dfcb",
           "As run30, on an H100: the default steps beside `np3` and `np4`; the stress step "
           "with the sanitizer and `jaxjit` at 3-4 ranks beside it; `jaxjit` at 1-2 ranks "
           "after.", one_h200_suite),
         S("run36-one-h100-final-suite", "The GPU suite and the per-unit overhead at 2757fcc",
-          "Five calls on H100s: small-32l and llama3-8b-8l (8192 tokens) with every impl, "
-          "20 steps; then the GPU suite's default steps beside the stress step, and 3-4 "
-          "ranks. The host was busy during small-32l (timed steps spread 21-32%: "
-          "compare.md), not during the 8B shape (1-3%).",
+          "Five calls on H100s: small-32l (a busy host: timed steps 21-32% apart) and "
+          "llama3-8b-8l (1-3%), 20 steps; the suite's default steps beside stress, 3-4 ranks.",
           lambda r: (*one_h200_units(r), *one_h200_units(r, "units8b/compare.json"),
                      *one_h200_suite(r))),
         S("run37-one-h100-jax", "`tidearray.jax` unrolled: compile, step, host and memory",
@@ -546,6 +539,14 @@ def sections(root: str) -> list[Section]:
           "compile of `tidearray` and `unsharded` in a process each. Its README adds a "
           "CUPTI trace: the step's added time is the device waiting at the step's edges.",
           one_jax_step),
+        S("run38-one-h100-units-jax", "The per-unit overhead and the JAX step at d6d159a",
+          "As run36's benchmarks (small-32l on a busy host again) and run37's one-process "
+          "JAX step, which now calls the jitted function (C++ dispatch).",
+          lambda r: (*one_h200_units(r), *one_h200_units(r, "units8b/compare.json"),
+                     *one_jax_step(r))),
+        S("run40-one-h100-suite", "The GPU suite at 1e19fb8, cut short",
+          "The library of d6d159a; the session's device time ran out (README.md).",
+          one_h200_suite),
     ]
 
 
