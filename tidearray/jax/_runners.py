@@ -26,6 +26,15 @@ of the unit), the gathered parameters out, the gradients in (the unit, in the co
 dtype) and the fp32 shard gradients out. Those copies are capture-safe memcpys; the
 plan call is one of the library's capture-safe issues, once the plan has run outside
 a capture (its tables upload at its first call): each runs once when it is built.
+
+[Note: the cast into the slot]
+A gather takes the fp32 shards as XLA holds them and rounds them into this rank's
+rows of the slot itself (a cast plan, ``Unit.gather_plan``'s ``cast``: one kernel),
+as the torch front end's gathers do. Cast by XLA first, the shards would cost a
+convert kernel and a compute-dtype buffer in XLA, then a copy into the slot; at one
+rank (whose rows are the whole unit) that was a read and a write of every parameter
+more per gather. Where the compute dtype is fp32 there is nothing to round, and the
+gather copies the shards as they are.
 """
 
 from __future__ import annotations
@@ -67,8 +76,9 @@ class InPlace:
     """
 
     def __init__(self, group: Group, slot: Region, buffers: XlaBuffers,
-                 layers: Sequence[Optional[int]]) -> None:
+                 layers: Sequence[Optional[int]], cast_to: Any = None) -> None:
         self.group, self.slot, self.buffers = group, slot, buffers
+        self.cast_to = cast_to  # [Note: the cast into the slot]
         self._sets = [ADDRESS_SETS + 2 * (n or 0) for n in layers]
         self._plans: dict[tuple[str, int], BoundedCache] = {}
         self._graph_after = GRAPH_AFTER if group.config.unit_graphs else None
@@ -77,8 +87,8 @@ class InPlace:
                stream: Optional[int]) -> None:
         g, slot = self.group, self.slot
         plan = eager_plan(g, g.backend.array_key(sends),
-                          lambda: GatherPlan(g, sends, shapes, slot, eager=True,
-                                             tag=(("unit", index),)),
+                          lambda: GatherPlan(g, sends, shapes, slot, cast_to=self.cast_to,
+                                             eager=True, tag=(("unit", index),)),
                           self._cache("gather", index), self._graph_after)
         params = plan(stream=stream)
         self.buffers.copy(outs, params, stream)  # [Note: the slot] in _units
@@ -109,10 +119,12 @@ class Staged:
         self.buffers = buffers
         be = group.backend
         dtype = units[0].dtype
+        cast = casts(dtype)
         full = max(sum(int(np.prod(s)) for s in u.shapes) for u in units)
         shard = max(sum(int(np.prod(s)) for s in u.shard_shapes) for u in units)
         # One set for every unit: the callbacks run one after another on XLA's stream.
-        sends, grads = be.empty((shard,), dtype), be.empty((full,), dtype)
+        sends = be.empty((shard,), np.float32)  # [Note: the cast into the slot]
+        grads = be.empty((full,), dtype)
         outs = be.empty((shard,), np.float32)
         self.gathers: list[tuple[list, GatherPlan]] = []
         self.reduces: list[tuple[list, ReducePlan, list]] = []
@@ -120,7 +132,7 @@ class Staged:
             send_views = _views(sends, u.shard_shapes)
             grad_views = _views(grads, u.shapes)
             out_views = _views(outs, u.shard_shapes)
-            gather, reduce = (u.gather_plan(send_views, slot),
+            gather, reduce = (u.gather_plan(send_views, slot, cast=cast),
                               u.reduce_plan(grad_views, out_views, staging=slot))
             # A plan uploads its tables at its first call, which a capture cannot take:
             # one call each now, outside XLA's (on every rank, in the same order).
@@ -141,6 +153,12 @@ class Staged:
         self.buffers.copy(grad_views, grads, stream)
         plan(stream=stream)
         self.buffers.copy(outs, out_views, stream)
+
+
+def casts(dtype: Any) -> bool:
+    """Whether a gather in ``dtype`` casts the fp32 shards into the slot ([Note: the cast
+    into the slot]): not where they are fp32 already."""
+    return np.dtype(dtype) != np.float32
 
 
 def _views(flat: Any, shapes: Sequence[tuple]) -> list[Any]:

@@ -2,11 +2,12 @@
 
 :func:`shard_units` cuts each unit (a pytree of parameters) into this rank's fp32
 dim-0 shards, FSDP2's rule. Inside the user's ``jax.jit``, :meth:`ShardedUnits.apply`
-runs one unit: a ``buffer_callback`` gathers its shards (cast to the compute dtype
-by XLA) with :func:`tidearray.all_gather` into a slot and copies the slot into XLA's
-output; the unit's function runs on those parameters; in backward, the unit's
-parameter gradients (compute dtype) are reduced by :func:`tidearray.reduce_scatter`,
-read where XLA put them, into XLA's fp32 output buffers: the shard gradients.
+runs one unit: a ``buffer_callback`` gathers its shards (rounded to the compute dtype
+on the way: [Note: the cast into the slot] in ``_runners``) with a TIDE-AG plan into a
+slot and copies the slot into XLA's output; the unit's function runs on those
+parameters; in backward, the unit's parameter gradients (compute dtype) are reduced
+by :func:`tidearray.reduce_scatter`, read where XLA put them, into XLA's fp32 output
+buffers: the shard gradients.
 
 [Note: collective order in a jitted step]
 Every rank must issue the same collectives in the same order, and on the host
@@ -92,7 +93,7 @@ from .._group import Group, default_group
 from .._plan import Unit
 from .._shard import shard
 from ._buffers import HostClock, XlaBuffers
-from ._runners import InPlace, Staged
+from ._runners import InPlace, Staged, casts
 
 _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -118,8 +119,8 @@ class _UnitCollectives:
     def gather(self, shards: Sequence[Any], after: Sequence[Any]) -> Any:
         """The unit's full parameters (a pytree), in the compute dtype; the callback runs
         after ``after`` exists ([Note: collective order in a jitted step])."""
-        owner, n = self.owner, len(self.shapes)
-        sends = [s.astype(owner.compute_dtype) for s in shards]
+        n = len(self.shapes)
+        sends = [s.astype(jnp.float32) for s in shards]  # [Note: the cast into the slot]
         call = buffer_callback(self._gather_cb, self.full_types,
                                command_buffer_compatible=self.recorded)
         params = _bind(call, (*sends, *after))
@@ -271,7 +272,8 @@ class ShardedUnits:
         self.slot = self.arena[0]
         # [Note: in place or staged] in _runners
         self.runner = (Staged(group, self.slot, self.buffers, units) if command_buffer
-                       else InPlace(group, self.slot, self.buffers, layers))
+                       else InPlace(group, self.slot, self.buffers, layers,
+                                    units[0].dtype if casts(units[0].dtype) else None))
         self._units = [_UnitCollectives(self, i, u, t, n)
                        for i, (u, t, n) in enumerate(zip(units, treedefs, layers))]
         self.shards = [jax.tree_util.tree_unflatten(t, [jax.device_put(a, device) for a in arrs])
