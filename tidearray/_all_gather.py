@@ -8,6 +8,16 @@ slots (one write reaches every peer). Across nodes, ranks with the same local ra
 first exchange shards by recursive doubling (pairwise for a node count that is not a
 power of two), straight into their slots; the node-local transport then spreads
 everything the column holds.
+
+[Note: gathering into the caller's buffers]
+Peers write a rank's slot, so the slot is where a gather's pieces land; a caller
+whose parameters must live in buffers of its own (XLA's, in ``tidearray.jax``) would
+copy the whole unit out of the slot after each gather. Given those buffers
+(``out``), a gather writes this rank's own rows straight into them (its own copy, or
+its cast from fp32), pushes from there, and copies only the other ranks' rows out of
+the slot once they arrived: at ``W`` ranks ``(W-1)/W`` of the unit instead of all of
+it, at one rank nothing. The slot's own rows stay unwritten (but for a multicast
+slot's, which its writes reach).
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ class Gather:
         dtype: the shards' dtype; ``out_dtype`` the slot's (they differ for a cast).
         shard_ptrs: each shard's address.
         arrays: the shards as the backend's arrays.
+        out_ptrs, out_arrays: the caller's buffers for the parameters, if given.
         signature: what every rank agreed on (``_validate``), and its ``digest``.
     """
 
@@ -60,11 +71,13 @@ class Gather:
     arrays: list
     signature: tuple
     digest: int
+    out_ptrs: Optional[tuple] = None
+    out_arrays: Optional[list] = None
 
 
 def validate(group: Group, shards: Any, shapes: Any, slot: Optional[Region],
              out_dtype: Any = None, expect_dtype: Any = None, what: str = "all_gather",
-             errors: Sequence[str] = (), tag: tuple = ()) -> Gather:
+             errors: Sequence[str] = (), tag: tuple = (), out: Any = None) -> Gather:
     """Resolve and check a gather of ``shards`` into ``slot`` (the group's own slots if
     None), in one agreement: any rank's bad input raises on every rank.
 
@@ -74,6 +87,8 @@ def validate(group: Group, shards: Any, shapes: Any, slot: Optional[Region],
         errors: the caller's own findings, raised with these.
         tag: ``(name, value)`` pairs the ranks must agree on too (which unit a front
             end's call is for: units of one shape are otherwise alike).
+        out: the caller's buffers for the full parameters, if any ([Note: gathering
+            into the caller's buffers]).
     """
     resolved, unresolved = _validate.resolve_all(group.backend, shards, "shard")
     shapes, bad_shapes = parse_shapes(shapes)
@@ -84,24 +99,47 @@ def validate(group: Group, shards: Any, shapes: Any, slot: Optional[Region],
         want = ("float32 shards to cast" if out_dtype is not None else
                 f"shards of the unit's dtype {expect_dtype}")
         errors.append(f"expected {want}, got {dtype}")
-    out = dtype if out_dtype is None else _dtypes.normalize(out_dtype)
+    out_dt = dtype if out_dtype is None else _dtypes.normalize(out_dtype)
     layout = None
     if shapes is not None:
         if len(resolved) != len(shapes) and not bad_shapes and not unresolved:
             errors.insert(0, f"expected one shard per shape ({len(shapes)}), got "
                              f"{len(resolved)}")
         try:
-            layout = cached_unit(shapes, out.itemsize, group.size)
+            layout = cached_unit(shapes, out_dt.itemsize, group.size)
         except TideInvalid as e:
             errors.append(str(e))
     if layout is not None and not errors:
         errors += _check_shards(group, layout, resolved, dtype, slot)
+    outs: list = []
+    if out is not None:
+        outs, unresolved = _validate.resolve_all(group.backend, out, "out")
+        errors += unresolved or _check_out(outs, shapes or [], out_dt, slot)
     signature = (("call", what), *tag, ("shapes", shapes), ("dtype", str(dtype)),
-                 ("slot", _validate.region_key(slot)), ("out", str(out)))
+                 ("slot", _validate.region_key(slot)), ("out", str(out_dt)))
     digest = _validate.digest(signature)
     _validate.check(group, what, signature, errors, known_digest=digest)
-    return Gather(layout, dtype, out, tuple(s.ptr for s in resolved),
-                  [s.array for s in resolved], signature, digest)
+    return Gather(layout, dtype, out_dt, tuple(s.ptr for s in resolved),
+                  [s.array for s in resolved], signature, digest,
+                  tuple(o.ptr for o in outs) if out is not None else None,
+                  [o.array for o in outs] if out is not None else None)
+
+
+def _check_out(outs: list, shapes: Sequence[tuple], dtype: Any,
+               slot: Optional[Region]) -> list[str]:
+    """Errors of the caller's buffers for the full parameters: one per parameter, of its
+    full shape and the gather's dtype, contiguous, none inside the slot."""
+    if len(outs) != len(shapes):
+        return [f"out: expected one buffer per parameter ({len(shapes)}), got {len(outs)}"]
+    errors = []
+    for i, (o, shape) in enumerate(zip(outs, shapes)):
+        if tuple(o.shape) != tuple(shape) or o.dtype != dtype or not o.contiguous:
+            errors.append(f"out {i}: expected a C-contiguous {dtype} array of shape "
+                          f"{tuple(shape)}, got {o.dtype} {tuple(o.shape)}"
+                          f"{'' if o.contiguous else ' (non-contiguous)'}")
+        elif slot is not None and slot.contains(o.ptr, o.nbytes):
+            errors.append(f"out {i}: expected a buffer outside the slot, got one inside it")
+    return errors
 
 
 def _check_shards(group: Group, layout: UnitLayout, shards: list, dtype: Any,
@@ -136,10 +174,13 @@ class Program:
             shards into its rows of the slot (then the gather runs in place: no
             own copies); None otherwise.
         out_dtype: the slot's dtype (what ``cast`` rounds to).
-        own: the compiled copies of this rank's shards into its own slot (a push
-            gather's; a multicast slot writes ``column`` instead).
+        own: the compiled copies of this rank's shards into its own rows of the
+            parameters (a push gather's; a multicast slot writes ``column`` instead).
         pushes: per node-local peer, the compiled copies into that peer's slot in
             arrival groups, as ``column``.
+        copy_out: for a gather into buffers of the caller's ([Note: gathering into
+            the caller's buffers]), the compiled copies of the other ranks' rows from
+            the slot into them, once they arrived; None otherwise.
     """
 
     exchanges: tuple
@@ -148,25 +189,35 @@ class Program:
     out_dtype: Any
     own: Any
     pushes: dict
+    copy_out: Any = None
 
 
 def build_program(group: Group, unit: UnitLayout, shard_ptrs: Sequence[int],
-                  slot: Region, cast_to: Any = None) -> Program:
+                  slot: Region, cast_to: Any = None,
+                  out_ptrs: Optional[Sequence[int]] = None) -> Program:
     """Every copy of a gather into ``slot``, compiled for the group's backend. With
     ``cast_to`` (the slot's dtype), ``shard_ptrs`` are fp32 shards, rounded into this
-    rank's rows of the slot first; every copy then reads those rows (an in-place
-    gather)."""
+    rank's rows of the parameters first; every copy then reads those rows (an in-place
+    gather). With ``out_ptrs`` the parameters are the caller's buffers, one per
+    parameter ([Note: gathering into the caller's buffers])."""
     be, topo = group.backend, group.topology
     me, L = topo.local_rank, topo.local_size
     base = slot.ptr(me)
+
+    def dst(piece: Any) -> int:  # where a piece of the full parameters lives here
+        if out_ptrs is None:
+            return base + piece.offset
+        return out_ptrs[piece.param] + piece.offset - unit.offsets[piece.param]
+
     cast = None
     if cast_to is not None:
-        cast = be.compile_pieces([AccumPiece(base + pc.offset, (shard_ptrs[pc.param],),
-                                             pc.nbytes // cast_to.itemsize)
-                                  for pc in _pieces(unit, (topo.rank,))],
+        mine = _pieces(unit, (topo.rank,))
+        cast = be.compile_pieces([AccumPiece(dst(pc), (shard_ptrs[pc.param],),
+                                             pc.nbytes // cast_to.itemsize) for pc in mine],
                                  _dtypes.float32, cast_to)
-        shard_ptrs = [base + off + spec.byte_range(topo.rank)[0]
-                      for spec, off in zip(unit.specs, unit.offsets)]
+        shard_ptrs = list(shard_ptrs)
+        for pc in mine:
+            shard_ptrs[pc.param] = dst(pc)
 
     def src(piece: Any) -> int:
         return shard_ptrs[piece.param] if piece.rank == topo.rank else base + piece.offset
@@ -180,16 +231,23 @@ def build_program(group: Group, unit: UnitLayout, shard_ptrs: Sequence[int],
              [(step.recv_peer, base + pc.offset, pc.nbytes) for pc in _pieces(unit, col_r)]))
     column = _pieces(unit, topo.column(me))
     groups = _arrival_groups(column, topo)
-    own = tuple((base + pc.offset, src(pc), pc.nbytes) for pc in column
-                if pc.rank == topo.rank and base + pc.offset != src(pc))
+    own = tuple((dst(pc), src(pc), pc.nbytes) for pc in column
+                if pc.rank == topo.rank and dst(pc) != src(pc))
     pushes = {p: tuple(be.compile_copies(tuple((slot.ptr(p) + pc.offset, src(pc), pc.nbytes)
                                                for pc in group), split=True)
                        for group in groups)
               for p in range(L) if p != me}
+    copy_out = None
+    if out_ptrs is not None:
+        others = tuple((dst(pc), base + pc.offset, pc.nbytes)
+                       for pc in _pieces(unit, tuple(range(topo.world))) if pc.rank != topo.rank)
+        if slot.buffer.multicast:  # which writes our slot's rows, not ``own``'s copies
+            others += own
+        copy_out = be.compile_copies(others, local=True) if others else None
     return Program(tuple(exchanges),
                    tuple(tuple((pc.offset, src(pc), pc.nbytes) for pc in group)
                          for group in groups),
-                   cast, cast_to, be.compile_copies(own, local=True), pushes)
+                   cast, cast_to, be.compile_copies(own, local=True), pushes, copy_out)
 
 
 def _arrival_groups(column: tuple, topo: Any) -> tuple:
@@ -252,6 +310,11 @@ def issue(group: Group, ex: Executor, program: Program, slot: Region,
         ex.consume(ex.COMPUTE, slot.flag(me, AG_CHANNEL, ARRIVED, q), 1)
     if stamps is not None:
         stamps.snapshot(ex, ex.COMPUTE, slot, AG_CHANNEL, peers, use, f"slot {slot.id}")
+    if program.copy_out is not None:  # every piece is in our slot: from there to the caller's
+        if program.exchanges:
+            ex.depend(ex.COMPUTE, ex.NET)
+        ex.depend(me, ex.COMPUTE)
+        ex.copy(me, program.copy_out)
 
 
 def _start(ex: Executor, lane: int) -> None:

@@ -196,3 +196,27 @@ class _Ring:
     def free(self) -> None:
         for r in self.regions:
             r.free()
+
+
+def order_after(region: Region, stream: Any) -> None:
+    """Order ``stream`` (an eager call's) after ``region``'s last collective if a graph's
+    ([Note: graph order] in ``_plan``); not inside a capture, which cannot wait on a
+    replay's event and follows a synchronization ([Note: captured steps] in
+    ``fsdp._graph``)."""
+    last = region.last
+    if last is not None and last[0] is not None and not region.group.backend.capturing(stream):
+        last[1].wait(stream)
+
+
+def region_check(group: Group, value: Any, name: str, optional: bool) -> list[str]:
+    """Errors of a slot or staging region: a Region of ``group`` (None where optional).
+    Another group's region has its own numbering, so the ranks' agreement on its number
+    would not tell one group's slot from another's."""
+    if optional and value is None:
+        return []
+    if not isinstance(value, Region):
+        return [f"{name}: expected a Region (a SlotArena entry), got {type(value).__name__}"]
+    if value.group is not group:
+        return [f"{name}: expected a region of this group's (a SlotArena made on it), got "
+                f"one of another group"]
+    return []

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from . import _all_gather as ag
 from . import _dtypes, _stamps, _validate
 from . import _reduce_scatter as rs
-from ._arena import Region, default_region
+from ._arena import Region, default_region, order_after, region_check
 from ._cache import BoundedCache
 from ._errors import TideInvalid
 from ._group import Group, default_group
@@ -91,12 +91,10 @@ class Unit:
     Attributes:
         layout: the slot layout (:class:`UnitLayout`): offsets and shard specs.
         nbytes: slot bytes the full parameters take.
-        staging_nbytes: staging bytes a reduce-scatter of this unit needs, with
-            the group's ``chunk_nbytes`` and ``depth`` (size Slot-Reuse slots by
-            ``max(nbytes, staging_nbytes)``).
-        tag: ``(name, value)`` pairs its plans' agreement across the ranks includes
-            (empty; a runtime sets ``(("unit", index),)``: units of one shape are
-            otherwise alike, and a rank that built another unit's plan would pass).
+        staging_nbytes: staging bytes a reduce-scatter of this unit needs (size
+            Slot-Reuse slots by ``max(nbytes, staging_nbytes)``).
+        tag: ``(name, value)`` pairs its plans' agreement includes (a runtime sets
+            ``(("unit", index),)``: units of one shape are otherwise alike).
     """
 
     tag: tuple = ()
@@ -139,8 +137,8 @@ class Unit:
         """This group's padded shard shape of each parameter."""
         return [s.shard_shape for s in self.layout.specs]
 
-    def gather_plan(self, shards: Sequence[Any], slot: Region, *,
-                    cast: bool = False, graph: bool = False) -> GatherPlan:
+    def gather_plan(self, shards: Sequence[Any], slot: Region, *, cast: bool = False,
+                    graph: bool = False, out: Optional[Sequence[Any]] = None) -> GatherPlan:
         """A plan that gathers ``shards`` into ``slot`` (collective).
 
         Args:
@@ -157,11 +155,14 @@ class Unit:
             graph: capture one call once and replay it at every call (one graph
                 launch of host time on cuda); building runs the gather once
                 ([Note: graph plans]).
+            out: your buffers for the full parameters (each its shape and the unit's
+                dtype, kept alive while the plan lives), to gather into ([Note:
+                gathering into the caller's buffers] in ``_all_gather``).
         """
         return GatherPlan(self.group, shards, self.shapes, slot,
                           cast_to=self.dtype if cast else None,
                           expect_dtype=_dtypes.float32 if cast else self.dtype, graph=graph,
-                          tag=self.tag)
+                          tag=self.tag, out=out)
 
     def reduce_plan(self, grads: Sequence[Any], out: Optional[Sequence[Any]] = None, *,
                     op: str = "avg", staging: Optional[Region] = None,
@@ -291,60 +292,41 @@ class _Plan:
         return Work(completion, self._graph_result) if async_op else self._graph_result
 
 
-def _order_after(region: Region, stream: Any) -> None:
-    """Order ``stream`` (an eager call's) after ``region``'s last collective if a graph's
-    ([Note: graph order]); not inside a capture, which cannot wait on a replay's event
-    and follows a synchronization ([Note: captured steps] in ``fsdp._graph``)."""
-    last = region.last
-    if last is not None and last[0] is not None and not region.group.backend.capturing(stream):
-        last[1].wait(stream)
-
-
-def _region_check(group: Group, value: Any, name: str, optional: bool) -> list[str]:
-    """Errors of a slot or staging region: a Region of ``group`` (None where optional).
-    Another group's region has its own numbering, so the ranks' agreement on its number
-    would not tell one group's slot from another's."""
-    if optional and value is None:
-        return []
-    if not isinstance(value, Region):
-        return [f"{name}: expected a Region (a SlotArena entry), got {type(value).__name__}"]
-    if value.group is not group:
-        return [f"{name}: expected a region of this group's (a SlotArena made on it), got "
-                f"one of another group"]
-    return []
-
-
 class GatherPlan(_Plan):
     """TIDE-AG of one unit's shards into one slot, resolved once. Made by
     :meth:`Unit.gather_plan`; call it to gather. ``tag``: more ``(name, value)`` pairs the
     ranks agree on (a front end's eager plans: which unit each call is for).
 
+    ``out``: the caller's buffers to gather into (:meth:`Unit.gather_plan`).
+
     Attributes:
-        params: the full parameters, views into the slot (valid after a call).
+        params: the full parameters (valid after a call): views into the slot, or
+            ``out``'s arrays.
     """
 
     what = "all_gather plan"
 
     def __init__(self, group: Group, shards: Sequence[Any], shapes: Any,
                  slot: Optional[Region], *, cast_to: Any = None, expect_dtype: Any = None,
-                 eager: bool = False, graph: bool = False, tag: tuple = ()) -> None:
+                 eager: bool = False, graph: bool = False, tag: tuple = (),
+                 out: Optional[Sequence[Any]] = None) -> None:
         if eager:
             self.what = "all_gather"
         _validate.check_open(group, self.what)
-        errors = _region_check(group, slot, "slot", optional=eager)
+        errors = region_check(group, slot, "slot", optional=eager)
         g = ag.validate(group, shards, shapes, slot, cast_to, expect_dtype, self.what, errors,
-                        tag)
+                        tag, out)
         super().__init__(group, g.signature, g.digest, eager)
         self.layout, self.dtype, self.slot = g.layout, g.out_dtype, slot
-        self._cast_to, self._shard_ptrs = cast_to, g.shard_ptrs
+        self._cast_to, self._shard_ptrs, self._out_ptrs = cast_to, g.shard_ptrs, g.out_ptrs
+        self._out = g.out_arrays
         # A plan reads its shards at every call: it keeps them alive. An eager plan
         # is found by their addresses instead ([Note: one pipeline]).
         self._shards = None if eager else g.arrays
         self._programs = BoundedCache(4)  # per slot: the group's own slots take turns
-        self.params = None
         if slot is not None:
             self._program(slot)
-            self.params = slot.views(self.layout, self.dtype)
+        self.params = self._out or (slot.views(self.layout, self.dtype) if slot else None)
         if graph:
             self.to_graph()
 
@@ -356,7 +338,8 @@ class GatherPlan(_Plan):
         program = self._programs.get(slot.id)
         if program is None:
             program = self._programs.put(slot.id, ag.build_program(
-                self.group, self.layout, self._shard_ptrs, slot, self._cast_to))
+                self.group, self.layout, self._shard_ptrs, slot, self._cast_to,
+                self._out_ptrs))
         return program
 
     def _run(self, stream: Any, async_op: bool) -> Any:
@@ -364,11 +347,11 @@ class GatherPlan(_Plan):
         slot = self.slot
         if slot is None:
             slot = default_region(group, "slot", self.layout.nbytes, ring=2)
-        _order_after(slot, stream)
+        order_after(slot, stream)
         ex = group.backend.executor(stream)
         stamps = self._eager_stamps(ex)
         self._issue(ex, stamps, slot)
-        params = self.params if self.slot is not None else slot.views(self.layout, self.dtype)
+        params = self.params if self.params is not None else slot.views(self.layout, self.dtype)
         return finish(ex, params, stream, async_op, stamps, slot)
 
     def _stamps(self) -> Optional[_stamps.Stamps]:
@@ -407,7 +390,7 @@ class ReducePlan(_Plan):
             self.what = "reduce_scatter"
         be = group.backend
         _validate.check_open(group, self.what)
-        errors = _region_check(group, staging, "staging", optional=True)
+        errors = region_check(group, staging, "staging", optional=True)
         red = rs.validate(group, grads, out, op, staging, chunk_nbytes, expect, self.what,
                           errors, tag)
         super().__init__(group, red.signature, red.digest, eager)
@@ -459,7 +442,7 @@ class ReducePlan(_Plan):
             final_ptr = be.resolve(final).ptr
             results = [final[o:o + s.shard_numel].reshape(s.shard_shape)
                        for o, s in zip(plan.out_offsets, red.layout.specs)]
-        _order_after(staging, stream)
+        order_after(staging, stream)
         ex = group.backend.executor(stream)
         stamps = self._eager_stamps(ex)
         self._issue(ex, stamps, staging, final_ptr)

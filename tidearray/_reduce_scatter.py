@@ -120,7 +120,7 @@ def validate(group: Group, grads: Any, out: Any, op: str, staging: Optional[Regi
         errors.append(f"expected gradients of the unit's shapes and dtype {expect[1]}, got "
                       f"{list(shapes)} {dtype}")
     if not (isinstance(staging, Region) and staging.group is group):
-        staging = None  # none given, or refused by the caller (``_plan._region_check``)
+        staging = None  # none given, or refused by the caller (``_arena.region_check``)
     if unit is not None:
         cfg = group.config
         plan = _plan(unit, group.topology, chunk_nbytes or cfg.chunk_nbytes, cfg.depth)

@@ -86,12 +86,15 @@ class InPlace:
     def gather(self, index: int, shapes: Sequence[tuple], sends: list, outs: list,
                stream: Optional[int]) -> None:
         g, slot = self.group, self.slot
-        plan = eager_plan(g, g.backend.array_key(sends),
+        send_key, out_key = g.backend.array_key(sends), g.backend.array_key(outs)
+        key = None if send_key is None or out_key is None else (send_key, out_key)
+        # Straight into XLA's buffers: [Note: gathering into the caller's buffers] in
+        # tidearray/_all_gather.py.
+        plan = eager_plan(g, key,
                           lambda: GatherPlan(g, sends, shapes, slot, cast_to=self.cast_to,
-                                             eager=True, tag=(("unit", index),)),
+                                             eager=True, tag=(("unit", index),), out=outs),
                           self._cache("gather", index), self._graph_after)
-        params = plan(stream=stream)
-        self.buffers.copy(outs, params, stream)  # [Note: the slot] in _units
+        plan(stream=stream)
 
     def reduce(self, index: int, grads: list, outs: list, stream: Optional[int]) -> None:
         g, be = self.group, self.group.backend

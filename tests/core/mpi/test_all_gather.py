@@ -30,7 +30,15 @@ from ..._util import (
     shapes,
     to_xp,
 )
-from ._cases import _stray_writes, check_gathered, poison, run_all_gather
+from ._cases import (
+    POISON_BYTE,
+    _stray_writes,
+    check_gathered,
+    poison,
+    run_all_gather,
+    slot_bytes,
+    to_numpy,
+)
 
 WORLD = MPI.COMM_WORLD.Get_size()
 SLOT_BYTES = 256 << 10
@@ -95,6 +103,41 @@ def test_cast_plan_is_astype_on_every_transport(arena, unit, dtype, seed):
             failures += compare_bits(o, f.astype(dtype), f"parameter {i}")
         failures += _stray_writes(g, arena[0], got)
     agree(arena.group.comm, failures, f"cast plan, unit {unit} {dtype}")
+
+
+@given(shapes(WORLD, min_count=1), dtypes, seeds, st.booleans())
+def test_gather_into_the_callers_buffers(arena, unit, dtype, seed, cast):
+    """A plan given ``out`` gathers into those buffers (poisoned first), from shards of
+    the unit's dtype or fp32 masters cast on the way, on every transport (and across
+    emulated nodes in the CI matrix): every output bit equals the reference's, the
+    outputs are the buffers given, and on the push transport this rank's own rows of
+    the slot stay unwritten (they go straight to the buffers)."""
+    g = arena.group
+    failures = _fits(g, unit, dtype)
+    if not failures:
+        rng = np.random.default_rng(seed)
+        full = [(rng.standard_normal(s) * 2.0 ** rng.integers(-12, 12, s)).astype(FP32)
+                for s in unit]
+        want = [f.astype(dtype) for f in full]
+        src = [to_xp(g.backend.xp, padded_shard(f if cast else w, g.size, g.rank))
+               for f, w in zip(full, want)]
+        xp = g.backend.xp
+        outs = [to_xp(xp, np.frombuffer(bytes([POISON_BYTE]) * w.nbytes, dtype)
+                      .reshape(w.shape).copy()) for w in want]  # poisoned: all-ones bytes
+        u = tidearray.Unit(unit, dtype, group=g)
+        plan = u.gather_plan(src, arena[0], cast=cast, out=outs)
+        poison(arena[0])
+        got = plan()
+        failures += [] if all(a is b for a, b in zip(got, outs)) else ["outputs are not out"]
+        for i, (o, w) in enumerate(zip(outs, want)):
+            failures += compare_bits(o, w, f"parameter {i}")
+        raw = to_numpy(slot_bytes(arena[0]))
+        pushed = not arena[0].buffer.multicast
+        for i, (spec, off) in enumerate(zip(u.layout.specs, u.layout.offsets)):
+            lo, n = spec.byte_range(g.rank)
+            if pushed and n and not (raw[off + lo:off + lo + n] == POISON_BYTE).all():
+                failures.append(f"parameter {i}: this rank's rows of the slot were written")
+    agree(g.comm, failures, f"gather into out, unit {unit} {dtype}, cast {cast}")
 
 
 @given(shapes(WORLD, min_count=1), shapes(WORLD, min_count=1), dtypes, seeds)
