@@ -351,7 +351,7 @@ def _push_per_peer(ex: Executor, slot: Region, program: Program, me: int, peers:
             if group:  # what the exchange just issued brings
                 ex.depend(p, ex.NET)
             ex.copy(p, program.pushes[p][group])
-        if group == 0 and program.own:  # none when the shards were cast into the slot
+        if group == 0 and program.own:  # none when the cast wrote our rows in place
             _start(ex, me)
             ex.copy(me, program.own)
 

@@ -27,14 +27,16 @@ dtype) and the fp32 shard gradients out. Those copies are capture-safe memcpys; 
 plan call is one of the library's capture-safe issues, once the plan has run outside
 a capture (its tables upload at its first call): each runs once when it is built.
 
-[Note: the cast into the slot]
-A gather takes the fp32 shards as XLA holds them and rounds them into this rank's
-rows of the slot itself (a cast plan, ``Unit.gather_plan``'s ``cast``: one kernel),
-as the torch front end's gathers do. Cast by XLA first, the shards would cost a
-convert kernel and a compute-dtype buffer in XLA, then a copy into the slot; at one
-rank (whose rows are the whole unit) that was a read and a write of every parameter
-more per gather. Where the compute dtype is fp32 there is nothing to round, and the
-gather copies the shards as they are.
+[Note: the gather's own rows]
+A gather takes the fp32 shards as XLA holds them and rounds them itself (a cast
+plan, ``Unit.gather_plan``'s ``cast``: one kernel, as the torch front end's gathers
+do), in place straight into this rank's rows of XLA's output buffers ([Note:
+gathering into the caller's buffers] in ``_all_gather``); only the peers' rows pass
+through the slot. Cast by XLA first, the shards would cost a convert kernel and a
+compute-dtype buffer in XLA, a copy into the slot and one out of it: at one rank
+(whose rows are the whole unit) two reads and writes of every parameter more per
+gather. Where the compute dtype is fp32 there is nothing to round, and the gather
+copies the shards as they are. Staged plans cast into their own buffers.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class InPlace:
     def __init__(self, group: Group, slot: Region, buffers: XlaBuffers,
                  layers: Sequence[Optional[int]], cast_to: Any = None) -> None:
         self.group, self.slot, self.buffers = group, slot, buffers
-        self.cast_to = cast_to  # [Note: the cast into the slot]
+        self.cast_to = cast_to  # [Note: the gather's own rows]
         self._sets = [ADDRESS_SETS + 2 * (n or 0) for n in layers]
         self._plans: dict[tuple[str, int], BoundedCache] = {}
         self._graph_after = GRAPH_AFTER if group.config.unit_graphs else None
@@ -126,7 +128,7 @@ class Staged:
         full = max(sum(int(np.prod(s)) for s in u.shapes) for u in units)
         shard = max(sum(int(np.prod(s)) for s in u.shard_shapes) for u in units)
         # One set for every unit: the callbacks run one after another on XLA's stream.
-        sends = be.empty((shard,), np.float32)  # [Note: the cast into the slot]
+        sends = be.empty((shard,), np.float32)  # [Note: the gather's own rows]
         grads = be.empty((full,), dtype)
         outs = be.empty((shard,), np.float32)
         self.gathers: list[tuple[list, GatherPlan]] = []

@@ -3,8 +3,8 @@
 :func:`shard_units` cuts each unit (a pytree of parameters) into this rank's fp32
 dim-0 shards, FSDP2's rule. Inside the user's ``jax.jit``, :meth:`ShardedUnits.apply`
 runs one unit: a ``buffer_callback`` gathers its shards (rounded to the compute dtype
-on the way: [Note: the cast into the slot] in ``_runners``) with a TIDE-AG plan into a
-slot and copies the slot into XLA's output; the unit's function runs on those
+on the way: [Note: the gather's own rows] in ``_runners``) with a TIDE-AG plan into
+XLA's output, the peers' rows through a slot; the unit's function runs on those
 parameters; in backward, the unit's parameter gradients (compute dtype) are reduced
 by :func:`tidearray.reduce_scatter`, read where XLA put them, into XLA's fp32 output
 buffers: the shard gradients.
@@ -45,8 +45,8 @@ forward, but every unit's parameters are live at the end of the forward.
 [Note: the slot]
 One slot of symmetric memory serves every gather and every reduce-scatter's staging
 (Slot-Reuse): each collective runs inside one callback on XLA's stream, and the
-gather's copy out of the slot is issued on that stream before the callback
-returns, so the next collective's writes into the slot are ordered after it
+gather's copy of the peers' rows out of the slot is joined into that stream before
+the callback returns, so the next collective's writes into the slot are ordered after it
 (:func:`tidearray.all_gather`'s "Reusing a slot"). The callbacks call a runner
 (``_runners``), in place on XLA's buffers or staged through plans.
 
@@ -120,7 +120,7 @@ class _UnitCollectives:
         """The unit's full parameters (a pytree), in the compute dtype; the callback runs
         after ``after`` exists ([Note: collective order in a jitted step])."""
         n = len(self.shapes)
-        sends = [s.astype(jnp.float32) for s in shards]  # [Note: the cast into the slot]
+        sends = [s.astype(jnp.float32) for s in shards]  # [Note: the gather's own rows] in _runners
         call = buffer_callback(self._gather_cb, self.full_types,
                                command_buffer_compatible=self.recorded)
         params = _bind(call, (*sends, *after))
