@@ -84,6 +84,13 @@ def test_all_gather_is_bitwise_exact(arena, unit, dtype, seed, which, async_op):
     agree(arena.group.comm, failures, f"unit {unit} {dtype}")
 
 
+def _masters(unit: list, seed: int) -> list[np.ndarray]:
+    """fp32 full parameters over a wide range of exponents (rounding at every scale)."""
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(s) * 2.0 ** rng.integers(-12, 12, s)).astype(FP32)
+            for s in unit]
+
+
 @given(shapes(WORLD, min_count=1), dtypes, seeds)
 def test_cast_plan_is_astype_on_every_transport(arena, unit, dtype, seed):
     """fp32 masters cast into the slot and gathered in place, on every transport (and
@@ -92,9 +99,7 @@ def test_cast_plan_is_astype_on_every_transport(arena, unit, dtype, seed):
     g = arena.group
     failures = _fits(g, unit, dtype)
     if not failures:
-        rng = np.random.default_rng(seed)
-        full = [(rng.standard_normal(s) * 2.0 ** rng.integers(-12, 12, s)).astype(FP32)
-                for s in unit]
+        full = _masters(unit, seed)
         masters = [to_xp(g.backend.xp, padded_shard(f, g.size, g.rank)) for f in full]
         plan = tidearray.Unit(unit, dtype, group=g).gather_plan(masters, arena[0], cast=True)
         poison(arena[0])
@@ -115,9 +120,7 @@ def test_gather_into_the_callers_buffers(arena, unit, dtype, seed, cast):
     g = arena.group
     failures = _fits(g, unit, dtype)
     if not failures:
-        rng = np.random.default_rng(seed)
-        full = [(rng.standard_normal(s) * 2.0 ** rng.integers(-12, 12, s)).astype(FP32)
-                for s in unit]
+        full = _masters(unit, seed)
         want = [f.astype(dtype) for f in full]
         src = [to_xp(g.backend.xp, padded_shard(f if cast else w, g.size, g.rank))
                for f, w in zip(full, want)]
