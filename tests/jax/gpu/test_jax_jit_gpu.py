@@ -103,8 +103,9 @@ class _Syncs:
 #: Steps before a step must be free of host synchronizations. The first compiles and
 #: builds each in-place plan; with unit graphs (the default) a plan is captured at its
 #: second call, a device wait each ([Note: graph plans on cuda] in
-#: backends/cuda/graphs.py): in the second step, or in the third for a plan first met in
-#: the second (where XLA's buffers of a step differ from the step before's).
+#: backends/cuda/graphs.py): in the first step for a plan met twice in it, else in the
+#: second, or in the third for a plan first met in the second (where XLA's buffers of a
+#: step differ from the step before's).
 WARMUP_STEPS = 3
 
 
