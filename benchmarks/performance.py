@@ -536,8 +536,8 @@ def sections(root: str) -> list[Section]:
         S("run37-one-h100-jax", "`tidearray.jax` unrolled: compile, step, host and memory",
           "One rank, XLA's default flags, no opt-in: `jax_step.py` (8 layers, width 2048, "
           "4096 tokens, bf16), every impl in one process, 12 timed steps after 3; the first "
-          "compile of `tidearray` and `unsharded` in a process each. Its README adds a "
-          "CUPTI trace: the step's added time is the device waiting at the step's edges.",
+          "compile of `tidearray` and `unsharded` in a process each. Its README reads a CUPTI "
+          "trace's idle at the step's edges as the gap; run38 found it the profiler's start.",
           one_jax_step),
         S("run38-one-h100-units-jax", "The per-unit overhead and the JAX step at d6d159a",
           "As run36's benchmarks (small-32l on a busy host again) and run37's one-process "
