@@ -8,7 +8,10 @@ eager plans, as :func:`tidearray.all_gather` and :func:`tidearray.reduce_scatter
 them: a plan is built (validated, addresses resolved, tables uploaded) the first time
 a unit's collective meets a set of addresses, and found again by them, with one
 agreement across the ranks per call; XLA reuses its buffer assignment from step to
-step, so after the first steps every call finds its plan.
+step, so after the first steps a call finds its plan. The base of a step's temporaries
+is its allocator's, and may move from step to step: a unit keeps a few address sets per
+collective (``ADDRESS_SETS``), so a base that comes back finds its plans, and a new one
+costs a build (and, with unit graphs, a capture at the next find).
 
 With ``Config.unit_graphs`` an in-place plan becomes a graph plan once every rank has
 found it again ([Note: unit graphs] in ``fsdp._comm``; ``eager_plan``'s
