@@ -82,7 +82,7 @@ class InPlace:
         plan = eager_plan(g, g.backend.array_key(sends),
                           lambda: GatherPlan(g, sends, shapes, slot, eager=True,
                                              tag=(("unit", index),)),
-                          self._cache("gather", index), self._graph_after)
+                          self._cache("gather", index), self._graph_after, stream)
         params = plan(stream=stream)
         self.buffers.copy(outs, params, stream)  # [Note: the slot] in _units
 
@@ -93,7 +93,7 @@ class InPlace:
         plan = eager_plan(g, key,
                           lambda: ReducePlan(g, grads, outs, "avg", self.slot, eager=True,
                                              tag=(("unit", index),)),
-                          self._cache("reduce", index), self._graph_after)
+                          self._cache("reduce", index), self._graph_after, stream)
         plan(stream=stream)
 
     def _cache(self, kind: str, index: int) -> BoundedCache:
