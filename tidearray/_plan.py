@@ -212,6 +212,7 @@ class _Plan:
     for eager plans) and the debug re-check."""
 
     what = "plan"
+    _graph_of: tuple[str, str]  # the attributes a graph's replay orders after and returns
 
     def __init__(self, group: Group, signature: tuple, digest: int, eager: bool) -> None:
         self.group = group
@@ -271,12 +272,14 @@ class _Plan:
                               "(graph=True), whose replays check them")
         return self._stamps()
 
-    def _capture(self, region: Region, result: Any) -> None:
-        """Run once, then capture one call ([Note: graph plans])."""
-        self._run(None, False)  # Backend.capture waits for it before capturing
+    def to_graph(self, ran: bool = False, stream: Any = None) -> None:
+        """Capture one call ([Note: graph plans]), after a run unless it ``ran`` on ``stream``."""
+        if not ran:
+            self._run(None, False)  # Backend.capture waits for it before capturing
         stamps = self._graph_stamps = self._stamps()
-        self.graph = self.group.backend.capture(lambda ex: self._issue(ex, stamps), self.what)
-        self._graph_region, self._graph_result = region, result
+        self.graph = self.group.backend.capture(lambda ex: self._issue(ex, stamps), self.what,
+                                                ran=ran, stream=stream)
+        self._graph_region, self._graph_result = (getattr(self, a) for a in self._graph_of)
 
     def _replay(self, stream: Any, async_op: bool) -> Any:
         """One launch: on ``stream``, or beside it for ``async_op`` (as eager lanes run)."""
@@ -305,6 +308,7 @@ class GatherPlan(_Plan):
     """
 
     what = "all_gather plan"
+    _graph_of = ("slot", "params")
 
     def __init__(self, group: Group, shards: Sequence[Any], shapes: Any,
                  slot: Optional[Region], *, cast_to: Any = None, expect_dtype: Any = None,
@@ -329,10 +333,6 @@ class GatherPlan(_Plan):
         self.params = self._out or (slot.views(self.layout, self.dtype) if slot else None)
         if graph:
             self.to_graph()
-
-    def to_graph(self) -> None:
-        """Run once, then capture one call ([Note: graph plans])."""
-        self._capture(self.slot, self.params)
 
     def _program(self, slot: Region) -> ag.Program:
         program = self._programs.get(slot.id)
@@ -381,6 +381,7 @@ class ReducePlan(_Plan):
     """
 
     what = "reduce_scatter plan"
+    _graph_of = ("staging", "out")
 
     def __init__(self, group: Group, grads: Sequence[Any], out: Optional[Sequence[Any]],
                  op: str, staging: Optional[Region], *, chunk_nbytes: Optional[int] = None,
@@ -415,10 +416,6 @@ class ReducePlan(_Plan):
             self._program(self.staging, None)
         if graph:
             self.to_graph()
-
-    def to_graph(self) -> None:
-        """Run once, then capture one call ([Note: graph plans])."""
-        self._capture(self.staging, self.out)
 
     def _program(self, staging: Region, final_ptr: Optional[int]) -> rs.Program:
         key = (staging.id, final_ptr)
@@ -483,13 +480,14 @@ def _arrays_key(group: Group, arrays: Any, what: str) -> Optional[tuple]:
 
 
 def eager_plan(group: Group, key: Optional[tuple], build: Any,
-               cache: Optional[BoundedCache] = None, graph_after: Optional[int] = None) -> Any:
+               cache: Optional[BoundedCache] = None, graph_after: Optional[int] = None,
+               stream: Any = None) -> Any:
     """The eager plan for ``key`` in ``cache`` (the group's by default), or one built now
     ([Note: one pipeline]); a front end's per-unit calls keep a cache of their own.
     ``graph_after``: the plan (its slot and outputs given) becomes a graph plan once every
-    rank has found it that many times, all at one call: each call's agreement carries the
-    count (-1 for a graph already: a rank that rebuilt never captures alone), since a
-    capture runs the collective once more, after a device synchronization."""
+    rank has found it that many times, all at one call (each call's agreement carries the
+    count, -1 for a graph: a rank that rebuilt never captures alone), without a wait: it
+    ran on ``stream`` before ([Note: capture inside a step] in ``backends.cuda.graphs``)."""
     cache = group.eager_plans if cache is None else cache
     plan = None if key is None else cache.get(key)
     if plan is None:
@@ -500,8 +498,7 @@ def eager_plan(group: Group, key: Optional[tuple], build: Any,
     plan.found += 1
     fewest = plan.agree(plan.found if plan.graph is None else -1)
     if graph_after is not None and fewest >= graph_after:
-        group.backend.synchronize()
-        plan.to_graph()
+        plan.to_graph(ran=True, stream=stream)
     return plan
 
 

@@ -442,11 +442,12 @@ class Backend(abc.ABC):
     def executor(self, stream: Any = None) -> Executor:
         """Start one collective, its lanes ordered after ``stream``."""
 
-    def capture(self, issue: Callable[[Executor], Any], what: str) -> Graph:
-        """``issue(executor)``, one collective's primitives, captured once as a
-        :class:`Graph` whose launches replay them ([Note: replay-safe flags] in
-        ``_arena``). What ``issue`` returns stays alive while the graph does. The
-        collective must have run once before (nothing may be uploaded in a capture)."""
+    def capture(self, issue: Callable[[Executor], Any], what: str, ran: bool = False,
+                stream: Any = None) -> Graph:
+        """``issue(executor)`` (one collective, which ran before: nothing may be uploaded
+        in a capture) as a :class:`Graph` whose launches replay it ([Note: replay-safe
+        flags] in ``_arena``), keeping what ``issue`` returns alive. ``ran``: at earlier
+        calls on ``stream``, where the launches go ([Note: capture inside a step])."""
         return RecordedGraph(self, issue, what)
 
     def synchronize(self) -> None:

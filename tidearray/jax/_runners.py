@@ -8,7 +8,10 @@ eager plans, as :func:`tidearray.all_gather` and :func:`tidearray.reduce_scatter
 them: a plan is built (validated, addresses resolved, tables uploaded) the first time
 a unit's collective meets a set of addresses, and found again by them, with one
 agreement across the ranks per call; XLA reuses its buffer assignment from step to
-step, so after the first steps every call finds its plan.
+step, so after the first steps a call finds its plan. The base of a step's temporaries
+is its allocator's, and may move from step to step: a unit keeps a few address sets per
+collective (``ADDRESS_SETS``), so a base that comes back finds its plans, and a new one
+costs a build (and, with unit graphs, a capture at the next find).
 
 With ``Config.unit_graphs`` an in-place plan becomes a graph plan once every rank has
 found it again ([Note: unit graphs] in ``fsdp._comm``; ``eager_plan``'s
@@ -95,7 +98,7 @@ class InPlace:
         plan = eager_plan(g, key,
                           lambda: GatherPlan(g, sends, shapes, slot, cast_to=self.cast_to,
                                              eager=True, tag=(("unit", index),), out=outs),
-                          self._cache("gather", index), self._graph_after)
+                          self._cache("gather", index), self._graph_after, stream)
         plan(stream=stream)
 
     def reduce(self, index: int, grads: list, outs: list, stream: Optional[int]) -> None:
@@ -105,7 +108,7 @@ class InPlace:
         plan = eager_plan(g, key,
                           lambda: ReducePlan(g, grads, outs, "avg", self.slot, eager=True,
                                              tag=(("unit", index),)),
-                          self._cache("reduce", index), self._graph_after)
+                          self._cache("reduce", index), self._graph_after, stream)
         plan(stream=stream)
 
     def _cache(self, kind: str, index: int) -> BoundedCache:

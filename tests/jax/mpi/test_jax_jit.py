@@ -173,9 +173,9 @@ def test_unit_graphs_give_the_eager_steps_bits(group, cpu_jax, monkeypatch):
     captures = []
     capture = group.backend.capture
 
-    def counted(issue, what):
-        captures.append(what)
-        return capture(issue, what)
+    def counted(issue, what, **kw):
+        captures.append((what, kw.get("ran", False)))
+        return capture(issue, what, **kw)
 
     monkeypatch.setattr(group.backend, "capture", counted)
     config, runs = group.config, {}
@@ -201,6 +201,8 @@ def test_unit_graphs_give_the_eager_steps_bits(group, cpu_jax, monkeypatch):
         failures.append(f"eager plans captured {eager_captures} graphs")
     if len(captures) < 2 * len(units):  # a gather and a reduction per unit at least
         failures.append(f"expected every unit's plans captured, got {captures}")
+    if not all(ran for _, ran in captures):  # [Note: capture inside a step]
+        failures.append(f"expected captures of plans that ran (no run again), got {captures}")
     agree(group.comm, failures, f"unit graphs in jitted steps (seed {seed})")
 
 

@@ -389,12 +389,13 @@ class CudaBackend(Backend):
         self.check()  # a timed-out collective broke the group ([Note: watchdog])
         return CudaExecutor(self.lanes, self.group.local_size, stream)
 
-    def capture(self, issue: Any, what: str) -> Any:
+    def capture(self, issue: Any, what: str, ran: bool = False, stream: Any = None) -> Any:
         """One collective captured as a CUDA graph ([Note: graph plans on cuda] in ``graphs``)."""
         from .graphs import capture
 
         self.check()
-        return capture(self.lanes, self.group.local_size, issue, what)
+        return capture(self.lanes, self.group.local_size, issue, what,
+                       streams.stream_ptr(stream) if ran else None)
 
     def check(self) -> None:
         """Raise TideBackendError if a collective timed out ([Note: watchdog])."""

@@ -24,6 +24,19 @@ stream (an asynchronous call, as an eager one runs beside it on the lanes) goes
 on the ``COMPUTE`` lane instead, forked from the caller's stream by an event:
 it runs concurrently with the caller's later work until a ``Work.wait``.
 
+[Note: capture inside a step]
+A plan that an XLA callback finds again (``eager_plan``'s ``graph_after``) is
+captured in the middle of a jitted step, where a host wait would stall XLA's
+thread until the device drains. It need not wait: the plan ran at its earlier
+calls on XLA's stream, so its tables are uploaded and its kernels compiled, and
+a capture records work without running it. What is in flight on the lanes (the
+earlier calls) does not join the capture: only work issued on a lane after it
+waits on the capture's fork event does. The graph is uploaded on XLA's stream,
+in order before its first launch there, and that launch waits on the region's
+last collective, the eager call before it ([Note: graph order] in ``_plan``).
+A plan captured at build (``graph=True``) runs once just before, on the current
+stream, and its capture waits for the device first.
+
 [Note: graph launch cost]
 A replay's host time is the driver's launch plus the Python around it, and
 both are kept small: the driver's grows by about 2 us per stream memory
@@ -149,14 +162,18 @@ def _destroy(exec_: int, graph: int) -> None:
         calls.destroy(graph)
 
 
-def capture(lanes: Lanes, local_size: int, issue: Callable[[Any], Any], what: str) -> CudaGraph:
-    """Capture ``issue(executor)`` (one collective's primitives) into a graph."""
+def capture(lanes: Lanes, local_size: int, issue: Callable[[Any], Any], what: str,
+            launch_on: int | None = None) -> CudaGraph:
+    """Capture ``issue(executor)`` (one collective's primitives) into a graph; where it
+    ran at earlier calls on ``launch_on`` (a stream pointer), without a host wait
+    ([Note: capture inside a step])."""
     import cupy
 
     calls = _graph_calls()
     with cupy.cuda.Device(lanes.device), no_release_in_capture():
         origin = cupy.cuda.Stream(non_blocking=True)
-        cupy.cuda.runtime.deviceSynchronize()  # nothing in flight joins the capture
+        if launch_on is None:
+            cupy.cuda.runtime.deviceSynchronize()  # the run just before is done
         _checked(calls.begin(origin.ptr, THREAD_LOCAL), "cuStreamBeginCapture")
         graph = ctypes.c_void_p()
         failed: BaseException | None = None
@@ -175,8 +192,11 @@ def capture(lanes: Lanes, local_size: int, issue: Callable[[Any], Any], what: st
         _checked(err, "cuStreamEndCapture")
         exec_ = ctypes.c_void_p()
         _checked(calls.instantiate(ctypes.byref(exec_), graph, 0), "cuGraphInstantiate")
-        _checked(calls.upload(exec_, origin.ptr), "cuGraphUpload")
-        origin.synchronize()
+        if launch_on is None:
+            _checked(calls.upload(exec_, origin.ptr), "cuGraphUpload")
+            origin.synchronize()
+        else:  # in order before the launches on that stream
+            _checked(calls.upload(exec_, launch_on), "cuGraphUpload")
     return CudaGraph(lanes, graph.value, exec_.value, tuple(ex.waits), ex.abort, what, keep,
                      side=lanes.streams[ex.COMPUTE])
 
