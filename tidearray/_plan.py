@@ -70,6 +70,8 @@ if TYPE_CHECKING:
 #: Programs an eager reduction without ``out=`` keeps, one per receive buffer: each
 #: call returns new arrays, and the memory pool often hands back the same address.
 FRESH_PROGRAMS = 8
+#: What a graph plan counts in its call's agreement (``eager_plan``): more than any finds.
+GRAPHED = 1 << 30
 
 
 class Unit:
@@ -208,8 +210,7 @@ def slot_chunk_nbytes(slot_nbytes: int, group: Optional[Group] = None,
 
 
 class _Plan:
-    """What both plans share: the group, the agreed signature, a build number (not
-    for eager plans) and the debug re-check."""
+    """What both plans share: group, agreed signature, build number and debug re-check."""
 
     what = "plan"
     _graph_of: tuple[str, str]  # the attributes a graph's replay orders after and returns
@@ -484,10 +485,10 @@ def eager_plan(group: Group, key: Optional[tuple], build: Any,
                stream: Any = None) -> Any:
     """The eager plan for ``key`` in ``cache`` (the group's by default), or one built now
     ([Note: one pipeline]); a front end's per-unit calls keep a cache of their own.
-    ``graph_after``: the plan (its slot and outputs given) becomes a graph plan once every
-    rank has found it that many times, all at one call (each call's agreement carries the
-    count, -1 for a graph: a rank that rebuilt never captures alone), without a wait: it
-    ran on ``stream`` before ([Note: capture inside a step] in ``backends.cuda.graphs``)."""
+    ``graph_after``: it becomes a graph plan where every rank has found it that often or
+    has a graph of it (each call's agreement carries the count), without a wait: it ran on
+    ``stream`` before ([Note: capture inside a step] in ``backends.cuda.graphs``). In debug
+    mode all ranks replay or none does: a replay's stamps are its capture's."""
     cache = group.eager_plans if cache is None else cache
     plan = None if key is None else cache.get(key)
     if plan is None:
@@ -496,8 +497,10 @@ def eager_plan(group: Group, key: Optional[tuple], build: Any,
             cache.put(key, plan)
         return plan
     plan.found += 1
-    fewest = plan.agree(plan.found if plan.graph is None else -1)
-    if graph_after is not None and fewest >= graph_after:
+    fewest = plan.agree(plan.found if plan.graph is None else GRAPHED)
+    if plan.graph is not None and fewest < GRAPHED and group.config.debug:
+        plan.graph = None  # another rank runs it eager: this one too, or captures again
+    if plan.graph is None and graph_after is not None and fewest >= graph_after:
         plan.to_graph(ran=True, stream=stream)
     return plan
 

@@ -672,14 +672,19 @@ def case(group, cpu_jax) -> _Case:
 SCANS = [("scan", True, False), ("lax.scan+checkpoint", False, True)]
 
 
-@pytest.mark.parametrize("how,reshard,command_buffer", SCANS)
+@pytest.mark.parametrize("how,reshard,command_buffer,debug",
+                         [*(s + (False,) for s in SCANS), ("scan", True, False, True)])
 def test_scanned_step_matches_one_process(group, case, monkeypatch, how, reshard,
-                                          command_buffer):
+                                          command_buffer, debug):
     """Ten steps of the scanned sharded network, clipped by ``ShardAdamW(max_grad_norm)``,
     against one process training the unrolled one on every rank's samples and clipping the
     whole gradient by torch's rule: per-step losses, the final parameters, and the order of
     the first step's collectives. The hand-written scan (staged plans) runs at 1-2 ranks in
-    CI (two cores): the same collectives in another loop."""
+    CI (two cores): the same collectives in another loop. In debug mode too: every call's
+    stamps checked, which fail where one rank replays a graph while another builds its
+    plan again or runs it eager ([Note: stamps]; the ranks' XLA buffers differ)."""
+    if debug:
+        monkeypatch.setattr(group, "config", dataclasses.replace(group.config, debug=True))
     if how != "scan" and group.size > 2:
         pytest.skip("CI's time: the hand-written scan at 1-2 ranks")
     W, rank, (seed, units, data, hp, (want, norms, want_params)) = group.size, group.rank, case
