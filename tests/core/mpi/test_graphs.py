@@ -191,10 +191,10 @@ def test_a_replayed_stamp_that_never_arrives_fails_every_rank(group, xp, monkeyp
     if g.topology.local_rank == 1:
         capture = type(g.backend).capture
 
-        def capture_without_stamps(backend, issue, what):
+        def capture_without_stamps(backend, issue, what, **kw):
             with pytest.MonkeyPatch.context() as m:
                 m.setattr(_stamps.Stamps, "send", lambda *a, **k: None)
-                return capture(backend, issue, what)
+                return capture(backend, issue, what, **kw)
         monkeypatch.setattr(type(g.backend), "capture", capture_without_stamps)
     plan = unit.gather_plan(shards, arena[0], graph=True)
     monkeypatch.undo()
