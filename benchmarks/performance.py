@@ -420,11 +420,8 @@ def one_h200_suite(run: Run) -> tuple[Figure, ...]:
     for log, what in (("np2", "all of `tests/`, 2 ranks"), ("np1", "all of `tests/`, 1 rank"),
                       ("np3", "the multi-rank and GPU tests, 3 ranks"),
                       ("np4", "the multi-rank and GPU tests, 4 ranks"),
-                      ("jaxjit_np1_alone", "`tidearray.jax` on cuda, 1 rank"),
-                      ("jaxjit_np1", "`tidearray.jax` on cuda, 1 rank"),
-                      ("jaxjit_np2_alone", "`tidearray.jax` on cuda, 2 ranks"),
-                      ("jaxjit_np3", "`tidearray.jax` on cuda, 3 ranks"),
-                      ("jaxjit_np4", "`tidearray.jax` on cuda, 4 ranks")):
+                      *((f"jaxjit_np{n}{alone}", f"`tidearray.jax` on cuda, {n} rank"
+                         + "s" * (n > 1)) for n in (1, 2, 3, 4) for alone in ("_alone", ""))):
         if not os.path.exists(os.path.join(run.path, f"{log}.log")):
             continue  # a run of some steps only
         passed, skipped, failed, cut = _pytest(run, f"{log}.log")
@@ -539,11 +536,11 @@ def sections(root: str) -> list[Section]:
           "compile of `tidearray` and `unsharded` in a process each. Its README reads a CUPTI "
           "trace's idle at the step's edges as the gap; run38 found it the profiler's start.",
           one_jax_step),
-        S("run38-one-h100-units-jax", "The per-unit overhead and the JAX step at d6d159a",
-          "As run36's benchmarks (small-32l on a busy host again) and run37's one-process "
-          "JAX step, which now calls the jitted function (C++ dispatch).",
+        S("run42-one-h100-jax-next", "The per-unit overhead, the JAX step and its tests at 7998fbb",
+          "As run38 (small-32l on a busy host again), the JAX GPU tests at 1-4 ranks and the "
+          "stress step (12 loops) beside the bf16 example; no `np1`-`np4` (README.md).",
           lambda r: (*one_h200_units(r), *one_h200_units(r, "units8b/compare.json"),
-                     *one_jax_step(r))),
+                     *one_jax_step(r), *one_h200_suite(r))),
         S("run40-one-h100-suite", "The GPU suite at 1e19fb8, cut short",
           "The library of d6d159a; the session's device time ran out (README.md).",
           one_h200_suite),
