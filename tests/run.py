@@ -133,11 +133,14 @@ class Run:
 MPI_TESTS = ("tests/core/mpi", "tests/fsdp/mpi", "tests/torch/mpi", "tests/jax/mpi",
              "tests/benchmarks/mpi")
 #: The topology and debug runs re-run the layers that topology and stamps reach: the
-#: collectives, plans, errors (core) and the runtime (fsdp). The framework front ends
-#: (torch, jax) and the benchmark harness sit above the collectives and take no path of
-#: their own there, so those runs leave them to the plain runs (which keeps CI well inside
-#: its budget).
+#: collectives, plans, errors (core) and the runtime (fsdp). The torch front end and the
+#: benchmark harness sit above the collectives and take no path of their own there, so
+#: those runs leave them to the plain runs (which keeps CI well inside its budget).
 CORE_TESTS = ("tests/core/mpi", "tests/fsdp/mpi")
+#: tidearray.jax decides in its own calls whether the ranks replay a plan's graph or run
+#: it eagerly, which debug mode constrains (a replay's stamps are its capture's): the
+#: debug run takes its tests too.
+DEBUG_TESTS = (*CORE_TESTS, "tests/jax/mpi")
 
 
 #: The runs that re-check on another split or mode what the plain runs searched take
@@ -166,7 +169,8 @@ def plan(ranks: list[int], wide: bool = True) -> list[Run]:
     overrides = [(2, 1, False), (3, 1, False), (4, 1, False), (4, 2, True)]
     runs += [Run(f"mpi n={n} local_size={L}" + (" debug" if debug else ""), n,
                  {"TIDE_LOCAL_SIZE": str(L), **({"TIDE_DEBUG": "1"} if debug else {}), **AGAIN},
-                 targets=CORE_TESTS) for n, L, debug in overrides if n in ranks]
+                 targets=DEBUG_TESTS if debug else CORE_TESTS)
+             for n, L, debug in overrides if n in ranks]
     if wide:
         runs.append(Run(f"mpi n={WIDE} local_size={WIDE_LOCAL}", WIDE,
                         {"TIDE_LOCAL_SIZE": str(WIDE_LOCAL), **AGAIN}, targets=WIDE_TESTS))
