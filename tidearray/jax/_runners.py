@@ -78,12 +78,13 @@ class InPlace:
 
     Args:
         layers: per unit, its layers if stacked, else None.
+        dtype: the units' compute dtype, which the gathers round the fp32 shards to.
     """
 
     def __init__(self, group: Group, slot: Region, buffers: XlaBuffers,
-                 layers: Sequence[Optional[int]], cast_to: Any = None) -> None:
+                 layers: Sequence[Optional[int]], dtype: Any) -> None:
         self.group, self.slot, self.buffers = group, slot, buffers
-        self.cast_to = cast_to  # [Note: the gather's own rows]
+        self.cast_to = dtype if _casts(dtype) else None  # [Note: the gather's own rows]
         self._sets = [ADDRESS_SETS + 2 * (n or 0) for n in layers]
         self._plans: dict[tuple[str, int], BoundedCache] = {}
         self._graph_after = GRAPH_AFTER if group.config.unit_graphs else None
@@ -127,7 +128,7 @@ class Staged:
         self.buffers = buffers
         be = group.backend
         dtype = units[0].dtype
-        cast = casts(dtype)
+        cast = _casts(dtype)
         full = max(sum(int(np.prod(s)) for s in u.shapes) for u in units)
         shard = max(sum(int(np.prod(s)) for s in u.shard_shapes) for u in units)
         # One set for every unit: the callbacks run one after another on XLA's stream.
@@ -163,9 +164,9 @@ class Staged:
         self.buffers.copy(outs, out_views, stream)
 
 
-def casts(dtype: Any) -> bool:
-    """Whether a gather in ``dtype`` casts the fp32 shards into the slot ([Note: the cast
-    into the slot]): not where they are fp32 already."""
+def _casts(dtype: Any) -> bool:
+    """Whether a gather in ``dtype`` rounds the fp32 shards ([Note: the gather's own
+    rows]): not where they are fp32 already."""
     return np.dtype(dtype) != np.float32
 
 

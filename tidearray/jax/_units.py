@@ -93,7 +93,7 @@ from .._group import Group, default_group
 from .._plan import Unit
 from .._shard import shard
 from ._buffers import HostClock, XlaBuffers
-from ._runners import InPlace, Staged, casts
+from ._runners import InPlace, Staged
 
 _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -272,8 +272,7 @@ class ShardedUnits:
         self.slot = self.arena[0]
         # [Note: in place or staged] in _runners
         self.runner = (Staged(group, self.slot, self.buffers, units) if command_buffer
-                       else InPlace(group, self.slot, self.buffers, layers,
-                                    units[0].dtype if casts(units[0].dtype) else None))
+                       else InPlace(group, self.slot, self.buffers, layers, units[0].dtype))
         self._units = [_UnitCollectives(self, i, u, t, n)
                        for i, (u, t, n) in enumerate(zip(units, treedefs, layers))]
         self.shards = [jax.tree_util.tree_unflatten(t, [jax.device_put(a, device) for a in arrs])
