@@ -418,6 +418,7 @@ def one_h200_suite(run: Run) -> tuple[Figure, ...]:
     sanitizer, and tidearray.jax's GPU tests at 1-4 ranks."""
     figs = []
     for log, what in (("np2", "all of `tests/`, 2 ranks"), ("np1", "all of `tests/`, 1 rank"),
+                      ("tail_np2", "`np2`'s last part alone (`tests/torch/mpi`, graphs), 2 ranks"),
                       ("np3", "the multi-rank and GPU tests, 3 ranks"),
                       ("np4", "the multi-rank and GPU tests, 4 ranks"),
                       *((f"jaxjit_np{n}{alone}", f"`tidearray.jax` on cuda, {n} rank"
@@ -438,6 +439,20 @@ def one_h200_suite(run: Run) -> tuple[Figure, ...]:
                            failed == 0 and n > 0))
     sanitized = os.path.exists(os.path.join(run.path, "sanitize_summary.txt"))
     return (*figs, _sanitized(run)) if sanitized else tuple(figs)
+
+
+def one_ab(run: Run) -> tuple[Figure, ...]:
+    """benchmarks/run.sh's ``ab`` step (ab/): `tide`'s step at this commit against before/'s,
+    the fastest of each side's pass medians; judged where the host was quiet (spread <= 10%)."""
+    def fig(step: str, model: str) -> Figure:
+        rs = {b: [r for n in (0, 1) for r in run.json(f"ab/{step}_{b}_{n}.json")["runs"]
+                  if r["impl"] == "tide"] for b in ("after", "before")}
+        quiet = max(r["step_spread"] for r in rs["after"] + rs["before"]) <= 0.10
+        return against(f"A/B, {model}: `tide`'s step, this commit against before/ (a "
+                       f"{'quiet' if quiet else 'busy'} host)", "<= 1.02x",
+                       *(min(r["median_step_s"] for r in rs[k]) for k in ("after", "before")),
+                       ms, (lambda r: r <= 1.02) if quiet else None)
+    return fig("ab", "llama3-8b-8l"), fig("unitsab", "small-32l")
 
 
 def _jax_pair(what: str, t: dict, u: dict) -> list[Figure]:
@@ -521,29 +536,18 @@ def sections(root: str) -> list[Section]:
           "One rank, default flags: `jax_step.py --scan` at 4 and 32 layers. `unsharded` "
           "compiled second in the process, its autotuning warm: the compile ratios are not "
           "judged (run37 compiles each impl in a process of its own).", one_h200_jaxscan),
-        S("run32-one-h100-suite", "The GPU suite under load at 643dfcb",
-          "As run30, on an H100: the default steps beside `np3` and `np4`; the stress step "
-          "with the sanitizer and `jaxjit` at 3-4 ranks beside it; `jaxjit` at 1-2 ranks "
-          "after.", one_h200_suite),
-        S("run36-one-h100-final-suite", "The GPU suite and the per-unit overhead at 2757fcc",
-          "Five calls on H100s: small-32l (a busy host: timed steps 21-32% apart) and "
-          "llama3-8b-8l (1-3%), 20 steps; the suite's default steps beside stress, 3-4 ranks.",
-          lambda r: (*one_h200_units(r), *one_h200_units(r, "units8b/compare.json"),
-                     *one_h200_suite(r))),
         S("run37-one-h100-jax", "`tidearray.jax` unrolled: compile, step, host and memory",
-          "One rank, XLA's default flags, no opt-in: `jax_step.py` (8 layers, width 2048, "
-          "4096 tokens, bf16), every impl in one process, 12 timed steps after 3; the first "
-          "compile of `tidearray` and `unsharded` in a process each. Its README reads a CUPTI "
-          "trace's idle at the step's edges as the gap; run38 found it the profiler's start.",
-          one_jax_step),
-        S("run42-one-h100-jax-next", "The per-unit overhead, the JAX step and its tests at 7998fbb",
-          "As run38 (small-32l on a busy host again), the JAX GPU tests at 1-4 ranks and the "
-          "stress step (12 loops) beside the bf16 example; no `np1`-`np4` (README.md).",
-          lambda r: (*one_h200_units(r), *one_h200_units(r, "units8b/compare.json"),
-                     *one_jax_step(r), *one_h200_suite(r))),
-        S("run40-one-h100-suite", "The GPU suite at 1e19fb8, cut short",
-          "The library of d6d159a; the session's device time ran out (README.md).",
-          one_h200_suite),
+          "One rank, XLA's default flags: `jax_step.py` (8 layers, width 2048, 4096 tokens, "
+          "bf16), every impl in one process, 12 timed steps after 3; the first compile of "
+          "`tidearray` and `unsharded` in a process each (README.md).", one_jax_step),
+        S("run42-one-h100-jax-next", "The JAX step and its tests at 7998fbb",
+          "The JAX GPU tests at 1-4 ranks, stress (12 loops) beside the bf16 example "
+          "(README.md).", lambda r: (*one_jax_step(r), *one_h200_suite(r))),
+        S("run43-one-h100-final-suite", "The GPU suite, per-unit overhead and an A/B at 53f30ee",
+          "Six calls on one H100: the suite (README.md); small-32l (a busy host) and "
+          "llama3-8b-8l, 20 steps; `tide` against 6c6dced's, 2 passes.",
+          lambda r: (*one_h200_suite(r), *one_h200_units(r),
+                     *one_h200_units(r, "units8b/compare.json"), *one_ab(r))),
     ]
 
 
