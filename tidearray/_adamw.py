@@ -92,7 +92,9 @@ def check_real(what: str, value: Any, expected: str, ok: bool) -> None:
 
 @dataclass(frozen=True)
 class AdamW:
-    """Hyper-parameters of AdamW, as torch.optim.AdamW spells them."""
+    """Hyper-parameters of AdamW, as torch.optim.AdamW spells them. The defaults are not
+    torch's (``betas=(0.9, 0.999)``, ``weight_decay=0.01``) but those of LLM pre-training:
+    a loop moved over from torch spells out what it used."""
 
     lr: float = 1e-3
     """Learning rate (1e-3); ``FusedAdamW.step(lr=...)`` overrides it per step (see

@@ -133,10 +133,22 @@ def _t5(seed: int) -> Any:
     return _on_device(transformers.T5ForConditionalGeneration(cfg))
 
 
+def _gpt2(seed: int) -> Any:
+    """GPT-2: ``Conv1D`` layers (weights stored inputs x outputs, so dim 0 is the input),
+    learnt positions, the embedding tied to the head."""
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=TOKENS, n_embd=32, n_layer=2,
+                                  n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return _on_device(transformers.GPT2LMHeadModel(cfg))
+
+
 def _blocks(model: Any) -> list:
-    """The units: the decoder layers, or the blocks of both stacks of an encoder-decoder."""
+    """The units: the decoder layers, GPT-2's blocks, or the blocks of both stacks of an
+    encoder-decoder."""
     if hasattr(model, "encoder"):
         return [*model.encoder.block, *model.decoder.block]
+    if hasattr(model, "transformer"):
+        return list(model.transformer.h)
     return list(model.model.layers)
 
 
@@ -237,7 +249,7 @@ def _wrap(model: Any, group, **kw: Any) -> Any:
 
 MODELS = {"llama-tied": lambda s: _llama(s, True), "llama-untied": lambda s: _llama(s, False),
           "qwen3-moe": _qwen3_moe, "per-expert-moe": _per_expert, "unused-param": _unused,
-          "t5-encoder-decoder": _t5}
+          "t5-encoder-decoder": _t5, "gpt2": _gpt2}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -539,6 +551,43 @@ def test_a_torch_scheduler_drives_the_fused_adamw(group, loop):
         got = _sharded(sm, group, seed, step=lambda: (step(), schedule.step(), sm.zero_grad()))
     assert len(stepped) == STEPS
     _compare(group, got, want, f"a torch scheduler on the fused AdamW ({loop})")
+
+
+def test_lora_on_gpt2_with_torch_defaults_spelled_out(group):
+    """peft's LoRA on GPT-2's ``Conv1D`` layers (``fan_in_fan_out``) over a frozen base,
+    Hugging Face's linear warm-up schedule, clipping and two micro-batches, the fused
+    AdamW given ``torch.optim.AdamW``'s betas and weight decay (its own defaults differ:
+    docs/torch.md), against one process with torch's AdamW at its defaults: the losses
+    (1e-5 relative) and the trained adapters (1e-6 absolute; the fused AdamW's default
+    betas leave them about 3e-4 apart, the losses within 1e-5). fp32."""
+    peft = pytest.importorskip("peft")
+    from tidearray.fsdp import AdamW
+
+    seed = _seed(group)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"],
+                           fan_in_fan_out=True, lora_dropout=0.0)
+    model = peft.get_peft_model(_gpt2(seed), lora)
+    with torch.no_grad():  # B starts at zero, and with it A's first gradients
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+    reference = copy.deepcopy(model)
+    schedule = lambda opt: transformers.get_linear_schedule_with_warmup(opt, 2, STEPS)  # noqa: E731
+    want = _reference(reference, seed, group, clip=0.5, micro=2, schedule=schedule,
+                      make_opt=lambda ps: torch.optim.AdamW(ps, lr=LR, eps=1e-6))
+    adapters = on_rank_zero(group.comm, lambda: {
+        n: p.detach().cpu().clone() for n, p in reference.named_parameters() if p.requires_grad})
+    sm = _wrap(model, group, optimizer=AdamW(lr=LR, betas=(0.9, 0.999), eps=1e-6,
+                                             weight_decay=0.01))
+    opt = sm.sharding.optimizer
+    sched = schedule(opt)
+    got = _sharded(sm, group, seed, clip=0.5, micro=2,
+                   step=lambda: (opt.step(), sched.step(), opt.zero_grad()))
+    _compare(group, got, want, "GPT-2 with LoRA vs one process")
+    state = sm.state_dict()
+    far = [f"{n}: {float((state[n].cpu() - w).abs().max()):.2e}" for n, w in adapters.items()
+           if not float((state[n].cpu() - w).abs().max()) <= 1e-6]
+    agree(group.comm, far, "GPT-2's trained adapters vs one process")
 
 
 def test_the_fused_adamws_fixed_settings_are_refused_as_torch_settings(group):
