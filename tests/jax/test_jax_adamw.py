@@ -46,6 +46,34 @@ def _compare() -> None:
     assert worst <= 1, f"ShardAdamW and FusedAdamW {worst:.2f}x the bound apart after {STEPS}"
 
 
+def test_optax_adamws_defaults_spelled_out_are_optax_adamw():
+    """``AdamW``'s defaults are not optax's (docs/jax.md): with ``optax.adamw``'s betas and
+    weight decay spelled out, ShardAdamW steps as ``optax.adamw`` does (1e-5: a few fp32
+    roundings per step on values up to about 4; the masters are not bitwise), and at
+    its own defaults it does not (gradients of 1e-3, where beta2 weighs)."""
+    optax = pytest.importorskip("optax")
+    with jax.default_device(jax.devices("cpu")[0]):
+        rng = np.random.default_rng(fresh_seed())
+        start = {"w": rng.standard_normal((33, 7)).astype(np.float32),
+                 "b": rng.standard_normal(7).astype(np.float32)}
+        grads = [{k: 1e-3 * rng.standard_normal(v.shape).astype(np.float32)
+                  for k, v in start.items()} for _ in range(STEPS)]
+        far = {}
+        for name, hp in (("spelled", AdamW(lr=1e-2, betas=(0.9, 0.999), weight_decay=1e-4)),
+                         ("defaults", AdamW(lr=1e-2))):
+            opt, tx = tj.ShardAdamW(hp), optax.adamw(1e-2)
+            ours, theirs = start, start
+            state, tx_state = opt.init(ours), tx.init(theirs)
+            update = jax.jit(opt.update)
+            for k, g in enumerate(grads):
+                ours, state = update(ours, g, state, opt.coefficients(k + 1))
+                step, tx_state = tx.update(g, tx_state, theirs)
+                theirs = optax.apply_updates(theirs, step)
+            far[name] = max(float(np.abs(np.asarray(ours[k]) - np.asarray(theirs[k])).max())
+                            for k in start)
+    assert far["spelled"] <= 1e-5 and far["defaults"] > 1e-4, far
+
+
 def test_shard_adamw_without_clipping_needs_no_group():
     """A ShardAdamW that does not clip is made on one process alone (the references of the
     multi-rank tests are): only a clipping one is collective (tests/jax/mpi/test_jax_jit.py)."""

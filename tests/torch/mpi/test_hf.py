@@ -558,7 +558,7 @@ def test_lora_on_gpt2_with_torch_defaults_spelled_out(group):
     Hugging Face's linear warm-up schedule, clipping and two micro-batches, the fused
     AdamW given ``torch.optim.AdamW``'s betas and weight decay (its own defaults differ:
     docs/torch.md), against one process with torch's AdamW at its defaults: the losses
-    (1e-5 relative) and the trained adapters (1e-6 absolute; the fused AdamW's default
+    (1e-5 relative) and the trained adapters (1e-5 absolute; the fused AdamW's default
     betas leave them about 3e-4 apart, the losses within 1e-5). fp32."""
     peft = pytest.importorskip("peft")
     from tidearray.fsdp import AdamW
@@ -586,7 +586,7 @@ def test_lora_on_gpt2_with_torch_defaults_spelled_out(group):
     _compare(group, got, want, "GPT-2 with LoRA vs one process")
     state = sm.state_dict()
     far = [f"{n}: {float((state[n].cpu() - w).abs().max()):.2e}" for n, w in adapters.items()
-           if not float((state[n].cpu() - w).abs().max()) <= 1e-6]
+           if not float((state[n].cpu() - w).abs().max()) <= 1e-5]
     agree(group.comm, far, "GPT-2's trained adapters vs one process")
 
 
