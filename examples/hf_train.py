@@ -35,6 +35,7 @@ model's loss differs.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -98,8 +99,12 @@ def main() -> None:
                     param_dtype=torch.bfloat16 if cuda else torch.float32,
                     optimizer=AdamW(lr=args.lr, weight_decay=0.1), **extra)
     log = print if g.rank == 0 else (lambda *a, **k: None)
-    log(f"hf_train: Llama {args.size} (tied embedding), {g.size} ranks, {g.backend.name}, "
-        f"{made} in {time.perf_counter() - t0:.1f} s")
+    # The parameters are empty placeholders now: count them from their full shapes.
+    sizes = [(math.prod(s), q.requires_grad) for ss, qs in
+             zip(model.sharding.shapes, model.sharding.params) for s, q in zip(ss, qs)]
+    log(f"hf_train: Llama {args.size} (tied embedding), {sum(n for n, _ in sizes):,} "
+        f"parameters ({sum(n for n, t in sizes if t):,} trained), {g.size} ranks, "
+        f"{g.backend.name}, {made} in {time.perf_counter() - t0:.1f} s")
     gen = torch.Generator().manual_seed(g.rank)
     batches = [torch.randint(0, cfg.vocab_size, (1, args.tokens), generator=gen).to(device)
                for _ in range(2)]

@@ -91,6 +91,7 @@ class Sharding:
         units: the units (``tidearray.torch._units.UnitSpec``), root first if any.
         params: per unit, its parameters (the storage's list).
         names: each unit's parameter names, as the module names them (the runtime's).
+        shapes: each unit's parameters' full shapes (the parameters are placeholders).
         optimizer: the fused AdamW, or the torch optimizer ``optimizer=`` made (for
             learning-rate schedulers).
         group: the tidearray group; device: where gathered parameters live.
@@ -147,6 +148,13 @@ class Sharding:
     def names(self) -> list[list[str]]:
         """Each unit's parameter names, as the module names them."""
         return self.runtime.names
+
+    @property
+    def shapes(self) -> list[list[tuple[int, ...]]]:
+        """Each unit's parameters' full shapes, in the order of :attr:`names`. The
+        parameters themselves are empty placeholders (``numel()`` is 0), so a sharded
+        model's parameters are counted from these."""
+        return [list(ss) for ss in self.storage.shapes]
 
     @property
     def optimizer(self) -> Any:

@@ -21,6 +21,7 @@ ranks (zeros for the others).
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Callable
 
 import numpy as np
@@ -588,6 +589,31 @@ def test_lora_on_gpt2_with_torch_defaults_spelled_out(group):
     far = [f"{n}: {float((state[n].cpu() - w).abs().max()):.2e}" for n, w in adapters.items()
            if not float((state[n].cpu() - w).abs().max()) <= 1e-5]
     agree(group.comm, far, "GPT-2's trained adapters vs one process")
+
+
+def test_parameters_are_counted_from_the_sharding_shapes(group):
+    """After sharding, ``p.numel()`` is 0 for every parameter (empty placeholders, as
+    documented, so Hugging Face's ``num_parameters()`` is 0 too); ``model.sharding.shapes``
+    gives the full shapes, in ``names``' order: their count is the plain model's, tied
+    weights once, and the trained ones are peft's trainable ones."""
+    import tidearray.torch as tt
+
+    peft = pytest.importorskip("peft")
+    seed = _seed(group)
+    lora = peft.get_peft_model(_llama(seed, tied=False),
+                               peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    for model, base in ((_llama(seed, tied=True), None), (lora, lora.get_base_model())):
+        named = dict(model.named_parameters())
+        want = ({n: tuple(p.shape) for n, p in named.items()},
+                sum(p.numel() for p in named.values() if p.requires_grad))
+        sm = tt.shard_module(model, _blocks(base or model), group=group)
+        got = {n: s for ns, ss in zip(sm.sharding.names, sm.sharding.shapes)
+               for n, s in zip(ns, ss)}
+        trained = sum(math.prod(s) for ss, ps in zip(sm.sharding.shapes, sm.sharding.params)
+                      for s, p in zip(ss, ps) if p.requires_grad)
+        assert (got, trained) == want
+        assert sum(p.numel() for p in sm.parameters()) == 0 == sm.num_parameters()
+        sm.close()
 
 
 def test_the_fused_adamws_fixed_settings_are_refused_as_torch_settings(group):
