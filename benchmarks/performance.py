@@ -544,7 +544,7 @@ def sections(root: str) -> list[Section]:
           "The JAX GPU tests at 1-4 ranks, stress (12 loops) beside the bf16 example "
           "(README.md).", lambda r: (*one_jax_step(r), *one_h200_suite(r))),
         S("run43-one-h100-final-suite", "The GPU suite, per-unit overhead and an A/B at 53f30ee",
-          "Six calls on one H100: the suite (README.md); small-32l (a busy host) and "
+          "Five calls on one H100: the suite (README.md); small-32l (a busy host) and "
           "llama3-8b-8l, 20 steps; `tide` against 6c6dced's, 2 passes.",
           lambda r: (*one_h200_suite(r), *one_h200_units(r),
                      *one_h200_units(r, "units8b/compare.json"), *one_ab(r))),
