@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 import torch
 
 from .._errors import TideInvalid
+from .._validate import check
 from ..fsdp import AdamW
 from ._storage import as_tensor
 
@@ -129,6 +130,9 @@ class OptimizerBridge:
             self.optimizer: Any = FusedAsTorch(list(zip(hps, groups)), fused, step, zero_grad)
         else:
             self.optimizer = make(self._shards)
+            check(runtime.group, "shard_module: optimizer=",
+                  (("type", type(self.optimizer).__qualname__),),
+                  _reads_across(self.optimizer, runtime))
             _route_zero_grad(self.optimizer, zero_grad)
 
     def step(self, lr: Any) -> Any:
@@ -257,6 +261,19 @@ class FusedAsTorch(torch.optim.Optimizer):
 
 def _torch_hp(hp: AdamW) -> dict:
     return {"lr": hp.lr, "betas": hp.betas, "eps": hp.eps, "weight_decay": hp.weight_decay}
+
+
+def _reads_across(optimizer: Any, runtime: Runtime) -> list[str]:
+    """This rank's finding if ``optimizer`` is one of torch's whose update of a parameter
+    reads across its elements (Adafactor's factored moments: row and column means) while
+    the parameters are sharded: over a rank's rows it would step otherwise than over the
+    whole parameter, silently. Optimizers of other libraries are not told apart."""
+    adafactor = getattr(torch.optim, "Adafactor", None)  # torch >= 2.5
+    if runtime.world > 1 and adafactor is not None and isinstance(optimizer, adafactor):
+        return [f"expected an optimizer that updates element by element (SGD, Adam, AdamW, "
+                f"...), got {type(optimizer).__name__}, whose factored moments over this "
+                f"rank's rows would differ from those of the whole parameter"]
+    return []
 
 
 def _route_zero_grad(optimizer: Any, zero_grad: Callable[[], None]) -> None:

@@ -141,8 +141,12 @@ class Sharding:
         self.guard = StateDictGuard()
         owners = {id(m): m for ps in self.params for p in ps for m, _ in spec.aliases[id(p)]}
         self._handles = self.hooks.register() + self.guard.register(owners.values())
-        self.bridge = OptimizerBridge(self.runtime, make, self.zero_grad, self._step,
-                                      self._group_params([ns for _, ns in groups]))
+        try:  # a torch optimizer refused: every rank raises there, so every rank closes
+            self.bridge = OptimizerBridge(self.runtime, make, self.zero_grad, self._step,
+                                          self._group_params([ns for _, ns in groups]))
+        except TideInvalid:
+            self.close()
+            raise
 
     @property
     def names(self) -> list[list[str]]:

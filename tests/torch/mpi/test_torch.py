@@ -426,6 +426,34 @@ def test_param_groups_need_the_fused_adamw(group):
                         param_groups=[{"params": ["0.bias"], "weight_decay": 0.0}])
 
 
+def test_an_optimizer_that_reads_across_a_parameter_is_refused_when_sharded(group):
+    """torch's Adafactor factors its second moments over a parameter's rows and columns:
+    over a rank's rows it would step otherwise than one process, silently. Sharded over
+    more than one rank it is refused on every rank, before any step (the runtime closed);
+    at one rank, where a shard is the whole parameter, it trains as one process."""
+    import tidearray
+    import tidearray.torch as tt
+
+    if not hasattr(torch.optim, "Adafactor"):
+        pytest.skip("torch.optim.Adafactor needs torch >= 2.5")
+    model, units = _model(5)
+    make = lambda ps: torch.optim.Adafactor(ps, lr=1e-2)  # noqa: E731
+    if group.size == 1:
+        reference, x = copy.deepcopy(model), _batch(0, 0, 4)[0]
+        opt = make(list(reference.parameters()))
+        reference(x).pow(2).mean().backward()
+        opt.step()
+        sm = tt.shard_module(model, units, group=group, optimizer=make)
+        sm(x).pow(2).mean().backward()
+        sm.step()
+        state = sm.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
+        sm.close()
+        return
+    with pytest.raises(tidearray.TideInvalid, match="element by element.*got Adafactor"):
+        tt.shard_module(model, units, group=group, optimizer=make)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("opt", ["fused", "torch"])
 def test_a_learning_rate_that_differs_by_rank_is_refused(group, opt):
