@@ -53,8 +53,13 @@ def split_optimizer(optimizer: Optimizer) -> tuple[Optional[AdamW], Optional[Cal
         return optimizer, None
     if callable(optimizer):
         return None, optimizer
-    raise TideInvalid(f"optimizer: expected an AdamW or a function making a torch optimizer "
-                      f"from a list of tensors, got {type(optimizer).__name__}")
+    kind = type(optimizer)
+    made = (f"a {kind.__module__}.{kind.__qualname__} made already (over the model's "
+            "parameters, which sharding empties): pass the function that makes it, "
+            "optimizer=lambda shards: ...(shards, ...)"
+            if isinstance(optimizer, torch.optim.Optimizer) else kind.__qualname__)
+    raise TideInvalid("optimizer: expected a tidearray.fsdp.AdamW or a function making a "
+                      f"torch optimizer from a list of tensors, got {made}")
 
 
 _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay"}

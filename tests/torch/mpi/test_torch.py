@@ -413,6 +413,22 @@ def test_a_gradient_outside_its_units_backward_is_refused(group):
     sm.close()
 
 
+def test_a_torch_optimizer_made_already_is_refused_naming_the_function(group):
+    """FSDP2's order (wrap, then ``torch.optim.AdamW(model.parameters())``) given as
+    ``optimizer=``: an optimizer over the parameters that sharding empties. The error
+    names the torch class and the form to pass (a function of the shards); a string is
+    refused too."""
+    import tidearray
+    import tidearray.torch as tt
+
+    for given, match in ((lambda m: torch.optim.AdamW(m.parameters()),
+                          r"got a torch\.optim\.adamw\.AdamW made already .*lambda shards"),
+                         (lambda m: "adamw", "expected a tidearray.fsdp.AdamW .* got str")):
+        model, units = _model(5)
+        with pytest.raises(tidearray.TideInvalid, match=match):
+            tt.shard_module(model, units, group=group, optimizer=given(model))
+
+
 def test_param_groups_need_the_fused_adamw(group):
     """``param_groups`` configure the fused AdamW: given with a torch optimizer they would
     be ignored (a no-decay group decayed anyway), so they are refused."""
