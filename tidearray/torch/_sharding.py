@@ -158,7 +158,7 @@ class Sharding:
         """Each unit's parameters' full shapes, in the order of :attr:`names`. The
         parameters themselves are empty placeholders (``numel()`` is 0), so a sharded
         model's parameters are counted from these."""
-        return [list(ss) for ss in self.storage.shapes]
+        return [list(ss) for ss in self.runtime.shapes]
 
     @property
     def optimizer(self) -> Any:
