@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 from ._group import Group, default_group
-from ._layout import shard_spec
+from ._layout import ShardSpec, shard_spec
 from .backends import array_module
 
 
@@ -40,3 +42,31 @@ def full_from_shards(shards: Sequence[Any], shape: Sequence[int]) -> Any:
     spec = shard_spec(shape, shards[0].dtype.itemsize, len(shards))
     parts = [s[: spec.valid_rows(r)] for r, s in enumerate(shards)]
     return xp.concatenate(parts, axis=0).reshape(shape)
+
+
+def gather_rows(comm: Any, spec: ShardSpec, world: int, rows: Any,
+                root: Optional[int] = None) -> Any:
+    """A full fp32 parameter on the host, from every rank's valid ``rows`` of it.
+
+    Collective over ``comm`` (an mpi4py communicator of ``world`` ranks): one
+    ``MPI_Allgatherv`` straight into the full shape, the result on every rank, or with
+    ``root`` one ``MPI_Gatherv`` to that rank (None elsewhere). So beyond the result a rank
+    holds its own rows alone. ``rows``: this rank's ``spec.valid_rows(rank)`` rows, a
+    C-contiguous float32 NumPy array. ``world`` 1: every rank holds the whole parameter
+    (``rows`` is it).
+    """
+    from mpi4py import MPI
+
+    wanted = root is None or comm.rank == root
+    if world == 1:
+        return rows.reshape(spec.shape).copy() if wanted else None
+    full = np.empty(spec.shape, np.float32) if wanted else None
+    n = spec.row_numel
+    counts = [spec.valid_rows(r) * n for r in range(world)]
+    displs = [spec.rows(r)[0] * n for r in range(world)]
+    recv = [full, counts, displs, MPI.FLOAT] if wanted else None
+    if root is None:
+        comm.Allgatherv([rows, MPI.FLOAT], recv)
+    else:
+        comm.Gatherv([rows, MPI.FLOAT], recv, root=root)
+    return full

@@ -31,6 +31,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import _validate
+from .._shard import gather_rows
 
 FORMAT = 1
 
@@ -158,21 +159,6 @@ def full_param(model: Any, unit: int, k: int, root: Optional[int] = None) -> Opt
     """Parameter ``k`` of ``unit`` in full, fp32, on the host: on every rank, or with
     ``root`` on that rank only (None elsewhere). Collective; the caller has synchronized
     the model (its masters are read as they are)."""
-    from mpi4py import MPI
-
-    comm = model.group.comm
     spec = model.arena.layout.units[unit].specs[k]
-    wanted = root is None or comm.rank == root
     mine = np.ascontiguousarray(host(model.params(unit)[k][:spec.valid_rows(model.rank)]))
-    if model.world == 1:  # one shard (or a comm over one rank: every rank holds the model)
-        return mine.reshape(spec.shape).copy() if wanted else None
-    full = np.empty(spec.shape, np.float32) if wanted else None
-    n = spec.row_numel
-    counts = [spec.valid_rows(r) * n for r in range(model.world)]
-    displs = [spec.rows(r)[0] * n for r in range(model.world)]
-    recv = [full, counts, displs, MPI.FLOAT] if wanted else None
-    if root is None:
-        comm.Allgatherv([mine, MPI.FLOAT], recv)
-    else:
-        comm.Gatherv([mine, MPI.FLOAT], recv, root=root)
-    return full
+    return gather_rows(model.group.comm, spec, model.world, mine, root)

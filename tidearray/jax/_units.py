@@ -93,6 +93,7 @@ from .._group import Group, default_group
 from .._plan import Unit
 from .._shard import shard
 from ._buffers import HostClock, XlaBuffers
+from ._full import full_params
 from ._runners import InPlace, Staged
 
 _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -367,6 +368,23 @@ class ShardedUnits:
             return self.apply(index, fn, layer_shards, h), None
 
         return jax.lax.scan(layer, x, unit_shards, unroll=unroll)[0]
+
+    def full_params(self, shards: Sequence[Any], *, root: Optional[int] = None) -> Optional[list]:
+        """Every unit's full fp32 parameters on the host, from every rank's ``shards``
+        (those the step returned): to save the model whole, evaluate it in one process or
+        hand it to another library. Collective; outside the jitted step.
+
+        Returns:
+            One pytree per unit, as given to :func:`shard_units`, of NumPy float32 arrays
+            (a stacked unit's with its layer axis); with ``root``, on that rank only (None
+            elsewhere). Gathered one parameter (one layer's) at a time.
+
+        Raises:
+            TideInvalid: on every rank, before any transfer, if a rank's ``shards`` are
+                not structured and shaped as :attr:`shards`, are a jitted function's
+                traced values, or ``root`` is not a rank or differs between ranks.
+        """
+        return full_params(self, shards, root)
 
     def __repr__(self) -> str:
         return (f"ShardedUnits({len(self)} units, {np.dtype(self.compute_dtype).name}, "

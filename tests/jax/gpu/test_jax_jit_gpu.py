@@ -62,7 +62,7 @@ def test_jitted_step_matches_one_process(cuda_group, gpu_jax, dtype, tol, scan):
     ex = _example()
     cfg = ex.Config(layers=2, width=64, heads=4, seq=32, batch=4, scan=scan)
     assert cfg.max_grad_norm is not None  # the example clips: the norm's gather runs too
-    losses, su = ex.train_sharded(jax, cuda_group, cfg, dtype)
+    losses, su, _ = ex.train_sharded(jax, cuda_group, cfg, dtype)
     with jax.default_device(su.device):
         want = ex.train_reference(jax, cfg, cuda_group.size)
     failures = [f"step {i}: {a!r} vs reference {b!r}" for i, (a, b) in enumerate(zip(losses, want))

@@ -29,7 +29,10 @@
 * an encoder-decoder whose carry holds an int mask, a PRNG key (dropout) and an
   auxiliary loss, the decoder units reading the encoder's output, the shards donated:
   against one process within 1e-5 over 6 steps; ``callback_seconds`` grows with each
-  step, by less than the step took.
+  step, by less than the step took;
+* ``full_params``: the units back bitwise, fresh shards against an independent
+  concatenation, on every rank or on ``root`` only; bad shards on one rank, tracers and
+  a bad or per-rank root raise on every rank.
 
 Fresh seeds every run (drawn on rank 0). Runs on the host backend at any world size;
 the cuda path is ``tests/jax/gpu/test_jax_jit_gpu.py``. Skipped without JAX.
@@ -753,6 +756,49 @@ def test_scan_misuse(group, cpu_jax):
                                   x))(su.shards[1])
     with pytest.raises(TideInvalid, match="its input's structure, shapes and dtypes"):
         jax.jit(lambda s: su.scan(1, lambda p, h: (_block(p, h), h), s, x))(su.shards[1])
+
+
+
+def test_full_params_gather_every_ranks_shards(group, cpu_jax):
+    """``full_params``: the units ``shard_units`` took back bitwise, then after shards of
+    fresh values (padding rows poisoned) exactly what the ranks' shards assemble to (an
+    independent gather: pickled shards, NumPy concatenation), a stacked unit's with its
+    layer axis; on every rank, or on ``root`` alone (None elsewhere); shards that are not
+    the units' (on one rank only), tracers and a bad or per-rank root raise on every rank."""
+    seed, W, rank = fresh_seed(group.comm), group.size, group.rank
+    units = _model(seed, d=7)  # 7 and 14 rows: ragged at 2-4 ranks
+    su = tj.shard_units(units, group=group, stacked=[1])
+    back = su.full_params(su.shards)
+    failures = [f"unit {i}: {k} round trip differs" for i, u in enumerate(units) for k in u
+                if not np.array_equal(back[i][k], u[k]) or back[i][k].dtype != np.float32]
+    rng = np.random.default_rng([seed, rank])
+    fresh = [jax.tree_util.tree_map(lambda a: jnp.asarray(
+        rng.standard_normal(a.shape).astype(np.float32)), s) for s in su.shards]
+    want = [full_leaves(group, fresh[i], u, i == 1) for i, u in enumerate(units)]
+    for root in (None, 0, W - 1):
+        got = su.full_params(fresh, root=root)
+        if root is not None and rank != root:
+            failures += [] if got is None else [f"root {root}: rank {rank} got a result"]
+            continue
+        for i, leaves in enumerate(want):
+            for k, (a, b) in enumerate(zip(jax.tree_util.tree_leaves(got[i]), leaves)):
+                if a.shape != b.shape or not np.array_equal(a, b):
+                    failures.append(f"root {root}: unit {i} leaf {k}: {a.shape} vs {b.shape}")
+    agree(group.comm, failures, "full_params against the shards' concatenation")
+
+    bad = list(su.shards)
+    if rank == W - 1:
+        bad[1] = su.shards[0]  # one rank's units mixed up: every rank raises
+    for shards, kwargs, match in [(bad, {}, "unit 1: expected shards"),
+                                  (su.shards, {"root": W}, "root: expected"),
+                                  (su.shards, {"root": rank}, "root" if W > 1 else None),
+                                  (su.shards[:2], {}, "expected a list of 3")]:
+        if match is None:
+            continue
+        with pytest.raises(TideInvalid, match=match):
+            su.full_params(shards, **kwargs)
+    with pytest.raises(TideInvalid, match="outside jax.jit"):
+        jax.jit(lambda s: su.full_params(s))(su.shards)
 
 
 def test_an_encoder_decoder_with_dropout_and_aux_outputs(group, cpu_jax):

@@ -1,0 +1,84 @@
+"""A model's full parameters from the ranks' shards, outside the jitted step.
+
+What a user saves, evaluates in one process or hands to another library is the full
+model, not this rank's rows. :func:`full_params` gathers it one parameter (one layer's,
+stacked) at a time on the host, as the runtime's full state dict does
+(:func:`tidearray._shard.gather_rows`: one ``MPI_Allgatherv``, or ``MPI_Gatherv`` to one
+rank, straight into the full shape), so beyond the result a rank holds one parameter's
+rows at once. fp32, as the shards are: the masters themselves, not the compute dtype's
+rounding of them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import jax
+import numpy as np
+
+from .. import _validate
+from .._layout import shard_spec
+from .._shard import gather_rows
+
+if TYPE_CHECKING:
+    from ._units import ShardedUnits
+
+
+def full_params(su: ShardedUnits, shards: Sequence[Any],
+                root: Optional[int] = None) -> Optional[list]:
+    """See :meth:`ShardedUnits.full_params`."""
+    group = su.group
+    errors: list[str] = []
+    if root is not None and (not isinstance(root, (int, np.integer)) or isinstance(root, bool)
+                             or not 0 <= root < group.size):
+        errors.append(f"root: expected None or a rank in [0, {group.size}), got {root!r}")
+        root = None
+    units = _unit_leaves(su, shards, errors)
+    _validate.check(group, "ShardedUnits.full_params", (("root", root),), errors)
+    wanted = root is None or group.rank == root
+    out = [[_gather_leaf(group, shape, col.layers, np.asarray(a, np.float32), root)
+            for shape, a in zip(col.shapes, leaves)]
+           for col, leaves in zip(su._units, units)]
+    if not wanted:
+        return None
+    return [jax.tree_util.tree_unflatten(col.treedef, leaves)
+            for col, leaves in zip(su._units, out)]
+
+
+def _unit_leaves(su: ShardedUnits, shards: Any, errors: list[str]) -> list[list[Any]]:
+    """Each unit's shard leaves, if ``shards`` is structured and shaped as
+    ``su.shards`` (concrete arrays, not a jitted step's tracers); else none, appending to
+    ``errors``."""
+    if not isinstance(shards, (list, tuple)) or len(shards) != len(su):
+        errors.append(f"shards: expected a list of {len(su)} units' shards (as "
+                      f"ShardedUnits.shards), got {type(shards).__name__}"
+                      + (f" of {len(shards)}" if isinstance(shards, (list, tuple)) else ""))
+        return []
+    units = []
+    for col, unit_shards in zip(su._units, shards):
+        leaves, treedef = jax.tree_util.tree_flatten(unit_shards)
+        layers = () if col.layers is None else (col.layers,)
+        want = [(*layers, *t.shape) for t in col.shard_types]
+        got = [tuple(np.shape(a)) for a in leaves]
+        if treedef != col.treedef or got != want:
+            errors.append(f"unit {col.index}: expected shards structured as {col.treedef} "
+                          f"and shaped {want}, got {treedef} shaped {got}")
+        elif any(isinstance(a, jax.core.Tracer) for a in leaves):
+            errors.append(f"unit {col.index}: expected concrete shards, got a jitted "
+                          "function's traced values (call full_params outside jax.jit)")
+        units.append(leaves)
+    return units if not errors else []
+
+
+def _gather_leaf(group: Any, shape: tuple, layers: Optional[int], shard: np.ndarray,
+                 root: Optional[int]) -> Optional[np.ndarray]:
+    """One leaf's full fp32 value of ``shape`` (``(layers, *shape)``, stacked) on the
+    host from this rank's padded ``shard``, or None off ``root``."""
+    spec = shard_spec(shape, 4, group.size)
+    valid = spec.valid_rows(group.rank)
+    if layers is None:
+        return gather_rows(group.comm, spec, group.size, np.ascontiguousarray(shard[:valid]),
+                           root)
+    full = [gather_rows(group.comm, spec, group.size, np.ascontiguousarray(one[:valid]), root)
+            for one in shard]
+    return None if full[0] is None else np.stack(full)
