@@ -36,7 +36,7 @@ def full_params(su: ShardedUnits, shards: Sequence[Any],
     units = _unit_leaves(su, shards, errors)
     _validate.check(group, "ShardedUnits.full_params", (("root", root),), errors)
     wanted = root is None or group.rank == root
-    out = [[_gather_leaf(group, shape, col.layers, np.asarray(a, np.float32), root)
+    out = [[_gather_leaf(group, shape, col.layers, a, root)
             for shape, a in zip(col.shapes, leaves)]
            for col, leaves in zip(su._units, units)]
     if not wanted:
@@ -45,10 +45,12 @@ def full_params(su: ShardedUnits, shards: Sequence[Any],
             for col, leaves in zip(su._units, out)]
 
 
-def _unit_leaves(su: ShardedUnits, shards: Any, errors: list[str]) -> list[list[Any]]:
-    """Each unit's shard leaves, if ``shards`` is structured and shaped as
-    ``su.shards`` (concrete arrays, not a jitted step's tracers); else none, appending to
-    ``errors``."""
+def _unit_leaves(su: ShardedUnits, shards: Any, errors: list[str]) -> list[list[np.ndarray]]:
+    """Each unit's shard leaves, read onto the host as float32 NumPy arrays, if ``shards``
+    is structured and shaped as ``su.shards`` (concrete arrays, not a jitted step's
+    tracers); else none, appending to ``errors``. Read before the ranks' agreement, so
+    that a rank that cannot (a donated buffer, deleted) raises with the others instead of
+    leaving them in the gather."""
     if not isinstance(shards, (list, tuple)) or len(shards) != len(su):
         errors.append(f"shards: expected a list of {len(su)} units' shards (as "
                       f"ShardedUnits.shards), got {type(shards).__name__}"
@@ -66,7 +68,12 @@ def _unit_leaves(su: ShardedUnits, shards: Any, errors: list[str]) -> list[list[
         elif any(isinstance(a, jax.core.Tracer) for a in leaves):
             errors.append(f"unit {col.index}: expected concrete shards, got a jitted "
                           "function's traced values (call full_params outside jax.jit)")
-        units.append(leaves)
+        else:
+            try:
+                units.append([np.asarray(a, np.float32) for a in leaves])
+            except Exception as e:  # noqa: BLE001 - JAX's error for a deleted buffer, say
+                errors.append(f"unit {col.index}: cannot read its shards ({type(e).__name__}: "
+                              f"{e}): a donated buffer? pass the step's returned shards")
     return units if not errors else []
 
 

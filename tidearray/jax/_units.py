@@ -381,8 +381,9 @@ class ShardedUnits:
 
         Raises:
             TideInvalid: on every rank, before any transfer, if a rank's ``shards`` are
-                not structured and shaped as :attr:`shards`, are a jitted function's
-                traced values, or ``root`` is not a rank or differs between ranks.
+                not structured and shaped as :attr:`shards`, cannot be read (a donated
+                buffer), are a jitted function's traced values, or ``root`` is not a
+                rank or differs between ranks.
         """
         return full_params(self, shards, root)
 

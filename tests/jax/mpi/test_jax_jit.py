@@ -31,8 +31,8 @@
   against one process within 1e-5 over 6 steps; ``callback_seconds`` grows with each
   step, by less than the step took;
 * ``full_params``: the units back bitwise, fresh shards against an independent
-  concatenation, on every rank or on ``root`` only; bad shards on one rank, tracers and
-  a bad or per-rank root raise on every rank.
+  concatenation, on every rank or on ``root`` only; bad or deleted shards on one rank,
+  tracers and a bad or per-rank root raise on every rank.
 
 Fresh seeds every run (drawn on rank 0). Runs on the host backend at any world size;
 the cuda path is ``tests/jax/gpu/test_jax_jit_gpu.py``. Skipped without JAX.
@@ -764,7 +764,8 @@ def test_full_params_gather_every_ranks_shards(group, cpu_jax):
     fresh values (padding rows poisoned) exactly what the ranks' shards assemble to (an
     independent gather: pickled shards, NumPy concatenation), a stacked unit's with its
     layer axis; on every rank, or on ``root`` alone (None elsewhere); shards that are not
-    the units' (on one rank only), tracers and a bad or per-rank root raise on every rank."""
+    the units' or deleted (on one rank only), tracers and a bad or per-rank root raise on
+    every rank."""
     seed, W, rank = fresh_seed(group.comm), group.size, group.rank
     units = _model(seed, d=7)  # 7 and 14 rows: ragged at 2-4 ranks
     su = tj.shard_units(units, group=group, stacked=[1])
@@ -799,6 +800,11 @@ def test_full_params_gather_every_ranks_shards(group, cpu_jax):
             su.full_params(shards, **kwargs)
     with pytest.raises(TideInvalid, match="outside jax.jit"):
         jax.jit(lambda s: su.full_params(s))(su.shards)
+    gone = [jax.tree_util.tree_map(lambda a: a + 0, s) for s in su.shards]
+    if rank == W - 1:
+        jax.tree_util.tree_leaves(gone[2])[0].delete()  # as a donated buffer is
+    with pytest.raises(TideInvalid, match="unit 2: cannot read its shards"):
+        su.full_params(gone)
 
 
 def test_an_encoder_decoder_with_dropout_and_aux_outputs(group, cpu_jax):
