@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from .. import _validate
-from .._layout import shard_spec
+from .._layout import ShardSpec
 from .._shard import gather_rows
 
 if TYPE_CHECKING:
@@ -36,8 +36,8 @@ def full_params(su: ShardedUnits, shards: Sequence[Any],
     units = _unit_leaves(su, shards, errors)
     _validate.check(group, "ShardedUnits.full_params", (("root", root),), errors)
     wanted = root is None or group.rank == root
-    out = [[_gather_leaf(group, shape, col.layers, a, root)
-            for shape, a in zip(col.shapes, leaves)]
+    out = [[_gather_leaf(group, spec, col.layers, a, root)
+            for spec, a in zip(col.unit.layout.specs, leaves)]
            for col, leaves in zip(su._units, units)]
     if not wanted:
         return None
@@ -45,12 +45,12 @@ def full_params(su: ShardedUnits, shards: Sequence[Any],
             for col, leaves in zip(su._units, out)]
 
 
-def _unit_leaves(su: ShardedUnits, shards: Any, errors: list[str]) -> list[list[np.ndarray]]:
-    """Each unit's shard leaves, read onto the host as float32 NumPy arrays, if ``shards``
-    is structured and shaped as ``su.shards`` (concrete arrays, not a jitted step's
-    tracers); else none, appending to ``errors``. Read before the ranks' agreement, so
-    that a rank that cannot (a donated buffer, deleted) raises with the others instead of
-    leaving them in the gather."""
+def _unit_leaves(su: ShardedUnits, shards: Any, errors: list[str]) -> list[list[Any]]:
+    """Each unit's shard leaves, if ``shards`` is structured and shaped as ``su.shards``
+    and every leaf can be read (concrete arrays, not a jitted step's tracers nor deleted
+    buffers); else none, appending to ``errors``. Checked before the ranks' agreement, so
+    that a rank that cannot read its shards (a buffer donated to a step) raises with the
+    others instead of leaving them in the gather."""
     if not isinstance(shards, (list, tuple)) or len(shards) != len(su):
         errors.append(f"shards: expected a list of {len(su)} units' shards (as "
                       f"ShardedUnits.shards), got {type(shards).__name__}"
@@ -68,24 +68,22 @@ def _unit_leaves(su: ShardedUnits, shards: Any, errors: list[str]) -> list[list[
         elif any(isinstance(a, jax.core.Tracer) for a in leaves):
             errors.append(f"unit {col.index}: expected concrete shards, got a jitted "
                           "function's traced values (call full_params outside jax.jit)")
-        else:
-            try:
-                units.append([np.asarray(a, np.float32) for a in leaves])
-            except Exception as e:  # noqa: BLE001 - JAX's error for a deleted buffer, say
-                errors.append(f"unit {col.index}: cannot read its shards ({type(e).__name__}: "
-                              f"{e}): a donated buffer? pass the step's returned shards")
+        elif any(isinstance(a, jax.Array) and a.is_deleted() for a in leaves):
+            errors.append(f"unit {col.index}: cannot read its shards (deleted: a buffer "
+                          "donated to a step?): pass the shards the step returned")
+        units.append(leaves)
     return units if not errors else []
 
 
-def _gather_leaf(group: Any, shape: tuple, layers: Optional[int], shard: np.ndarray,
+def _gather_leaf(group: Any, spec: ShardSpec, layers: Optional[int], shard: Any,
                  root: Optional[int]) -> Optional[np.ndarray]:
-    """One leaf's full fp32 value of ``shape`` (``(layers, *shape)``, stacked) on the
-    host from this rank's padded ``shard``, or None off ``root``."""
-    spec = shard_spec(shape, 4, group.size)
+    """One leaf's full fp32 value (``(layers, *spec.shape)``, stacked) on the host from
+    this rank's padded ``shard``, read one layer at a time, or None off ``root``."""
     valid = spec.valid_rows(group.rank)
-    if layers is None:
-        return gather_rows(group.comm, spec, group.size, np.ascontiguousarray(shard[:valid]),
-                           root)
-    full = [gather_rows(group.comm, spec, group.size, np.ascontiguousarray(one[:valid]), root)
-            for one in shard]
-    return None if full[0] is None else np.stack(full)
+    each = shard if layers is not None else [shard]
+    full = [gather_rows(group.comm, spec, group.size,
+                        np.ascontiguousarray(np.asarray(one[:valid], np.float32)), root)
+            for one in each]
+    if full[0] is None:
+        return None
+    return np.stack(full) if layers is not None else full[0]
