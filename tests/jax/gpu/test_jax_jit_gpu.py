@@ -4,6 +4,8 @@
   on the global batch, the gradient clipped by its global norm: 1e-4 relative loss in
   fp32 (matmuls at full precision), the blocks under ``lax.scan`` and unrolled; 3e-2
   with bf16 parameters and fp32 reduction, scanned;
+* ``ShardedUnits.full_params`` after the fp32 runs: every leaf of the trained model,
+  gathered whole on every rank, within the loss bound of the reference's;
 * no host synchronization inside a step (scanned blocks, the clip's norm gathered over
   the ranks): every CuPy and tidearray synchronize entry point is counted while a
   (warmed-up) step runs, and must stay at zero;
@@ -62,11 +64,29 @@ def test_jitted_step_matches_one_process(cuda_group, gpu_jax, dtype, tol, scan):
     ex = _example()
     cfg = ex.Config(layers=2, width=64, heads=4, seq=32, batch=4, scan=scan)
     assert cfg.max_grad_norm is not None  # the example clips: the norm's gather runs too
-    losses, su, _ = ex.train_sharded(jax, cuda_group, cfg, dtype)
+    losses, su, shards = ex.train_sharded(jax, cuda_group, cfg, dtype)
     with jax.default_device(su.device):
-        want = ex.train_reference(jax, cfg, cuda_group.size)
+        want, _, trained = ex.reference_run(jax, cfg, cuda_group.size)
     failures = [f"step {i}: {a!r} vs reference {b!r}" for i, (a, b) in enumerate(zip(losses, want))
                 if abs(a - b) > tol * abs(b)]
+    # The trained model whole on every rank (gathered from the device shards): in fp32 each
+    # leaf within the loss bound of the reference's (bf16: as the example, not bounded).
+    model = su.full_params(shards)
+    if dtype == "float32":
+        reference = jax.tree_util.tree_leaves(ex.sharded_model(jax, cfg, trained)[0])
+        leaves = jax.tree_util.tree_leaves_with_path(model)
+        if len(leaves) != len(reference):
+            failures.append(f"full_params: {len(leaves)} leaves, the reference {len(reference)}")
+        for (path, got), ref in zip(leaves, reference):
+            where = f"full_params {jax.tree_util.keystr(path)}"
+            if not (isinstance(got, np.ndarray) and got.dtype == np.float32
+                    and got.shape == ref.shape):
+                failures.append(f"{where}: {type(got).__name__} {getattr(got, 'dtype', '')} "
+                                f"{getattr(got, 'shape', '')}, want fp32 NumPy {ref.shape}")
+                continue
+            diff = float(np.linalg.norm(got - np.asarray(ref)) / np.linalg.norm(ref))
+            if not diff <= tol:
+                failures.append(f"{where}: relative difference {diff:.2e} from the reference's")
     agree(cuda_group.comm, failures, f"{dtype} jitted sharded step on cuda vs one JAX process")
 
 
