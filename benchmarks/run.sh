@@ -17,8 +17,9 @@
 #       train8b    (the same at the Llama-8B shape, profiled: the step-time comparison)
 #       fsdp2      (benchmarks/steps/compare_fsdp2.py, Llama-8B shape: FSDP2 vs
 #                  shard_module vs the floor)
-#       units      (compare_fsdp2.py on small-32l at one rank: plain torch, the floor, FSDP2,
-#                  shard_module eager and captured: per-unit overhead of a host-bound model)
+#       units      (compare_fsdp2.py on small-32l at one rank: plain torch, plain with no-op
+#                  hooks, the floor, FSDP2, shard_module eager and captured: per-unit
+#                  overhead of a host-bound model)
 #       units8b    (the same impls at the Llama-8B shape, 8 layers, 8K tokens, one rank)
 #       jax        (benchmarks/steps/jax_step.py, one rank: a JAX transformer, 8 layers,
 #                  hidden 2048, 4K tokens, unsharded jit vs tidearray.jax)
@@ -83,7 +84,7 @@ run_fsdp2() {  # real FSDP2 against shard_module, one run (TIDE_FSDP2_ARGS adds 
 run_units() {  # per-unit overhead on a host-bound model at one rank: plain torch, the floor,
     # FSDP2 and shard_module eager and captured (compare_fsdp2.py, small-32l)
     step units env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \
-        --model small-32l --impls plain,floor,fsdp2,tide,tide-graph \
+        --model small-32l --impls plain,hooks,floor,fsdp2,tide,tide-graph \
         --steps "${TIDE_UNITS_STEPS:-30}" --host-profile 5 --out "$OUT/units"
 }
 run_units8b() {  # the same per-unit comparison at the Llama-8B shape (8 layers, 8K tokens),

@@ -12,7 +12,9 @@
 A PyTorch Llama-style decoder (``torch_llama``: RMSNorm, RoPE, grouped-query attention,
 SwiGLU) trained several ways in turn, each from the same weights on the same batches:
 ``plain`` (no wrapper, nothing communicated; on cuda bf16 parameters and fp32 masters
-stepped by ``torch.optim.AdamW(fused=True)``: :class:`Plain`); ``fsdp2`` (``fully_shard``
+stepped by ``torch.optim.AdamW(fused=True)``: :class:`Plain`); ``hooks`` (``plain`` with
+hooks of ``shard_module``'s shape that do nothing, :func:`noop_hooks`: torch's own cost
+of them); ``fsdp2`` (``fully_shard``
 on every block and the root, ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``, fused torch AdamW); ``tide`` (``shard_module``: units embedding,
 each block, head; tidearray's fused AdamW with the same settings); ``floor`` (``tide``
@@ -59,7 +61,7 @@ from tests.support import example
 llama, train = example("llama"), example("train")
 learning_rate, run_as_group = train.learning_rate, train.run_as_group
 
-IMPLS = ("plain", "floor", "fsdp2", "tide", "tide-graph", "floor-graph")
+IMPLS = ("plain", "hooks", "floor", "fsdp2", "tide", "tide-graph", "floor-graph")
 #: ``shard_module`` impls, each compared with ``fsdp2``: ``tide-graph`` replays a
 #: captured step.
 TIDE_IMPLS = ("tide", "tide-graph")
@@ -75,7 +77,7 @@ LOSS_RTOL = {"bfloat16": 1e-2, "float32": 1e-4}
 #: every impl must agree with the first present of both. ``fsdp2`` comes first: the
 #: ``shard_module`` impls' agreement with it is what :func:`compare` records.
 GLOBAL_IMPLS = ("fsdp2", "tide", "tide-graph")
-PER_RANK_IMPLS = ("floor", "floor-graph", "plain")
+PER_RANK_IMPLS = ("floor", "floor-graph", "plain", "hooks")
 #: Models of this benchmark beside ``llama.MODELS``. ``host-32l``: small-32l's 34 units
 #: at a width where a step's compute is a few milliseconds on a CPU, so the step time
 #: over plain's is the wrapper's host time per unit (its Python, its hooks); a vocabulary
@@ -217,8 +219,10 @@ class Impl:
         self.plain: Optional[Plain] = None
         hyper = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
         self.sm = None
-        if kind == "plain":
+        if kind in ("plain", "hooks"):
             self.plain = Plain(torch, model, dtype)
+            if kind == "hooks":
+                noop_hooks(torch, model)
             self.opt = torch.optim.AdamW(self.plain.masters, fused=True, **hyper)
         elif kind == "fsdp2":
             mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -281,6 +285,28 @@ class Impl:
             self.captured.close()
         if self.sm is not None:
             self.sm.close()
+
+
+def noop_hooks(torch: Any, model: Any) -> None:
+    """Hooks on each unit as ``shard_module`` registers them, doing nothing else: a forward
+    pre-hook passing the input through an identity autograd function (whose backward runs
+    when the unit's is done), a forward hook putting a pre-hook on the output's node."""
+    class PostBackward(torch.autograd.Function):
+        forward = staticmethod(lambda ctx, x: x)
+        backward = staticmethod(lambda ctx, grad: grad)
+
+    def pre(module: Any, args: tuple, kwargs: dict) -> Any:
+        if torch.is_grad_enabled() and args[0].requires_grad:
+            return (PostBackward.apply(args[0]), *args[1:]), kwargs
+        return None
+
+    def post(module: Any, args: tuple, out: Any) -> None:
+        if out.grad_fn is not None:
+            out.grad_fn.register_prehook(lambda grad: None)
+
+    for unit in model.units():
+        unit.register_forward_pre_hook(pre, with_kwargs=True)
+        unit.register_forward_hook(post)
 
 
 class Plain:
