@@ -368,7 +368,8 @@ def one_h200_units(run: Run, record: str = "compare.json") -> tuple[Figure, ...]
     figs += [Figure(f"`shard_module` eager: step over plain per unit ({units} units)",
                     "<= 0.3 ms" if model == "small-32l" else "reference",
                     f"{per['tide'] * 1e3:.2f} ms (no communication, the floor: "
-                    f"{per['floor'] * 1e3:.2f} ms{note})",
+                    f"{per['floor'] * 1e3:.2f} ms" + (f"; no-op hooks of its shape, torch's "
+                    f"own: {per['hooks'] * 1e3:.2f} ms" if "hooks" in per else "") + f"{note})",
                     per["tide"] <= 0.3e-3 if judged else None),
              Figure("`fully_shard` eager: step over plain per unit", "reference",
                     f"{per['fsdp2'] * 1e3:.2f} ms")]

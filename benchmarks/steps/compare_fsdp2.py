@@ -291,19 +291,17 @@ def noop_hooks(torch: Any, model: Any) -> None:
     """Hooks on each unit as ``shard_module`` registers them, doing nothing else: a forward
     pre-hook passing the input through an identity autograd function (whose backward runs
     when the unit's is done), a forward hook putting a pre-hook on the output's node."""
-    class PostBackward(torch.autograd.Function):
-        forward = staticmethod(lambda ctx, x: x)
-        backward = staticmethod(lambda ctx, grad: grad)
+    identity = type("PostBackward", (torch.autograd.Function,), {
+        "forward": staticmethod(lambda ctx, x: x), "backward": staticmethod(lambda ctx, g: g)})
 
     def pre(module: Any, args: tuple, kwargs: dict) -> Any:
         if torch.is_grad_enabled() and args[0].requires_grad:
-            return (PostBackward.apply(args[0]), *args[1:]), kwargs
+            return (identity.apply(args[0]), *args[1:]), kwargs
         return None
 
     def post(module: Any, args: tuple, out: Any) -> None:
         if out.grad_fn is not None:
             out.grad_fn.register_prehook(lambda grad: None)
-
     for unit in model.units():
         unit.register_forward_pre_hook(pre, with_kwargs=True)
         unit.register_forward_hook(post)
