@@ -389,17 +389,6 @@ def _stress_loops(run: Run, name: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _sanitized(run: Run) -> Figure:
-    """compute-sanitizer's summary lines (``sanitize_summary.txt``): errors and hazards."""
-    with open(os.path.join(run.path, "sanitize_summary.txt")) as f:
-        text = f.read()
-    errors = sum(int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text))
-    hazards = sum(int(n) for n in re.findall(r"\((\d+) errors, \d+ warnings\)", text))
-    return Figure("compute-sanitizer: memcheck and synccheck errors (1 and 2 ranks), "
-                  "racecheck hazards", "0", f"{errors} errors, {hazards} hazards",
-                  errors == 0 and hazards == 0)
-
-
 def _pytest(run: Run, log: str) -> tuple[int, int, int, Optional[str]]:
     """A pytest log's summary: (passed, skipped, failed or errors, None); a log cut before
     it (its time ran out): (0, 0, the F and E of pytest -q's progress, how far it got)."""
@@ -414,15 +403,14 @@ def _pytest(run: Run, log: str) -> tuple[int, int, int, Optional[str]]:
 
 
 def one_h200_suite(run: Run) -> tuple[Figure, ...]:
-    """The GPU suite at one commit: the default steps and 3-4 ranks, the stress step, the
-    sanitizer, and tidearray.jax's GPU tests at 1-4 ranks."""
+    """The GPU suite at one commit: the default steps and 3-4 ranks, the stress step, and
+    tidearray.jax's GPU tests at 1-4 ranks."""
     figs = []
     for log, what in (("np2", "all of `tests/`, 2 ranks"), ("np1", "all of `tests/`, 1 rank"),
-                      ("tail_np2", "`np2`'s last part alone (`tests/torch/mpi`, graphs), 2 ranks"),
                       ("np3", "the multi-rank and GPU tests, 3 ranks"),
                       ("np4", "the multi-rank and GPU tests, 4 ranks"),
-                      *((f"jaxjit_np{n}{alone}", f"`tidearray.jax` on cuda, {n} rank"
-                         + "s" * (n > 1)) for n in (1, 2, 3, 4) for alone in ("_alone", ""))):
+                      *((f"jaxjit_np{n}", f"`tidearray.jax` on cuda, {n} rank" + "s" * (n > 1))
+                        for n in (1, 2, 3, 4))):
         if not os.path.exists(os.path.join(run.path, f"{log}.log")):
             continue  # a run of some steps only
         passed, skipped, failed, cut = _pytest(run, f"{log}.log")
@@ -437,8 +425,7 @@ def one_h200_suite(run: Run) -> tuple[Figure, ...]:
         n, failed = loops.get(job, (0, 0))
         figs.append(Figure(f"Stress: loops that failed, {what}", "0", f"{failed} of {n}",
                            failed == 0 and n > 0))
-    sanitized = os.path.exists(os.path.join(run.path, "sanitize_summary.txt"))
-    return (*figs, _sanitized(run)) if sanitized else tuple(figs)
+    return tuple(figs)
 
 
 def one_ab(run: Run) -> tuple[Figure, ...]:

@@ -538,27 +538,22 @@ def table(rec: dict) -> str:
     """The record as markdown."""
     c = rec["comparison"]
     lines = [f"# FSDP2 vs tidearray.torch.shard_module: {rec['model']}, {rec['world']} ranks, "
-             f"{rec['tokens_per_rank']} tokens per rank"
-             # kept records of the retired --compile (run12-fsdp2-compile) say so
-             + (", blocks under torch.compile" if rec.get("compiled") else ""), "",
+             f"{rec['tokens_per_rank']} tokens per rank", "",
              f"Commit `{rec['commit']}`, {rec['time']}, device: {rec['device']}. Command: "
              f"`{' '.join(rec['argv'])}`.", ""]
-    plain = "vs_plain" in c  # records before plain lack its columns
-    cpu = "cpu_per_unit_over_plain_s" in c
+    plain = "vs_plain" in c  # a run with plain (records of run33 on: --report remakes them)
     if plain:
         lines += [f"Over plain per unit: (median - plain's) / {c['units']} units (the "
-                  "embedding, each block, the head), of the step and of the host time"
-                  + (", and of the process's CPU time per step (robust to other load on "
-                     "the machine)" if cpu else "") + ".", ""]
+                  "embedding, each block, the head), of the step, of the host time and of "
+                  "the process's CPU time per step (robust to other load on the machine).", ""]
     lines += ["| impl | median step (ms) | vs floor | "
               + ("vs plain | over plain per unit (us) | " if plain else "")
-              + "host per step (ms) | "
-              + ("host over plain per unit (us) | " if plain else "")
-              + ("cpu per step (ms) | cpu over plain per unit (us) | " if cpu else "")
+              + "host per step (ms) | " + ("host over plain per unit (us) | cpu per step (ms) "
+                                           "| cpu over plain per unit (us) | " if plain else "")
               + "peak memory per rank (GiB) | first loss | last loss |",
-              "| --- |" + " ---: |" * (6 + 3 * plain + 2 * cpu)]
+              "| --- |" + " ---: |" * (6 + 5 * plain)]
     for r in rec["runs"]:
-        lines.append(_table_row(r, c, plain, cpu))
+        lines.append(_table_row(r, c, plain))
     for k, v in c.get("vs_graph_floor", {}).items():
         lines += ["", f"- {k} step time / {GRAPH_FLOORS[k]}'s (its own captured floor): "
                   f"**{v:.3f}x**"]
@@ -567,9 +562,7 @@ def table(rec: dict) -> str:
     for k in TIDE_IMPLS[1:]:
         if k in c:
             lines += versus_lines(k, c[k])
-    # Records before the training check lack it: checked here, from their losses.
-    lines += training.lines(rec.get("training") or training_check(
-        rec["runs"], rec["world"], "float32" if rec["device"] == "cpu" else "bfloat16"))
+    lines += training.lines(rec["training"])
     busy = [f"{r['impl']} {r['step_spread']:.0%}" for r in rec["runs"]
             if r.get("step_spread", 0.0) > 0.1]
     if busy:  # (one model's steps on a quiet machine are a few % apart: run34's, 1%)
@@ -587,17 +580,14 @@ def table(rec: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _table_row(r: dict, c: dict, plain: bool, cpu: bool) -> str:
+def _table_row(r: dict, c: dict, plain: bool) -> str:
     k = r["impl"]
     vs = c.get("vs_floor", {}).get(k)
-    host = r.get("median_host_s")  # records before it lack it
     return (f"| {k} | {r['median_step_s'] * 1e3:.2f} | {'-' if vs is None else f'{vs:.3f}x'} | "
             + (f"{c['vs_plain'][k]:.3f}x | {c['per_unit_over_plain_s'][k] * 1e6:.1f} | "
-               if plain else "")
-            + f"{'-' if host is None else f'{host * 1e3:.2f}'} | "
-            + (f"{c['host_per_unit_over_plain_s'][k] * 1e6:.1f} | " if plain else "")
-            + (f"{r['median_cpu_s'] * 1e3:.2f} | "
-               f"{c['cpu_per_unit_over_plain_s'][k] * 1e6:.1f} | " if cpu else "")
+               if plain else "") + f"{r['median_host_s'] * 1e3:.2f} | "
+            + (f"{c['host_per_unit_over_plain_s'][k] * 1e6:.1f} | {r['median_cpu_s'] * 1e3:.2f} "
+               f"| {c['cpu_per_unit_over_plain_s'][k] * 1e6:.1f} | " if plain else "")
             + f"{r['peak_bytes'] / 2**30:.2f} | {r['losses'][0]:.4f} | {r['losses'][-1]:.4f} |")
 
 
