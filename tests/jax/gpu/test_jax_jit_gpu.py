@@ -5,7 +5,7 @@
   fp32 (matmuls at full precision), the blocks under ``lax.scan`` and unrolled; 3e-2
   with bf16 parameters and fp32 reduction, scanned;
 * ``ShardedUnits.full_params`` after the fp32 runs: every leaf of the trained model,
-  gathered whole on every rank, within the loss bound of the reference's;
+  gathered whole on every rank, within 1e-3 of the reference's (``PARAM_RTOL``);
 * no host synchronization inside a step (scanned blocks, the clip's norm gathered over
   the ranks): every CuPy and tidearray synchronize entry point is counted while a
   (warmed-up) step runs, and must stay at zero;
@@ -57,6 +57,13 @@ def gpu_jax(cuda_group):
     return _example().setup_jax(cuda_group)
 
 
+#: fp32 parameters after ten steps, relative to each leaf's norm: AdamW divides each update
+#: by its gradient's root mean square, so where a gradient is near zero (the leaves that start
+#: at zero: biases, norms' shifts) its summation-order differences become steps of the
+#: learning rate's size (1.2e-4 at 3 ranks on one H200). A wrong gather is off by O(1).
+PARAM_RTOL = 1e-3
+
+
 @pytest.mark.parametrize("dtype,tol,scan", [("float32", 1e-4, True), ("float32", 1e-4, False),
                                             ("bfloat16", 3e-2, True)],
                          ids=["float32-scan", "float32-unrolled", "bfloat16-scan"])
@@ -70,7 +77,7 @@ def test_jitted_step_matches_one_process(cuda_group, gpu_jax, dtype, tol, scan):
     failures = [f"step {i}: {a!r} vs reference {b!r}" for i, (a, b) in enumerate(zip(losses, want))
                 if abs(a - b) > tol * abs(b)]
     # The trained model whole on every rank (gathered from the device shards): in fp32 each
-    # leaf within the loss bound of the reference's (bf16: as the example, not bounded).
+    # leaf within PARAM_RTOL of the reference's (bf16: as the example, not bounded).
     model = su.full_params(shards)
     if dtype == "float32":
         reference = jax.tree_util.tree_leaves(ex.sharded_model(jax, cfg, trained)[0])
@@ -85,7 +92,7 @@ def test_jitted_step_matches_one_process(cuda_group, gpu_jax, dtype, tol, scan):
                                 f"{getattr(got, 'shape', '')}, want fp32 NumPy {ref.shape}")
                 continue
             diff = float(np.linalg.norm(got - np.asarray(ref)) / np.linalg.norm(ref))
-            if not diff <= tol:
+            if not diff <= PARAM_RTOL:
                 failures.append(f"{where}: relative difference {diff:.2e} from the reference's")
     agree(cuda_group.comm, failures, f"{dtype} jitted sharded step on cuda vs one JAX process")
 
