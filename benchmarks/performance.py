@@ -530,12 +530,11 @@ def sections(root: str) -> list[Section]:
         S("run42-one-h100-jax-next", "The JAX step and its tests at 7998fbb",
           "The JAX GPU tests at 1-4 ranks, stress (12 loops) beside the bf16 example "
           "(README.md).", lambda r: (*one_jax_step(r), *one_h200_suite(r))),
-        S("run43-one-h100-final-suite", "An A/B at 53f30ee against 6c6dced", "One H100: "
-          "`tide`, 2 passes (its suite and units: run44 measured them again).", one_ab),
-        S("run44-one-h100-final-suite", "The GPU suite and per-unit overhead at d95d6b6",
-          "Three calls on one H100: the suite at 1-4 ranks and stress (README.md); "
-          "small-32l and llama3-8b-8l, 20 steps.", lambda r: (*one_h200_suite(r), *one_h200_units(
-              r), *one_h200_units(r, "units8b/compare.json"))),
+        S("run45-one-h200-suite", "The GPU suite, per-unit overhead and an A/B at 9b40dc2",
+          "Seven calls on one H200 (README.md): the suite at 1-4 ranks (`jaxjit` at 10e912e), "
+          "stress; small-32l, llama3-8b-8l; `tide` against 6c6dced, 2 passes.", lambda r: (
+              *one_h200_suite(r), *one_h200_units(r), *one_h200_units(r, "units8b/compare.json"),
+              *one_ab(r))),
     ]
 
 

@@ -520,8 +520,7 @@ def versus(fsdp2: dict, r: dict, agreed: dict) -> dict:
 
 
 def versus_lines(name: str, c: dict) -> list:
-    """Step time and peak memory of a ``shard_module`` impl against fsdp2's (the losses'
-    agreement is the training check's, under the table)."""
+    """Step time and peak memory of a ``shard_module`` impl against fsdp2's."""
     return ["", f"- {name} step time / fsdp2's: **{c['tide_vs_fsdp2_step']:.3f}x** "
             f"({(1 - c['tide_vs_fsdp2_step']) * 100:.1f}% below)",
             f"- {name} peak memory / fsdp2's: **{c['tide_vs_fsdp2_peak']:.3f}x**"]
