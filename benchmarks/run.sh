@@ -84,7 +84,7 @@ run_fsdp2() {  # real FSDP2 against shard_module, one run (TIDE_FSDP2_ARGS adds 
 run_units() {  # per-unit overhead on a host-bound model at one rank: plain torch, the floor,
     # FSDP2 and shard_module eager and captured (compare_fsdp2.py, small-32l)
     step units env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \
-        --model small-32l --impls plain,hooks,floor,fsdp2,tide,tide-graph \
+        --model small-32l --impls plain,hooks,floor,fsdp2,tide,tide-graph --interleave \
         --steps "${TIDE_UNITS_STEPS:-30}" --host-profile 5 --out "$OUT/units"
 }
 run_units8b() {  # the same per-unit comparison at the Llama-8B shape (8 layers, 8K tokens),

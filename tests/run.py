@@ -213,7 +213,7 @@ EXAMPLES = (("examples/train.py", "--steps", "5"), ("examples/quickstart.py",),
             ("examples/memory_plan.py",), ("examples/graph_plans.py",))
 #: The benchmarks, on small settings: the step comparisons, then the harness.
 BENCHMARKS = (("-m", "benchmarks.steps.compare_train", "--steps", "4"),
-              ("-m", "benchmarks.steps.compare_fsdp2", "--steps", "4"),
+              ("-m", "benchmarks.steps.compare_fsdp2", "--steps", "4", "--interleave"),
               ("-m", "benchmarks.steps.jax_step", "--tiny", "--dtype", "float32", "--profile"),
               ("-m", "benchmarks", "all", "--quick", "--iters", "20", "--out",
                str(Path(tempfile.gettempdir()) / "tidearray-ci-bench")))

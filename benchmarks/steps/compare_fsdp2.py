@@ -10,17 +10,15 @@
 
 (``RUN``: a new run folder with a ``run.json``, like ``benchmarks/results/run12-fsdp2/``.)
 A PyTorch Llama-style decoder (``torch_llama``: RMSNorm, RoPE, grouped-query attention,
-SwiGLU) trained several ways in turn, each from the same weights on the same batches:
-``plain`` (no wrapper, nothing communicated; on cuda bf16 parameters and fp32 masters
-stepped by ``torch.optim.AdamW(fused=True)``: :class:`Plain`); ``hooks`` (``plain`` with
-hooks of ``shard_module``'s shape that do nothing, :func:`noop_hooks`: torch's own cost
-of them); ``fsdp2`` (``fully_shard``
-on every block and the root, ``MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32)``, fused torch AdamW); ``tide`` (``shard_module``: units embedding,
-each block, head; tidearray's fused AdamW with the same settings); ``floor`` (``tide``
-with ``comm=LocalComm``: nothing communicated, own data); ``tide-graph`` and
-``floor-graph`` (cuda: the whole step captured by ``capture_step`` after the first eager
-step, replayed on each batch; FSDP2 cannot be captured).
+SwiGLU) trained several ways in turn (``--interleave``: step by step), each from the same
+weights on the same batches: ``plain`` (no wrapper, nothing communicated; on cuda bf16
+parameters, fp32 masters stepped by ``torch.optim.AdamW(fused=True)``: :class:`Plain`);
+``hooks`` (``plain`` with no-op hooks of ``shard_module``'s shape, :func:`noop_hooks`);
+``fsdp2`` (``fully_shard`` on every block and the root, ``MixedPrecisionPolicy(param_dtype
+=bf16, reduce_dtype=fp32)``, fused torch AdamW); ``tide`` (``shard_module``: units
+embedding, each block, head; tidearray's fused AdamW alike); ``floor`` (``tide`` with
+``comm=LocalComm``: nothing communicated); ``tide-graph`` and ``floor-graph`` (cuda: the
+step captured by ``capture_step`` after the first eager one, then replayed).
 
 The table (docs/torch.md says more): median step time after ``--warmup`` steps and its
 ratio to the floor, host time and CPU time per step, each impl's overhead per unit over
@@ -107,6 +105,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
                    help="after the timed steps, STEPS more under cProfile: each impl's host "
                         "functions by own time (printed; {impl}_host_profile.txt and .pstats "
                         "with --out)")
+    p.add_argument("--interleave", action="store_true", help="each step taken by every impl "
+                   "in turn (peak memory then counts the models built later)")
     p.add_argument("--out", default=None)
     p.add_argument("--report", default=None, metavar="COMPARE_JSON")
     return p.parse_args(argv)
@@ -367,8 +367,7 @@ class Run:
         self.base = device_used(torch, self.cuda)
         dtype = torch.bfloat16 if self.cuda else torch.float32
         self.impl = Impl(kind, torch, build(torch, cfg, device, SEED), g, args, dtype)
-        # The last step trains on the first step's batch again: its loss there must be lower
-        # (other batches' losses differ by more than a few steps of training change them).
+        # The last step re-runs the first batch (other batches' losses differ by more).
         self.data = [llama.batch(cfg, step=s if s < args.steps - 1 else 0, batch_size=B,
                                  seed=SEED, first_sample=g.rank * B)
                      for s in range(args.steps)]
@@ -376,8 +375,7 @@ class Run:
         self.peak, self.clock_log = 0, None
 
     def step(self, s: int) -> None:
-        """Step ``s``, timed: until the calls return (host), until the device is done, and
-        the process's CPU time."""
+        """Step ``s``, timed: until the calls return (host), the device is done, CPU time."""
         torch, cuda = self.torch, self.cuda
         tokens, targets = self.batch(s)
         _sync(torch, cuda)
@@ -399,10 +397,6 @@ class Run:
         """Step ``s``'s tokens and targets, on the device."""
         return tuple(self.torch.from_numpy(a.astype(np.int64)).to(self.device)
                      for a in self.data[s])
-
-    def stop_clocks(self) -> list:
-        """Stop the background clock readings (never leave nvidia-smi running)."""
-        return self.clock_log.close() if self.clock_log else []
 
     def profile(self) -> Optional[dict]:
         """One more step under CUPTI: device time per role, and the trace for the timeline."""
@@ -442,16 +436,19 @@ class Run:
 
 def run(kinds: list, torch: Any, g: Any, args: argparse.Namespace, cfg: llama.ModelConfig,
         B: int, device: Any, log: Any) -> list:
-    """The runs of ``kinds``, one after another; their records, in order."""
+    """The runs of ``kinds``, one after another, or with ``--interleave`` all built first and
+    each step taken by each in turn (every other step in reverse order): load that comes
+    and goes on a busy host then falls on every impl alike. Their records, in order."""
     records = []
-    for kind in kinds:
-        r = Run(kind, torch, g, args, cfg, B, device, log)
+    for group in [kinds] if args.interleave else [[k] for k in kinds]:
+        runs = [Run(kind, torch, g, args, cfg, B, device, log) for kind in group]
         try:
             for s in range(args.steps):
-                r.step(s)
+                for r in runs[::-1] if s % 2 else runs:
+                    r.step(s)
         finally:  # never leave the background nvidia-smi running
-            clocks = r.stop_clocks()
-        records.append(r.finish(clocks))
+            clocks = [r.clock_log.close() if r.clock_log else [] for r in runs]
+        records += [r.finish(c) for r, c in zip(runs, clocks)]
     return records
 
 
@@ -538,6 +535,8 @@ def table(rec: dict) -> str:
     c = rec["comparison"]
     lines = [f"# FSDP2 vs tidearray.torch.shard_module: {rec['model']}, {rec['world']} ranks, "
              f"{rec['tokens_per_rank']} tokens per rank", "",
+             *(["Interleaved: peak memory counts the models built later.", ""]
+               if rec.get("interleave") else []),
              f"Commit `{rec['commit']}`, {rec['time']}, device: {rec['device']}. Command: "
              f"`{' '.join(rec['argv'])}`.", ""]
     plain = "vs_plain" in c  # a run with plain (records of run33 on: --report remakes them)
@@ -659,6 +658,7 @@ def main(argv: Optional[list] = None) -> None:
     rec = {"commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "argv": ["python", *sys.argv], "model": args.model, "config": cfg.__dict__,
            "tokens_per_rank": tokens, "world": g.size, "torch": torch.__version__,
+           "interleave": args.interleave,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "runs": records}
     dtype = "bfloat16" if cuda else "float32"
