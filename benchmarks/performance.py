@@ -531,7 +531,7 @@ def sections(root: str) -> list[Section]:
           "The JAX GPU tests at 1-4 ranks, stress (12 loops) beside the bf16 example "
           "(README.md).", lambda r: (*one_jax_step(r), *one_h200_suite(r))),
         S("run45-one-h200-suite", "The GPU suite, per-unit overhead and an A/B at 9b40dc2",
-          "Seven calls on one H200 (README.md): the suite at 1-4 ranks (`jaxjit` at 10e912e), "
+          "Seven commands on one H200 (README.md): the suite at 1-4 ranks (`jaxjit` at 10e912e), "
           "stress; small-32l, llama3-8b-8l; `tide` against 6c6dced, 2 passes.", lambda r: (
               *one_h200_suite(r), *one_h200_units(r), *one_h200_units(r, "units8b/compare.json"),
               *one_ab(r))),
