@@ -236,6 +236,25 @@ def reference_run(jax: Any, cfg: Config, world: int) -> tuple[list[float], list[
     return losses, norms, units
 
 
+def param_differences(jax: Any, cfg: Config, model: list,
+                      trained: list) -> list[tuple[str, float]]:
+    """``(path, relative difference)`` of each leaf of ``model`` (``full_params``' result)
+    from the one process's ``trained`` units (:func:`reference_run`), in the sharded
+    model's layout; ``inf`` for a leaf that is not a float32 NumPy array of its shape."""
+    out = []
+    reference = jax.tree_util.tree_leaves(sharded_model(jax, cfg, trained)[0])
+    leaves = jax.tree_util.tree_leaves_with_path(model)
+    if len(leaves) != len(reference):
+        return [(f"{len(leaves)} leaves, the reference {len(reference)}", float("inf"))]
+    for (path, got), ref in zip(leaves, reference):
+        ref = np.asarray(ref)
+        ok = isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == ref.shape
+        out.append((jax.tree_util.keystr(path), float(np.linalg.norm(got - ref)
+                                                      / np.linalg.norm(ref)) if ok else
+                    float("inf")))
+    return out
+
+
 def clip_whole(jax: Any, grads: Any, max_norm: Optional[float]) -> tuple[Any, Any]:
     """``(grads clipped, their norm before)``: torch's ``clip_grad_norm_`` on one process's
     whole gradient, ``min(1, max_norm / (norm + 1e-6))`` (not clipped where ``max_norm`` is
@@ -293,8 +312,7 @@ def main(argv: Optional[list] = None) -> None:
         with jax.default_device(su.device):
             want, norms, trained = reference_run(jax, cfg, g.size)
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses, want))
-        param_diff = max(float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in zip(
-            *(jax.tree_util.tree_leaves(t) for t in (model, sharded_model(jax, cfg, trained)[0]))))
+        param_diff = max(diff for _, diff in param_differences(jax, cfg, model, trained))
         # bf16: the loss bound alone; leaves that start at zero (biases, norms' shifts) end
         # 6e-2 apart at 3 ranks, each step's bf16-rounded gradients moving them apart
         param_tol = PARAM_TOLERANCE.get((kind, args.dtype), tol)

@@ -80,10 +80,16 @@ def _gather_leaf(group: Any, spec: ShardSpec, layers: Optional[int], shard: Any,
     """One leaf's full fp32 value (``(layers, *spec.shape)``, stacked) on the host from
     this rank's padded ``shard``, read one layer at a time, or None off ``root``."""
     valid = spec.valid_rows(group.rank)
-    each = shard if layers is not None else [shard]
-    full = [gather_rows(group.comm, spec, group.size,
-                        np.ascontiguousarray(np.asarray(one[:valid], np.float32)), root)
-            for one in each]
-    if full[0] is None:
-        return None
-    return np.stack(full) if layers is not None else full[0]
+
+    def gather(one: Any) -> Optional[np.ndarray]:
+        rows = np.ascontiguousarray(np.asarray(one[:valid], np.float32))
+        return gather_rows(group.comm, spec, group.size, rows, root)
+    if layers is None:
+        return gather(shard)
+    # Each layer into its place as it comes: the result, and one layer beside it, at once.
+    full = np.empty((layers, *spec.shape), np.float32) if root in (None, group.rank) else None
+    for layer in range(layers):
+        value = gather(shard[layer])
+        if full is not None:
+            full[layer] = value
+    return full

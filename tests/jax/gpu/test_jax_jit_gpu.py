@@ -80,20 +80,10 @@ def test_jitted_step_matches_one_process(cuda_group, gpu_jax, dtype, tol, scan):
     # leaf within PARAM_RTOL of the reference's (bf16: as the example, not bounded).
     model = su.full_params(shards)
     if dtype == "float32":
-        reference = jax.tree_util.tree_leaves(ex.sharded_model(jax, cfg, trained)[0])
-        leaves = jax.tree_util.tree_leaves_with_path(model)
-        if len(leaves) != len(reference):
-            failures.append(f"full_params: {len(leaves)} leaves, the reference {len(reference)}")
-        for (path, got), ref in zip(leaves, reference):
-            where = f"full_params {jax.tree_util.keystr(path)}"
-            if not (isinstance(got, np.ndarray) and got.dtype == np.float32
-                    and got.shape == ref.shape):
-                failures.append(f"{where}: {type(got).__name__} {getattr(got, 'dtype', '')} "
-                                f"{getattr(got, 'shape', '')}, want fp32 NumPy {ref.shape}")
-                continue
-            diff = float(np.linalg.norm(got - np.asarray(ref)) / np.linalg.norm(ref))
-            if not diff <= PARAM_RTOL:
-                failures.append(f"{where}: relative difference {diff:.2e} from the reference's")
+        failures += [f"full_params {path}: relative difference {diff:.2e} from the "
+                     "reference's (inf: not a float32 NumPy array of its shape)"
+                     for path, diff in ex.param_differences(jax, cfg, model, trained)
+                     if not diff <= PARAM_RTOL]
     agree(cuda_group.comm, failures, f"{dtype} jitted sharded step on cuda vs one JAX process")
 
 

@@ -758,7 +758,6 @@ def test_scan_misuse(group, cpu_jax):
         jax.jit(lambda s: su.scan(1, lambda p, h: (_block(p, h), h), s, x))(su.shards[1])
 
 
-
 def test_full_params_gather_every_ranks_shards(group, cpu_jax):
     """``full_params``: the units ``shard_units`` took back bitwise, then after shards of
     fresh values (padding rows poisoned) exactly what the ranks' shards assemble to (an
