@@ -97,15 +97,13 @@ class Run:
         with open(os.path.join(self.path, name)) as f:
             return json.load(f)
 
-    def rows(self, name: str) -> list[dict]:
-        """A JSON Lines file's records."""
-        with open(os.path.join(self.path, name)) as f:
-            return [json.loads(line) for line in f]
-
     def bench(self, name: str) -> dict:
-        """A bench records file as {(suite, impl, workload, metric): record}, ok only."""
+        """A bench records file (JSON Lines) as {(suite, impl, workload, metric): record},
+        ok only."""
+        with open(os.path.join(self.path, name)) as f:
+            rows = [json.loads(line) for line in f]
         return {(r["suite"], r["impl"], r["workload"], r["metric"]): r
-                for r in self.rows(name) if r.get("status") == "ok" and r["suite"] != "run"}
+                for r in rows if r.get("status") == "ok" and r["suite"] != "run"}
 
 
 def value(recs: dict, suite: str, impl: str, metric: str, w: str = UNIT) -> Optional[float]:
@@ -501,6 +499,10 @@ def sections(root: str) -> list[Section]:
           plot: Optional[str] = None) -> Section:
         return Section(name, title, about, fn(Run(root, name)), plot)
 
+    def suite(r: Run) -> tuple:  # the GPU suite, the units at two shapes, the A/B
+        return (*one_h200_suite(r), *one_h200_units(r),
+                *one_h200_units(r, "units8b/compare.json"), *one_ab(r))
+
     return [
         S("run14", "Collectives against NCCL and FSDP2's path",
           "One Llama-3.1-8B layer (9 parameters, 436 MB bf16) unless named; medians of 20 "
@@ -527,14 +529,12 @@ def sections(root: str) -> list[Section]:
           "One rank, XLA's default flags: `jax_step.py` (8 layers, width 2048, 4096 tokens, "
           "bf16), every impl in one process, 12 timed steps after 3; the first compile of "
           "`tidearray` and `unsharded` in a process each (README.md).", one_jax_step),
-        S("run42-one-h100-jax-next", "The JAX step and its tests at 7998fbb",
-          "The JAX GPU tests at 1-4 ranks, stress (12 loops) beside the bf16 example "
-          "(README.md).", lambda r: (*one_jax_step(r), *one_h200_suite(r))),
         S("run45-one-h200-suite", "The GPU suite, per-unit overhead and an A/B at 9b40dc2",
           "Seven commands on one H200 (README.md): the suite at 1-4 ranks (`jaxjit` at 10e912e), "
-          "stress; small-32l, llama3-8b-8l; `tide` against 6c6dced, 2 passes.", lambda r: (
-              *one_h200_suite(r), *one_h200_units(r), *one_h200_units(r, "units8b/compare.json"),
-              *one_ab(r))),
+          "stress; small-32l, llama3-8b-8l; `tide` against 6c6dced, 2 passes.", suite),
+        S("run46-one-h100-final-suite", "The GPU suite, per-unit overhead, the JAX step and an "
+          "A/B at 319b0d1", "Six commands on one H100 (README.md): run45's, small-32l "
+          "interleaved, and the unrolled JAX step.", lambda r: (*suite(r), *one_jax_step(r))),
     ]
 
 
