@@ -198,11 +198,6 @@ def train_sharded(jax: Any, g: ta.Group, cfg: Config, dtype: str = "float32") ->
     return losses, su, shards
 
 
-def train_reference(jax: Any, cfg: Config, world: int) -> list[float]:
-    """The losses of :func:`reference_run`."""
-    return reference_run(jax, cfg, world)[0]
-
-
 def reference_run(jax: Any, cfg: Config, world: int) -> tuple[list[float], list[float], list]:
     """``(losses, gradient norms, trained units)`` of one process on every rank's samples:
     the blocks unrolled, the whole gradient clipped (:func:`clip_whole`), the same AdamW on

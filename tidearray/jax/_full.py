@@ -36,8 +36,8 @@ def full_params(su: ShardedUnits, shards: Sequence[Any],
     units = _unit_leaves(su, shards, errors)
     _validate.check(group, "ShardedUnits.full_params", (("root", root),), errors)
     wanted = root is None or group.rank == root
-    out = [[_gather_leaf(group, spec, col.layers, a, root)
-            for spec, a in zip(col.unit.layout.specs, leaves)]
+    out = [[_gather_leaf(group, spec, col.layers, a, root, f"unit {col.index} leaf {k}")
+            for k, (spec, a) in enumerate(zip(col.unit.layout.specs, leaves))]
            for col, leaves in zip(su._units, units)]
     if not wanted:
         return None
@@ -76,20 +76,32 @@ def _unit_leaves(su: ShardedUnits, shards: Any, errors: list[str]) -> list[list[
 
 
 def _gather_leaf(group: Any, spec: ShardSpec, layers: Optional[int], shard: Any,
-                 root: Optional[int]) -> Optional[np.ndarray]:
+                 root: Optional[int], what: str) -> Optional[np.ndarray]:
     """One leaf's full fp32 value (``(layers, *spec.shape)``, stacked) on the host from
-    this rank's padded ``shard``, read one layer at a time, or None off ``root``."""
+    this rank's padded ``shard``, read one layer at a time, or None off ``root``.
+
+    Each read is agreed on before its gather: a rank whose read fails (a device error,
+    host memory) raises with the others instead of leaving them in the gather. Found
+    before the first agreement are only the failures that can be seen without reading
+    (:func:`_unit_leaves`); reading every leaf first would hold the whole model at once."""
     valid = spec.valid_rows(group.rank)
 
-    def gather(one: Any) -> Optional[np.ndarray]:
-        rows = np.ascontiguousarray(np.asarray(one[:valid], np.float32))
+    def gather(layer: Optional[int]) -> Optional[np.ndarray]:
+        rows, errors = None, []
+        try:
+            one = shard if layer is None else shard[layer]
+            rows = np.ascontiguousarray(np.asarray(one[:valid], np.float32))
+        except Exception as e:  # noqa: BLE001 - any failure, raised on every rank below
+            errors.append(f"{what}: could not read this rank's shard "
+                          f"({type(e).__name__}: {e})")
+        _validate.check(group, "ShardedUnits.full_params", (), errors)
         return gather_rows(group.comm, spec, group.size, rows, root)
     if layers is None:
-        return gather(shard)
+        return gather(None)
     # Each layer into its place as it comes: the result, and one layer beside it, at once.
     full = np.empty((layers, *spec.shape), np.float32) if root in (None, group.rank) else None
     for layer in range(layers):
-        value = gather(shard[layer])
+        value = gather(layer)
         if full is not None:
             full[layer] = value
     return full

@@ -804,6 +804,23 @@ def test_full_params_gather_every_ranks_shards(group, cpu_jax):
         jax.tree_util.tree_leaves(gone[2])[0].delete()  # as a donated buffer is
     with pytest.raises(TideInvalid, match="unit 2: cannot read its shards"):
         su.full_params(gone)
+    for unit in (0, 1):  # a read that fails in the gather (unit 1: stacked), one rank only
+        broken = [dict(s) for s in su.shards]
+        if rank == W - 1:
+            name = sorted(broken[unit])[-1]
+            broken[unit][name] = _Unreadable(broken[unit][name].shape)
+        with pytest.raises(TideInvalid, match=f"unit {unit} leaf .*could not read this rank"):
+            su.full_params(broken)
+
+
+class _Unreadable:
+    """A shard leaf of the right shape whose read fails (as a device error would)."""
+
+    def __init__(self, shape: tuple) -> None:
+        self.shape = shape
+
+    def __getitem__(self, index: object) -> None:
+        raise RuntimeError("the device is gone")
 
 
 def test_an_encoder_decoder_with_dropout_and_aux_outputs(group, cpu_jax):
