@@ -194,12 +194,13 @@ class Program:
 
 def build_program(group: Group, unit: UnitLayout, shard_ptrs: Sequence[int],
                   slot: Region, cast_to: Any = None,
-                  out_ptrs: Optional[Sequence[int]] = None) -> Program:
+                  out_ptrs: Optional[Sequence[int]] = None, alone: bool = False) -> Program:
     """Every copy of a gather into ``slot``, compiled for the group's backend. With
     ``cast_to`` (the slot's dtype), ``shard_ptrs`` are fp32 shards, rounded into this
     rank's rows of the parameters first; every copy then reads those rows (an in-place
     gather). With ``out_ptrs`` the parameters are the caller's buffers, one per
-    parameter ([Note: gathering into the caller's buffers])."""
+    parameter ([Note: gathering into the caller's buffers]). ``alone``: the caller runs
+    nothing beside it (``Backend.compile_pieces``)."""
     be, topo = group.backend, group.topology
     me, L = topo.local_rank, topo.local_size
     base = slot.ptr(me)
@@ -214,7 +215,7 @@ def build_program(group: Group, unit: UnitLayout, shard_ptrs: Sequence[int],
         mine = _pieces(unit, (topo.rank,))
         cast = be.compile_pieces([AccumPiece(dst(pc), (shard_ptrs[pc.param],),
                                              pc.nbytes // cast_to.itemsize) for pc in mine],
-                                 _dtypes.float32, cast_to)
+                                 _dtypes.float32, cast_to, alone)
         shard_ptrs = list(shard_ptrs)
         for pc in mine:
             shard_ptrs[pc.param] = dst(pc)

@@ -140,7 +140,8 @@ class Unit:
         return [s.shard_shape for s in self.layout.specs]
 
     def gather_plan(self, shards: Sequence[Any], slot: Region, *, cast: bool = False,
-                    graph: bool = False, out: Optional[Sequence[Any]] = None) -> GatherPlan:
+                    graph: bool = False, out: Optional[Sequence[Any]] = None,
+                    alone: bool = False) -> GatherPlan:
         """A plan that gathers ``shards`` into ``slot`` (collective).
 
         Args:
@@ -160,15 +161,19 @@ class Unit:
             out: your buffers for the full parameters (each its shape and the unit's
                 dtype, kept alive while the plan lives), to gather into ([Note:
                 gathering into the caller's buffers] in ``_all_gather``).
+            alone: nothing of yours runs beside the collective (your stream waits for
+                it, as ``tidearray.jax``'s callbacks on XLA's stream do): its kernels
+                may take the whole device (cuda: the accumulate, or the cast, on every
+                SM instead of half of them, which leave room for compute beside it).
         """
         return GatherPlan(self.group, shards, self.shapes, slot,
                           cast_to=self.dtype if cast else None,
                           expect_dtype=_dtypes.float32 if cast else self.dtype, graph=graph,
-                          tag=self.tag, out=out)
+                          tag=self.tag, out=out, alone=alone)
 
     def reduce_plan(self, grads: Sequence[Any], out: Optional[Sequence[Any]] = None, *,
                     op: str = "avg", staging: Optional[Region] = None,
-                    graph: bool = False) -> ReducePlan:
+                    graph: bool = False, alone: bool = False) -> ReducePlan:
         """A plan that reduces ``grads`` into fp32 shards ``out`` (collective).
 
         Args:
@@ -181,9 +186,14 @@ class Unit:
                 :attr:`staging_nbytes`; the group's own staging if None.
             graph: capture one call once and replay it at every call; building
                 runs the reduction once ([Note: graph plans]).
+            alone: nothing of yours runs beside the collective (your stream waits for
+                it, as ``tidearray.jax``'s callbacks on XLA's stream do): its kernels
+                may take the whole device (cuda: the accumulate, or the cast, on every
+                SM instead of half of them, which leave room for compute beside it).
         """
         return ReducePlan(self.group, grads, out, op, staging, chunk_nbytes=self.chunk_nbytes,
-                          expect=(self.layout, self.dtype), graph=graph, tag=self.tag)
+                          expect=(self.layout, self.dtype), graph=graph, tag=self.tag,
+                          alone=alone)
 
     def __repr__(self) -> str:
         return f"Unit({len(self.shapes)} parameters, {self.dtype}, nbytes={self.nbytes})"
@@ -314,7 +324,7 @@ class GatherPlan(_Plan):
     def __init__(self, group: Group, shards: Sequence[Any], shapes: Any,
                  slot: Optional[Region], *, cast_to: Any = None, expect_dtype: Any = None,
                  eager: bool = False, graph: bool = False, tag: tuple = (),
-                 out: Optional[Sequence[Any]] = None) -> None:
+                 out: Optional[Sequence[Any]] = None, alone: bool = False) -> None:
         if eager:
             self.what = "all_gather"
         _validate.check_open(group, self.what)
@@ -324,7 +334,7 @@ class GatherPlan(_Plan):
         super().__init__(group, g.signature, g.digest, eager)
         self.layout, self.dtype, self.slot = g.layout, g.out_dtype, slot
         self._cast_to, self._shard_ptrs, self._out_ptrs = cast_to, g.shard_ptrs, g.out_ptrs
-        self._out = g.out_arrays
+        self._out, self._alone = g.out_arrays, alone
         # A plan reads its shards at every call: it keeps them alive. An eager plan
         # is found by their addresses instead ([Note: one pipeline]).
         self._shards = None if eager else g.arrays
@@ -340,7 +350,7 @@ class GatherPlan(_Plan):
         if program is None:
             program = self._programs.put(slot.id, ag.build_program(
                 self.group, self.layout, self._shard_ptrs, slot, self._cast_to,
-                self._out_ptrs))
+                self._out_ptrs, self._alone))
         return program
 
     def _run(self, stream: Any, async_op: bool) -> Any:
@@ -387,7 +397,7 @@ class ReducePlan(_Plan):
     def __init__(self, group: Group, grads: Sequence[Any], out: Optional[Sequence[Any]],
                  op: str, staging: Optional[Region], *, chunk_nbytes: Optional[int] = None,
                  expect: Optional[tuple] = None, eager: bool = False,
-                 graph: bool = False, tag: tuple = ()) -> None:
+                 graph: bool = False, tag: tuple = (), alone: bool = False) -> None:
         if eager:
             self.what = "reduce_scatter"
         be = group.backend
@@ -396,7 +406,7 @@ class ReducePlan(_Plan):
         red = rs.validate(group, grads, out, op, staging, chunk_nbytes, expect, self.what,
                           errors, tag)
         super().__init__(group, red.signature, red.digest, eager)
-        self._red, self.staging = red, staging
+        self._red, self.staging, self._alone = red, staging, alone
         self.scale = 1.0 / group.size if op == "avg" else 1.0
         self._grads = None if eager else red.grads  # see GatherPlan
         # Without out=, an eager call returns new arrays each time: views of a receive
@@ -424,7 +434,7 @@ class ReducePlan(_Plan):
         if program is None:
             program = self._programs.put(key, rs.build_program(
                 self.group, self._red, None if self._fresh else self._out_ptrs, final_ptr,
-                staging))
+                staging, self._alone))
         return program
 
     def _run(self, stream: Any, async_op: bool) -> Any:

@@ -213,10 +213,11 @@ class Program:
 
 
 def build_program(group: Group, red: Reduce, outs: Optional[Sequence[int]],
-                  final_ptr: Optional[int], staging: Region) -> Program:
+                  final_ptr: Optional[int], staging: Region, alone: bool = False) -> Program:
     """Every copy, accumulate and exchange of ``red`` staged in ``staging``, compiled
     for the group's backend. ``outs``: the addresses of fp32 outputs (validated: each
-    its shard's shape), or None (into ``final_ptr``, a receive block)."""
+    its shard's shape), or None (into ``final_ptr``, a receive block). ``alone``: the
+    caller runs nothing beside it (``Backend.compile_pieces``)."""
     be, topo, unit, plan = group.backend, group.topology, red.layout, red.plan
     grad_ptrs = red.grad_ptrs
     me, L, nodes = topo.local_rank, topo.local_size, topo.num_nodes
@@ -242,9 +243,9 @@ def build_program(group: Group, red: Reduce, outs: Optional[Sequence[int]],
                        + b * nodes * plan.net_numel * 4)
             out = functools.partial(_into_partials, plan, partial)
             net = _net_stage(group, unit, plan, k, partial, staging.ptr(me) + plan.receive_offset,
-                             out_ptrs)
+                             out_ptrs, alone)
         pieces = accum_pieces(unit, chunk, topo, grad_ptrs, out, src_base)
-        chunks.append((pushes, be.compile_pieces(pieces, red.dtype), net))
+        chunks.append((pushes, be.compile_pieces(pieces, red.dtype, alone=alone), net))
     zeros = []
     for spec, ptr in zip(unit.specs, out_ptrs):  # padding rows: nobody contributes
         v = spec.valid_rows(topo.rank)
@@ -255,7 +256,7 @@ def build_program(group: Group, red: Reduce, outs: Optional[Sequence[int]],
 
 
 def _net_stage(group: Group, unit: UnitLayout, plan: RsPlan, k: int, partial: int,
-               receive: int, out_ptrs: list[int]) -> NetStage:
+               receive: int, out_ptrs: list[int], alone: bool) -> NetStage:
     """Chunk ``k``'s exchange of node partial sums and their sum into our outputs."""
     topo = group.topology
     node, nodes, block = topo.node, topo.num_nodes, plan.net_numel * 4
@@ -276,7 +277,8 @@ def _net_stage(group: Group, unit: UnitLayout, plan: RsPlan, k: int, partial: in
                      for m in range(nodes))
         sums.append(AccumPiece(out_ptrs[pc.param] + pc.row_start * spec.row_numel * 4, srcs,
                                n * spec.row_numel))
-    return NetStage(sends, recvs, group.backend.compile_pieces(sums, _dtypes.float32))
+    return NetStage(sends, recvs, group.backend.compile_pieces(sums, _dtypes.float32,
+                                                               alone=alone))
 
 
 def run(group: Group, ex: Executor, plan: RsPlan, program: Program, staging: Region,

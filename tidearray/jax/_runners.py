@@ -40,6 +40,13 @@ compute-dtype buffer in XLA, a copy into the slot and one out of it: at one rank
 (whose rows are the whole unit) two reads and writes of every parameter more per
 gather. Where the compute dtype is fp32 there is nothing to round, and the gather
 copies the shards as they are. Staged plans cast into their own buffers.
+
+[Note: the whole device]
+XLA runs each callback on its stream and waits for it, with nothing of its own beside
+it, so every plan here is ``alone``: its cast and its accumulate take the whole
+device (two blocks per SM), not the half that leaves room for the compute a torch
+step overlaps with its collectives. Both kernels are bound by memory bandwidth,
+which half the SMs do not reach; at one rank they are the whole collective.
 """
 
 from __future__ import annotations
@@ -98,7 +105,8 @@ class InPlace:
         # tidearray/_all_gather.py.
         plan = eager_plan(g, key,
                           lambda: GatherPlan(g, sends, shapes, slot, cast_to=self.cast_to,
-                                             eager=True, tag=(("unit", index),), out=outs),
+                                             eager=True, tag=(("unit", index),), out=outs,
+                                             alone=True),
                           self._cache("gather", index), self._graph_after, stream)
         plan(stream=stream)
 
@@ -108,7 +116,7 @@ class InPlace:
         key = None if grad_key is None or out_key is None else (grad_key, out_key)
         plan = eager_plan(g, key,
                           lambda: ReducePlan(g, grads, outs, "avg", self.slot, eager=True,
-                                             tag=(("unit", index),)),
+                                             tag=(("unit", index),), alone=True),
                           self._cache("reduce", index), self._graph_after, stream)
         plan(stream=stream)
 
@@ -141,8 +149,8 @@ class Staged:
             send_views = _views(sends, u.shard_shapes)
             grad_views = _views(grads, u.shapes)
             out_views = _views(outs, u.shard_shapes)
-            gather, reduce = (u.gather_plan(send_views, slot, cast=cast),
-                              u.reduce_plan(grad_views, out_views, staging=slot))
+            gather, reduce = (u.gather_plan(send_views, slot, cast=cast, alone=True),
+                              u.reduce_plan(grad_views, out_views, staging=slot, alone=True))
             # A plan uploads its tables at its first call, which a capture cannot take:
             # one call each now, outside XLA's (on every rank, in the same order).
             gather()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -34,9 +35,10 @@ def _host_accumulate(srcs: list, scale: float) -> np.ndarray:
 
 
 def _check_accumulate(cp, accumulator, stream, dtype: str, n_src: int, scale: float,
-                      sizes: list, offs: list) -> None:
+                      sizes: list, offs: list, alone: Optional[bool] = None) -> None:
     """Accumulate pieces of ``sizes`` elements at element offsets ``offs`` (16-byte
-    aligned or not: vector and scalar paths) and compare bitwise with the host formula."""
+    aligned or not: vector and scalar paths) and compare bitwise with the host formula;
+    with ``alone`` given, as a plan's table (``Accumulator.table``) of that kind."""
     dt = tidearray._dtypes.normalize(dtype)
     rng = np.random.default_rng(n_src * 7 + len(dtype))
     host_srcs = [[rng.standard_normal(n + o).astype(np.float32).astype(dt) for n, o in
@@ -46,6 +48,10 @@ def _check_accumulate(cp, accumulator, stream, dtype: str, n_src: int, scale: fl
     pieces = [AccumPiece(outs[k].data.ptr + 4 * offs[k],
                          tuple(dev_srcs[s][k].data.ptr + dt.itemsize * offs[k]
                                for s in range(n_src)), sizes[k]) for k in range(len(sizes))]
+    if alone is not None:
+        pieces = accumulator.table(pieces, dt, alone=alone)
+        cap = accumulator.alone_grid if alone else accumulator.max_grid
+        assert pieces.grid == min(pieces.n_tiles, cap), (pieces.grid, pieces.n_tiles, cap)
     cp.cuda.runtime.deviceSynchronize()
     accumulator.launch(stream, pieces, dt, scale)
     stream.synchronize()
@@ -84,6 +90,23 @@ def test_accumulate_long_tiles_bitwise_as_host(cuda_group, cp, dtype, n_src):
     assert choose_tile(sum(sizes), acc.max_grid) >= 8 * 4 * BLOCK  # the unrolled loop runs
     for scale in (1.0, 1 / 3):
         _check_accumulate(cp, acc, be.streams[-2], dtype, n_src, scale, sizes, offs)
+
+
+@pytest.mark.parametrize("n_src", [1, 2, 3])
+@pytest.mark.parametrize("alone", [False, True])
+def test_accumulate_alone_takes_the_whole_device(cuda_group, cp, n_src, alone):
+    """A plan's table for a collective that has the device alone (``alone``: the
+    callbacks of ``tidearray.jax``) launches ``ALONE_PER_SM`` blocks per SM, one that
+    shares it half the SMs (``Config.accum_ctas`` unset); bitwise the same results."""
+    from tidearray.backends.cuda.accumulate import ALONE_PER_SM
+
+    be = cuda_group.backend.lanes
+    acc = be.accumulator
+    if cuda_group.config.accum_ctas is None:
+        assert (acc.max_grid, acc.alone_grid) == (acc.sm_count // 2,
+                                                  ALONE_PER_SM * acc.sm_count)
+    _check_accumulate(cp, acc, be.streams[-2], "bfloat16", n_src, 0.5, alone=alone,
+                      sizes=[6_000_001, 2_500_000, 16_384, 3], offs=[0, 8, 64, 3])
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -34,6 +34,8 @@ TILE = 8192
 TILES_PER_BLOCK = 4
 #: Threads per block.
 BLOCK = 512
+#: Blocks per SM of a launch that has the device alone (``Accumulator.table``'s ``alone``).
+ALONE_PER_SM = 2
 #: Table slots in flight (see [Note: table lifetime]).
 RING = 16
 #: Kernel name per (source dtype, output dtype).
@@ -141,10 +143,15 @@ class Accumulator:
         ctas: grid cap (``Config.accum_ctas``); None means half the SMs. The
             accumulate of chunk k runs while chunk k+1 is still on the copy engines,
             so it needs to keep pace with them, not to fill the GPU: a small grid
-            leaves the other SMs to concurrent compute.
+            leaves the other SMs to concurrent compute. A plan whose caller runs
+            nothing beside it (``alone``) has no compute to leave room for, and its
+            kernel is bound by memory bandwidth, which half the SMs do not reach (a
+            one-rank reduce-scatter or a gather's cast is that kernel alone):
+            ``ALONE_PER_SM`` blocks per SM, unless ``ctas`` is given.
 
     Attributes:
-        max_grid: the grid cap every table is tiled for.
+        max_grid: the grid cap of a table that shares the device.
+        alone_grid: the grid cap of a table that has it alone.
     """
 
     def __init__(self, device: int, sm_count: int, ctas: Optional[int] = None) -> None:
@@ -154,17 +161,20 @@ class Accumulator:
         self._next = 0
         self._kernels: dict = {}
         self.max_grid = max(1, ctas) if ctas else max(1, sm_count // 2)
+        self.alone_grid = max(1, ctas) if ctas else max(1, ALONE_PER_SM * sm_count)
 
     def table(self, pieces: Sequence[AccumPiece], src_dtype: Any,
-              out_dtype: Any = "float32") -> AccumTable:
+              out_dtype: Any = "float32", alone: bool = False) -> AccumTable:
         """A plan's non-empty ``pieces`` (all with as many sources), tiled and with
-        their kernel chosen, for :meth:`launch` call after call."""
+        their kernel chosen, for :meth:`launch` call after call; ``alone``: its
+        launches have the device to themselves (``alone_grid``)."""
         n_srcs = len(pieces[0].srcs)
         kernel = self._kernel(src_dtype, out_dtype, n_srcs)
-        tile = choose_tile(sum(p.numel for p in pieces), kernel.grid)
+        grid = self.alone_grid if alone else kernel.grid
+        tile = choose_tile(sum(p.numel for p in pieces), grid)
         table, n_tiles = build_table(pieces, tile)
         return AccumTable(table, n_tiles, tile, len(pieces), n_srcs, kernel,
-                          min(n_tiles, kernel.grid))
+                          min(n_tiles, grid))
 
     def launch(self, stream: Any, pieces: Any, src_dtype: Any, scale: float,
                out_dtype: Any = "float32", capture: bool = False) -> None:

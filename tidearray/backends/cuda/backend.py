@@ -336,12 +336,12 @@ class CudaBackend(Backend):
         return lanes.copier.plan(copies, local, lanes.push_split if split else 1)
 
     def compile_pieces(self, pieces: Sequence[AccumPiece], src_dtype: Any,
-                       out_dtype: Any = float32) -> Any:
+                       out_dtype: Any = float32, alone: bool = False) -> Any:
         check_accumulate(src_dtype, out_dtype)
         pieces = [p for p in pieces if p.numel]
         if not pieces:
             return TupleBatch(())
-        return self.lanes.accumulator.table(pieces, src_dtype, out_dtype)
+        return self.lanes.accumulator.table(pieces, src_dtype, out_dtype, alone)
 
     def _import(self, obj: Any) -> Any:
         import cupy
