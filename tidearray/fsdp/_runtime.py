@@ -238,7 +238,7 @@ class Runtime:
         life.use(i, use)
         work = slots.ensure(i)
         for j in range(i + 1, min(i + 1 + self.prefetch, slots.num_units)):
-            slots.prefetch(j)
+            slots.ensure(j, prefetch=True)
         return work.wait(self.stream)
 
     def post_forward(self, i: int) -> None:
@@ -277,7 +277,7 @@ class Runtime:
         life.open(i)
         work = slots.ensure(i)
         for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
-            slots.prefetch(j)
+            slots.ensure(j, prefetch=True)
         k = slots.unit_slots[i]
         self.accum.retire(k, self.stream)  # [Note: gradient buffers]
         if i in self._zero_on_open:  # what the backward does not write reduces as zeros
@@ -312,12 +312,12 @@ class Runtime:
         self._close(i, self._written(i, self.slots.unit_slots[i]))
 
     def _written(self, i: int, k: int) -> Optional[list[bool]]:
-        """Which gradients open unit ``i``'s buffer (slot ``k``) holds before it is reduced
-        (None: all); a ``fill_grads`` front end writes them now (a suspended unit: none)."""
+        """Which gradients unit ``i``'s buffer (slot ``k``; ``i`` in BACKWARD) holds before it
+        is reduced (None: all); a ``fill_grads`` front end writes them now (suspended: none)."""
         fill = self.front_end.fill_grads
         if fill is None:
             return self.life.written[i] if self.report_grads else None
-        if not self.life.is_open(i) or i not in self._to_reduce:
+        if i in self.life.suspended or i not in self._to_reduce:
             return [False] * len(self.names[i])
         return fill(i, self.comm.grads(i, k))
 

@@ -35,7 +35,7 @@ same order.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .._errors import TideInvalid
 
@@ -95,17 +95,24 @@ class SlotTable:
         """The prefetches deferred until their slot is released, in order."""
         return list(self._deferred)
 
-    def ensure(self, i: int) -> Any:
-        """Gather unit ``i`` now (into its slot, taken from a unit that may give it up);
-        returns its gather's work (issued now or before), whose ``wait`` gives its
-        parameters."""
+    def ensure(self, i: int, prefetch: bool = False) -> Optional[Any]:
+        """Unit ``i``'s gather work (whose ``wait`` gives its parameters), the gather issued
+        now if ``i`` holds no slot: into its slot, taken from the unit holding it if that
+        may give it up. A ``prefetch`` whose slot is not given up is deferred until the
+        slot is released (None); a gather needed now raises then. (One method for both:
+        a prefetch, issued per unit, is then one call.)"""
         work = self._work.get(i)
         if work is not None:
             return work
+        if prefetch and i in self._deferred:
+            return None
         k = self.unit_slots[i]
         holder = self._holder.get(k)
         if holder is not None:
-            if not self._may_give_up(holder, False):
+            if not self._may_give_up(holder, prefetch):
+                if prefetch:
+                    self._deferred.append(i)
+                    return None
                 raise TideInvalid(
                     f"{self._describe(i)}: expected its slot {k} to be free, got it holding "
                     f"{self._describe(holder)}, which is running: units used at once "
@@ -117,17 +124,6 @@ class SlotTable:
         self._holder[k] = i
         work = self._work[i] = self._gather(i, k)
         return work
-
-    def prefetch(self, i: int) -> None:
-        """Gather ``i`` ahead now if its slot is free (or may be given up), else when the
-        slot is released."""
-        if i in self._work or i in self._deferred:
-            return
-        holder = self._holder.get(self.unit_slots[i])
-        if holder is None or self._may_give_up(holder, True):
-            self.ensure(i)
-        else:
-            self._deferred.append(i)
 
     def release(self, i: int, issue_deferred: bool = True) -> None:
         """Unit ``i`` gives its slot up; a prefetch deferred for the slot is issued."""
