@@ -258,9 +258,22 @@ class _Plan:
         """
         if self.group.config.debug:
             self.agree()
-        if self.graph is not None and not self.group.backend.capturing(stream):
-            return self._replay(stream, async_op)
-        return self._run(stream, async_op)  # inside a capture: its primitives, captured
+        graph = self.graph
+        if graph is None or self.group.backend.capturing(stream):
+            return self._run(stream, async_op)  # inside a capture: its primitives, captured
+        # A graph plan's call is one launch ([Note: graph plans]), here rather than in a
+        # method of its own (a front end calls a plan per unit, several times per step):
+        # on ``stream``, or beside it for ``async_op`` (as eager lanes run).
+        region, stamps = self._graph_region, self._graph_stamps
+        last = region.last  # [Note: graph order]
+        after = None if last is None or last[0] is graph else last[1]
+        if stamps is not None:
+            stamps.poison()
+        completion = graph.launch(stream, after=after, beside=async_op)
+        region.last = (graph, completion)
+        if stamps is not None:
+            stamps.check()
+        return Work(completion, self._graph_result) if async_op else self._graph_result
 
     def _run(self, stream: Any, async_op: bool) -> Any:
         raise NotImplementedError
@@ -291,19 +304,6 @@ class _Plan:
         self.graph = self.group.backend.capture(lambda ex: self._issue(ex, stamps), self.what,
                                                 ran=ran, stream=stream)
         self._graph_region, self._graph_result = (getattr(self, a) for a in self._graph_of)
-
-    def _replay(self, stream: Any, async_op: bool) -> Any:
-        """One launch: on ``stream``, or beside it for ``async_op`` (as eager lanes run)."""
-        region, graph, stamps = self._graph_region, self.graph, self._graph_stamps
-        last = region.last  # [Note: graph order]
-        after = None if last is None or last[0] is graph else last[1]
-        if stamps is not None:
-            stamps.poison()
-        completion = graph.launch(stream, after=after, beside=async_op)
-        region.last = (graph, completion)
-        if stamps is not None:
-            stamps.check()
-        return Work(completion, self._graph_result) if async_op else self._graph_result
 
 
 class GatherPlan(_Plan):

@@ -175,7 +175,8 @@ def test_a_unit_not_in_use_gives_its_slot_up():
 def test_a_prefetch_waits_for_a_slot_in_use_and_a_demand_fails_on_every_rank_alike():
     t = _Table(busy={0})
     t.slots.ensure(0)
-    t.slots.prefetch(2)  # unit 0 is running: deferred, issued when its slot is released
+    t.slots.ensure(2, prefetch=True)  # unit 0 is running: deferred, issued when its
+    t.slots.ensure(2, prefetch=True)  # slot is released (once)
     assert t.slots.waiting() == [2]
     with pytest.raises(TideInvalid, match=r"unit 2 \(layer2\.w.*unit 0 \(layer0\.w.*"
                                           r"num_slots=4"):
@@ -192,7 +193,7 @@ def test_ending_a_pass_issues_no_deferred_prefetch():
     the slots up first issued it: unit 2 stayed gathered, and the next forward used it)."""
     t = _Table(busy={0})
     t.slots.ensure(0)
-    t.slots.prefetch(2)  # unit 0 is running: deferred
+    t.slots.ensure(2, prefetch=True)  # unit 0 is running: deferred
     t.busy.clear()  # the forward is over
     t.slots.clear()
     assert t.log == [("gather", 0, 0), ("release", 0)]

@@ -12,15 +12,17 @@ against that surface alone; they run the same trainer, so their step times compa
 like for like.
 
 [Note: comm streams]
-A comm's ``gather`` and ``reduce`` are called with the runtime's compute stream
-(any kind the stream resolver takes: a CuPy or torch stream, a handle; None on the
-host) and return at once with a Work. Work issued on that stream itself is complete
+Compute runs on the runtime's stream (``Runtime(stream=)``, CuPy's current stream if
+None). A comm's ``gather`` and ``reduce`` are called with it (any kind the stream
+resolver takes: a CuPy or torch stream, a handle; None on the host) and return at
+once with a Work. Work issued on that stream itself is complete
 as issued (:meth:`UnitComm.done`). Work on streams of the comm's own must start
 after what compute issued before the call (it reads the shards and the gradients)
 and be joined back before the runtime reads its result or reuses the buffer:
 :meth:`UnitComm.on_side_stream` forks the side stream from the compute stream by an
-event and returns a Work whose ``wait`` makes a stream wait for another, so no call
-blocks the host.
+event and returns a Work whose ``wait`` makes a stream wait for another, so in the
+steady state no call blocks the host, except reading back the gradient norm when
+clipping is on (not inside a capture).
 
 ``tide`` uses persistent TIDE plans (``Unit.gather_plan`` / ``reduce_plan``), as graph
 plans with ``Config.unit_graphs`` ([Note: unit graphs]).
@@ -235,34 +237,35 @@ class TideComm(UnitComm):
         self._reduce_plans: dict = {}
         self._graphs = group.config.unit_graphs
 
-    def _plan(self, plans: dict, key: tuple, stream: Any, build: Callable[[bool], Any]) -> Any:
-        """``plans[key]``, built now if missing: a graph plan where it can be ([Note: unit
+    def _built(self, stream: Any, build: Callable[[bool], Any]) -> Any:
+        """A plan built now (its first call): a graph plan where it can be ([Note: unit
         graphs]), ``build(graph)`` making it."""
-        plan = plans.get(key)
-        if plan is None:
-            backend = self.group.backend
-            graph = self._graphs and not backend.capturing(stream)
-            if graph:
-                backend.synchronize()  # the build's run reads what the stream wrote
-            plan = plans[key] = build(graph)
-        return plan
+        backend = self.group.backend
+        graph = self._graphs and not backend.capturing(stream)
+        if graph:
+            backend.synchronize()  # the build's run reads what the stream wrote
+        return build(graph)
 
     @property
     def nbytes(self) -> int:
         return super().nbytes + sum(s.nbytes for s in self.slots)
 
     def gather(self, unit: int, k: int, stream: Any) -> Work:
-        cast = self.arena.send is None  # else the optimizer keeps param-dtype shards
-        plan = self._plan(self._gather_plans, (unit, k), stream, lambda graph: (
-            self.units[unit].gather_plan(
-                self.arena.views(self.arena.master if cast else self.arena.send, unit),
-                self.slots[k], cast=cast, graph=graph)))
+        plan = self._gather_plans.get((unit, k))  # (looked up inline: a call per unit)
+        if plan is None:
+            cast = self.arena.send is None  # else the optimizer keeps param-dtype shards
+            plan = self._gather_plans[(unit, k)] = self._built(stream, lambda graph: (
+                self.units[unit].gather_plan(
+                    self.arena.views(self.arena.master if cast else self.arena.send, unit),
+                    self.slots[k], cast=cast, graph=graph)))
         return plan(stream=stream, async_op=True)
 
     def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
-        plan = self._plan(self._reduce_plans, (unit, k, id(out)), stream, lambda graph: (
-            self.units[unit].reduce_plan(self.grads(unit, k), self.arena.views(out, unit),
-                                         op="sum", staging=self.slots[k], graph=graph)))
+        plan = self._reduce_plans.get((unit, k, id(out)))
+        if plan is None:
+            plan = self._reduce_plans[(unit, k, id(out))] = self._built(stream, lambda graph: (
+                self.units[unit].reduce_plan(self.grads(unit, k), self.arena.views(out, unit),
+                                             op="sum", staging=self.slots[k], graph=graph)))
         return plan(stream=stream, async_op=True)
 
 

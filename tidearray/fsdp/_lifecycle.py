@@ -128,7 +128,10 @@ class UnitLifecycle:
         self.in_backward = False
         self._open: set[int] = set()  # the units in BACKWARD (closing scans these only)
         self._members_done: dict[int, int] = {}  # unit -> its modules that ran this forward
-        self._pending: list[weakref.WeakSet] = [weakref.WeakSet() for _ in range(n)]
+        # Per unit, weak references to the tokens of its uses whose backward is pending,
+        # each dropped when its token dies: a plain set of them, not a WeakSet, whose
+        # methods are Python calls (these run several times per unit per step).
+        self._pending: list[set[weakref.ref]] = [set() for _ in range(n)]
         self._blind = [False] * n
         #: Open units that lost their slot since they opened ([Note: unit lifecycle],
         #: slots): their gradients so far are reduced, their buffer another's; their
@@ -147,7 +150,7 @@ class UnitLifecycle:
 
     def waits(self, i: int) -> bool:
         """Whether unit ``i`` waits for a tracked use's backward."""
-        return len(self._pending[i]) > 0
+        return bool(self._pending[i])
 
     def blind(self, i: int) -> bool:
         """Whether a use of unit ``i`` in this pass has a backward whose end is not seen."""
@@ -160,7 +163,7 @@ class UnitLifecycle:
 
     def may_close(self, i: int) -> bool:
         """Whether open unit ``i`` is done by what the tokens say: none pending, not blind."""
-        return self.state[i] is State.BACKWARD and not self._blind[i] and not self.waits(i)
+        return self.state[i] is State.BACKWARD and not self._blind[i] and not self._pending[i]
 
     def may_give_up(self, i: int, prefetch: bool) -> bool:
         """Whether gathered unit ``i`` may lose its slot: neither running nor open for its
@@ -174,7 +177,9 @@ class UnitLifecycle:
     def closable_above(self, i: int) -> list[int]:
         """The open units above ``i`` that wait for no tracked use, in descending order:
         they close before ``i`` does ([Note: unit lifecycle], order)."""
-        return sorted((j for j in self._open if j > i and not self.waits(j)), reverse=True)
+        if len(self._open) == 1 and i in self._open:  # the common case: no scan
+            return []
+        return sorted((j for j in self._open if j > i and not self._pending[j]), reverse=True)
 
     # -- transitions -------------------------------------------------------------------
 
@@ -188,14 +193,18 @@ class UnitLifecycle:
         if token is BLIND:
             self._blind[i] = True
         elif token is not None:
-            self._pending[i].add(token)
+            pending = self._pending[i]
+            pending.add(weakref.ref(token, pending.discard))
 
     def forward_issued(self, i: int) -> None:
         """A ``post_forward`` of unit ``i``: it is no longer running."""
         self.running.discard(i)
 
-    def use_done(self, i: int, token: Any) -> None:
-        self._pending[i].discard(token)
+    def use_done(self, i: int, token: Any) -> bool:
+        """The backward of the use ``token`` of unit ``i`` is done; whether the unit may
+        close now (:meth:`may_close`)."""
+        self._pending[i].discard(weakref.ref(token))
+        return self.may_close(i)
 
     def forward_done(self, i: int, members: int) -> bool:
         """One of the ``members`` modules of unit ``i`` ended its forward (a unit of

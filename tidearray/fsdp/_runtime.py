@@ -69,13 +69,7 @@ a weight tied between them): a slot of its own, gathered from its
 
 [Note: gradient buffers] is in ``_accum``: which buffer a unit's backward writes, and
 when the compute stream waits for its reduction.
-
-[Note: streams]
-Compute runs on the caller's stream (``stream=``, CuPy's current stream if
-None). Gathers and reductions run on tidearray's lanes (or a comm factory's
-side streams), forked from the compute stream when issued and joined back by
-stream waits (events): in the steady state no call blocks the host, except
-reading back the gradient norm when clipping is on (not inside a capture).
+Streams: [Note: comm streams] in ``_comm``.
 """
 
 from __future__ import annotations
@@ -238,20 +232,21 @@ class Runtime:
                 see, or None (a front end that calls ``post_backward`` itself, or a
                 forward with grad disabled); see [Note: unit lifecycle].
         """
-        if self.life.in_backward:
+        life, slots = self.life, self.slots
+        if life.in_backward:
             self.finish_backward()
-        self.life.use(i, use)
-        self.slots.ensure(i)
-        for j in range(i + 1, min(i + 1 + self.prefetch, self.num_units)):
-            self.slots.prefetch(j)
-        return self.slots.params(i, self.stream)
+        life.use(i, use)
+        work = slots.ensure(i)
+        for j in range(i + 1, min(i + 1 + self.prefetch, slots.num_units)):
+            slots.ensure(j, prefetch=True)
+        return work.wait(self.stream)
 
     def post_forward(self, i: int) -> None:
         """Unit ``i``'s forward is issued: its slot may take another gather.
         The last unit keeps its parameters for its backward, which comes next,
         and so does the root (see [Note: passes])."""
         self.life.forward_issued(i)
-        if i != self.num_units - 1 and not (self.root and i == 0) and self.slots.holds(i):
+        if i != self.slots.num_units - 1 and not (self.root and i == 0) and self.slots.holds(i):
             self.slots.release(i)
 
     def release(self) -> None:
@@ -268,20 +263,26 @@ class Runtime:
     def pre_backward(self, i: int) -> UnitArrays:
         """Open unit ``i``'s backward: its parameters and the gradient arrays its backward
         must write (the same ones again while it is open)."""
-        state = self.life.state[i]
-        if state is State.DONE:
+        return UnitArrays(self.open_backward(i), self.comm.grads(i, self.slots.unit_slots[i]))
+
+    def open_backward(self, i: int) -> list:
+        """:meth:`pre_backward`'s parameters alone (a ``fill_grads`` front end needs no
+        gradient arrays)."""
+        life, slots = self.life, self.slots
+        if life.state[i] is State.DONE:
             raise TideInvalid(f"unit {i}: expected one backward per unit per pass, got a "
                               "second one after its gradients were reduced")
-        k = self.slots.slot(i)
-        if not self.life.is_open(i):  # (a suspended one opens afresh)
-            self.life.open(i)
-            self.slots.ensure(i)
-            for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
-                self.slots.prefetch(j)
-            self.accum.retire(k, self.stream)  # [Note: gradient buffers]
-            if i in self._zero_on_open:  # what the backward does not write reduces as zeros
-                self.comm.zero_grads(i, k, self.stream)
-        return UnitArrays(self.slots.params(i, self.stream), self.comm.grads(i, k))
+        if life.is_open(i):  # (a suspended one opens afresh)
+            return slots.ensure(i).wait(self.stream)  # gathered since it opened
+        life.open(i)
+        work = slots.ensure(i)
+        for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
+            slots.ensure(j, prefetch=True)
+        k = slots.unit_slots[i]
+        self.accum.retire(k, self.stream)  # [Note: gradient buffers]
+        if i in self._zero_on_open:  # what the backward does not write reduces as zeros
+            self.comm.zero_grads(i, k, self.stream)
+        return work.wait(self.stream)
 
     def grad_written(self, i: int, k: int) -> bool:
         """(``report_grads``) Parameter ``k`` of open unit ``i`` got its gradient;
@@ -289,11 +290,18 @@ class Runtime:
         return self.life.write(i, k)
 
     def use_done(self, i: int, use: UseToken) -> None:
-        """(``report_grads``) The backward of one use of unit ``i`` is done: close the
-        unit if no other use is pending ([Note: unit lifecycle])."""
-        self.life.use_done(i, use)
-        if self.life.may_close(i):
-            self._close_through(i)
+        """(``report_grads``) The backward of one use of unit ``i`` is done: close the unit
+        if no other use is pending, after the open units above it that wait for none, in
+        descending order ([Note: unit lifecycle], order: a blind one is suspended)."""
+        life = self.life
+        if not life.use_done(i, use):
+            return
+        for j in life.closable_above(i):
+            if not life.blind(j):
+                self.post_backward(j)
+            elif self.slots.holds(j) and j not in life.suspended:
+                self.slots.release(j)  # (which suspends it: _released)
+        self.post_backward(i)
 
     def post_backward(self, i: int) -> None:
         """Unit ``i``'s gradients are written (issued): reduce them into the fp32 shards
@@ -301,15 +309,15 @@ class Runtime:
         if self.life.state[i] is not State.BACKWARD:
             raise TideInvalid(f"unit {i}: expected post_backward after its pre_backward, once "
                               f"per pass, got it in state {self.life.state[i].value}")
-        self._close(i, self._written(i, self.slots.slot(i)))
+        self._close(i, self._written(i, self.slots.unit_slots[i]))
 
     def _written(self, i: int, k: int) -> Optional[list[bool]]:
-        """Which gradients open unit ``i``'s buffer (slot ``k``) holds before it is reduced
-        (None: all); a ``fill_grads`` front end writes them now (a suspended unit: none)."""
+        """Which gradients unit ``i``'s buffer (slot ``k``; ``i`` in BACKWARD) holds before it
+        is reduced (None: all); a ``fill_grads`` front end writes them now (suspended: none)."""
         fill = self.front_end.fill_grads
         if fill is None:
             return self.life.written[i] if self.report_grads else None
-        if not self.life.is_open(i) or i not in self._to_reduce:
+        if i in self.life.suspended or i not in self._to_reduce:
             return [False] * len(self.names[i])
         return fill(i, self.comm.grads(i, k))
 
@@ -320,18 +328,8 @@ class Runtime:
         self.life.close(i, written)
         if self.slots.holds(i):
             if fresh and i in self._to_reduce:
-                self.accum.reduce(i, self.slots.slot(i), self.stream)
+                self.accum.reduce(i, self.slots.unit_slots[i], self.stream)
             self.slots.release(i)
-
-    def _close_through(self, i: int) -> None:
-        """Close the open units above ``i`` that wait for no use (descending; a blind one is
-        suspended: another call's backward of it may come), then ``i``."""
-        for j in self.life.closable_above(i):
-            if not self.life.blind(j):
-                self.post_backward(j)
-            elif self.slots.holds(j) and j not in self.life.suspended:
-                self.slots.release(j)  # (which suspends it: _released)
-        self.post_backward(i)
 
     def finish_backward(self) -> None:
         """Complete this backward pass ([Note: passes]): with ``report_grads`` the open
@@ -352,7 +350,7 @@ class Runtime:
         for i in sorted(self._to_reduce, reverse=True):
             if life.state[i] is State.FORWARD:  # its backward never began: reduce zeros
                 self.pre_backward(i)
-                k, fill = self.slots.slot(i), self.front_end.fill_grads is not None
+                k, fill = self.slots.unit_slots[i], self.front_end.fill_grads is not None
                 if not fill and i not in self._zero_on_open:
                     self.comm.zero_grads(i, k, self.stream)
                 self._close(i, self._written(i, k) if fill else [False] * len(self.names[i]))
@@ -550,10 +548,12 @@ class Runtime:
         return self.comm.gather(i, k, self.stream)
 
     def _released(self, u: int) -> None:
-        if self.life.is_open(u):
-            self.life.suspend(u, self._written(u, self.slots.slot(u)))
+        life = self.life
+        if life.state[u] is State.BACKWARD and life.is_open(u):  # (most are not: no call)
+            k = self.slots.unit_slots[u]
+            life.suspend(u, self._written(u, k))
             if u in self._to_reduce:
-                self.accum.reduce(u, self.slots.slot(u), self.stream)
+                self.accum.reduce(u, k, self.stream)
         if self.front_end.on_release is not None:
             self.front_end.on_release(u)
 

@@ -35,7 +35,7 @@ same order.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .._errors import TideInvalid
 
@@ -60,7 +60,12 @@ class SlotTable:
     its work; ``may_give_up(u, prefetch)`` says whether gathered unit ``u`` may lose its
     slot (to a gather needed now, or to a ``prefetch``);
     ``released(u)`` is told whenever unit ``u`` loses it; ``describe(u)`` names unit ``u``
-    in errors."""
+    in errors.
+
+    Attributes:
+        unit_slots: per unit, its slot (:func:`slot_of`, computed once: the runtime reads
+            it several times per unit per step).
+    """
 
     def __init__(self, num_units: int, num_slots: int, root: bool,
                  gather: Callable[[int, int], Any],
@@ -69,13 +74,14 @@ class SlotTable:
         self.num_units, self.num_slots, self.root = num_units, num_slots, root
         self._gather, self._may_give_up, self._released = gather, may_give_up, released
         self._describe = describe
+        self.unit_slots = tuple(slot_of(i, num_slots, root) for i in range(num_units))
         self._work: dict[int, Any] = {}  # gathered unit -> its gather's work, in gather order
         self._holder: dict[int, int] = {}  # slot -> the unit gathered into it
         self._deferred: list[int] = []  # prefetches waiting for their slot
 
     def slot(self, i: int) -> int:
         """Unit ``i``'s slot: the same one every time (:func:`slot_of`)."""
-        return slot_of(i, self.num_slots, self.root)
+        return self.unit_slots[i]
 
     def holds(self, i: int) -> bool:
         """Whether unit ``i`` holds its slot (gathered, or its gather issued)."""
@@ -89,18 +95,24 @@ class SlotTable:
         """The prefetches deferred until their slot is released, in order."""
         return list(self._deferred)
 
-    def params(self, i: int, stream: Any) -> list:
-        """Gathered unit ``i``'s parameters, its gather waited for on ``stream``."""
-        return self._work[i].wait(stream)
-
-    def ensure(self, i: int) -> None:
-        """Gather unit ``i`` now (into its slot, taken from a unit that may give it up)."""
-        if i in self._work:
-            return
-        k = self.slot(i)
+    def ensure(self, i: int, prefetch: bool = False) -> Optional[Any]:
+        """Unit ``i``'s gather work (whose ``wait`` gives its parameters), the gather issued
+        now if ``i`` holds no slot: into its slot, taken from the unit holding it if that
+        may give it up. A ``prefetch`` whose slot is not given up is deferred until the
+        slot is released (None); a gather needed now raises then. (One method for both:
+        a prefetch, issued per unit, is then one call.)"""
+        work = self._work.get(i)
+        if work is not None:
+            return work
+        if prefetch and i in self._deferred:
+            return None
+        k = self.unit_slots[i]
         holder = self._holder.get(k)
         if holder is not None:
-            if not self._may_give_up(holder, False):
+            if not self._may_give_up(holder, prefetch):
+                if prefetch:
+                    self._deferred.append(i)
+                    return None
                 raise TideInvalid(
                     f"{self._describe(i)}: expected its slot {k} to be free, got it holding "
                     f"{self._describe(holder)}, which is running: units used at once "
@@ -110,29 +122,19 @@ class SlotTable:
         if i in self._deferred:  # only now: a refused gather changes nothing
             self._deferred.remove(i)
         self._holder[k] = i
-        self._work[i] = self._gather(i, k)
-
-    def prefetch(self, i: int) -> None:
-        """Gather ``i`` ahead now if its slot is free (or may be given up), else when the
-        slot is released."""
-        if i in self._work or i in self._deferred:
-            return
-        holder = self._holder.get(self.slot(i))
-        if holder is None or self._may_give_up(holder, True):
-            self.ensure(i)
-        else:
-            self._deferred.append(i)
+        work = self._work[i] = self._gather(i, k)
+        return work
 
     def release(self, i: int, issue_deferred: bool = True) -> None:
         """Unit ``i`` gives its slot up; a prefetch deferred for the slot is issued."""
         del self._work[i]
-        k = self.slot(i)
+        k = self.unit_slots[i]
         del self._holder[k]
         self._released(i)
-        if not issue_deferred:
+        if not issue_deferred or not self._deferred:
             return
         for j in self._deferred:
-            if self.slot(j) == k:
+            if self.unit_slots[j] == k:
                 self._deferred.remove(j)
                 self.ensure(j)
                 return

@@ -20,7 +20,7 @@ own:
 * a forward hook lets the slot go (the runtime keeps the last unit and the
   root; a unit of several modules when the last of them is done, the
   lifecycle's ``forward_done``) and hooks each output tensor (a pre-hook of
-  the node that made it, ``_on_first_grad``): the first to get its gradient
+  the node that made it, or of the tensor, a leaf): the first to get its gradient
   opens the unit's backward (regathered into the same slot, so the tensors
   autograd saved see the same memory with the same values); autograd then sets
   the ``.grad`` of each parameter it reaches, which the runtime's reduction of
@@ -85,7 +85,7 @@ class Hooks:
         # Dynamo-free wrappers of what autograd calls each backward, made once.
         self._end_backward_eager = _outside_compile(self._end_backward)
         self._use_done_eager = _outside_compile(runtime.use_done)
-        self._output_hooks = [_outside_compile(functools.partial(self._output_grad, u))
+        self._output_hooks = [_outside_compile(functools.partial(self._open, u))
                               for u in range(len(units))]
         # The parameters frozen when the model was sharded: they have no gradient buffer,
         # so one unfrozen later would have its gradient dropped (checked each backward).
@@ -108,8 +108,8 @@ class Hooks:
 
     def _pre_forward(self, u: int, module: Any, args: Any, kwargs: Any) -> Any:
         runtime, life = self.runtime, self.life
-        if _in_backward():  # activation checkpointing recomputes the forward in backward:
-            if life.state[u] is not State.DONE and not life.is_open(u):
+        if _graph_task_id() != -1:  # in autograd's backward: activation checkpointing
+            if life.state[u] is not State.DONE and not life.is_open(u):  # recomputes it
                 # Reentrant checkpointing ran the first forward without grad (the unit was
                 # released and hooked no outputs): the recompute opens its backward.
                 self._open(u)
@@ -117,8 +117,8 @@ class Hooks:
         if not life.in_pass:  # the first use of a pass
             self.storage.clear_sentinels()
             self.stream.follow()
-        if not life.in_backward and life.state[u] is State.IDLE:
-            self._check_order(u)
+        if life.last_used > u and not life.in_backward and life.state[u] is State.IDLE:
+            raise self._order_error(u)
         if not torch.is_grad_enabled():
             self.storage.use_gathered(u, runtime.pre_forward(u))
             return None
@@ -130,17 +130,16 @@ class Hooks:
         outs = _PostBackward.apply(self._use_done_eager, u, use, *inputs.tensors)
         return inputs.replaced(outs if isinstance(outs, tuple) else (outs,))
 
-    def _check_order(self, u: int) -> None:
+    def _order_error(self, u: int) -> TideInvalid:
         """Units must be given in the order their forwards begin (the runtime prefetches
-        the next one and assigns slots by that order); the same on every rank."""
-        last = self.life.last_used
-        if last > u:
-            raise TideInvalid(f"units: expected them in the order their forwards begin, got "
-                              f"unit {u} ({type(self.units[u].modules[0]).__name__}) after unit "
-                              f"{last}; pass the units in execution order")
+        the next one and assigns slots by that order); the same on every rank: unit ``u``
+        began its pass's first use after a later unit."""
+        return TideInvalid(f"units: expected them in the order their forwards begin, got "
+                           f"unit {u} ({type(self.units[u].modules[0]).__name__}) after unit "
+                           f"{self.life.last_used}; pass the units in execution order")
 
     def _post_forward(self, u: int, module: Any, args: Any, output: Any) -> Any:
-        if _in_backward():
+        if _graph_task_id() != -1:  # in autograd's backward (a recompute)
             return None
         members = self._members[u]
         if members > 1 and not self.life.forward_done(u, members):
@@ -148,9 +147,18 @@ class Hooks:
         if torch.is_grad_enabled():
             # A block's output is mostly one tensor: flattened only when it is not.
             outs = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+            hook = self._output_hooks[u]
             for t in outs:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    _on_first_grad(t, self._output_hooks[u])
+                    # The hook runs when autograd is about to compute the gradient of t's
+                    # inputs: a pre-hook of the node that made t, registered in C++
+                    # (Tensor.register_hook costs a few microseconds of Python more); on t
+                    # itself where no node made it (a leaf).
+                    node = t.grad_fn
+                    if node is None:
+                        t.register_hook(hook)
+                    else:
+                        node.register_prehook(hook)
         self.runtime.post_forward(u)
         return None
 
@@ -158,26 +166,25 @@ class Hooks:
         """The whole model's forward returned: with grad disabled nothing will run a
         backward (evaluation, generation), so every gathered unit is released (and the
         pass ends: the lifecycle forgets its forward)."""
-        if not torch.is_grad_enabled() and not _in_backward():
+        if not torch.is_grad_enabled() and _graph_task_id() == -1:  # (not in a backward)
             self.runtime.release()
 
     # -- backward ----------------------------------------------------------------------
 
-    def _output_grad(self, u: int, grad: Any) -> None:
-        if self.life.state[u] is not State.DONE:
-            self._open(u)
-
-    def _open(self, u: int) -> None:
-        """Open unit ``u``'s backward: regathered; autograd then sets its parameters'
-        ``.grad``s, which its reduction takes ([Note: parameter storage])."""
+    def _open(self, u: int, grad: Any = None) -> None:
+        """Open unit ``u``'s backward (the first gradient of one of its outputs, ``grad``,
+        came, or a recompute began): regathered; autograd then sets its parameters'
+        ``.grad``s, which its reduction takes ([Note: parameter storage]). Opened already,
+        it stays so (the runtime hands out its parameters as they are; a suspended unit
+        lost its slot: opened again, regathered); reduced already, it is left alone."""
         life = self.life
-        if life.is_open(u):
-            return  # (a suspended unit lost its slot: opened again, regathered)
+        if life.state[u] is State.DONE:
+            return
         if not life.in_backward:  # the backward phase begins: autograd says when it ends
             torch.autograd.Variable._execution_engine.queue_callback(
                 self._end_backward_eager)
             self.storage.clear_sentinels()  # (a second backward of a retained graph)
-        self.storage.use_gathered(u, self.runtime.pre_backward(u).params)
+        self.storage.use_gathered(u, self.runtime.open_backward(u))
 
     def _end_backward(self) -> None:
         """Autograd's engine runs this when a backward pass is done."""
@@ -223,23 +230,24 @@ class _GradInputs:
         self._where: list = []  # (is_kwarg, key, None or (flat, tree, indices))
         for is_kwarg, items in ((False, enumerate(args)), (True, kwargs.items())):
             for key, value in items:
-                self._scan(is_kwarg, key, value)
+                if isinstance(value, torch.Tensor):  # (here, not in a call: most inputs)
+                    if value.requires_grad:
+                        self.tensors.append(value)
+                        self._where.append((is_kwarg, key, None))
+                elif isinstance(value, (tuple, list, dict)) and value:
+                    self._scan(is_kwarg, key, value)
 
     def _scan(self, is_kwarg: bool, key: Any, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            if value.requires_grad:
-                self.tensors.append(value)
-                self._where.append((is_kwarg, key, None))
-        elif isinstance(value, (tuple, list)) and not any(
+        """A non-empty container input."""
+        if isinstance(value, (tuple, list)) and not any(
                 isinstance(v, (tuple, list, dict)) or (isinstance(v, torch.Tensor)
                                                        and v.requires_grad) for v in value):
             return  # a flat sequence with nothing that needs a gradient (rotary cos, sin)
-        elif isinstance(value, (tuple, list, dict)) and value:
-            flat, tree = tree_flatten(value)
-            idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
-            if idx:
-                self.tensors.extend(flat[i] for i in idx)
-                self._where.append((is_kwarg, key, (flat, tree, idx)))
+        flat, tree = tree_flatten(value)
+        idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+        if idx:
+            self.tensors.extend(flat[i] for i in idx)
+            self._where.append((is_kwarg, key, (flat, tree, idx)))
 
     def replaced(self, outs: tuple) -> tuple:
         args, kwargs = list(self.args), dict(self.kwargs)
@@ -276,21 +284,9 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, None) + grads
 
 
-def _on_first_grad(t: torch.Tensor, hook: Callable[..., Any]) -> None:
-    """``hook`` runs when autograd is about to compute the gradient of ``t``'s inputs (the
-    moment a hook on ``t`` would run): a pre-hook of the node that made ``t``, registered
-    in C++ (``Tensor.register_hook`` costs a few microseconds of Python more); a hook on
-    ``t`` itself where no node made it (a leaf)."""
-    node = t.grad_fn
-    if node is None:
-        t.register_hook(hook)
-    else:
-        node.register_prehook(hook)
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread."""
-    return torch._C._current_graph_task_id() != -1
+#: The id of the backward pass autograd runs on this thread (-1: none); read in the
+#: hooks themselves (a call less per hook).
+_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 
 
 #: Dynamo's frame-evaluation callback on this thread (None: no frame is compiled here).
@@ -309,15 +305,17 @@ def _outside_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     through it switches Dynamo's frame evaluation off and on again (about a microsecond,
     and a hook runs several times per unit per step). So the hook decides per call:
     while Dynamo traces it (``torch.compile`` of the model, or of a function calling
-    it), ``is_compiling()`` is a constant True in the trace and the call goes to the
-    disabled ``fn`` (a graph break, run eagerly); when a hook runs eagerly while
-    Dynamo evaluates frames on this thread (the eager part of a compiled function
-    around a graph break, or a frame Dynamo gave up on), the frame callback is set and
-    the call goes to the disabled ``fn`` too; otherwise (no compile on this thread: the
-    eager loop, a block compiled on its own, whose hooks run in ``Module.__call__``,
-    and a backward on autograd's device threads) it calls ``fn`` directly. Dynamo
-    never compiles the deciding frame itself (``skip_code``): compiled once per hook,
-    its guards on the arguments would reach Dynamo's recompile limit, which warns.
+    it), ``is_dynamo_compiling()`` is a constant True in the trace and the call goes to
+    the disabled ``fn`` (a graph break, run eagerly; ``is_compiling()`` says the same
+    to Dynamo, and costs a call more: it asks ``is_scripting()`` first); when a hook
+    runs eagerly while Dynamo evaluates frames on this thread (the eager part of a
+    compiled function around a graph break, or a frame Dynamo gave up on), the frame
+    callback is set and the call goes to the disabled ``fn`` too; otherwise (no compile
+    on this thread: the eager loop, a block compiled on its own, whose hooks run in
+    ``Module.__call__``, and a backward on autograd's device threads) it calls ``fn``
+    directly. Dynamo never compiles the deciding frame itself (``skip_code``): compiled
+    once per hook, its guards on the arguments would reach Dynamo's recompile limit,
+    which warns.
     """
     # The first call imports torch._dynamo, and with it sympy, whose import adds a
     # process-wide warnings filter: keep the caller's filters as they were.
@@ -327,7 +325,7 @@ def _outside_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     frame_callback = _FRAME_CALLBACK
     if frame_callback is None or skip_code is None:
         return disabled
-    is_compiling = torch.compiler.is_compiling
+    is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
     def hook(*args: Any) -> Any:
         if is_compiling() or frame_callback() is not None:

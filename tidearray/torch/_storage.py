@@ -64,7 +64,10 @@ class ParamStorage:
         torch_dtype = getattr(torch, dtype.name)
         self._empty = [[torch.empty(0, dtype=torch_dtype, device=device) for _ in ps]
                        for ps in params]
-        self._views: dict[tuple[str, int], tuple[list, list]] = {}
+        # Per unit, the runtime's arrays last seen and torch views of them: of its slot's
+        # parameters, and of its gradient buffer (ParamStorage._views).
+        self._param_views: list[tuple[Any, list]] = [(None, [])] * len(params)
+        self._grad_views: list[tuple[Any, list]] = [(None, [])] * len(params)
         self._live = [False] * len(params)  # parameters pointed at the unit's slot
         self._sentinel_grads: list[tuple[int, int, Any, Any]] = []  # (unit, index, p, s)
         self._sentinels = False
@@ -90,23 +93,25 @@ class ParamStorage:
 
     # -- slots --------------------------------------------------------------------------
 
-    def views(self, what: str, u: int, arrays: list) -> list:
-        """Torch views of unit ``u``'s ``arrays`` (``what``: "params" or "grads"), made
-        again only when the runtime hands out other arrays."""
-        hit = self._views.get((what, u))
-        if hit is None or hit[0] is not arrays:
-            # Never inference tensors (made under torch.inference_mode): the views are
-            # kept, and a training forward could not save them for its backward.
-            with torch.inference_mode(False):
-                hit = self._views[(what, u)] = (arrays, [as_tensor(a, s) for a, s in
-                                                         zip(arrays, self.shapes[u])])
-        return hit[1]
+    def _views(self, cache: list, u: int, arrays: list) -> list:
+        """Torch views of unit ``u``'s ``arrays``, kept in ``cache[u]``: made when the
+        runtime hands out other arrays than the cached ones (its callers compare first,
+        so that the common case, the same arrays step after step, makes no call)."""
+        # Never inference tensors (made under torch.inference_mode): the views are
+        # kept, and a training forward could not save them for its backward.
+        with torch.inference_mode(False):
+            views = [as_tensor(a, s) for a, s in zip(arrays, self.shapes[u])]
+        cache[u] = (arrays, views)
+        return views
 
     def use_gathered(self, u: int, arrays: list) -> None:
         """Unit ``u``'s parameters' ``.data`` become torch views of its gathered slot."""
         if self._live[u]:
             return  # on this gather already (a released unit is back on its placeholders)
-        for p, t in zip(self.params[u], self.views("params", u, arrays)):
+        seen, views = self._param_views[u]
+        if seen is not arrays:
+            views = self._views(self._param_views, u, arrays)
+        for p, t in zip(self.params[u], views):
             p.data = t
         self._live[u] = True
 
@@ -123,8 +128,11 @@ class ParamStorage:
         ``.grad``s autograd gave its parameters are copied into it (one batched copy on
         torch's current stream, which the reduction follows), zeros where a parameter has
         none, and dropped; returns which parameters had one."""
+        seen, views = self._grad_views[u]
+        if seen is not grads:
+            views = self._views(self._grad_views, u, grads)
         written, dst, src, unset = [], [], [], []
-        for p, v in zip(self.params[u], self.views("grads", u, grads)):
+        for p, v in zip(self.params[u], views):
             g = p.grad
             if g is None:
                 unset.append(v)
