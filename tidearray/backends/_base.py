@@ -409,9 +409,7 @@ class Backend(abc.ABC):
 
     def compile_pieces(self, pieces: Sequence[AccumPiece], src_dtype: Any,
                        out_dtype: Any = float32, alone: bool = False) -> Any:
-        """A plan's accumulate pieces in this backend's form ([Note: compiled batches]).
-        ``alone``: nothing of the caller's runs beside them (its stream waits for the
-        collective), so a device backend may give them the whole device."""
+        """A plan's accumulate pieces in this backend's form ([Note: compiled batches])."""
         check_accumulate(src_dtype, out_dtype)
         return TupleBatch(tuple(p for p in pieces if p.numel))
 
