@@ -5,12 +5,10 @@ Run from the repository root::
     python -m benchmarks.performance            # write the page, the plots, the README block
     python -m benchmarks.performance --check    # exit 1 if the page or the block is stale
 
-(``python benchmarks/performance.py`` works the same.) Every figure on the page is read
-from the records of one run folder, ``benchmarks/results/<run>/``, whose ``run.json``
-names its commit, machine kind and command. The same records give byte-identical
-markdown; ``--check`` compares the markdown only and needs nothing beyond the standard
-library, while writing the plots needs matplotlib. A test
-(``tests/docs/test_performance.py``) fails when the page or the block is stale.
+(``python benchmarks/performance.py`` works the same.) Every figure is read from one run
+folder's records, ``benchmarks/results/<run>/``, whose ``run.json`` names its commit,
+machine kind and command. ``--check`` compares the markdown only (the standard library
+alone; the plots need matplotlib); ``tests/docs/test_performance.py`` runs it.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ GIB = 2 ** 30
 #: The plots the generator writes (paths from the repository root), and the only
 #: images under benchmarks/results/ that a doc may embed.
 PLOTS = ("benchmarks/results/run14/collectives.png", "benchmarks/results/run12-fsdp2/steps.png")
-#: Where the page's hand-written part starts: the generator keeps the page from this line
-#: on as it is.
+#: Where the page's hand-written part starts (kept as it is from this line on).
 HAND = ("<!-- Hand-written from here on: python -m benchmarks.performance keeps this part "
         "as it is. -->")
 #: Commands of older records that run otherwise now, and what the page says of each.
@@ -47,9 +44,8 @@ MOVED = {
                        "is `python -m benchmarks` now.",
     "examples/compare_fsdp2.py": "`examples/compare_fsdp2.py` is "
                                  "`benchmarks/steps/compare_fsdp2.py` now.",
-    "--passes 2": "`--passes`, which ran the impls again with every other pass reversed "
-                  "and pooled the medians, has left `compare_fsdp2.py`; commit `4350af1` "
-                  "has it.",
+    "--passes 2": "`--passes` (the impls again, every other pass reversed, the medians "
+                  "pooled) has left `compare_fsdp2.py`; commit `4350af1` has it.",
     "--impl all --profile": "The trainer's comparison of comms (`examples/train.py --impl "
                             "all`) is `benchmarks/steps/compare_train.py --impl all` now.",
 }
@@ -375,8 +371,7 @@ def one_h200_units(run: Run, record: str = "compare.json") -> tuple[Figure, ...]
 
 
 def _stress_loops(run: Run, name: str) -> dict[str, tuple[int, int]]:
-    """A stress step's ``loops.txt``: {job: (loops, failed)}, the foreground's workers
-    (``adamw0``, ``adamw1``, ...) counted as one job."""
+    """A stress step's ``loops.txt``: {job: (loops, failed)}, ``adamw0``, ``adamw1``... as one."""
     out: dict[str, tuple[int, int]] = {}
     with open(os.path.join(run.path, name)) as f:
         for line in f:
@@ -429,6 +424,8 @@ def one_h200_suite(run: Run) -> tuple[Figure, ...]:
 def one_ab(run: Run) -> tuple[Figure, ...]:
     """benchmarks/run.sh's ``ab`` step (ab/): `tide`'s step at this commit against before/'s,
     the fastest of each side's pass medians; judged where the host was quiet (spread <= 10%)."""
+    if not os.path.isdir(os.path.join(run.path, "ab")):
+        return ()  # a run without the A/B step
     def fig(step: str, model: str) -> Figure:
         rs = {b: [r for n in (0, 1) for r in run.json(f"ab/{step}_{b}_{n}.json")["runs"]
                   if r["impl"] == "tide"] for b in ("after", "before")}
@@ -535,6 +532,9 @@ def sections(root: str) -> list[Section]:
         S("run46-one-h100-final-suite", "The GPU suite, per-unit overhead, the JAX step and an "
           "A/B at 319b0d1", "Six commands on one H100 (README.md): run45's, small-32l "
           "interleaved, and the unrolled JAX step.", lambda r: (*suite(r), *one_jax_step(r))),
+        S("run47-one-h100-alone-grid", "The default GPU suite, per-unit overhead and the JAX "
+          "step at 0e1cb85", "Five commands on one H100 (README.md): run46's, JAX's collectives "
+          "on every SM, fewer host calls per unit.", lambda r: (*suite(r), *one_jax_step(r))),
     ]
 
 
