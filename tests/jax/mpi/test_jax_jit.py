@@ -336,6 +336,28 @@ def test_collective_order(group, cpu_jax, monkeypatch):
     agree(group.comm, failures, "collective order in a jitted step")
 
 
+@pytest.mark.parametrize("command_buffer", [False, True])
+def test_plans_have_the_device_alone(group, cpu_jax, monkeypatch, command_buffer):
+    """XLA waits for each callback with nothing of its own beside it, so every plan of
+    ``tidearray.jax`` is made ``alone`` (the whole device for its kernels: [Note: the
+    whole device] in tidearray/jax/_runners.py): each unit's cast (bf16) and reduction."""
+    compile_pieces, seen = group.backend.compile_pieces, []
+
+    def recorded(pieces, src_dtype, out_dtype=np.float32, alone=False):
+        seen.append((np.dtype(src_dtype).name, np.dtype(out_dtype).name, alone))
+        return compile_pieces(pieces, src_dtype, out_dtype, alone)
+
+    monkeypatch.setattr(group.backend, "compile_pieces", recorded)
+    su = tj.shard_units(_units(fresh_seed(group.comm), [3, 4, 5]), group=group,
+                        compute_dtype=jnp.bfloat16, command_buffer=command_buffer)
+    jax.block_until_ready(_chain_grads(su)(su.shards, jnp.ones((2, 3))))
+    kinds = {(src, out) for src, out, _ in seen}
+    failures = [f"a plan not alone: {c}" for c in seen if not c[2]]
+    if not {("float32", "bfloat16"), ("bfloat16", "float32")} <= kinds:
+        failures.append(f"expected the units' casts and reductions compiled, got {kinds}")
+    agree(group.comm, failures, "tidearray.jax's plans alone")
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("differ", ["shape", "dtype", "structure", "not an array"])
 def test_units_differing_between_ranks(group, cpu_jax, differ):
