@@ -174,12 +174,13 @@ class Hooks:
     def _open(self, u: int, grad: Any = None) -> None:
         """Open unit ``u``'s backward (the first gradient of one of its outputs, ``grad``,
         came, or a recompute began): regathered; autograd then sets its parameters'
-        ``.grad``s, which its reduction takes ([Note: parameter storage]). Opened already,
-        it stays so (the runtime hands out its parameters as they are; a suspended unit
-        lost its slot: opened again, regathered); reduced already, it is left alone."""
+        ``.grad``s, which its reduction takes ([Note: parameter storage]). Open already
+        (another of its outputs' gradients came first) or reduced already, it is left
+        alone; a suspended unit lost its slot: opened again, regathered."""
         life = self.life
-        if life.state[u] is State.DONE:
-            return
+        state = life.state[u]
+        if state is State.DONE or (state is State.BACKWARD and u not in life.suspended):
+            return  # (read in place: life.is_open, without its call)
         if not life.in_backward:  # the backward phase begins: autograd says when it ends
             torch.autograd.Variable._execution_engine.queue_callback(
                 self._end_backward_eager)
