@@ -186,10 +186,7 @@ class Unit:
                 :attr:`staging_nbytes`; the group's own staging if None.
             graph: capture one call once and replay it at every call; building
                 runs the reduction once ([Note: graph plans]).
-            alone: nothing of yours runs beside the collective (your stream waits for
-                it, as ``tidearray.jax``'s callbacks on XLA's stream do): its kernels
-                may take the whole device (cuda: the accumulate, or the cast, on every
-                SM instead of half of them, which leave room for compute beside it).
+            alone: as :meth:`gather_plan`'s (its accumulate on the whole device).
         """
         return ReducePlan(self.group, grads, out, op, staging, chunk_nbytes=self.chunk_nbytes,
                           expect=(self.layout, self.dtype), graph=graph, tag=self.tag,
