@@ -16,11 +16,17 @@ own:
   inputs that need a gradient pass through ``_PostBackward``, whose backward
   runs when their gradients are computed, that is when this use's backward is
   done: it reports the use's token (``use_done``), and the runtime closes the
-  unit once no use is pending;
+  unit once no use is pending. Where the one input that needs a gradient is
+  the output the unit before left (a layer's hidden states: ``_Boundary``),
+  the hook that opens that unit's backward reports the use first instead,
+  when that output's gradient is complete, which autograd computes only
+  after every use of it, this one included: the same end, without an
+  autograd function per unit (its apply is most of a hook's host time);
 * a forward hook lets the slot go (the runtime keeps the last unit and the
   root; a unit of several modules when the last of them is done, the
   lifecycle's ``forward_done``) and hooks each output tensor (a pre-hook of
   the node that made it, or of the tensor, a leaf): the first to get its gradient
+  reports the uses that output fed (``_Boundary``, above), then
   opens the unit's backward (regathered into the same slot, so the tensors
   autograd saved see the same memory with the same values); autograd then sets
   the ``.grad`` of each parameter it reaches, which the runtime's reduction of
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
@@ -87,6 +94,10 @@ class Hooks:
         self._use_done_eager = _outside_compile(runtime.use_done)
         self._output_hooks = [_outside_compile(functools.partial(self._open, u))
                               for u in range(len(units))]
+        self._boundary_hook = _outside_compile(self._boundary_grad)
+        #: The last unit output hooked in this pass's forward, as a ``_Boundary`` (None:
+        #: none, or a pass began since): the next use's one grad input, if it is that.
+        self._boundary: Optional[_Boundary] = None
         # The parameters frozen when the model was sharded: they have no gradient buffer,
         # so one unfrozen later would have its gradient dropped (checked each backward).
         self._frozen = [(u, k, p) for u, ps in enumerate(storage.params)
@@ -117,6 +128,7 @@ class Hooks:
         if not life.in_pass:  # the first use of a pass
             self.storage.clear_sentinels()
             self.stream.follow()
+            self._boundary = None
         if life.last_used > u and not life.in_backward and life.state[u] is State.IDLE:
             raise self._order_error(u)
         if not torch.is_grad_enabled():
@@ -126,6 +138,11 @@ class Hooks:
         use = UseToken() if inputs.tensors else BLIND  # [Note: unit lifecycle]
         self.storage.use_gathered(u, runtime.pre_forward(u, use))
         if not inputs.tensors:
+            return None
+        boundary = self._boundary
+        if (boundary is not None and len(inputs.tensors) == 1
+                and boundary.output() is inputs.tensors[0]):
+            boundary.uses.append((u, use))  # reported by that output's hook ([Note: hooks])
             return None
         outs = _PostBackward.mark(self._use_done_eager, u, use, inputs.tensors)
         return inputs.replaced(outs if isinstance(outs, tuple) else (outs,))
@@ -144,21 +161,25 @@ class Hooks:
         members = self._members[u]
         if members > 1 and not self.life.forward_done(u, members):
             return None  # a list unit: its other modules are still to run
+        self._boundary = None
         if torch.is_grad_enabled():
             # A block's output is mostly one tensor: flattened only when it is not.
             outs = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+            outs = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
             hook = self._output_hooks[u]
+            if len(outs) == 1:  # one output: the next unit's input, mostly ([Note: hooks])
+                self._boundary = _Boundary(outs[0])
+                hook = functools.partial(self._boundary_hook, u, self._boundary)
             for t in outs:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    # The hook runs when autograd is about to compute the gradient of t's
-                    # inputs: a pre-hook of the node that made t, registered in C++
-                    # (Tensor.register_hook costs a few microseconds of Python more); on t
-                    # itself where no node made it (a leaf).
-                    node = t.grad_fn
-                    if node is None:
-                        t.register_hook(hook)
-                    else:
-                        node.register_prehook(hook)
+                # The hook runs when autograd is about to compute the gradient of t's
+                # inputs: a pre-hook of the node that made t, registered in C++
+                # (Tensor.register_hook costs a few microseconds of Python more); on t
+                # itself where no node made it (a leaf).
+                node = t.grad_fn
+                if node is None:
+                    t.register_hook(hook)
+                else:
+                    node.register_prehook(hook)
         self.runtime.post_forward(u)
         return None
 
@@ -186,6 +207,14 @@ class Hooks:
                 self._end_backward_eager)
             self.storage.clear_sentinels()  # (a second backward of a retained graph)
         self.storage.use_gathered(u, self.runtime.open_backward(u))
+
+    def _boundary_grad(self, u: int, boundary: _Boundary, grad: Any = None) -> None:
+        """The gradient of unit ``u``'s one output came: the uses it fed are done (their
+        own inputs' gradients, autograd's node runs once every use of the output is), then
+        ``u`` opens ([Note: hooks])."""
+        for i, use in boundary.uses:
+            self.runtime.use_done(i, use)
+        self._open(u)
 
     def _end_backward(self) -> None:
         """Autograd's engine runs this when a backward pass is done."""
@@ -216,6 +245,19 @@ class Hooks:
                 "reduced, or from a backward that reached none of the unit's outputs): is it "
                 "used outside its unit? Put it in a unit that holds every module using it "
                 "(or in the root); zero_grad() drops it")
+
+
+class _Boundary:
+    """A unit's one output that needs a gradient, and the uses of later units whose one
+    grad input it is ([Note: hooks]): the hook on the output's node reports them. The
+    output is held weakly (a forward's last output must not outlive its graph), the uses'
+    tokens by the hook, so as long as the graph (as ``_PostBackward``'s context holds one)."""
+
+    __slots__ = ("output", "uses")
+
+    def __init__(self, output: Any) -> None:
+        self.output = weakref.ref(output)
+        self.uses: list[tuple[int, UseToken]] = []
 
 
 class _GradInputs:
