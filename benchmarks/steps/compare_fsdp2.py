@@ -288,19 +288,15 @@ class Impl:
 
 
 def noop_hooks(torch: Any, model: Any) -> None:
-    """Hooks on each unit as ``shard_module`` registers them, doing nothing else: a forward
-    pre-hook passing the input through an identity autograd function (whose backward runs
-    when the unit's is done), a forward hook putting a pre-hook on the output's node."""
-    identity = type("PostBackward", (torch.autograd.Function,), {
-        "forward": staticmethod(lambda ctx, x: x), "backward": staticmethod(lambda ctx, g: g)})
-
-    def pre(module: Any, args: tuple, kwargs: dict) -> Any:
-        if torch.is_grad_enabled() and args[0].requires_grad:
-            return (identity.apply(args[0]), *args[1:]), kwargs
+    """Hooks on each unit as ``shard_module`` registers them on a stack of blocks, doing
+    nothing else: a forward pre-hook, and a forward hook putting a pre-hook on the output's
+    node (whose call, in the backward, both opens the unit and reports the uses the output
+    fed: the next block's, which needs no autograd function of its own)."""
+    def pre(module: Any, args: tuple, kwargs: dict) -> None:
         return None
 
     def post(module: Any, args: tuple, out: Any) -> None:
-        if out.grad_fn is not None:
+        if torch.is_grad_enabled() and out.grad_fn is not None:
             out.grad_fn.register_prehook(lambda grad: None)
     for unit in model.units():
         unit.register_forward_pre_hook(pre, with_kwargs=True)
