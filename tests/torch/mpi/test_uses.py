@@ -12,7 +12,12 @@ four blocks, so a unit that waits for a later backward holds a slot another need
   grad enabled and held until the next step);
 * **two backwards of one forward** (``retain_graph=True``, then a second loss): the
   gradients add up, as torch's ``.grad`` does;
-* **an evaluation under** ``torch.inference_mode()`` between training steps.
+* **an evaluation under** ``torch.inference_mode()`` between training steps;
+* **a block's output used beyond the next block** (added to the last block's output: its
+  gradient is complete only after every later block's backward), or **scaled in place**
+  before the next block takes it (the node that made it is then not the one whose
+  gradient the next block's backward gives first): the next block's use ends with that
+  output's gradient ([Note: hooks] in ``tidearray.torch._hooks``).
 
 Each case trains for test_lifecycle's steps with ``shard_module`` on every rank's batch and,
 in one process, with torch's AdamW on the global batch; the losses agree within
@@ -50,17 +55,25 @@ class Stack(TinyLM):
     #: Detach the hidden states after the second block (this call's first two blocks then
     #: get no backward, and the third's input needs no gradient: a blind use).
     cut = False
+    #: Add the first block's output to the last one's.
+    skip = False
+    #: Scale each block's output in place before the next block takes it.
+    scaled_in_place = False
 
     def __init__(self) -> None:
         super().__init__()
         self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
 
     def body(self, h: torch.Tensor) -> torch.Tensor:
+        first = None
         for k, block in enumerate(self.blocks):
             h = block(h)
             if self.cut and k == 1:
                 h = h.detach()
-        return h
+            if self.scaled_in_place:
+                h.mul_(1.5)
+            first = h if first is None else first
+        return h + first if self.skip else h
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
         from transformers.modeling_outputs import CausalLMOutput
@@ -119,7 +132,15 @@ def _inference_first(model: Any, seed: int, s: int, ranks: list) -> tuple[torch.
     return loss, evaluated
 
 
+def _once(model: Any, seed: int, s: int, ranks: list) -> tuple[torch.Tensor, Any]:
+    loss = _mean(model, seed, s, ranks)
+    loss.backward()
+    return loss, None
+
+
 CASES = {"called twice": _called_twice, "called twice, embedding frozen": _called_twice,
+         "a skip over the blocks": _once, "scaled in place": _once,
+         "a skip over the blocks, called twice": _called_twice,
          "called twice, the first cut after two blocks": _first_call_cut,
          "an output kept": _output_kept, "two backwards": _two_backwards,
          "inference_mode": _inference_first}
@@ -158,6 +179,7 @@ def test_a_step_that_uses_the_model_so_trains_as_one_process(group, case):
     model = _tiny(Stack, seed)
     if "frozen" in case:
         model.embed.requires_grad_(False)
+    model.skip, model.scaled_in_place = "skip" in case, "in place" in case
     agree(group.comm, _train(model, list(model.blocks), group, seed, CASES[case]),
           f"{case} vs one process")
 
@@ -167,10 +189,5 @@ def test_siamese_encoder_of_unit_blocks(group):
     seed = _seed(group)
     model = _tiny(DeepSiamese, seed)
 
-    def step(m: Any, seed: int, s: int, ranks: list) -> tuple[torch.Tensor, Any]:
-        loss = _mean(m, seed, s, ranks)
-        loss.backward()
-        return loss, None
-
-    agree(group.comm, _train(model, list(model.encoder), group, seed, step),
+    agree(group.comm, _train(model, list(model.encoder), group, seed, _once),
           "siamese of unit blocks vs one process")
