@@ -20,9 +20,10 @@ copy. The states are FSDP2's ``TrainingState`` for a parameter group:
   a running unit's slot is never taken (nested units).
 * **The end of a unit's backward is autograd's to say.** A front end that can
   see it passes, per use, a *use token*: an object that lives as long as the
-  use's autograd graph (torch: the context of the function wrapping the
-  unit's inputs, FSDP2's ``RegisterPostBackwardFunction``), and calls
-  ``use_done`` when that use's input gradients are computed. The unit closes
+  use's autograd graph (torch: the hook on the output of the unit before that
+  the use took, or the context of the function wrapping the unit's inputs,
+  FSDP2's ``RegisterPostBackwardFunction``), and calls ``use_done`` when that
+  use's input gradients are computed. The unit closes
   (DONE: reduced, slot released) when no token of it is left pending: the
   tokens of forwards that will never run a backward die with their graphs and
   are not waited for. So a partially frozen unit (a LoRA base) closes only
