@@ -3,15 +3,18 @@ against.
 
 ``Runtime(comm=LocalComm)`` keeps the whole model on every rank (``world = 1``):
 parameters are read in place from the send shards, gradients are cast into the fp32
-arena, and nothing is communicated. Each rank does a sharded run's per-rank compute.
+arena (the FSDP2 baseline's chunk-cat, ``pack``), and nothing is communicated. Each rank
+does a sharded run's per-rank compute.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from tidearray import Work
 from tidearray.fsdp import UnitComm
+
+from . import pack
 
 
 class LocalComm(UnitComm):
@@ -21,8 +24,8 @@ class LocalComm(UnitComm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        #: Per (unit, gradient buffer, output), its flat copy's two arrays, or None.
-        self._flat: dict = {}
+        #: Per (unit, gradient buffer, output), its cast (``_cast``), or None.
+        self._casts: dict = {}
 
     @classmethod
     def sharded_over(cls, group: Any) -> int:
@@ -37,32 +40,27 @@ class LocalComm(UnitComm):
         return self.done(views)
 
     def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
-        with self.on_stream(stream):  # on the compute stream: complete as issued
-            flat = self._flat_pair(unit, k, out)
-            pairs = [flat] if flat else zip(self.arena.views(out, unit), self.grads(unit, k))
-            for o, g in pairs:
+        cast = self._cast(unit, k, out, stream)
+        if cast is not None:
+            cast(self.group.backend.stream(stream))  # on the compute stream: done as issued
+            return self.done()
+        with self.on_stream(stream):  # fp16: a copy per parameter
+            for o, g in zip(self.arena.views(out, unit), self.grads(unit, k)):
                 self.xp.copyto(o, g, casting="unsafe")
         return self.done()
 
-    def _flat_pair(self, unit: int, k: int, out: Any) -> Optional[tuple[Any, Any]]:
-        """``(out's block, gradient buffer k)`` of ``unit`` as two flat arrays, where each
-        parameter lies at the same element offset in both (the gaps between parameters
-        included: the gradient buffer's are zeroed before each backward), else None.
-
-        So the floor casts a unit's gradients with one copy, as ``tide`` reduces a unit with
-        one kernel: a copy per parameter (a launch each on cuda) made the floor cost more
-        host time per unit than the collectives it is the floor of."""
-        face = getattr(out, "__cuda_array_interface__", None) or out.__array_interface__
-        key = (unit, k, face["data"][0], out.size)  # the runtime's output buffers are few
-        pair = self._flat.get(key, False)
-        if pair is False:
-            slot, arena = self.layouts[unit], self.arena.layout.units[unit]
-            itemsize = self.dtype.itemsize
-            same = all(a * itemsize == b for a, b in zip(arena.offsets, slot.offsets))
-            n = arena.offsets[-1] + arena.specs[-1].shard_numel if arena.specs else 0
-            pair = None
-            if same and n:
-                grads = self._grad_bufs[k][:n * itemsize].view(self.dtype)
-                pair = (self.arena.block(out, unit)[:n], grads)
-            self._flat[key] = pair
-        return pair
+    def _cast(self, unit: int, k: int, out: Any, stream: Any) -> Optional[Callable[[Any], None]]:
+        """The cast of gradient buffer ``k``'s ``unit`` into its block of ``out`` (padding
+        zeroed), made once per unit, buffer and output: on cuda one launch of the FSDP2
+        baseline's chunk-cat kernel, as ``tide`` reduces a unit with one kernel (a CuPy
+        ``copyto`` cost more host time than ``tide``'s whole reduction); on the host the
+        same table's copies. None for fp16 gradients (no such kernel). Its table goes up on
+        ``stream``, which the cast runs on."""
+        key = (unit, k, pack.ptr(out), out.size)
+        cast = self._casts.get(key, False)
+        if cast is False:
+            with self.on_stream(stream):
+                cast = self._casts[key] = pack.chunk_cat(
+                    self.group.backend.name == "cuda", self.arena.layout.units[unit],
+                    self.grads(unit, k), self.arena.block(out, unit))
+        return cast

@@ -68,6 +68,11 @@ def chunk_cat_segs(lay: FlatLayout, grad_ptrs: Sequence[int], flat_ptr: int, in_
     return segs
 
 
+def ptr(a: Any) -> int:
+    """The address of a NumPy or CuPy array's first element."""
+    return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
+
+
 def to_bytes(segs: list[Seg], itemsize: int) -> list[Seg]:
     return [(d, s, v * itemsize, t * itemsize) for d, s, v, t in segs]
 
@@ -98,7 +103,7 @@ class HostCopy:
 class GpuCopy:
     """A conversion on the GPU: one launch of a kernel of pack.cu over an uploaded table."""
 
-    def __init__(self, segs: list[Seg], kind: str, num_sms: int) -> None:
+    def __init__(self, segs: list[Seg], kind: str) -> None:
         import cupy
 
         tile = BYTES_TILE if kind == "bytes" else CVT_TILE
@@ -118,11 +123,21 @@ class GpuCopy:
                         (self.table, np.int32(self.nseg), np.int64(self.ntiles)))
 
 
-def make_copy(dev: Any, segs: list[Seg], kind: str) -> Any:
+def chunk_cat(cuda: bool, lay: FlatLayout, grads: Sequence[Any], flat: Any) -> Any:
+    """The conversion of a unit's gradients (``grads``, its full parameters, all of one
+    dtype) into ``flat``, its fp32 flat buffer laid out as ``lay``, padding zeroed: bf16
+    by the bf16 -> fp32 kernel, fp32 by the byte copy; None for other dtypes."""
+    ptrs, dtype = [ptr(g) for g in grads], grads[0].dtype if grads else np.float32
+    if dtype == np.float32:
+        return make_copy(cuda, to_bytes(chunk_cat_segs(lay, ptrs, ptr(flat), 4, 4), 4), "bytes")
+    if dtype.name == "bfloat16":
+        return make_copy(cuda, chunk_cat_segs(lay, ptrs, ptr(flat), 2, 4), "bf16_f32")
+    return None
+
+
+def make_copy(cuda: bool, segs: list[Seg], kind: str) -> Any:
     """``kind`` is ``"bytes"`` (segments in bytes) or ``"bf16_f32"`` (in elements)."""
-    if dev.name == "cuda":
-        return GpuCopy(segs, kind, dev.num_sms)
-    return HostCopy(segs, kind)
+    return GpuCopy(segs, kind) if cuda else HostCopy(segs, kind)
 
 
 def _function(name: str) -> Any:

@@ -22,7 +22,6 @@ memmove / NumPy over the same tables and MPI collectives.
 from __future__ import annotations
 
 import socket
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -57,7 +56,8 @@ class StockComm(UnitComm):
         self._ag_flat = [xp.empty((W * b,), self.dtype) for b in blocks]
         self._rs_flat = [xp.empty((W * b,), np.float32) for b in blocks]
         self._ops: dict = {}
-        self._lanes = _CudaLanes(group) if group.backend.name == "cuda" else _HostLanes(group)
+        self._cuda = group.backend.name == "cuda"
+        self._lanes = _CudaLanes(group) if self._cuda else _HostLanes(group)
 
     @property
     def nbytes(self) -> int:
@@ -94,12 +94,12 @@ class StockComm(UnitComm):
         if ops is None:
             lay, size = self.flats[unit], self.dtype.itemsize
             params = self.views(self._params[k], unit)
-            flat = _ptr(self._ag_flat[k])
-            shards = [_ptr(a) for a in self.arena.views(self.arena.send, unit)]
+            flat = pack.ptr(self._ag_flat[k])
+            shards = [pack.ptr(a) for a in self.arena.views(self.arena.send, unit)]
             copy_in = self._copy(pack.copy_in_segs(lay, shards, flat, self.group.rank, size),
                                  "bytes")
-            copy_out = self._copy(pack.copy_out_segs(lay, flat, [_ptr(p) for p in params], size),
-                                  "bytes")
+            ptrs = [pack.ptr(p) for p in params]
+            copy_out = self._copy(pack.copy_out_segs(lay, flat, ptrs, size), "bytes")
             ops = self._ops[key] = (copy_in, copy_out, params)
         return ops
 
@@ -107,32 +107,19 @@ class StockComm(UnitComm):
         key = ("rs", unit, k)
         op = self._ops.get(key)
         if op is None:
-            grads = [_ptr(g) for g in self.grads(unit, k)]
-            lay, flat = self.flats[unit], _ptr(self._rs_flat[k])
-            if self.dtype == tidearray.bfloat16:
-                op = self._copy(pack.chunk_cat_segs(lay, grads, flat, 2, 4), "bf16_f32")
-            else:  # fp32 gradients: a byte copy with the padding zeroed
-                op = self._copy(pack.to_bytes(pack.chunk_cat_segs(lay, grads, flat, 4, 4), 4),
-                                "bytes")
-            self._ops[key] = op
+            op = self._ops[key] = pack.chunk_cat(self._cuda, self.flats[unit],
+                                                 self.grads(unit, k), self._rs_flat[k])
         return op
 
     def _copy(self, segs: list, kind: str) -> Callable[[Any], None]:
-        dev = SimpleNamespace(name=self.group.backend.name, num_sms=self._lanes.num_sms)
-        return pack.make_copy(dev, segs, kind)
+        return pack.make_copy(self._cuda, segs, kind)
 
     def close(self) -> None:
         self._lanes.close()
 
 
-def _ptr(a: Any) -> int:
-    return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
-
-
 class _HostLanes:
     """MPI collectives in program order, on a private duplicate of the group's comm."""
-
-    num_sms = None
 
     def __init__(self, group: Group) -> None:
         self.comm = group.comm.Dup()
@@ -183,7 +170,6 @@ class _CudaLanes:
                               "or one rank per GPU")
         self.nccl = nccl
         self.rank = group.comm.rank
-        self.num_sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
         self.streams = {k: cupy.cuda.Stream(non_blocking=True) for k in ("ag", "rs")}
         self.comms = {k: nccl.communicator(group.comm) for k in ("ag", "rs")}
 

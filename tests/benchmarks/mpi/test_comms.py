@@ -40,22 +40,22 @@ def test_forward_only_passes_between_steps_change_nothing(group, factory, monkey
 
 
 def test_floor_casts_a_unit_in_one_copy_as_it_would_per_parameter(group, monkeypatch):
-    """The floor's one copy per unit (where the layouts agree) gives the losses of a copy
-    per parameter, bit for bit; the tiny model's units take the one copy."""
+    """The floor's one cast per unit (the FSDP2 baseline's chunk-cat table) gives the
+    losses of a copy per parameter, bit for bit; the tiny model's units take it."""
     taken: list[bool] = []
-    flat_pair = LocalComm._flat_pair
+    cast = LocalComm._cast
 
-    def counted(self, unit, k, out):
-        pair = flat_pair(self, unit, k, out)
-        taken.append(pair is not None)
-        return pair
+    def counted(self, unit, k, out, stream):
+        op = cast(self, unit, k, out, stream)
+        taken.append(op is not None)
+        return op
 
-    monkeypatch.setattr(LocalComm, "_flat_pair", counted)
+    monkeypatch.setattr(LocalComm, "_cast", counted)
     one_copy = tt._train(group, "--steps", "4", comm=LocalComm)
-    monkeypatch.setattr(LocalComm, "_flat_pair", lambda self, unit, k, out: None)
+    monkeypatch.setattr(LocalComm, "_cast", lambda self, unit, k, out, stream: None)
     per_param = tt._train(group, "--steps", "4", comm=LocalComm)
-    problems = [] if one_copy == per_param else [f"one copy {one_copy} != per parameter "
+    problems = [] if one_copy == per_param else [f"one cast {one_copy} != per parameter "
                                                  f"{per_param}"]
     if not any(taken):
-        problems.append("no unit took the one copy: the test compares nothing")
+        problems.append("no unit took the one cast: the test compares nothing")
     agree(group.comm, problems, "floor copies")
