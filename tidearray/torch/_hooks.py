@@ -144,7 +144,7 @@ class Hooks:
                 and boundary.output() is inputs.tensors[0]):
             boundary.uses.append((u, use))  # reported by that output's hook ([Note: hooks])
             return None
-        outs = _PostBackward.mark(self._use_done_eager, u, use, inputs.tensors)
+        outs = _PostBackward.apply(self._use_done_eager, u, use, *inputs.tensors)
         return inputs.replaced(outs if isinstance(outs, tuple) else (outs,))
 
     def _order_error(self, u: int) -> TideInvalid:
@@ -325,30 +325,6 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         ctx.use_done(ctx.u, ctx.use)
         return (None, None, None) + grads
-
-    @classmethod
-    def mark(cls, use_done: Callable[[int, UseToken], None], u: int, use: UseToken,
-             inputs: list) -> Any:
-        """``apply(use_done, u, use, *inputs)``, by the C++ apply that ``Function.apply``
-        ends in where its Python adds nothing: it binds default arguments (for a
-        ``setup_context``, which this function has none of) and unwraps functorch's dead
-        wrappers (done here), and takes functorch's route while its transforms are active
-        (taken here too). Its own Python calls are a third of a call through it, once per
-        unit per step on the forward's critical path."""
-        if _C_APPLY is None or _functorch_active():
-            return cls.apply(use_done, u, use, *inputs)
-        return _C_APPLY(use_done, u, use, *[_unwrap_if_dead(t) for t in inputs])
-
-
-#: ``_PostBackward``'s C++ apply, ``Function.apply``'s last call, and what ``mark`` checks
-#: first; None where this torch lacks one of them (then ``mark`` calls ``apply``).
-_functorch_active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active",
-                                                None)
-_unwrap_if_dead: Callable[[Any], Any] = getattr(getattr(torch._C, "_functorch", None),
-                                                "unwrap_if_dead", None)
-_C_APPLY: Optional[Callable[..., Any]] = (
-    super(torch.autograd.Function, _PostBackward).apply
-    if _functorch_active is not None and _unwrap_if_dead is not None else None)
 
 
 #: The id of the backward pass autograd runs on this thread (-1: none); read in the
