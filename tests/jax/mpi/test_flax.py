@@ -60,6 +60,11 @@ pytestmark = pytest.mark.mpi
 #: 1.8e-7 (with optax's default eps, 1e-8, a seed at 3 ranks reached 1.6e-6, growing
 #: threefold a step over the first steps). Not per leaf: such elements make up much of a
 #: zero-initialized bias's small norm (3.2e-6 per leaf measured, 1.5e-5 with eps 1e-8).
+#: How far one process's own run moves under a rounding: over 70 seeds of "blocks" and
+#: 40 of "nn.scan" at 1 rank, a one-ulp change of every initial parameter moved its
+#: losses by at most 1.3e-5 (one seed, at the last step only; the next 5e-6, 3e-6), and
+#: this test at the two most sensitive seeds stayed within 9e-7 (test_nnx's ``_width``
+#: says what a narrower model's LayerNorms did).
 RTOL = 1e-5
 EPS = 1e-6
 STEPS, BATCH, SEQ, VOCAB, HEADS, LAYERS = 10, 2, 6, 11, 2, 2
