@@ -40,7 +40,9 @@ the collective before it on the same slot or staging (a grant landing before
 the last call's was consumed would be lost), each region remembers its last
 collective (``Region.last``): a replay waits on it unless it was this graph
 (launches of one graph are ordered), and an eager call waits on it when it
-was a graph. Only a switch costs a stream wait.
+was a graph. Only a switch costs a stream wait, and on cuda only a switch of
+streams: a replay launched on the stream the last one's completion was recorded
+on (launches beside the caller's stream share one lane) is in its order already.
 
 [Note: plan order]
 Plan calls carry no per-call agreement: every rank must call the same plans in

@@ -102,10 +102,12 @@ class EventRing:
 
 
 class CudaCompletion(Completion):
-    """Events on the lanes a collective used."""
+    """Events on the lanes a collective used. ``stream``: the one stream handle its one
+    event was last recorded on (a graph launch's; None for an eager call's)."""
 
     def __init__(self, events: list) -> None:
         self._events = events
+        self.stream: int | None = None
 
     def wait(self, stream: Any = None) -> None:
         import cupy

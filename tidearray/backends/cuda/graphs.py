@@ -133,13 +133,15 @@ class CudaGraph(Graph):
             self._record(fork.ptr, ptr)
             ptr = self._side_ptr
             self._wait_event(ptr, fork.ptr, 0)
-        if after is not None:
+        if after is not None and after.stream != ptr:  # (on one stream: in its order)
             after.wait(ptr)
         self._launch_on(ptr)
         self._turn = turn = (self._turn + 1) % EVENTS
         self._record(self._event_ptrs[turn], ptr)  # outside any capture: the watchdog
         watchdog.watch(self._what, self._watched[turn], self._waits, self._abort)  # queries it
-        return self._completions[turn]
+        completion = self._completions[turn]
+        completion.stream = ptr
+        return completion
 
     def _launch_on(self, ptr: int) -> None:
         """``cuGraphLaunch`` of the exec on stream ``ptr``, nothing else."""
