@@ -484,6 +484,11 @@ def one_jax_step(run: Run) -> tuple[Figure, ...]:
                     by[b]["median_step_s"], ms, lambda r, bound=bound: r <= bound)
             for a, b, bound in (("tidearray-keep", "unsharded", 1.02),
                                 ("tidearray", "unsharded-remat", 1.05))]
+    if "tidearray-keep-plans" in by:  # the collectives through tidearray's plans at one rank
+        step.append(against("Step time, `tidearray-keep-plans` (tidearray's plans at one rank) "
+                            "against `unsharded`", "reference",
+                            by["tidearray-keep-plans"]["median_step_s"],
+                            by["unsharded"]["median_step_s"], ms))
     first = _jax_pair("A process per impl: ", *cold)[:1] if cold else []
     return (*first, *step, *_jax_pair("One process: ", by["tidearray"], by["unsharded"])[1:])
 

@@ -22,7 +22,10 @@ untimed ``--warmup`` steps; the blocks in a Python loop, or under ``lax.scan``
 of expected peak memory): ``tidearray`` (``ShardedUnits.apply`` per unit, parameters
 released after each forward and gathered again for backward), ``tidearray-scan`` (the
 blocks as one stacked unit under ``lax.scan``), ``tidearray-keep``
-(``reshard_after_forward=False``), ``tidearray-cb`` (``command_buffer=True``),
+(``reshard_after_forward=False``), ``tidearray-keep-plans`` (the same, its collectives
+through tidearray's plans at one rank too, ``xla_at_one_rank=False``: at one rank every
+other ``tidearray`` impl's gathers and reduce-scatters are XLA's casts), ``tidearray-cb``
+(``command_buffer=True``, plans at one rank too),
 ``unsharded-remat`` (``unsharded`` with each unit under ``jax.checkpoint``: the forward
 runs again, as in ``tidearray``), ``unsharded`` (one device, the global batch) and, not
 by default and in a launch of its own, ``xla-fsdp`` (a 1-D mesh ``fsdp`` over every
@@ -77,10 +80,13 @@ from tidearray.fsdp import AdamW  # noqa: E402
 
 ex = example("jax_train")
 
-IMPLS = ("tidearray", "tidearray-scan", "tidearray-keep", "tidearray-cb", "unsharded-remat",
-         "unsharded", "xla-fsdp")
+IMPLS = ("tidearray", "tidearray-scan", "tidearray-keep", "tidearray-keep-plans", "tidearray-cb",
+         "unsharded-remat", "unsharded", "xla-fsdp")
 #: Impls that need a tidearray group (every other runs without one).
-GROUP_IMPLS = IMPLS[:4]
+GROUP_IMPLS = IMPLS[:5]
+#: Impls whose collectives run through tidearray's plans at one rank too (every other
+#: leaves a one-rank group's casts to XLA: [Note: one rank] in tidearray/jax/_units.py).
+PLANS_AT_ONE_RANK = ("tidearray-keep-plans", "tidearray-cb")
 #: Largest relative loss difference accepted as agreement, by compute dtype.
 LOSS_RTOL = {"float32": 1e-4, "bfloat16": 3e-2}
 
@@ -251,8 +257,9 @@ def build(jax: Any, g: Optional[ta.Group], cfg: Any, args: argparse.Namespace, i
                        lambda s: jax.device_put(global_batch(cfg, s, world), device)),
                 [device], world, extra)
     su = tj.shard_units(model, group=g, compute_dtype=dtype, stacked=stacked,
-                        reshard_after_forward=impl != "tidearray-keep",
-                        command_buffer=impl == "tidearray-cb")
+                        reshard_after_forward=not impl.startswith("tidearray-keep"),
+                        command_buffer=impl == "tidearray-cb",
+                        xla_at_one_rank=impl not in PLANS_AT_ONE_RANK)
     extra["callback_seconds"] = lambda: su.callback_seconds
     return (make_runner(ex.sharded_step(jax, su, fns, opt), su.shards, opt.init(su.shards), coef,
                    lambda s: [jax.device_put(a, su.device)

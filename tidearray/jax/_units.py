@@ -74,6 +74,22 @@ abstract evaluation returns ``core.no_effects`` (jax 0.10.2,
 but neither in ``custom_vjp`` nor under remat (it is not added to
 ``custom_derivatives_allowed_effects`` or ``remat_allowed_effects``), so the
 collectives keep to data dependences for their order, here as everywhere.
+
+[Note: one rank]
+A group of one rank has nothing to communicate: its gather is a cast of the fp32
+shards (the whole parameters) to the compute dtype, and its reduce-scatter a cast of
+the gradients to fp32 (the average of one). Run by a callback, each is a pass of its
+own over XLA's buffers that XLA cannot fuse: the reduce-scatter writes fp32 gradients
+that the optimizer then reads again, 8 bytes per parameter more than an unsharded
+step, whose fusion reads the bf16 gradients straight into its update. So at one rank
+(``shard_units``' ``xla_at_one_rank``, the default) the two casts are XLA's own ops,
+with the callbacks' values bit for bit (a round to nearest even; an average of one).
+The gather's cast takes its operands through ``lax.optimization_barrier`` with
+``after``, as a re-gather would wait for them: without it XLA could merge the
+backward's cast of the shards with the forward's (the same op of the same operand)
+and keep the full parameters through the step, which ``reshard_after_forward``
+exists to release. ``jax.vmap`` is refused as the callbacks refuse it
+(``custom_vmap``), so a program that runs at one rank runs at every size.
 """
 
 from __future__ import annotations
@@ -84,6 +100,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_batching import custom_vmap
 from jax.experimental.buffer_callback import buffer_callback
 
 from .. import _dtypes, _validate
@@ -122,6 +139,9 @@ class _UnitCollectives:
         after ``after`` exists ([Note: collective order in a jitted step])."""
         n = len(self.shapes)
         sends = [s.astype(jnp.float32) for s in shards]  # [Note: the gather's own rows] in _runners
+        if self.owner.in_xla:  # [Note: one rank]
+            params = _cast_after(np.dtype(self.owner.compute_dtype).name)(sends, list(after))
+            return jax.tree_util.tree_unflatten(self.treedef, params)
         call = buffer_callback(self._gather_cb, self.full_types,
                                command_buffer_compatible=self.recorded)
         params = _bind(call, (*sends, *after))
@@ -134,6 +154,8 @@ class _UnitCollectives:
         through it ([Note: collective order in a jitted step])."""
         owner, n = self.owner, len(self.shapes)
         leaves = [g.astype(owner.compute_dtype) for g in jax.tree_util.tree_leaves(grads)]
+        if owner.in_xla:  # [Note: one rank]: the average of one rank's gradients
+            return [g.astype(jnp.float32) for g in leaves], list(passed)
         types = [*self.shard_types, *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in passed)]
         aliases = {n + k: n + k for k in range(len(passed))}
         call = buffer_callback(self._reduce_cb, types, input_output_aliases=aliases,
@@ -162,9 +184,31 @@ def _bind(call: Callable, operands: Sequence[Any]) -> Any:
     except NotImplementedError as e:
         if "vmap" not in str(e):
             raise
-        raise TideInvalid("tidearray.jax: expected no jax.vmap over a sharded unit, got one: "
-                          "batch inside the unit's function instead (its collectives gather "
-                          "and reduce one copy of the parameters)") from None
+        raise _vmap_refused() from None
+
+
+def _vmap_refused() -> TideInvalid:
+    return TideInvalid("tidearray.jax: expected no jax.vmap over a sharded unit, got one: "
+                       "batch inside the unit's function instead (its collectives gather "
+                       "and reduce one copy of the parameters)")
+
+
+@functools.cache
+def _cast_after(dtype_name: str) -> Callable[[list, list], list]:
+    """``cast(shards, after)``: the shards in ``dtype_name``, cast once ``after`` exists,
+    never merged with another cast of them; refuses ``jax.vmap`` ([Note: one rank])."""
+    dtype = _COMPUTE_DTYPES[dtype_name]
+
+    @custom_vmap
+    def cast(shards: list, after: list) -> list:
+        shards, _ = jax.lax.optimization_barrier((shards, after))
+        return [s.astype(dtype) for s in shards]
+
+    @cast.def_vmap
+    def _refuse(axis_size: int, in_batched: Any, shards: list, after: list) -> Any:
+        raise _vmap_refused()
+
+    return cast
 
 
 def _float_leaves(tree: Any) -> tuple[list[Any], list[int], list[Any]]:
@@ -262,18 +306,21 @@ class ShardedUnits:
 
     def __init__(self, group: Group, units: list, treedefs: list, layers: list,
                  shard_arrays: list, device: Any, compute_dtype: Any, *,
-                 reshard_after_forward: bool, command_buffer: bool) -> None:
+                 reshard_after_forward: bool, command_buffer: bool,
+                 xla_at_one_rank: bool) -> None:
         self.group, self.device, self.compute_dtype = group, device, compute_dtype
         self.reshard_after_forward = reshard_after_forward
         self.command_buffer = command_buffer
+        self.in_xla = xla_at_one_rank and group.size == 1  # [Note: one rank]
         self.buffers = XlaBuffers(group.backend)
         self.clock = HostClock()  # the callbacks' host time (callback_seconds)
-        size = max([max(u.nbytes, u.staging_nbytes) for u in units] + [4096])
-        self.arena = SlotArena(size, num_slots=1, group=group)
-        self.slot = self.arena[0]
-        # [Note: in place or staged] in _runners
-        self.runner = (Staged(group, self.slot, self.buffers, units) if command_buffer
-                       else InPlace(group, self.slot, self.buffers, layers, units[0].dtype))
+        if not self.in_xla:
+            size = max([max(u.nbytes, u.staging_nbytes) for u in units] + [4096])
+            self.arena = SlotArena(size, num_slots=1, group=group)
+            self.slot = self.arena[0]
+            # [Note: in place or staged] in _runners
+            self.runner = (Staged(group, self.slot, self.buffers, units) if command_buffer
+                           else InPlace(group, self.slot, self.buffers, layers, units[0].dtype))
         self._units = [_UnitCollectives(self, i, u, t, n)
                        for i, (u, t, n) in enumerate(zip(units, treedefs, layers))]
         self.shards = [jax.tree_util.tree_unflatten(t, [jax.device_put(a, device) for a in arrs])
@@ -394,7 +441,8 @@ class ShardedUnits:
 
 def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
                 compute_dtype: Any = jnp.float32, reshard_after_forward: bool = True,
-                command_buffer: bool = False, stacked: Sequence[int] = ()) -> ShardedUnits:
+                command_buffer: bool = False, stacked: Sequence[int] = (),
+                xla_at_one_rank: bool = True) -> ShardedUnits:
     """Shard a model's units over the group, for :meth:`ShardedUnits.apply` in a jitted step.
 
     Collective: every rank must call it with units of the same structure, shapes and
@@ -424,6 +472,12 @@ def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
             and the unit's shards are ``(layers, ceil(d0/W), *rest)``, for
             :meth:`ShardedUnits.scan` ([Note: stacked units under lax.scan] in
             ``tidearray.jax._units``).
+        xla_at_one_rank: on a group of one rank, let XLA run the gather and the
+            reduce-scatter as the casts they are there (True, the default: XLA fuses
+            them into the step, as into an unsharded step; no callbacks, no slot), or
+            run them through tidearray's plans as at any other size (False: what a
+            larger group's collectives cost on one device). Equal results either way
+            ([Note: one rank] in ``tidearray.jax._units``). No effect on larger groups.
 
     Returns:
         The :class:`ShardedUnits`, whose ``shards`` hold this rank's fp32 shards.
@@ -450,7 +504,7 @@ def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
                         [d.shards(group) for d in described], device,
                         _COMPUTE_DTYPES[dtype_name],
                         reshard_after_forward=reshard_after_forward,
-                        command_buffer=command_buffer)
+                        command_buffer=command_buffer, xla_at_one_rank=xla_at_one_rank)
 
 
 def _check_settings(group: Group, compute_dtype: Any, errors: list[str]) -> tuple[Any, str]:

@@ -9,6 +9,8 @@
 * no host synchronization inside a step (scanned blocks, the clip's norm gathered over
   the ranks): every CuPy and tidearray synchronize entry point is counted while a
   (warmed-up) step runs, and must stay at zero;
+* at one rank the first test takes XLA's casts (the default, [Note: one rank] in
+  ``tidearray/jax/_units.py``), the others tidearray's plans (``xla_at_one_rank=False``);
 * ``command_buffer=True`` (staged plans; XLA may record the collectives into its command
   buffers and replay them): the same losses as without, to 1e-6 (the same collectives,
   summed in the same order: equal bits are expected); how often the callbacks' Python
@@ -137,7 +139,7 @@ def test_no_host_synchronize_inside_a_step(cuda_group, gpu_jax, monkeypatch, com
     cfg = ex.Config()  # the blocks under lax.scan, the gradient clipped
     units, fns, stacked = ex.sharded_model(jax, cfg)
     su = tj.shard_units(units, group=cuda_group, stacked=stacked,
-                        command_buffer=command_buffer)
+                        command_buffer=command_buffer, xla_at_one_rank=False)
     opt = tj.ShardAdamW(AdamW(lr=cfg.lr, max_grad_norm=cfg.max_grad_norm), group=cuda_group)
     step = ex.sharded_step(jax, su, fns, opt)
     shards, state = su.shards, opt.init(su.shards)
@@ -195,7 +197,8 @@ def _train(ex: Any, group: Any, cfg: Any, command_buffer: bool) -> list[float]:
     import tidearray.jax as tj
     from tidearray.fsdp import AdamW
 
-    su = tj.shard_units(ex.init_units(cfg), group=group, command_buffer=command_buffer)
+    su = tj.shard_units(ex.init_units(cfg), group=group, command_buffer=command_buffer,
+                        xla_at_one_rank=False)
     opt = tj.ShardAdamW(AdamW(lr=cfg.lr))
     step = ex.sharded_step(jax, su, ex.unit_fns(jax, cfg), opt)
     shards, state, losses = su.shards, opt.init(su.shards), []

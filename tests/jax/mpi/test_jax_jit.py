@@ -184,7 +184,7 @@ def test_unit_graphs_give_the_eager_steps_bits(group, cpu_jax, monkeypatch):
     config, runs = group.config, {}
     for graphs in (False, True):
         monkeypatch.setattr(group, "config", dataclasses.replace(config, unit_graphs=graphs))
-        su = tj.shard_units(units, group=group)
+        su = tj.shard_units(units, group=group, xla_at_one_rank=False)
         step = _step(_chain_loss(len(units), lambda i, p, h, su=su: su.apply(i, _dense, p, h)),
                      opt)
         state, params, losses = opt.init(su.shards), su.shards, []
@@ -217,7 +217,7 @@ def test_gather_bitwise(group, cpu_jax, dtype, command_buffer):
     shapes = [(0, 3), (1, 2), (max(W - 1, 1), 5), (3 * W + 1,), (W, 2, 3)]
     full = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     su = tj.shard_units([full[:3], full[3:]], group=group, compute_dtype=jnp.dtype(dtype),
-                        command_buffer=command_buffer)
+                        command_buffer=command_buffer, xla_at_one_rank=False)
     gather = jax.jit(lambda shards, i, x: su.apply(i, lambda p, _: p, shards[i], x),
                      static_argnums=1)
     failures = []
@@ -322,7 +322,8 @@ def test_collective_order(group, cpu_jax, monkeypatch):
     """Forward gathers in unit order, then per unit in reverse its re-gather and its
     reduce-scatter, whatever XLA's scheduling; the same on every rank."""
     widths = [3, 4, 5, 6, 7]
-    su = tj.shard_units(_units(fresh_seed(group.comm), widths), group=group)
+    su = tj.shard_units(_units(fresh_seed(group.comm), widths), group=group,
+                        xla_at_one_rank=False)
     order = _Order(monkeypatch, su)
 
     # sum(h): the last unit's output cotangent is a constant ([Note: collective order in
@@ -349,7 +350,8 @@ def test_plans_have_the_device_alone(group, cpu_jax, monkeypatch, command_buffer
 
     monkeypatch.setattr(group.backend, "compile_pieces", recorded)
     su = tj.shard_units(_units(fresh_seed(group.comm), [3, 4, 5]), group=group,
-                        compute_dtype=jnp.bfloat16, command_buffer=command_buffer)
+                        compute_dtype=jnp.bfloat16, command_buffer=command_buffer,
+                        xla_at_one_rank=False)
     jax.block_until_ready(_chain_grads(su)(su.shards, jnp.ones((2, 3))))
     kinds = {(src, out) for src, out, _ in seen}
     failures = [f"a plan not alone: {c}" for c in seen if not c[2]]
@@ -612,6 +614,8 @@ class _Order:
     def __init__(self, monkeypatch: Any, su: Any) -> None:
         self.log: list[str] = []
         self.on = True
+        if su.in_xla:  # no callbacks ([Note: one rank]): none to log
+            return
         self.layers = [] if su.layers(1) is None else [
             _flat(_layer(su.shards[1], k)) for k in range(LAYERS)]
         runner = type(su.runner)  # in place, or staged ([Note: in place or staged])
@@ -715,7 +719,7 @@ def test_scanned_step_matches_one_process(group, case, monkeypatch, how, reshard
     W, rank, (seed, units, data, hp, (want, norms, want_params)) = group.size, group.rank, case
     opt = tj.ShardAdamW(hp, group=group)
     su = tj.shard_units(units, group=group, stacked=[1], reshard_after_forward=reshard,
-                        command_buffer=command_buffer)
+                        command_buffer=command_buffer, xla_at_one_rank=not debug)
     order = _Order(monkeypatch, su)
     step, shards, losses = _step(_scanned_loss(su, how), opt), su.shards, []
     state = opt.init(shards)
@@ -736,10 +740,62 @@ def test_scanned_step_matches_one_process(group, case, monkeypatch, how, reshard
     if not sum(losses[-3:]) < sum(losses[:3]) or not min(norms) > ACTIVE:
         failures.append(f"expected falling losses and an active clip, got losses {losses}, "
                         f"norms {norms} (limit {ACTIVE})")
-    if order.log != _expected_order(reshard):
+    # At one rank XLA casts, no collective runs ([Note: one rank]), except in debug mode.
+    expected = [] if su.in_xla else _expected_order(reshard)
+    if order.log != expected:
         failures.append(f"the first step's collectives ran as {order.log}, expected "
-                        f"{_expected_order(reshard)}")
+                        f"{expected}")
     agree(group.comm, failures, f"{how} vs one unrolled JAX process (seed {seed})")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_rank_casts_give_the_callbacks_results(group, cpu_jax, dtype):
+    """At one rank the gathers and reduce-scatters are XLA's casts ([Note: one rank]):
+    six steps of the scanned network (its blocks released after the forward) and of the
+    unrolled chain (kept), against the same steps with tidearray's plans run by callbacks
+    (``xla_at_one_rank=False``): the same losses and shards bit for bit (the same casts, a
+    round to nearest even and an average of one), and no callback run."""
+    if group.size != 1:
+        pytest.skip("one rank's path: larger groups run the callbacks")
+    seed = fresh_seed(group.comm)
+    rng = np.random.default_rng(seed)
+    x, y = (rng.standard_normal((BATCH, n)).astype(np.float32) for n in (5, 2))
+    units = _model(seed, d=6)
+    opt = tj.ShardAdamW(AdamW(lr=1e-2))
+    compute = jnp.dtype(dtype)
+
+    def scanned(su):
+        return _scanned_loss(su, "scan")
+
+    def chain(su):
+        return lambda sh, x, y: jnp.mean((su.apply(2, _dense, sh[2], su.apply(
+            1, lambda p, h: _block(_layer(p, 0), h), sh[1], su.apply(0, _dense, sh[0], x)))
+            .astype(jnp.float32) - y) ** 2)
+
+    failures = []
+    for name, loss, stacked, reshard in (("scanned", scanned, [1], True),
+                                         ("kept", chain, [], False)):
+        runs = []
+        for in_xla in (True, False):
+            su = tj.shard_units(units, group=group, compute_dtype=compute, stacked=stacked,
+                                reshard_after_forward=reshard, xla_at_one_rank=in_xla)
+            step, shards, state, losses = _step(loss(su), opt), su.shards, opt.init(su.shards), []
+            for k in range(6):
+                shards, state, value = step(shards, state, opt.coefficients(k + 1), x, y)
+                losses.append(float(value))
+            runs.append((losses, _flat(shards), su.callback_seconds))
+        (got, got_shards, cb_xla), (want, want_shards, cb_plans) = runs
+        if cb_xla != 0 or not cb_plans > 0:
+            failures.append(f"{name}: callbacks' seconds {cb_xla} (XLA's casts), {cb_plans} "
+                            f"(plans): expected none and some")
+        if not got[-1] < got[0]:
+            failures.append(f"{name}: losses {got} do not go down")
+        failures += [f"{name} {dtype} step {k}: {a!r} (XLA's casts) vs {b!r} (plans)"
+                     for k, (a, b) in enumerate(zip(got, want)) if a != b]
+        if got_shards.tobytes() != want_shards.tobytes():
+            failures.append(f"{name} {dtype}: the shards differ, by "
+                            f"{np.abs(got_shards - want_shards).max():.2e} at most")
+    agree(group.comm, failures, f"one rank: XLA's casts vs tidearray's plans (seed {seed})")
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -911,7 +967,7 @@ def test_an_encoder_decoder_with_dropout_and_aux_outputs(group, cpu_jax):
             out.append(float(value))
         return out
 
-    su = tj.shard_units(units, group=group)
+    su = tj.shard_units(units, group=group, xla_at_one_rank=False)  # callbacks: the clock
 
     def step(shards, state, h, m, k):
         loss = lambda sh: model(lambda i, f, x: su.apply(i, f, sh[i], x), h, m, k)  # noqa: E731
