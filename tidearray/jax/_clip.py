@@ -12,7 +12,9 @@ plan call it copies XLA's sum in and the gathered sums out, on XLA's stream, as
 the staged runner does ([Note: in place or staged] in ``_runners``): no host
 synchronization. XLA then adds the sums in rank order: every rank adds the same
 bits in the same order, so every rank gets the same norm, hence the same clip
-and the same step.
+and the same step. At one rank the norm is the rank's own: XLA takes the root of
+its sum, and no callback runs (as the units' collectives at one rank: [Note: one
+rank] in ``_units``).
 
 Order: the gather takes the local sum as its operand, so it runs after the
 reduce-scatters that made the gradients, and what is clipped runs after it;
@@ -55,7 +57,8 @@ class GlobalNorm:
     """The L2 norm of shard gradients over every rank of a group, inside ``jax.jit``
     ([Note: the global norm in a jitted step] in ``tidearray.jax._clip``).
 
-    Collective to make: it builds a gather plan and a small slot of symmetric memory.
+    Collective to make: it builds a gather plan and a small slot of symmetric memory (none
+    at one rank, whose norm is its own).
 
     Args:
         group: the group the shards are spread over (default: the last ``tidearray.init``).
@@ -64,6 +67,8 @@ class GlobalNorm:
     def __init__(self, group: Optional[Group] = None) -> None:
         group = group or default_group()
         self.group, self.buffers = group, XlaBuffers(group.backend)
+        if group.size == 1:  # the rank's own sum is the whole: nothing to gather
+            return
         unit = Unit([(group.size,)], _dtypes.float32, group)
         self._arena = SlotArena(max(unit.nbytes, 4096), num_slots=1, group=group)
         self._send = group.backend.empty((1,), np.float32)
@@ -89,6 +94,8 @@ class GlobalNorm:
                               f"got {', '.join(bad)}")
         squares = [jnp.sum(jnp.square(jnp.asarray(a, jnp.float32))) for a in leaves]
         local = functools.reduce(operator.add, squares, jnp.zeros((), jnp.float32))
+        if self.group.size == 1:
+            return jnp.sqrt(local)
         call = buffer_callback(self._gather_cb, self._sums_type)
         sums = call(local.reshape(1))[0]
         total = functools.reduce(operator.add, [sums[r] for r in range(self.group.size)])
