@@ -334,7 +334,8 @@ class ShardedUnits:
         """Host seconds this rank spent in the units' callbacks since :func:`shard_units`:
         the collectives' Python, agreement and launches (on the host backend their copies
         and sums too), summed over the threads XLA calls back on. Its growth over a step,
-        against the step's host time, is what tidearray adds to the host's work."""
+        against the step's host time, is what tidearray adds to the host's work (none at
+        one rank, where XLA casts: ``shard_units``' ``xla_at_one_rank``)."""
         return self.clock.seconds
 
     def layers(self, index: int) -> Optional[int]:
