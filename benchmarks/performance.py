@@ -474,7 +474,7 @@ def one_h200_jaxscan(run: Run) -> tuple[Figure, ...]:
 
 
 def one_jax_step(run: Run) -> tuple[Figure, ...]:
-    """The unrolled JAX step, every impl in one process (jax/), and the first compile of
+    """The unrolled JAX step, every impl in one process (jax/); the first compile of
     `tidearray` and `unsharded` in a process each (jaxcompile/)."""
     by = {r["impl"]: r for r in run.json("jax/jax_step.json")["runs"]}
     cold = [dict(run.json(f"jaxcompile/{i}/jax_step.json")["runs"][0], xla_cache="cold")
@@ -484,11 +484,9 @@ def one_jax_step(run: Run) -> tuple[Figure, ...]:
                     by[b]["median_step_s"], ms, lambda r, bound=bound: r <= bound)
             for a, b, bound in (("tidearray-keep", "unsharded", 1.02),
                                 ("tidearray", "unsharded-remat", 1.05))]
-    if "tidearray-keep-plans" in by:  # the collectives through tidearray's plans at one rank
-        step.append(against("Step time, `tidearray-keep-plans` (tidearray's plans at one rank) "
-                            "against `unsharded`", "reference",
-                            by["tidearray-keep-plans"]["median_step_s"],
-                            by["unsharded"]["median_step_s"], ms))
+    step += [against(f"Step time, `{a}` (tidearray's plans at one rank) against `unsharded`",
+                     "reference", by[a]["median_step_s"], by["unsharded"]["median_step_s"], ms)
+             for a in by if a.endswith("-plans")]
     first = _jax_pair("A process per impl: ", *cold)[:1] if cold else []
     return (*first, *step, *_jax_pair("One process: ", by["tidearray"], by["unsharded"])[1:])
 

@@ -23,14 +23,12 @@ of expected peak memory): ``tidearray`` (``ShardedUnits.apply`` per unit, parame
 released after each forward and gathered again for backward), ``tidearray-scan`` (the
 blocks as one stacked unit under ``lax.scan``), ``tidearray-keep``
 (``reshard_after_forward=False``), ``tidearray-keep-plans`` (the same, its collectives
-through tidearray's plans at one rank too, ``xla_at_one_rank=False``: at one rank every
-other ``tidearray`` impl's gathers and reduce-scatters are XLA's casts), ``tidearray-cb``
-(``command_buffer=True``, plans at one rank too),
-``unsharded-remat`` (``unsharded`` with each unit under ``jax.checkpoint``: the forward
-runs again, as in ``tidearray``), ``unsharded`` (one device, the global batch) and, not
-by default and in a launch of its own, ``xla-fsdp`` (a 1-D mesh ``fsdp`` over every
-local device, parameters and moments sharded on dim 0, the collectives XLA inserts).
-docs/jax.md says more of each.
+through tidearray's plans at one rank, where the others' are XLA's casts), ``tidearray-cb``
+(``command_buffer=True``, plans at one rank), ``unsharded-remat`` (``unsharded`` with each
+unit under ``jax.checkpoint``: the forward runs again, as in ``tidearray``),
+``unsharded`` (one device, the global batch) and, not by default and in a launch of its
+own, ``xla-fsdp`` (a 1-D mesh ``fsdp`` over every local device, parameters and moments
+sharded on dim 0, the collectives XLA inserts). docs/jax.md says more of each.
 
 Per impl: the compile time (JAX's lowering and XLA's compile; with ``--recompile`` each
 again with XLA's in-process caches warm; ``xla_cache``: ``cold`` for a process's first
@@ -82,11 +80,8 @@ ex = example("jax_train")
 
 IMPLS = ("tidearray", "tidearray-scan", "tidearray-keep", "tidearray-keep-plans", "tidearray-cb",
          "unsharded-remat", "unsharded", "xla-fsdp")
-#: Impls that need a tidearray group (every other runs without one).
-GROUP_IMPLS = IMPLS[:5]
-#: Impls whose collectives run through tidearray's plans at one rank too (every other
-#: leaves a one-rank group's casts to XLA: [Note: one rank] in tidearray/jax/_units.py).
-PLANS_AT_ONE_RANK = ("tidearray-keep-plans", "tidearray-cb")
+GROUP_IMPLS = IMPLS[:5]  # the impls that need a tidearray group
+PLANS_AT_ONE_RANK = ("tidearray-keep-plans", "tidearray-cb")  # ([Note: one rank], _runners)
 #: Largest relative loss difference accepted as agreement, by compute dtype.
 LOSS_RTOL = {"float32": 1e-4, "bfloat16": 3e-2}
 

@@ -1,5 +1,6 @@
 """How a unit's callback runs its collective: on XLA's buffers in place, or through plans
-built once over buffers of tidearray's (for XLA's command buffers).
+built once over buffers of tidearray's (for XLA's command buffers); at one rank, XLA's
+casts instead of callbacks.
 
 [Note: in place or staged]
 In place (the default): the gather reads XLA's shard buffers and the reduce-scatter
@@ -47,16 +48,36 @@ it, so every plan here is ``alone``: its cast and its accumulate take the whole
 device (two blocks per SM), not the half that leaves room for the compute a torch
 step overlaps with its collectives. Both kernels are bound by memory bandwidth,
 which half the SMs do not reach; at one rank they are the whole collective.
+
+[Note: one rank]
+A group of one rank has nothing to communicate: its gather is a cast of the fp32
+shards (the whole parameters) to the compute dtype, and its reduce-scatter a cast of
+the gradients to fp32 (the average of one). Run by a callback, each is a pass of its
+own over XLA's buffers that XLA cannot fuse: the reduce-scatter writes fp32 gradients
+that the optimizer then reads again, 8 bytes per parameter more than an unsharded
+step, whose fusion reads the bf16 gradients straight into its update. So at one rank
+(``shard_units``' ``xla_at_one_rank``, the default) the two casts are XLA's own ops,
+with the callbacks' values bit for bit (a round to nearest even; an average of one).
+The gather's cast takes its operands through ``lax.optimization_barrier`` with
+``after``, as a re-gather would wait for them: without it XLA could merge the
+backward's cast of the shards with the forward's (the same op of the same operand)
+and keep the full parameters through the step, which ``reshard_after_forward``
+exists to release. ``jax.vmap`` is refused as the callbacks refuse it
+(``custom_vmap``), so a program that runs at one rank runs at every size.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import functools
+from typing import Any, Callable, Optional, Sequence
 
+import jax
 import numpy as np
+from jax.custom_batching import custom_vmap
 
 from .._arena import Region
 from .._cache import BoundedCache
+from .._errors import TideInvalid
 from .._group import Group
 from .._plan import GatherPlan, ReducePlan, Unit, eager_plan
 from ._buffers import XlaBuffers
@@ -186,3 +207,27 @@ def _views(flat: Any, shapes: Sequence[tuple]) -> list[Any]:
         views.append(flat[at:at + n].reshape(s))
         at += n
     return views
+
+
+def vmap_refused() -> TideInvalid:
+    return TideInvalid("tidearray.jax: expected no jax.vmap over a sharded unit, got one: "
+                       "batch inside the unit's function instead (its collectives gather "
+                       "and reduce one copy of the parameters)")
+
+
+@functools.cache
+def cast_after(dtype_name: str) -> Callable[[list, list], list]:
+    """``cast(shards, after)``: the shards in ``dtype_name``, cast once ``after`` exists,
+    never merged with another cast of them; refuses ``jax.vmap`` ([Note: one rank])."""
+    dtype = jax.numpy.dtype(dtype_name)
+
+    @custom_vmap
+    def cast(shards: list, after: list) -> list:
+        shards, _ = jax.lax.optimization_barrier((shards, after))
+        return [s.astype(dtype) for s in shards]
+
+    @cast.def_vmap
+    def _refuse(axis_size: int, in_batched: Any, shards: list, after: list) -> Any:
+        raise vmap_refused()
+
+    return cast

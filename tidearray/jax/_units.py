@@ -75,21 +75,6 @@ but neither in ``custom_vjp`` nor under remat (it is not added to
 ``custom_derivatives_allowed_effects`` or ``remat_allowed_effects``), so the
 collectives keep to data dependences for their order, here as everywhere.
 
-[Note: one rank]
-A group of one rank has nothing to communicate: its gather is a cast of the fp32
-shards (the whole parameters) to the compute dtype, and its reduce-scatter a cast of
-the gradients to fp32 (the average of one). Run by a callback, each is a pass of its
-own over XLA's buffers that XLA cannot fuse: the reduce-scatter writes fp32 gradients
-that the optimizer then reads again, 8 bytes per parameter more than an unsharded
-step, whose fusion reads the bf16 gradients straight into its update. So at one rank
-(``shard_units``' ``xla_at_one_rank``, the default) the two casts are XLA's own ops,
-with the callbacks' values bit for bit (a round to nearest even; an average of one).
-The gather's cast takes its operands through ``lax.optimization_barrier`` with
-``after``, as a re-gather would wait for them: without it XLA could merge the
-backward's cast of the shards with the forward's (the same op of the same operand)
-and keep the full parameters through the step, which ``reshard_after_forward``
-exists to release. ``jax.vmap`` is refused as the callbacks refuse it
-(``custom_vmap``), so a program that runs at one rank runs at every size.
 """
 
 from __future__ import annotations
@@ -100,7 +85,6 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_batching import custom_vmap
 from jax.experimental.buffer_callback import buffer_callback
 
 from .. import _dtypes, _validate
@@ -111,7 +95,7 @@ from .._plan import Unit
 from .._shard import shard
 from ._buffers import HostClock, XlaBuffers
 from ._full import full_params
-from ._runners import InPlace, Staged
+from ._runners import InPlace, Staged, cast_after, vmap_refused
 
 _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -139,8 +123,8 @@ class _UnitCollectives:
         after ``after`` exists ([Note: collective order in a jitted step])."""
         n = len(self.shapes)
         sends = [s.astype(jnp.float32) for s in shards]  # [Note: the gather's own rows] in _runners
-        if self.owner.in_xla:  # [Note: one rank]
-            params = _cast_after(np.dtype(self.owner.compute_dtype).name)(sends, list(after))
+        if self.owner.in_xla:  # [Note: one rank] in ``_runners``
+            params = cast_after(np.dtype(self.owner.compute_dtype).name)(sends, list(after))
             return jax.tree_util.tree_unflatten(self.treedef, params)
         call = buffer_callback(self._gather_cb, self.full_types,
                                command_buffer_compatible=self.recorded)
@@ -154,7 +138,7 @@ class _UnitCollectives:
         through it ([Note: collective order in a jitted step])."""
         owner, n = self.owner, len(self.shapes)
         leaves = [g.astype(owner.compute_dtype) for g in jax.tree_util.tree_leaves(grads)]
-        if owner.in_xla:  # [Note: one rank]: the average of one rank's gradients
+        if owner.in_xla:  # an average of one ([Note: one rank] in ``_runners``)
             return [g.astype(jnp.float32) for g in leaves], list(passed)
         types = [*self.shard_types, *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in passed)]
         aliases = {n + k: n + k for k in range(len(passed))}
@@ -184,31 +168,8 @@ def _bind(call: Callable, operands: Sequence[Any]) -> Any:
     except NotImplementedError as e:
         if "vmap" not in str(e):
             raise
-        raise _vmap_refused() from None
+        raise vmap_refused() from None
 
-
-def _vmap_refused() -> TideInvalid:
-    return TideInvalid("tidearray.jax: expected no jax.vmap over a sharded unit, got one: "
-                       "batch inside the unit's function instead (its collectives gather "
-                       "and reduce one copy of the parameters)")
-
-
-@functools.cache
-def _cast_after(dtype_name: str) -> Callable[[list, list], list]:
-    """``cast(shards, after)``: the shards in ``dtype_name``, cast once ``after`` exists,
-    never merged with another cast of them; refuses ``jax.vmap`` ([Note: one rank])."""
-    dtype = _COMPUTE_DTYPES[dtype_name]
-
-    @custom_vmap
-    def cast(shards: list, after: list) -> list:
-        shards, _ = jax.lax.optimization_barrier((shards, after))
-        return [s.astype(dtype) for s in shards]
-
-    @cast.def_vmap
-    def _refuse(axis_size: int, in_batched: Any, shards: list, after: list) -> Any:
-        raise _vmap_refused()
-
-    return cast
 
 
 def _float_leaves(tree: Any) -> tuple[list[Any], list[int], list[Any]]:
@@ -311,7 +272,7 @@ class ShardedUnits:
         self.group, self.device, self.compute_dtype = group, device, compute_dtype
         self.reshard_after_forward = reshard_after_forward
         self.command_buffer = command_buffer
-        self.in_xla = xla_at_one_rank and group.size == 1  # [Note: one rank]
+        self.in_xla = xla_at_one_rank and group.size == 1  # [Note: one rank] in ``_runners``
         self.buffers = XlaBuffers(group.backend)
         self.clock = HostClock()  # the callbacks' host time (callback_seconds)
         if not self.in_xla:
@@ -456,38 +417,33 @@ def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
         compute_dtype: ``jnp.float32``, ``jnp.bfloat16`` or ``jnp.float16``: the gathered
             parameters' dtype, and the gradients' dtype in the reduce-scatter (always
             reduced into fp32 shards).
-        reshard_after_forward: release a unit's parameters after its forward and
-            re-gather them in backward (True, the default; see [Note: memory of a unit]
-            in ``tidearray.jax._units``).
-        command_buffer: let XLA capture the collectives into its command buffers on GPU
+        reshard_after_forward: release a unit's parameters after its forward, gather
+            them again in backward (True; [Note: memory of a unit] in ``_units``).
+        command_buffer: let XLA record the collectives into its command buffers on GPU
             (``buffer_callback(command_buffer_compatible=True)``): the callbacks' Python
-            then runs when XLA records, not on every step. The collectives then run
-            through plans built here over buffers of tidearray's, with XLA's buffers
-            copied in and out ([Note: in place or staged] in ``tidearray.jax._runners``):
-            one unit's gradients more of memory, and copies of them. A stacked unit's
-            callbacks are never recorded (XLA failed to update the recorded scan loop on
-            an H200 at 3-4 ranks); they run as plain callbacks.
+            runs when XLA records, not every step, through plans built here over buffers
+            of tidearray's, XLA's copied in and out (one unit's gradients more of memory:
+            [Note: in place or staged] in ``tidearray.jax._runners``). A stacked unit's
+            callbacks are never recorded (XLA failed to update a recorded scan loop on an
+            H200 at 3-4 ranks).
         stacked: the indices of the units whose leaves stack per-layer parameters on a
             leading layer axis, ``(layers, d0, *rest)`` (MaxText's ``scan_layers``,
-            Flax's ``nn.scan``): each layer's ``(d0, *rest)`` is sharded on its dim 0,
-            and the unit's shards are ``(layers, ceil(d0/W), *rest)``, for
-            :meth:`ShardedUnits.scan` ([Note: stacked units under lax.scan] in
-            ``tidearray.jax._units``).
-        xla_at_one_rank: on a group of one rank, let XLA run the gather and the
-            reduce-scatter as the casts they are there (True, the default: XLA fuses
-            them into the step, as into an unsharded step; no callbacks, no slot), or
-            run them through tidearray's plans as at any other size (False: what a
-            larger group's collectives cost on one device). Equal results either way
-            ([Note: one rank] in ``tidearray.jax._units``). No effect on larger groups.
+            Flax's ``nn.scan``): each layer sharded on its dim 0, the unit's shards
+            ``(layers, ceil(d0/W), *rest)``, for :meth:`ShardedUnits.scan` ([Note:
+            stacked units under lax.scan] in ``tidearray.jax._units``).
+        xla_at_one_rank: at one rank, the gather and the reduce-scatter as XLA's casts,
+            fused into the step (True, the default), or through tidearray's plans as at
+            any size (False: a larger group's collectives' cost on one device); the same
+            results ([Note: one rank] in ``tidearray.jax._runners``).
 
     Returns:
         The :class:`ShardedUnits`, whose ``shards`` hold this rank's fp32 shards.
 
     Raises:
         TideInvalid: on every rank, if a rank's units or ``stacked`` differ from rank 0's,
-            or a leaf is not a floating array of at least one dimension (two, stacked, with
-            one number of layers per unit), or JAX's device does not fit the backend (the
-            host backend needs CPU JAX, cuda a CUDA JAX).
+            or a leaf is not a floating array of at least one dimension (two, stacked, one
+            number of layers per unit), or JAX's device does not fit the backend (CPU JAX
+            for the host backend, a CUDA JAX for cuda).
     """
     group = group or default_group()
     errors: list[str] = []
@@ -501,9 +457,8 @@ def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
     _validate.check(group, "tidearray.jax.shard_units", tuple(signature), errors)
     plans = [Unit(d.shapes, _dtypes.normalize(dtype_name), group=group) for d in described]
     return ShardedUnits(group, plans, [d.treedef for d in described],
-                        [d.layers for d in described],
-                        [d.shards(group) for d in described], device,
-                        _COMPUTE_DTYPES[dtype_name],
+                        [d.layers for d in described], [d.shards(group) for d in described],
+                        device, _COMPUTE_DTYPES[dtype_name],
                         reshard_after_forward=reshard_after_forward,
                         command_buffer=command_buffer, xla_at_one_rank=xla_at_one_rank)
 

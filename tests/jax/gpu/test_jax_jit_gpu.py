@@ -10,7 +10,7 @@
   the ranks): every CuPy and tidearray synchronize entry point is counted while a
   (warmed-up) step runs, and must stay at zero;
 * at one rank the first test takes XLA's casts (the default, [Note: one rank] in
-  ``tidearray/jax/_units.py``), the others tidearray's plans (``xla_at_one_rank=False``);
+  ``tidearray/jax/_runners.py``), the others tidearray's plans (``xla_at_one_rank=False``);
 * ``command_buffer=True`` (staged plans; XLA may record the collectives into its command
   buffers and replay them): the same losses as without, to 1e-6 (the same collectives,
   summed in the same order: equal bits are expected); how often the callbacks' Python
