@@ -26,6 +26,56 @@ def test_capturing_without_lanes_asks_the_driver(monkeypatch):
     assert asked == [4096, 4097]
 
 
+def test_the_last_stream_object_is_resolved_once(monkeypatch):
+    """``stream_ptr`` remembers the last stream object it resolved (a front end passes the
+    same one to every call of a step); another object, None (the current stream, which
+    moves) and an int handle are resolved each time, and an object met again after
+    another is resolved again."""
+    streams = cuda_backend.streams
+    resolved = []
+    monkeypatch.setattr(streams, "_resolve", lambda s: resolved.append(s) or 8192 + len(resolved))
+    monkeypatch.setattr(streams, "_last_resolved", (None, 0))
+    a, b = object(), object()
+    assert [streams.stream_ptr(a) for _ in range(3)] == [8193] * 3
+    assert streams.stream_ptr(b) == 8194 and streams.stream_ptr(b) == 8194
+    assert streams.stream_ptr(a) == 8195
+    assert streams.stream_ptr(None) == 8196 and streams.stream_ptr(None) == 8197
+    assert streams.stream_ptr(7) == 8198 and streams.stream_ptr(7) == 8199
+    assert resolved == [a, b, a, None, None, 7, 7]
+
+
+def test_the_capture_query_counts_an_invalidated_capture(monkeypatch):
+    """The capture query takes CuPy's ``streamIsCapturing``, which raises where an earlier
+    error invalidated the capture: that stream is still capturing (as the driver's status
+    says); any other error is raised."""
+    import sys
+    import types
+
+    def query(ptr: int) -> bool:
+        if ptr == 3:
+            raise RuntimeError("the stream was capturing, but an error has invalidated the "
+                               "capture sequence")
+        if ptr == 4:
+            raise RuntimeError("cudaErrorStreamCaptureImplicit")
+        return ptr == 2
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(streamIsCapturing=query)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    cuda_backend._is_capturing.cache_clear()
+    try:
+        capturing = cuda_backend._is_capturing()
+        assert capturing(1) is False and capturing(2) is True and capturing(3) is True
+        try:
+            capturing(4)
+        except RuntimeError as e:
+            assert "Implicit" in str(e)
+        else:
+            raise AssertionError("expected the query's other error raised")
+    finally:
+        cuda_backend._is_capturing.cache_clear()
+
+
 class _Event:
     """CuPy's ``Event`` as the collector sees it: its ``__del__`` destroys the handle."""
 

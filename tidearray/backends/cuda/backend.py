@@ -144,9 +144,26 @@ _DTYPES: dict = {}
 
 @functools.cache
 def _is_capturing() -> Any:
-    """``stream -> bool`` (``cuStreamIsCapturing``), made once per process: the lanes'
-    and a backend's without lanes (``array_backend``: the optimizer's, the norm's)."""
-    return driver.stream_is_capturing()
+    """``stream -> bool`` (``cudaStreamIsCapturing``), made once per process: the lanes'
+    and a backend's without lanes (``array_backend``: the optimizer's, the norm's).
+
+    Asked at every plan call: CuPy's compiled call where it has one (a ctypes call of the
+    driver's costs several times its host time), the driver's otherwise. A capture that an
+    earlier error invalidated counts as one, as the driver's status does (CuPy raises)."""
+    import cupy
+
+    query = getattr(cupy.cuda.runtime, "streamIsCapturing", None)
+    if query is None:
+        return driver.stream_is_capturing()
+
+    def capturing(stream: int) -> bool:
+        try:
+            return query(stream)
+        except RuntimeError as e:
+            if "invalidated the capture" in str(e):
+                return True
+            raise
+    return capturing
 
 
 class CudaBackend(Backend):

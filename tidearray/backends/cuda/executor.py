@@ -41,6 +41,7 @@ asynchronous CUDA call.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -101,6 +102,14 @@ class EventRing:
         return ev
 
 
+@functools.cache
+def _stream_wait_event() -> Callable[[int, int, int], None]:
+    """CuPy's ``streamWaitEvent``, looked up once (a ``Work.wait`` per unit per pass)."""
+    import cupy
+
+    return cupy.cuda.runtime.streamWaitEvent
+
+
 class CudaCompletion(Completion):
     """Events on the lanes a collective used. ``stream``: the one stream handle its one
     event was last recorded on (a graph launch's; None for an eager call's)."""
@@ -110,11 +119,10 @@ class CudaCompletion(Completion):
         self.stream: int | None = None
 
     def wait(self, stream: Any = None) -> None:
-        import cupy
-
         ptr = stream_ptr(stream)
+        wait_event = _stream_wait_event()
         for ev in self._events:
-            cupy.cuda.runtime.streamWaitEvent(ptr, ev.ptr, 0)
+            wait_event(ptr, ev.ptr, 0)
 
     def query(self) -> bool:
         return all(ev.done for ev in self._events)

@@ -33,6 +33,12 @@ import numpy as np
 
 from ..._errors import TideInvalid
 
+#: The last stream object :func:`stream_ptr` resolved, and its handle (one tuple: read and
+#: written whole, so another thread never sees one without the other). A front end passes
+#: the same stream object to every call of a step; the reference keeps it alive, so an
+#: object seen again is that stream, whose handle does not change.
+_last_resolved: tuple = (None, 0)
+
 
 def stream_ptr(stream: Any) -> int:
     """The ``cudaStream_t`` of ``stream`` as an int.
@@ -40,6 +46,17 @@ def stream_ptr(stream: Any) -> int:
     Raises:
         TideInvalid: ``stream`` is none of the kinds this module lists.
     """
+    global _last_resolved
+    last = _last_resolved
+    if stream is last[0] and stream is not None:  # (None: the current one, which moves)
+        return last[1]
+    ptr = _resolve(stream)
+    if stream is not None and not isinstance(stream, int):
+        _last_resolved = (stream, ptr)
+    return ptr
+
+
+def _resolve(stream: Any) -> int:
     import cupy
 
     if stream is None:
