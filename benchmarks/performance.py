@@ -532,12 +532,12 @@ def sections(root: str) -> list[Section]:
         S("run45-one-h200-suite", "The GPU suite, per-unit overhead and an A/B at 9b40dc2",
           "Seven commands on one H200 (README.md): the suite at 1-4 ranks (`jaxjit` at 10e912e), "
           "stress; small-32l, llama3-8b-8l; `tide` against 6c6dced, 2 passes.", suite),
-        S("run46-one-h100-final-suite", "The GPU suite, per-unit overhead, the JAX step and an "
-          "A/B at 319b0d1", "Six commands on one H100 (README.md): run45's, small-32l "
-          "interleaved, and the unrolled JAX step.", lambda r: (*suite(r), *one_jax_step(r))),
         S("run47-one-h100-alone-grid", "The default GPU suite, per-unit overhead and the JAX "
           "step at 0e1cb85", "Five commands on one H100 (README.md): run46's, JAX's collectives "
           "on every SM, fewer host calls per unit.", lambda r: (*suite(r), *one_jax_step(r))),
+        S("run51-one-h100-one-rank-casts", "The default GPU suite, per-unit overhead and the "
+          "JAX step with one rank's casts in XLA", "Six commands on one H100 (README.md: the "
+          "JAX step at 3cdf960).", lambda r: (*suite(r), *one_jax_step(r))),
     ]
 
 
