@@ -14,7 +14,7 @@ synchronization. XLA then adds the sums in rank order: every rank adds the same
 bits in the same order, so every rank gets the same norm, hence the same clip
 and the same step. At one rank the norm is the rank's own: XLA takes the root of
 its sum, and no callback runs (as the units' collectives at one rank: [Note: one
-rank] in ``_units``).
+rank] in ``_runners``).
 
 Order: the gather takes the local sum as its operand, so it runs after the
 reduce-scatters that made the gradients, and what is clipped runs after it;

@@ -74,7 +74,6 @@ abstract evaluation returns ``core.no_effects`` (jax 0.10.2,
 but neither in ``custom_vjp`` nor under remat (it is not added to
 ``custom_derivatives_allowed_effects`` or ``remat_allowed_effects``), so the
 collectives keep to data dependences for their order, here as everywhere.
-
 """
 
 from __future__ import annotations
@@ -169,7 +168,6 @@ def _bind(call: Callable, operands: Sequence[Any]) -> Any:
         if "vmap" not in str(e):
             raise
         raise vmap_refused() from None
-
 
 
 def _float_leaves(tree: Any) -> tuple[list[Any], list[int], list[Any]]:
