@@ -56,8 +56,13 @@ the gradients to fp32 (the average of one). Run by a callback, each is a pass of
 own over XLA's buffers that XLA cannot fuse: the reduce-scatter writes fp32 gradients
 that the optimizer then reads again, 8 bytes per parameter more than an unsharded
 step, whose fusion reads the bf16 gradients straight into its update. So at one rank
-(``shard_units``' ``xla_at_one_rank``, the default) the two casts are XLA's own ops,
-with the callbacks' values bit for bit (a round to nearest even; an average of one).
+(``shard_units``' ``xla_at_one_rank``, the default) the two casts are XLA's own ops:
+the same roundings (to nearest even; an average of one), so in fp32 the callbacks'
+values bit for bit. In a lower compute dtype XLA may keep more: where a gradient was
+made in fp32 and rounded to the compute dtype only to be cast back, XLA's excess
+precision (``xla_allow_excess_precision``, on by default) may drop the round trip, as
+it does in an unsharded step, and the shards then differ from the plans' in their last
+bits (a few fp32 ulps in a check of tied, rematerialized and accumulated units on CPU).
 The gather's cast takes its operands through ``lax.optimization_barrier`` with
 ``after``, as a re-gather would wait for them: without it XLA could merge the
 backward's cast of the shards with the forward's (the same op of the same operand)

@@ -432,7 +432,7 @@ def shard_units(units: Sequence[Any], *, group: Optional[Group] = None,
         xla_at_one_rank: at one rank, the gather and the reduce-scatter as XLA's casts,
             fused into the step (True, the default), or through tidearray's plans as at
             any size (False: a larger group's collectives' cost on one device); the same
-            results ([Note: one rank] in ``tidearray.jax._runners``).
+            roundings ([Note: one rank] in ``tidearray.jax._runners``).
 
     Returns:
         The :class:`ShardedUnits`, whose ``shards`` hold this rank's fp32 shards.

@@ -754,7 +754,8 @@ def test_one_rank_casts_give_the_callbacks_results(group, cpu_jax, dtype):
     six steps of the scanned network (its blocks released after the forward) and of the
     unrolled chain (kept), against the same steps with tidearray's plans run by callbacks
     (``xla_at_one_rank=False``): the same losses and shards bit for bit (the same casts, a
-    round to nearest even and an average of one), and no callback run."""
+    round to nearest even and an average of one; for these models XLA keeps no excess
+    precision in bf16: [Note: one rank]), and no callback run."""
     if group.size != 1:
         pytest.skip("one rank's path: larger groups run the callbacks")
     seed = fresh_seed(group.comm)
