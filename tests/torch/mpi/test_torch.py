@@ -413,6 +413,51 @@ def test_a_gradient_outside_its_units_backward_is_refused(group):
     sm.close()
 
 
+def test_a_weight_penalty_after_the_forward_fails_loudly(group):
+    """A weight penalty over ``model.parameters()`` added to the loss after the forward (an
+    L2 term) reads the released units' parameters, empty placeholders then ([Note:
+    parameter storage] in ``_storage``): the backward raises on every rank (autograd's
+    shape check) rather than train on what their slots hold by then; the failed pass
+    leaves nothing behind: after ``zero_grad()`` the losses are a run's without it, bit
+    for bit."""
+    import tidearray.torch as tt
+    from tidearray.fsdp import AdamW
+
+    if group.backend.name != "host":
+        pytest.skip("CPU tensors: the host backend")
+
+    def train(penalty: bool) -> tuple[list[float], list[str]]:
+        model, units = _model(5)
+        sm = tt.shard_module(model, units, group=group, optimizer=AdamW(lr=LR))
+        losses, failures = [], []
+        for step in range(5):  # (two batches in turn: the last is the first's)
+            x, y = _batch(step, group.rank, B)
+            if step == 1 and penalty:
+                loss = torch.nn.functional.mse_loss(sm(x), y) + 1e-3 * sum(
+                    p.pow(2).sum() for p in sm.parameters())
+                try:
+                    loss.backward()
+                    failures.append("expected the penalty's backward to raise, got none")
+                except RuntimeError:
+                    pass
+                sm.zero_grad()
+            loss = torch.nn.functional.mse_loss(sm(x), y)
+            loss.backward()
+            sm.step()
+            losses.append(loss.item())
+        sm.close()
+        return losses, failures
+
+    got, failures = train(penalty=True)
+    want, _ = train(penalty=False)
+    if got != want:
+        failures.append(f"expected the losses of a run without the failed pass, got {got} "
+                        f"against {want}")
+    if not want[-1] < want[0]:
+        failures.append(f"expected the loss to go down, got {want}")
+    agree(group.comm, failures, "a weight penalty after the forward")
+
+
 def test_a_torch_optimizer_made_already_is_refused_naming_the_function(group):
     """FSDP2's order (wrap, then ``torch.optim.AdamW(model.parameters())``) given as
     ``optimizer=``: an optimizer over the parameters that sharding empties. The error
