@@ -11,9 +11,8 @@ name it has), and only its storage changes:
   penalty over the parameters after the forward gets autograd's shape error.
   Left viewing its slot from its forward's release to its backward (which
   regathers it there), a unit would save two swaps a step (18 ``.data``
-  assignments for a decoder layer: 9 us a unit in a CPU run's profile), but
-  that penalty would then read, and train on, whatever unit the slot holds by
-  then;
+  assignments for a decoder layer), but that penalty would then read, and
+  train on, whatever unit the slot holds by then;
 * while its unit is used, ``.data`` is a torch view (DLPack, zero-copy) of the
   parameter in the unit's slot, made again only when the runtime hands out
   other arrays (a unit takes the same slot step after step);
