@@ -18,7 +18,7 @@
 #       fsdp2      (benchmarks/steps/compare_fsdp2.py, Llama-8B shape: FSDP2 vs
 #                  shard_module vs the floor)
 #       units      (compare_fsdp2.py on small-32l at one rank: plain torch, plain with no-op
-#                  hooks, the floor, FSDP2, shard_module eager and captured: per-unit
+#                  hooks, the floor, FSDP2, shard_module eager, kept and captured: per-unit
 #                  overhead of a host-bound model)
 #       units8b    (the same impls at the Llama-8B shape, 8 layers, 8K tokens, one rank)
 #       jax        (benchmarks/steps/jax_step.py, one rank: a JAX transformer, 8 layers,
@@ -84,13 +84,14 @@ run_fsdp2() {  # real FSDP2 against shard_module, one run (TIDE_FSDP2_ARGS adds 
 run_units() {  # per-unit overhead on a host-bound model at one rank: plain torch, the floor,
     # FSDP2 and shard_module eager and captured (compare_fsdp2.py, small-32l)
     step units env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \
-        --model small-32l --impls plain,hooks,floor,fsdp2,tide,tide-graph --interleave \
+        --model small-32l --impls plain,hooks,floor,fsdp2,tide,tide-kept,tide-graph --interleave \
         --steps "${TIDE_UNITS_STEPS:-30}" --host-profile 5 --out "$OUT/units"
 }
 run_units8b() {  # the same per-unit comparison at the Llama-8B shape (8 layers, 8K tokens),
-    # one rank: host time matters less there, and tide stays within 1% of plain
+    # one rank: host time matters less there; tide casts every parameter once more per
+    # step than plain does, tide-kept (bf16 shards kept: at one rank, views) none
     step units8b env TIDE_BACKEND=cuda timeout "$T" python3 benchmarks/steps/compare_fsdp2.py \
-        --model llama3-8b-8l --tokens 8192 --impls plain,floor,fsdp2,tide,tide-graph \
+        --model llama3-8b-8l --tokens 8192 --impls plain,floor,fsdp2,tide,tide-kept,tide-graph \
         --steps "${TIDE_UNITS_STEPS:-30}" --out "$OUT/units8b"
 }
 run_jax() {  # a JAX transformer's step at one rank: unsharded jit, tidearray.jax in one jit

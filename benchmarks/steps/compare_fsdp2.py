@@ -17,8 +17,8 @@ parameters, fp32 masters stepped by ``torch.optim.AdamW(fused=True)``: :class:`P
 ``fsdp2`` (``fully_shard`` on every block and the root, ``MixedPrecisionPolicy(param_dtype
 =bf16, reduce_dtype=fp32)``, fused torch AdamW); ``tide`` (``shard_module``: units
 embedding, each block, head; tidearray's fused AdamW alike); ``floor`` (``tide`` with
-``comm=LocalComm``: nothing communicated); ``tide-graph`` and ``floor-graph`` (cuda: the
-step captured by ``capture_step`` after the first eager one, then replayed).
+``comm=LocalComm``: nothing communicated); ``tide-kept`` (``keep_param_shards=True``: at one
+rank, gathers are views); ``tide-graph``, ``floor-graph`` (a captured step, replayed).
 
 The table (docs/torch.md says more): median step time after ``--warmup`` steps and its
 ratio to the floor, host time and CPU time per step, each impl's overhead per unit over
@@ -59,10 +59,9 @@ from tests.support import example
 llama, train = example("llama"), example("train")
 learning_rate, run_as_group = train.learning_rate, train.run_as_group
 
-IMPLS = ("plain", "hooks", "floor", "fsdp2", "tide", "tide-graph", "floor-graph")
-#: ``shard_module`` impls, each compared with ``fsdp2``: ``tide-graph`` replays a
-#: captured step.
-TIDE_IMPLS = ("tide", "tide-graph")
+IMPLS = ("plain", "hooks", "floor", "fsdp2", "tide", "tide-kept", "tide-graph", "floor-graph")
+#: ``shard_module`` impls, each compared with ``fsdp2`` (``tide-graph``: a captured step).
+TIDE_IMPLS = ("tide", "tide-kept", "tide-graph")
 #: Impls whose step is captured once and replayed (cuda only), and the floor of each.
 GRAPH_FLOORS = {"tide-graph": "floor-graph"}
 #: Largest relative loss difference between two impls accepted as agreement, by compute
@@ -74,7 +73,7 @@ LOSS_RTOL = {"bfloat16": 1e-2, "float32": 1e-4}
 #: a group must agree with its first present; at one rank the groups train alike, so
 #: every impl must agree with the first present of both. ``fsdp2`` comes first: the
 #: ``shard_module`` impls' agreement with it is what :func:`compare` records.
-GLOBAL_IMPLS = ("fsdp2", "tide", "tide-graph")
+GLOBAL_IMPLS = ("fsdp2", "tide", "tide-kept", "tide-graph")
 PER_RANK_IMPLS = ("floor", "floor-graph", "plain", "hooks")
 #: Models of this benchmark beside ``llama.MODELS``. ``host-32l``: small-32l's 34 units
 #: at a width where a step's compute is a few milliseconds on a CPU, so the step time
@@ -233,7 +232,8 @@ class Impl:
         else:
             self.sm = tt.shard_module(model, model.units(), group=g, param_dtype=dtype,
                                       optimizer=AdamW(**hyper),
-                                      comm=LocalComm if kind.startswith("floor") else "tide")
+                                      comm=LocalComm if kind.startswith("floor") else "tide",
+                                      keep_param_shards=kind == "tide-kept")
 
     def train_step(self, tokens: Any, targets: Any, lr: float) -> Any:
         """One whole step; returns its loss (a device tensor). A graph impl steps eagerly

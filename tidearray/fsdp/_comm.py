@@ -32,6 +32,18 @@ kernel) and sends them from there, so no param-dtype send shards are kept
 shards (``keep_param_shards``), gathers those with no cast. The gathered parameters are views
 into symmetric slots; a unit's gradients are reduced with their staging in
 the slot the unit just vacated (Slot-Reuse).
+At one rank, where no cast is needed, a gather is views ([Note: one rank's gathers]).
+
+[Note: one rank's gathers]
+On a group of one rank a gather communicates nothing: it only makes the param-dtype
+parameters from this rank's source, the fp32 masters or the kept send shards. Where
+that source is in the param dtype already (fp32 parameters, or ``keep_param_shards``),
+the gathered parameters are views of it: no copy, no launch, and the slots, which
+then hold no parameters, are sized for the reductions' staging alone. What the
+front end reads is the same values a gather would have copied; a write into a
+gathered parameter (nothing the runtime does) would reach the masters, or the send
+shards, instead of a slot. Where a cast is needed (bf16 parameters from fp32
+masters), the gather is the cast plan, as at any size.
 
 [Note: unit graphs]
 On cuda an eager plan call costs 150-250 us of host time (an executor, its events,
@@ -223,8 +235,13 @@ class TideComm(UnitComm):
                 self.units[u] = Unit(self.shapes[u], self.dtype, group, chunk_nbytes=chunk)
                 self.units[u].tag = (("unit", u),)  # a rank out of step is named at once
 
+        # [Note: one rank's gathers]: views of the source, the slots only stage reductions.
+        source = arena.master if arena.send is None else arena.send
+        self._in_place: dict = {} if self.world == 1 and source.dtype == self.dtype else None
+
         def need(u: int) -> int:
-            return max(self.units[u].nbytes, self.units[u].staging_nbytes)
+            staging = self.units[u].staging_nbytes
+            return staging if self._in_place is not None else max(self.units[u].nbytes, staging)
 
         # One arena of the shared slots, and one of the root's (it may be much bigger or
         # smaller than a layer: an embedding and a head).
@@ -251,6 +268,8 @@ class TideComm(UnitComm):
         return super().nbytes + sum(s.nbytes for s in self.slots)
 
     def gather(self, unit: int, k: int, stream: Any) -> Work:
+        if self._in_place is not None:
+            return self._in_place.get(unit) or self._gathered_in_place(unit)
         plan = self._gather_plans.get((unit, k))  # (looked up inline: a call per unit)
         if plan is None:
             cast = self.arena.send is None  # else the optimizer keeps param-dtype shards
@@ -259,6 +278,16 @@ class TideComm(UnitComm):
                     self.arena.views(self.arena.master if cast else self.arena.send, unit),
                     self.slots[k], cast=cast, graph=graph)))
         return plan(stream=stream, async_op=True)
+
+    def _gathered_in_place(self, unit: int) -> Work:
+        """Unit ``unit`` gathered at one rank, where its source is in the param dtype: its
+        parameters are views of the source ([Note: one rank's gathers]); the same Work,
+        and list, at every call (a front end keeps what it builds on the list)."""
+        source = self.arena.master if self.arena.send is None else self.arena.send
+        params = [v.reshape(shape) for v, shape in
+                  zip(self.arena.views(source, unit), self.shapes[unit])]
+        work = self._in_place[unit] = self.done(params)
+        return work
 
     def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
         plan = self._reduce_plans.get((unit, k, id(out)))

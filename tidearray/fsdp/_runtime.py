@@ -132,8 +132,8 @@ class Runtime:
             rank's shards, written by the optimizer, and gather from it, instead
             of casting the masters into the slot at every gather. Costs
             ``param_dtype.itemsize`` bytes per sharded parameter; saves the cast
-            kernels (one per gather) beside the compute. A factory's
-            ``send_shards`` says whether it keeps them.
+            kernels (one per gather) beside the compute, and at one rank copies too
+            ([Note: one rank's gathers]). A factory's ``send_shards`` says whether it keeps them.
         stream: the compute stream (cuda; CuPy's current stream if None).
         root: unit 0 is the root unit (its own slot; gathered from its
             ``pre_forward`` to its ``post_backward``; see [Note: passes]).
