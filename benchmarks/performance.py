@@ -211,8 +211,7 @@ def collectives(run: Run) -> tuple[Figure, ...]:
     n_sm = sm.get("kernel_launches", 0) + sm.get("same_device_copies", 0)
     bw = value(R, "ag", "tide", "bandwidth")
     figs = faster(R, AG_FASTER) + [
-        Figure("TIDE-AG bandwidth per rank, one call", ">= 350 GB/s",
-               f"{bw:.0f} GB/s", bw >= 350),
+        Figure("TIDE-AG bandwidth per rank, one call", ">= 350 GB/s", f"{bw:.0f} GB/s", bw >= 350),
         Figure("TIDE-AG work on the SMs (CUPTI)", "none",
                f"{sm.get('kernel_launches', 0):g} kernels, {sm.get('same_device_copies', 0):g} "
                f"same-device copies ({sm.get('same_device_copy_us', 0):.0f} us, run by the "
@@ -267,8 +266,7 @@ def fsdp2(run: Run) -> tuple[Figure, ...]:
         against("`shard_module` peak memory no higher than `fully_shard`'s", "<= 1x",
                 by["tide"]["peak_bytes"], by["fsdp2"]["peak_bytes"], gib, lambda r: r <= 1),
         Figure("Losses agree with `fully_shard`'s", f"rel. diff <= {c['loss_rtol']:g}",
-               f"{c['loss_max_rel_diff']:.1e} (step {c['loss_step_of_max']})",
-               c["losses_agree"]),
+               f"{c['loss_max_rel_diff']:.1e} (step {c['loss_step_of_max']})", c["losses_agree"]),
     )
 
 
@@ -538,6 +536,8 @@ def sections(root: str) -> list[Section]:
         S("run51-one-h100-one-rank-casts", "The default GPU suite, per-unit overhead and the "
           "JAX step with one rank's casts in XLA", "Six commands on one H100 (README.md: the "
           "JAX step at 3cdf960).", lambda r: (*suite(r), *one_jax_step(r))),
+        S("run52-one-h100-one-rank-views", "The GPU suite at 1-4 ranks and the Llama-8B shape "
+          "with one rank's gathers as views", "Five commands on one H100 (README.md).", suite),
     ]
 
 
