@@ -68,7 +68,7 @@ again ([Note: gradient buffers] in ``_accum``).
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -235,9 +235,12 @@ class TideComm(UnitComm):
                 self.units[u] = Unit(self.shapes[u], self.dtype, group, chunk_nbytes=chunk)
                 self.units[u].tag = (("unit", u),)  # a rank out of step is named at once
 
-        # [Note: one rank's gathers]: views of the source, the slots only stage reductions.
-        source = arena.master if arena.send is None else arena.send
-        self._in_place: dict = {} if self.world == 1 and source.dtype == self.dtype else None
+        # What gathers read: the masters (cast), or the send shards (keep_param_shards).
+        self._source = arena.master if arena.send is None else arena.send
+        #: Per unit, its one-rank gather as views of the source, where that is in the param
+        #: dtype (None: gathers are plans): [Note: one rank's gathers].
+        self._in_place: Optional[dict] = (
+            {} if self.world == 1 and self._source.dtype == self.dtype else None)
 
         def need(u: int) -> int:
             staging = self.units[u].staging_nbytes
@@ -274,19 +277,17 @@ class TideComm(UnitComm):
         if plan is None:
             cast = self.arena.send is None  # else the optimizer keeps param-dtype shards
             plan = self._gather_plans[(unit, k)] = self._built(stream, lambda graph: (
-                self.units[unit].gather_plan(
-                    self.arena.views(self.arena.master if cast else self.arena.send, unit),
-                    self.slots[k], cast=cast, graph=graph)))
+                self.units[unit].gather_plan(self.arena.views(self._source, unit),
+                                             self.slots[k], cast=cast, graph=graph)))
         return plan(stream=stream, async_op=True)
 
     def _gathered_in_place(self, unit: int) -> Work:
         """Unit ``unit`` gathered at one rank, where its source is in the param dtype: its
         parameters are views of the source ([Note: one rank's gathers]); the same Work,
         and list, at every call (a front end keeps what it builds on the list)."""
-        source = self.arena.master if self.arena.send is None else self.arena.send
         params = [v.reshape(shape) for v, shape in
-                  zip(self.arena.views(source, unit), self.shapes[unit])]
-        work = self._in_place[unit] = self.done(params)
+                  zip(self.arena.views(self._source, unit), self.shapes[unit])]
+        work = self._in_place[unit] = self.done(params)  # type: ignore[index]
         return work
 
     def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
