@@ -261,9 +261,14 @@ def _tiny(cls: type, seed: int) -> Any:
 class _Router(torch.nn.Linear):
     """A router whose ``disabled`` experts get -1e9 added to their logits: no token
     picks them, so they run no forward and get no gradient. A ``favored`` expert gets
-    1e3 added for the first token, which then picks it: it runs whatever the random
-    weights route (top-1 of 8 over a few tokens can leave an enabled expert idle)."""
+    2e3 added for the first token, which then picks it. The other tokens take the
+    enabled experts in turn, by row (1e3 added to one): chosen by the logits, a top-1 choice
+    flips where two are within fp32 noise, which the sharded run and the reference sum
+    differently (a top-2 gap of 3e-8 at seed 159780757 moved the loss by 1.5e-3). The
+    gate is then exactly 1 and the router's gradient exactly 0: these tests are about
+    the experts."""
 
+    ROUTE_MARGIN = 1e3  # logits are O(1): e**-1e3 is 0 in fp32
     disabled: frozenset = frozenset()
     favored: Optional[int] = None
 
@@ -272,9 +277,13 @@ class _Router(torch.nn.Linear):
         if not self.disabled and self.favored is None:
             return logits
         mask = torch.zeros_like(logits)
+        enabled = [e for e in range(logits.shape[-1]) if e not in self.disabled]
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        chosen = torch.tensor(enabled, device=logits.device)[rows % len(enabled)]
+        mask[rows, chosen] = self.ROUTE_MARGIN
         mask[..., sorted(self.disabled)] = -1e9
         if self.favored is not None:
-            mask[0, self.favored] = 1e3
+            mask[0, self.favored] = 2 * self.ROUTE_MARGIN  # over row 0's turn
         return logits + mask
 
 
