@@ -287,7 +287,8 @@ class TideComm(UnitComm):
         and list, at every call (a front end keeps what it builds on the list)."""
         params = [v.reshape(shape) for v, shape in
                   zip(self.arena.views(self._source, unit), self.shapes[unit])]
-        work = self._in_place[unit] = self.done(params)  # type: ignore[index]
+        assert self._in_place is not None
+        work = self._in_place[unit] = self.done(params)
         return work
 
     def reduce(self, unit: int, k: int, out: Any, stream: Any) -> Work:
