@@ -42,8 +42,7 @@ HAND = ("<!-- Hand-written from here on: python -m benchmarks.performance keeps 
 MOVED = {
     "tidearray.bench": "The harness was `python -m tidearray.bench` then; the same command "
                        "is `python -m benchmarks` now.",
-    "examples/compare_fsdp2.py": "`examples/compare_fsdp2.py` is "
-                                 "`benchmarks/steps/compare_fsdp2.py` now.",
+    "examples/compare_fsdp2.py": "It is `benchmarks/steps/compare_fsdp2.py` now.",
     "--passes 2": "`--passes` (the impls again, every other pass reversed, the medians "
                   "pooled) has left `compare_fsdp2.py`; commit `4350af1` has it.",
     "--impl all --profile": "The trainer's comparison of comms (`examples/train.py --impl "
@@ -538,6 +537,7 @@ def sections(root: str) -> list[Section]:
           "JAX step at 3cdf960).", lambda r: (*suite(r), *one_jax_step(r))),
         S("run52-one-h100-one-rank-views", "The GPU suite at 1-4 ranks and the Llama-8B shape "
           "with one rank's gathers as views", "Five commands on one H100 (README.md).", suite),
+        S("run53-one-h100-final-suite", "The GPU suite and both shapes", "See README.md.", suite),
     ]
 
 
