@@ -102,13 +102,11 @@ class Run:
 
 
 def value(recs: dict, suite: str, impl: str, metric: str, w: str = UNIT) -> Optional[float]:
-    r = recs.get((suite, impl, w, metric))
-    return None if r is None else r.get("value")
+    return (recs.get((suite, impl, w, metric)) or {}).get("value")
 
 
 def extra(recs: dict, suite: str, impl: str, metric: str, w: str = UNIT) -> dict:
-    r = recs.get((suite, impl, w, metric))
-    return {} if r is None else (r.get("extra") or {})
+    return (recs.get((suite, impl, w, metric)) or {}).get("extra") or {}
 
 
 # ---- formatting ----------------------------------------------------------------------
@@ -252,9 +250,8 @@ def memory(R: dict) -> list[Figure]:
 
 def fsdp2(run: Run) -> tuple[Figure, ...]:
     d = run.json("compare.json")
-    by = {r["impl"]: r for r in d["runs"]}
+    by, c = {r["impl"]: r for r in d["runs"]}, d["comparison"]
     t, f, floor = (by[k]["median_step_s"] for k in ("tide", "fsdp2", "floor"))
-    c = d["comparison"]
     return (
         Figure("`shard_module` step 10% below `fully_shard`'s", "<= 0.90x",
                f"{x(t / f, 3)} ({ms(t)} against {ms(f)}; medians, {d['passes']} passes)",
@@ -271,9 +268,8 @@ def fsdp2(run: Run) -> tuple[Figure, ...]:
 
 def trainer(run: Run) -> tuple[Figure, ...]:
     d = run.json("train.json")
-    by = {r["impl"]: r for r in d["runs"]}
+    by, c = {r["impl"]: r for r in d["runs"]}, d["comparison"]
     t, s = by["tide"]["median_step_s"], by["stock"]["median_step_s"]
-    c = d["comparison"]
     P = run.bench("plans.jsonl")
     figs = [
         Figure("Trainer step on `tide` within 3% of the floor (`local`)", "<= 1.03x",
@@ -392,9 +388,9 @@ def _pytest(run: Run, log: str) -> tuple[int, int, int, Optional[str]]:
     return n.get("passed", 0), n.get("skipped", 0), n.get("failed", 0) + n.get("error", 0), None
 
 
-def one_h200_suite(run: Run) -> tuple[Figure, ...]:
-    """The GPU suite at one commit: the default steps and 3-4 ranks, the stress step, and
-    tidearray.jax's GPU tests at 1-4 ranks."""
+def one_h200_suite(run: Run, stress: bool = True) -> tuple[Figure, ...]:
+    """The GPU suite at one commit: the default steps and 3-4 ranks, the stress step (where
+    ``stress``; not a record of tests only), and tidearray.jax's GPU tests at 1-4 ranks."""
     figs = []
     for log, what in (("np2", "all of `tests/`, 2 ranks"), ("np1", "all of `tests/`, 1 rank"),
                       ("np3", "the multi-rank and GPU tests, 3 ranks"),
@@ -408,6 +404,8 @@ def one_h200_suite(run: Run) -> tuple[Figure, ...]:
                            f"{failed} ({passed} passed, {skipped} skipped)" if cut is None else
                            f"{failed} in what ran; its time ran out at {cut}",
                            failed == 0 and cut is None))
+    if not stress:
+        return tuple(figs)
     loops = _stress_loops(run, "stress_loops.txt")
     for job, what in (("adamw", "the fused-AdamW and graph tests, 1 rank, 4 processes at once"),
                       ("rs", "beside it: pipeline and reduce-scatter tests, 3 ranks"),
