@@ -28,7 +28,9 @@
 #                  autotuning log; TIDE_JAX_COMPILE_IMPLS; then the goals over them)
 #       jaxscan    (jax_step.py, tidearray-scan and unsharded scanned, at 4, 8, 16 and 32
 #                  layers: compile time against depth, and the host time per step in
-#                  tidearray's callbacks against the rest; TIDE_JAX_LAYERS)
+#                  tidearray's callbacks against the rest; TIDE_JAX_LAYERS; the impls
+#                  TIDE_JAX_SCAN_IMPLS: unsharded needs 78 GiB at 32 layers, an H200's,
+#                  where 'tidearray-scan,unsharded-remat' fits an H100)
 #       tests      (the harness's and the baselines' tests, tests/benchmarks,
 #                  at 2 ranks)
 #       ab         (this tree against the one in before/: see below)
@@ -123,8 +125,8 @@ run_jaxscan() {  # the scanned step's compile time against depth (TIDE_JAX_LAYER
     local n
     for n in ${TIDE_JAX_LAYERS:-4 8 16 32}; do
         step "jaxscan_$n" "${MPI[@]}" -n 1 python3 benchmarks/steps/jax_step.py \
-            --impls tidearray-scan,unsharded --scan --layers "$n" --steps 3 --warmup 2 \
-            --out "$OUT/jaxscan/l$n"
+            --impls "${TIDE_JAX_SCAN_IMPLS:-tidearray-scan,unsharded}" --scan --layers "$n" \
+            --steps 3 --warmup 2 --out "$OUT/jaxscan/l$n"
     done
 }
 run_fsdp2ab() {  # one rank, shard_module only: the step time an A/B compares
