@@ -388,9 +388,9 @@ def _pytest(run: Run, log: str) -> tuple[int, int, int, Optional[str]]:
     return n.get("passed", 0), n.get("skipped", 0), n.get("failed", 0) + n.get("error", 0), None
 
 
-def one_h200_suite(run: Run, stress: bool = True) -> tuple[Figure, ...]:
-    """The GPU suite at one commit: the default steps and 3-4 ranks, the stress step (where
-    ``stress``; not a record of tests only), and tidearray.jax's GPU tests at 1-4 ranks."""
+def one_h200_suite(run: Run) -> tuple[Figure, ...]:
+    """The GPU suite at one commit: the default steps and 3-4 ranks, the stress step, and
+    tidearray.jax's GPU tests at 1-4 ranks."""
     figs = []
     for log, what in (("np2", "all of `tests/`, 2 ranks"), ("np1", "all of `tests/`, 1 rank"),
                       ("np3", "the multi-rank and GPU tests, 3 ranks"),
@@ -404,8 +404,6 @@ def one_h200_suite(run: Run, stress: bool = True) -> tuple[Figure, ...]:
                            f"{failed} ({passed} passed, {skipped} skipped)" if cut is None else
                            f"{failed} in what ran; its time ran out at {cut}",
                            failed == 0 and cut is None))
-    if not stress:
-        return tuple(figs)
     loops = _stress_loops(run, "stress_loops.txt")
     for job, what in (("adamw", "the fused-AdamW and graph tests, 1 rank, 4 processes at once"),
                       ("rs", "beside it: pipeline and reduce-scatter tests, 3 ranks"),
